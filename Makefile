@@ -1,0 +1,32 @@
+# Two commands do all the set-up on a fresh machine:
+#   make demo   installs into .venv, prepares the Shakespeare data set and trains the default model
+#   make test   installs into .venv (with dev extras) and runs the test suite
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+DATA   ?= data/shakespeare
+RUN    ?= runs/demo
+
+.PHONY: install demo test bench-quick clean
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	# The CPU build of torch first, pinned, so nothing pulls a multi-GB CUDA wheel.
+	$(PY) -m pip install --quiet torch==2.13.0
+	$(PY) -m pip install --quiet -e '.[dev]'
+	touch $@
+
+install: $(VENV)/.installed
+
+demo: install
+	$(VENV)/bin/skiptrain demo --data $(DATA) --out $(RUN)
+
+test: install
+	$(PY) -m pytest -q
+
+bench-quick: install
+	for b in bench/*.py; do $(PY) $$b --quick --json runs/bench/$$(basename $$b .py).json || exit 1; done
+
+clean:
+	rm -rf $(VENV) runs .pytest_cache

@@ -1,0 +1,298 @@
+"""Typed configuration: dataclass sections, TOML files, named presets, CLI overrides.
+
+A run's configuration is one :class:`Config` made of sections (``model``, ``data``, ``train``,
+...).  Every field can be set three ways, later ones winning:
+
+1. a named preset (``tiny`` for tests, ``small`` for the default run),
+2. a TOML file (``[model]\\nd_model = 256``),
+3. ``--set section.field=value`` on the command line.
+
+Every value is checked: an unknown section or key, a value of the wrong type, or one outside its
+allowed range is a :class:`ConfigError` whose message names the key and what is allowed.
+
+Fields declare their constraints through ``field(metadata=...)``: ``min``, ``max``, ``choices``
+and ``help``.  Other subsystems add their own section dataclass and a field on :class:`Config`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import tomllib
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .errors import UserError
+
+
+class ConfigError(UserError, ValueError):
+    """A configuration problem; the message names the key and how to fix it."""
+
+
+def _f(default: Any, help: str = "", **meta: Any) -> Any:
+    return field(default=default, metadata={"help": help, **meta})
+
+
+@dataclass
+class ModelConfig:
+    vocab_size: int = _f(4096, "tokenizer vocabulary size (set by the data set's manifest)", min=2)
+    d_model: int = _f(256, "width of the residual stream", min=8)
+    n_layers: int = _f(8, "number of transformer layers in total", min=1)
+    n_heads: int = _f(8, "attention heads", min=1)
+    n_kv_heads: int = _f(0, "key/value heads for grouped-query attention (0 = n_heads)", min=0)
+    ffn_hidden: int = _f(0, "SwiGLU hidden width (0 = 8/3 * d_model rounded up to 32)", min=0)
+    seq_len: int = _f(256, "tokens per sample", min=2)
+    n_stages: int = _f(4, "pipeline stages: stage 0 (embedding, first layers, head, loss) + body stages", min=1)
+    stage0_layers: int = _f(-1, "layers held by stage 0 (-1 = chosen by the cost-model partitioner)", min=-1)
+    rope_theta: float = _f(10000.0, "rotary embedding base", min=1.0)
+    norm_eps: float = _f(1e-5, "RMSNorm epsilon", min=0.0)
+    init_std: float = _f(0.02, "standard deviation of the weight initialisation", min=0.0)
+
+    @property
+    def kv_heads(self) -> int:
+        return self.n_kv_heads or self.n_heads
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_heads
+
+    @property
+    def hidden(self) -> int:
+        if self.ffn_hidden:
+            return self.ffn_hidden
+        h = int(8 * self.d_model / 3)
+        return (h + 31) // 32 * 32
+
+    def check(self) -> None:
+        if self.d_model % self.n_heads:
+            raise ConfigError(
+                f"model.d_model={self.d_model} is not divisible by model.n_heads={self.n_heads}; "
+                "choose n_heads that divides d_model")
+        if self.head_dim % 2:
+            raise ConfigError(f"model head dimension {self.head_dim} must be even for rotary embeddings")
+        if self.n_heads % self.kv_heads:
+            raise ConfigError(
+                f"model.n_heads={self.n_heads} is not a multiple of model.n_kv_heads={self.kv_heads}")
+        if self.n_stages > self.n_layers + 1:
+            raise ConfigError(
+                f"model.n_stages={self.n_stages} needs at least {self.n_stages - 1} layers for the body "
+                f"stages, but model.n_layers={self.n_layers}; lower n_stages or raise n_layers")
+        if self.stage0_layers >= 0 and self.n_layers - self.stage0_layers < self.n_stages - 1:
+            raise ConfigError(
+                f"model.stage0_layers={self.stage0_layers} leaves too few layers for "
+                f"{self.n_stages - 1} body stages")
+
+
+@dataclass
+class DataConfig:
+    path: str = _f("data/shakespeare", "prepared data directory (from `skiptrain prepare`)")
+    tokenizer: str = _f("auto", "`auto` (the data set's tokenizer) or `byte` (256 byte values, no files)",
+                        choices=("auto", "byte"))
+
+
+@dataclass
+class TrainConfig:
+    steps: int = _f(300, "optimizer steps (iterations)", min=0)
+    micro_batch: int = _f(8, "samples per micro-batch", min=1)
+    n_micro: int = _f(4, "micro-batches per iteration (global batch = micro_batch * n_micro)", min=1)
+    lr: float = _f(3e-3, "peak learning rate", min=0.0)
+    min_lr_frac: float = _f(0.1, "final learning rate as a fraction of the peak", min=0.0, max=1.0)
+    warmup_steps: int = _f(30, "linear warm-up steps", min=0)
+    weight_decay: float = _f(0.1, "decoupled weight decay (matrices only)", min=0.0)
+    beta1: float = _f(0.9, "AdamW beta1", min=0.0, max=1.0)
+    beta2: float = _f(0.95, "AdamW beta2", min=0.0, max=1.0)
+    grad_clip: float = _f(1.0, "global gradient-norm clip (0 = off)", min=0.0)
+    skip_ratio: float = _f(0.0, "SkipPipe skip ratio k: each micro-batch skips round(k * n_stages) body stages",
+                           min=0.0, max=1.0)
+    max_swaps: int = _f(0, "adjacent-stage swaps allowed per route (SkipPipe allows up to 2)", min=0, max=2)
+    eval_every: int = _f(50, "validate every N steps (0 = only at the end)", min=0)
+    eval_batches: int = _f(8, "micro-batches per validation", min=1)
+    log_every: int = _f(1, "write a metrics line every N steps", min=1)
+    seed: int = _f(1234, "seed for initialisation, data order and routes")
+    threads: int = _f(0, "torch intra-op threads (0 = leave torch's default)", min=0)
+    progress: bool = _f(True, "show a progress bar")
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+
+    def check(self) -> "Config":
+        for sec in dataclasses.fields(self):
+            section = getattr(self, sec.name)
+            for f in dataclasses.fields(section):
+                _check_value(f"{sec.name}.{f.name}", f, getattr(section, f.name))
+            if hasattr(section, "check"):
+                section.check()
+        return self
+
+    def to_dict(self) -> dict[str, dict[str, Any]]:
+        return dataclasses.asdict(self)
+
+
+# --------------------------------------------------------------------------------------------
+# presets
+
+PRESETS: dict[str, dict[str, dict[str, Any]]] = {
+    # For tests: a few seconds of CPU, byte tokenizer friendly.
+    "tiny": {
+        "model": {"vocab_size": 256, "d_model": 64, "n_layers": 4, "n_heads": 4, "n_kv_heads": 2,
+                  "seq_len": 64, "n_stages": 4, "stage0_layers": 1},
+        "train": {"steps": 40, "micro_batch": 8, "n_micro": 2, "lr": 3e-3, "warmup_steps": 5,
+                  "eval_every": 20, "eval_batches": 4},
+    },
+    # The embedded default run: about 10 minutes on a 2-core CPU.
+    "small": {
+        "model": {"vocab_size": 4096, "d_model": 256, "n_layers": 8, "n_heads": 8, "n_kv_heads": 4,
+                  "seq_len": 128, "n_stages": 4},
+        "train": {"steps": 400, "micro_batch": 8, "n_micro": 4, "lr": 2e-3, "warmup_steps": 40,
+                  "eval_every": 100, "eval_batches": 16},
+    },
+}
+
+
+def preset_names() -> list[str]:
+    return sorted(PRESETS)
+
+
+# --------------------------------------------------------------------------------------------
+# building and checking
+
+
+def _type_name(tp: Any) -> str:
+    return getattr(tp, "__name__", str(tp))
+
+
+def _coerce(key: str, tp: Any, value: Any) -> Any:
+    """Convert ``value`` (from TOML or a CLI string) to field type ``tp`` or raise ConfigError."""
+    if isinstance(tp, str):  # postponed annotations
+        tp = {"int": int, "float": float, "str": str, "bool": bool}.get(tp, tp)
+    origin = typing.get_origin(tp)
+    if origin in (list, tuple):
+        (elem,) = typing.get_args(tp)[:1]
+        if isinstance(value, str):
+            value = [v for v in value.split(",") if v.strip()]
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"{key} must be a list, got {value!r}")
+        return [_coerce(key, elem, v) for v in value]
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in ("true", "1", "yes", "on"):
+            return True
+        if isinstance(value, str) and value.lower() in ("false", "0", "no", "off"):
+            return False
+        raise ConfigError(f"{key} must be true or false, got {value!r}")
+    if tp is int:
+        if isinstance(value, bool):
+            raise ConfigError(f"{key} must be an integer, got {value!r}")
+        if isinstance(value, int):
+            return value
+        try:
+            return int(str(value).replace("_", ""))
+        except ValueError:
+            raise ConfigError(f"{key} must be an integer, got {value!r}") from None
+    if tp is float:
+        if isinstance(value, bool):
+            raise ConfigError(f"{key} must be a number, got {value!r}")
+        try:
+            return float(value)
+        except (TypeError, ValueError):
+            raise ConfigError(f"{key} must be a number, got {value!r}") from None
+    if tp is str:
+        if not isinstance(value, (str, int, float)) or isinstance(value, bool):
+            raise ConfigError(f"{key} must be a string, got {value!r}")
+        return str(value)
+    return value
+
+
+def _check_value(key: str, f: dataclasses.Field, value: Any) -> None:
+    meta = f.metadata
+    if "choices" in meta and value not in meta["choices"]:
+        allowed = ", ".join(repr(c) for c in meta["choices"])
+        raise ConfigError(f"{key}={value!r} is not allowed; choose one of {allowed}")
+    if "min" in meta and value < meta["min"]:
+        raise ConfigError(f"{key}={value!r} is below its minimum {meta['min']}")
+    if "max" in meta and value > meta["max"]:
+        raise ConfigError(f"{key}={value!r} is above its maximum {meta['max']}")
+
+
+def _suggest(name: str, options: list[str]) -> str:
+    close = difflib.get_close_matches(name, options, n=1)
+    hint = f" (did you mean {close[0]!r}?)" if close else ""
+    return f"{hint}; allowed: {', '.join(options)}"
+
+
+def apply_dict(cfg: Config, values: dict[str, Any], source: str = "config") -> Config:
+    """Merge a ``{section: {key: value}}`` mapping into ``cfg`` in place, checking every key."""
+    sections = {f.name: f for f in dataclasses.fields(cfg)}
+    for sec_name, sec_values in values.items():
+        if sec_name not in sections:
+            raise ConfigError(f"{source}: unknown section [{sec_name}]" + _suggest(sec_name, list(sections)))
+        if not isinstance(sec_values, dict):
+            raise ConfigError(f"{source}: [{sec_name}] must be a table of key = value lines")
+        section = getattr(cfg, sec_name)
+        fields = {f.name: f for f in dataclasses.fields(section)}
+        for key, value in sec_values.items():
+            full = f"{sec_name}.{key}"
+            if key not in fields:
+                raise ConfigError(f"{source}: unknown key {full!r}" + _suggest(key, list(fields)))
+            f = fields[key]
+            v = _coerce(full, f.type, value)
+            _check_value(full, f, v)
+            setattr(section, key, v)
+    return cfg
+
+
+def parse_overrides(items: list[str]) -> dict[str, dict[str, Any]]:
+    """Turn ``["model.d_model=128", ...]`` into a nested mapping (values stay strings)."""
+    out: dict[str, dict[str, Any]] = {}
+    for item in items:
+        if "=" not in item or "." not in item.split("=", 1)[0]:
+            raise ConfigError(f"--set {item!r}: expected section.key=value, e.g. --set model.d_model=128")
+        key, value = item.split("=", 1)
+        sec, name = key.strip().split(".", 1)
+        out.setdefault(sec, {})[name] = value.strip()
+    return out
+
+
+def load_toml(path: str | Path) -> dict[str, Any]:
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"config file {str(p)!r} does not exist; pass an existing TOML file")
+    try:
+        return tomllib.loads(p.read_text())
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"config file {str(p)!r} is not valid TOML: {e}") from None
+
+
+def build_config(preset: str | None = None, toml_path: str | Path | None = None,
+                 overrides: list[str] | dict[str, dict[str, Any]] | None = None) -> Config:
+    """Preset, then TOML file, then overrides; the result is fully checked."""
+    cfg = Config()
+    if preset is not None:
+        if preset not in PRESETS:
+            raise ConfigError(f"unknown preset {preset!r}" + _suggest(preset, preset_names()))
+        apply_dict(cfg, PRESETS[preset], source=f"preset {preset!r}")
+    if toml_path is not None:
+        apply_dict(cfg, load_toml(toml_path), source=str(toml_path))
+    if overrides:
+        if isinstance(overrides, list):
+            overrides = parse_overrides(overrides)
+        apply_dict(cfg, overrides, source="--set")
+    return cfg.check()
+
+
+def config_from_dict(values: dict[str, Any]) -> Config:
+    """Rebuild a config saved with :meth:`Config.to_dict` (e.g. from a run directory)."""
+    return apply_dict(Config(), values, source="saved config").check()
+
+
+def save_toml(cfg: Config, path: str | Path) -> None:
+    import tomli_w
+
+    Path(path).write_text(tomli_w.dumps(cfg.to_dict()))
