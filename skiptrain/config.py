@@ -149,7 +149,7 @@ PRESETS: dict[str, dict[str, dict[str, Any]]] = {
     "small": {
         "model": {"vocab_size": 4096, "d_model": 256, "n_layers": 8, "n_heads": 8, "n_kv_heads": 4,
                   "seq_len": 128, "n_stages": 4},
-        "train": {"steps": 400, "micro_batch": 8, "n_micro": 4, "lr": 2e-3, "warmup_steps": 40,
+        "train": {"steps": 300, "micro_batch": 8, "n_micro": 4, "lr": 2e-3, "warmup_steps": 30,
                   "eval_every": 100, "eval_batches": 16},
     },
 }

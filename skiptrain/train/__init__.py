@@ -1,1 +1,1 @@
-"""skiptrain.train"""
+"""Single-process training: trainer, optimizer and schedule, evaluation, run directories."""

@@ -1,0 +1,157 @@
+"""``skiptrain train | eval | generate | demo``."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+from ..config import build_config, preset_names
+from ..errors import UserError
+
+
+def add_config_args(p: argparse.ArgumentParser, default_preset: str | None = "small") -> None:
+    p.add_argument("--preset", default=default_preset, help=f"named preset: {', '.join(preset_names())}")
+    p.add_argument("--config", metavar="TOML", help="TOML file with [model], [train], ... sections")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                   help="override any config field, e.g. --set model.d_model=128 (repeatable)")
+
+
+def config_from_args(args: argparse.Namespace, **shortcuts):
+    """Preset < TOML < --set < explicit shortcut flags (e.g. --steps)."""
+    overrides = list(args.overrides)
+    for key, value in shortcuts.items():
+        if value is not None:
+            overrides.append(f"{key}={value}")
+    return build_config(args.preset, args.config, overrides)
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    from .trainer import Trainer
+
+    cfg = config_from_args(args, **{"data.path": args.data, "train.steps": args.steps,
+                                    "train.skip_ratio": args.skip_ratio, "train.seed": args.seed})
+    if args.quiet:
+        cfg.train.progress = False
+    trainer = Trainer(cfg, args.out)
+    print(f"skiptrain train: {trainer.model.num_parameters() / 1e6:.2f}M parameters, "
+          f"{cfg.model.n_stages} stages {trainer.model.partition.to_list()}, "
+          f"{trainer.tokens_per_step} tokens/step, {cfg.train.steps} steps -> {args.out}", flush=True)
+    s = trainer.fit()
+    print(f"done: step {s['step']}, validation loss {s['val_loss']:.4f} "
+          f"(unigram baseline {s['unigram_val_loss']:.4f}), {s['seconds']:.0f} s; run directory: {args.out}")
+    return 0
+
+
+def _route_from_args(args, n_stages: int):
+    from ..schedule.routes import drop_route
+
+    drop = [int(s) for s in args.drop_stages.split(",") if s.strip()] if args.drop_stages else []
+    if not drop and not args.drop_fraction:
+        return None
+    return drop_route(n_stages, drop, args.drop_fraction, args.seed)
+
+
+def cmd_eval(args: argparse.Namespace) -> int:
+    from ..data.dataset import TokenDataset
+    from ..data.loader import SampleSource
+    from .evaluate import evaluate, perplexity
+    from .rundir import load_run
+
+    cfg, model, _ = load_run(args.run_dir)
+    ds = TokenDataset.open(args.data or cfg.data.path)
+    if ds.vocab_size != cfg.model.vocab_size:
+        raise UserError(f"data set {ds.path} has vocabulary {ds.vocab_size} but the run was trained with "
+                        f"{cfg.model.vocab_size}; pass the --data the run was trained on")
+    route = _route_from_args(args, cfg.model.n_stages)
+    src = SampleSource(ds.tokens(args.split), cfg.model.seq_len, shuffle=False)
+    loss = evaluate(model, src, args.batches, cfg.train.micro_batch, route=route)
+    result = {"val_loss": loss, "perplexity": perplexity(loss), "split": args.split,
+              "route": route if route is not None else list(range(1, cfg.model.n_stages)),
+              "samples": min(args.batches * cfg.train.micro_batch, src.n)}
+    print(f"{args.split} loss {loss:.4f}, perplexity {result['perplexity']:.2f}, body stages {result['route']}")
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(result, indent=1))
+    return 0
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    import torch
+
+    from .rundir import load_run
+
+    cfg, model, tok = load_run(args.run_dir)
+    route = _route_from_args(args, cfg.model.n_stages)
+    ids = tok.encode(args.prompt) or [0]
+    g = torch.Generator().manual_seed(args.seed)
+    out = model.generate(torch.tensor([ids]), args.tokens, temperature=args.temperature,
+                         route=route, generator=g)
+    print(tok.decode(out[0].tolist()))
+    return 0
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    """The embedded default: prepare the data if needed, train the `small` preset, sample text."""
+    from ..data.cli import cmd_prepare
+
+    data = Path(args.data)
+    if not (data / "manifest.json").is_file():
+        print(f"[demo] preparing the default corpus into {data}", flush=True)
+        cmd_prepare(argparse.Namespace(out=str(data), text=None, ood_text=None, tokenizer="bpe",
+                                       vocab_size=4096, val_fraction=0.05))
+    t0 = time.time()
+    train_args = argparse.Namespace(preset=args.preset, config=args.config, overrides=args.overrides,
+                                    data=str(data), steps=args.steps, skip_ratio=None, seed=None,
+                                    out=args.out, quiet=False)
+    cmd_train(train_args)
+    print("\n[demo] a sample from the trained model:\n", flush=True)
+    cmd_generate(argparse.Namespace(run_dir=args.out, prompt="ROMEO.\n", tokens=120, temperature=0.8,
+                                    seed=0, drop_stages=None, drop_fraction=0.0))
+    print(f"\n[demo] finished in {time.time() - t0:.0f} s. Run directory: {args.out} "
+          "(metrics.jsonl, loss.png, model.safetensors, config.toml)")
+    return 0
+
+
+def _add_drop_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--drop-stages", metavar="S1,S2", help="body stages to remove, e.g. 2,4")
+    p.add_argument("--drop-fraction", type=float, default=0.0, help="remove this fraction of body stages at random")
+    p.add_argument("--seed", type=int, default=0, help="seed for --drop-fraction (and sampling)")
+
+
+def register(sub) -> None:
+    p = sub.add_parser("train", help="train a model (single process)")
+    add_config_args(p)
+    p.add_argument("--data", help="prepared data directory (config data.path)")
+    p.add_argument("--steps", type=int, help="optimizer steps (config train.steps)")
+    p.add_argument("--skip-ratio", type=float, help="random skip training with ratio k (config train.skip_ratio)")
+    p.add_argument("--seed", type=int, help="config train.seed")
+    p.add_argument("--out", required=True, help="run directory to write")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.set_defaults(func=cmd_train)
+
+    p = sub.add_parser("eval", help="validation loss/perplexity of a trained run, optionally with stages removed")
+    p.add_argument("run_dir")
+    p.add_argument("--data", help="data directory (default: the one the run trained on)")
+    p.add_argument("--split", default="val", choices=("val", "ood", "train"))
+    p.add_argument("--batches", type=int, default=16, help="micro-batches to evaluate")
+    p.add_argument("--json", metavar="PATH", help='write {"val_loss": ..., "perplexity": ...}')
+    _add_drop_args(p)
+    p.set_defaults(func=cmd_eval)
+
+    p = sub.add_parser("generate", help="sample text from a trained run")
+    p.add_argument("run_dir")
+    p.add_argument("--prompt", default="\n")
+    p.add_argument("--tokens", type=int, default=200)
+    p.add_argument("--temperature", type=float, default=0.8)
+    _add_drop_args(p)
+    p.set_defaults(func=cmd_generate)
+
+    p = sub.add_parser("demo", help="the embedded default: prepare Shakespeare, train the small model, sample")
+    add_config_args(p)
+    p.add_argument("--data", default="data/shakespeare")
+    p.add_argument("--out", default="runs/demo")
+    p.add_argument("--steps", type=int, default=None)
+    p.set_defaults(func=cmd_demo)

@@ -1,0 +1,145 @@
+"""The single-process trainer: the whole model in one process, routes emulated.
+
+One iteration = ``n_micro`` micro-batches of ``micro_batch`` samples.  With skip ratio k > 0,
+each micro-batch runs stage 0 plus its own route through the body stages (balanced over the
+iteration, as the planner draws them).  Gradients are averaged per stage over the micro-batches
+that actually visited it, exactly as the pipeline runtime's per-stage sync does, then one AdamW
+step is taken.  So this trainer is the single-process reference for distributed execution.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from ..config import Config
+from ..data.dataset import TokenDataset
+from ..data.loader import SampleSource, ShardedLoader
+from ..model import StagedLM
+from ..schedule.routes import balanced_routes, full_route, stage_visit_counts
+from .evaluate import evaluate, unigram_loss
+from .metrics import MetricsLog, plot_loss
+from .optim import build_adamw, lr_at, set_lr
+from .rundir import prepare_run_dir, save_weights, write_summary
+
+
+@dataclass
+class StepResult:
+    loss: float
+    lr: float
+    grad_norm: float
+    routes: list[list[int]]
+
+
+def draw_routes(cfg: Config, rng: random.Random) -> list[list[int]]:
+    """The body-stage routes of one iteration's micro-batches."""
+    s, t = cfg.model.n_stages, cfg.train
+    if t.skip_ratio <= 0:
+        return [full_route(s) for _ in range(t.n_micro)]
+    return balanced_routes(s, t.skip_ratio, t.n_micro, rng, t.max_swaps)
+
+
+class Trainer:
+    """Trains ``cfg`` on the prepared data set ``cfg.data.path``, writing into ``out``."""
+
+    def __init__(self, cfg: Config, out: str | Path | None = None, dataset: TokenDataset | None = None):
+        t = cfg.train
+        if t.threads:
+            torch.set_num_threads(t.threads)
+        self.ds = dataset or TokenDataset.open(cfg.data.path)
+        if cfg.model.vocab_size != self.ds.vocab_size:
+            cfg.model.vocab_size = self.ds.vocab_size  # the data set decides the vocabulary
+        self.cfg = cfg.check()
+        torch.manual_seed(t.seed)
+        self.model = StagedLM(cfg.model, seed=t.seed)
+        self.model.train()
+        self.opt = build_adamw(self.model.named_parameters(), t)
+        self.stage_grads_of = {s: self.model.stage_parameters(s) for s in range(cfg.model.n_stages)}
+        self.train_src = SampleSource(self.ds.tokens("train"), cfg.model.seq_len, seed=t.seed)
+        self.val_src = SampleSource(self.ds.tokens("val"), cfg.model.seq_len, shuffle=False)
+        self.loader = ShardedLoader(self.train_src, t.micro_batch * t.n_micro)
+        self.route_rng = random.Random(t.seed)
+        self.step = 0
+        self.out = prepare_run_dir(out, cfg, self.ds.path) if out is not None else None
+
+    @property
+    def tokens_per_step(self) -> int:
+        t = self.cfg.train
+        return t.micro_batch * t.n_micro * self.cfg.model.seq_len
+
+    def train_step(self) -> StepResult:
+        """One iteration: forward/backward every micro-batch along its route, per-stage averaging, one step."""
+        t, S = self.cfg.train, self.cfg.model.n_stages
+        x, y = self.loader.next_batch()
+        routes = draw_routes(self.cfg, self.route_rng)
+        self.opt.zero_grad(set_to_none=True)
+        total = 0.0
+        for i, route in enumerate(routes):
+            sl = slice(i * t.micro_batch, (i + 1) * t.micro_batch)
+            _, loss = self.model(x[sl], y[sl], route=route)
+            loss.backward()
+            total += loss.item()
+        # Each stage's gradient is the mean over the micro-batches that visited it.
+        visits = stage_visit_counts(routes, S)
+        for s, params in self.stage_grads_of.items():
+            grads = [p.grad for p in params if p.grad is not None]
+            if grads and visits[s] > 1:
+                torch._foreach_mul_(grads, 1.0 / visits[s])
+        gnorm = (torch.nn.utils.clip_grad_norm_(self.model.parameters(), t.grad_clip).item()
+                 if t.grad_clip > 0 else float("nan"))
+        lr = lr_at(self.step, t)
+        set_lr(self.opt, lr)
+        self.opt.step()
+        self.step += 1
+        return StepResult(total / len(routes), lr, gnorm, routes)
+
+    def validate(self, route=None) -> float:
+        t = self.cfg.train
+        return evaluate(self.model, self.val_src, t.eval_batches, t.micro_batch, route=route)
+
+    def fit(self, steps: int | None = None) -> dict:
+        """Train until ``steps`` (default cfg.train.steps) iterations are done; returns the summary."""
+        from tqdm import tqdm
+
+        t = self.cfg.train
+        steps = t.steps if steps is None else steps
+        assert self.out is not None, "fit() needs an output directory"
+        log = MetricsLog(self.out / "metrics.jsonl", append=self.step > 0)
+        baseline = unigram_loss(self.ds.tokens("train"), self.ds.tokens("val"), self.ds.vocab_size)
+        bar = tqdm(total=steps, initial=self.step, disable=not t.progress, unit="it", dynamic_ncols=True)
+        t0, tokens_at_t0 = time.perf_counter(), self.step * self.tokens_per_step
+        val_loss = float("nan")
+        try:
+            while self.step < steps:
+                r = self.train_step()
+                tokens = self.step * self.tokens_per_step
+                elapsed = time.perf_counter() - t0
+                tok_s = (tokens - tokens_at_t0) / max(elapsed, 1e-9)
+                if not math.isfinite(r.loss):
+                    raise FloatingPointError(f"loss became {r.loss} at step {self.step}; lower train.lr")
+                if self.step % t.log_every == 0 or self.step == steps:
+                    log.write(step=self.step, loss=round(r.loss, 5), lr=r.lr, grad_norm=round(r.grad_norm, 4),
+                              tokens=tokens, tok_s=round(tok_s, 1), elapsed_s=round(elapsed, 3))
+                if (t.eval_every and self.step % t.eval_every == 0) or self.step == steps:
+                    val_loss = self.validate()
+                    log.write(step=self.step, tokens=tokens, val_loss=round(val_loss, 5))
+                bar.set_postfix(loss=f"{r.loss:.3f}", val=f"{val_loss:.3f}", tok_s=f"{tok_s:,.0f}")
+                bar.update(1)
+        finally:
+            bar.close()
+            log.close()
+            save_weights(self.model, self.out)
+            plot_loss(self.out / "metrics.jsonl", self.out / "loss.png",
+                      title=f"skiptrain: {self.model.num_parameters() / 1e6:.1f}M params, k={t.skip_ratio}",
+                      baseline=baseline)
+        summary = {"step": self.step, "tokens": self.step * self.tokens_per_step, "val_loss": val_loss,
+                   "unigram_val_loss": baseline, "params": self.model.num_parameters(),
+                   "partition": self.model.partition.to_list(), "data": str(self.ds.path),
+                   "seconds": round(time.perf_counter() - t0, 2)}
+        write_summary(self.out, summary)
+        return summary

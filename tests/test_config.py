@@ -1,0 +1,67 @@
+import pytest
+
+from skiptrain.config import ConfigError, build_config, parse_overrides, preset_names
+
+
+def test_presets_exist_and_check():
+    assert {"tiny", "small"} <= set(preset_names())
+    for name in preset_names():
+        cfg = build_config(name)
+        assert cfg.model.d_model % cfg.model.n_heads == 0
+
+
+def test_overrides_are_typed():
+    cfg = build_config("tiny", overrides=["model.d_model=128", "train.lr=1e-3", "train.progress=false"])
+    assert cfg.model.d_model == 128 and isinstance(cfg.model.d_model, int)
+    assert cfg.train.lr == pytest.approx(1e-3)
+    assert cfg.train.progress is False
+
+
+def test_unknown_key_names_key_and_allowed_values():
+    with pytest.raises(ConfigError) as e:
+        build_config("tiny", overrides=["model.d_modle=128"])
+    msg = str(e.value)
+    assert "model.d_modle" in msg and "d_model" in msg and "did you mean" in msg
+
+
+def test_unknown_section():
+    with pytest.raises(ConfigError, match=r"unknown section \[modle\]"):
+        build_config(overrides={"modle": {"d_model": 1}})
+
+
+def test_bad_type_and_range():
+    with pytest.raises(ConfigError, match="model.n_layers must be an integer"):
+        build_config("tiny", overrides=["model.n_layers=four"])
+    with pytest.raises(ConfigError, match="train.skip_ratio=1.5 is above its maximum 1.0"):
+        build_config("tiny", overrides=["train.skip_ratio=1.5"])
+    with pytest.raises(ConfigError, match="data.tokenizer='bpe2' is not allowed; choose one of 'auto', 'byte'"):
+        build_config("tiny", overrides=["data.tokenizer=bpe2"])
+
+
+def test_cross_field_checks():
+    with pytest.raises(ConfigError, match="not divisible by model.n_heads"):
+        build_config("tiny", overrides=["model.d_model=66"])
+    with pytest.raises(ConfigError, match="n_stages"):
+        build_config("tiny", overrides=["model.n_stages=9"])
+
+
+def test_unknown_preset():
+    with pytest.raises(ConfigError, match="unknown preset 'smal'.*did you mean 'small'"):
+        build_config("smal")
+
+
+def test_toml_file(tmp_path):
+    p = tmp_path / "c.toml"
+    p.write_text("[model]\nd_model = 96\nn_heads = 4\n[train]\nsteps = 7\n")
+    cfg = build_config("tiny", p, ["train.steps=9"])
+    assert cfg.model.d_model == 96 and cfg.train.steps == 9
+    p.write_text("[model\nd_model = 96\n")
+    with pytest.raises(ConfigError, match="not valid TOML"):
+        build_config("tiny", p)
+    with pytest.raises(ConfigError, match="does not exist"):
+        build_config("tiny", tmp_path / "missing.toml")
+
+
+def test_override_syntax():
+    with pytest.raises(ConfigError, match="expected section.key=value"):
+        parse_overrides(["d_model=3"])

@@ -1,0 +1,122 @@
+import random
+
+import pytest
+import torch
+
+from skiptrain.config import build_config
+from skiptrain.model import StagedLM, best_partition, partition_layers
+
+
+def tiny(**over):
+    return build_config("tiny", overrides={"model": over} if over else None).model
+
+
+def flat_reference(model: StagedLM, tokens: torch.Tensor, layer_order) -> torch.Tensor:
+    """Apply embedding, the given layers one by one, norm and head: the unsplit model by hand."""
+    h = model.tok_emb(tokens)
+    for i in layer_order:
+        h = model.layers[str(i)](h, model.rope_cos, model.rope_sin)
+    return model.head(model.norm(h))
+
+
+def test_full_route_equals_unsplit_model_bitwise():
+    cfg = tiny(n_layers=6, n_stages=4, stage0_layers=-1)
+    m = StagedLM(cfg, seed=3)
+    x = torch.randint(0, cfg.vocab_size, (2, cfg.seq_len))
+    assert torch.equal(m(x), flat_reference(m, x, range(cfg.n_layers)))
+
+
+def test_stage_modules_chained_equal_whole_model_bitwise():
+    """Nodes that each build only their stage compute exactly what the whole model computes."""
+    cfg = tiny(n_layers=6, n_stages=4, stage0_layers=0)
+    whole = StagedLM(cfg, seed=5)
+    nodes = {s: StagedLM(cfg, stages=[s], seed=5) for s in range(cfg.n_stages)}
+    x = torch.randint(0, cfg.vocab_size, (3, cfg.seq_len))
+    h = nodes[0].embed(x)
+    for s in (1, 2, 3):
+        h = nodes[s].run_stage(s, h)
+    assert torch.equal(nodes[0].logits(h), whole(x))
+    names = {n for node in nodes.values() for n, _ in node.named_parameters()}
+    assert names == {n for n, _ in whole.named_parameters()}
+
+
+@pytest.mark.parametrize("route", [[2], [1, 3], [3, 1], [2, 1, 3], []])
+def test_skip_route_equals_layer_blocks_by_hand(route):
+    cfg = tiny(n_layers=7, n_stages=4, stage0_layers=1)
+    m = StagedLM(cfg, seed=1)
+    x = torch.randint(0, cfg.vocab_size, (2, cfg.seq_len))
+    order = list(m.partition.layers(0)) + [i for s in route for i in m.partition.layers(s)]
+    assert torch.equal(m(x, route=route), flat_reference(m, x, order))
+
+
+def test_stage0_in_route_rejected():
+    cfg = tiny()
+    m = StagedLM(cfg)
+    with pytest.raises(ValueError, match="stage 0 is implicit"):
+        m(torch.zeros(1, 4, dtype=torch.long), route=[0, 1])
+
+
+def test_gqa_and_mha_shapes_and_loss():
+    for kv in (0, 1, 2):
+        cfg = tiny(n_kv_heads=kv)
+        m = StagedLM(cfg)
+        x = torch.randint(0, cfg.vocab_size, (2, 16))
+        logits, loss = m(x, x)
+        assert logits.shape == (2, 16, cfg.vocab_size)
+        assert abs(loss.item() - torch.log(torch.tensor(float(cfg.vocab_size))).item()) < 1.0
+
+
+def test_causality():
+    cfg = tiny()
+    m = StagedLM(cfg, seed=2)
+    x = torch.randint(0, cfg.vocab_size, (1, 20))
+    y = x.clone()
+    y[0, 15:] = (y[0, 15:] + 1) % cfg.vocab_size
+    assert torch.equal(m(x)[0, :15], m(y)[0, :15])
+
+
+def brute_force(costs, S, extra):
+    n = len(costs)
+    best = None
+    def rec(i, k, acc):
+        nonlocal best
+        if k == S:
+            if i == n:
+                stage = [extra + sum(costs[:acc[0]])] + [sum(costs[a:b]) for a, b in zip(
+                    [sum(acc[:j]) for j in range(1, S)], [sum(acc[:j + 1]) for j in range(1, S)])]
+                key = (max(stage), sum(c * c for c in stage))
+                if best is None or key < best[0]:
+                    best = (key, tuple(acc))
+            return
+        lo = 0 if k == 0 else 1
+        for c in range(lo, n - i + 1):
+            rec(i + c, k + 1, acc + [c])
+    rec(0, 0, [])
+    return best
+
+
+def test_partitioner_matches_brute_force():
+    rng = random.Random(0)
+    for _ in range(30):
+        n, S = rng.randint(3, 8), rng.randint(2, 4)
+        if n < S - 1:
+            continue
+        costs = [rng.uniform(0.5, 2.0) for _ in range(n)]
+        extra = rng.uniform(0, 3)
+        p = best_partition(costs, S, extra)
+        stage = [extra + sum(costs[i] for i in p.layers(0))] + [sum(costs[i] for i in p.layers(s)) for s in range(1, S)]
+        assert (max(stage), sum(c * c for c in stage)) == pytest.approx(brute_force(costs, S, extra)[0])
+        assert all(c >= 1 for c in p.counts[1:]) and p.n_layers == n
+
+
+def test_partitioner_charges_stage0_for_the_head():
+    """A large vocabulary makes the head expensive: stage 0 then gets fewer layers than equal counts would."""
+    cfg = build_config("small", overrides={"model": {"n_layers": 12, "n_stages": 4, "vocab_size": 32000}}).model
+    p = partition_layers(cfg)
+    assert p.counts[0] < 3 and p.n_layers == 12
+    assert p.counts[0] < max(p.counts[1:])
+
+
+def test_pinned_stage0_layers():
+    p = partition_layers(tiny(n_layers=6, n_stages=3, stage0_layers=2))
+    assert p.counts[0] == 2 and sum(p.counts) == 6
