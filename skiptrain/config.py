@@ -116,10 +116,39 @@ class TrainConfig:
 
 
 @dataclass
+class DPConfig:
+    """Data-parallel sync (skiptrain.dp): which strategy and its switches."""
+    strategy: str = _f("allreduce", "sync strategy of a replica group",
+                       choices=("allreduce", "allreduce_bf16", "powersgd", "diloco", "demo"))
+    chunk: int = _f(64, "DeMo chunk edge (2-D chunks are chunk x chunk; 1-D chunks chunk elements)", min=1)
+    topk: int = _f(32, "DeMo coefficients kept per chunk", min=1)
+    beta: float = _f(0.999, "DeMo momentum decay", min=0.0, max=1.0)
+    dct: bool = _f(True, "DeMo: DCT the chunks (false = top-k in parameter space)")
+    values: str = _f("fp32", "DeMo value encoding", choices=("fp32", "bf16", "sign1", "sign2"))
+    indices: str = _f("int64", "DeMo index encoding", choices=("int64", "u16", "u12"))
+    sync_every: int = _f(1, "H: iterations per sync (DeMo: momentum accumulation; DiLoCo: local steps)", min=1)
+    powersgd_rank: int = _f(4, "PowerSGD rank", min=1)
+    outer_lr: float = _f(0.7, "DiLoCo outer Nesterov learning rate", min=0.0)
+    outer_momentum: float = _f(0.9, "DiLoCo outer Nesterov momentum", min=0.0, max=1.0)
+    check_every: int = _f(50, "compare parameter hashes across replicas every K steps (0 = never)", min=0)
+    timeout_s: float = _f(60.0, "process-group timeout in seconds", min=1.0)
+    link_up_mbps: float = _f(0.0, "emulated upload per node, Mbit/s (0 = unlimited)", min=0.0)
+    link_down_mbps: float = _f(0.0, "emulated download per node, Mbit/s (0 = unlimited)", min=0.0)
+    link_latency_ms: float = _f(0.0, "emulated one-way latency per message, ms", min=0.0)
+
+    def check(self) -> None:
+        limit = {"int64": 2**63, "u16": 2**16, "u12": 2**12}[self.indices]
+        if self.chunk * self.chunk > limit:
+            raise ConfigError(f"dp.chunk={self.chunk} gives {self.chunk ** 2}-element chunks, too many for "
+                              f"dp.indices={self.indices!r} (at most {limit}); lower dp.chunk or use wider indices")
+
+
+@dataclass
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    dp: DPConfig = field(default_factory=DPConfig)
 
     def check(self) -> "Config":
         for sec in dataclasses.fields(self):
