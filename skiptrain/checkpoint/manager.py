@@ -1,0 +1,195 @@
+"""The object a trainer or pipeline node uses: ``save`` (asynchronous) and ``load``/``restore``.
+
+One :class:`CheckpointManager` per writer process (rank).  A single-process trainer uses the
+defaults (rank 0 is the only writer and the coordinator)::
+
+    mgr = CheckpointManager(run_dir / "checkpoints", keep=3)
+    stall = mgr.save(step, mgr.training_tensors(model, opt), state={...})   # returns after the snapshot
+    ...
+    mgr.close()                                                              # waits for the last save
+
+A multi-process run gives every node the same ``ranks`` (all writers), the global ``specs``
+(every tensor's name, dtype and shape) and ``holders`` (tensor name -> ranks holding a replica).
+Each node then computes the same :func:`~skiptrain.checkpoint.plan.plan_save`, snapshots only the
+pieces assigned to it, writes them in the background, and the coordinator (lowest rank) commits
+once every rank's part is on disk.  Nodes need no process group to save.
+
+Semantics of :meth:`CheckpointManager.save`:
+
+* blocks for: the previous save (saves never overlap; normally long finished), planning (cached)
+  and the snapshot copy into reused host buffers.  The returned float is that blocked time;
+* the background thread writes, fsyncs and (on the coordinator) commits and prunes to ``keep``;
+* an error in the background (disk full, a rank that never finished) is raised by the next
+  ``save``/``wait``/``close``; the failed save stays an uncommitted ``.tmp-`` directory.
+* saving a step that is already committed is a no-op (the state is the same after a resume).
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+import torch
+
+from . import store
+from .format import step_dir_name
+from .plan import DEFAULT_CHUNK_BYTES, SavePlan, TensorSpec, plan_save
+from .reader import CheckpointReader, dtype_name
+from .snapshot import HostSnapshot
+from .state import load_optimizer, model_tensors, optimizer_state_names, optimizer_tensors
+from .writer import BackgroundWriter, commit, write_part
+
+
+def specs_of(tensors: Mapping[str, torch.Tensor]) -> list[TensorSpec]:
+    return [TensorSpec(n, dtype_name(t.dtype), tuple(t.shape)) for n, t in tensors.items()]
+
+
+class CheckpointManager:
+    def __init__(self, root: str | Path, keep: int = 3, rank: int = 0, ranks: Sequence[int] | None = None,
+                 chunk_bytes: int = DEFAULT_CHUNK_BYTES, commit_timeout: float = 600.0,
+                 clean: bool = True):
+        self.root = Path(root)
+        self.keep = keep
+        self.rank = rank
+        self.ranks = sorted(set(ranks or [rank]))
+        if rank not in self.ranks:
+            raise ValueError(f"rank {rank} is not among the writer ranks {self.ranks}")
+        self.coordinator = self.ranks[0]
+        self.chunk_bytes = chunk_bytes
+        self.commit_timeout = commit_timeout
+        self.root.mkdir(parents=True, exist_ok=True)
+        if clean and self.is_coordinator:
+            store.clean_stale(self.root)
+        self.snapshot = HostSnapshot()
+        self.writer = BackgroundWriter()
+        self._plan_key: Any = None
+        self._plan: SavePlan | None = None
+        self.last_stall_s = 0.0
+
+    @property
+    def is_coordinator(self) -> bool:
+        return self.rank == self.coordinator
+
+    # ---- saving ---------------------------------------------------------------------------
+
+    @staticmethod
+    def training_tensors(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None
+                         ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+        """(named tensors, JSON optimizer record) for a model and its optimizer."""
+        tensors = model_tensors(model)
+        record: dict[str, Any] = {}
+        if optimizer is not None:
+            opt_t, record = optimizer_tensors(model.named_parameters(), optimizer)
+            tensors.update(opt_t)
+        return tensors, record
+
+    def save_training(self, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None,
+                      state: dict[str, Any] | None = None, **kw: Any) -> float:
+        """:meth:`save` of a model's parameters and its optimizer's state (by the same names).
+
+        The optimizer's JSON record (hyper-parameters by parameter name) is stored as this
+        rank's ``rank_state["optimizer"]``, so every replica's groups survive a multi-rank save.
+        """
+        tensors, record = self.training_tensors(model, optimizer)
+        rank_state = dict(kw.pop("rank_state", None) or {})
+        if optimizer is not None:
+            rank_state["optimizer"] = record
+        return self.save(step, tensors, state, rank_state=rank_state, **kw)
+
+    def plan(self, specs: Sequence[TensorSpec], holders: Mapping[str, Sequence[int]] | None) -> SavePlan:
+        key = (tuple(specs), None if holders is None else tuple(sorted((n, tuple(h)) for n, h in holders.items())))
+        if key != self._plan_key:
+            self._plan = plan_save(specs, holders, self.chunk_bytes, ranks=self.ranks)
+            self._plan_key = key
+        assert self._plan is not None
+        return self._plan
+
+    def save(self, step: int, tensors: Mapping[str, torch.Tensor], state: dict[str, Any] | None = None,
+             *, specs: Sequence[TensorSpec] | None = None, holders: Mapping[str, Sequence[int]] | None = None,
+             rank_state: dict[str, Any] | None = None, layout: dict[str, Any] | None = None,
+             blocking: bool = False) -> float:
+        """Snapshot this rank's share of ``tensors`` and write it in the background.
+
+        ``tensors`` are this rank's live tensors by global name; ``specs``/``holders`` describe
+        the whole run (default: ``tensors`` alone, all held by this rank).  ``state`` (JSON) is
+        stored by the coordinator, ``rank_state`` (JSON) per rank.  Returns the seconds the caller
+        was blocked.
+        """
+        t0 = time.perf_counter()
+        self.writer.wait()
+        if (self.root / step_dir_name(step) / "metadata.json").is_file():
+            self.last_stall_s = time.perf_counter() - t0
+            return self.last_stall_s
+        specs = list(specs) if specs is not None else specs_of(tensors)
+        if holders is None and len(self.ranks) > 1:
+            raise ValueError("several writer ranks need holders (tensor name -> ranks)")
+        if holders is None:
+            holders = {s.name: [self.rank] for s in specs}
+        plan = self.plan(specs, holders)
+        mine = plan.names_for(self.rank)
+        missing = [n for n in mine if n not in tensors]
+        if missing:
+            raise ValueError(f"rank {self.rank} is assigned {missing[:3]} but does not hold them")
+        buffers = self.snapshot.take({n: tensors[n] for n in mine})
+        lay = {"writers": self.ranks, "bytes_per_rank": {str(r): b for r, b in plan.bytes_per_rank().items()},
+               **(layout or {})}
+        root, rank, ranks, keep, timeout = self.root, self.rank, self.ranks, self.keep, self.commit_timeout
+        coordinator = self.is_coordinator
+        st = dict(state or {})
+
+        def job() -> Path | None:
+            write_part(root, step, rank, plan, buffers, rank_state)
+            if coordinator:
+                return commit(root, step, ranks, plan, st, lay, keep, timeout)
+            return None
+
+        self.writer.start(job)
+        self.last_stall_s = time.perf_counter() - t0
+        if blocking:
+            self.writer.wait()
+        return self.last_stall_s
+
+    def wait(self) -> Path | None:
+        """Block until the running save (if any) is on disk; re-raise its error."""
+        return self.writer.wait()
+
+    def close(self) -> None:
+        self.wait()
+
+    # ---- loading --------------------------------------------------------------------------
+
+    def latest(self) -> Path | None:
+        return store.latest(self.root)
+
+    def committed(self) -> list[tuple[int, Path]]:
+        return store.list_committed(self.root)
+
+    @staticmethod
+    def restore(path: str | Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None
+                ) -> CheckpointReader:
+        """Load ``model`` (in place) and ``optimizer`` from the checkpoint at ``path`` (dir or root).
+
+        Only this model's tensors (its stages, whatever layout saved them) are read.  Returns the
+        reader, whose ``step`` and ``state`` carry the rest of the training state.
+        """
+        reader = CheckpointReader(path)
+        live = model_tensors(model)
+        reader.read_into(live)
+        if optimizer is not None:
+            names = optimizer_state_names(reader.meta.tensors, [n for n, _ in model.named_parameters()])
+            opt_t = reader.read_many(names)
+            load_optimizer(optimizer, model.named_parameters(), opt_t, optimizer_record(reader.state))
+        return reader
+
+
+def optimizer_record(state: Mapping[str, Any]) -> dict[str, Any] | None:
+    """Merge the optimizer records of all ranks (each knows the groups of its own parameters)."""
+    records = [r["optimizer"] for _, r in sorted(state.get("ranks", {}).items()) if "optimizer" in r]
+    if not records:
+        return None
+    merged: dict[str, Any] = {"class": records[0].get("class"), "param_groups": [], "scalars": {}}
+    for rec in records:
+        merged["param_groups"].extend(rec.get("param_groups", []))
+        merged["scalars"].update(rec.get("scalars", {}))
+    return merged

@@ -1,0 +1,226 @@
+"""Writing a checkpoint: per-rank parts, the commit, and the background writer thread.
+
+Protocol for step ``s`` with writer ranks ``R`` (one process each, or simulated in one process):
+
+1. every rank ``r`` writes its planned shards into ``ROOT/.tmp-step-s/data-r{r}.bin`` and
+   fsyncs it, then atomically writes ``part-r{r}.json`` (its shard list with CRC-32s; a rank with
+   nothing to write still writes an empty part);
+2. the coordinating rank waits until all ``part-r*.json`` of ``R`` exist (a file-system barrier:
+   no process group needed), merges them into ``metadata.json`` (fsynced), checks that every
+   tensor is covered exactly once, fsyncs the directory and renames it to ``ROOT/step-s`` (the
+   commit point), fsyncs ``ROOT``, atomically replaces ``LATEST`` and deletes all but the newest
+   ``keep`` checkpoints.
+
+A crash (even SIGKILL) before the rename leaves only a ``.tmp-`` directory, which readers ignore
+and the next coordinator removes; after it, the checkpoint is complete and fsynced.
+
+Throughput: one sequential file per rank; the CRC-32 of each shard is computed on a helper thread
+while the writer thread writes (both release the GIL), so checksumming hides behind the disk.
+
+This module uses only the standard library and numpy (buffers are anything with the buffer
+protocol), so a writer can run in a light child process.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any, Callable, Mapping
+
+from . import store
+from .format import (METADATA_FILE, CheckpointError, CheckpointMeta, ShardMeta, TensorMeta, align,
+                     checksum, step_dir_name, tmp_dir_name)
+from .plan import SavePlan
+
+_ZEROS = bytes(64)
+
+
+def part_name(rank: int) -> str:
+    return f"part-r{rank}.json"
+
+
+def data_name(rank: int) -> str:
+    return f"data-r{rank}.bin"
+
+
+def _write_all(fd: int, view: memoryview) -> None:
+    while view:
+        view = view[os.write(fd, view):]
+
+
+def write_part(root: str | Path, step: int, rank: int, plan: SavePlan,
+               buffers: Mapping[str, Any], rank_state: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Write rank ``rank``'s shards of ``plan`` for ``step`` into the temporary directory.
+
+    ``buffers[name]`` is the tensor's whole row-major content as bytes (any buffer-protocol
+    object, viewed as unsigned bytes).  Returns the part record that was written.
+    """
+    tmp = Path(root) / tmp_dir_name(step)
+    tmp.mkdir(parents=True, exist_ok=True)
+    items = plan.items(rank)
+    views = []
+    for it in items:
+        buf = memoryview(buffers[it.name]).cast("B")
+        if len(buf) != plan.specs[it.name].nbytes:
+            raise CheckpointError(f"buffer for {it.name} has {len(buf)} bytes, its spec needs "
+                                  f"{plan.specs[it.name].nbytes}")
+        views.append(buf[it.byte_start: it.byte_start + it.nbytes])
+    fname = data_name(rank)
+    shards: dict[str, list[dict[str, Any]]] = {}
+    written: list[dict[str, Any]] = []  # shard records in write order, CRCs filled in below
+    with ThreadPoolExecutor(1, thread_name_prefix="ckpt-crc") as pool:
+        crcs = [pool.submit(checksum, v) for v in views]
+        fd = os.open(tmp / fname, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        pos = 0
+        try:
+            for it, v in zip(items, views):
+                pad = align(pos) - pos
+                if pad:
+                    _write_all(fd, memoryview(_ZEROS)[:pad])
+                    pos += pad
+                _write_all(fd, v)
+                spec = plan.specs[it.name]
+                rec = ShardMeta(it.offsets(len(spec.shape)), it.lengths(spec.shape), fname, pos,
+                                it.nbytes, 0).to_json()
+                shards.setdefault(it.name, []).append(rec)
+                written.append(rec)
+                pos += it.nbytes
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        for rec, fut in zip(written, crcs):
+            rec["crc32"] = fut.result()
+    record = {"rank": rank, "step": step, "file": fname, "file_bytes": pos,
+              "specs": {n: {"dtype": plan.specs[n].dtype, "shape": list(plan.specs[n].shape)} for n in shards},
+              "shards": shards, "rank_state": rank_state or {}}
+    store.atomic_write(tmp / part_name(rank), json.dumps(record).encode())
+    return record
+
+
+def commit(root: str | Path, step: int, ranks: list[int], plan: SavePlan | None = None,
+           state: dict[str, Any] | None = None, layout: dict[str, Any] | None = None,
+           keep: int = 0, timeout: float = 600.0) -> Path:
+    """Coordinator: wait for every rank's part, write metadata, rename into place, update LATEST.
+
+    Raises CheckpointError if a part is missing after ``timeout`` seconds (a writer died: the
+    ``.tmp-`` directory stays uncommitted) or if the parts do not cover every tensor of ``plan``
+    exactly once.
+    """
+    root = Path(root)
+    tmp = root / tmp_dir_name(step)
+    deadline = time.monotonic() + timeout
+    parts: dict[int, dict[str, Any]] = {}
+    while True:
+        for r in ranks:
+            if r not in parts and (tmp / part_name(r)).is_file():
+                parts[r] = json.loads((tmp / part_name(r)).read_text())
+        missing = [r for r in ranks if r not in parts]
+        if not missing:
+            break
+        if time.monotonic() > deadline:
+            raise CheckpointError(f"save of step {step}: ranks {missing} did not finish writing within "
+                                  f"{timeout:.0f} s; {tmp} stays uncommitted")
+        time.sleep(0.005)
+    tensors: dict[str, TensorMeta] = {}
+    files: dict[str, int] = {}
+    rank_state: dict[str, Any] = {}
+    for r in sorted(parts):
+        p = parts[r]
+        if p["step"] != step:
+            raise CheckpointError(f"part of rank {r} in {tmp} belongs to step {p['step']}, not {step}")
+        files[p["file"]] = p["file_bytes"]
+        if p.get("rank_state"):
+            rank_state[str(r)] = p["rank_state"]
+        for name, shard_list in p["shards"].items():
+            spec = p["specs"][name]
+            t = tensors.setdefault(name, TensorMeta(spec["dtype"], list(spec["shape"])))
+            t.shards.extend(ShardMeta.from_json(s) for s in shard_list)
+    for t in tensors.values():
+        t.shards.sort(key=lambda s: s.offsets)
+    _check_coverage(tensors, plan, tmp)
+    st = dict(state or {})
+    if rank_state:
+        st["ranks"] = rank_state
+    meta = CheckpointMeta(step, tensors, st, dict(layout or {}), files)
+    store.atomic_write(tmp / METADATA_FILE, meta.encode())
+    for r in ranks:
+        (tmp / part_name(r)).unlink(missing_ok=True)
+    store.fsync_dir(tmp)
+    final = root / step_dir_name(step)
+    if final.exists():
+        store.remove_tree(final)  # an older save of the same step (re-run after resume)
+    os.rename(tmp, final)
+    store.fsync_dir(root)
+    store.set_latest(root, final.name)
+    if keep:
+        store.prune(root, keep)
+    return final
+
+
+def _check_coverage(tensors: dict[str, TensorMeta], plan: SavePlan | None, where: Path) -> None:
+    if plan is not None:
+        missing = sorted(set(plan.specs) - set(tensors))
+        extra = sorted(set(tensors) - set(plan.specs))
+        if missing or extra:
+            raise CheckpointError(f"save into {where}: parts miss tensors {missing[:5]} / have unplanned {extra[:5]}")
+    for name, t in tensors.items():
+        rows = t.shape[0] if t.shape else 1
+        covered = 0
+        for s in t.shards:
+            r0 = s.offsets[0] if s.offsets else 0
+            if r0 != covered:
+                raise CheckpointError(f"save into {where}: tensor {name} shards overlap or leave a gap at row {covered}")
+            covered += s.lengths[0] if s.lengths else 1
+        if covered != rows:
+            raise CheckpointError(f"save into {where}: tensor {name} covers {covered} of {rows} rows")
+
+
+class BackgroundWriter:
+    """Runs one save job at a time on a background thread.
+
+    :meth:`start` refuses to start while a job runs (the caller waits first: saves never overlap,
+    and the snapshot buffers a job reads must not be overwritten).  An exception raised by a job
+    is kept and re-raised by the next :meth:`wait` (or :meth:`start`), so failures are never lost.
+    """
+
+    def __init__(self) -> None:
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+        self.last_seconds = 0.0
+        self.last_result: Any = None
+
+    @property
+    def busy(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def start(self, fn: Callable[[], Any]) -> None:
+        if self.busy:
+            raise RuntimeError("a checkpoint save is still running; call wait() first")
+        self._raise()
+
+        def run() -> None:
+            t0 = time.perf_counter()
+            try:
+                self.last_result = fn()
+            except BaseException as e:  # noqa: BLE001 - re-raised in the caller's thread
+                self._error = e
+            self.last_seconds = time.perf_counter() - t0
+
+        self._thread = threading.Thread(target=run, name="ckpt-writer", daemon=False)
+        self._thread.start()
+
+    def wait(self) -> Any:
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        self._raise()
+        return self.last_result
+
+    def _raise(self) -> None:
+        if self._error is not None:
+            err, self._error = self._error, None
+            raise err
