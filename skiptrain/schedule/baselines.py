@@ -1,0 +1,114 @@
+"""Baseline schedules, built from the same placement, cost model and simulator as the planner.
+
+* :func:`full_pipeline` -- no skipping, fixed lanes (DT-FM-like lane placement): lane ``i`` is
+  the ``i``-th node of every stage; the global batch is split evenly over the lanes; ``order``
+  ``"1f1b"`` or ``"gpipe"`` sets the task priority on nodes.
+* :func:`random_skip` -- balanced random stage sets (ascending), replicas drawn at random with an
+  equal share of visits per replica: every route constraint kept, the network ignored.
+* :func:`swarm_greedy` -- SWARM-style wiring: micro-batches in injection order, each hop to the
+  replica with the earliest expected finish (expected arrival vs. the replica's queue), with
+  balanced random stage sets (``skip=True``) or the full pipeline (``skip=False``).
+* ``planner_no_ca`` -- :func:`skiptrain.schedule.planner.plan` with ``collision_aware=False``.
+
+All of them return a :class:`~.schedule.Schedule` with ``method`` set and the same micro-batch
+count: ``mb_per_originator`` times the number of stage-0 nodes of the skip placement (the full
+pipeline processes that same global batch on its lanes).
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from typing import Sequence
+
+from ..net.topology import Topology
+from .cost import CostModel
+from .placement import place
+from .routes import balanced_routes, visits_per_route
+from .schedule import MicroBatch, Schedule
+
+
+def full_pipeline(topo: Topology, cost: CostModel, sizes: Sequence[int], n_micro: int, memory: int,
+                  order: str = "1f1b", dp_sync: bool = True, seed: int = 0,
+                  placement: list[list[int]] | None = None) -> Schedule:
+    """Fixed lanes without skipping; ``n_micro`` micro-batches spread over ``min(sizes)`` lanes."""
+    S = len(sizes)
+    pl = placement or place(topo, sizes, cost, 0.0, memory, max(1, n_micro // max(1, sizes[0])),
+                            dp_sync, mode="lanes", seed=seed)
+    L = min(len(p) for p in pl)
+    mbs = []
+    per_lane = [n_micro // L + (1 if i < n_micro % L else 0) for i in range(L)]
+    k = 0
+    for w in range(max(per_lane)):
+        for i in range(L):
+            if w < per_lane[i]:
+                mbs.append(MicroBatch(k, pl[0][i], [(s, pl[s][i]) for s in range(1, S)], 0.0))
+                k += 1
+    return Schedule(placement=pl, micro_batches=mbs, memory=memory, skip_ratio=0.0, max_swaps=0,
+                    policy=order, method=f"full_pipeline_{order}",
+                    meta={"lanes": L, "per_lane": per_lane})
+
+
+def _spread(reps: Sequence[int], count: int, rng: random.Random) -> list[int]:
+    """``count`` replicas, each replica used ``count / len(reps)`` times (+-1), in random order."""
+    out = [reps[i % len(reps)] for i in range(count)]
+    rng.shuffle(out)
+    return out
+
+
+def random_skip(topo: Topology, cost: CostModel, placement: list[list[int]], mb_per_originator: int,
+                skip_ratio: float, memory: int, seed: int = 0) -> Schedule:
+    """Constraint-keeping random routes that ignore the network (see module doc)."""
+    rng = random.Random(seed)
+    S = len(placement)
+    origs = placement[0]
+    M = len(origs) * mb_per_originator
+    stage_sets = balanced_routes(S, skip_ratio, M, rng, max_swaps=0)
+    need = {s: sum(s in r for r in stage_sets) for s in range(1, S)}
+    pools = {s: _spread(placement[s], need[s], rng) for s in range(1, S)}
+    mbs = []
+    for j, r in enumerate(stage_sets):
+        o = origs[j % len(origs)]
+        mbs.append(MicroBatch(j, o, [(s, pools[s].pop()) for s in r], 0.0))
+    return Schedule(placement=[list(p) for p in placement], micro_batches=mbs, memory=memory,
+                    skip_ratio=skip_ratio, max_swaps=0, method="random_skip")
+
+
+def swarm_greedy(topo: Topology, cost: CostModel, placement: list[list[int]], mb_per_originator: int,
+                 skip_ratio: float, memory: int, skip: bool = True, seed: int = 0) -> Schedule:
+    """SWARM-style earliest-expected-finish wiring (see module doc)."""
+    rng = random.Random(seed)
+    S = len(placement)
+    origs = placement[0]
+    M = len(origs) * mb_per_originator
+    k = skip_ratio if skip else 0.0
+    stage_sets = balanced_routes(S, k, M, rng, max_swaps=0) if skip else [list(range(1, S))] * M
+    stage_of = {n: s for s, p in enumerate(placement) for n in p}
+    f = {n: cost.fwd_s(s, topo.speed(n)) for n, s in stage_of.items()}
+    free = {n: 0.0 for n in stage_of}
+    inject = {o: 0.0 for o in origs}
+    done: dict[int, list[float]] = {o: [] for o in origs}
+    mbs = []
+    for j, r in enumerate(stage_sets):
+        o = origs[j % len(origs)]
+        w = len(done[o])
+        t = max(inject[o], free[o])
+        if w >= memory:
+            t = max(t, done[o][w - memory])
+        t += f[o]
+        inject[o] = t
+        free[o] = t
+        prev, route, back = o, [], 0.0
+        for s in r:
+            best = min(placement[s], key=lambda n: (max(t + cost.hop_s(topo, prev, n), free[n]) + f[n], n))
+            t = max(t + cost.hop_s(topo, prev, best), free[best]) + f[best]
+            free[best] = t + f[best] * cost.backward_factor
+            back += cost.hop_s(topo, best, prev) + f[best] * cost.backward_factor
+            route.append((s, best))
+            prev = best
+        t += cost.hop_s(topo, prev, o) + cost.loss_s(topo.speed(o)) + back + f[o] * cost.backward_factor
+        done[o].append(t)
+        mbs.append(MicroBatch(j, o, route, 0.0))
+    name = "swarm_skip" if skip else "swarm_full"
+    return Schedule(placement=[list(p) for p in placement], micro_batches=mbs, memory=memory,
+                    skip_ratio=k, max_swaps=0, method=name)

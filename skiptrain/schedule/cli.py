@@ -1,0 +1,100 @@
+"""``skiptrain simulate``: plan and simulate one iteration with every method, side by side.
+
+Prints a table of iteration times (and ratios to the full pipeline) for the planner and all
+baselines, and optionally writes the JSON ``{"methods": {name: {"iteration_s": ...}}, "planner_s":
+...}``, the planner's schedule, and a Gantt PNG of the planner's simulated timeline.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from ..net.topology import load_topology
+from .compare import METHODS, compare, format_table
+from .cost import DP_MODES, CostModel
+from .gantt import draw_gantt
+from .planner import PlanConfig
+from .schedule import ScheduleError
+
+
+def _ints(text: str) -> list[int]:
+    try:
+        return [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser("simulate", help="plan routes and simulate an iteration (all baselines vs. the planner)",
+                              description=__doc__, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--topology", default="geo12", help="preset (geo12, geo12-fixed, cluster, random, random:SEED) or JSON file")
+    p.add_argument("--nodes", type=int, default=None, help="number of nodes (default: 20 for geo12, the file's nodes)")
+    p.add_argument("--stages", type=int, default=6, help="pipeline stages including stage 0")
+    p.add_argument("--stage-sizes", type=_ints, default=None, help="nodes per stage, e.g. 5,3,3,3,3,3 (default: by work)")
+    p.add_argument("--skip", type=float, default=0.33, help="skip ratio k")
+    p.add_argument("--max-swaps", type=int, default=2, help="neighbour swaps allowed per route")
+    p.add_argument("--memory", type=int, default=3, help="micro-batches in flight per node")
+    p.add_argument("--micro-batches", type=int, default=6, help="micro-batches per stage-0 node")
+    p.add_argument("--samples", type=int, default=8, help="samples per micro-batch")
+    p.add_argument("--seq-len", type=int, default=1024, help="tokens per sample")
+    p.add_argument("--d-model", type=int, default=1024)
+    p.add_argument("--dtype-bytes", type=int, default=4, help="bytes per activation value")
+    p.add_argument("--layers-per-stage", type=int, default=4)
+    p.add_argument("--s-per-sample-layer", type=float, default=0.055, help="forward seconds per sample per layer")
+    p.add_argument("--hop-overhead", type=float, default=0.35, help="fixed seconds per message")
+    p.add_argument("--dp", choices=DP_MODES, default="dense", help="data-parallel sync model")
+    p.add_argument("--dp-payload-mb", type=float, default=0.0, help="compressed sync payload per replica (MiB)")
+    p.add_argument("--simplified", action="store_true", help="reference model: no link contention, no DP sync")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--max-evals", type=int, default=None, help="planner local-search simulations")
+    p.add_argument("--time-limit", type=float, default=None, help="planner time cap in seconds")
+    p.add_argument("--methods", default=",".join(METHODS), help="comma-separated subset of " + ",".join(METHODS))
+    p.add_argument("--json", default=None, help="write results as JSON here")
+    p.add_argument("--gantt", default=None, help="write the planner's Gantt chart PNG here")
+    p.add_argument("--schedule-out", default=None, help="write the planner's schedule JSON here")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    topo = load_topology(args.topology, args.nodes, seed=args.seed)
+    if args.memory < 1:
+        raise ScheduleError(f"--memory {args.memory}: every node needs at least one micro-batch credit")
+    cost = CostModel(d_model=args.d_model, tokens_per_sample=args.seq_len, samples=args.samples,
+                     dtype_bytes=args.dtype_bytes, layers_per_stage=[args.layers_per_stage] * args.stages,
+                     s_per_sample_per_layer=args.s_per_sample_layer, hop_overhead_s=args.hop_overhead,
+                     dp_mode=args.dp, compressed_payload_bytes=int(args.dp_payload_mb * 2 ** 20))
+    methods = tuple(m.strip() for m in args.methods.split(",") if m.strip())
+    bad = [m for m in methods if m not in METHODS]
+    if bad or "planner" not in methods:
+        raise ScheduleError(f"--methods must include planner and only names from {', '.join(METHODS)}")
+    cfg = PlanConfig(n_stages=args.stages, stage_sizes=args.stage_sizes, skip_ratio=args.skip,
+                     max_swaps=args.max_swaps, memory=args.memory, mb_per_originator=args.micro_batches,
+                     seed=args.seed, max_evals=args.max_evals, time_limit_s=args.time_limit)
+    contention = dp_sync = not args.simplified
+    if args.dp == "none":
+        dp_sync = False
+    cmp = compare(topo, cost, cfg, contention=contention, dp_sync=dp_sync, methods=methods,
+                  record=args.gantt is not None)
+    model = "simplified (no contention, no DP sync)" if args.simplified else \
+        f"full (link contention, DP sync {args.dp if dp_sync else 'off'})"
+    print(f"topology {topo.name}: {topo.n} nodes, stage sizes {cmp.info['stage_sizes']}, "
+          f"{cmp.info['micro_batches']} micro-batches, k={args.skip}, m={args.memory}; model: {model}")
+    print(format_table({"iteration_s": cmp.iteration_s()}))
+    print(f"planner time: {cmp.planner_s:.2f} s")
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(cmp.to_dict(), indent=1, default=str))
+        print(f"wrote {args.json}")
+    if args.schedule_out:
+        cmp.schedules["planner"].save(args.schedule_out)
+        print(f"wrote {args.schedule_out}")
+    if args.gantt:
+        labels = {nd.id: f"{nd.id} {nd.location} s{s}" for s, p in enumerate(cmp.schedules["planner"].placement)
+                  for nd in (topo.nodes[n] for n in p)}
+        r = cmp.results["planner"]
+        draw_gantt(r.timeline, args.gantt, title=f"planner on {topo.name}: {r.iteration_s:.1f} s/iteration",
+                   node_labels=labels)
+        print(f"wrote {args.gantt}")
+    return 0

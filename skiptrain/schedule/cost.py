@@ -1,0 +1,237 @@
+"""Cost model: seconds of compute per task and bytes per message, from plain numbers.
+
+Semantics (the simulator, the planner and the benches all use these and only these):
+
+* A micro-batch is ``samples`` samples of ``tokens_per_sample`` tokens.  One hop (activations
+  forward, or their gradients backward) carries ``activation_bytes = samples * tokens_per_sample *
+  d_model * dtype_bytes`` bytes.
+* The forward of stage ``s`` on a node of relative speed ``v`` takes
+  ``s_per_sample_per_layer * layers(s) * samples / v`` seconds.  Backward takes
+  ``backward_factor`` (1.5) times the forward; the loss (final norm, head, loss, start of the
+  backward) on the originator takes ``loss_factor`` (0.25) times stage 0's forward there.
+* A hop from ``a`` to ``b`` costs ``latency + bytes / bandwidth + hop_overhead_s``; the fixed
+  overhead (host/device copies, serialisation: 0.35 s in SkipPipe's setup) is paid per message.
+  Only ``bytes / bandwidth`` occupies the link (that is what queues under contention).
+* Data-parallel sync of stage ``s`` after the last backward: ``dp_mode="dense"`` is a ring
+  all-reduce of ``params(s) * grad_dtype_bytes`` bytes over the stage's replicas
+  (``2 (n-1)`` steps of ``bytes / n`` per ring link); ``"compressed"`` is a ring all-gather of a
+  ``compressed_payload_bytes`` payload per replica (``n - 1`` steps, e.g. DeMo); ``"none"``
+  skips it.  Sync messages pay latency + bytes / bandwidth, no per-hop overhead.
+
+:func:`reference_cost` is SkipPipe's 20-node setup (hop = latency + 32 MiB / bw + 0.35 s,
+forward 1.76 s per stage); :func:`from_model_config` derives layers and parameters from
+:class:`skiptrain.config.ModelConfig`; :func:`profile_s_per_sample_per_layer` measures the
+per-layer cost on this machine.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any, Sequence
+
+from ..errors import UserError
+from ..net.topology import Topology
+
+DP_MODES = ("dense", "compressed", "none")
+
+
+class CostError(UserError, ValueError):
+    """An impossible cost-model setting."""
+
+
+def layer_params(d_model: int, ffn_hidden: int, kv_dim: int | None = None) -> int:
+    """Parameters of one LLaMA-style layer: attention (q, k, v, o), SwiGLU MLP, two norms."""
+    kv = d_model if kv_dim is None else kv_dim
+    return 2 * d_model * d_model + 2 * d_model * kv + 3 * d_model * ffn_hidden + 2 * d_model
+
+
+@dataclass
+class CostModel:
+    """Per-task seconds and per-message bytes; see the module docstring for the exact formulas."""
+    d_model: int = 1024
+    tokens_per_sample: int = 1024
+    samples: int = 8
+    dtype_bytes: int = 4
+    layers_per_stage: list[int] = field(default_factory=lambda: [4] * 6)
+    s_per_sample_per_layer: float = 0.055
+    backward_factor: float = 1.5
+    loss_factor: float = 0.25
+    hop_overhead_s: float = 0.35
+    params_per_stage: list[int] = field(default_factory=list)
+    grad_dtype_bytes: int = 4
+    dp_mode: str = "dense"
+    compressed_payload_bytes: int = 0
+
+    def __post_init__(self) -> None:
+        if self.dp_mode not in DP_MODES:
+            raise CostError(f"dp_mode {self.dp_mode!r} is not one of {DP_MODES}")
+        for name in ("d_model", "tokens_per_sample", "samples", "dtype_bytes"):
+            if getattr(self, name) < 1:
+                raise CostError(f"cost model {name} must be >= 1")
+        if any(x < 0 for x in self.layers_per_stage) or not self.layers_per_stage:
+            raise CostError("layers_per_stage must list >= 0 layers for every stage")
+        if self.s_per_sample_per_layer < 0 or self.hop_overhead_s < 0:
+            raise CostError("times must be >= 0")
+        self.layers_per_stage = list(self.layers_per_stage)
+        self.params_per_stage = list(self.params_per_stage)
+        if self.params_per_stage and len(self.params_per_stage) != len(self.layers_per_stage):
+            raise CostError("params_per_stage must have one entry per stage")
+
+    @property
+    def n_stages(self) -> int:
+        return len(self.layers_per_stage)
+
+    @property
+    def activation_bytes(self) -> int:
+        return self.samples * self.tokens_per_sample * self.d_model * self.dtype_bytes
+
+    def fwd_s(self, stage: int, speed: float = 1.0) -> float:
+        return self.s_per_sample_per_layer * self.layers_per_stage[stage] * self.samples / speed
+
+    def bwd_s(self, stage: int, speed: float = 1.0) -> float:
+        return self.backward_factor * self.fwd_s(stage, speed)
+
+    def loss_s(self, speed: float = 1.0) -> float:
+        return self.loss_factor * self.fwd_s(0, speed)
+
+    def hop_s(self, topo: Topology, a: int, b: int) -> float:
+        """Uncontended time of one activation (or gradient) message ``a -> b``."""
+        return topo.transfer_s(a, b, self.activation_bytes) + self.hop_overhead_s
+
+    def stage_params(self, stage: int) -> int:
+        if self.params_per_stage:
+            return self.params_per_stage[stage]
+        # Default: LLaMA-style layers with a 4x MLP; stage 0 also holds a 32k embedding and head.
+        p = self.layers_per_stage[stage] * layer_params(self.d_model, 4 * self.d_model)
+        if stage == 0:
+            p += 2 * 32000 * self.d_model + self.d_model
+        return p
+
+    def sync_bytes(self, stage: int) -> int:
+        """Bytes each replica contributes to its stage's sync (dense gradient or compressed payload)."""
+        if self.dp_mode == "dense":
+            return self.stage_params(stage) * self.grad_dtype_bytes
+        if self.dp_mode == "compressed":
+            return self.compressed_payload_bytes
+        return 0
+
+    def sync_steps(self, n_replicas: int) -> tuple[int, float]:
+        """(ring steps, fraction of :meth:`sync_bytes` sent per step) for ``n_replicas``."""
+        if n_replicas <= 1 or self.dp_mode == "none":
+            return 0, 0.0
+        if self.dp_mode == "dense":
+            return 2 * (n_replicas - 1), 1.0 / n_replicas
+        return n_replicas - 1, 1.0
+
+    def dp_sync_s(self, topo: Topology, replicas: Sequence[int], stage: int) -> float:
+        """Uncontended ring time for ``stage`` over ``replicas`` (ring order: :func:`ring_order`)."""
+        steps, frac = self.sync_steps(len(replicas))
+        if steps == 0:
+            return 0.0
+        ring = ring_order(topo, replicas)
+        nbytes = self.sync_bytes(stage) * frac
+        step = max(topo.transfer_s(ring[i], ring[(i + 1) % len(ring)], nbytes) for i in range(len(ring)))
+        return steps * step
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "CostModel":
+        return cls(**d)
+
+
+def ring_order(topo: Topology, nodes: Sequence[int]) -> list[int]:
+    """A ring over ``nodes`` whose slowest link (by inverse bandwidth) is as fast as possible,
+    ties broken by the sum.  Exact for up to 7 nodes; beyond that greedy nearest neighbour from
+    every start followed by 2-opt moves."""
+    nodes = list(nodes)
+    if len(nodes) <= 3:
+        return nodes
+    inv = topo._inv_bw
+
+    def key(ring: Sequence[int]) -> tuple[float, float]:
+        links = [inv[ring[i]][ring[(i + 1) % len(ring)]] for i in range(len(ring))]
+        return (max(links), sum(links))
+
+    if len(nodes) <= 7:
+        first, rest = nodes[0], nodes[1:]
+        return min(([first, *p] for p in itertools.permutations(rest) if p[0] < p[-1]), key=key)
+    best, best_key = nodes, key(nodes)
+    for start in nodes:
+        ring, left = [start], set(nodes) - {start}
+        while left:
+            cur = ring[-1]
+            nxt = min(left, key=lambda b: (inv[cur][b], b))
+            ring.append(nxt)
+            left.remove(nxt)
+        k = key(ring)
+        if k < best_key:
+            best, best_key = ring, k
+    improved = True
+    while improved:
+        improved = False
+        for i in range(1, len(best) - 1):
+            for j in range(i + 1, len(best)):
+                cand = best[:i] + best[i:j + 1][::-1] + best[j + 1:]
+                k = key(cand)
+                if k < best_key:
+                    best, best_key, improved = cand, k, True
+    return best
+
+
+def reference_cost(tokens_per_microbatch: int = 8 * 1024, dp_mode: str = "dense") -> CostModel:
+    """SkipPipe's 20-node setup (skippipe_reference.json): d=1024 fp32, 6 stages x 4 layers,
+    0.055 s/sample/layer, 0.35 s per hop; ``tokens_per_microbatch`` in multiples of 1024."""
+    if tokens_per_microbatch % 1024:
+        raise CostError("tokens per micro-batch must be a multiple of the 1024-token context")
+    return CostModel(d_model=1024, tokens_per_sample=1024, samples=tokens_per_microbatch // 1024,
+                     dtype_bytes=4, layers_per_stage=[4] * 6, s_per_sample_per_layer=0.055,
+                     hop_overhead_s=0.35, dp_mode=dp_mode)
+
+
+def from_model_config(model: Any, samples: int, s_per_sample_per_layer: float | None = None,
+                      dtype_bytes: int = 4, **kw: Any) -> CostModel:
+    """A cost model for :class:`skiptrain.config.ModelConfig` ``model`` with ``samples`` per
+    micro-batch.  Layers: ``stage0_layers`` on stage 0 (or an even split when -1), the rest
+    spread over the body stages.  Without ``s_per_sample_per_layer`` it is measured
+    (:func:`profile_s_per_sample_per_layer`)."""
+    S, L = model.n_stages, model.n_layers
+    s0 = model.stage0_layers if model.stage0_layers >= 0 else L // S
+    body = L - s0
+    if S > 1:
+        layers = [s0] + [body // (S - 1) + (1 if i < body % (S - 1) else 0) for i in range(S - 1)]
+    else:
+        layers = [L]
+    per_layer = layer_params(model.d_model, model.hidden, model.kv_heads * model.head_dim)
+    params = [n * per_layer for n in layers]
+    params[0] += 2 * model.vocab_size * model.d_model + model.d_model
+    if s_per_sample_per_layer is None:
+        s_per_sample_per_layer = profile_s_per_sample_per_layer(model.d_model, model.seq_len,
+                                                                model.n_heads, model.hidden)
+    return CostModel(d_model=model.d_model, tokens_per_sample=model.seq_len, samples=samples,
+                     dtype_bytes=dtype_bytes, layers_per_stage=layers,
+                     s_per_sample_per_layer=s_per_sample_per_layer, params_per_stage=params, **kw)
+
+
+def profile_s_per_sample_per_layer(d_model: int, seq_len: int, n_heads: int = 8,
+                                   ffn_hidden: int | None = None, samples: int = 2,
+                                   repeats: int = 3) -> float:
+    """Measure forward seconds per sample per layer on this machine with a stock
+    ``torch.nn.TransformerEncoderLayer`` (median of ``repeats`` after one warm-up)."""
+    import torch
+
+    layer = torch.nn.TransformerEncoderLayer(d_model, n_heads, ffn_hidden or 4 * d_model,
+                                             batch_first=True, dropout=0.0)
+    x = torch.randn(samples, seq_len, d_model)
+    times = []
+    with torch.no_grad():
+        layer(x)
+        for _ in range(repeats):
+            t = time.perf_counter()
+            layer(x)
+            times.append(time.perf_counter() - t)
+    times.sort()
+    return times[len(times) // 2] / samples

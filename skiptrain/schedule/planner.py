@@ -1,0 +1,445 @@
+"""Network-aware skip-and-reorder route planner (SkipPipe's scheduling problem, in seconds).
+
+:func:`plan` returns a :class:`~.schedule.Schedule` for one iteration:
+
+1. **Placement** (:func:`~.placement.place`): stage sizes by work (stage 0 larger when
+   skipping), nodes onto stages by local search on an estimate of the iteration time.
+2. **Construction** (:func:`construct_routes`): micro-batches are taken wave by wave, round-robin
+   over originators; each picks the stage set, order (ascending up to ``max_swaps`` neighbour
+   swaps) and replicas whose estimated finish is earliest given the load already reserved on
+   every node (list scheduling; replicas by dynamic programming along the visit order).
+   Balance holds by construction: every body stage has a quota of visits (``M * visits /
+   (S - 1)``, +-1), and a stage whose quota equals the number of micro-batches still to plan
+   must be taken, so the quotas always stay satisfiable.
+3. **Local search** (:func:`improve_routes`): random balance-preserving moves (change a hop's
+   replica, trade a stage or a replica between two micro-batches, exchange two routes, toggle a
+   neighbour swap), each scored by the discrete-event simulator
+   (:func:`~.simulator.simulate` with the requested contention and DP-sync settings); a move is
+   kept when the simulated iteration is no longer (ties broken by the mean micro-batch finish).
+   Deadlocking schedules score infinity, so they are never kept.
+
+Collision awareness is steps 2 and 3: routes are chosen against each other's load and scored
+with queueing on nodes and links.  ``collision_aware=False`` gives the "SkipPipe without
+collision awareness" ablation: every micro-batch takes its individually cheapest route under the
+stage quotas and per-node quotas (equal share of visits per replica), with no simulator feedback.
+
+The search is deterministic for a given ``seed`` and ``max_evals``; ``time_limit_s`` is a safety
+cap (when it cuts the search, results can differ between machines).  Defaults keep 20 nodes
+within a few seconds and 64 nodes within a minute on one core.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import random
+import time
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+from ..net.topology import Topology
+from .cost import CostModel
+from .placement import check_sizes, place, stage_sizes
+from .routes import count_swaps, skip_count, visits_per_route
+from .schedule import MicroBatch, Schedule, ScheduleError
+from .simulator import simulate
+
+
+@dataclass
+class PlanConfig:
+    """What to plan: stages, skip ratio, memory, micro-batches per originator, search budget."""
+    n_stages: int = 6
+    stage_sizes: list[int] | None = None
+    skip_ratio: float = 0.33
+    max_swaps: int = 2
+    memory: int = 3
+    mb_per_originator: int = 6
+    seed: int = 0
+    contention: bool = True        # model used to score candidates
+    dp_sync: bool = True
+    collision_aware: bool = True
+    max_evals: int | None = None   # simulator calls in local search (None: by problem size)
+    time_limit_s: float | None = None
+    placement: list[list[int]] | None = None  # skip placement search when given
+    constructions: int | None = None  # lane-like starting points tried (None: by size)
+
+    def check(self, n_nodes: int) -> None:
+        if self.n_stages < 1:
+            raise ScheduleError("need at least one stage")
+        if self.memory < 1:
+            raise ScheduleError(f"memory {self.memory}: every node needs at least one micro-batch "
+                                "credit (memory >= 1)")
+        if self.mb_per_originator < 1:
+            raise ScheduleError("need at least one micro-batch per originator")
+        if not 0 <= self.max_swaps <= 2:
+            raise ScheduleError(f"max_swaps {self.max_swaps} must be 0, 1 or 2")
+        if n_nodes < self.n_stages:
+            raise ScheduleError(f"{n_nodes} nodes cannot serve {self.n_stages} stages: every stage needs "
+                                "at least one node; add nodes or lower the number of stages")
+        skip_count(self.skip_ratio, self.n_stages)  # raises when k is too large
+        if self.stage_sizes is not None:
+            if len(self.stage_sizes) != self.n_stages:
+                raise ScheduleError(f"stage sizes {self.stage_sizes} do not list {self.n_stages} stages")
+            check_sizes(self.stage_sizes, n_nodes)
+
+
+def route_orders(n_stages: int, visits: int, max_swaps: int) -> list[tuple[int, ...]]:
+    """Every allowed visit order: a ``visits``-subset of body stages, ascending up to
+    ``max_swaps`` disjoint neighbour swaps."""
+    out = []
+    for sub in itertools.combinations(range(1, n_stages), visits):
+        for k in range(0, min(max_swaps, visits // 2) + 1):
+            for pos in itertools.combinations(range(visits - 1), k):
+                if any(b - a < 2 for a, b in zip(pos, pos[1:])):
+                    continue
+                r = list(sub)
+                for i in pos:
+                    r[i], r[i + 1] = r[i + 1], r[i]
+                out.append(tuple(r))
+    return out
+
+
+def stage_quotas(n_mb: int, n_stages: int, visits: int, rng: random.Random) -> dict[int, int]:
+    """Visits per body stage summing to ``n_mb * visits``, differing by at most one."""
+    body = list(range(1, n_stages))
+    if not body:
+        return {}
+    total = n_mb * visits
+    q = {s: total // len(body) for s in body}
+    extra = body[:]
+    rng.shuffle(extra)
+    for s in extra[:total % len(body)]:
+        q[s] += 1
+    return q
+
+
+class _Ctx:
+    def __init__(self, topo: Topology, cost: CostModel, placement: list[list[int]]):
+        self.topo, self.cost, self.placement = topo, cost, placement
+        N = topo.n
+        self.H = [[cost.hop_s(topo, a, b) if a != b else 0.0 for b in range(N)] for a in range(N)]
+        stage_of = {n: s for s, p in enumerate(placement) for n in p}
+        self.f = [cost.fwd_s(stage_of[n], topo.nodes[n].speed) if n in stage_of else 0.0 for n in range(N)]
+        self.b = [x * cost.backward_factor for x in self.f]
+        self.loss = {o: cost.loss_s(topo.nodes[o].speed) for o in placement[0]}
+
+
+def _best_replicas(ctx: _Ctx, o: int, order: Sequence[int], t0: float, free: Sequence[float],
+                   allowed: dict[int, list[int]] | None) -> tuple[float, list[int], list[float]]:
+    """Replicas for visit ``order`` from originator ``o`` starting its forward at ``t0``.
+
+    Dynamic programming along the order; state value = estimated forward finish on the node
+    (respecting ``free``) plus the accumulated return cost (hops back and backward compute).
+    Returns (estimated finish at the originator, nodes, forward start per hop).
+    """
+    H, f, b = ctx.H, ctx.f, ctx.b
+    # entries: node -> (score, fwd_finish, back_cost, path, starts)
+    t_o = t0 + f[o]
+    layer = {o: (t_o, t_o, 0.0, [], [])}
+    for s in order:
+        reps = allowed[s] if allowed is not None else ctx.placement[s]
+        nxt = {}
+        for n in reps:
+            best = None
+            for p, (_, tf, bc, path, starts) in layer.items():
+                arr = tf + H[p][n]
+                st = arr if arr > free[n] else free[n]
+                fin = st + f[n]
+                bc2 = bc + H[n][p] + b[n]
+                sc = fin + bc2
+                if best is None or sc < best[0]:
+                    best = (sc, fin, bc2, path + [n], starts + [st])
+            nxt[n] = best
+        layer = nxt
+    best = None
+    for p, (_, tf, bc, path, starts) in layer.items():
+        tot = tf + H[p][o] + ctx.loss[o] + bc + b[o]
+        if best is None or tot < best[0]:
+            best = (tot, path, starts)
+    return best
+
+
+def construct_routes(ctx: _Ctx, originators: Sequence[int], mb_per_originator: int, n_stages: int,
+                     visits: int, max_swaps: int, memory: int, rng: random.Random,
+                     aware: bool = True) -> list[MicroBatch]:
+    """Greedy list-scheduling construction (see module doc, step 2).  Micro-batch ids are
+    assigned wave by wave: id = wave * len(originators) + originator index."""
+    orders = route_orders(n_stages, visits, max_swaps)
+    M = len(originators) * mb_per_originator
+    quota = stage_quotas(M, n_stages, visits, rng)
+    N = ctx.topo.n
+    free = [0.0] * N
+    node_quota = None
+    if not aware:
+        node_quota = {}
+        for s in range(1, n_stages):
+            reps = ctx.placement[s]
+            tot_speed = sum(ctx.topo.nodes[n].speed for n in reps)
+            for n in reps:
+                node_quota[n] = math.ceil(quota[s] * ctx.topo.nodes[n].speed / tot_speed)
+    fwd_free = {o: 0.0 for o in originators}
+    finish: dict[int, list[float]] = {o: [] for o in originators}
+    mbs: list[MicroBatch] = []
+    left = M
+    zero = [0.0] * N
+    for w in range(mb_per_originator):
+        for oi, o in enumerate(originators):
+            must = {s for s, q in quota.items() if q >= left}
+            t0 = fwd_free[o] if aware else 0.0
+            if aware and w >= memory:
+                t0 = max(t0, finish[o][w - memory])
+            allowed = None
+            if node_quota is not None:
+                allowed = {s: [n for n in ctx.placement[s] if node_quota[n] > 0] for s in range(1, n_stages)}
+            best = None
+            for order in orders:
+                if any(quota[s] <= 0 for s in order) or not must.issubset(order):
+                    continue
+                if allowed is not None and any(not allowed[s] for s in order):
+                    continue
+                tot, nodes, starts = _best_replicas(ctx, o, order, t0, free if aware else zero, allowed)
+                key = (tot, count_swaps(order), order)
+                if best is None or key < best[0]:
+                    best = (key, order, nodes, starts)
+            if best is None:
+                raise ScheduleError("no route satisfies the stage quotas; this is a planner bug")
+            _, order, nodes, starts = best
+            for s in order:
+                quota[s] -= 1
+            if node_quota is not None:
+                for n in nodes:
+                    node_quota[n] -= 1
+            left -= 1
+            if aware:
+                fwd_free[o] = t0 + ctx.f[o]
+                for n, st in zip(nodes, starts):
+                    free[n] = st + ctx.f[n] + ctx.b[n]
+            finish[o].append(best[0][0])
+            mbs.append(MicroBatch(w * len(originators) + oi, o, list(zip(order, nodes)), 0.0))
+    # injection order: per originator in wave order (list order already is)
+    return mbs
+
+
+def construct_affinity(ctx: _Ctx, originators: Sequence[int], mb_per_originator: int, n_stages: int,
+                       visits: int, max_swaps: int, rng: random.Random, penalty: float,
+                       order_of_originators: Sequence[int]) -> list[MicroBatch]:
+    """Lane-like construction: originators one after another (in ``order_of_originators``),
+    each micro-batch taking the cheapest round trip (hops both ways + compute) where a node
+    already used by *another* originator costs ``penalty`` extra, under the stage quotas and
+    per-node quotas (visits shared by speed).  With ``penalty > 0`` an originator's
+    micro-batches keep to their own nodes, like SkipPipe's lanes; the quotas keep balance."""
+    orders = route_orders(n_stages, visits, max_swaps)
+    M = len(originators) * mb_per_originator
+    quota = stage_quotas(M, n_stages, visits, rng)
+    H, f, b = ctx.H, ctx.f, ctx.b
+    cap = {}
+    for s in range(1, n_stages):
+        reps = ctx.placement[s]
+        tot = sum(ctx.topo.nodes[n].speed for n in reps)
+        for n in reps:
+            cap[n] = math.ceil(quota[s] * ctx.topo.nodes[n].speed / tot)
+    owners: dict[int, set] = {}
+    routes: dict[int, list] = {o: [] for o in originators}
+    left = M
+    for o in order_of_originators:
+        for _ in range(mb_per_originator):
+            must = {s for s, q in quota.items() if q >= left}
+            best = None
+            for order in orders:
+                if any(quota[s] <= 0 for s in order) or not must.issubset(order):
+                    continue
+                # Viterbi over replicas with additive cost
+                layer = {o: (f[o] + b[o] + ctx.loss[o], [])}
+                ok = True
+                for s in order:
+                    nxt = {}
+                    for n in ctx.placement[s]:
+                        if cap[n] <= 0:
+                            continue
+                        pen = penalty if owners.get(n, {o}) - {o} else 0.0
+                        c_n = f[n] + b[n] + pen
+                        bb = min(((c + H[p][n] + H[n][p] + c_n, path) for p, (c, path) in layer.items()),
+                                 key=lambda x: x[0])
+                        nxt[n] = (bb[0], bb[1] + [n])
+                    if not nxt:
+                        ok = False
+                        break
+                    layer = nxt
+                if not ok:
+                    continue
+                tot, path = min(((c + H[p][o] + H[o][p], path) for p, (c, path) in layer.items()),
+                                key=lambda x: x[0])
+                key = (tot, count_swaps(order), order)
+                if best is None or key < best[0]:
+                    best = (key, order, path)
+            if best is None:
+                raise ScheduleError("no route satisfies the stage and node quotas; this is a planner bug")
+            _, order, path = best
+            for s_, n in zip(order, path):
+                quota[s_] -= 1
+                cap[n] -= 1
+                owners.setdefault(n, set()).add(o)
+            left -= 1
+            routes[o].append(list(zip(order, path)))
+    mbs = []
+    for w in range(mb_per_originator):
+        for oi, o in enumerate(originators):
+            mbs.append(MicroBatch(w * len(originators) + oi, o, routes[o][w], 0.0))
+    return mbs
+
+
+def _sorted_route(route: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    return sorted(route)
+
+
+def improve_routes(schedule: Schedule, topo: Topology, cost: CostModel, contention: bool, dp_sync: bool,
+                   rng: random.Random, max_evals: int, time_limit_s: float | None = None) -> tuple[Schedule, dict]:
+    """Local search on ``schedule``'s routes (see module doc, step 3); returns the best found."""
+    S = schedule.n_stages
+    mbs = schedule.micro_batches
+    M = len(mbs)
+    routes = [list(mb.route) for mb in mbs]
+    pl = schedule.placement
+
+    def score() -> float:
+        for mb, r in zip(mbs, routes):
+            mb.route = r
+        return simulate(schedule, topo, cost, contention=contention, dp_sync=dp_sync, record=False).score()
+
+    cur = score()
+    start = cur
+    best_score, best_routes = cur, [list(r) for r in routes]
+    t_start = time.perf_counter()
+    evals = accepted = 0
+    temp0 = 0.005 * cur if math.isfinite(cur) else 0.0
+    while evals < max_evals:
+        if time_limit_s is not None and time.perf_counter() - t_start > time_limit_s:
+            break
+        move = rng.random()
+        j1 = rng.randrange(M)
+        old = None
+        if move < 0.25:  # change the replica of one hop
+            r = routes[j1]
+            if not r:
+                continue
+            i = rng.randrange(len(r))
+            s, n = r[i]
+            if len(pl[s]) < 2:
+                continue
+            n2 = rng.choice([x for x in pl[s] if x != n])
+            old = [(j1, r)]
+            routes[j1] = r[:i] + [(s, n2)] + r[i + 1:]
+        elif move < 0.5:  # two micro-batches trade replicas of a stage they share
+            j2 = rng.randrange(M)
+            d1, d2 = dict(routes[j1]), dict(routes[j2])
+            common = [s for s in d1 if s in d2 and d1[s] != d2[s]]
+            if j1 == j2 or not common:
+                continue
+            s = rng.choice(common)
+            old = [(j1, routes[j1]), (j2, routes[j2])]
+            routes[j1] = [(x, d2[s] if x == s else n) for x, n in routes[j1]]
+            routes[j2] = [(x, d1[s] if x == s else n) for x, n in routes[j2]]
+        elif move < 0.75:  # trade a stage: j1 takes j2's stage and node, and vice versa
+            j2 = rng.randrange(M)
+            d1, d2 = dict(routes[j1]), dict(routes[j2])
+            only1 = [s for s in d1 if s not in d2]
+            only2 = [s for s in d2 if s not in d1]
+            if j1 == j2 or not only1 or not only2:
+                continue
+            s1, s2 = rng.choice(only1), rng.choice(only2)
+            old = [(j1, routes[j1]), (j2, routes[j2])]
+            r1 = sorted([(s, n) for s, n in routes[j1] if s != s1] + [(s2, d2[s2])])
+            r2 = sorted([(s, n) for s, n in routes[j2] if s != s2] + [(s1, d1[s1])])
+            routes[j1], routes[j2] = r1, r2
+        elif move < 0.9:  # exchange whole body routes of two micro-batches
+            j2 = rng.randrange(M)
+            if j1 == j2 or routes[j1] == routes[j2]:
+                continue
+            old = [(j1, routes[j1]), (j2, routes[j2])]
+            routes[j1], routes[j2] = routes[j2], routes[j1]
+        else:  # toggle a neighbour swap
+            r = routes[j1]
+            if len(r) < 2 or schedule.max_swaps == 0:
+                continue
+            i = rng.randrange(len(r) - 1)
+            cand = r[:i] + [r[i + 1], r[i]] + r[i + 2:]
+            try:
+                if count_swaps([s for s, _ in cand]) > schedule.max_swaps:
+                    continue
+            except Exception:
+                continue
+            old = [(j1, r)]
+            routes[j1] = cand
+        new = score()
+        evals += 1
+        temp = temp0 * (1.0 - evals / max_evals)
+        if new <= cur or (temp > 0 and math.isfinite(new) and rng.random() < math.exp((cur - new) / temp)):
+            if new < cur:
+                accepted += 1
+            cur = new
+            if cur < best_score:
+                best_score, best_routes = cur, [list(r) for r in routes]
+        else:
+            for j, r in old:
+                routes[j] = r
+    for mb, r in zip(mbs, best_routes):
+        mb.route = r
+    return schedule, {"evals": evals, "accepted": accepted, "start_score": start, "score": best_score,
+                      "search_s": time.perf_counter() - t_start}
+
+
+def default_evals(n_mb: int) -> int:
+    """Local-search budget: about 1500 simulations for 30 micro-batches, fewer for big problems."""
+    return max(300, min(2000, 45000 // max(1, n_mb)))
+
+
+def plan(topo: Topology, cost: CostModel, cfg: PlanConfig) -> Schedule:
+    """Plan one iteration: placement, constructive routes, simulator-scored local search."""
+    t0 = time.perf_counter()
+    cfg.check(topo.n)
+    if cost.n_stages != cfg.n_stages:
+        raise ScheduleError(f"cost model has {cost.n_stages} stages but {cfg.n_stages} were requested")
+    rng = random.Random(cfg.seed)
+    sizes = cfg.stage_sizes or stage_sizes(topo.n, cfg.n_stages, cfg.skip_ratio, cost)
+    if cfg.placement is not None:
+        pl = [list(p) for p in cfg.placement]
+    else:
+        pl = place(topo, sizes, cost, cfg.skip_ratio, cfg.memory, cfg.mb_per_originator,
+                   cfg.dp_sync, mode="skip", seed=cfg.seed)
+    t_place = time.perf_counter() - t0
+    v = visits_per_route(cfg.skip_ratio, cfg.n_stages)
+    ctx = _Ctx(topo, cost, pl)
+    mbs = construct_routes(ctx, pl[0], cfg.mb_per_originator, cfg.n_stages, v, cfg.max_swaps,
+                           cfg.memory, rng, aware=cfg.collision_aware)
+    method = "planner" if cfg.collision_aware else "planner_no_ca"
+
+    def mk(mbs_: list[MicroBatch]) -> Schedule:
+        return Schedule(placement=pl, micro_batches=mbs_, memory=cfg.memory, skip_ratio=cfg.skip_ratio,
+                        max_swaps=cfg.max_swaps, method=method)
+
+    sched = mk(mbs)
+    info: dict[str, Any] = {"placement_s": t_place}
+    if cfg.collision_aware:
+        # several lane-like constructions too; keep the one the simulator likes best
+        def sc(x: Schedule) -> float:
+            return simulate(x, topo, cost, contention=cfg.contention, dp_sync=cfg.dp_sync, record=False).score()
+        best_sc = sc(sched)
+        n_con = cfg.constructions if cfg.constructions is not None else (12 if topo.n <= 32 else 4)
+        t_con = time.perf_counter()
+        pens = [0.0, 2.0, 5.0, 10.0]
+        for k in range(n_con):
+            oo = list(pl[0])
+            rng.shuffle(oo)
+            cand = mk(construct_affinity(ctx, pl[0], cfg.mb_per_originator, cfg.n_stages, v,
+                                         cfg.max_swaps, rng, pens[k % len(pens)], oo))
+            x = sc(cand)
+            if x < best_sc:
+                best_sc, sched = x, cand
+        info["construct_s"] = time.perf_counter() - t_con
+        budget = cfg.max_evals if cfg.max_evals is not None else default_evals(len(mbs))
+        left = None if cfg.time_limit_s is None else max(0.0, cfg.time_limit_s - (time.perf_counter() - t0))
+        sched, st = improve_routes(sched, topo, cost, cfg.contention, cfg.dp_sync, rng, budget, left)
+        info.update(st)
+    info["planner_s"] = time.perf_counter() - t0
+    sched.meta = {"planner": info, "seed": cfg.seed, "contention": cfg.contention, "dp_sync": cfg.dp_sync}
+    return sched

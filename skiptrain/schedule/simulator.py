@@ -1,0 +1,307 @@
+"""Discrete-event simulator of one training iteration of a :class:`~.schedule.Schedule`.
+
+Model (DESIGN.md section 5; the runtime implements the same rules):
+
+* Every node runs one compute task at a time.  Ready tasks wait in two classes: backward
+  (``bwd`` and ``loss``) and forward; with policy ``1f1b`` backward goes first, with ``gpipe``
+  forward goes first; within a class first come, first served (ties by micro-batch order).
+* Memory credits: a node starts a forward only while it holds fewer than ``schedule.memory``
+  micro-batches; the credit comes back when that micro-batch's backward on the node ends.
+* Originators start their micro-batches in schedule order, each not before its ``start_s``.
+* Messages: a hop ``a -> b`` of ``B`` bytes occupies the directed link for ``B / bandwidth``
+  seconds and is delivered ``latency + hop_overhead_s`` after it leaves the link.  With
+  ``contention=True`` every directed link is a FIFO: a message waits until earlier ones have
+  left the link.  With ``contention=False`` transfers never wait for each other.
+* With ``dp_sync=True`` each stage runs a ring sync over all its replicas as soon as the last
+  backward of the stage finished (:meth:`CostModel.sync_steps`: a ring all-reduce for dense
+  gradients, a ring all-gather for compressed payloads); its messages use the same link FIFOs.
+  The iteration ends when every micro-batch is done and every stage is synced.
+
+``simulate(..., contention=False, dp_sync=False)`` is the SkipPipe reference simulator's
+simplified model (no link contention, no DP sync), for like-for-like comparisons.
+
+If the memory credits deadlock (possible only with reordered routes) the result has
+``iteration_s = inf`` and ``deadlock = True``, or :class:`SimulationError` is raised with
+``on_deadlock="raise"``.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..errors import UserError
+from ..net.topology import Topology
+from .cost import CostModel, ring_order
+from .schedule import Schedule, ScheduleError
+from .timeline import Event
+
+_ARRIVE, _DONE, _SYNC = 0, 1, 2
+_FWD, _LOSS, _BWD = 0, 1, 2
+_KIND_NAMES = ("fwd", "loss", "bwd")
+
+
+class SimulationError(UserError, RuntimeError):
+    """The schedule cannot finish (memory credits deadlock) or does not fit the topology."""
+
+
+@dataclass
+class SimResult:
+    """What one simulated iteration produced; times in seconds, bytes as counted on links."""
+    iteration_s: float
+    pipeline_s: float                      # last micro-batch done (before the DP sync tail)
+    mb_done_s: dict[int, float]
+    node_busy_s: dict[int, float]
+    node_idle_s: dict[int, float]
+    bytes_pipeline: int
+    bytes_sync: int
+    max_in_flight: dict[int, int]
+    sync_s: dict[int, tuple[float, float]] = field(default_factory=dict)  # stage -> (start, end)
+    timeline: list[Event] = field(default_factory=list)
+    deadlock: bool = False
+
+    @property
+    def bytes_on_wire(self) -> int:
+        return self.bytes_pipeline + self.bytes_sync
+
+    def score(self) -> float:
+        """Planner objective: iteration time, ties broken by the mean micro-batch finish."""
+        if self.deadlock or not self.mb_done_s:
+            return math.inf if self.deadlock else self.iteration_s
+        return self.iteration_s + 1e-3 * sum(self.mb_done_s.values()) / len(self.mb_done_s)
+
+    def summary(self) -> dict[str, Any]:
+        busy = [v for v in self.node_busy_s.values()]
+        return {"iteration_s": self.iteration_s, "pipeline_s": self.pipeline_s,
+                "bytes_on_wire": self.bytes_on_wire, "bytes_pipeline": self.bytes_pipeline,
+                "bytes_sync": self.bytes_sync,
+                "mean_utilisation": (sum(busy) / (len(busy) * self.iteration_s)
+                                     if busy and self.iteration_s > 0 and math.isfinite(self.iteration_s) else 0.0),
+                "max_in_flight": max(self.max_in_flight.values(), default=0),
+                "deadlock": self.deadlock}
+
+
+def simulate(schedule: Schedule, topo: Topology, cost: CostModel, contention: bool = True,
+             dp_sync: bool = True, record: bool = True, on_deadlock: str = "inf") -> SimResult:
+    """Simulate one iteration of ``schedule`` on ``topo`` under ``cost``; see the module doc.
+
+    ``record=False`` skips building the timeline (the planner's fast path).
+    """
+    S = schedule.n_stages
+    if cost.n_stages != S:
+        raise ScheduleError(f"cost model has {cost.n_stages} stages, schedule has {S}")
+    stage_of = schedule.stage_of()
+    N = topo.n
+    if any(n >= N or n < 0 for n in stage_of):
+        raise ScheduleError(f"schedule uses nodes outside the topology's 0..{N - 1}")
+    lat, inv_bw = topo._lat, topo._inv_bw
+    overhead = cost.hop_overhead_s
+    act = cost.activation_bytes
+    fwd_t = [0.0] * N
+    for n, s in stage_of.items():
+        fwd_t[n] = cost.fwd_s(s, topo.nodes[n].speed)
+    bf = cost.backward_factor
+    loss_t = {n: cost.loss_s(topo.nodes[n].speed) for n in schedule.placement[0]}
+    policy_fwd_first = schedule.policy == "gpipe"
+
+    mbs = schedule.micro_batches
+    M = len(mbs)
+    paths = [[mb.originator, *mb.nodes] for mb in mbs]
+    stages = [[0, *mb.stages] for mb in mbs]
+    mb_ids = [mb.id for mb in mbs]
+    # injection order per originator
+    inject: dict[int, list[int]] = {}
+    for j, mb in enumerate(mbs):
+        inject.setdefault(mb.originator, []).append(j)
+    inj_ptr = {o: 0 for o in inject}
+
+    credits = [schedule.memory] * N
+    held = [0] * N
+    max_held = [0] * N
+    busy = [False] * N
+    busy_s = [0.0] * N
+    hi: list[list] = [[] for _ in range(N)]   # heaps of (ready_t, j, seq, kind, pos)
+    lo: list[list] = [[] for _ in range(N)]
+    link_free: dict[tuple[int, int], float] = {}
+    ev: list = []
+    seq = 0
+    bytes_pipe = 0
+    bytes_sync = 0
+    timeline: list[Event] = []
+    done_at: dict[int, float] = {}
+    # stage sync bookkeeping
+    stage_total = [0] * S
+    for st in stages:
+        for s in st:
+            stage_total[s] += 1
+    stage_left = list(stage_total)
+    sync_span: dict[int, tuple[float, float]] = {}
+    sync_state: dict[int, dict[str, Any]] = {}
+
+    def push(t: float, etype: int, a: Any, b: Any = None, c: Any = None, d: Any = None) -> None:
+        nonlocal seq
+        seq += 1
+        heapq.heappush(ev, (t, seq, etype, a, b, c, d))
+
+    def send(a: int, b: int, nbytes: float, t: float) -> tuple[float, float]:
+        """Queue ``nbytes`` on link a->b at ``t``; (time it starts on the link, delivery time)."""
+        ser = nbytes * inv_bw[a][b]
+        if contention:
+            key = (a, b)
+            st = link_free.get(key, 0.0)
+            if st < t:
+                st = t
+            link_free[key] = st + ser
+        else:
+            st = t
+        return st, st + ser + lat[a][b]
+
+    def hop(a: int, b: int, t: float, j: int, kind: int, pos: int) -> None:
+        nonlocal bytes_pipe
+        st, arr = send(a, b, act, t)
+        arr += overhead
+        bytes_pipe += act
+        if record:
+            timeline.append(Event(a, "send", mb_ids[j], stage_of[a], st, arr, act, b))
+            timeline.append(Event(b, "recv", mb_ids[j], stage_of[b], arr, arr, act, a))
+        push(arr, _ARRIVE, b, j, kind, pos)
+
+    def enqueue(node: int, t: float, j: int, kind: int, pos: int) -> None:
+        nonlocal seq
+        seq += 1
+        heapq.heappush(lo[node] if kind == _FWD else hi[node], (t, j, seq, kind, pos))
+
+    def dispatch(node: int, now: float) -> None:
+        if busy[node]:
+            return
+        q = None
+        can_fwd = lo[node] and credits[node] > 0
+        if policy_fwd_first:
+            q = lo[node] if can_fwd else (hi[node] or None)
+        else:
+            q = hi[node] if hi[node] else (lo[node] if can_fwd else None)
+        if not q:
+            return
+        _, j, _, kind, pos = heapq.heappop(q)
+        if kind == _FWD:
+            dur = fwd_t[node]
+            credits[node] -= 1
+            held[node] += 1
+            if held[node] > max_held[node]:
+                max_held[node] = held[node]
+            if pos == 0:  # injection: the originator's next micro-batch becomes eligible
+                o = node
+                inj_ptr[o] += 1
+                if inj_ptr[o] < len(inject[o]):
+                    nj = inject[o][inj_ptr[o]]
+                    push(max(now, mbs[nj].start_s), _ARRIVE, o, nj, _FWD, 0)
+        elif kind == _LOSS:
+            dur = loss_t[node]
+        else:
+            dur = fwd_t[node] * bf
+        busy[node] = True
+        busy_s[node] += dur
+        if record:
+            timeline.append(Event(node, _KIND_NAMES[kind], mb_ids[j], stages[j][pos], now, now + dur))
+        push(now + dur, _DONE, node, j, kind, pos)
+
+    def start_sync(s: int, t: float) -> None:
+        reps = schedule.placement[s]
+        steps, frac = cost.sync_steps(len(reps))
+        if steps == 0:
+            sync_span[s] = (t, t)
+            return
+        ring = ring_order(topo, reps)
+        nbytes = cost.sync_bytes(s) * frac
+        sync_state[s] = {"ring": ring, "steps": steps, "bytes": nbytes, "start": t,
+                         "end": {}, "sent": {}}
+        for r in range(len(ring)):
+            sync_send(s, r, 0, t)
+
+    def sync_send(s: int, r: int, k: int, t: float) -> None:
+        nonlocal bytes_sync
+        stt = sync_state[s]
+        ring = stt["ring"]
+        a, b = ring[r], ring[(r + 1) % len(ring)]
+        _, arr = send(a, b, stt["bytes"], t)
+        bytes_sync += int(stt["bytes"])
+        stt["sent"][a] = stt["sent"].get(a, 0) + int(stt["bytes"])
+        push(arr, _SYNC, s, (r + 1) % len(ring), k)
+
+    # inject the first micro-batch of every originator
+    for o, js in inject.items():
+        if stage_of.get(o) != 0:
+            raise ScheduleError(f"originator {o} is not a stage-0 node")
+        push(mbs[js[0]].start_s, _ARRIVE, o, js[0], _FWD, 0)
+
+    now = 0.0
+    while ev:
+        now, _, etype, a, j, kind, pos = heapq.heappop(ev)
+        if etype == _ARRIVE:
+            enqueue(a, now, j, kind, pos)
+            dispatch(a, now)
+        elif etype == _DONE:
+            node = a
+            busy[node] = False
+            path = paths[j]
+            v = len(path) - 1
+            if kind == _FWD:
+                if pos < v:
+                    hop(node, path[pos + 1], now, j, _FWD, pos + 1)
+                elif v == 0:
+                    enqueue(node, now, j, _LOSS, 0)
+                else:
+                    hop(node, path[0], now, j, _LOSS, 0)
+            elif kind == _LOSS:
+                if v == 0:
+                    enqueue(node, now, j, _BWD, 0)
+                else:
+                    hop(node, path[v], now, j, _BWD, v)
+            else:
+                credits[node] += 1
+                held[node] -= 1
+                s = stages[j][pos]
+                stage_left[s] -= 1
+                if pos > 0:
+                    hop(node, path[pos - 1], now, j, _BWD, pos - 1)
+                else:
+                    done_at[mb_ids[j]] = now
+                if stage_left[s] == 0 and dp_sync:
+                    start_sync(s, now)
+            dispatch(node, now)
+        else:  # _SYNC arrival: stage a, ring position j received step kind
+            s, r, k = a, j, kind
+            stt = sync_state[s]
+            if k + 1 < stt["steps"]:
+                sync_send(s, r, k + 1, now)
+            else:
+                stt["end"][stt["ring"][r]] = now
+
+    deadlock = len(done_at) < M
+    if deadlock and on_deadlock == "raise":
+        raise SimulationError(
+            f"schedule deadlocked: {M - len(done_at)} of {M} micro-batches never finished "
+            f"(memory credits {schedule.memory} exhausted in a cycle; use ascending routes or more memory)")
+    pipeline_s = max(done_at.values(), default=0.0)
+    iteration_s = pipeline_s
+    for s, stt in sync_state.items():
+        end = max(stt["end"].values(), default=stt["start"])
+        sync_span[s] = (stt["start"], end)
+        iteration_s = max(iteration_s, end)
+        if record:
+            for node in stt["ring"]:
+                timeline.append(Event(node, "sync", None, s, stt["start"], stt["end"].get(node, end),
+                                      stt["sent"].get(node, 0)))
+    if deadlock:
+        iteration_s = math.inf
+    placed = schedule.nodes()
+    node_busy = {n: busy_s[n] for n in placed}
+    node_idle = {n: (iteration_s - busy_s[n]) if math.isfinite(iteration_s) else math.inf for n in placed}
+    if record:
+        timeline.sort(key=lambda e: (e.start, e.node))
+    return SimResult(iteration_s=iteration_s, pipeline_s=pipeline_s, mb_done_s=done_at,
+                     node_busy_s=node_busy, node_idle_s=node_idle, bytes_pipeline=bytes_pipe,
+                     bytes_sync=bytes_sync, max_in_flight={n: max_held[n] for n in placed},
+                     sync_s=sync_span, timeline=timeline, deadlock=deadlock)
