@@ -1,0 +1,134 @@
+"""DeMo (Decoupled Momentum, DisTrO): sync a compressed slice of the momentum, step by its sign.
+
+Per parameter tensor, per iteration, on every replica (DESIGN.md section 3):
+
+1. local mean gradient ``g = grad_sum / n_processed`` (zero if nothing was processed), clipped
+   by global norm (``train.grad_clip``) over this strategy's parameters;
+2. momentum with the learning rate folded in: ``m = beta * m + lr * C(g)``, where ``C`` is the
+   chunked orthonormal DCT (:mod:`skiptrain.dp.dct`; identity when ``dp.dct`` is off).  The
+   momentum is kept in coefficient space; since ``C`` is orthonormal this is the same as DeMo's
+   parameter-space momentum (up to the padding of dimensions the chunk does not divide);
+3. every ``H = dp.sync_every`` iterations: keep the ``k`` largest-magnitude coefficients of
+   each chunk, quantise them with the value encoding, and subtract exactly what is sent from
+   ``m`` (error feedback: the residual ``m - sent`` stays local, including the quantisation
+   error);
+4. exchange: one fixed-size byte payload per replica (:mod:`skiptrain.dp.payload`), one
+   all-gather; every payload is validated before anything is applied;
+5. decode: each coefficient is the average of the values of the replicas that sent it,
+   weighted by their micro-batch counts (DeMo's plain mean when counts are equal; all weights
+   are 1 if no replica processed anything); inverse DCT; padding cropped;
+6. decoupled weight decay on matrices ``p *= 1 - lr * wd``, then ``p -= lr * sign(decoded)``.
+
+With ``H > 1`` the iterations between syncs only fold their gradients into the local momentum
+(no parameter update), so replicas stay bit-identical at every iteration and bytes per
+iteration drop by ``H``; the cost is ``H`` times fewer parameter updates for the same tokens.
+
+Every replica decodes the same gathered payloads in the same (rank) order with the same
+deterministic operations, so parameters stay bit-identical (checked every ``dp.check_every``
+steps).  A replica that processed no micro-batch still sends a payload, with weight 0, and keeps
+its residual (no error-feedback subtraction).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .adamw import clip_
+from .dct import ChunkedDCT
+from .encoding import INDEX_LIMIT, quantize_values
+from .payload import PayloadLayout, TensorSpec
+from .strategy import StrategyError, SyncStrategy
+
+
+class DeMoStrategy(SyncStrategy):
+    name = "demo"
+
+    def __init__(self, named_params, transport, dp_cfg, optim_cfg):
+        super().__init__(named_params, transport, dp_cfg, optim_cfg)
+        self.beta, self.H = dp_cfg.beta, dp_cfg.sync_every
+        self.geo = {n: ChunkedDCT(p.shape, dp_cfg.chunk, dp_cfg.dct) for n, p in self.named}
+        self.k = {n: min(dp_cfg.topk, g.chunk_numel) for n, g in self.geo.items()}
+        for n, g in self.geo.items():
+            if g.chunk_numel > INDEX_LIMIT[dp_cfg.indices]:
+                raise StrategyError(f"tensor {n}: chunks of {g.chunk_numel} elements do not fit "
+                                    f"{dp_cfg.indices} indices; use a smaller dp.chunk or wider dp.indices")
+        self.layout = PayloadLayout(
+            [TensorSpec(n, tuple(p.shape), self.geo[n].n_chunks, self.geo[n].chunk_numel, self.k[n])
+             for n, p in self.named], dp_cfg.indices, dp_cfg.values)
+        self.m = {n: torch.zeros(g.n_chunks, g.chunk_numel) for n, g in self.geo.items()}
+        self.n_since = 0        # micro-batches folded into m since the last sync
+        self.syncs = 0          # sync counter (payload header "step")
+        self.tamper = None      # test hook: fn(bytes ndarray) -> ndarray applied to our payload
+
+    @property
+    def payload_bytes(self) -> int:
+        return self.layout.nbytes
+
+    @torch.no_grad()
+    def _sync_and_update(self, lr: float, n: int) -> tuple[bool, int]:
+        if n > 0:
+            grads = self._grads()
+            for g in grads.values():
+                g.div_(n)
+            clip_(grads, self.opt.grad_clip)
+            for name, g in grads.items():
+                self.m[name].mul_(self.beta).add_(self.geo[name].forward(g), alpha=lr)
+        else:
+            for m in self.m.values():
+                m.mul_(self.beta)
+        self.n_since += n
+        if self.step_count % self.H:
+            return False, n
+        # ---- compress with error feedback
+        send = {}
+        for name, m in self.m.items():
+            idx = m.abs().topk(self.k[name], dim=1, sorted=False).indices
+            q = quantize_values(m.gather(1, idx), self.dp.values)
+            if self.n_since > 0:
+                m.scatter_(1, idx, m.gather(1, idx) - q)
+            send[name] = (idx, q)
+        payload = self.layout.encode(self.syncs, self.n_since, send)
+        if self.tamper is not None:
+            payload = self.tamper(payload)
+        # ---- exchange and validate everything before applying anything
+        bufs = self.tr.all_gather_bytes(payload)
+        decoded = [self.layout.decode(b, peer=r, expect_step=self.syncs) for r, b in enumerate(bufs)]
+        self.syncs += 1
+        self.n_since = 0
+        weights = [float(w) for w, _ in decoded]
+        n_total = int(sum(weights))
+        if n_total == 0:
+            weights = [1.0] * len(decoded)
+        # ---- decode: weighted mean over the senders of each coefficient, inverse DCT, sign step
+        for name, p in self.named:
+            geo = self.geo[name]
+            acc = torch.zeros(geo.n_chunks, geo.chunk_numel)
+            wsum = torch.zeros(geo.n_chunks, geo.chunk_numel)
+            for w, (_, tensors) in zip(weights, decoded):
+                if w == 0:
+                    continue
+                idx, val = tensors[name]
+                acc.scatter_add_(1, idx, val * w)
+                wsum.scatter_add_(1, idx, torch.full(val.shape, w))
+            avg = torch.where(wsum > 0, acc / wsum.clamp_min(1e-30), torch.zeros(()))
+            upd = geo.inverse(avg)
+            if self.opt.weight_decay and p.ndim >= 2:
+                p.mul_(1 - lr * self.opt.weight_decay)
+            p.add_(torch.sign(upd).to(p.dtype), alpha=-lr)
+        return True, n_total
+
+    def state_dict(self) -> dict:
+        st = super().state_dict()
+        st.update(syncs=self.syncs, n_since=self.n_since,
+                  tensors={n: {"momentum_coeffs": m.clone()} for n, m in self.m.items()})
+        return st
+
+    def load_state_dict(self, state: dict) -> None:
+        super().load_state_dict(state)
+        self.syncs, self.n_since = int(state["syncs"]), int(state["n_since"])
+        for n, m in self.m.items():
+            src = state["tensors"][n]["momentum_coeffs"]
+            if src.shape != m.shape:
+                raise StrategyError(f"momentum of {n} has shape {tuple(src.shape)}, expected {tuple(m.shape)} "
+                                    "(different dp.chunk or dp.dct setting)")
+            m.copy_(src)

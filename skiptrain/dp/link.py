@@ -1,0 +1,49 @@
+"""User-space WAN emulation for data-parallel collectives: real sleeps derived from real bytes.
+
+A :class:`LinkModel` gives every node the same access link: ``up_mbps`` upload,
+``down_mbps`` download (Mbit/s) and one-way ``latency_ms`` per message.  After a collective
+has really run (over gloo on loopback), :class:`~skiptrain.dp.transport.Transport` sleeps for
+the time the same collective would take on those links, computed from the bytes it actually
+moved, following the ring algorithms gloo uses:
+
+* all-gather of ``B`` bytes per node over ``N`` nodes: ``N-1`` rounds; in each a node sends
+  ``B`` bytes up and receives ``B`` bytes down at the same time:
+  ``(N-1) * (latency + max(8B/up, 8B/down))``;
+* all-reduce of ``S`` bytes: reduce-scatter then all-gather of ``S/N``-byte pieces,
+  ``2(N-1)`` rounds: ``2(N-1) * (latency + max(8S/(N up), 8S/(N down)))``.
+
+The delay is wall-clock time added on top of the real loopback transfer (so it is slightly
+pessimistic).  Every node computes the same delay, so nodes stay in step.  This is a model of
+one shared access link per node, not per-link FIFO queues; the pipeline transport emulates
+those separately.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class LinkModel:
+    up_mbps: float = 0.0
+    down_mbps: float = 0.0
+    latency_ms: float = 0.0
+
+    @property
+    def enabled(self) -> bool:
+        return self.up_mbps > 0 or self.down_mbps > 0 or self.latency_ms > 0
+
+    def _xfer_s(self, nbytes: float) -> float:
+        up = nbytes * 8 / (self.up_mbps * 1e6) if self.up_mbps > 0 else 0.0
+        down = nbytes * 8 / (self.down_mbps * 1e6) if self.down_mbps > 0 else 0.0
+        return max(up, down)
+
+    def all_gather_s(self, nbytes_per_node: int, world: int) -> float:
+        if world <= 1 or not self.enabled:
+            return 0.0
+        return (world - 1) * (self.latency_ms / 1e3 + self._xfer_s(nbytes_per_node))
+
+    def all_reduce_s(self, nbytes: int, world: int) -> float:
+        if world <= 1 or not self.enabled:
+            return 0.0
+        return 2 * (world - 1) * (self.latency_ms / 1e3 + self._xfer_s(nbytes / world))

@@ -1,0 +1,138 @@
+"""One fixed-size byte payload per sync: every tensor's top-k indices and values in one bucket.
+
+Layout (little-endian), identical on every replica and known before training starts::
+
+    header (24 bytes)
+      magic      4s   b"SKDP"
+      version    u8   1
+      index enc  u8   position in encoding.INDEX_ENCODINGS
+      value enc  u8   position in encoding.VALUE_ENCODINGS
+      reserved   u8   0
+      step       i64  the sync counter of the sender (replicas are in lock-step)
+      n_proc     u32  micro-batches the sender processed since the previous sync (decode weight)
+      layout     u32  crc32 of (names, shapes, chunks, k, encodings): peers must agree
+    then, for each tensor in sorted global-name order:
+      indices    index_nbytes(n_chunks * k)   positions inside each chunk, chunk-major
+      values     value_nbytes(n_chunks * k)   (sign1/sign2 blocks start with a fp32 scale)
+
+:meth:`PayloadLayout.decode` validates everything a peer controls before anything is applied:
+total size, magic, version, encodings, layout hash, step, every index in ``[0, chunk_numel)``
+and unique inside its chunk, every value and scale finite.  Any failure is a
+:class:`PayloadError` naming the peer (its rank in the group) and, where it applies, the tensor.
+"""
+
+from __future__ import annotations
+
+import struct
+import zlib
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from ..errors import UserError
+from .encoding import (INDEX_ENCODINGS, VALUE_ENCODINGS, block_scale, decode_indices, decode_values,
+                       encode_indices, encode_values, index_nbytes, value_nbytes)
+
+MAGIC = b"SKDP"
+VERSION = 1
+_HEADER = struct.Struct("<4sBBBBqII")
+HEADER_BYTES = _HEADER.size  # 24
+
+
+class PayloadError(UserError, RuntimeError):
+    """A peer's payload is malformed; it was not applied.  The message names the peer."""
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    name: str
+    shape: tuple[int, ...]
+    n_chunks: int
+    chunk_numel: int
+    k: int
+
+    @property
+    def n(self) -> int:
+        return self.n_chunks * self.k
+
+
+class PayloadLayout:
+    """Byte offsets of every tensor's blocks; encodes and validates/decodes payloads."""
+
+    def __init__(self, specs: list[TensorSpec], index_enc: str, value_enc: str):
+        if index_enc not in INDEX_ENCODINGS:
+            raise ValueError(f"unknown index encoding {index_enc!r}")
+        if value_enc not in VALUE_ENCODINGS:
+            raise ValueError(f"unknown value encoding {value_enc!r}")
+        self.specs = sorted(specs, key=lambda s: s.name)
+        self.index_enc, self.value_enc = index_enc, value_enc
+        self.blocks: dict[str, tuple[int, int, int]] = {}  # name -> (idx offset, val offset, end)
+        off = HEADER_BYTES
+        desc = [index_enc, value_enc]
+        for s in self.specs:
+            ni, nv = index_nbytes(s.n, index_enc), value_nbytes(s.n, value_enc)
+            self.blocks[s.name] = (off, off + ni, off + ni + nv)
+            off += ni + nv
+            desc.append(f"{s.name}:{s.shape}:{s.n_chunks}x{s.chunk_numel}:{s.k}")
+        self.nbytes = off
+        self.layout_hash = zlib.crc32("|".join(desc).encode())
+
+    def encode(self, step: int, n_processed: int,
+               tensors: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> np.ndarray:
+        """``tensors[name] = (indices (n_chunks, k), values (n_chunks, k))`` -> the payload bytes."""
+        out = np.zeros(self.nbytes, np.uint8)
+        out[:HEADER_BYTES] = np.frombuffer(_HEADER.pack(
+            MAGIC, VERSION, INDEX_ENCODINGS.index(self.index_enc), VALUE_ENCODINGS.index(self.value_enc),
+            0, int(step), int(n_processed), self.layout_hash), np.uint8)
+        for s in self.specs:
+            idx, val = tensors[s.name]
+            a, b, c = self.blocks[s.name]
+            out[a:b] = encode_indices(idx, self.index_enc)
+            out[b:c] = encode_values(val, self.value_enc)
+        return out
+
+    def decode(self, buf: np.ndarray, peer: int, expect_step: int | None = None
+               ) -> tuple[int, dict[str, tuple[torch.Tensor, torch.Tensor]]]:
+        """Validate a peer's payload; return ``(n_processed, {name: (indices, values)})``.
+
+        Raises :class:`PayloadError` naming ``peer`` on any malformation; nothing is returned
+        (so nothing can be applied) unless every check passes.
+        """
+        def bad(msg: str) -> PayloadError:
+            return PayloadError(f"payload from peer rank {peer} rejected: {msg}")
+
+        buf = np.asarray(buf)
+        if buf.dtype != np.uint8 or buf.ndim != 1:
+            raise bad(f"expected a flat uint8 buffer, got {buf.dtype} {buf.shape}")
+        if buf.size != self.nbytes:
+            raise bad(f"size {buf.size} bytes, expected exactly {self.nbytes}")
+        magic, ver, ienc, venc, _, step, n_proc, lh = _HEADER.unpack(buf[:HEADER_BYTES].tobytes())
+        if magic != MAGIC or ver != VERSION:
+            raise bad(f"bad magic/version {magic!r}/{ver}")
+        if ienc >= len(INDEX_ENCODINGS) or INDEX_ENCODINGS[ienc] != self.index_enc or \
+                venc >= len(VALUE_ENCODINGS) or VALUE_ENCODINGS[venc] != self.value_enc:
+            raise bad(f"encodings ({ienc}, {venc}) differ from ours ({self.index_enc}, {self.value_enc})")
+        if lh != self.layout_hash:
+            raise bad("layout hash differs: the peer has other tensors, shapes, chunk or k settings")
+        if expect_step is not None and step != expect_step:
+            raise bad(f"sync step {step}, expected {expect_step} (replicas out of lock-step)")
+        out: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        for s in self.specs:
+            a, b, c = self.blocks[s.name]
+            idx = decode_indices(buf[a:b], s.n, self.index_enc).view(s.n_chunks, s.k)
+            if s.n and (int(idx.min()) < 0 or int(idx.max()) >= s.chunk_numel):
+                raise bad(f"tensor {s.name}: index out of range [0, {s.chunk_numel}) "
+                          f"(got {int(idx.min())}..{int(idx.max())})")
+            if s.k > 1:
+                srt = idx.sort(dim=1).values
+                if bool((srt[:, 1:] == srt[:, :-1]).any()):
+                    raise bad(f"tensor {s.name}: duplicate index inside a chunk")
+            scale = block_scale(buf[b:c], self.value_enc)
+            if scale is not None and not (np.isfinite(scale) and scale >= 0):
+                raise bad(f"tensor {s.name}: value scale {scale} is not a finite non-negative number")
+            val = decode_values(buf[b:c], s.n, self.value_enc).view(s.n_chunks, s.k)
+            if not bool(torch.isfinite(val).all()):
+                raise bad(f"tensor {s.name}: non-finite value")
+            out[s.name] = (idx, val)
+        return int(n_proc), out

@@ -1,0 +1,84 @@
+"""The collectives a sync strategy uses, with byte accounting and optional link emulation.
+
+:class:`Transport` wraps one torch.distributed process group (any gloo group, sub-groups
+included; ``group=None`` with no initialised default group means a group of one).  Every call
+records what this node sent and received in an :class:`~skiptrain.dp.accountant.ByteAccountant`
+and, when a :class:`~skiptrain.dp.link.LinkModel` is set, sleeps for the modelled transfer time.
+
+Failure semantics: a dead peer makes gloo raise within the group's timeout (set it short, e.g.
+``timedelta(seconds=60)`` in ``init_process_group``); the error propagates to the caller
+unchanged.  Nothing here retries.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from .accountant import ByteAccountant
+from .link import LinkModel
+
+
+class Transport:
+    def __init__(self, group=None, link: LinkModel | None = None,
+                 accountant: ByteAccountant | None = None):
+        self.group = group
+        self.distributed = dist.is_available() and dist.is_initialized()
+        if self.distributed:
+            self.world = dist.get_world_size(group)
+            self.rank = dist.get_rank(group)
+        else:
+            if group is not None:
+                raise ValueError("a process group was given but torch.distributed is not initialised")
+            self.world, self.rank = 1, 0
+        self.link = link or LinkModel()
+        self.acct = accountant or ByteAccountant(self.world)
+        self.emulated_s = 0.0
+        self.comm_s = 0.0  # wall time inside collectives, emulated delay included
+
+    def _delay(self, seconds: float) -> None:
+        if seconds > 0:
+            time.sleep(seconds)
+            self.emulated_s += seconds
+
+    def all_gather_bytes(self, buf: np.ndarray) -> list[np.ndarray]:
+        """All-gather one equal-size uint8 buffer per node; returns the buffers by rank."""
+        buf = np.ascontiguousarray(buf, dtype=np.uint8)
+        self.acct.add_all_gather(buf.size)
+        if self.world == 1:
+            return [buf.copy()]
+        t0 = time.perf_counter()
+        t = torch.from_numpy(buf)
+        out = [torch.empty_like(t) for _ in range(self.world)]
+        dist.all_gather(out, t, group=self.group)
+        self._delay(self.link.all_gather_s(buf.size, self.world))
+        self.comm_s += time.perf_counter() - t0
+        return [o.numpy() for o in out]
+
+    def all_reduce_sum(self, t: torch.Tensor) -> torch.Tensor:
+        """Sum a tensor over the group in place (in its own dtype) and return it."""
+        nbytes = t.numel() * t.element_size()
+        self.acct.add_all_reduce(nbytes)
+        if self.world > 1:
+            t0 = time.perf_counter()
+            dist.all_reduce(t, op=dist.ReduceOp.SUM, group=self.group)
+            self._delay(self.link.all_reduce_s(nbytes, self.world))
+            self.comm_s += time.perf_counter() - t0
+        return t
+
+    def all_gather_tensor(self, t: torch.Tensor, account: bool = True) -> list[torch.Tensor]:
+        """All-gather an equal-shape tensor (control traffic such as hashes)."""
+        if account:
+            self.acct.add_all_gather(t.numel() * t.element_size(), control=True)
+        if self.world == 1:
+            return [t.clone()]
+        t0 = time.perf_counter()
+        out = [torch.empty_like(t) for _ in range(self.world)]
+        dist.all_gather(out, t.contiguous(), group=self.group)
+        if account:
+            self._delay(self.link.all_gather_s(t.numel() * t.element_size(), self.world))
+            self.comm_s += time.perf_counter() - t0
+        return out

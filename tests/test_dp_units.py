@@ -1,0 +1,310 @@
+"""Single-process tests of skiptrain.dp: encodings, DCT, payload validation, DeMo maths at N=1."""
+
+import math
+
+import numpy as np
+import pytest
+import scipy.fft
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from skiptrain.config import DPConfig, TrainConfig, build_config, ConfigError
+from skiptrain.dp.accountant import ByteAccountant
+from skiptrain.dp.dct import ChunkedDCT, dct_matrix
+from skiptrain.dp.encoding import (INDEX_ENCODINGS, INDEX_LIMIT, VALUE_ENCODINGS, decode_indices, decode_values,
+                                   encode_indices, encode_values, index_nbytes, value_nbytes)
+from skiptrain.dp.link import LinkModel
+from skiptrain.dp.payload import PayloadError, PayloadLayout, TensorSpec
+from skiptrain.dp.strategy import StrategyError, make_strategy
+
+
+# ---- encodings ---------------------------------------------------------------------------
+
+@settings(max_examples=60, deadline=None)
+@given(enc=st.sampled_from(INDEX_ENCODINGS), n=st.integers(0, 300), data=st.data())
+def test_index_encodings_round_trip(enc, n, data):
+    hi = min(INDEX_LIMIT[enc], 2**40)
+    vals = data.draw(st.lists(st.integers(0, hi - 1), min_size=n, max_size=n))
+    idx = torch.tensor(vals, dtype=torch.int64)
+    buf = encode_indices(idx, enc)
+    assert buf.dtype == np.uint8 and buf.size == index_nbytes(n, enc)
+    assert torch.equal(decode_indices(buf, n, enc), idx)
+
+
+def test_index_sizes_and_limits():
+    assert index_nbytes(32, "int64") == 256 and index_nbytes(32, "u16") == 64 and index_nbytes(32, "u12") == 48
+    assert index_nbytes(3, "u12") == 5
+    with pytest.raises(ValueError):
+        encode_indices(torch.tensor([4096]), "u12")
+    with pytest.raises(ValueError):
+        encode_indices(torch.tensor([-1]), "u16")
+
+
+@settings(max_examples=60, deadline=None)
+@given(enc=st.sampled_from(VALUE_ENCODINGS), v=st.lists(st.floats(-1e3, 1e3, width=32), min_size=1, max_size=200))
+def test_value_encodings_round_trip(enc, v):
+    x = torch.tensor(v, dtype=torch.float32)
+    buf = encode_values(x, enc)
+    assert buf.size == value_nbytes(len(v), enc)
+    y = decode_values(buf, len(v), enc)
+    if enc == "fp32":
+        assert torch.equal(x, y)
+    elif enc == "bf16":
+        assert torch.equal(x.to(torch.bfloat16).float(), y)
+    elif enc == "sign1":
+        scale = x.abs().mean()
+        assert torch.allclose(y.abs(), scale.expand_as(y))
+        assert torch.equal(y >= 0, x >= 0)
+    else:  # sign2: nearest of 4 uniform levels over [-max, max]
+        s = float(x.abs().max())
+        levels = torch.tensor([-1, -1 / 3, 1 / 3, 1]) * s
+        err = (y - x).abs()
+        assert bool((err <= (levels[1] - levels[0]) / 2 + 1e-4 * max(s, 1)).all())
+        assert torch.allclose((y.unsqueeze(1) - levels).abs().min(1).values, torch.zeros_like(y), atol=1e-4 * max(s, 1))
+
+
+def test_value_bytes():
+    assert value_nbytes(256, "sign1") == 4 + 32 and value_nbytes(256, "sign2") == 4 + 64
+    assert value_nbytes(256, "bf16") == 512 and value_nbytes(256, "fp32") == 1024
+
+
+# ---- DCT -----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("n", [1, 7, 64])
+def test_dct_matrix_orthonormal_and_matches_scipy(n):
+    d = dct_matrix(n).double()
+    assert torch.allclose(d @ d.T, torch.eye(n, dtype=torch.float64), atol=1e-6)
+    x = np.random.default_rng(0).standard_normal(n)
+    assert np.allclose(d.numpy() @ x, scipy.fft.dct(x, norm="ortho"), atol=1e-5)
+
+
+@pytest.mark.parametrize("shape,padded,n_chunks", [((128, 64), (128, 64), 2), ((100, 70), (128, 128), 4),
+                                                   ((5,), (1, 5), 1), ((200,), (1, 256), 4), ((3, 200), (3, 256), 4)])
+def test_chunked_dct_padding_and_inverse(shape, padded, n_chunks):
+    g = ChunkedDCT(shape, 64)
+    assert (g.pr, g.pc) == padded and g.n_chunks == n_chunks
+    x = torch.randn(shape)
+    c = g.forward(x)
+    assert c.shape == (g.n_chunks, g.chunk_numel)
+    assert torch.allclose(c.norm(), x.norm(), rtol=1e-5)  # zero padding keeps the norm
+    assert torch.allclose(g.inverse(c), x, atol=1e-5)
+    # one chunk equals scipy's 2-D orthonormal DCT of the (zero-padded) block
+    blk = torch.nn.functional.pad(x.reshape(g.rows, g.cols), (0, g.pc - g.cols, 0, g.pr - g.rows))[: g.er, : g.ec]
+    ref = scipy.fft.dctn(blk.double().numpy(), norm="ortho")
+    assert np.allclose(c[0].reshape(g.er, g.ec).numpy(), ref, atol=1e-5)
+
+
+def test_dct_off_is_plain_chunking():
+    g = ChunkedDCT((128, 64), 64, use_dct=False)
+    x = torch.randn(128, 64)
+    c = g.forward(x)
+    assert torch.equal(c[1], x[64:].reshape(-1)) and torch.equal(g.inverse(c), x)
+
+
+# ---- payload validation ----------------------------------------------------------------------
+
+def _layout(ienc="u16", venc="fp32"):
+    return PayloadLayout([TensorSpec("a.weight", (128, 64), 2, 4096, 3), TensorSpec("b.weight", (70,), 2, 64, 3)],
+                         ienc, venc)
+
+
+def _valid(layout, gen=0):
+    g = torch.Generator().manual_seed(gen)
+    t = {}
+    for s in layout.specs:
+        idx = torch.stack([torch.randperm(s.chunk_numel, generator=g)[: s.k] for _ in range(s.n_chunks)])
+        t[s.name] = (idx, torch.randn(s.n_chunks, s.k, generator=g))
+    return t
+
+
+@pytest.mark.parametrize("ienc", INDEX_ENCODINGS)
+@pytest.mark.parametrize("venc", VALUE_ENCODINGS)
+def test_payload_round_trip(ienc, venc):
+    lay = _layout(ienc, venc)
+    t = _valid(lay)
+    buf = lay.encode(7, 3, t)
+    assert buf.size == lay.nbytes
+    n, out = lay.decode(buf, peer=1, expect_step=7)
+    assert n == 3
+    for name, (idx, val) in t.items():
+        assert torch.equal(out[name][0], idx)
+        if venc == "fp32":
+            assert torch.equal(out[name][1], val)
+
+
+def _corrupt(kind):
+    lay = _layout("u16", "fp32")
+    t = _valid(lay)
+    buf = lay.encode(5, 1, t)
+    spec = lay.specs[1]  # b.weight: chunks of 64 elements, so 16-bit indices can be out of range
+    a, b, c = lay.blocks[spec.name]
+    if kind == "short":
+        buf = buf[:-1]
+    elif kind == "long":
+        buf = np.concatenate([buf, np.zeros(2, np.uint8)])
+    elif kind == "index":
+        buf[a:a + 2] = np.frombuffer(np.uint16(64).tobytes(), np.uint8)
+    elif kind == "dup":
+        buf[a + 2:a + 4] = buf[a:a + 2]
+    elif kind == "nan":
+        buf[b + 4:b + 8] = np.frombuffer(np.float32(np.nan).tobytes(), np.uint8)
+    elif kind == "inf":
+        buf[b:b + 4] = np.frombuffer(np.float32(-np.inf).tobytes(), np.uint8)
+    elif kind == "magic":
+        buf[0] = 0
+    elif kind == "layout":
+        buf[20] ^= 1
+    return lay, buf
+
+
+@pytest.mark.parametrize("kind,words", [("short", "size"), ("long", "size"), ("index", "out of range"),
+                                        ("dup", "duplicate"), ("nan", "non-finite"), ("inf", "non-finite"),
+                                        ("magic", "magic"), ("layout", "layout")])
+def test_payload_rejects_malformed(kind, words):
+    lay, buf = _corrupt(kind)
+    with pytest.raises(PayloadError, match=f"peer rank 3.*{words}"):
+        lay.decode(buf, peer=3, expect_step=5)
+
+
+def test_payload_rejects_wrong_step_and_bad_scale():
+    lay = _layout("u12", "sign1")
+    buf = lay.encode(5, 1, _valid(lay))
+    with pytest.raises(PayloadError, match="peer rank 2.*lock-step"):
+        lay.decode(buf, peer=2, expect_step=6)
+    a, b, c = lay.blocks["a.weight"]
+    buf[b:b + 4] = np.frombuffer(np.float32(-1).tobytes(), np.uint8)
+    with pytest.raises(PayloadError, match="peer rank 2.*a.weight.*scale"):
+        lay.decode(buf, peer=2, expect_step=5)
+
+
+# ---- config, accounting, link model ----------------------------------------------------------
+
+def test_config_checks_index_width():
+    with pytest.raises(ConfigError, match="dp.chunk"):
+        build_config("tiny", overrides=["dp.indices=u12", "dp.chunk=128"])
+    build_config("tiny", overrides=["dp.indices=u16", "dp.chunk=128"])
+
+
+def test_link_model_and_accountant():
+    link = LinkModel(10, 100, 25)
+    assert math.isclose(link.all_gather_s(10_000, 4), 3 * (0.025 + 10_000 * 8 / 10e6))
+    assert math.isclose(link.all_reduce_s(4_000_000, 4), 6 * (0.025 + 1_000_000 * 8 / 10e6))
+    assert LinkModel().all_gather_s(1 << 20, 4) == 0 and link.all_gather_s(100, 1) == 0
+    acc = ByteAccountant(4, n_params=1000)
+    acc.add_all_gather(100); acc.end_step(); acc.end_step()
+    s = acc.summary()
+    assert s["payload_bytes_per_step"] == 50 and s["payload_bytes_per_sync"] == 100
+    assert s["received_bytes_per_step"] == 150 and s["ratio_payload_vs_fp32"] == 80
+
+
+# ---- strategies in a group of one ----------------------------------------------------------------
+
+def _model(seed=0):
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(70, 100, bias=True), torch.nn.Tanh(), torch.nn.Linear(100, 3))
+
+
+def _grad(m, seed):
+    torch.manual_seed(seed)
+    x = torch.randn(16, 70)
+    m.zero_grad()
+    m(x).pow(2).sum().backward()
+
+
+def test_n1_demo_full_k_is_sign_sgd():
+    """N=1 with every coefficient sent and exact values: DeMo is signSGD with weight decay."""
+    m = _model()
+    dp = DPConfig(strategy="demo", chunk=64, topk=64 * 64, values="fp32", indices="int64", check_every=1)
+    opt = TrainConfig(weight_decay=0.1, grad_clip=0.0)
+    s = make_strategy(dp, m.named_parameters(), None, opt)
+    for it in range(3):
+        _grad(m, it)
+        before = {n: p.detach().clone() for n, p in m.named_parameters()}
+        grads = {n: p.grad.clone() for n, p in m.named_parameters()}
+        st = s.step(0.01, 1)
+        assert st.synced and st.n_total == 1 and st.received_bytes == 0
+        for n, p in m.named_parameters():
+            exp = before[n] * (1 - 0.01 * 0.1 if p.ndim >= 2 else 1) - 0.01 * torch.sign(grads[n])
+            mask = grads[n].abs() > 1e-6  # sign of ~0 gradients may flip through the DCT round trip
+            assert torch.allclose(p.detach()[mask], exp[mask], atol=1e-7), n
+        for mom in s.m.values():  # everything was sent: no residual
+            assert float(mom.abs().max()) < 1e-6
+
+
+def test_n1_demo_topk_error_feedback_keeps_residual():
+    m = _model()
+    dp = DPConfig(strategy="demo", chunk=64, topk=5, values="sign1", indices="u12", beta=0.9, check_every=0)
+    s = make_strategy(dp, m.named_parameters(), None, TrainConfig(weight_decay=0.0, grad_clip=0.0))
+    _grad(m, 0)
+    s.step(0.01, 1)
+    _grad(m, 1)
+    grads = {n: p.grad.clone() for n, p in m.named_parameters()}
+    expect = {n: 0.9 * s.m[n] + 0.01 * s.geo[n].forward(grads[n]) for n in s.m}
+    before = {n: p.detach().clone() for n, p in m.named_parameters()}
+    sent = {}
+    orig_encode = s.layout.encode
+
+    def spy(step, n, tensors):
+        sent.update(tensors)
+        return orig_encode(step, n, tensors)
+    s.layout.encode = spy
+    s.step(0.01, 1)
+    for n, p in m.named_parameters():
+        idx, q = sent[n]
+        # residual = momentum minus exactly what was sent (quantised), untouched elsewhere
+        sent_dense = torch.zeros_like(expect[n]).scatter_(1, idx, q)
+        assert torch.allclose(s.m[n], expect[n] - sent_dense, atol=1e-7)
+        # the k largest coefficients of each chunk were chosen
+        kth = expect[n].abs().topk(s.k[n], dim=1).values[:, -1:]
+        assert bool((expect[n].abs().gather(1, idx) >= kth - 1e-9).all())
+        # N=1: the update is the sign of the inverse DCT of what was sent
+        upd = s.geo[n].inverse(sent_dense)
+        assert torch.allclose(p.detach(), before[n] - 0.01 * torch.sign(upd), atol=1e-7)
+
+
+def test_n1_allreduce_matches_torch_adamw():
+    m1, m2 = _model(), _model()
+    s = make_strategy(DPConfig(strategy="allreduce"), m1.named_parameters(), None,
+                      TrainConfig(weight_decay=0.0, grad_clip=0.0, beta1=0.9, beta2=0.95))
+    ref = torch.optim.AdamW(m2.parameters(), lr=0.01, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0)
+    for it in range(4):
+        _grad(m1, it); _grad(m2, it)
+        for p in m1.parameters():
+            p.grad.mul_(2)  # a sum over 2 micro-batches ...
+        s.step(0.01, 2)     # ... divided by the count
+        ref.step()
+    for (n, a), b in zip(m1.named_parameters(), m2.parameters()):
+        assert torch.allclose(a, b, atol=1e-6), n
+
+
+@pytest.mark.parametrize("strategy", ["allreduce", "allreduce_bf16", "powersgd", "diloco", "demo"])
+def test_n1_every_strategy_steps_and_round_trips_state(strategy):
+    m = _model()
+    dp = DPConfig(strategy=strategy, topk=4, values="sign2", indices="u12", sync_every=2 if strategy == "diloco" else 1)
+    s = make_strategy(dp, m.named_parameters(), None, TrainConfig())
+    p0 = [p.detach().clone() for p in m.parameters()]
+    for it in range(4):
+        _grad(m, it)
+        s.step(0.01, 1 if it != 2 else 0)
+    assert any(not torch.equal(a, b) for a, b in zip(p0, m.parameters()))
+    st = s.state_dict()
+    assert st["strategy"] == strategy and st["step"] == 4
+    assert all(n in st["tensors"] for n, _ in m.named_parameters()) or strategy == "allreduce_bf16"
+    m2 = _model()
+    s2 = make_strategy(dp, m2.named_parameters(), None, TrainConfig())
+    s2.load_state_dict(st)
+    with torch.no_grad():
+        for a, b in zip(m2.parameters(), m.parameters()):
+            a.copy_(b)
+    _grad(m, 9); _grad(m2, 9)
+    s.step(0.01, 1); s2.step(0.01, 1)
+    for a, b in zip(m.parameters(), m2.parameters()):
+        assert torch.equal(a, b)
+
+
+def test_strategy_refuses_other_state():
+    m = _model()
+    s = make_strategy(DPConfig(strategy="demo"), m.named_parameters(), None, TrainConfig())
+    with pytest.raises(StrategyError, match="strategy"):
+        s.load_state_dict({"strategy": "allreduce", "step": 0, "tensors": {}})
