@@ -18,6 +18,7 @@ COMMAND_MODULES = [
     "skiptrain.data.cli",        # prepare
     "skiptrain.train.cli",       # train, eval, generate, demo
     "skiptrain.schedule.cli",    # simulate
+    "skiptrain.checkpoint.cli",  # ckpt ls|inspect|verify|reshard, export
 ]
 
 

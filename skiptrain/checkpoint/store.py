@@ -29,20 +29,31 @@ def fsync_dir(path: str | Path) -> None:
         os.close(fd)
 
 
-def atomic_write(path: str | Path, data: bytes) -> None:
-    """Replace ``path`` with ``data`` so a reader sees the old or the new file, never a mix."""
-    path = Path(path)
-    tmp = path.with_name(path.name + ".tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+def write_file(path: str | Path, data: bytes, durable: bool = True) -> None:
+    """Write ``data`` to ``path`` (truncating), fsynced when ``durable``."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
         view = memoryview(data)
         while view:
             view = view[os.write(fd, view):]
-        os.fsync(fd)
+        if durable:
+            os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def atomic_write(path: str | Path, data: bytes, durable: bool = True) -> None:
+    """Replace ``path`` with ``data`` so a reader sees the old or the new file, never a mix.
+
+    ``durable=False`` skips the fsyncs: the replacement is still atomic for concurrent readers
+    but may be lost in a power failure (used for files a later fsync covers or makes moot).
+    """
+    path = Path(path)
+    tmp = path.with_name(path.name + ".tmp")
+    write_file(tmp, data, durable)
     os.replace(tmp, path)
-    fsync_dir(path.parent)
+    if durable:
+        fsync_dir(path.parent)
 
 
 def step_of(name: str) -> int | None:

@@ -4,7 +4,8 @@ Protocol for step ``s`` with writer ranks ``R`` (one process each, or simulated 
 
 1. every rank ``r`` writes its planned shards into ``ROOT/.tmp-step-s/data-r{r}.bin`` and
    fsyncs it, then atomically writes ``part-r{r}.json`` (its shard list with CRC-32s; a rank with
-   nothing to write still writes an empty part);
+   nothing to write still writes an empty part; not fsynced, as its content goes into the
+   fsynced metadata);
 2. the coordinating rank waits until all ``part-r*.json`` of ``R`` exist (a file-system barrier:
    no process group needed), merges them into ``metadata.json`` (fsynced), checks that every
    tensor is covered exactly once, fsyncs the directory and renames it to ``ROOT/step-s`` (the
@@ -97,7 +98,9 @@ def write_part(root: str | Path, step: int, rank: int, plan: SavePlan,
     record = {"rank": rank, "step": step, "file": fname, "file_bytes": pos,
               "specs": {n: {"dtype": plan.specs[n].dtype, "shape": list(plan.specs[n].shape)} for n in shards},
               "shards": shards, "rank_state": rank_state or {}}
-    store.atomic_write(tmp / part_name(rank), json.dumps(record).encode())
+    # Atomic (the coordinator must never read half a part) but not fsynced: the part's content
+    # ends up in metadata.json, which is fsynced before the commit; the data file already is.
+    store.atomic_write(tmp / part_name(rank), json.dumps(record).encode(), durable=False)
     return record
 
 
@@ -146,9 +149,9 @@ def commit(root: str | Path, step: int, ranks: list[int], plan: SavePlan | None 
     if rank_state:
         st["ranks"] = rank_state
     meta = CheckpointMeta(step, tensors, st, dict(layout or {}), files)
-    store.atomic_write(tmp / METADATA_FILE, meta.encode())
     for r in ranks:
         (tmp / part_name(r)).unlink(missing_ok=True)
+    store.write_file(tmp / METADATA_FILE, meta.encode())  # inside the uncommitted dir: no rename needed
     store.fsync_dir(tmp)
     final = root / step_dir_name(step)
     if final.exists():

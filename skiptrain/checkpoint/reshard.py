@@ -1,0 +1,55 @@
+"""Offline resharding: rewrite a checkpoint for another layout of stages and replicas.
+
+Loading never needs this (any layout reads any checkpoint directly); it is for placing each
+node's bytes in its own file before a run on a new layout, e.g. to copy only ``data-r{k}.bin``
+to node k.  The output is an ordinary committed checkpoint under ``dst`` (same step, tensors
+bit-identical) whose writer ranks are ``stage * replicas + replica``, with the stored config's
+``model.n_stages`` / ``model.stage0_layers`` and the placement updated.  It is written with the
+same protocol as a live save (temporary directory, fsync, rename, LATEST), one rank at a time so
+memory stays at one rank's share.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from ..config import ConfigError
+from ..model.partition import partition_layers
+from .export import checkpoint_config
+from .format import CheckpointError
+from .manager import optimizer_record
+from .plan import DEFAULT_CHUNK_BYTES, TensorSpec, plan_save, stage_holders
+from .reader import CheckpointReader, byte_view
+from .writer import commit, write_part
+
+
+def reshard(src: str | Path, dst: str | Path, n_stages: int, replicas: int = 1, stage0_layers: int = -1,
+            chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> Path:
+    reader = CheckpointReader(src)
+    cfg = checkpoint_config(reader)
+    cfg.model.n_stages, cfg.model.stage0_layers = n_stages, stage0_layers
+    try:
+        cfg.check()
+    except ConfigError as e:
+        raise CheckpointError(f"cannot reshard to {n_stages} stages: {e}") from None
+    if replicas < 1:
+        raise CheckpointError("replicas must be at least 1")
+    partition = partition_layers(cfg.model)
+    placement = {s: [s * replicas + j for j in range(replicas)] for s in range(n_stages)}
+    ranks = [r for rs in placement.values() for r in rs]
+    specs = [TensorSpec(n, t.dtype, tuple(t.shape)) for n, t in reader.meta.tensors.items()]
+    plan = plan_save(specs, stage_holders(reader.meta.tensors, partition, placement), chunk_bytes, ranks)
+    state = {k: v for k, v in reader.state.items() if k != "ranks"}
+    state["config"] = cfg.to_dict()
+    state["placement"] = {str(s): rs for s, rs in placement.items()}
+    opt = optimizer_record(reader.state)
+    dst = Path(dst)
+    for r in ranks:
+        tensors = reader.read_many(plan.names_for(r))
+        rank_state = {"optimizer": opt} if (opt and r == ranks[0]) else None
+        write_part(dst, reader.step, r, plan, {n: byte_view(t) for n, t in tensors.items()}, rank_state)
+        del tensors
+    layout = {"writers": ranks, "n_stages": n_stages, "replicas": replicas, "partition": partition.to_list(),
+              "bytes_per_rank": {str(r): b for r, b in plan.bytes_per_rank().items()},
+              "resharded_from": str(reader.path)}
+    return commit(dst, reader.step, ranks, plan, state, layout)
