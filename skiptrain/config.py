@@ -151,11 +151,21 @@ class DPConfig:
 
 
 @dataclass
+class CheckpointConfig:
+    """Periodic asynchronous checkpoints (skiptrain.checkpoint); resume with `train --resume`."""
+    every: int = _f(100, "save a checkpoint every N steps (0 = never)", min=0)
+    keep: int = _f(3, "committed checkpoints kept; older ones are deleted", min=1)
+    dir: str = _f("", "checkpoint root (empty = RUN_DIR/checkpoints)")
+    final: bool = _f(True, "also save when training finishes its steps")
+
+
+@dataclass
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     dp: DPConfig = field(default_factory=DPConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
 
     def check(self) -> "Config":
         for sec in dataclasses.fields(self):

@@ -36,6 +36,10 @@ def cmd_train(args: argparse.Namespace) -> int:
     if args.quiet:
         cfg.train.progress = False
     trainer = Trainer(cfg, args.out)
+    resume = getattr(args, "resume", None)
+    if resume is not None:
+        src = trainer.resume(None if resume == "latest" else resume)
+        print(f"skiptrain train: resumed from {src} at step {trainer.step}", flush=True)
     print(f"skiptrain train: {trainer.model.num_parameters() / 1e6:.2f}M parameters, "
           f"{cfg.model.n_stages} stages {trainer.model.partition.to_list()}, "
           f"{trainer.tokens_per_step} tokens/step, {cfg.train.steps} steps -> {args.out}", flush=True)
@@ -130,6 +134,9 @@ def register(sub) -> None:
     p.add_argument("--seed", type=int, help="config train.seed")
     p.add_argument("--out", required=True, help="run directory to write")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.add_argument("--resume", nargs="?", const="latest", default=None, metavar="CHECKPOINT",
+                   help="continue from the latest checkpoint under OUT/checkpoints (or the given checkpoint "
+                        "directory or root): same loss curve as an uninterrupted run")
     p.set_defaults(func=cmd_train)
 
     p = sub.add_parser("eval", help="validation loss/perplexity of a trained run, optionally with stages removed")

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+from ..checkpoint.training import TrainerCheckpoints, restore_trainer
 from ..config import Config
 from ..data.dataset import TokenDataset
 from ..data.loader import SampleSource, ShardedLoader
@@ -66,6 +67,14 @@ class Trainer:
         self.route_rng = random.Random(t.seed)
         self.step = 0
         self.out = prepare_run_dir(out, cfg, self.ds.path) if out is not None else None
+        # periodic asynchronous checkpoints (skiptrain.checkpoint.training); resume() loads one
+        c = cfg.checkpoint
+        self.ckpt = (TrainerCheckpoints(self) if (self.out is not None or c.dir) and (c.every or c.final)
+                     else None)
+
+    def resume(self, path: str | Path | None = None) -> Path:
+        """Continue from the latest checkpoint (or ``path``): weights, AdamW, step, data cursor, RNGs."""
+        return restore_trainer(self, path)
 
     @property
     def tokens_per_step(self) -> int:
@@ -118,6 +127,7 @@ class Trainer:
         bar = tqdm(total=steps, initial=self.step, disable=not t.progress, unit="it", dynamic_ncols=True)
         t0, tokens_at_t0 = time.perf_counter(), self.step * self.tokens_per_step
         val_loss = float("nan")
+        completed = False
         try:
             while self.step < steps:
                 r = self.train_step()
@@ -134,9 +144,14 @@ class Trainer:
                     log.write(step=self.step, tokens=tokens, val_loss=round(val_loss, 5))
                 bar.set_postfix(loss=f"{r.loss:.3f}", val=f"{val_loss:.3f}", tok_s=f"{tok_s:,.0f}")
                 bar.update(1)
+                if self.ckpt is not None:
+                    self.ckpt.after_step(self)
+            completed = True
         finally:
             bar.close()
             log.close()
+            if self.ckpt is not None:
+                self.ckpt.finish(self, completed=completed)
             save_weights(self.model, self.out)
             plot_loss(self.out / "metrics.jsonl", self.out / "loss.png",
                       title=f"skiptrain: {self.model.num_parameters() / 1e6:.1f}M params, k={t.skip_ratio}",

@@ -1,0 +1,107 @@
+"""Checkpoints for the single-process trainer: what is saved, when, and exact resumption.
+
+A :class:`TrainerCheckpoints` is owned by :class:`skiptrain.train.trainer.Trainer`.  It saves
+(asynchronously) every ``checkpoint.every`` steps and when ``fit`` finishes, keeping the newest
+``checkpoint.keep`` under ``checkpoint.dir`` (default ``RUN_DIR/checkpoints``).  Saved state:
+
+* tensors: model parameters by global name, AdamW state as ``optim.{key}.{name}``;
+* JSON: ``step``, the full ``config``, ``data`` (the loader's global sample cursor), ``rng``
+  (the route ``random.Random`` state and torch's CPU generator state), ``optimizer`` groups,
+  ``placement`` (every stage on this one process) and ``freeze`` (no frozen layers yet);
+  the learning-rate schedule is a pure function of ``step``, so it needs nothing else.
+
+:func:`restore_trainer` puts all of it back, so ``--resume`` continues with the same loss curve
+as an uninterrupted run (tested).  A corrupt latest checkpoint raises CheckpointCorruptError
+offering the previous committed one, which ``--resume PATH`` accepts.  Lines of
+``metrics.jsonl`` logged after the restored step (by the interrupted run) are dropped.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .format import CheckpointError
+from .manager import CheckpointManager
+from .store import atomic_write
+from .state import decode_random, decode_torch_rng, encode_random, encode_torch_rng
+
+
+def checkpoint_root(trainer) -> Path:
+    c = trainer.cfg.checkpoint
+    if c.dir:
+        return Path(c.dir)
+    if trainer.out is None:
+        raise CheckpointError("checkpoints need a run directory (--out) or checkpoint.dir")
+    return Path(trainer.out) / "checkpoints"
+
+
+def trainer_state(trainer) -> dict[str, Any]:
+    S = trainer.cfg.model.n_stages
+    return {
+        "step": trainer.step,
+        "config": trainer.cfg.to_dict(),
+        "data": trainer.loader.state_dict(),
+        "rng": {"routes": encode_random(trainer.route_rng), "torch": encode_torch_rng(torch.get_rng_state())},
+        "placement": {"stages": {str(s): [0] for s in range(S)},
+                      "partition": trainer.model.partition.to_list()},
+        "freeze": {"frozen_layers": 0},
+    }
+
+
+class TrainerCheckpoints:
+    def __init__(self, trainer):
+        self.cfg = trainer.cfg.checkpoint
+        self.root = checkpoint_root(trainer)
+        self.manager = CheckpointManager(self.root, keep=self.cfg.keep)
+        self.stalls: list[float] = []
+
+    def save(self, trainer) -> float:
+        stall = self.manager.save_training(trainer.step, trainer.model, trainer.opt, trainer_state(trainer),
+                                           layout={"n_stages": trainer.cfg.model.n_stages, "replicas": 1})
+        self.stalls.append(stall)
+        return stall
+
+    def after_step(self, trainer) -> None:
+        if self.cfg.every and trainer.step % self.cfg.every == 0:
+            self.save(trainer)
+
+    def finish(self, trainer, completed: bool) -> None:
+        """At the end of ``fit``: the final save (if enabled and the run completed), then wait."""
+        try:
+            if completed and self.cfg.final:
+                self.save(trainer)
+        finally:
+            self.manager.close()
+
+
+def restore_trainer(trainer, path: str | Path | None = None) -> Path:
+    """Load the latest checkpoint (or ``path``) into ``trainer``; returns the checkpoint used."""
+    src = Path(path) if path is not None else checkpoint_root(trainer)
+    reader = CheckpointManager.restore(src, trainer.model, trainer.opt)
+    st = reader.state
+    trainer.step = reader.step
+    trainer.loader.load_state_dict(st["data"])
+    decode_random(st["rng"]["routes"], trainer.route_rng)
+    torch.set_rng_state(decode_torch_rng(st["rng"]["torch"]))
+    if trainer.out is not None:
+        _truncate_metrics(Path(trainer.out) / "metrics.jsonl", trainer.step)
+    return reader.path
+
+
+def _truncate_metrics(path: Path, step: int) -> None:
+    """Drop metric lines logged after ``step`` (by the run that was interrupted), atomically."""
+    if not path.is_file():
+        return
+    keep = []
+    for line in path.read_text().splitlines():
+        try:
+            if json.loads(line).get("step", 0) > step:
+                continue
+        except ValueError:
+            continue  # a torn last line from a killed run
+        keep.append(line)
+    atomic_write(path, ("\n".join(keep) + "\n" if keep else "").encode())
