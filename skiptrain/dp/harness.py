@@ -76,82 +76,23 @@ def _tamper_fn(kind: str, layout):
     return fn
 
 
-def _worker(rank: int, world: int, port: int, cfg_dict: dict, data_path: str, out_dir: str,
+def _worker(rank: int, world: int, port: int, cfg_dicts: list[dict], data_path: str, out_dir: str,
             fault: dict | None) -> None:
     import torch
     import torch.distributed as dist
 
     from ..config import config_from_dict
     from ..data.dataset import TokenDataset
-    from ..data.loader import SampleSource, shard_indices
-    from ..model.transformer import StagedLM
-    from .consistency import param_hashes
-    from .strategy import make_strategy
 
     torch.set_num_threads(1)
     out = Path(out_dir)
     try:
-        cfg = config_from_dict(cfg_dict)
+        cfgs = [config_from_dict(c) for c in cfg_dicts]
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                                timeout=timedelta(seconds=cfg.dp.timeout_s))
+                                timeout=timedelta(seconds=cfgs[0].dp.timeout_s))
         ds = TokenDataset.open(data_path)
-        tr_src = SampleSource(ds.tokens("train"), cfg.model.seq_len, seed=cfg.train.seed)
-        va_src = SampleSource(ds.tokens("val"), cfg.model.seq_len, seed=0, shuffle=False)
-        model = StagedLM(cfg.model, seed=cfg.train.seed)
-        strat = make_strategy(cfg.dp, model.named_parameters(), None, cfg.train)
-        if fault and fault.get("rank") == rank and fault["kind"] in ("nan", "index", "header"):
-            strat.tamper = _tamper_fn(fault["kind"], strat.layout)
-        gb = cfg.train.micro_batch * cfg.train.n_micro
-        mb = cfg.train.micro_batch
-
-        def evaluate() -> float:
-            model.eval()
-            tot = torch.zeros(2, dtype=torch.float64)
-            with torch.no_grad():
-                for i in range(rank, cfg.train.eval_batches, world):
-                    x, y = va_src.batch(range(i * mb, (i + 1) * mb))
-                    tot[0] += float(model(x, y)[1]) ; tot[1] += 1
-            dist.all_reduce(tot)
-            model.train()
-            return float(tot[0] / tot[1])
-
-        rec = {"rank": rank, "world": world, "losses": [], "step_s": [], "comm_s": [], "payload": [],
-               "val": [], "n_params": model.num_parameters()}
-        cursor = 0
-        for step in range(cfg.train.steps):
-            t0 = time.perf_counter()
-            for p in model.parameters():
-                p.grad = None
-            idx = shard_indices(cursor, gb, rank, world)
-            cursor += gb
-            loss_sum, n = 0.0, 0
-            for j in range(0, len(idx), mb):
-                x, y = tr_src.batch(idx[j: j + mb])
-                loss = model(x, y)[1]
-                loss.backward()
-                loss_sum += float(loss.detach())
-                n += 1
-            if fault and fault.get("rank") == rank and fault["kind"] == "diverge" and step == fault["step"]:
-                with torch.no_grad():
-                    dict(model.named_parameters())[fault.get("tensor", "norm.weight")].add_(1e-3)
-            st = strat.step(lr_at(step, cfg), n)
-            rec["step_s"].append(time.perf_counter() - t0)
-            rec["comm_s"].append(st.comm_s)
-            rec["payload"].append(st.payload_bytes)
-            rec["losses"].append(loss_sum / max(n, 1))
-            last = step + 1 == cfg.train.steps
-            if st.synced and (last or (cfg.train.eval_every and (step + 1) % cfg.train.eval_every == 0)):
-                rec["val"].append([step + 1, evaluate()])
-        if cfg.dp.check_every:
-            strat.check_consistency()
-        # average the training loss curve over replicas (measurement only)
-        lt = torch.tensor(rec["losses"], dtype=torch.float64)
-        dist.all_reduce(lt)
-        rec["losses_mean"] = (lt / world).tolist()
-        rec["summary"] = strat.summary()
-        rec["emulated_s"] = strat.tr.emulated_s
-        rec["hashes"] = param_hashes(strat.named).tolist()
-        (out / f"rank{rank}.json").write_text(json.dumps(rec))
+        for run_i, cfg in enumerate(cfgs):
+            _train_one(rank, world, cfg, ds, out / f"rank{rank}_{run_i}.json", fault)
         dist.barrier()
         dist.destroy_process_group()
     except BaseException as e:  # report to the parent, then exit non-zero
@@ -161,15 +102,91 @@ def _worker(rank: int, world: int, port: int, cfg_dict: dict, data_path: str, ou
         raise SystemExit(1)
 
 
+def _train_one(rank, world, cfg, ds, out_file: Path, fault) -> None:
+    import torch
+    import torch.distributed as dist
+
+    from ..data.loader import SampleSource, shard_indices
+    from ..model.transformer import StagedLM
+    from .consistency import param_hashes
+    from .strategy import make_strategy
+
+    tr_src = SampleSource(ds.tokens("train"), cfg.model.seq_len, seed=cfg.train.seed)
+    va_src = SampleSource(ds.tokens("val"), cfg.model.seq_len, seed=0, shuffle=False)
+    model = StagedLM(cfg.model, seed=cfg.train.seed)
+    strat = make_strategy(cfg.dp, model.named_parameters(), None, cfg.train)
+    if fault and fault.get("rank") == rank and fault["kind"] in ("nan", "index", "header"):
+        strat.tamper = _tamper_fn(fault["kind"], strat.layout)
+    gb = cfg.train.micro_batch * cfg.train.n_micro
+    mb = cfg.train.micro_batch
+
+    def evaluate() -> float:
+        model.eval()
+        tot = torch.zeros(2, dtype=torch.float64)
+        with torch.no_grad():
+            for i in range(rank, cfg.train.eval_batches, world):
+                x, y = va_src.batch(range(i * mb, (i + 1) * mb))
+                tot[0] += float(model(x, y)[1])
+                tot[1] += 1
+        dist.all_reduce(tot)
+        model.train()
+        return float(tot[0] / tot[1])
+
+    rec = {"rank": rank, "world": world, "losses": [], "step_s": [], "comm_s": [], "payload": [],
+           "val": [], "n_params": model.num_parameters()}
+    cursor = 0
+    for step in range(cfg.train.steps):
+        t0 = time.perf_counter()
+        for p in model.parameters():
+            p.grad = None
+        idx = shard_indices(cursor, gb, rank, world)
+        cursor += gb
+        loss_sum, n = 0.0, 0
+        for j in range(0, len(idx), mb):
+            x, y = tr_src.batch(idx[j: j + mb])
+            loss = model(x, y)[1]
+            loss.backward()
+            loss_sum += float(loss.detach())
+            n += 1
+        if fault and fault.get("rank") == rank and fault["kind"] == "diverge" and step == fault["step"]:
+            with torch.no_grad():
+                dict(model.named_parameters())[fault.get("tensor", "norm.weight")].add_(1e-3)
+        st = strat.step(lr_at(step, cfg), n)
+        rec["step_s"].append(time.perf_counter() - t0)
+        rec["comm_s"].append(st.comm_s)
+        rec["payload"].append(st.payload_bytes)
+        rec["losses"].append(loss_sum / max(n, 1))
+        last = step + 1 == cfg.train.steps
+        if st.synced and (last or (cfg.train.eval_every and (step + 1) % cfg.train.eval_every == 0)):
+            rec["val"].append([step + 1, evaluate()])
+    if cfg.dp.check_every and st.synced:
+        strat.check_consistency()
+    # average the training loss curve over replicas (measurement only)
+    lt = torch.tensor(rec["losses"], dtype=torch.float64)
+    dist.all_reduce(lt)
+    rec["losses_mean"] = (lt / world).tolist()
+    rec["summary"] = strat.summary()
+    rec["emulated_s"] = strat.tr.emulated_s
+    rec["hashes"] = param_hashes(strat.named).tolist()
+    out_file.write_text(json.dumps(rec))
+
+
 def run_data_parallel(cfg, world: int, data_path: str | Path, fault: dict | None = None,
                       timeout_s: float = 1800.0) -> dict:
     """Train ``cfg`` on ``world`` local processes; return rank 0's record (+ ``all_hashes``)."""
+    return run_many([cfg], world, data_path, fault, timeout_s)[0]
+
+
+def run_many(cfgs: list, world: int, data_path: str | Path, fault: dict | None = None,
+             timeout_s: float = 3600.0) -> list[dict]:
+    """Train each config in turn on the same ``world`` processes (one spawn, one gloo group);
+    return one record per config (rank 0's, plus ``all_hashes`` of every rank)."""
     import multiprocessing as mp
 
     ctx = mp.get_context("spawn")
     port = free_port()
     with tempfile.TemporaryDirectory(prefix="skiptrain-dp-") as tmp:
-        procs = [ctx.Process(target=_worker, args=(r, world, port, cfg.to_dict(), str(data_path), tmp, fault),
+        procs = [ctx.Process(target=_worker, args=(r, world, port, [c.to_dict() for c in cfgs], str(data_path), tmp, fault),
                              daemon=True) for r in range(world)]
         for p in procs:
             p.start()
@@ -195,12 +212,16 @@ def run_data_parallel(cfg, world: int, data_path: str | Path, fault: dict | None
             infos = [json.loads(e.read_text()) for e in errs]
             info = next((i for i in infos if i["user"]), infos[0])
             raise HarnessError(f"{info['type']}: {info['msg']}\n--- rank traceback ---\n{info['tb']}")
-        recs = []
-        for r in range(world):
-            f = Path(tmp) / f"rank{r}.json"
-            if not f.is_file():
-                raise HarnessError(f"rank {r} produced no result (exit code {procs[r].exitcode}; timeout?)")
-            recs.append(json.loads(f.read_text()))
-    out = recs[0]
-    out["all_hashes"] = [r["hashes"] for r in recs]
-    return out
+        results = []
+        for i in range(len(cfgs)):
+            recs = []
+            for r in range(world):
+                f = Path(tmp) / f"rank{r}_{i}.json"
+                if not f.is_file():
+                    raise HarnessError(f"rank {r} produced no result for run {i} "
+                                       f"(exit code {procs[r].exitcode}; timeout?)")
+                recs.append(json.loads(f.read_text()))
+            out = recs[0]
+            out["all_hashes"] = [r["hashes"] for r in recs]
+            results.append(out)
+    return results
