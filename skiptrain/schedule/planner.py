@@ -312,7 +312,9 @@ def improve_routes(schedule: Schedule, topo: Topology, cost: CostModel, contenti
     t_start = time.perf_counter()
     evals = accepted = 0
     temp0 = 0.005 * cur if math.isfinite(cur) else 0.0
-    while evals < max_evals:
+    tries = 0
+    while evals < max_evals and tries < 20 * max_evals + 100:  # moves can be impossible (1 replica)
+        tries += 1
         if time_limit_s is not None and time.perf_counter() - t_start > time_limit_s:
             break
         move = rng.random()
@@ -440,6 +442,13 @@ def plan(topo: Topology, cost: CostModel, cfg: PlanConfig) -> Schedule:
         left = None if cfg.time_limit_s is None else max(0.0, cfg.time_limit_s - (time.perf_counter() - t0))
         sched, st = improve_routes(sched, topo, cost, cfg.contention, cfg.dp_sync, rng, budget, left)
         info.update(st)
+    if math.isinf(simulate(sched, topo, cost, contention=cfg.contention, dp_sync=cfg.dp_sync,
+                           record=False).iteration_s):
+        # credits deadlock (only possible with reordered routes): fall back to ascending orders,
+        # which can never deadlock (a blocked forward only waits on higher stages)
+        for mb in sched.micro_batches:
+            mb.route = sorted(mb.route)
+        info["deadlock_fallback"] = True
     info["planner_s"] = time.perf_counter() - t0
     sched.meta = {"planner": info, "seed": cfg.seed, "contention": cfg.contention, "dp_sync": cfg.dp_sync}
     return sched

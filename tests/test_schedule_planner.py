@@ -1,0 +1,177 @@
+"""Planner and baselines: every schedule satisfies the constraints its method claims (hypothesis,
+random topologies), determinism, serialisation, infeasible requests, the CLI."""
+
+import json
+import math
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from skiptrain.errors import UserError
+from skiptrain.net.topology import TopologyError, from_spec, geo12, random_topology
+from skiptrain.schedule.compare import CLAIMS, compare
+from skiptrain.schedule.cost import CostModel, from_model_config, reference_cost, ring_order
+from skiptrain.schedule.placement import place, stage_sizes
+from skiptrain.schedule.planner import PlanConfig, plan, route_orders
+from skiptrain.schedule.routes import check_route, skip_count
+from skiptrain.schedule.schedule import Schedule, ScheduleError
+from skiptrain.schedule.simulator import simulate
+from skiptrain.schedule.timeline import check_no_overlap, max_in_flight
+
+
+def small_cost(S, samples=2):
+    return CostModel(d_model=64, tokens_per_sample=128, samples=samples, layers_per_stage=[2] * S,
+                     s_per_sample_per_layer=0.01, hop_overhead_s=0.01)
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(seed=st.integers(0, 10_000), S=st.integers(2, 5), extra=st.integers(0, 5),
+       k=st.sampled_from([0.0, 0.2, 0.25, 0.33, 0.4]), memory=st.integers(1, 3), mbo=st.integers(1, 3),
+       swaps=st.integers(0, 2), full_model=st.booleans())
+def test_every_method_keeps_its_constraints(seed, S, extra, k, memory, mbo, swaps, full_model):
+    n = S + extra + 1
+    topo = random_topology(n, seed=seed)
+    if int(k * S + 0.5) > S - 1:
+        return
+    cfg = PlanConfig(n_stages=S, skip_ratio=k, max_swaps=swaps, memory=memory, mb_per_originator=mbo,
+                     seed=seed, max_evals=40, constructions=2)
+    cmp = compare(topo, small_cost(S), cfg, contention=full_model, dp_sync=full_model, record=True)
+    v = S - 1 - skip_count(k, S)
+    for m, sched in cmp.schedules.items():
+        sched.validate(CLAIMS[m], n_nodes=n)  # compare() did too; be explicit
+        res = cmp.results[m]
+        assert not res.deadlock and math.isfinite(res.iteration_s)
+        assert all(x <= memory for x in max_in_flight(res.timeline).values())
+        check_no_overlap(res.timeline)
+        assert len(sched.micro_batches) == len(cmp.schedules["planner"].micro_batches)
+        if m.startswith("full") or m == "swarm_full":
+            assert all(mb.stages == list(range(1, S)) for mb in sched.micro_batches)
+        else:
+            assert all(len(mb.route) == v for mb in sched.micro_batches)
+            counts = sched.stage_visits()[1:]
+            assert max(counts) - min(counts) <= 1
+            for mb in sched.micro_batches:
+                check_route(mb.stages, S, v, swaps)
+        # every micro-batch finished; stage 0 runs the first forward and the last backward
+        done = {e.mb for e in res.timeline if e.kind == "bwd" and e.stage == 0}
+        assert done == {mb.id for mb in sched.micro_batches}
+
+
+def test_route_orders_are_exactly_the_allowed_ones():
+    orders = route_orders(6, 3, 2)
+    assert len(orders) == 10 * 3 and len(set(orders)) == 30
+    for r in orders:
+        check_route(list(r), 6, 3, 2)
+    assert len(route_orders(6, 4, 2)) == 5 * 5  # 4 visits: none, 3 single swaps, 1 double
+    assert all(list(r) == sorted(r) for r in route_orders(6, 3, 0))
+
+
+def test_reference_stage_sizes_and_cost():
+    c = reference_cost()
+    assert stage_sizes(20, 6, 0.33, c) == [5, 3, 3, 3, 3, 3]
+    assert c.activation_bytes == 8 * 1024 * 1024 * 4 and c.fwd_s(0) == pytest.approx(1.76)
+    t = geo12(20)
+    assert c.hop_s(t, 0, 2) == pytest.approx(0.004 + 2 ** 25 / (0.2425 * 2 ** 30) + 0.35)
+    # the ring avoids the NL-London link when it can
+    ring = ring_order(t, [0, 2, 6, 10, 12])
+    pairs = {frozenset((ring[i], ring[(i + 1) % 5])) for i in range(5)}
+    assert frozenset((6, 10)) not in pairs
+
+
+def test_cost_from_model_config():
+    from skiptrain.config import build_config
+    m = build_config("tiny").model
+    c = from_model_config(m, samples=8, s_per_sample_per_layer=0.01)
+    assert c.layers_per_stage[0] == m.stage0_layers and sum(c.layers_per_stage) == m.n_layers
+    assert c.activation_bytes == 8 * m.seq_len * m.d_model * 4
+    assert c.params_per_stage[0] > c.params_per_stage[1]
+
+
+def test_planner_is_deterministic_and_serialisable():
+    topo = random_topology(10, seed=7)
+    cfg = lambda: PlanConfig(n_stages=4, skip_ratio=0.25, memory=2, mb_per_originator=2, seed=3, max_evals=60)
+    a, b = plan(topo, small_cost(4), cfg()), plan(topo, small_cost(4), cfg())
+    da, db = a.to_dict(), b.to_dict()
+    for d in (da, db):
+        d["meta"] = {}
+    assert da == db
+    back = Schedule.from_dict(json.loads(json.dumps(a.to_dict())))
+    assert back.to_dict() == a.to_dict()
+    assert simulate(back, topo, small_cost(4)).iteration_s == simulate(a, topo, small_cost(4)).iteration_s
+
+
+def test_planner_beats_baselines_on_reference_setup_simplified():
+    """Simulated (not wall-clock) iteration times, one run: the planner must beat the full pipeline
+    and random skipping in the reference's simplified model."""
+    cfg = PlanConfig(stage_sizes=[5, 3, 3, 3, 3, 3], skip_ratio=0.33, memory=3, mb_per_originator=6,
+                     max_evals=150, constructions=4)
+    cmp = compare(geo12(20), reference_cost(), cfg, contention=False, dp_sync=False,
+                  methods=("full_pipeline", "random_skip", "planner"))
+    t = cmp.iteration_s()
+    assert t["planner"] < 0.6 * t["full_pipeline"]
+    assert t["planner"] < 0.9 * t["random_skip"]
+
+
+@pytest.mark.parametrize("kw, match", [
+    (dict(n_stages=6, skip_ratio=0.95), "skip ratio"),
+    (dict(n_stages=12, skip_ratio=0.0), "cannot serve"),
+    (dict(n_stages=4, memory=0), "memory"),
+    (dict(n_stages=4, stage_sizes=[5, 5, 5, 5]), "need"),
+])
+def test_infeasible_requests_raise_clear_errors(kw, match):
+    topo = random_topology(8, seed=1)
+    with pytest.raises(UserError, match=match):
+        plan(topo, small_cost(kw["n_stages"]), PlanConfig(**kw))
+
+
+def test_disconnected_topology_is_an_error():
+    spec = {"locations": ["a", "b"], "links": []}
+    with pytest.raises(TopologyError, match="disconnected"):
+        from_spec(spec, node_locations=["a", "b", "a"])
+
+
+def test_lane_placement_and_validate_catches_violations():
+    topo = geo12(12)
+    pl = place(topo, [2, 2, 2], reference_cost(), mode="lanes", dp_sync=False)
+    assert sorted(n for p in pl for n in p) == sorted(set(n for p in pl for n in p))
+    s = plan(topo, small_cost(3), PlanConfig(n_stages=3, skip_ratio=0.0, memory=1, mb_per_originator=1,
+                                             max_evals=5))
+    s.validate(n_nodes=12)
+    bad = Schedule.from_dict(s.to_dict())
+    bad.micro_batches[0].route = [(2, bad.placement[2][0]), (1, bad.placement[1][0])][::1]
+    bad.max_swaps = 0
+    with pytest.raises(ScheduleError, match="swaps"):
+        bad.validate()
+    bad.micro_batches[0].route = [(1, bad.placement[2][0])]
+    with pytest.raises(ScheduleError):
+        bad.validate()
+
+
+def test_cli_simulate_writes_json_and_png(tmp_path, capsys):
+    from skiptrain.cli import main
+    out, png = tmp_path / "r.json", tmp_path / "g.png"
+    rc = main(["simulate", "--topology", "random:3", "--nodes", "9", "--stages", "4", "--skip", "0.25",
+               "--micro-batches", "2", "--samples", "1", "--seq-len", "64", "--d-model", "64",
+               "--max-evals", "20", "--json", str(out), "--gantt", str(png)])
+    assert rc == 0
+    d = json.loads(out.read_text())
+    assert {"full_pipeline", "random_skip", "planner"} <= set(d["methods"]) and d["planner_s"] > 0
+    assert all(math.isfinite(v["iteration_s"]) for v in d["methods"].values())
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "planner" in capsys.readouterr().out
+    rc = main(["simulate", "--topology", "random:3", "--nodes", "3", "--stages", "6"])
+    assert rc == 2
+    assert "cannot serve" in capsys.readouterr().err
+    assert main(["simulate", "--memory", "0"]) == 2
+    assert main(["simulate", "--skip", "0.99"]) == 2
+
+
+def test_gantt_side_by_side(tmp_path):
+    from skiptrain.schedule.gantt import draw_side_by_side
+    topo = random_topology(6, seed=2)
+    s = plan(topo, small_cost(3), PlanConfig(n_stages=3, skip_ratio=0.0, memory=2, mb_per_originator=2,
+                                             max_evals=5))
+    r = simulate(s, topo, small_cost(3))
+    p = draw_side_by_side(r.timeline, r.timeline, tmp_path / "sbs.png")
+    assert p.stat().st_size > 1000

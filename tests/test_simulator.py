@@ -1,0 +1,115 @@
+"""Exact simulator results on tiny hand-computed cases, plus the timeline invariants."""
+
+import math
+
+import numpy as np
+import pytest
+
+from skiptrain.net.topology import Node, Topology
+from skiptrain.schedule.cost import CostModel
+from skiptrain.schedule.schedule import MicroBatch, Schedule
+from skiptrain.schedule.simulator import SimulationError, simulate
+from skiptrain.schedule.timeline import check_no_overlap, from_dicts, max_in_flight, to_dicts
+
+
+def topo(n, lat=0.5, bw=1.0):
+    """``n`` nodes, every link ``lat`` s latency and ``bw`` bytes/s."""
+    return Topology([Node(i, f"n{i}") for i in range(n)], np.full((n, n), lat), np.full((n, n), bw))
+
+
+def cost(stages, bytes_=2, overhead=0.0, dp="none", params=None):
+    # fwd = 1 s per stage, bwd 1.5 s, loss 0.25 s; one hop = bytes_ bytes
+    return CostModel(d_model=1, tokens_per_sample=1, samples=1, dtype_bytes=bytes_,
+                     layers_per_stage=[1] * stages, s_per_sample_per_layer=1.0, hop_overhead_s=overhead,
+                     dp_mode=dp, params_per_stage=params or [], grad_dtype_bytes=1)
+
+
+def test_single_microbatch_exact():
+    # fwd0 1 | hop 0.5+2 | fwd1 1 | hop 2.5 | loss .25 | hop 2.5 | bwd1 1.5 | hop 2.5 | bwd0 1.5
+    s = Schedule([[0], [1]], [MicroBatch(0, 0, [(1, 1)])], memory=1)
+    r = simulate(s, topo(2), cost(2, overhead=0.1))
+    assert r.iteration_s == pytest.approx(1 + 2.6 + 1 + 2.6 + 0.25 + 2.6 + 1.5 + 2.6 + 1.5)
+    assert r.node_busy_s == {0: pytest.approx(2.75), 1: pytest.approx(2.5)}
+    assert r.bytes_pipeline == 4 * 2
+    kinds = [(e.node, e.kind) for e in r.timeline if e.kind in ("fwd", "bwd", "loss")]
+    assert kinds == [(0, "fwd"), (1, "fwd"), (0, "loss"), (1, "bwd"), (0, "bwd")]
+
+
+def test_link_contention_fifo_vs_simplified():
+    # two micro-batches from one originator, hop = 0.5 latency + 3 s serialisation
+    s = Schedule([[0], [1]], [MicroBatch(0, 0, [(1, 1)]), MicroBatch(1, 0, [(1, 1)])], memory=2)
+    c = cost(2, bytes_=3)
+    free = simulate(s, topo(2), c, contention=False)
+    fifo = simulate(s, topo(2), c, contention=True)
+    arr = lambda r: sorted(e.end for e in r.timeline if e.kind == "recv" and e.node == 1)[:2]
+    # mb1's forward ends at 2; without contention it arrives at 2 + 3.5, with FIFO it waits for
+    # mb0's message to leave the link (1 + 3 = 4) and arrives at 4 + 3.5
+    assert arr(free) == pytest.approx([4.5, 5.5])
+    assert arr(fifo) == pytest.approx([4.5, 7.5])
+    assert fifo.iteration_s > free.iteration_s
+
+
+def test_memory_credit_serialises_microbatches():
+    one = Schedule([[0], [1]], [MicroBatch(0, 0, [(1, 1)])], memory=1)
+    two = Schedule([[0], [1]], [MicroBatch(0, 0, [(1, 1)]), MicroBatch(1, 0, [(1, 1)])], memory=1)
+    t1 = simulate(one, topo(2), cost(2)).iteration_s
+    r2 = simulate(two, topo(2), cost(2))
+    assert r2.iteration_s == pytest.approx(2 * t1)
+    assert max(r2.max_in_flight.values()) == 1
+    assert max_in_flight(r2.timeline) == {0: 1, 1: 1}
+
+
+def test_backward_before_forward_and_gpipe_order():
+    # stage 1 forward takes 2 s; links 1 s latency, ~no serialisation.
+    # A (orig 0): fwd0 [0,1], fwd1 [2,4], loss [5,5.25], its backward reaches node 1 at 6.25.
+    # B (orig 2, start 3): fwd0 [3,4], fwd1 [5,7].  C (orig 2): fwd0 [4,5], reaches node 1 at 6.
+    # At 7 node 1 holds A's backward and C's forward: 1f1b takes the backward, gpipe the forward.
+    s = Schedule([[0, 2], [1]], [MicroBatch(0, 0, [(1, 1)]), MicroBatch(1, 2, [(1, 1)], start_s=3.0),
+                                 MicroBatch(2, 2, [(1, 1)])], memory=3)
+    c = CostModel(d_model=1, tokens_per_sample=1, samples=1, dtype_bytes=1, layers_per_stage=[1, 2],
+                  s_per_sample_per_layer=1.0, hop_overhead_s=0.0, dp_mode="none")
+    t = topo(3, lat=1.0, bw=1e15)
+    order = lambda r: [(e.kind, e.mb, round(e.start, 6)) for e in r.timeline
+                       if e.node == 1 and e.kind in ("fwd", "bwd")]
+    r = simulate(s, t, c)
+    assert order(r)[:3] == [("fwd", 0, 2.0), ("fwd", 1, 5.0), ("bwd", 0, 7.0)]
+    s.policy = "gpipe"
+    r = simulate(s, t, c)
+    assert order(r)[:3] == [("fwd", 0, 2.0), ("fwd", 1, 5.0), ("fwd", 2, 7.0)]
+
+
+def test_dense_ring_sync_exact():
+    # stage 1 has replicas 1 and 2; 4 bytes of gradient -> ring all-reduce: 2 steps of 2 bytes.
+    # hop = 0.5 + 1 byte / 1 B/s = 1.5: fwd0 [0,1], fwd1 [2.5,3.5], loss [5,5.25],
+    # bwd1 [6.75,8.25], bwd0 [9.75,11.25]; sync steps 0.5 + 2 = 2.5 s each: 8.25 -> 13.25
+    s = Schedule([[0], [1, 2]], [MicroBatch(0, 0, [(1, 1)])], memory=1)
+    c = cost(2, bytes_=1, dp="dense", params=[0, 4])
+    r0 = simulate(s, topo(3), c, dp_sync=False)
+    r = simulate(s, topo(3), c, dp_sync=True)
+    assert r0.iteration_s == pytest.approx(11.25)
+    assert r.sync_s[1] == pytest.approx((8.25, 13.25))
+    assert r.iteration_s == pytest.approx(13.25)
+    assert r.bytes_sync == 2 * 2 * 2  # 2 nodes x 2 steps x 2 bytes
+    assert r.sync_s[0] == (11.25, 11.25)  # a single replica has nothing to sync
+
+
+def test_deadlock_is_reported_not_hung():
+    # reordered routes 1->2 and 2->1 with one credit per node: each waits for the other
+    s = Schedule([[0, 3], [1], [2]], [MicroBatch(0, 0, [(1, 1), (2, 2)]), MicroBatch(1, 3, [(2, 2), (1, 1)])],
+                 memory=1, max_swaps=1)
+    r = simulate(s, topo(4), cost(3))
+    assert r.deadlock and math.isinf(r.iteration_s) and math.isinf(r.score())
+    with pytest.raises(SimulationError, match="deadlock"):
+        simulate(s, topo(4), cost(3), on_deadlock="raise")
+
+
+def test_timeline_roundtrip_and_no_overlap():
+    mbs = [MicroBatch(i, i % 2, [(1, 2 + i % 2), (2, 4)]) for i in range(6)]
+    s = Schedule([[0, 1], [2, 3], [4]], mbs, memory=2)
+    r = simulate(s, topo(5), cost(3))
+    check_no_overlap(r.timeline)
+    assert all(v <= 2 for v in max_in_flight(r.timeline).values())
+    back = from_dicts(to_dicts(r.timeline))
+    assert back == r.timeline
+    assert sum(r.node_busy_s.values()) == pytest.approx(
+        sum(e.end - e.start for e in r.timeline if e.kind in ("fwd", "bwd", "loss")))
