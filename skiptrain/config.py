@@ -157,6 +157,8 @@ class CheckpointConfig:
     keep: int = _f(3, "committed checkpoints kept; older ones are deleted", min=1)
     dir: str = _f("", "checkpoint root (empty = RUN_DIR/checkpoints)")
     final: bool = _f(True, "also save when training finishes its steps")
+    overlap: bool = _f(True, "copy the snapshot while the next forward/backward runs; "
+                       "the loop blocks only if it reaches optimizer.step() before the copy is done")
 
 
 @dataclass

@@ -247,3 +247,46 @@ def test_model_and_adamw_restore_bit_identical(tmp_path):
 def test_specs_of_names_dtypes():
     s = specs_of({"x": torch.zeros(2, 3, dtype=torch.bfloat16)})
     assert s == [TensorSpec("x", "bfloat16", (2, 3))]
+
+
+def test_overlapped_snapshot_is_taken_before_the_next_optimizer_step(tmp_path, monkeypatch):
+    """overlap=True copies in the background; optimizer.step() waits for it (pre-hook), so the
+    checkpoint holds the values at save time, not a mix with the next step."""
+    import time
+
+    from skiptrain.checkpoint.snapshot import HostSnapshot
+
+    slow_take = HostSnapshot.take
+
+    def take(self, tensors):  # a slow copy, so an unguarded step would certainly overtake it
+        time.sleep(0.2)
+        return slow_take(self, tensors)
+
+    monkeypatch.setattr(HostSnapshot, "take", take)
+    cfg = build_config("tiny")
+    m = StagedLM(cfg.model, seed=1)
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
+    x = torch.randint(0, 256, (2, 64))
+
+    def grads():
+        opt.zero_grad()
+        _, loss = m(x, x)
+        loss.backward()
+
+    grads()
+    opt.step()
+    mgr = CheckpointManager(tmp_path, keep=5)
+    for k in range(1, 3):
+        grads()
+        saved = {n: t.clone() for n, t in m.state_dict().items()}
+        saved_avg = {id(p): opt.state[p]["exp_avg"].clone() for p in m.parameters()}
+        mgr.save_training(k, m, opt, {"step": k}, overlap=True)
+        opt.step()  # mutates everything at once: must wait for the snapshot first
+        assert not torch.equal(m.state_dict()["head.weight"], saved["head.weight"])
+        mgr.wait()
+        r = CheckpointReader(tmp_path / f"step-{k:08d}")
+        for n, t in r.read_many(list(saved)).items():
+            assert torch.equal(t, saved[n]), n
+        for n, p in m.named_parameters():
+            assert torch.equal(r.read(f"optim.exp_avg.{n}"), saved_avg[id(p)])
+    assert mgr.wait_snapshot() == 0.0  # nothing pending after the saves

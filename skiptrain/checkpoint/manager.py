@@ -26,6 +26,7 @@ Semantics of :meth:`CheckpointManager.save`:
 
 from __future__ import annotations
 
+import threading
 import time
 from pathlib import Path
 from typing import Any, Mapping, Sequence
@@ -65,7 +66,12 @@ class CheckpointManager:
         self.writer = BackgroundWriter()
         self._plan_key: Any = None
         self._plan: SavePlan | None = None
+        self._snapshot_done: threading.Event | None = None
+        self._hooked: dict[int, Any] = {}
         self.last_stall_s = 0.0
+        self.snapshot_wait_s = 0.0  # total time callers spent blocked in wait_snapshot()
+        # perf_counter() marks of the latest save: start, snapshot_done, written, committed
+        self.last_timings: dict[str, float] = {}
 
     @property
     def is_coordinator(self) -> bool:
@@ -92,6 +98,12 @@ class CheckpointManager:
         rank's ``rank_state["optimizer"]``, so every replica's groups survive a multi-rank save.
         """
         tensors, record = self.training_tensors(model, optimizer)
+        if kw.get("overlap") and optimizer is not None and id(optimizer) not in self._hooked:
+            # the only in-place change of parameters and optimizer state in a training step
+            def hook(*_: Any) -> None:
+                self.wait_snapshot()
+
+            self._hooked[id(optimizer)] = optimizer.register_step_pre_hook(hook)
         rank_state = dict(kw.pop("rank_state", None) or {})
         if optimizer is not None:
             rank_state["optimizer"] = record
@@ -108,13 +120,18 @@ class CheckpointManager:
     def save(self, step: int, tensors: Mapping[str, torch.Tensor], state: dict[str, Any] | None = None,
              *, specs: Sequence[TensorSpec] | None = None, holders: Mapping[str, Sequence[int]] | None = None,
              rank_state: dict[str, Any] | None = None, layout: dict[str, Any] | None = None,
-             blocking: bool = False) -> float:
+             blocking: bool = False, overlap: bool = False) -> float:
         """Snapshot this rank's share of ``tensors`` and write it in the background.
 
         ``tensors`` are this rank's live tensors by global name; ``specs``/``holders`` describe
         the whole run (default: ``tensors`` alone, all held by this rank).  ``state`` (JSON) is
         stored by the coordinator, ``rank_state`` (JSON) per rank.  Returns the seconds the caller
         was blocked.
+
+        ``overlap=True`` moves the snapshot copy onto the background thread too, so it runs while
+        the next forward/backward does; the caller must then call :meth:`wait_snapshot` before
+        changing any saved tensor in place (``save_training`` hooks ``optimizer.step`` to do it).
+        JSON ``state`` is captured at the call either way.
         """
         t0 = time.perf_counter()
         self.writer.wait()
@@ -131,17 +148,36 @@ class CheckpointManager:
         missing = [n for n in mine if n not in tensors]
         if missing:
             raise ValueError(f"rank {self.rank} is assigned {missing[:3]} but does not hold them")
-        buffers = self.snapshot.take({n: tensors[n] for n in mine})
+        sources = {n: tensors[n] for n in mine}
+        done = threading.Event()
+        if not overlap:
+            buffers = self.snapshot.take(sources)
+            done.set()
+        self._snapshot_done = done
+        snapshot = self.snapshot
         lay = {"writers": self.ranks, "bytes_per_rank": {str(r): b for r, b in plan.bytes_per_rank().items()},
                **(layout or {})}
         root, rank, ranks, keep, timeout = self.root, self.rank, self.ranks, self.keep, self.commit_timeout
         coordinator = self.is_coordinator
         st = dict(state or {})
+        if overlap:
+            buffers = None
+
+        timings = {"start": t0}
+        self.last_timings = timings
 
         def job() -> Path | None:
+            nonlocal buffers
+            if not done.is_set():
+                try:
+                    buffers = snapshot.take(sources)
+                finally:
+                    done.set()
+            timings["snapshot_done"] = time.perf_counter()
             write_part(root, step, rank, plan, buffers, rank_state)
+            timings["written"] = time.perf_counter()
             if coordinator:
-                return commit(root, step, ranks, plan, st, lay, keep, timeout)
+                return commit(root, step, ranks, plan, st, lay, keep, timeout, timings)
             return None
 
         self.writer.start(job)
@@ -149,6 +185,17 @@ class CheckpointManager:
         if blocking:
             self.writer.wait()
         return self.last_stall_s
+
+    def wait_snapshot(self) -> float:
+        """Block until the running save's snapshot is taken (no-op if none); returns seconds waited."""
+        done, self._snapshot_done = self._snapshot_done, None
+        if done is None or done.is_set():
+            return 0.0
+        t0 = time.perf_counter()
+        done.wait()
+        dt = time.perf_counter() - t0
+        self.snapshot_wait_s += dt
+        return dt
 
     def wait(self) -> Path | None:
         """Block until the running save (if any) is on disk; re-raise its error."""

@@ -96,7 +96,15 @@ def previous(path: str | Path) -> Path | None:
 
 
 def set_latest(root: str | Path, name: str) -> None:
-    atomic_write(Path(root) / LATEST_FILE, (name + "\n").encode())
+    """Point LATEST at ``name``: atomic rename, then one fsync of ``root``.
+
+    The file's content is not fsynced on its own: if a power failure left it empty or stale,
+    :func:`latest` falls back to the newest committed directory, which is durable already.
+    The directory fsync also makes the checkpoint's own rename durable, so a commit costs one
+    root fsync, not two.
+    """
+    atomic_write(Path(root) / LATEST_FILE, (name + "\n").encode(), durable=False)
+    fsync_dir(root)
 
 
 def remove_tree(path: Path) -> None:

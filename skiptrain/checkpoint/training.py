@@ -61,7 +61,8 @@ class TrainerCheckpoints:
 
     def save(self, trainer) -> float:
         stall = self.manager.save_training(trainer.step, trainer.model, trainer.opt, trainer_state(trainer),
-                                           layout={"n_stages": trainer.cfg.model.n_stages, "replicas": 1})
+                                           layout={"n_stages": trainer.cfg.model.n_stages, "replicas": 1},
+                                           overlap=self.cfg.overlap)
         self.stalls.append(stall)
         return stall
 

@@ -9,8 +9,8 @@ Protocol for step ``s`` with writer ranks ``R`` (one process each, or simulated 
 2. the coordinating rank waits until all ``part-r*.json`` of ``R`` exist (a file-system barrier:
    no process group needed), merges them into ``metadata.json`` (fsynced), checks that every
    tensor is covered exactly once, fsyncs the directory and renames it to ``ROOT/step-s`` (the
-   commit point), fsyncs ``ROOT``, atomically replaces ``LATEST`` and deletes all but the newest
-   ``keep`` checkpoints.
+   commit point), atomically replaces ``LATEST``, fsyncs ``ROOT`` (making both renames durable)
+   and deletes all but the newest ``keep`` checkpoints.
 
 A crash (even SIGKILL) before the rename leaves only a ``.tmp-`` directory, which readers ignore
 and the next coordinator removes; after it, the checkpoint is complete and fsynced.
@@ -106,7 +106,7 @@ def write_part(root: str | Path, step: int, rank: int, plan: SavePlan,
 
 def commit(root: str | Path, step: int, ranks: list[int], plan: SavePlan | None = None,
            state: dict[str, Any] | None = None, layout: dict[str, Any] | None = None,
-           keep: int = 0, timeout: float = 600.0) -> Path:
+           keep: int = 0, timeout: float = 600.0, timings: dict[str, float] | None = None) -> Path:
     """Coordinator: wait for every rank's part, write metadata, rename into place, update LATEST.
 
     Raises CheckpointError if a part is missing after ``timeout`` seconds (a writer died: the
@@ -156,9 +156,10 @@ def commit(root: str | Path, step: int, ranks: list[int], plan: SavePlan | None 
     final = root / step_dir_name(step)
     if final.exists():
         store.remove_tree(final)  # an older save of the same step (re-run after resume)
-    os.rename(tmp, final)
-    store.fsync_dir(root)
-    store.set_latest(root, final.name)
+    os.rename(tmp, final)   # the commit point
+    store.set_latest(root, final.name)  # also fsyncs root, making the rename durable
+    if timings is not None:
+        timings["committed"] = time.perf_counter()
     if keep:
         store.prune(root, keep)
     return final
