@@ -8,10 +8,11 @@ the fraction ``visits / (S - 1)`` of them, so stage 0 gets more nodes when skipp
 :func:`place` assigns nodes by local search (seeded restarts, then pairwise node swaps
 between stages, first improvement) on a fast estimate of the iteration time:
 
-* ``mode="skip"`` (routes may skip and pick any replica): for every originator the cheapest
-  round trip over any allowed choice of ``visits`` body stages and replicas (hop costs both ways
-  plus compute on the chosen nodes), times the number of memory "waves" ``ceil(M_o / m)``, or
-  its own stage-0 work if larger; the estimate mixes the worst and the mean originator.
+* ``mode="skip"`` (routes may skip and pick any replica): per body stage, every originator's
+  visits are transported to the stage's replicas nearest first (each replica takes an equal
+  share), which gives each originator a load-aware mean hop cost and compute per micro-batch;
+  its round trip times the number of memory "waves" ``ceil(M_o / m)`` (or its own stage-0 work
+  if larger) estimates its finish; the estimate mixes the worst and the mean originator.
 * ``mode="lanes"`` (fixed full-pipeline lanes, DT-FM-like): lane ``i`` is the ``i``-th node of
   every stage; its round trip over all stages times its waves; nodes past the shortest stage's
   size are spare.
@@ -154,11 +155,10 @@ class _Estimator:
                 work[i] += x * ws / self.speed[reps[k]]
         T = []
         for i in range(n0):
-            visits = self.mbo * frac * (self.S - 1)  # body visits of this originator's batches
             per_mb_hop = hop[i] / self.mbo * (v + 1) / max(v, 1)
             per_mb_work = work[i] / self.mbo
             rt = own[i] + per_mb_work + per_mb_hop
-            T.append(max(waves * rt, self.mbo * own[i], visits * 0))
+            T.append(max(waves * rt, self.mbo * own[i]))
         return float(max(T) + 0.5 * sum(T) / len(T)) + self.sync(placement)
 
 

@@ -288,10 +288,6 @@ def construct_affinity(ctx: _Ctx, originators: Sequence[int], mb_per_originator:
     return mbs
 
 
-def _sorted_route(route: list[tuple[int, int]]) -> list[tuple[int, int]]:
-    return sorted(route)
-
-
 def improve_routes(schedule: Schedule, topo: Topology, cost: CostModel, contention: bool, dp_sync: bool,
                    rng: random.Random, max_evals: int, time_limit_s: float | None = None) -> tuple[Schedule, dict]:
     """Local search on ``schedule``'s routes (see module doc, step 3); returns the best found."""
