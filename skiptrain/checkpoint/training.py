@@ -71,12 +71,20 @@ class TrainerCheckpoints:
             self.save(trainer)
 
     def finish(self, trainer, completed: bool) -> None:
-        """At the end of ``fit``: the final save (if enabled and the run completed), then wait."""
+        """At the end of ``fit``: the final save (if enabled and the run completed), then wait.
+
+        When ``fit`` is failing (``completed=False``) an error of the pending background save is
+        not raised over the original exception; that save simply stays uncommitted.
+        """
         try:
             if completed and self.cfg.final:
                 self.save(trainer)
         finally:
-            self.manager.close()
+            try:
+                self.manager.close()
+            except Exception:
+                if completed:
+                    raise
 
 
 def restore_trainer(trainer, path: str | Path | None = None) -> Path:
