@@ -162,12 +162,35 @@ class CheckpointConfig:
 
 
 @dataclass
+class ElasticConfig:
+    """Elastic pipelining by freezing (skiptrain.elastic, issue 9); off unless ``enabled``."""
+    enabled: bool = _f(False, "freeze converged bottom layers, repartition, cache the frozen prefix")
+    alpha: float = _f(1 / 3, "geometric bound: frozen <= F + ceil(alpha * (freezable - F)) per window",
+                      min=0.0, max=1.0)
+    check_every: int = _f(25, "steps per freeze window (gradient norms averaged over a window)", min=1)
+    tol: float = _f(0.1, "a layer counts as converged when its mean gradient norm changed by at most "
+                    "this fraction between two windows", min=0.0)
+    min_active: int = _f(2, "layers that never freeze (the top of the stack keeps training)", min=1)
+    start_window: int = _f(2, "first window (1-based) at which freezing may happen", min=1)
+    guard: bool = _f(True, "validation-loss guard: undo a freeze that made validation loss worse")
+    guard_tol: float = _f(0.01, "relative validation-loss rise after a freeze that undoes it", min=0.0)
+    guard_delay: int = _f(2, "windows without freezing after an undo", min=0)
+    guard_batches: int = _f(4, "validation micro-batches per guard check", min=1)
+    cache: str = _f("auto", "frozen-prefix activation cache: auto (when measured cheaper), on, off",
+                    choices=("auto", "on", "off"))
+    cache_mb: float = _f(1024.0, "activation cache size bound in MiB", min=0.0)
+    cache_dir: str = _f("", "activation cache directory (empty = RUN_DIR/elastic_cache or a temp dir)")
+    nodes: int = _f(0, "nodes of the emulated layout (0 = model.n_stages, one replica each)", min=0)
+
+
+@dataclass
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     dp: DPConfig = field(default_factory=DPConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    elastic: ElasticConfig = field(default_factory=ElasticConfig)
 
     def check(self) -> "Config":
         for sec in dataclasses.fields(self):
