@@ -184,6 +184,26 @@ class ElasticConfig:
 
 
 @dataclass
+class RuntimeConfig:
+    """Multi-process skip-pipeline runtime (skiptrain.runtime, issue 4); used when ``nodes > 0``."""
+    nodes: int = _f(0, "node processes (0 = the single-process trainer)", min=0)
+    stage_sizes: str = _f("", "nodes per stage, comma-separated, e.g. 3,2,2,2 (empty = by work)")
+    method: str = _f("planner", "how routes are made", choices=("planner", "full_pipeline", "random_skip"))
+    memory: int = _f(3, "micro-batches in flight per node (memory credits)", min=1)
+    mb_per_originator: int = _f(2, "micro-batches per stage-0 node per iteration", min=1)
+    topology: str = _f("cluster", "network the schedule is planned for (and emulated with wan=true)")
+    wan: bool = _f(False, "emulate the topology's links (per-link FIFO, latency, bandwidth) in the transport")
+    time_scale: float = _f(1.0, "emulated seconds per topology second (latency x, bandwidth /)", min=1e-6)
+    bytes_scale: int = _f(1, "emulated bytes per real byte on emulated links and in the cost model", min=1)
+    hop_overhead_s: float = _f(0.0, "fixed emulated seconds per message (after time scaling)", min=0.0)
+    emulate_compute: bool = _f(False, "pad every forward/backward/loss to the cost model's duration")
+    s_per_sample_layer: float = _f(0.0, "cost model: forward seconds per sample per layer (0 = profile)", min=0.0)
+    timeout_s: float = _f(30.0, "peer / message / group timeout in seconds", min=0.5)
+    heartbeat_s: float = _f(0.5, "heartbeat interval in seconds", min=0.05)
+    plan_seed: int = _f(0, "seed of the planner and the random baselines")
+
+
+@dataclass
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -191,6 +211,7 @@ class Config:
     dp: DPConfig = field(default_factory=DPConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     elastic: ElasticConfig = field(default_factory=ElasticConfig)
+    runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
 
     def check(self) -> "Config":
         for sec in dataclasses.fields(self):
