@@ -1,0 +1,205 @@
+"""Failure detection for the node processes: timeouts, heartbeats, clear errors, no orphans.
+
+Policy for now (issue 4): **fail fast and stop everything**.  Any node that cannot continue
+raises :class:`NodeFailure` naming the node at fault; the launcher kills the remaining
+processes by PID and reports the root cause.  How a failure is noticed:
+
+* **killed peer**: gloo resets the connection, the transport of every node talking to it raises
+  within tens of milliseconds (:class:`~skiptrain.runtime.transport.TransportError` with the
+  peer); the launcher also sees the exit status (signal) of the dead process directly;
+* **hung peer** (stopped, deadlocked, partitioned): its heartbeat key in the rendezvous store
+  stops advancing; :class:`Heartbeat` in every node and the launcher's monitor declare it failed
+  after ``timeout_s``; waits in the executor and gloo's group timeout are bounded by the same
+  ``timeout_s``, so nothing blocks forever;
+* **lost store / launcher gone**: a heartbeat write that fails makes the node exit; children
+  also get SIGKILL from the kernel when the launcher dies (``PR_SET_PDEATHSIG``).
+
+Hooks for the next issue (routing around failures, re-forming groups, rejoining): detection is
+separate from reaction.  :class:`Heartbeat` calls ``on_failure(node, reason)``; today the node
+installs :func:`abort_process` there.  A tolerant policy would instead mark the node dead in a
+:class:`Membership` view, let the executor re-plan the routes of unfinished micro-batches among
+live nodes, and rebuild the stage groups on a fresh store prefix (gloo groups can be destroyed and
+re-created).  ``Membership.alive`` / ``Membership.generation`` are the state those steps need.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import signal
+import sys
+import threading
+import time
+import traceback
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+from ..errors import UserError
+
+EXIT_FAILED = 3            # this node hit an error (its own or a peer's)
+EXIT_PEER_FAILED = 4       # this node stopped because a peer failed
+
+
+class NodeFailure(RuntimeError):
+    """A node could not continue; ``node`` is the node at fault (maybe another one)."""
+
+    def __init__(self, msg: str, node: int | None = None):
+        super().__init__(msg)
+        self.node = node
+
+
+class RuntimeFailure(UserError, RuntimeError):
+    """A multi-process run stopped because a node failed; raised by the launcher."""
+
+    def __init__(self, msg: str, node: int | None = None, detected_after_s: float | None = None):
+        super().__init__(msg)
+        self.node = node
+        self.detected_after_s = detected_after_s
+
+
+@dataclass
+class Membership:
+    """Which nodes are alive, and a generation bumped on every change (re-forming groups keys
+    the fresh store prefix on it).  Today's policy never revives a node."""
+    world: int
+    alive: set[int] = field(default_factory=set)
+    generation: int = 0
+    reasons: dict[int, str] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not self.alive:
+            self.alive = set(range(self.world))
+
+    def mark_failed(self, node: int, reason: str) -> bool:
+        if node not in self.alive:
+            return False
+        self.alive.discard(node)
+        self.reasons[node] = reason
+        self.generation += 1
+        return True
+
+
+class Heartbeat:
+    """Writes ``hb/<rank> = "<wall-clock seconds>:<state>"`` into the store every ``interval_s``.
+
+    Once :meth:`arm` is called (after every node has joined the process group, so every key
+    exists) it also reads all peers' keys in one ``multi_get`` and reports a peer whose key is
+    older than ``timeout_s`` once through ``on_failure(node, reason)``; peers in state ``done``
+    are not watched.  A failing store write reports node ``-1`` (the store host is gone).
+    ``describe(node)`` names a node in messages (e.g. with its stage)."""
+
+    def __init__(self, store, rank: int, world: int, interval_s: float, timeout_s: float,
+                 on_failure: Callable[[int, str], None],
+                 describe: Callable[[int], str] = lambda n: f"node {n}"):
+        self.store, self.rank, self.world = store, rank, world
+        self.interval_s, self.timeout_s = interval_s, timeout_s
+        self.on_failure = on_failure
+        self.describe = describe
+        self.membership = Membership(world)
+        self.state = "run"
+        self._armed = False
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="heartbeat", daemon=True)
+
+    def beat(self) -> None:
+        self.store.set(f"hb/{self.rank}", f"{time.time()!r}:{self.state}")
+
+    def start(self) -> "Heartbeat":
+        self.beat()
+        self._thread.start()
+        return self
+
+    def arm(self) -> None:
+        self._armed = True
+
+    def finish(self) -> None:
+        """This node is done: peers stop watching it; the thread stops."""
+        self.state = "done"
+        self._stop.set()
+        try:
+            self.beat()
+        except Exception:  # noqa: BLE001
+            pass
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def _loop(self) -> None:
+        peers = [n for n in range(self.world) if n != self.rank]
+        keys = [f"hb/{n}" for n in peers]
+        while not self._stop.wait(self.interval_s):
+            try:
+                self.beat()
+                vals = self.store.multi_get(keys) if (self._armed and keys) else []
+            except Exception as e:  # noqa: BLE001 - store gone: the launcher or rank 0 died
+                if not self._stop.is_set():
+                    self.on_failure(-1, f"lost the rendezvous store ({str(e).splitlines()[0][:120]}); "
+                                        "the launcher or the store host is gone")
+                return
+            now = time.time()
+            for n, raw in zip(peers, vals):
+                t, _, state = raw.decode().partition(":")
+                if state == "done" or n not in self.membership.alive:
+                    continue
+                age = now - float(t)
+                if age > self.timeout_s:
+                    reason = (f"{self.describe(n)} stopped responding: no heartbeat for {age:.1f} s "
+                              f"(timeout {self.timeout_s:g} s)")
+                    if self.membership.mark_failed(n, reason):
+                        self.on_failure(n, reason)
+
+
+def read_heartbeats(store, world: int) -> dict[int, tuple[float, str]]:
+    """``{node: (last beat time, state)}`` for the nodes that have written a key so far."""
+    out = {}
+    for n in range(world):
+        k = f"hb/{n}"
+        if store.check([k]):
+            t, _, state = store.get(k).decode().partition(":")
+            out[n] = (float(t), state)
+    return out
+
+
+def write_error(path: str | Path | None, rank: int, exc: BaseException, node_at_fault: int | None) -> None:
+    """Leave a JSON error report for the launcher (best effort) and print one line to stderr."""
+    msg = str(exc) or type(exc).__name__
+    print(f"skiptrain node {rank}: {type(exc).__name__}: {msg}", file=sys.stderr, flush=True)
+    if path is None:
+        return
+    try:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        Path(path).write_text(json.dumps({"rank": rank, "type": type(exc).__name__, "msg": msg,
+                                          "node": node_at_fault, "time": time.time(),
+                                          "tb": traceback.format_exc()}))
+    except OSError:
+        pass
+
+
+def abort_process(code: int = EXIT_PEER_FAILED) -> None:
+    """Exit now without running atexit handlers or joining threads: a peer failure can leave
+    gloo calls blocked in C++, and a normal exit would wait for them."""
+    sys.stderr.flush()
+    sys.stdout.flush()
+    os._exit(code)
+
+
+def set_parent_death_signal() -> None:
+    """Ask Linux to SIGKILL this process when its parent (the launcher) dies (no-op elsewhere)."""
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
+def describe_exit(code: int | None) -> str:
+    if code is None:
+        return "still running"
+    if code < 0:
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exited with status {code}"

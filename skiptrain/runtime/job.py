@@ -1,0 +1,162 @@
+"""What a multi-process run executes: a :class:`Job` of one or more :class:`Phase` s.
+
+A job is plain JSON (written by the launcher next to the run, read by every node), so the same
+file drives a local swarm and a multi-host ``torchrun`` run.  Each phase is an independent
+experiment on the same processes: it has its own schedule (placement + routes; node ids are
+ranks), cost model, optional WAN emulation and number of iterations; every node rebuilds its
+stage's parameters from the run seed and restarts the data cursor at 0.  (The bench runs the
+full pipeline, random skipping and the planner as three phases of one launch.)
+
+Data.  Micro-batch ``id`` ``i`` (ids ranked 0..M-1) of an iteration takes the global samples
+``cursor + i * micro_batch ... + micro_batch - 1`` of the training split
+(:class:`~skiptrain.data.loader.SampleSource` seeded by ``train.seed``); the cursor advances by
+``M * micro_batch`` per iteration.  That is exactly the order in which the single-process
+:class:`~skiptrain.train.trainer.Trainer` slices its global batch, so with the same routes both
+compute the same thing.
+
+:func:`build_cost` and :func:`build_schedule` turn a :class:`~skiptrain.config.Config` (its
+``runtime`` section) into the cost model and schedule of a phase.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ..config import Config, ConfigError
+from ..net.topology import Topology, load_topology
+from ..schedule.baselines import full_pipeline, random_skip
+from ..schedule.cost import CostModel, layer_params, profile_s_per_sample_per_layer
+from ..schedule.placement import stage_sizes as sizes_by_work
+from ..schedule.planner import PlanConfig, plan
+from ..schedule.schedule import Schedule
+from .wan import scale_topology
+
+
+@dataclass
+class Phase:
+    name: str
+    schedule: dict[str, Any]
+    iterations: int = 1
+    cost: dict[str, Any] | None = None        # CostModel.to_dict(): emulated durations, sync bytes
+    topology: dict[str, Any] | None = None    # Topology.to_dict() of the (time-scaled) network
+    wan: bool = False                         # emulate links of ``topology``
+    bytes_scale: float = 1.0
+    emulate_compute: bool = False
+    emulate_sync: bool = False
+    dump: bool = False                        # write parameters and pre-sync gradients (tests)
+    save_weights: bool = False                # first replica of each stage writes its tensors
+
+
+@dataclass
+class Job:
+    config: dict[str, Any]
+    data_path: str
+    run_dir: str
+    phases: list[Phase]
+    timeout_s: float = 30.0
+    heartbeat_s: float = 0.5
+    fault: dict[str, Any] | None = None       # test fault: {"node", "kind": kill|hang|raise, "phase", "iteration"}
+    meta: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def world(self) -> int:
+        return max(max(Schedule.from_dict(p.schedule).nodes(), default=-1) + 1 for p in self.phases)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "Job":
+        d = dict(d)
+        d["phases"] = [Phase(**p) for p in d["phases"]]
+        return cls(**d)
+
+    def save(self, path: str | Path) -> Path:
+        p = Path(path)
+        p.parent.mkdir(parents=True, exist_ok=True)
+        p.write_text(json.dumps(self.to_dict()))
+        return p
+
+    @classmethod
+    def load(cls, path: str | Path) -> "Job":
+        return cls.from_dict(json.loads(Path(path).read_text()))
+
+
+def parse_sizes(text: str) -> list[int] | None:
+    if not text.strip():
+        return None
+    try:
+        return [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise ConfigError(f"runtime.stage_sizes={text!r}: expected comma-separated integers, e.g. 3,2,2,2") from None
+
+
+def build_cost(cfg: Config, s_per_sample_layer: float | None = None, dp_mode: str = "dense") -> CostModel:
+    """The cost model of ``cfg.model`` with the real layer partition, in emulated units:
+    ``bytes_scale`` emulated bytes per real byte (activations and gradients), forward seconds
+    per sample per layer from ``runtime.s_per_sample_layer`` (or measured here when 0)."""
+    from ..model.partition import partition_layers
+
+    m, rt = cfg.model, cfg.runtime
+    part = partition_layers(m)
+    layers = list(part.counts)
+    per_layer = layer_params(m.d_model, m.hidden, m.kv_heads * m.head_dim)
+    params = [n * per_layer for n in layers]
+    params[0] += 2 * m.vocab_size * m.d_model + m.d_model
+    spl = s_per_sample_layer if s_per_sample_layer is not None else rt.s_per_sample_layer
+    if not spl:
+        spl = profile_s_per_sample_per_layer(m.d_model, m.seq_len, m.n_heads, m.hidden)
+    return CostModel(d_model=m.d_model, tokens_per_sample=m.seq_len, samples=cfg.train.micro_batch,
+                     dtype_bytes=4 * rt.bytes_scale, layers_per_stage=layers, s_per_sample_per_layer=spl,
+                     hop_overhead_s=rt.hop_overhead_s, params_per_stage=params,
+                     grad_dtype_bytes=4 * rt.bytes_scale, dp_mode=dp_mode)
+
+
+def build_topology(cfg: Config, n_nodes: int) -> Topology:
+    """``runtime.topology`` with ``n_nodes`` nodes, time-scaled by ``runtime.time_scale``."""
+    return scale_topology(load_topology(cfg.runtime.topology, n_nodes, seed=cfg.runtime.plan_seed),
+                          cfg.runtime.time_scale)
+
+
+def build_schedule(cfg: Config, method: str, topo: Topology, cost: CostModel,
+                   contention: bool = True, dp_sync: bool = True,
+                   placement: list[list[int]] | None = None) -> Schedule:
+    """One iteration's schedule for ``method`` (planner, full_pipeline, random_skip) on ``topo``.
+
+    The skip methods use ``train.skip_ratio`` and ``train.max_swaps``; random skipping reuses
+    ``placement`` (normally the planner's) when given.  The full pipeline processes the same
+    global batch (``mb_per_originator`` x the skip placement's stage-0 nodes) on fixed lanes."""
+    rt, S = cfg.runtime, cfg.model.n_stages
+    sizes = parse_sizes(rt.stage_sizes)
+    if sizes is not None and (len(sizes) != S or sum(sizes) != topo.n):
+        raise ConfigError(f"runtime.stage_sizes={rt.stage_sizes!r} must list {S} stage sizes summing to "
+                          f"runtime.nodes={topo.n}")
+    k = cfg.train.skip_ratio
+    pc = PlanConfig(n_stages=S, stage_sizes=sizes, skip_ratio=k, max_swaps=cfg.train.max_swaps,
+                    memory=rt.memory, mb_per_originator=rt.mb_per_originator, seed=rt.plan_seed,
+                    contention=contention, dp_sync=dp_sync, placement=placement)
+    if method == "planner":
+        return plan(topo, cost, pc)
+    skip_sizes = sizes or sizes_by_work(topo.n, S, k, cost)
+    n_micro = skip_sizes[0] * rt.mb_per_originator
+    if method == "full_pipeline":
+        full_sizes = sizes or sizes_by_work(topo.n, S, 0.0, cost)
+        return full_pipeline(topo, cost, full_sizes, n_micro, rt.memory, dp_sync=dp_sync, seed=rt.plan_seed)
+    if method == "random_skip":
+        if placement is None:
+            placement = plan(topo, cost, PlanConfig(**{**pc.__dict__, "max_evals": 0, "constructions": 0})).placement
+        return random_skip(topo, cost, placement, rt.mb_per_originator, k, rt.memory, seed=rt.plan_seed)
+    raise ConfigError(f"unknown runtime.method {method!r}; choose planner, full_pipeline or random_skip")
+
+
+def phase_for(cfg: Config, schedule: Schedule, topo: Topology, cost: CostModel, name: str,
+              iterations: int, **kw: Any) -> Phase:
+    """A phase running ``schedule``; emulation switches from ``cfg.runtime`` unless given."""
+    rt = cfg.runtime
+    return Phase(name=name, schedule=schedule.to_dict(), iterations=iterations, cost=cost.to_dict(),
+                 topology=topo.to_dict(), wan=kw.pop("wan", rt.wan), bytes_scale=float(rt.bytes_scale),
+                 emulate_compute=kw.pop("emulate_compute", rt.emulate_compute),
+                 emulate_sync=kw.pop("emulate_sync", False), **kw)

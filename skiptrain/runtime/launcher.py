@@ -1,0 +1,225 @@
+"""Start N node processes on this machine, watch them, and stop all of them on any failure.
+
+:func:`launch` hosts the rendezvous store (a ``TCPStore`` on 127.0.0.1) in the calling process,
+starts ``python -m skiptrain.runtime.node --job RUN_DIR/job.json`` once per rank with the
+standard torch.distributed environment (``MASTER_ADDR``, ``MASTER_PORT``, ``RANK``,
+``WORLD_SIZE``, ``LOCAL_RANK``), one thread per process (``OMP_NUM_THREADS=1``), and output in
+``RUN_DIR/logs/node<r>.log``.  For several hosts, start the same module with ``torchrun``
+instead (see docs/runtime.md); this launcher only starts local processes.
+
+Failure semantics (the launcher is the authority on which node failed):
+
+* a node that exits non-zero or is killed by a signal, or whose heartbeat (``hb/<r>`` in the
+  store) is older than ``job.timeout_s``, or an overall ``timeout_s`` for the whole run, stops
+  the run: the launcher waits up to ``grace_s`` for the other nodes to exit on their own, then
+  SIGKILLs the rest **by PID**, reaps every child, and raises
+  :class:`~skiptrain.runtime.failure.RuntimeFailure` naming the node at fault (a process killed
+  by a signal it did not get from the launcher, else a hung node, else the node the error
+  reports blame, else the first to exit) with the other nodes' one-line reports;
+* children ask the kernel for SIGKILL if the launcher dies (``PR_SET_PDEATHSIG``), and lose the
+  store, so no process is left behind either way.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from datetime import timedelta
+from pathlib import Path
+
+from ..schedule.schedule import Schedule
+from ..schedule.timeline import Event, from_dicts, save_timeline
+from .failure import RuntimeFailure, describe_exit
+from .job import Job
+
+
+@dataclass
+class LaunchResult:
+    run_dir: Path
+    wall_s: float
+    metrics: list[dict] = field(default_factory=list)
+
+    def phase_metrics(self, phase: str) -> list[dict]:
+        return [m for m in self.metrics if m.get("phase") == phase]
+
+    def timeline(self, phase: str, iteration: int) -> list[Event]:
+        return load_phase_timeline(self.run_dir, phase, iteration)
+
+
+def load_phase_timeline(run_dir: str | Path, phase: str, iteration: int) -> list[Event]:
+    """All nodes' events of one iteration of ``phase``, sorted by start (simulator format)."""
+    events: list[Event] = []
+    for f in sorted((Path(run_dir) / "phases" / phase).glob("node*.json")):
+        rec = json.loads(f.read_text())
+        if iteration < len(rec["iterations"]):
+            events += from_dicts(rec["iterations"][iteration]["events"])
+    events.sort(key=lambda e: (e.start, e.node))
+    return events
+
+
+def _describe(job: Job, node: int) -> str:
+    stages = []
+    for ph in job.phases:
+        s = Schedule.from_dict(ph.schedule).stage_of().get(node)
+        stages.append("-" if s is None else str(s))
+    if len(set(stages)) == 1:
+        return f"node {node}" + ("" if stages[0] == "-" else f" (stage {stages[0]})")
+    return f"node {node} (stages {'/'.join(stages)} in phases {'/'.join(p.name for p in job.phases)})"
+
+
+def launch(job: Job, nodes: int | None = None, timeout_s: float = 3600.0, grace_s: float = 3.0,
+           echo: bool = False) -> LaunchResult:
+    """Run ``job`` on ``nodes`` local processes (default: the schedules' node count); see module doc."""
+    import torch.distributed as dist
+
+    world = nodes or job.world
+    if world < job.world:
+        raise RuntimeFailure(f"the job's schedules use {job.world} nodes but only {world} were requested")
+    run_dir = Path(job.run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    for sub in ("errors", "phases", "parts"):
+        d = run_dir / sub
+        if d.is_dir():
+            for f in sorted(d.rglob("*"), reverse=True):
+                f.unlink() if f.is_file() else f.rmdir()
+    (run_dir / "metrics.jsonl").write_text("")
+    (run_dir / "logs").mkdir(exist_ok=True)
+    job_path = job.save(run_dir / "job.json")
+    store = dist.TCPStore("127.0.0.1", 0, world, is_master=True, wait_for_workers=False,
+                          timeout=timedelta(seconds=max(job.timeout_s, 60.0)))
+    repo_root = str(Path(__file__).resolve().parents[2])
+    base_env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(store.port), WORLD_SIZE=str(world),
+                    SKIPTRAIN_STORE_HOSTED="1", OMP_NUM_THREADS="1",
+                    PYTHONPATH=os.pathsep.join([repo_root, os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep))
+    procs: list[subprocess.Popen] = []
+    logs = []
+    t_start = time.time()
+    killed_by_us: set[int] = set()
+    try:
+        for r in range(world):
+            env = dict(base_env, RANK=str(r), LOCAL_RANK=str(r))
+            log = open(run_dir / "logs" / f"node{r}.log", "wb")
+            logs.append(log)
+            procs.append(subprocess.Popen([sys.executable, "-m", "skiptrain.runtime.node", "--job", str(job_path)],
+                                          env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL))
+        failure = _monitor(job, procs, store, world, t_start, timeout_s)
+        if failure is not None:
+            grace_end = time.time() + grace_s
+            while time.time() < grace_end and any(p.poll() is None for p in procs):
+                time.sleep(0.05)
+    finally:
+        for r, p in enumerate(procs):
+            if p.poll() is None:
+                killed_by_us.add(r)
+                try:
+                    os.kill(p.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+        for p in procs:
+            try:
+                p.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                pass
+        for log in logs:
+            log.close()
+    wall = time.time() - t_start
+    if failure is not None:
+        raise _explain(job, procs, failure, run_dir, store, killed_by_us)
+    _merge_outputs(job, run_dir)
+    metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    if echo:
+        print(f"[launch] {world} nodes finished in {wall:.1f} s", flush=True)
+    return LaunchResult(run_dir, wall, metrics)
+
+
+def _monitor(job: Job, procs, store, world: int, t_start: float, timeout_s: float) -> dict | None:
+    """Wait for all processes; return None on success or a failure description."""
+    next_hb = time.time() + job.heartbeat_s
+    while True:
+        codes = [p.poll() for p in procs]
+        bad = [(r, c) for r, c in enumerate(codes) if c not in (None, 0)]
+        if bad:
+            return {"kind": "exit", "node": bad[0][0], "code": bad[0][1], "t": time.time()}
+        if all(c == 0 for c in codes):
+            return None
+        now = time.time()
+        if now - t_start > timeout_s:
+            return {"kind": "timeout", "t": now}
+        if now >= next_hb:
+            next_hb = now + job.heartbeat_s
+            for r in range(world):
+                key = f"hb/{r}"
+                try:
+                    if not store.check([key]):
+                        continue
+                    t, _, state = store.get(key).decode().partition(":")
+                except Exception:  # noqa: BLE001
+                    continue
+                if state != "done" and codes[r] is None and now - float(t) > job.timeout_s:
+                    return {"kind": "hung", "node": r, "age": now - float(t), "t": now}
+        time.sleep(0.05)
+
+
+def _explain(job: Job, procs, failure: dict, run_dir: Path, store, killed_by_us: set[int]) -> RuntimeFailure:
+    reports = {}
+    for f in sorted((run_dir / "errors").glob("node*.json")):
+        try:
+            d = json.loads(f.read_text())
+            reports[int(d["rank"])] = d
+        except (OSError, ValueError, KeyError):
+            continue
+    fault_t = None
+    for r in range(len(procs)):
+        try:
+            if store.check([f"fault/{r}"]):
+                fault_t = float(store.get(f"fault/{r}").decode())
+        except Exception:  # noqa: BLE001
+            pass
+    detected = failure["t"] - fault_t if fault_t is not None else None
+    signalled = [r for r, p in enumerate(procs)
+                 if p.returncode is not None and p.returncode < 0 and r not in killed_by_us]
+    if failure["kind"] == "timeout":
+        node, head = None, f"the run did not finish within its time limit"
+    elif failure["kind"] == "hung":
+        node = failure["node"]
+        head = (f"{_describe(job, node)} stopped responding: no heartbeat for {failure['age']:.1f} s "
+                f"(timeout {job.timeout_s:g} s); stopped all nodes")
+    elif signalled:
+        node = signalled[0]
+        head = f"{_describe(job, node)} died ({describe_exit(procs[node].returncode)}); stopped all nodes"
+    else:
+        self_blamed = [r for r, d in reports.items() if d.get("node") == r]
+        blamed = [d["node"] for d in reports.values() if d.get("node") is not None and d["node"] >= 0]
+        node = self_blamed[0] if self_blamed else (blamed[0] if blamed else failure.get("node"))
+        d = reports.get(node) or (reports.get(failure.get("node")) if failure.get("node") is not None else None)
+        why = f"{d['type']}: {d['msg']}" if d else describe_exit(procs[node].returncode if node is not None else None)
+        head = f"{_describe(job, node) if node is not None else 'a node'} failed: {why}"
+    lines = [head]
+    for r, d in sorted(reports.items()):
+        lines.append(f"  node {r}: {d['type']}: {d['msg'][:300]}")
+    if detected is not None:
+        lines.append(f"  (detected {detected:.1f} s after the fault)")
+    lines.append(f"  logs: {run_dir / 'logs'}")
+    return RuntimeFailure("\n".join(lines), node=node, detected_after_s=detected)
+
+
+def _merge_outputs(job: Job, run_dir: Path) -> None:
+    """Per-iteration merged timelines, and the stage weights merged into model.safetensors."""
+    for ph in job.phases:
+        for it in range(ph.iterations):
+            ev = load_phase_timeline(run_dir, ph.name, it)
+            if ev:
+                save_timeline(ev, run_dir / "phases" / ph.name / f"timeline_it{it}.json")
+    parts = sorted((run_dir / "parts").glob("stage*.safetensors")) if (run_dir / "parts").is_dir() else []
+    if parts:
+        from safetensors.torch import load_file, save_file
+
+        state = {}
+        for p in parts:
+            state.update(load_file(str(p)))
+        save_file(state, str(run_dir / "model.safetensors"))
