@@ -1,0 +1,194 @@
+"""Multi-process skip-pipeline runtime (skiptrain.runtime): units, exact equivalence with the
+single-process trainer, a short training run, and failure handling (killed and hung peers)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from skiptrain.config import build_config
+from skiptrain.runtime.executor import node_plan
+from skiptrain.runtime.failure import RuntimeFailure
+from skiptrain.runtime.job import Job, build_cost, build_schedule, build_topology, phase_for
+from skiptrain.runtime.launcher import launch
+from skiptrain.runtime.transport import ACT, GRAD, decode_header, encode_header
+from skiptrain.runtime.wan import LinkFifo
+from skiptrain.schedule.schedule import MicroBatch, Schedule
+from skiptrain.schedule.timeline import check_no_overlap
+
+
+# ---- units ------------------------------------------------------------------------------------
+
+def test_link_fifo_queues_messages_like_the_simulator():
+    lat = [[0.0, 0.1], [0.1, 0.0]]
+    inv = [[0.0, 1 / 1000.0], [1 / 1000.0, 0.0]]      # 1000 B/s
+    link = LinkFifo(0, lat, inv, bytes_scale=2.0, hop_overhead_s=0.05)
+    assert link.schedule(1, 100, 0.0) == pytest.approx((0.0, 0.2 + 0.1 + 0.05))
+    # second message queues behind the first: starts when the first left the link (0.2 s)
+    assert link.schedule(1, 100, 0.1) == pytest.approx((0.2, 0.4 + 0.15))
+    link.reset()
+    assert link.schedule(1, 100, 0.1)[0] == pytest.approx(0.1)
+
+
+def test_header_round_trip_and_rejects_garbage():
+    h = encode_header(GRAD, 7, 12, 3, (8, 64, 32))
+    assert decode_header(h) == (GRAD, 7, 12, 3, (8, 64, 32))
+    with pytest.raises(Exception):
+        decode_header(torch.tensor([9, 0, 0, 0, 0, 0, 0, 0, 0]))
+
+
+def test_node_plan_counts_tasks_and_messages():
+    s = Schedule(placement=[[0, 1], [2], [3]], memory=2, skip_ratio=0.0, micro_batches=[
+        MicroBatch(0, 0, [(1, 2), (2, 3)]), MicroBatch(1, 1, [(2, 3)]), MicroBatch(2, 0, [])])
+    p0, p2, p3 = node_plan(s, 0), node_plan(s, 2), node_plan(s, 3)
+    assert p0.n_tasks == 6 and p0.inject == [0, 2]
+    assert p0.incoming == {(ACT, 0, 3): 3, (GRAD, 0, 0): 2}
+    assert p2.n_tasks == 2 and p2.incoming == {(ACT, 0, 1): 0, (GRAD, 0, 1): 3}
+    assert p3.n_tasks == 4 and p3.incoming[(GRAD, 0, 2)] == 0 and p3.incoming[(ACT, 1, 1)] == 1
+
+
+# ---- multi-process ------------------------------------------------------------------------------
+
+def _cfg(**train):
+    return build_config("tiny", overrides={
+        "runtime": {"nodes": 6, "stage_sizes": "2,2,1,1", "mb_per_originator": 2, "timeout_s": 20},
+        "train": {"grad_clip": 0.0, "steps": 10, "warmup_steps": 2, **train}})
+
+
+def _reference(cfg, data, schedule):
+    """The single-process Trainer, one step, with the schedule's routes (micro-batch id order)."""
+    import skiptrain.train.trainer as tr
+    from skiptrain.data.dataset import TokenDataset
+
+    mbs = sorted(schedule.micro_batches, key=lambda m: m.id)
+    cfg.train.n_micro = len(mbs)
+    orig = tr.draw_routes
+    tr.draw_routes = lambda c, rng: [list(m.stages) for m in mbs]
+    try:
+        t = tr.Trainer(cfg, None, dataset=TokenDataset.open(data))
+        grads = {}
+        t.train_step()
+        for n, p in t.model.named_parameters():
+            grads[n] = p.grad.clone() if p.grad is not None else None
+        return {n: p.detach() for n, p in t.model.named_parameters()}, grads
+    finally:
+        tr.draw_routes = orig
+
+
+@pytest.fixture(scope="module")
+def swarm(byte_data, tmp_path_factory):
+    """One launch, three phases: k=0 full pipeline (1 it), a planner skip schedule (1 it), and a
+    short training run on the skip schedule with a higher learning rate."""
+    cfg = _cfg()
+    topo = build_topology(cfg, 6)
+    cost = build_cost(cfg, s_per_sample_layer=0.001)
+    full = build_schedule(cfg, "full_pipeline", topo, cost)
+    cfg_k = _cfg(skip_ratio=0.5)
+    skip = build_schedule(cfg_k, "planner", topo, cost)
+    run_dir = tmp_path_factory.mktemp("swarm")
+    job = Job(config=cfg.to_dict(), data_path=str(byte_data), run_dir=str(run_dir), timeout_s=20,
+              phases=[phase_for(cfg, full, topo, cost, "full", 1, dump=True),
+                      phase_for(cfg, skip, topo, cost, "skip", 1, dump=True),
+                      phase_for(cfg, skip, topo, cost, "train", 8, dump=True)])
+    job.config["train"]["lr"] = 3e-3
+    res = launch(job, timeout_s=240)
+    return {"res": res, "cfg": cfg, "full": full, "skip": skip, "data": byte_data, "dir": Path(run_dir)}
+
+
+def _dist_params(run_dir: Path, phase: str, sched: Schedule) -> dict[str, torch.Tensor]:
+    out = {}
+    for n in sched.nodes():
+        for k, v in torch.load(run_dir / "phases" / phase / f"params_node{n}.pt").items():
+            out.setdefault(k, v)
+    return out
+
+
+def test_k0_one_iteration_matches_single_process_trainer(swarm):
+    full = swarm["full"]
+    assert full.skip_ratio == 0 and all(m.stages == [1, 2, 3] for m in full.micro_batches)
+    ref, _ = _reference(_cfg(), swarm["data"], full)
+    got = _dist_params(swarm["dir"], "full", full)
+    assert set(got) == set(ref)
+    from skiptrain.model import StagedLM
+    init = dict(StagedLM(_cfg().model, seed=_cfg().train.seed).named_parameters())
+    assert max(float((ref[n] - init[n]).abs().max()) for n in ref) > 1e-4   # the step moved them
+    for n in ref:
+        torch.testing.assert_close(got[n], ref[n], atol=1e-5, rtol=0, msg=lambda m: f"{n}: {m}")
+
+
+def test_skip_schedule_gradients_and_step_match_route_reference(swarm):
+    skip = swarm["skip"]
+    assert any(len(m.route) < 3 for m in skip.micro_batches)   # really skipping
+    ref_p, ref_g = _reference(_cfg(skip_ratio=0.5), swarm["data"], skip)
+    # per stage: sum of the replicas' summed gradients / micro-batches that visited the stage
+    d = swarm["dir"] / "phases" / "skip"
+    for s, nodes in enumerate(skip.placement):
+        dumps = [torch.load(d / f"grads_node{n}.pt") for n in nodes]
+        total = sum(x["n"] for x in dumps)
+        assert total == skip.stage_visits()[s] if s else len(skip.micro_batches)
+        for name, g in dumps[0]["grads"].items():
+            acc = sum(x["grads"][name] for x in dumps) / total
+            torch.testing.assert_close(acc, ref_g[name], atol=1e-6, rtol=1e-4, msg=lambda m: f"{name}: {m}")
+    got = _dist_params(swarm["dir"], "skip", skip)
+    for n in ref_p:
+        torch.testing.assert_close(got[n], ref_p[n], atol=1e-5, rtol=0, msg=lambda m: f"{n}: {m}")
+
+
+def test_training_losses_fall_and_replicas_stay_identical(swarm):
+    rows = swarm["res"].phase_metrics("train")
+    losses = [r["loss"] for r in rows]
+    assert len(losses) == 8 and losses[-1] < losses[0] - 0.3, losses
+    skip = swarm["skip"]
+    d = swarm["dir"] / "phases" / "train"
+    for nodes in skip.placement:
+        first = torch.load(d / f"params_node{nodes[0]}.pt")
+        for n in nodes[1:]:
+            other = torch.load(d / f"params_node{n}.pt")
+            for k in first:
+                assert torch.equal(first[k], other[k]), f"replica {n} differs from {nodes[0]} in {k}"
+
+
+def test_timeline_is_recorded_in_simulator_format(swarm):
+    ev = swarm["res"].timeline("skip", 0)
+    kinds = {e.kind for e in ev}
+    assert {"fwd", "bwd", "loss", "send", "recv", "sync"} <= kinds
+    check_no_overlap(ev)
+    skip = swarm["skip"]
+    n_fwd = sum(1 + len(m.route) for m in skip.micro_batches)
+    assert sum(e.kind == "fwd" for e in ev) == n_fwd and sum(e.kind == "bwd" for e in ev) == n_fwd
+    assert sum(e.kind == "send" for e in ev) == sum(2 * (len(m.route) + 1) for m in skip.micro_batches if m.route)
+
+
+def _our_processes(run_dir: Path) -> list[int]:
+    pids = []
+    for p in Path("/proc").iterdir():
+        if p.name.isdigit():
+            try:
+                if str(run_dir).encode() in (p / "cmdline").read_bytes():
+                    pids.append(int(p.name))
+            except OSError:
+                pass
+    return pids
+
+
+@pytest.mark.parametrize("kind", ["kill", "hang"])
+def test_failed_peer_stops_the_run_with_an_error_naming_it(byte_data, tmp_path, kind):
+    cfg = build_config("tiny", overrides={"runtime": {"nodes": 4, "stage_sizes": "1,1,1,1"}})
+    topo = build_topology(cfg, 4)
+    cost = build_cost(cfg, s_per_sample_layer=0.001)
+    sched = build_schedule(cfg, "full_pipeline", topo, cost)
+    victim = sched.placement[2][0]
+    job = Job(config=cfg.to_dict(), data_path=str(byte_data), run_dir=str(tmp_path / "run"),
+              phases=[phase_for(cfg, sched, topo, cost, "p", 3)], timeout_s=4.0, heartbeat_s=0.25,
+              fault={"node": victim, "kind": kind, "iteration": 1})
+    with pytest.raises(RuntimeFailure) as ei:
+        launch(job, timeout_s=180)
+    e = ei.value
+    assert e.node == victim, str(e)
+    assert f"node {victim} (stage 2)" in str(e)
+    assert ("died (killed by SIGKILL)" if kind == "kill" else "stopped responding") in str(e)
+    assert e.detected_after_s is not None and e.detected_after_s < 30
+    assert _our_processes(tmp_path / "run") == []
