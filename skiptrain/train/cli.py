@@ -35,7 +35,11 @@ def cmd_train(args: argparse.Namespace) -> int:
                                     "train.skip_ratio": args.skip_ratio, "train.seed": args.seed})
     if args.quiet:
         cfg.train.progress = False
-    trainer = Trainer(cfg, args.out)
+    if cfg.elastic.enabled:  # issue 9: elastic mode (freeze, repartition, cache)
+        from ..elastic.trainer import ElasticTrainer
+        trainer = ElasticTrainer(cfg, args.out)
+    else:
+        trainer = Trainer(cfg, args.out)
     resume = getattr(args, "resume", None)
     if resume is not None:
         src = trainer.resume(None if resume == "latest" else resume)

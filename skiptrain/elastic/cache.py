@@ -1,0 +1,228 @@
+"""AutoCache: the frozen prefix's output per sample, in a memory-mapped file.
+
+Key.  A sample is a window of the training split (:class:`skiptrain.data.loader.SampleSource`);
+the window id is the cache key, so the same text hits the same entry in every epoch whatever
+its global index.
+
+Files (in ``directory``):
+
+* ``data.f32``: ``capacity x seq_len x d_model`` float32 rows (the residual stream after the
+  frozen prefix, bit-exact);
+* ``tags.i64``: ``capacity x 3`` int64 ``(window, depth, fingerprint)`` per slot, window -1 =
+  empty.  A slot's tag is cleared before its row is rewritten and set after, so a killed
+  process never leaves a tag that points at a torn row.
+* ``meta.json``: the shape, to reopen the files.
+
+Validity.  An entry of depth ``k`` is the output of the embedding and layers ``0..k-1`` with
+the weights they had when it was written; ``fingerprint`` is a CRC of those weights.  An entry
+is used only when ``k <= frozen`` and its fingerprint equals the current weights' CRC at depth
+``k`` (:meth:`ActivationCache.validate` drops the rest: after an undo of a freeze, after a
+resume, after anything that changed those layers).  An entry with ``k < frozen`` is *extended*
+incrementally: layers ``k..frozen-1`` run on the cached row and the slot is rewritten at the
+new depth, which costs less than recomputing from the tokens.
+
+Bound.  ``capacity = min(windows, max_bytes // row_bytes)`` rows; windows beyond it are
+recomputed every time (no eviction: every window is equally likely to come back next epoch).
+
+Whether to use the cache at all is a measurement (:func:`measure` and :func:`worth_it`):
+per sample, recomputing the prefix vs reading a row, counting the write on the first visit
+and the number of visits left in the run.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import zlib
+from pathlib import Path
+from typing import Any, Iterable, Sequence
+
+import numpy as np
+import torch
+
+
+def prefix_fingerprints(model, depth: int) -> dict[int, int]:
+    """CRC32 of the embedding + layers ``0..k-1`` weights, for every ``k`` in ``1..depth``."""
+    out: dict[int, int] = {}
+    crc = zlib.crc32(model.tok_emb.weight.detach().contiguous().numpy().tobytes())
+    for k in range(1, depth + 1):
+        for _, p in sorted(model.layers[str(k - 1)].named_parameters()):
+            crc = zlib.crc32(p.detach().contiguous().numpy().tobytes(), crc)
+        out[k] = crc
+    return out
+
+
+class ActivationCache:
+    """Per-window rows of the frozen prefix's output; see the module docstring."""
+
+    def __init__(self, directory: str | Path, n_windows: int, seq_len: int, d_model: int, max_bytes: int):
+        self.dir = Path(directory)
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.shape = (seq_len, d_model)
+        self.row_bytes = seq_len * d_model * 4
+        self.n_windows = n_windows
+        self.capacity = int(min(n_windows, max_bytes // self.row_bytes))
+        self.hits = self.misses = self.extended = self.writes = 0
+        meta = {"capacity": self.capacity, "seq_len": seq_len, "d_model": d_model, "n_windows": n_windows}
+        meta_path = self.dir / "meta.json"
+        reuse = meta_path.is_file() and json.loads(meta_path.read_text()) == meta
+        cap = max(self.capacity, 1)
+        mode = "r+" if reuse else "w+"
+        self.data = np.memmap(self.dir / "data.f32", dtype=np.float32, mode=mode, shape=(cap, seq_len, d_model))
+        self.tags = np.memmap(self.dir / "tags.i64", dtype=np.int64, mode=mode, shape=(cap, 3))
+        if not reuse:
+            self.tags[:] = -1
+            self.tags.flush()
+            meta_path.write_text(json.dumps(meta))
+        self.slot_of: dict[int, int] = {}
+        self.free: list[int] = []
+        self._reindex()
+
+    def _reindex(self) -> None:
+        self.slot_of = {int(w): i for i, w in enumerate(self.tags[: self.capacity, 0]) if w >= 0}
+        used = set(self.slot_of.values())
+        self.free = [i for i in range(self.capacity - 1, -1, -1) if i not in used]
+
+    @property
+    def entries(self) -> int:
+        return len(self.slot_of)
+
+    def nbytes(self) -> int:
+        return self.entries * self.row_bytes
+
+    def validate(self, fingerprints: dict[int, int], frozen: int) -> int:
+        """Drop entries deeper than ``frozen`` or whose weights changed; returns how many."""
+        dropped = 0
+        for w, slot in list(self.slot_of.items()):
+            _, depth, fp = (int(v) for v in self.tags[slot])
+            if depth > frozen or depth < 1 or fingerprints.get(depth) != fp:
+                self.tags[slot] = -1
+                del self.slot_of[w]
+                self.free.append(slot)
+                dropped += 1
+        return dropped
+
+    def lookup(self, windows: Sequence[int]) -> list[tuple[int, int] | None]:
+        """Per window: ``(slot, depth)`` of its entry, or None."""
+        out = []
+        for w in windows:
+            slot = self.slot_of.get(int(w))
+            out.append(None if slot is None else (slot, int(self.tags[slot, 1])))
+        return out
+
+    def read(self, slots: Sequence[int]) -> torch.Tensor:
+        return torch.from_numpy(np.ascontiguousarray(self.data[np.asarray(slots)]))
+
+    def write(self, window: int, depth: int, fingerprint: int, row: torch.Tensor) -> bool:
+        """Store ``row`` for ``window`` (reusing its slot); False when the cache is full."""
+        slot = self.slot_of.get(int(window))
+        if slot is None:
+            if not self.free:
+                return False
+            slot = self.free.pop()
+        self.tags[slot] = -1
+        self.data[slot] = row.detach().numpy()
+        self.tags[slot] = (int(window), int(depth), int(fingerprint))
+        self.slot_of[int(window)] = slot
+        self.writes += 1
+        return True
+
+    def flush(self) -> None:
+        self.data.flush()
+        self.tags.flush()
+
+    def stats(self) -> dict[str, Any]:
+        return {"entries": self.entries, "capacity": self.capacity, "bytes": self.nbytes(), "hits": self.hits,
+                "misses": self.misses, "extended": self.extended, "writes": self.writes}
+
+
+class PrefixRunner:
+    """Computes the frozen prefix's output for a batch, through the cache when it is on."""
+
+    def __init__(self, model, cache: ActivationCache | None = None):
+        self.model = model
+        self.cache = cache
+        self.enabled = cache is not None
+        self.frozen = 0
+        self.fps: dict[int, int] = {}
+
+    def set_frozen(self, frozen: int) -> int:
+        """New frozen depth: refresh fingerprints and drop invalid entries (returns how many)."""
+        self.frozen = frozen
+        self.fps = prefix_fingerprints(self.model, frozen) if frozen > 0 else {}
+        return self.cache.validate(self.fps, frozen) if self.cache is not None else 0
+
+    def _layers(self, h: torch.Tensor, start: int, stop: int) -> torch.Tensor:
+        m = self.model
+        for i in range(start, stop):
+            h = m.layers[str(i)](h, m.rope_cos, m.rope_sin)
+        return h
+
+    @torch.no_grad()
+    def compute(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self._layers(self.model.tok_emb(tokens), 0, self.frozen)
+
+    @torch.no_grad()
+    def __call__(self, tokens: torch.Tensor, windows: Sequence[int]) -> torch.Tensor:
+        F = self.frozen
+        if not self.enabled or self.cache is None:
+            return self.compute(tokens)
+        c = self.cache
+        out = torch.empty(tokens.shape[0], tokens.shape[1], self.model.cfg.d_model)
+        found = c.lookup(windows)
+        full = [(i, s) for i, f in enumerate(found) if f is not None and f[1] == F for s in [f[0]]]
+        if full:
+            idx = [i for i, _ in full]
+            out[idx] = c.read([s for _, s in full])
+            c.hits += len(full)
+        by_depth: dict[int, list[tuple[int, int]]] = {}
+        for i, f in enumerate(found):
+            if f is not None and f[1] < F:
+                by_depth.setdefault(f[1], []).append((i, f[0]))
+        for depth, items in sorted(by_depth.items()):  # incremental extension
+            idx = [i for i, _ in items]
+            h = self._layers(c.read([s for _, s in items]), depth, F)
+            out[idx] = h
+            for (i, _), row in zip(items, h):
+                c.write(windows[i], F, self.fps[F], row)
+            c.extended += len(items)
+        miss = [i for i, f in enumerate(found) if f is None]
+        if miss:
+            h = self.compute(tokens[miss])
+            out[miss] = h
+            for i, row in zip(miss, h):
+                c.write(windows[i], F, self.fps[F], row)
+            c.misses += len(miss)
+        return out
+
+
+def measure(model, frozen: int, tokens: torch.Tensor, directory: str | Path, repeats: int = 3) -> dict[str, float]:
+    """Seconds per sample: recompute the prefix vs write vs read a cached row (medians)."""
+    runner = PrefixRunner(model)
+    runner.frozen = frozen
+    n = tokens.shape[0]
+    probe = ActivationCache(Path(directory) / "probe", n, tokens.shape[1], model.cfg.d_model, n * tokens.shape[1]
+                            * model.cfg.d_model * 4)
+
+    def med(fn) -> float:
+        ts = []
+        for _ in range(repeats):
+            t = time.perf_counter()
+            fn()
+            ts.append(time.perf_counter() - t)
+        return sorted(ts)[len(ts) // 2] / n
+
+    h = runner.compute(tokens)
+    t_comp = med(lambda: runner.compute(tokens))
+    t_write = med(lambda: [probe.write(i, frozen, 0, h[i]) for i in range(n)])
+    t_read = med(lambda: probe.read(list(range(n))))
+    return {"recompute_s": t_comp, "write_s": t_write, "read_s": t_read}
+
+
+def worth_it(m: dict[str, float], visits_per_window: float) -> bool:
+    """Cache when ``recompute + write + (v - 1) * read < v * recompute`` (per window, over ``v``
+    visits left): the first visit recomputes and writes, the others read."""
+    v = max(visits_per_window, 0.0)
+    if v <= 1.0:
+        return False
+    return m["write_s"] + m["recompute_s"] + (v - 1) * m["read_s"] < v * m["recompute_s"]

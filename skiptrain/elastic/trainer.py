@@ -1,0 +1,303 @@
+"""Elastic mode of the single-process trainer: freeze, repartition, replicas, cache, checkpoints.
+
+:class:`ElasticTrainer` is :class:`skiptrain.train.trainer.Trainer` plus, every
+``elastic.check_every`` steps, the freeze rule (:mod:`.freeze`).  When the frozen count changes
+a *transition* runs:
+
+1. frozen layers (and the embedding, with the first of them) stop requiring gradients, so they
+   get no backward and AdamW leaves them untouched (their optimizer state is kept for an undo);
+2. the activation cache (:mod:`.cache`) is measured and switched on when cheaper, and its
+   entries are validated (an undo drops entries deeper than the new prefix);
+3. AutoPipe (:mod:`.repartition`) repartitions the active layers and shrinks the stage count;
+4. AutoDP (:mod:`.replicas`) assigns the ``elastic.nodes`` emulated nodes to the new stages and
+   plans the state transfers; the largest receiver's message is packed and unpacked for real
+   (that CPU cost is part of the measured transition time; the wire time is the runtime's).
+
+Training then runs the frozen prefix without autograd (from the cache when on), the active
+layers of stage 0, and the body stages of the new layout along the routes (skipping over the
+new body stages when ``train.skip_ratio > 0``), with per-stage gradient averaging over the new
+stages.  The global batch, the data cursor and the learning-rate schedule (a function of the
+step) are untouched by transitions, so no sample is repeated or skipped.
+
+Checkpoints carry, under ``state["freeze"]``: the frozen count, the whole rule state (window
+sums, previous norms, guard), the layout history, the transitions and the cache position (its
+directory, depth and counters); ``resume`` restores all of it and revalidates the cache, so a
+resumed run continues exactly as the uninterrupted one.  Decisions go to ``RUN_DIR/elastic.jsonl``.
+"""
+
+from __future__ import annotations
+
+import json
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..checkpoint.reader import CheckpointReader
+from ..checkpoint.training import TrainerCheckpoints, _truncate_metrics, trainer_state
+from ..config import Config
+from ..data.dataset import TokenDataset
+from ..model.partition import Partition
+from ..schedule.routes import balanced_routes, full_route, stage_visit_counts
+from ..train.evaluate import evaluate
+from ..train.optim import lr_at, set_lr
+from ..train.trainer import StepResult, Trainer, draw_routes
+from .cache import ActivationCache, PrefixRunner, measure, worth_it
+from .freeze import FreezeRule
+from .repartition import Layout, autopipe_for
+from .replicas import assign_nodes, pack_state, state_sizes, transfer_plan, unpack_tensors
+
+
+class ElasticCheckpoints(TrainerCheckpoints):
+    """The trainer's checkpoints with the elastic state in ``state["freeze"]``."""
+
+    def save(self, trainer) -> float:
+        state = trainer_state(trainer)
+        state["freeze"] = trainer.elastic_state()
+        lay = trainer.layout
+        stall = self.manager.save_training(trainer.step, trainer.model, trainer.opt, state,
+                                           layout={"n_stages": lay.n_stages, "replicas": lay.replicas,
+                                                   "partition": lay.counts, "frozen": lay.frozen},
+                                           overlap=self.cfg.overlap)
+        self.stalls.append(stall)
+        return stall
+
+
+class ElasticTrainer(Trainer):
+    """The single-process trainer in elastic mode; see the module docstring."""
+
+    def __init__(self, cfg: Config, out: str | Path | None = None, dataset: TokenDataset | None = None):
+        super().__init__(cfg, out, dataset)
+        e, m = self.cfg.elastic, self.cfg.model
+        self.rule = FreezeRule.from_config(m.n_layers, e)
+        self.start_stages = m.n_stages
+        self.n_nodes = e.nodes or m.n_stages
+        R = self.n_nodes // m.n_stages
+        if R < 1:
+            raise ValueError(f"elastic.nodes={self.n_nodes} cannot serve {m.n_stages} stages")
+        self.layouts = [Layout(0, self.model.partition.to_list(), R, self.cfg.train.n_micro,
+                               [[s * R + r for r in range(R)] for s in range(m.n_stages)], False, 0)]
+        self.transitions: list[dict[str, Any]] = []
+        self.guard_s = 0.0
+        self.cache: ActivationCache | None = None
+        self.runner = PrefixRunner(self.model)
+        self.runner.enabled = False
+        self._stage_params()
+        if self.ckpt is not None:
+            self.ckpt.manager.close()
+            self.ckpt = ElasticCheckpoints(self)
+        self._log = None
+
+    # ---- layout bookkeeping ---------------------------------------------------------------
+
+    @property
+    def layout(self) -> Layout:
+        return self.layouts[-1]
+
+    @property
+    def frozen(self) -> int:
+        return self.rule.frozen
+
+    def _stage_params(self) -> None:
+        """Trainable parameters per stage of the current layout (stage 0: embedding, head, norm)."""
+        part, F = self.layout.partition, self.frozen
+        named = dict(self.model.named_parameters())
+        self.stage_grads_of = {}
+        for s in range(part.n_stages):
+            pre = tuple(f"layers.{i}." for i in part.layers(s) if i >= F)
+            if s == 0:
+                pre += ("norm.", "head.") + (() if F > 0 else ("tok_emb.",))
+            self.stage_grads_of[s] = [p for n, p in named.items() if pre and n.startswith(pre)]
+        self.layer_params = {l: list(self.model.layers[str(l)].parameters()) for l in range(self.cfg.model.n_layers)}
+
+    def _apply_frozen(self) -> None:
+        F = self.frozen
+        self.model.tok_emb.weight.requires_grad_(F == 0)
+        for l, block in self.model.layers.items():
+            for p in block.parameters():
+                p.requires_grad_(int(l) >= F)
+
+    def _open_cache(self) -> ActivationCache:
+        if self.cache is None:
+            e = self.cfg.elastic
+            if e.cache_dir:
+                d = Path(e.cache_dir)
+            elif self.out is not None:
+                d = Path(self.out) / "elastic_cache"
+            else:
+                d = Path(tempfile.mkdtemp(prefix="skiptrain-cache-"))
+            self.cache = ActivationCache(d, self.train_src.n, self.cfg.model.seq_len, self.cfg.model.d_model,
+                                         int(e.cache_mb * 2**20))
+            self.runner.cache = self.cache
+        return self.cache
+
+    # ---- one step -------------------------------------------------------------------------
+
+    def _routes(self) -> list[list[int]]:
+        S, t = self.layout.n_stages, self.cfg.train
+        if S == self.cfg.model.n_stages:
+            return draw_routes(self.cfg, self.route_rng)
+        if t.skip_ratio <= 0 or S <= 2:
+            return [full_route(S) for _ in range(t.n_micro)]
+        return balanced_routes(S, t.skip_ratio, t.n_micro, self.route_rng, t.max_swaps)
+
+    def _forward(self, x: torch.Tensor, y: torch.Tensor, h0: torch.Tensor | None, route: list[int]):
+        m, part, F = self.model, self.layout.partition, self.frozen
+        h = m.tok_emb(x) if h0 is None else h0
+        for i in part.layers(0):
+            if i >= F:
+                h = m.layers[str(i)](h, m.rope_cos, m.rope_sin)
+        for s in route:
+            for i in part.layers(s):
+                h = m.layers[str(i)](h, m.rope_cos, m.rope_sin)
+        return m.loss(m.logits(h), y)
+
+    def train_step(self) -> StepResult:
+        t = self.cfg.train
+        idx = self.loader.indices()
+        x, y = self.loader.next_batch()
+        routes = self._routes()
+        F = self.frozen
+        h0 = self.runner(x, [self.train_src.window(g) for g in idx]) if F > 0 else None
+        self.opt.zero_grad(set_to_none=True)
+        total = 0.0
+        for i, route in enumerate(routes):
+            sl = slice(i * t.micro_batch, (i + 1) * t.micro_batch)
+            loss = self._forward(x[sl], y[sl], None if h0 is None else h0[sl], route)
+            loss.backward()
+            total += loss.item()
+        visits = stage_visit_counts(routes, self.layout.n_stages)
+        for s, params in self.stage_grads_of.items():
+            grads = [p.grad for p in params if p.grad is not None]
+            if grads and visits[s] > 1:
+                torch._foreach_mul_(grads, 1.0 / visits[s])
+        norms = {}
+        for l in range(F, self.cfg.model.n_layers):
+            gs = [p.grad for p in self.layer_params[l] if p.grad is not None]
+            if gs:
+                norms[l] = float(torch.linalg.vector_norm(torch.stack(torch._foreach_norm(gs))))
+        self.rule.observe(norms)
+        gnorm = (torch.nn.utils.clip_grad_norm_([p for p in self.model.parameters() if p.requires_grad],
+                                                t.grad_clip).item() if t.grad_clip > 0 else float("nan"))
+        lr = lr_at(self.step, t)
+        set_lr(self.opt, lr)
+        self.opt.step()
+        self.step += 1
+        if self.rule.window_done(self.step):
+            self._window()
+        return StepResult(total / len(routes), lr, gnorm, routes)
+
+    # ---- windows and transitions ----------------------------------------------------------
+
+    def _guard_val(self) -> float:
+        t0 = time.perf_counter()
+        v = evaluate(self.model, self.val_src, self.cfg.elastic.guard_batches, self.cfg.train.micro_batch)
+        self.guard_s += time.perf_counter() - t0
+        return v
+
+    def _window(self) -> None:
+        d = self.rule.decide(self.step, val_loss=self._guard_val if self.cfg.elastic.guard else None)
+        rec = d.to_dict()
+        if d.frozen_after != d.frozen_before:
+            rec["transition"] = self._transition()
+        self._write_log(rec)
+
+    def _write_log(self, rec: dict[str, Any]) -> None:
+        if self.out is None:
+            return
+        with open(Path(self.out) / "elastic.jsonl", "a") as f:
+            f.write(json.dumps(rec) + "\n")
+
+    def _transition(self) -> dict[str, Any]:
+        """Apply the rule's new frozen count: freeze/unfreeze, cache, AutoPipe, AutoDP."""
+        t0 = time.perf_counter()
+        e, m, t = self.cfg.elastic, self.cfg.model, self.cfg.train
+        F, old = self.frozen, self.layout
+        self._apply_frozen()
+        rec: dict[str, Any] = {"step": self.step, "frozen_before": old.frozen, "frozen_after": F}
+        cached = False
+        if F > 0 and e.cache != "off":
+            cache = self._open_cache()
+            if e.cache == "on":
+                cached = True
+            else:
+                probe_tokens, _ = self.train_src.batch(list(range(min(t.micro_batch, self.train_src.n))))
+                meas = measure(self.model, F, probe_tokens, cache.dir)
+                left = max(0, t.steps - self.step) * t.micro_batch * t.n_micro
+                visits = left / self.train_src.n
+                cached = worth_it(meas, visits) and cache.capacity > 0
+                rec["cache_measure"] = {**{k: round(v, 7) for k, v in meas.items()}, "visits_left": round(visits, 3)}
+        self.runner.enabled = cached
+        rec["cache_dropped"] = self.runner.set_frozen(F)
+        counts, evidence = autopipe_for(m, F, self.start_stages, old.n_stages, cached)
+        new_part = Partition(tuple(counts))
+        frozen_names = [n for n, p in self.model.named_parameters() if not p.requires_grad]
+        sizes = state_sizes(self.model, self.opt, frozen_names)
+        placement = assign_nodes(sizes, old.partition, old.placement, new_part, self.n_nodes)
+        plan = transfer_plan(sizes, old.partition, old.placement, new_part, placement)
+        pack_s = 0.0
+        if plan:
+            biggest: dict[int, list[str]] = {}
+            for tr in plan:
+                biggest.setdefault(tr.dst, []).extend(tr.names)
+            names = max(biggest.values(), key=lambda ns: sum(sizes[n] for n in ns))
+            t1 = time.perf_counter()
+            blob = pack_state(self.model, self.opt, names, {"step": self.step, "data": self.loader.state_dict()})
+            unpack_tensors(blob)
+            pack_s = time.perf_counter() - t1
+        new = Layout(F, counts, len(placement[0]), old.n_micro, placement, cached, self.step)
+        self.layouts.append(new)
+        self._stage_params()
+        rec.update(stages_before=old.n_stages, stages_after=new.n_stages, replicas_after=new.replicas,
+                   counts=counts, placement=placement, cached=cached, autopipe=evidence,
+                   transfer_bytes=sum(tr.nbytes for tr in plan), transfer_messages=len(plan),
+                   pack_unpack_s=round(pack_s, 6))
+        rec["seconds"] = round(time.perf_counter() - t0, 6)
+        self.transitions.append(rec)
+        return rec
+
+    # ---- checkpoints ----------------------------------------------------------------------
+
+    def elastic_state(self) -> dict[str, Any]:
+        c = self.cache
+        return {"frozen_layers": self.frozen, "rule": self.rule.state_dict(),
+                "layouts": [l.to_dict() for l in self.layouts], "transitions": self.transitions,
+                "guard_s": self.guard_s,
+                "cache": {"dir": None if c is None else str(c.dir), "enabled": self.runner.enabled,
+                          "depth": self.frozen, **({} if c is None else c.stats())}}
+
+    def load_elastic_state(self, st: dict[str, Any]) -> None:
+        self.rule.load_state_dict(st["rule"])
+        self.layouts = [Layout.from_dict(d) for d in st["layouts"]]
+        self.transitions = list(st.get("transitions", []))
+        self.guard_s = float(st.get("guard_s", 0.0))
+        self._apply_frozen()
+        cst = st.get("cache") or {}
+        if cst.get("dir") and self.cfg.elastic.cache != "off":
+            if not self.cfg.elastic.cache_dir and self.out is None:
+                self.cfg.elastic.cache_dir = cst["dir"]
+            self._open_cache()
+        self.runner.enabled = bool(cst.get("enabled")) and self.cache is not None
+        self.runner.set_frozen(self.frozen)
+        self._stage_params()
+
+    def resume(self, path: str | Path | None = None) -> Path:
+        p = super().resume(path)
+        st = CheckpointReader(p).state.get("freeze", {})
+        if "rule" in st:
+            self.load_elastic_state(st)
+        if self.out is not None:
+            _truncate_metrics(Path(self.out) / "elastic.jsonl", self.step)
+        return p
+
+    def fit(self, steps: int | None = None) -> dict:
+        summary = super().fit(steps)
+        summary["elastic"] = {"frozen_layers": self.frozen, "layouts": [l.to_dict() for l in self.layouts],
+                              "transition_s": round(sum(t["seconds"] for t in self.transitions), 4),
+                              "guard_s": round(self.guard_s, 4),
+                              "cache": None if self.cache is None else self.cache.stats()}
+        if self.out is not None:
+            Path(self.out, "elastic.json").write_text(json.dumps(summary["elastic"], indent=1))
+        return summary

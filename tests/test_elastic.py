@@ -1,0 +1,212 @@
+"""Elastic pipelining by freezing (issue 9): freeze rule, AutoPipe, AutoDP transfers, AutoCache."""
+
+from __future__ import annotations
+
+import socket
+import threading
+
+import pytest
+import torch
+
+from skiptrain.config import build_config
+from skiptrain.data.loader import shard_indices
+from skiptrain.elastic.cache import ActivationCache, PrefixRunner, worth_it
+from skiptrain.elastic.freeze import FreezeRule
+from skiptrain.elastic.repartition import autopipe, stage_memory
+from skiptrain.elastic.replicas import assign_nodes, pack_state, transfer_plan, unpack_state
+from skiptrain.model import StagedLM
+from skiptrain.model.partition import Partition
+from skiptrain.train.optim import build_adamw
+
+
+# ---- freeze rule --------------------------------------------------------------------------
+
+
+def _window(rule, step, norms, val=None):
+    for _ in range(rule.check_every):
+        rule.observe(norms)
+    return rule.decide(step, None if val is None else (lambda: val))
+
+
+def test_freeze_rule_gradient_prefix_bounded_by_alpha():
+    rule = FreezeRule(8, alpha=0.5, check_every=2, tol=0.05, min_active=2, start_window=2, guard=False)
+    d = _window(rule, 2, {l: 1.0 for l in range(8)})
+    assert d.action == "warmup" and rule.frozen == 0
+    # layers 0-4 stable, layer 5 moved 50%: converged prefix is 0..4, bound ceil(0.5 * 6) = 3
+    d = _window(rule, 4, {**{l: 1.01 for l in range(5)}, 5: 1.5, 6: 1.0, 7: 1.0})
+    assert (d.candidate, d.bound, d.action, rule.frozen) == (5, 3, "freeze", 3)
+    assert d.changes["5"] == pytest.approx(0.5, abs=1e-4) and "alpha bound" in d.reason
+    # layer 3 now moves: nothing more freezes
+    d = _window(rule, 6, {3: 2.0, 4: 1.01, 5: 1.5, 6: 1.0, 7: 1.0})
+    assert d.action == "hold" and rule.frozen == 3
+    # everything stable: bound 3 + ceil(0.5 * 3) = 5; min_active keeps the top 2
+    d = _window(rule, 8, {3: 2.0, 4: 1.01, 5: 1.5, 6: 1.0, 7: 1.0})
+    assert (d.bound, rule.frozen) == (5, 5)
+    _window(rule, 10, {5: 1.5, 6: 1.0, 7: 1.0})
+    assert rule.frozen == 6
+    assert _window(rule, 12, {6: 1.0, 7: 1.0}).action == "max"
+
+
+def test_freeze_guard_undoes_and_delays():
+    rule = FreezeRule(6, alpha=1.0, check_every=1, tol=1.0, min_active=1, start_window=2, guard=True,
+                      guard_tol=0.01, guard_delay=2)
+    norms = {l: 1.0 for l in range(6)}
+    _window(rule, 1, norms, val=3.0)
+    d = _window(rule, 2, norms, val=3.0)
+    assert d.action == "freeze" and rule.frozen == 5 and d.val_loss == 3.0
+    d = _window(rule, 3, norms, val=3.1)  # 3.3% worse than at the freeze -> undo
+    assert d.action == "undo" and rule.frozen == 0 and "3.1" in d.reason
+    assert [_window(rule, s, norms, val=3.0).action for s in (4, 5)] == ["delay", "delay"]
+    d = _window(rule, 6, norms, val=2.9)
+    assert d.action == "freeze"
+    d = _window(rule, 7, norms, val=2.9)  # loss did not rise: the freeze stands
+    assert d.action == "max" and rule.frozen == 5
+    # the state is JSON and round-trips exactly
+    import json
+    clone = FreezeRule(6, alpha=1.0, check_every=1, tol=1.0, min_active=1)
+    clone.load_state_dict(json.loads(json.dumps(rule.state_dict())))
+    assert clone.state_dict() == rule.state_dict()
+
+
+# ---- AutoPipe -----------------------------------------------------------------------------
+
+
+def test_autopipe_halves_stages_within_start_memory():
+    counts, ev = autopipe(16, 0, 8, 8, cached=False)
+    assert len(counts) == 8 and sum(counts) == 16 and ev["tried"][0]["stages"] == 4
+    budget = ev["memory_budget"]
+    counts, ev = autopipe(16, 12, 8, 8, cached=True)
+    assert sum(counts) == 16 and counts[0] >= 12  # the frozen prefix sits on stage 0
+    assert max(stage_memory(counts, 12)) <= budget + 1e-9
+    assert len(counts) < 8
+    # every tried halving that was rejected broke the memory budget
+    for t in ev["tried"]:
+        assert (len(t["counts"]) >= len(counts)) == (t["max_memory"] <= budget + 1e-9)
+    with_frozen = autopipe(16, 6, 8, 8, cached=False)[0]
+    assert len(with_frozen) >= len(counts)
+
+
+# ---- AutoCache ----------------------------------------------------------------------------
+
+
+@pytest.fixture
+def tiny_model():
+    cfg = build_config("tiny").model
+    return StagedLM(cfg, seed=3)
+
+
+def test_cache_equals_recompute_extends_and_invalidates(tiny_model, tmp_path):
+    m = tiny_model
+    n_win, T, d = 40, m.cfg.seq_len, m.cfg.d_model
+    tokens = torch.randint(0, 256, (n_win, T), generator=torch.Generator().manual_seed(0))
+    cache = ActivationCache(tmp_path / "c", n_win, T, d, max_bytes=30 * T * d * 4)
+    assert cache.capacity == 30
+    run = PrefixRunner(m, cache)
+    run.set_frozen(1)
+    wins = list(range(0, 20))
+    ref1 = PrefixRunner(m).__class__(m)
+    ref1.frozen = 1
+    assert torch.equal(run(tokens[wins], wins), ref1.compute(tokens[wins]))
+    assert cache.misses == 20 and cache.entries == 20
+    assert torch.equal(run(tokens[wins], wins), ref1.compute(tokens[wins])) and cache.hits == 20
+    # one more layer freezes: cached depth-1 rows are extended, not recomputed
+    run.set_frozen(2)
+    ref1.frozen = 2
+    wins2 = list(range(10, 40))
+    out = run(tokens[wins2], wins2)
+    assert torch.equal(out, ref1.compute(tokens[wins2]))
+    assert cache.extended == 10 and cache.entries == 30  # bounded: 10 windows did not fit
+    # persisted: a reopened cache serves the same rows after validation
+    cache.flush()
+    again = ActivationCache(tmp_path / "c", n_win, T, d, max_bytes=30 * T * d * 4)
+    run2 = PrefixRunner(m, again)
+    assert run2.set_frozen(2) == 0 and again.entries == 30
+    assert torch.equal(run2(tokens[wins2], wins2), out)
+    # changed weights of layer 1 (e.g. an undone freeze that then trained): the 20 depth-2
+    # entries are dropped, the 10 depth-1 entries (windows 0-9) stay valid
+    with torch.no_grad():
+        m.layers["1"].ffn.w1.weight.add_(0.01)
+    assert run2.set_frozen(2) == 20 and again.entries == 10
+    assert torch.equal(run2(tokens[wins2], wins2), run2.compute(tokens[wins2]))
+    assert again.misses == 10 + 30 and again.extended == 0
+    # an undo to a shallower prefix drops the deeper entries only
+    assert run2.set_frozen(1) == 20 and again.entries == 10
+    assert torch.equal(run2(tokens[:10], list(range(10))), run2.compute(tokens[:10]))
+    with torch.no_grad():
+        m.tok_emb.weight.add_(0.01)
+    assert run2.set_frozen(1) == 10 and again.entries == 0
+
+
+def test_cache_decision_rule():
+    m = {"recompute_s": 1.0, "write_s": 0.1, "read_s": 0.05}
+    assert not worth_it(m, 1.0)       # one visit: nothing to reuse
+    assert worth_it(m, 3.0)
+    assert not worth_it({"recompute_s": 0.01, "write_s": 0.1, "read_s": 0.05}, 10.0)
+
+
+# ---- AutoDP: replicas -----------------------------------------------------------------------
+
+
+def test_replicas_identical_after_transition(tmp_path):
+    cfg = build_config("tiny", overrides={"model": {"n_layers": 6, "n_stages": 4, "stage0_layers": 0}}).model
+    tcfg = build_config("tiny").train
+    old = Partition((0, 2, 2, 2))
+    peer = StagedLM(cfg, partition=old, seed=5)
+    opt = build_adamw(peer.named_parameters(), tcfg)
+    x = torch.randint(0, 256, (4, cfg.seq_len))
+    for _ in range(3):
+        opt.zero_grad()
+        peer(x, x)[1].backward()
+        opt.step()
+    # transition: layers 0-1 frozen, 2 stages of layers [3, 3], 8 nodes -> 4 replicas per stage
+    new = Partition((3, 3))
+    sizes = {n: t.numel() * 4 for n, t in peer.state_dict().items()}
+    old_pl = [[0, 1], [2, 3], [4, 5], [6, 7]]
+    pl = assign_nodes(sizes, old, old_pl, new, 8)
+    assert sorted(n for p in pl for n in p) == list(range(8)) and all(len(p) == 4 for p in pl)
+    plan = transfer_plan(sizes, old, old_pl, new, pl)
+    assert all(tr.src != tr.dst for tr in plan)
+    # a new replica of stage 1 (layers 3-5), built for the new layout, receives over a socket
+    replica = StagedLM(cfg, stages=[1], partition=new, seed=99)
+    ropt = build_adamw(replica.named_parameters(), tcfg)
+    names = [n for n, _ in replica.named_parameters()]
+    names += [f"optim.{k}.{n}" for n in names for k in ("exp_avg", "exp_avg_sq", "step")]
+    blob = pack_state(peer, opt, names, {"step": 3, "data": {"cursor": 12}})
+    a, b = socket.socketpair()
+    got = bytearray()
+
+    def recv():
+        while chunk := b.recv(1 << 16):
+            got.extend(chunk)
+
+    th = threading.Thread(target=recv)
+    th.start()
+    a.sendall(blob)
+    a.close()
+    th.join()
+    b.close()
+    st = unpack_state(bytes(got), replica, ropt)
+    assert st == {"step": 3, "data": {"cursor": 12}}
+    pp = dict(peer.named_parameters())
+    for n, p in replica.named_parameters():
+        assert torch.equal(p, pp[n])
+    # the same gradient step on peer and replica keeps them identical (optimizer state moved too)
+    grads = {n: torch.randn_like(p) for n, p in replica.named_parameters()}
+    opt.zero_grad(set_to_none=True)
+    for n, p in replica.named_parameters():
+        p.grad = grads[n].clone()
+        pp[n].grad = grads[n].clone()
+    opt.step()
+    ropt.step()
+    for n, p in replica.named_parameters():
+        assert torch.equal(p, pp[n]), n
+
+
+def test_sharding_over_a_replica_change_never_repeats_or_skips():
+    seen = []
+    cursor, B = 0, 12
+    for step, world in enumerate([1, 1, 2, 2, 4, 4, 3]):  # replicas change between iterations
+        for r in range(world):
+            seen.extend(shard_indices(cursor, B, r, world))
+        cursor += B
+    assert sorted(seen) == list(range(cursor))
