@@ -1,0 +1,93 @@
+"""ElasticTrainer: transitions in training, cache on == off, exact resume after a transition."""
+
+from __future__ import annotations
+
+import json
+
+import torch
+
+from skiptrain.checkpoint.reader import CheckpointReader
+from skiptrain.cli import main
+from skiptrain.config import build_config
+from skiptrain.elastic.trainer import ElasticTrainer
+
+
+def _cfg(data, cache="on", steps=24, **ckpt):
+    # tol huge: the gradient signal always agrees, so the alpha bound alone sets the schedule
+    # (windows of 4 steps, freezing from window 2: 2 layers at step 8, 3 at step 12).
+    return build_config("tiny", overrides={
+        "data": {"path": str(data)},
+        "model": {"n_layers": 5, "n_stages": 4, "stage0_layers": -1},
+        "train": {"steps": steps, "eval_every": 0, "progress": False, "n_micro": 2, "micro_batch": 4},
+        "elastic": {"enabled": True, "check_every": 4, "tol": 1e9, "alpha": 0.5, "min_active": 1,
+                    "start_window": 2, "guard": True, "guard_tol": 1.0, "cache": cache, "nodes": 8},
+        "checkpoint": {"every": 6, "keep": 5, **ckpt}})
+
+
+def _losses(run) -> dict[int, float]:
+    return {r["step"]: r["loss"] for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())
+            if "loss" in r}
+
+
+def test_transitions_cache_and_sample_order(byte_data, tmp_path):
+    tr = ElasticTrainer(_cfg(byte_data, steps=16), tmp_path / "on")
+    seen = []
+    next_batch = tr.loader.next_batch
+
+    def spy():
+        seen.extend(tr.loader.indices())
+        return next_batch()
+
+    tr.loader.next_batch = spy
+    tr.fit()
+    # no sample repeated or skipped across the transitions
+    assert seen == list(range(16 * 8))
+    frozen = [l.frozen for l in tr.layouts]
+    assert frozen == [0, 2, 3, 4]
+    assert [l.step for l in tr.layouts] == [0, 8, 12, 16]
+    assert all(sum(l.counts) == 5 and l.counts[0] >= l.frozen for l in tr.layouts)
+    assert all(l.replicas * l.n_stages <= 8 for l in tr.layouts)
+    assert tr.layouts[-1].n_stages < tr.layouts[0].n_stages and tr.layouts[-1].replicas > 1
+    # frozen layers did not change after they froze: every cache entry (written with the
+    # weights of its time, fingerprinted) is still valid at the end
+    st = tr.cache.stats()
+    assert st["misses"] > 0 and st["entries"] == st["writes"] - st["extended"] > 0
+    assert tr.runner.set_frozen(tr.frozen) == 0
+    logged = [json.loads(l) for l in (tmp_path / "on" / "elastic.jsonl").read_text().splitlines()]
+    assert [r["action"] for r in logged] == ["warmup", "freeze", "freeze", "freeze"]
+    assert all("changes" in r and "transition" in r for r in logged[1:])
+    # the cache changes nothing: the same run without it has bit-identical losses and weights
+    off = ElasticTrainer(_cfg(byte_data, cache="off", steps=16), tmp_path / "off")
+    off.fit()
+    assert _losses(tmp_path / "on") == _losses(tmp_path / "off")
+    for (n, a), (_, b) in zip(tr.model.named_parameters(), off.model.named_parameters()):
+        assert torch.equal(a, b), n
+
+
+def test_resume_after_a_transition_reproduces_the_run(byte_data, tmp_path):
+    full = ElasticTrainer(_cfg(byte_data), tmp_path / "full")
+    full.fit()
+    ref = _losses(tmp_path / "full")
+    assert sorted(ref) == list(range(1, 25))
+
+    part = ElasticTrainer(_cfg(byte_data, final=False), tmp_path / "part")
+    part.fit(steps=16)  # killed at 16: latest checkpoint step 12, right at a transition
+    st = CheckpointReader(tmp_path / "part" / "checkpoints").state
+    assert st["step"] == 12 and st["freeze"]["frozen_layers"] == 3
+    assert len(st["freeze"]["layouts"]) == 3 and st["freeze"]["cache"]["entries"] > 0
+
+    rc = main(["train", "--preset", "tiny", "--data", str(byte_data), "--out", str(tmp_path / "part"),
+               "--quiet", "--resume", "--set", "train.steps=24", "--set", "train.eval_every=0",
+               "--set", "model.n_layers=5", "--set", "train.n_micro=2", "--set", "train.micro_batch=4",
+               "--set", "elastic.enabled=true", "--set", "elastic.check_every=4", "--set", "elastic.tol=1e9",
+               "--set", "elastic.alpha=0.5", "--set", "elastic.min_active=1", "--set", "elastic.guard_tol=1.0",
+               "--set", "elastic.cache=on", "--set", "elastic.nodes=8", "--set", "checkpoint.every=6",
+               "--set", "checkpoint.keep=5"])
+    assert rc == 0
+    assert _losses(tmp_path / "part") == ref
+    got = CheckpointReader(tmp_path / "part" / "checkpoints").state["freeze"]
+    want = CheckpointReader(tmp_path / "full" / "checkpoints").state["freeze"]
+    assert got["rule"] == want["rule"]
+    assert [l for l in got["layouts"]] == [l for l in want["layouts"]]
+    logged = (tmp_path / "part" / "elastic.jsonl").read_text().splitlines()
+    assert [json.loads(l)["step"] for l in logged] == [4, 8, 12, 16, 20, 24]
