@@ -19,6 +19,7 @@ COMMAND_MODULES = [
     "skiptrain.train.cli",       # train, eval, generate, demo
     "skiptrain.schedule.cli",    # simulate
     "skiptrain.checkpoint.cli",  # ckpt ls|inspect|verify|reshard, export
+    "skiptrain.runtime.cli",     # launch (multi-process skip-pipeline runtime)
 ]
 
 

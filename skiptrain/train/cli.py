@@ -33,6 +33,13 @@ def cmd_train(args: argparse.Namespace) -> int:
 
     cfg = config_from_args(args, **{"data.path": args.data, "train.steps": args.steps,
                                     "train.skip_ratio": args.skip_ratio, "train.seed": args.seed})
+    if getattr(args, "nodes", None) is not None:
+        cfg.runtime.nodes = args.nodes
+    if cfg.runtime.nodes > 1:  # issue 4: the multi-process skip-pipeline runtime (skiptrain.runtime)
+        from ..runtime.cli import train_swarm
+
+        train_swarm(cfg, cfg.data.path, args.out)
+        return 0
     if args.quiet:
         cfg.train.progress = False
     if cfg.elastic.enabled:  # issue 9: elastic mode (freeze, repartition, cache)
@@ -101,8 +108,16 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+#: The embedded default run (issue 4): a local swarm of node processes on a real skip schedule:
+#: 3 stage-0 nodes and 3 body stages with 2 replicas each, k=0.33, routes from the planner.
+DEMO_SWARM = ["runtime.nodes=9", "runtime.stage_sizes=3,2,2,2", "runtime.mb_per_originator=2",
+              "runtime.method=planner", "train.skip_ratio=0.33", "train.steps=150", "train.warmup_steps=15",
+              "runtime.timeout_s=60"]
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
-    """The embedded default: prepare the data if needed, train the `small` preset, sample text."""
+    """The embedded default: prepare the data if needed, train the `small` preset on a local swarm
+    of node processes (``--nodes 1``: in one process), sample text."""
     from ..data.cli import cmd_prepare
 
     data = Path(args.data)
@@ -111,9 +126,14 @@ def cmd_demo(args: argparse.Namespace) -> int:
         cmd_prepare(argparse.Namespace(out=str(data), text=None, ood_text=None, tokenizer="bpe",
                                        vocab_size=4096, val_fraction=0.05))
     t0 = time.time()
-    train_args = argparse.Namespace(preset=args.preset, config=args.config, overrides=args.overrides,
+    nodes = getattr(args, "nodes", None)
+    overrides = list(args.overrides)
+    if nodes is None or nodes > 1:  # the swarm, unless --nodes 1
+        swarm = [o for o in DEMO_SWARM if nodes is None or not o.startswith(("runtime.nodes=", "runtime.stage_sizes="))]
+        overrides = swarm + ([f"runtime.nodes={nodes}"] if nodes else []) + overrides
+    train_args = argparse.Namespace(preset=args.preset, config=args.config, overrides=overrides,
                                     data=str(data), steps=args.steps, skip_ratio=None, seed=None,
-                                    out=args.out, quiet=False)
+                                    out=args.out, quiet=False, nodes=nodes)
     cmd_train(train_args)
     print("\n[demo] a sample from the trained model:\n", flush=True)
     cmd_generate(argparse.Namespace(run_dir=args.out, prompt="ROMEO.\n", tokens=120, temperature=0.8,
@@ -138,6 +158,8 @@ def register(sub) -> None:
     p.add_argument("--seed", type=int, help="config train.seed")
     p.add_argument("--out", required=True, help="run directory to write")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.add_argument("--nodes", type=int, default=None,
+                   help="train on N local node processes (skip-pipeline runtime, config runtime.nodes); 1 = single process")
     p.add_argument("--resume", nargs="?", const="latest", default=None, metavar="CHECKPOINT",
                    help="continue from the latest checkpoint under OUT/checkpoints (or the given checkpoint "
                         "directory or root): same loss curve as an uninterrupted run")
@@ -165,4 +187,6 @@ def register(sub) -> None:
     p.add_argument("--data", default="data/shakespeare")
     p.add_argument("--out", default="runs/demo")
     p.add_argument("--steps", type=int, default=None)
+    p.add_argument("--nodes", type=int, default=None,
+                   help="node processes of the local swarm (default: 9 on a planned skip schedule; 1 = single process)")
     p.set_defaults(func=cmd_demo)

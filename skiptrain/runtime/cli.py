@@ -1,0 +1,129 @@
+"""``skiptrain launch`` (and ``skiptrain train --nodes N``): train on a local swarm of node processes.
+
+The schedule is planned from the config's ``runtime`` section (method, topology, stage sizes,
+memory, micro-batches per originator) and the model's cost model, then every iteration of the
+run executes it on ``runtime.nodes`` processes (:mod:`skiptrain.runtime.launcher`).  The run
+directory gets what a single-process run leaves (config.toml, metrics.jsonl, loss.png,
+model.safetensors, run.json) plus ``schedule.json``, ``job.json``, the per-node timelines under
+``phases/train/`` and ``gantt.png``: the measured timeline of the last iteration under the
+simulator's prediction for the same schedule, on one time axis.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+from ..errors import UserError
+
+
+def train_swarm(cfg, data: str, out: str, steps: int | None = None, echo: bool = True) -> dict:
+    """Plan, launch, collect: returns the run summary (also written to ``OUT/run.json``)."""
+    from ..data.dataset import TokenDataset
+    from ..model import StagedLM
+    from ..schedule.gantt import draw_side_by_side
+    from ..schedule.simulator import simulate
+    from ..train.evaluate import evaluate, unigram_loss
+    from ..train.metrics import plot_loss
+    from ..train.rundir import load_run, prepare_run_dir, write_summary
+    from .job import Job, build_cost, build_schedule, build_topology, phase_for
+    from .launcher import launch
+
+    rt = cfg.runtime
+    if rt.nodes < cfg.model.n_stages:
+        raise UserError(f"runtime.nodes={rt.nodes} cannot serve {cfg.model.n_stages} stages; use --nodes >= "
+                        f"{cfg.model.n_stages} (or --nodes 1 for the single-process trainer)")
+    ds = TokenDataset.open(data)
+    cfg.model.vocab_size = ds.vocab_size
+    cfg.data.path = str(data)
+    cfg.check()
+    steps = cfg.train.steps if steps is None else steps
+    cfg.train.steps = steps
+    t0 = time.time()
+    topo = build_topology(cfg, rt.nodes)
+    cost = build_cost(cfg)
+    dp_sync = False  # DP sync is not link-emulated: plan and simulate the pipeline with contention
+    sched = build_schedule(cfg, rt.method, topo, cost, contention=True, dp_sync=dp_sync)
+    sched.validate(("placement", "originators", "stage0_ends", "no_repeat", "memory"), n_nodes=topo.n)
+    outp = prepare_run_dir(out, cfg, ds.path)
+    sched.save(outp / "schedule.json")
+    mbs = len(sched.micro_batches)
+    if echo:
+        print(f"skiptrain launch: {rt.nodes} node processes, stages {[len(p) for p in sched.placement]} "
+              f"(placement {sched.placement}), {mbs} micro-batches x {cfg.train.micro_batch} samples, "
+              f"method {sched.method}, k={sched.skip_ratio}, m={sched.memory}, {steps} steps, "
+              f"topology {topo.name}{' (emulated)' if rt.wan else ''} -> {out}", flush=True)
+    job = Job(config=cfg.to_dict(), data_path=str(ds.path), run_dir=str(outp), timeout_s=rt.timeout_s,
+              heartbeat_s=rt.heartbeat_s,
+              phases=[phase_for(cfg, sched, topo, cost, "train", steps, save_weights=True)])
+    res = launch(job, timeout_s=max(3600.0, steps * 60.0), echo=echo)
+    rows = res.phase_metrics("train")
+    baseline = unigram_loss(ds.tokens("train"), ds.tokens("val"), ds.vocab_size)
+    _, model, _ = load_run(outp)
+    from ..data.loader import SampleSource
+
+    val = evaluate(model, SampleSource(ds.tokens("val"), cfg.model.seq_len, shuffle=False),
+                   cfg.train.eval_batches, cfg.train.micro_batch)
+    with open(outp / "metrics.jsonl", "a") as f:
+        f.write(json.dumps({"step": steps, "tokens": steps * mbs * cfg.train.micro_batch * cfg.model.seq_len,
+                            "val_loss": round(val, 5)}) + "\n")
+    plot_loss(outp / "metrics.jsonl", outp / "loss.png",
+              title=f"skiptrain swarm: {rt.nodes} nodes, {model.num_parameters() / 1e6:.1f}M params, "
+                    f"k={cfg.train.skip_ratio}", baseline=baseline)
+    last = len(rows) - 1
+    sim = simulate(sched, topo, cost, contention=True, dp_sync=dp_sync)
+    measured = res.timeline("train", last)
+    draw_side_by_side(sim.timeline, measured, outp / "gantt.png",
+                      titles=(f"simulated: {sim.iteration_s:.3f} s/iteration",
+                              f"measured, iteration {last + 1}: {rows[-1]['iteration_s']:.3f} s"))
+    it_s = [r["iteration_s"] for r in rows]
+    summary = {"step": steps, "nodes": rt.nodes, "method": sched.method, "val_loss": val,
+               "unigram_val_loss": baseline, "first_loss": rows[0]["loss"], "last_loss": rows[-1]["loss"],
+               "params": model.num_parameters(), "placement": sched.placement,
+               "median_iteration_s": sorted(it_s)[len(it_s) // 2], "simulated_iteration_s": sim.iteration_s,
+               "seconds": round(time.time() - t0, 2), "launch_s": round(res.wall_s, 2), "data": str(ds.path)}
+    write_summary(outp, summary)
+    if echo:
+        print(f"done: {steps} steps on {rt.nodes} nodes, loss {rows[0]['loss']:.3f} -> {rows[-1]['loss']:.3f}, "
+              f"validation loss {val:.4f} (unigram baseline {baseline:.4f}), median iteration "
+              f"{summary['median_iteration_s']:.3f} s (simulated {sim.iteration_s:.3f} s), "
+              f"{summary['seconds']:.0f} s; run directory: {out}", flush=True)
+    return summary
+
+
+def cmd_launch(args: argparse.Namespace) -> int:
+    from ..train.cli import config_from_args
+
+    cfg = config_from_args(args, **{"data.path": args.data, "train.steps": args.steps,
+                                    "train.skip_ratio": args.skip_ratio, "train.seed": args.seed,
+                                    "runtime.nodes": args.nodes, "runtime.method": args.method,
+                                    "runtime.topology": args.topology})
+    if args.wan:
+        cfg.runtime.wan = cfg.runtime.emulate_compute = True
+    summary = train_swarm(cfg, cfg.data.path, args.out, echo=True)
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(summary, indent=1))
+    return 0
+
+
+def register(sub) -> None:
+    from ..train.cli import add_config_args
+
+    p = sub.add_parser("launch", help="train on N local node processes (skip-pipeline runtime)",
+                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_config_args(p, default_preset="tiny")
+    p.add_argument("--nodes", type=int, default=None, help="node processes (config runtime.nodes)")
+    p.add_argument("--method", choices=("planner", "full_pipeline", "random_skip"), default=None,
+                   help="route construction (config runtime.method)")
+    p.add_argument("--topology", default=None, help="network to plan for (config runtime.topology)")
+    p.add_argument("--wan", action="store_true", help="emulate the topology's links and pad compute to the cost model")
+    p.add_argument("--data", default=None, help="prepared data directory (config data.path)")
+    p.add_argument("--steps", type=int, default=None)
+    p.add_argument("--skip-ratio", type=float, default=None)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--out", required=True, help="run directory")
+    p.add_argument("--json", default=None, help="write the run summary here")
+    p.set_defaults(func=cmd_launch)
