@@ -125,6 +125,7 @@ class _Node:
             model = StagedLM(cfg.model, stages=[stage], seed=cfg.train.seed)
             model.train()
             strat = make_strategy(cfg.dp, model.named_parameters(), groups[stage], cfg.train)
+            _warm_up(model, stage, cfg)
         ex = Executor(rank, self.tr, model, stage, cost, speed, padding, self.job.timeout_s, self.describe)
         mbsz = cfg.train.micro_batch
         order = {mb.id: i for i, mb in enumerate(sorted(sched.micro_batches, key=lambda m: m.id))}
@@ -138,7 +139,9 @@ class _Node:
         try:
             for it in range(ph.iterations):
                 self._fault(ph.name, it, "start")
-                tt = torch.tensor([time.time() + 0.05], dtype=torch.float64)
+                # common start: everyone present, then rank 0's clock + a margin for the broadcast
+                dist.barrier()
+                tt = torch.tensor([time.time() + 0.2], dtype=torch.float64)
                 dist.broadcast(tt, 0)
                 t0 = float(tt[0])
                 time.sleep(max(0.0, t0 - time.time()))
@@ -211,6 +214,24 @@ class _Node:
         self.tr.close()
         dist.barrier()
         self.hb.finish()
+
+
+def _warm_up(model, stage: int, cfg) -> None:
+    """One throw-away forward and backward of this node's pieces (first calls of torch kernels
+    and the autograd engine are slow), so the timed iterations measure the steady state."""
+    shape = (cfg.train.micro_batch, cfg.model.seq_len)
+    if stage == 0:
+        x = torch.zeros(shape, dtype=torch.long)
+        h = model.embed(x)
+        leaf = h.detach().requires_grad_(True)
+        model.loss(model.logits(leaf), x).backward()
+        h.backward(leaf.grad)
+    else:
+        h = torch.zeros(*shape, cfg.model.d_model, requires_grad=True)
+        out = model.run_stage(stage, h)
+        out.backward(torch.ones_like(out))   # a non-scalar backward, as in the pipeline (first one: slow)
+    for p in model.parameters():
+        p.grad = None
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,0 +1,147 @@
+"""Bench: the multi-process runtime on emulated geo12 links, full pipeline vs. random skipping
+vs. the planner, measured side by side in one run, each next to the simulator's prediction.
+
+Setup (defaults): 16 node processes on this machine (one per geo12 node, reference order),
+the tiny model cut into 6 stages of one layer (d=64, 64 tokens, 8 samples per micro-batch:
+128 KiB of activations per hop), m=3, 6 micro-batches per stage-0 node, k=33% (3 of 5 body
+stages), <= 2 swaps.  Emulation (skiptrain.runtime.wan), all in SkipPipe's units scaled by
+``--time-scale`` (1/16): every directed link is a FIFO with geo12's latency and bandwidth,
+``bytes_scale=256`` turns each 128 KiB hop into SkipPipe's 32 MiB, 0.35 s overhead per hop;
+every forward is padded to 4 layers x 8 samples x 0.055 s (1.76 s; backward 1.5x, loss 0.25x).
+The simulator gets exactly these numbers (same cost model, same time-scaled topology, link
+contention on).  The data-parallel sync is a real gloo all-reduce of the tiny model's
+gradients, not link-emulated, and the simulator is run without DP sync.
+
+The three schedules run as three phases of one launch (same processes; each phase restarts
+from the same initial weights and data).  Prints a table; ``--json PATH`` writes
+``{"methods": {method: {"measured_s": ..., "simulated_s": ...}}, ...}``; ``--gantt PATH`` the
+planner's simulated and measured timelines; ``--quick``: 8 nodes, 3 micro-batches per
+originator, time scale 1/40, one iteration per method (a reduced check of the machinery).
+
+    .venv/bin/python bench/runtime_geo.py --json runs/bench/runtime_geo.json --gantt docs/img/runtime_geo_planner.png
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from skiptrain.config import build_config  # noqa: E402
+from skiptrain.data.corpus import read_documents  # noqa: E402
+from skiptrain.data.dataset import write_dataset  # noqa: E402
+from skiptrain.runtime.job import Job, build_cost, build_schedule, build_topology, phase_for  # noqa: E402
+from skiptrain.runtime.launcher import launch  # noqa: E402
+from skiptrain.schedule.gantt import draw_side_by_side  # noqa: E402
+from skiptrain.schedule.simulator import simulate  # noqa: E402
+
+METHODS = ("full_pipeline", "random_skip", "planner")
+PAPER_S_PER_SAMPLE_LAYER = 0.055 * 4   # SkipPipe: 4 layers x 0.055 s per stage; here 1 layer per stage
+
+
+def make_data(path: Path) -> Path:
+    t = ROOT / "tests" / "data"
+    if not (path / "manifest.json").is_file():
+        write_dataset(path, read_documents([str(t / "hamlet_excerpt.txt"), str(t / "macbeth_excerpt.txt")]),
+                      None, tokenizer="byte", val_fraction=0.1, source="bench excerpts")
+    return path
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--json", default=None)
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--gantt", default=None, help="PNG: the planner's simulated vs measured timeline")
+    ap.add_argument("--nodes", type=int, default=None)
+    ap.add_argument("--iterations", type=int, default=None, help="iterations per method")
+    ap.add_argument("--time-scale", type=float, default=None)
+    ap.add_argument("--mb-per-originator", type=int, default=None)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--keep", default=None, help="keep the run directory (timelines, logs) here")
+    args = ap.parse_args(argv)
+    nodes = args.nodes or (8 if args.quick else 16)
+    iters = args.iterations or (1 if args.quick else 2)
+    tau = args.time_scale or (1 / 40 if args.quick else 1 / 16)
+    mpo = args.mb_per_originator or (3 if args.quick else 6)
+    t_all = time.time()
+    print(f"machine: {platform.machine()}, Python {platform.python_version()}, {nodes} node processes "
+          f"(one torch thread each)", flush=True)
+    cfg = build_config("tiny", overrides={
+        "model": {"n_stages": 6, "n_layers": 6, "stage0_layers": 1},
+        "train": {"skip_ratio": 0.33, "max_swaps": 2, "micro_batch": 8, "seed": 1234, "grad_clip": 1.0},
+        "runtime": {"nodes": nodes, "topology": "geo12", "wan": True, "emulate_compute": True,
+                    "time_scale": tau, "bytes_scale": 256, "hop_overhead_s": 0.35 * tau,
+                    "s_per_sample_layer": PAPER_S_PER_SAMPLE_LAYER * tau, "memory": 3,
+                    "mb_per_originator": mpo, "plan_seed": args.seed, "timeout_s": 60.0}})
+    topo = build_topology(cfg, nodes)
+    cost = build_cost(cfg, dp_mode="none")
+    hops = [cost.hop_s(topo, a, b) for a in range(nodes) for b in range(nodes) if a != b]
+    print(f"emulation: time scale {tau:g}, {cost.activation_bytes / 2**20:.0f} MiB per hop (emulated), "
+          f"forward {cost.fwd_s(1):.3f} s per stage, median hop {statistics.median(hops):.3f} s "
+          f"({statistics.median(hops) / cost.fwd_s(1):.2f}x forward)", flush=True)
+    t0 = time.time()
+    scheds = {"planner": build_schedule(cfg, "planner", topo, cost, contention=True, dp_sync=False)}
+    planner_s = time.time() - t0
+    scheds["random_skip"] = build_schedule(cfg, "random_skip", topo, cost, placement=scheds["planner"].placement)
+    scheds["full_pipeline"] = build_schedule(cfg, "full_pipeline", topo, cost, contention=True, dp_sync=False)
+    sims = {m: simulate(scheds[m], topo, cost, contention=True, dp_sync=False) for m in METHODS}
+    for m in METHODS:
+        s = scheds[m]
+        print(f"  {m:<14} stages {[len(p) for p in s.placement]}, {len(s.micro_batches)} micro-batches, "
+              f"simulated {sims[m].iteration_s:.2f} s", flush=True)
+    print(f"planner: {planner_s:.1f} s", flush=True)
+    with tempfile.TemporaryDirectory(prefix="skiptrain-runtime-geo-") as tmp:
+        data = make_data(Path(tmp) / "data")
+        job = Job(config=cfg.to_dict(), data_path=str(data), run_dir=args.keep or str(Path(tmp) / "run"),
+                  timeout_s=cfg.runtime.timeout_s, heartbeat_s=0.5,
+                  phases=[phase_for(cfg, scheds[m], topo, cost, m, iters) for m in METHODS])
+        res = launch(job, timeout_s=1800)
+        measured = {m: [r["iteration_s"] for r in res.phase_metrics(m)] for m in METHODS}
+        overruns = {m: sum(r["overruns"] for r in res.phase_metrics(m)) for m in METHODS}
+        losses = {m: [r["loss"] for r in res.phase_metrics(m)] for m in METHODS}
+        timeline = res.timeline("planner", iters - 1)
+        if args.gantt:
+            Path(args.gantt).parent.mkdir(parents=True, exist_ok=True)
+            draw_side_by_side(sims["planner"].timeline, timeline, args.gantt,
+                              titles=(f"simulated planner schedule: {sims['planner'].iteration_s:.2f} s",
+                                      f"measured, {nodes} processes, emulated geo12: "
+                                      f"{measured['planner'][-1]:.2f} s"), dpi=70)
+    out = {"methods": {}, "nodes": nodes, "iterations": iters, "time_scale": tau, "bytes_scale": 256,
+           "mb_per_originator": mpo, "launch_s": round(res.wall_s, 1), "planner_s": round(planner_s, 2)}
+    head = f"{'method':<15}{'measured s':>12}{'simulated s':>13}{'meas/sim':>10}{'x full (meas)':>15}{'x full (sim)':>14}{'overruns':>10}"
+    print("\n" + head + "\n" + "-" * len(head))
+    fm = statistics.median(measured["full_pipeline"])
+    fs = sims["full_pipeline"].iteration_s
+    for m in METHODS:
+        ms = statistics.median(measured[m])
+        ss = sims[m].iteration_s
+        out["methods"][m] = {"measured_s": round(ms, 4), "simulated_s": round(ss, 4),
+                             "measured_iterations_s": measured[m], "losses": losses[m],
+                             "overruns": overruns[m], "stage_sizes": [len(p) for p in scheds[m].placement],
+                             "micro_batches": len(scheds[m].micro_batches)}
+        print(f"{m:<15}{ms:>12.3f}{ss:>13.3f}{ms / ss:>10.3f}{ms / fm:>15.3f}{ss / fs:>14.3f}{overruns[m]:>10}")
+    p, f, r = (out["methods"][m]["measured_s"] for m in ("planner", "full_pipeline", "random_skip"))
+    out["planner_speedup_vs_full"] = round(f / p, 3)
+    out["planner_vs_random"] = round(p / r, 3)
+    out["max_abs_error_vs_sim"] = round(max(abs(v["measured_s"] / v["simulated_s"] - 1) for v in out["methods"].values()), 3)
+    print(f"\nplanner {f / p:.2f}x faster than the full pipeline (target >= 2; SkipPipe's real deployment 2.7x); "
+          f"planner / random skip {p / r:.3f} (target <= 0.8); measured vs simulated within "
+          f"{100 * out['max_abs_error_vs_sim']:.1f}% (target 20%)")
+    print(f"total {time.time() - t_all:.0f} s (launch {res.wall_s:.0f} s)")
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(out, indent=1))
+        print(f"wrote {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
