@@ -34,8 +34,8 @@ FULL = {
 QUICK = {
     "model": {"d_model": 32, "n_layers": 9, "n_heads": 2, "n_kv_heads": 1, "seq_len": 32,
               "n_stages": 9, "stage0_layers": 1},
-    "train": {"steps": 12, "micro_batch": 4, "n_micro": 8, "lr": 3e-3, "warmup_steps": 2,
-              "min_lr_frac": 0.1, "eval_every": 6, "eval_batches": 4, "max_swaps": 1},
+    "train": {"steps": 10, "micro_batch": 4, "n_micro": 8, "lr": 1e-2, "warmup_steps": 2,
+              "min_lr_frac": 0.1, "eval_every": 5, "eval_batches": 4, "max_swaps": 1},
 }
 KS = (0.0, 0.25, 0.33)
 
@@ -54,7 +54,7 @@ def add_common_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quick", action="store_true", help="tiny model, few steps, one seed: under a minute")
     p.add_argument("--json", metavar="PATH", help="write the results as JSON")
     p.add_argument("--seeds", type=int, help="seeds per k (default 2, --quick 1)")
-    p.add_argument("--steps", type=int, help="iterations per run (default 160, --quick 12)")
+    p.add_argument("--steps", type=int, help="iterations per run (default 160, --quick 10)")
     p.add_argument("--jobs", type=int, default=2, help="training processes at once (1 torch thread each)")
     p.add_argument("--data", default=str(DATA), help="prepared data directory (rebuilt if missing)")
     p.add_argument("--root", default=str(RUNS), help="where run directories are kept")

@@ -100,7 +100,8 @@ def print_table(res: dict) -> None:
     print(hdr)
     print("-" * len(hdr))
     for key, r in res["k"].items():
-        gap = f"{100 * r['gap_vs_k0']:+.2f}%" + (f"±{100 * r['gap_vs_k0_sd']:.1f}" if r.get("gap_vs_k0_sd") else "")
+        gap = "n/a (no k=0)" if "gap_vs_k0" not in r else (
+            f"{100 * r['gap_vs_k0']:+.2f}%" + (f"±{100 * r['gap_vs_k0_sd']:.1f}" if r.get("gap_vs_k0_sd") else ""))
         print(f"{key:>5} {str(r['skipped_body_stages']) + '/' + str(r['body_stages']):>8} {r['tokens']:>9,} "
               f"{r['val_loss']:>8.4f}±{r['val_loss_sd']:.3f} {r['ppl']:>7.2f} {r['best_val_loss']:>9.4f} "
               f"{r['best_ppl']:>8.2f} {gap:>13} {r['train_seconds']:>8.0f}")
