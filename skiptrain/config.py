@@ -49,10 +49,6 @@ class ModelConfig:
     rope_theta: float = _f(10000.0, "rotary embedding base", min=1.0)
     norm_eps: float = _f(1e-5, "RMSNorm epsilon", min=0.0)
     init_std: float = _f(0.02, "standard deviation of the weight initialisation", min=0.0)
-    # Recipe option (issue 7), off by default: LayerScale (CaiT) multiplies each residual branch
-    # by a learnable per-channel vector initialised to this value.
-    layer_scale: float = _f(0.0, "LayerScale: learnable per-channel residual-branch scale, initial value (0 = off)",
-                            min=0.0)
 
     @property
     def kv_heads(self) -> int:
@@ -111,9 +107,6 @@ class TrainConfig:
     skip_ratio: float = _f(0.0, "SkipPipe skip ratio k: each micro-batch skips round(k * n_stages) body stages",
                            min=0.0, max=1.0)
     max_swaps: int = _f(0, "adjacent-stage swaps allowed per route (SkipPipe allows up to 2)", min=0, max=2)
-    # Recipe option (issue 7), off by default.
-    full_route_every: int = _f(0, "with skip_ratio > 0, every N-th iteration sends all micro-batches along "
-                               "the full route (0 = never)", min=0)
     eval_every: int = _f(50, "validate every N steps (0 = only at the end)", min=0)
     eval_batches: int = _f(8, "micro-batches per validation", min=1)
     log_every: int = _f(1, "write a metrics line every N steps", min=1)

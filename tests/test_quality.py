@@ -1,4 +1,4 @@
-"""Robustness measurement with missing stages, and the config-gated recipe options of issue 7."""
+"""Robustness measurement with missing stages (issue 7)."""
 
 import math
 from math import comb
@@ -13,7 +13,6 @@ from skiptrain.model import StagedLM
 from skiptrain.schedule.routes import drop_route, full_route
 from skiptrain.train.evaluate import evaluate
 from skiptrain.train.quality import drop_subsets, robustness
-from skiptrain.train.trainer import Trainer
 
 
 def tiny(data=None, model=None, **train):
@@ -65,36 +64,3 @@ def test_robustness_rise_is_zero_when_body_stages_are_identities(byte_data):
     src = SampleSource(TokenDataset.open(byte_data).tokens("ood"), cfg.model.seq_len, shuffle=False)
     res = robustness(model, src, batches=1, micro_batch=4, drop_fractions=(0.5,), n_subsets=4)
     assert all(abs(s.rise) < 1e-5 for s in res.fractions[0].subsets)
-
-
-def test_full_route_every_sends_every_nth_iteration_along_the_full_route(byte_data):
-    on = Trainer(tiny(byte_data, skip_ratio=0.4, n_micro=4, full_route_every=3))
-    off = Trainer(tiny(byte_data, skip_ratio=0.4, n_micro=4))
-    for step in range(6):
-        a, b = on.train_step(), off.train_step()
-        if step % 3 == 2:
-            assert a.routes == [full_route(5)] * 4
-        else:
-            # Other iterations draw exactly the routes they would without the option.
-            assert a.routes == b.routes and all(len(r) == 2 for r in a.routes)
-
-
-def test_full_route_every_is_off_by_default(byte_data):
-    tr = Trainer(tiny(byte_data, skip_ratio=0.4, n_micro=4))
-    assert tr.cfg.train.full_route_every == 0
-    assert all(len(r) == 2 for _ in range(4) for r in tr.train_step().routes)
-
-
-def test_layer_scale_is_off_by_default_and_a_scale_of_one_changes_nothing():
-    base = StagedLM(tiny().model, seed=5)
-    assert not any("scale" in n for n, _ in base.named_parameters())
-    one = StagedLM(tiny(model={"layer_scale": 1.0}).model, seed=5)
-    small = StagedLM(tiny(model={"layer_scale": 0.1}).model, seed=5)
-    scales = {n: p for n, p in small.named_parameters() if n.endswith("_scale")}
-    assert len(scales) == 2 * 5 and all(torch.all(p == 0.1) for p in scales.values())
-    # Every other parameter is initialised from its own name, so it is identical across the three.
-    x = torch.randint(0, 256, (2, 16))
-    torch.testing.assert_close(one(x), base(x))
-    assert not torch.allclose(small(x), base(x))
-    # The scales belong to their layer's stage (so per-stage averaging and checkpoints see them).
-    assert any(p is scales["layers.4.ffn_scale"] for p in small.stage_parameters(4))

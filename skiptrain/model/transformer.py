@@ -99,14 +99,8 @@ class Block(nn.Module):
         self.attn = Attention(cfg)
         self.ffn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.ffn = FeedForward(cfg)
-        if cfg.layer_scale > 0:  # optional LayerScale (off by default; see ModelConfig.layer_scale)
-            self.attn_scale = nn.Parameter(torch.full((cfg.d_model,), cfg.layer_scale))
-            self.ffn_scale = nn.Parameter(torch.full((cfg.d_model,), cfg.layer_scale))
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        if hasattr(self, "attn_scale"):
-            x = x + self.attn_scale * self.attn(self.attn_norm(x), cos, sin)
-            return x + self.ffn_scale * self.ffn(self.ffn_norm(x))
         x = x + self.attn(self.attn_norm(x), cos, sin)
         return x + self.ffn(self.ffn_norm(x))
 
@@ -125,9 +119,6 @@ def init_parameters(module: nn.Module, cfg: ModelConfig, seed: int) -> None:
         with torch.no_grad():
             if name.endswith("norm.weight"):
                 p.fill_(1.0)
-                continue
-            if name.endswith(("attn_scale", "ffn_scale")):  # LayerScale, only when enabled
-                p.fill_(cfg.layer_scale)
                 continue
             g = torch.Generator().manual_seed(_param_seed(seed, name))
             std = cfg.init_std

@@ -86,10 +86,6 @@ class Trainer:
         t, S = self.cfg.train, self.cfg.model.n_stages
         x, y = self.loader.next_batch()
         routes = draw_routes(self.cfg, self.route_rng)
-        if t.full_route_every and (self.step + 1) % t.full_route_every == 0:
-            # Recipe option: an occasional full-route iteration (the route RNG still advances,
-            # so the other iterations draw the same routes as without the option).
-            routes = [full_route(S) for _ in routes]
         self.opt.zero_grad(set_to_none=True)
         total = 0.0
         for i, route in enumerate(routes):
