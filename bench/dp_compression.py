@@ -39,7 +39,12 @@ METHODS = {
     "diloco_h10": ["dp.strategy=diloco", "dp.sync_every=10", "dp.outer_lr=0.7", "dp.outer_momentum=0.9"],
     "demo_reference": ["dp.strategy=demo", "dp.topk=32", "dp.indices=int64", "dp.values=fp32"],
     BEST: ["dp.strategy=demo", "dp.topk=8", "dp.indices=u12", "dp.values=sign1"],
+    # variants explored (run with --methods)
+    "demo_k8_sign2_u12": ["dp.strategy=demo", "dp.topk=8", "dp.indices=u12", "dp.values=sign2"],
+    "demo_k8_sign1_u12_lr1e-3": ["dp.strategy=demo", "dp.topk=8", "dp.indices=u12", "dp.values=sign1",
+                                 "train.lr=1e-3"],
 }
+DEFAULT_METHODS = ["adamw_allreduce", "adamw_allreduce_bf16", "powersgd_r4", "diloco_h10", "demo_reference", BEST]
 SEEDED = ("adamw_allreduce", BEST)  # the pair the target compares: 3 seeds each
 SHAPED_LINK = ["dp.link_up_mbps=10", "dp.link_down_mbps=100", "dp.link_latency_ms=25"]
 
@@ -70,7 +75,7 @@ def main(argv=None) -> int:
     ap.add_argument("--quick", action="store_true", help="reduced model and steps (< 2 minutes)")
     ap.add_argument("--steps", type=int, default=None)
     ap.add_argument("--seeds", type=int, default=None, help="seeds for the AdamW / best-DeMo pair (default 3, quick 1)")
-    ap.add_argument("--methods", default=",".join(METHODS))
+    ap.add_argument("--methods", default=",".join(DEFAULT_METHODS), help=f"comma list of {list(METHODS)}")
     ap.add_argument("--shaped-steps", type=int, default=None, help="steps per shaped/unshaped timing run")
     ap.add_argument("--no-shaped", action="store_true")
     ap.add_argument("--json", default=None)
