@@ -22,8 +22,9 @@ Every message a node will receive in an iteration follows from the schedule, so 
 announces their number to the transport up front and knows at any time what it still waits for;
 a wait longer than ``timeout_s`` raises :class:`~skiptrain.runtime.failure.NodeFailure` naming
 the node(s) it was waiting on.  A transport error (peer died) is raised as ``NodeFailure`` for
-that peer.  The executor never re-routes (issue 8 will: the pending-work bookkeeping in
-:class:`NodePlan` is what a re-plan needs).
+that peer, a payload rejected by ``check`` (wrong shape, non-finite values: a bad peer) as
+``NodeFailure`` for its sender.  The executor never re-routes inside an iteration: on any
+failure the node abandons the iteration and :mod:`.recovery` re-plans the next attempt.
 """
 
 from __future__ import annotations
@@ -104,8 +105,10 @@ class Executor:
 
     def __init__(self, rank: int, transport: P2PTransport, model=None, stage: int | None = None,
                  cost=None, speed: float = 1.0, padding: ComputePadding | None = None,
-                 timeout_s: float = 30.0, describe: Callable[[int], str] = lambda n: f"node {n}"):
+                 timeout_s: float = 30.0, describe: Callable[[int], str] = lambda n: f"node {n}",
+                 check: Callable[[Message], None] | None = None):
         self.rank, self.tr, self.model, self.stage = rank, transport, model, stage
+        self.check = check              # payload check (raises NodeFailure naming the sender)
         self.cost, self.speed = cost, speed
         self.padding = padding or ComputePadding(False)
         self.timeout_s = timeout_s
@@ -159,6 +162,8 @@ class Executor:
             if m.iteration != iteration:
                 raise NodeFailure(f"node {self.rank}: got a message of iteration {m.iteration} during "
                                   f"iteration {iteration} from node {m.src}", node=m.src)
+            if self.check is not None:
+                self.check(m)
             j = id_to_j.get(m.mb, -1)
             key = (m.kind, j, m.pos)
             if waiting.pop(key, None) is None:

@@ -58,7 +58,10 @@ class Job:
     phases: list[Phase]
     timeout_s: float = 30.0
     heartbeat_s: float = 0.5
-    fault: dict[str, Any] | None = None       # test fault: {"node", "kind": kill|hang|raise, "phase", "iteration"}
+    # test fault(s): {"node", "kind": kill|hang|raise|nan|shape, "phase", "iteration", "where", "delay_s"}
+    fault: dict[str, Any] | list[dict[str, Any]] | None = None
+    recover: bool = False                     # survive failures (issue 8, see runtime/recovery.py)
+    heartbeat_deadline_s: float | None = None  # hung-peer deadline (default: timeout_s)
     meta: dict[str, Any] = field(default_factory=dict)
 
     @property

@@ -82,6 +82,8 @@ def launch(job: Job, nodes: int | None = None, timeout_s: float = 3600.0, grace_
         raise RuntimeFailure(f"the job's schedules use {job.world} nodes but only {world} were requested")
     run_dir = Path(job.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
+    if (run_dir / "recoveries.jsonl").exists():
+        (run_dir / "recoveries.jsonl").unlink()
     for sub in ("errors", "phases", "parts"):
         d = run_dir / sub
         if d.is_dir():
@@ -100,6 +102,9 @@ def launch(job: Job, nodes: int | None = None, timeout_s: float = 3600.0, grace_
     logs = []
     t_start = time.time()
     killed_by_us: set[int] = set()
+    if job.recover:
+        from .recovery import publish_generation
+        publish_generation(store, 0, list(range(world)), {})
     try:
         for r in range(world):
             env = dict(base_env, RANK=str(r), LOCAL_RANK=str(r))
@@ -107,7 +112,11 @@ def launch(job: Job, nodes: int | None = None, timeout_s: float = 3600.0, grace_
             logs.append(log)
             procs.append(subprocess.Popen([sys.executable, "-m", "skiptrain.runtime.node", "--job", str(job_path)],
                                           env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL))
-        failure = _monitor(job, procs, store, world, t_start, timeout_s)
+        if job.recover:
+            from .coordinator import coordinate
+            failure = coordinate(job, procs, store, world, t_start, timeout_s, run_dir)
+        else:
+            failure = _monitor(job, procs, store, world, t_start, timeout_s)
         if failure is not None:
             grace_end = time.time() + grace_s
             while time.time() < grace_end and any(p.poll() is None for p in procs):

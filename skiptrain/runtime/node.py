@@ -31,6 +31,7 @@ import json
 import os
 import signal
 import sys
+import threading
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -48,8 +49,6 @@ class _Node:
         from ..config import config_from_dict
         from ..data.dataset import TokenDataset
         from ..data.loader import SampleSource
-        from .transport import P2PTransport
-
         self.job, self.rank, self.world = job, rank, world
         self.run_dir = Path(job.run_dir)
         self.err_path = self.run_dir / "errors" / f"node{rank}.json"
@@ -59,7 +58,19 @@ class _Node:
         self.store = dist.TCPStore(addr, port, world, is_master=(rank == 0 and not hosted),
                                    timeout=timedelta(seconds=max(job.timeout_s, 60.0)),
                                    wait_for_workers=False)
-        self.hb = Heartbeat(self.store, rank, world, job.heartbeat_s, job.timeout_s, self._peer_failed,
+        # membership: node ids never change; ranks are positions in the sorted alive list
+        self.gen = 0
+        self.alive = list(range(world))
+        self._rank = {n: n for n in self.alive}
+        self._fired: set[int] = set()
+        # a second client connection for the heartbeat and the membership watch: store calls of
+        # one client are serialised, and a blocking get of the main thread (gloo rendezvous while
+        # re-forming groups) must not stall the heartbeat
+        self.hb_store = dist.TCPStore(addr, port, world, is_master=False,
+                                      timeout=timedelta(seconds=max(job.timeout_s, 60.0)),
+                                      wait_for_workers=False)
+        self.hb = Heartbeat(self.hb_store, rank, world, job.heartbeat_s, job.timeout_s,
+                            self._peer_failed_soft if job.recover else self._peer_failed,
                             describe=self.describe).start()
         dist.init_process_group("gloo", store=dist.PrefixStore("pg", self.store), rank=rank,
                                 world_size=world, timeout=timedelta(seconds=job.timeout_s))
@@ -70,7 +81,48 @@ class _Node:
         ds = TokenDataset.open(job.data_path)
         self.cfg.model.vocab_size = ds.vocab_size
         self.src = SampleSource(ds.tokens("train"), self.cfg.model.seq_len, seed=self.cfg.train.seed)
-        self.tr = P2PTransport(rank, self.p2p_group, stage_of=lambda n: self.stage_of.get(n, -1))
+        self.tr = self._transport()
+        self.watch = None
+        self._any_committed = False
+        if job.recover:
+            from .recovery import GenerationWatch
+            self.watch = GenerationWatch(self.hb_store, job.heartbeat_s, self._membership_changed).start()
+
+    def _transport(self):
+        from .transport import P2PTransport
+
+        return P2PTransport(self.rank, self.p2p_group, stage_of=lambda n: self.stage_of.get(n, -1),
+                            rank_of=self._rank.__getitem__, node_of=self.alive.__getitem__)
+
+    def _peer_failed_soft(self, node: int, reason: str) -> None:
+        """Recovery mode: the coordinator decides membership; only a lost store stops the node."""
+        if node == -1:
+            self._peer_failed(node, reason)
+
+    def _membership_changed(self, gen: int) -> None:
+        """A new generation: make the executor abandon the current iteration at once."""
+        from .transport import TransportError
+
+        self.tr.inbox.put(TransportError(f"node {self.rank}: membership generation {gen} announced; "
+                                         "abandoning the iteration", peer=None))
+
+    def _regroup(self, gen: int, alive: list[int]) -> None:
+        """Destroy every process group and re-create them over ``alive`` on the store prefix
+        ``g<gen>/``.  Threads blocked in the old groups are abandoned (never joined)."""
+        timeout = timedelta(seconds=self.job.timeout_s)
+        from .recovery import abandon_process_groups
+
+        abandon_process_groups()   # not destroy_process_group(): its shutdown() can block (see there)
+        self.gen = gen
+        self.alive = sorted(alive)
+        self._rank = {n: i for i, n in enumerate(self.alive)}
+        self.hb.membership.alive = set(self.alive)
+        dist.init_process_group("gloo", store=dist.PrefixStore(f"g{gen}/pg", self.store),
+                                rank=self._rank[self.rank], world_size=len(self.alive), timeout=timeout)
+        self.p2p_group = dist.new_group(list(range(len(self.alive))), timeout=timeout)
+        self.tr = self._transport()
+        if self.watch is not None:
+            self.watch.gen = gen
 
     def describe(self, n: int) -> str:
         s = self.stage_of.get(n)
@@ -81,23 +133,34 @@ class _Node:
         abort_process(EXIT_PEER_FAILED)
 
     def _fault(self, phase: str, iteration: int, where: str) -> None:
-        f = self.job.fault
-        if not f or f.get("node") != self.rank or f.get("phase", phase) != phase \
-                or f.get("iteration", 0) != iteration or f.get("where", "start") != where:
-            return
-        self.store.set(f"fault/{self.rank}", repr(time.time()))
-        kind = f["kind"]
-        if kind == "kill":
-            os.kill(os.getpid(), signal.SIGKILL)
-        elif kind == "hang":
-            os.kill(os.getpid(), signal.SIGSTOP)
-        elif kind == "raise":
-            raise RuntimeError(f"injected fault on node {self.rank}")
+        faults = self.job.fault if isinstance(self.job.fault, list) else [self.job.fault]
+        for i, f in enumerate(faults):
+            if not f or i in self._fired or f.get("node") != self.rank or f.get("phase", phase) != phase \
+                    or f.get("iteration", 0) != iteration or f.get("where", "start") != where:
+                continue
+            self._fired.add(i)
+            kind = f["kind"]
+            if kind in ("nan", "shape"):            # a bad peer: corrupt every payload it sends
+                self.store.set(f"fault/{self.rank}", repr(time.time()))
+                self.tr.corrupt = kind
+            elif kind == "raise":
+                self.store.set(f"fault/{self.rank}", repr(time.time()))
+                raise _InjectedFault(f"injected fault on node {self.rank}")
+            else:
+                sig = signal.SIGKILL if kind == "kill" else signal.SIGSTOP
+
+                def fire(_sig=sig):
+                    self.store.set(f"fault/{self.rank}", repr(time.time()))
+                    os.kill(os.getpid(), _sig)
+
+                if f.get("delay_s"):                 # mid-iteration
+                    threading.Timer(float(f["delay_s"]), fire).start()
+                else:
+                    fire()
 
     # ---- one phase -------------------------------------------------------------------------
 
     def run_phase(self, ph: Phase) -> None:
-        from ..dp.strategy import make_strategy
         from ..model.transformer import StagedLM
         from ..net.topology import Topology
         from ..schedule.cost import CostModel
@@ -109,90 +172,133 @@ class _Node:
 
         cfg, rank = self.cfg, self.rank
         sched = Schedule.from_dict(ph.schedule)
+        if sorted(self.alive) != list(range(self.world)):
+            from .recovery import replan
+            sched = replan(sched, self.alive)
         self.stage_of = sched.stage_of()
         stage = self.stage_of.get(rank)
-        timeout = timedelta(seconds=self.job.timeout_s)
-        groups = [dist.new_group(sorted(p), timeout=timeout) for p in sched.placement]
         cost = CostModel.from_dict(ph.cost) if ph.cost else None
         topo = Topology.from_dict(ph.topology) if ph.topology else None
-        self.tr.link = (LinkFifo.from_topology(topo, rank, ph.bytes_scale, cost.hop_overhead_s if cost else 0.0)
-                        if ph.wan and topo is not None else None)
         speed = topo.speed(rank) if topo is not None and rank < topo.n else 1.0
         padding = ComputePadding(ph.emulate_compute and cost is not None)
-        model = strat = None
+        model = None
         if stage is not None:
             torch.manual_seed(cfg.train.seed)
             model = StagedLM(cfg.model, stages=[stage], seed=cfg.train.seed)
             model.train()
-            strat = make_strategy(cfg.dp, model.named_parameters(), groups[stage], cfg.train)
             _warm_up(model, stage, cfg)
-        ex = Executor(rank, self.tr, model, stage, cost, speed, padding, self.job.timeout_s, self.describe)
+        groups, strat = self._stage_groups(sched, stage, model, None)
+
+        def make_executor():
+            self.tr.link = (LinkFifo.from_topology(topo, rank, ph.bytes_scale, cost.hop_overhead_s if cost else 0.0)
+                            if ph.wan and topo is not None else None)
+            return Executor(rank, self.tr, model, stage, cost, speed, padding, self.job.timeout_s, self.describe,
+                            check=self._check_payload)
+
+        ex = make_executor()
         mbsz = cfg.train.micro_batch
         order = {mb.id: i for i, mb in enumerate(sorted(sched.micro_batches, key=lambda m: m.id))}
         gb = len(order) * mbsz
         out_dir = self.run_dir / "phases" / ph.name
         out_dir.mkdir(parents=True, exist_ok=True)
-        record = {"rank": rank, "stage": stage, "iterations": []}
-        metrics = open(self.run_dir / "metrics.jsonl", "a") if rank == 0 else None
+        record = {"rank": rank, "stage": stage, "iterations": [], "recoveries": []}
         cursor = 0
-        sync_replicas = sched.placement[stage] if stage is not None else []
+        it = 0
         try:
-            for it in range(ph.iterations):
-                self._fault(ph.name, it, "start")
-                # common start: everyone present, then rank 0's clock + a margin for the broadcast
-                dist.barrier()
-                tt = torch.tensor([time.time() + 0.2], dtype=torch.float64)
-                dist.broadcast(tt, 0)
-                t0 = float(tt[0])
-                time.sleep(max(0.0, t0 - time.time()))
-                self.tr.begin_iteration(it, t0)
-
-                def batch_fn(mb_id: int, _c=cursor):
-                    i = order[mb_id]
-                    return self.src.batch(range(_c + i * mbsz, _c + (i + 1) * mbsz))
-
-                res = ex.run_iteration(it, sched, t0, batch_fn)
-                self._fault(ph.name, it, "after_pipeline")
-                events = list(res.events)
+            while it < ph.iterations:
+                committed = stepped = False
+                samples: list[int] = []
+                entry = None
+                res = None
+                step_count = strat.step_count if strat is not None else 0
                 lr = lr_at(it, cfg.train)
-                if model is not None:
-                    if ph.dump and it == 0:
-                        torch.save({"n": res.n_processed, "stage": stage,
-                                    "grads": {n: (p.grad.clone() if p.grad is not None else None)
-                                              for n, p in model.named_parameters()}},
-                                   out_dir / f"grads_node{rank}.pt")
-                    ts = time.time()
-                    st = strat.step(lr, res.n_processed)
-                    if ph.emulate_sync and cost is not None and topo is not None:
-                        time.sleep(cost.dp_sync_s(topo, sync_replicas, stage))
-                    te = time.time()
-                    if len(sync_replicas) > 1:
-                        events.append(Event(rank, "sync", None, stage, ts - t0, te - t0, st.payload_bytes))
-                    for p in model.parameters():
-                        p.grad = None
-                self.tr.wait_sent(self.job.timeout_s)
-                events += self.tr.take_events()
-                t_end = max((e.end for e in events), default=0.0)
-                stats = torch.tensor([res.loss_sum, res.n_loss, t_end, padding.overruns, padding.overrun_s,
-                                      res.max_in_flight], dtype=torch.float64)
-                allst = [torch.empty_like(stats) for _ in range(self.world)]
-                dist.all_gather(allst, stats)
-                record["iterations"].append({"events": [e.to_dict() for e in events],
-                                             "n_processed": res.n_processed, "t_end": t_end})
-                if metrics is not None:
-                    a = torch.stack(allst)
-                    n = float(a[:, 1].sum())
-                    row = {"phase": ph.name, "step": it + 1, "loss": round(float(a[:, 0].sum()) / max(n, 1), 5),
-                           "iteration_s": round(float(a[:, 2].max()), 4), "lr": lr,
-                           "tokens": (it + 1) * gb * cfg.model.seq_len,
-                           "overruns": int(a[:, 3].sum()), "overrun_s": round(float(a[:, 4].sum()), 4),
-                           "max_in_flight": int(a[:, 5].max())}
-                    metrics.write(json.dumps(row) + "\n")
-                    metrics.flush()
+                try:
+                    self._fault(ph.name, it, "start")
+                    sync_replicas = sched.placement[stage] if stage is not None else []
+                    # common start: everyone present, then rank 0's clock + a margin for the broadcast
+                    self._sync(dist.barrier)
+                    tt = torch.tensor([time.time() + 0.2], dtype=torch.float64)
+                    self._sync(dist.broadcast, tt, 0)
+                    t0 = float(tt[0])
+                    time.sleep(max(0.0, t0 - time.time()))
+                    self.tr.begin_iteration(it, t0)
+
+                    def batch_fn(mb_id: int, _c=cursor):
+                        i = order[mb_id]
+                        samples.extend(range(_c + i * mbsz, _c + (i + 1) * mbsz))
+                        return self.src.batch(range(_c + i * mbsz, _c + (i + 1) * mbsz))
+
+                    res = ex.run_iteration(it, sched, t0, batch_fn)
+                    self._fault(ph.name, it, "after_pipeline")
+                    if self.job.recover:
+                        self._sync(dist.barrier)   # commit point: every node finished its pipeline tasks
+                    committed = True
+                    entry = {"events": [], "n_processed": res.n_processed, "t_end": 0.0,
+                             "samples": sorted(samples), "gen": self.gen}
+                    record["iterations"].append(entry)
+                    self._log_samples(out_dir, ph.name, it, samples)
+                    events = list(res.events)
+                    if model is not None:
+                        if ph.dump and it == 0:
+                            torch.save({"n": res.n_processed, "stage": stage,
+                                        "grads": {n: (p.grad.clone() if p.grad is not None else None)
+                                                  for n, p in model.named_parameters()}},
+                                       out_dir / f"grads_node{rank}.pt")
+                        ts = time.time()
+                        st = strat.step(lr, res.n_processed)
+                        if ph.emulate_sync and cost is not None and topo is not None:
+                            time.sleep(cost.dp_sync_s(topo, sync_replicas, stage))
+                        te = time.time()
+                        if len(sync_replicas) > 1:
+                            events.append(Event(rank, "sync", None, stage, ts - t0, te - t0, st.payload_bytes))
+                        for p in model.parameters():
+                            p.grad = None
+                    stepped = True
+                    self.tr.wait_sent(self.job.timeout_s)
+                    events += self.tr.take_events()
+                    t_end = max((e.end for e in events), default=0.0)
+                    entry["events"] = [e.to_dict() for e in events]
+                    entry["t_end"] = t_end
+                    stats = torch.tensor([res.loss_sum, res.n_loss, t_end, padding.overruns, padding.overrun_s,
+                                          res.max_in_flight], dtype=torch.float64)
+                    allst = [torch.empty_like(stats) for _ in range(len(self.alive))]
+                    self._sync(dist.all_gather, allst, stats)
+                    if dist.get_rank() == 0:
+                        a = torch.stack(allst)
+                        n = float(a[:, 1].sum())
+                        row = {"phase": ph.name, "step": it + 1, "loss": round(float(a[:, 0].sum()) / max(n, 1), 5),
+                               "iteration_s": round(float(a[:, 2].max()), 4), "lr": lr,
+                               "tokens": (it + 1) * gb * cfg.model.seq_len,
+                               "overruns": int(a[:, 3].sum()), "overrun_s": round(float(a[:, 4].sum()), 4),
+                               "max_in_flight": int(a[:, 5].max())}
+                        if self.job.recover:
+                            row.update(gen=self.gen, nodes=len(self.alive))
+                        with open(self.run_dir / "metrics.jsonl", "a") as metrics:
+                            metrics.write(json.dumps(row) + "\n")
+                except Exception as e:  # noqa: BLE001 - classified below
+                    if not self._recoverable(e):
+                        raise
+                    t_fail = time.time()
+                    sched, stage_ok = self._recover(e, sched, it, committed, ph.name)
+                    self.stage_of = sched.stage_of()
+                    groups, strat = self._stage_groups(sched, stage, model, strat, step_count)
+                    ex = make_executor()
+                    redone = self._settle(committed, stepped, it, model, strat, lr, res)
+                    if self._any_committed and entry is None and res is not None:
+                        record["iterations"].append({"events": [], "n_processed": res.n_processed, "t_end": 0.0,
+                                                     "samples": sorted(samples), "gen": self.gen})
+                        self._log_samples(out_dir, ph.name, it, samples)
+                    record["recoveries"].append({
+                        "gen": self.gen, "iteration": it, "cause": str(e)[:300], "committed": committed,
+                        "redo_sync": redone, "alive": list(self.alive), "t_fail": t_fail,
+                        "t_resumed": time.time(), "recover_s": time.time() - t_fail})
+                    if committed or self._any_committed:
+                        it += 1
+                        cursor += gb
+                    continue
+                it += 1
                 cursor += gb
         finally:
-            if metrics is not None:
-                metrics.close()
             (out_dir / f"node{rank}.json").write_text(json.dumps(record))
         if model is not None:
             if ph.dump:
@@ -206,14 +312,124 @@ class _Node:
                 save_file({n: p.detach().contiguous() for n, p in model.state_dict().items()},
                           str(parts / f"stage{stage}.safetensors"))
         dist.barrier()
-        for g in groups:
+        for g in groups.values():
             if g is not None and g != dist.GroupMember.NON_GROUP_MEMBER:
                 dist.destroy_process_group(g)
+
+    # ---- recovery (issue 8; semantics in runtime/recovery.py) ---------------------------------
+
+    def _stage_groups(self, sched, stage, model, old_strat, step_count: int | None = None):
+        """One gloo group per stage with replicas (every rank creates every group, same order),
+        and this node's DP strategy on its stage's group, keeping ``old_strat``'s optimizer state."""
+        from ..dp.strategy import make_strategy
+
+        timeout = timedelta(seconds=self.job.timeout_s)
+        groups = {s: dist.new_group(sorted(self._rank[n] for n in p), timeout=timeout)
+                  for s, p in enumerate(sched.placement) if p}
+        strat = None
+        if model is not None:
+            strat = make_strategy(self.cfg.dp, model.named_parameters(), groups[stage], self.cfg.train)
+            if old_strat is not None:
+                sd = old_strat.state_dict()
+                if step_count is not None:
+                    sd["step"] = step_count
+                strat.load_state_dict(sd)
+        return groups, strat
+
+    def _sync(self, fn, *args) -> None:
+        """Run the collective ``fn(*args)``.  In recovery mode it runs asynchronously and the wait
+        gives up as soon as the coordinator announces a new generation: a collective among live
+        nodes can otherwise sit until the group timeout when a peer that already left it was the
+        one it waited on (the abandoned work is never waited on again)."""
+        if self.watch is None:
+            fn(*args)
+            return
+        work = fn(*args, async_op=True)
+        while not work.is_completed():
+            if self.watch.newer():
+                raise NodeFailure(f"node {self.rank}: membership changed during {fn.__name__}; "
+                                  "abandoning the iteration", node=None)
+            time.sleep(0.002)
+        work.wait()
+
+    def _log_samples(self, out_dir: Path, phase: str, it: int, samples: list[int]) -> None:
+        """Append the global sample indices this node trained in committed iteration ``it``
+        (``samples_node<r>.jsonl``, flushed at once so it survives a SIGKILL of this node)."""
+        if samples:
+            with open(out_dir / f"samples_node{self.rank}.jsonl", "a") as f:
+                f.write(json.dumps({"iteration": it, "gen": self.gen, "samples": sorted(samples)}) + "\n")
+
+    def _recoverable(self, e: BaseException) -> bool:
+        from .recovery import RecoveryError
+
+        if not self.job.recover or isinstance(e, (RecoveryError, _InjectedFault)):
+            return False
+        return isinstance(e, RuntimeError) and getattr(e, "node", None) != self.rank
+
+    def _check_payload(self, m) -> None:
+        from .recovery import check_payload
+
+        c = self.cfg
+        check_payload(m.kind, m.tensor, m.src, (c.train.micro_batch, c.model.seq_len, c.model.d_model), m.mb,
+                      self.rank)
+
+    def _recover(self, e: BaseException, sched, it: int, committed: bool, phase: str):
+        """Report, wait for the coordinator's next generation, re-form the groups over the
+        survivors and re-plan.  Returns the new schedule."""
+        from .recovery import (BadPayload, RecoveryError, read_generation, replan, report_failure,
+                               wait_generation)
+
+        suspect = getattr(e, "node", None)
+        if suspect is None:
+            suspect = getattr(e, "peer", None)
+        print(f"skiptrain node {self.rank}: generation {self.gen}, iteration {it} of {phase}: "
+              f"{type(e).__name__}: {str(e).splitlines()[0][:200]}; abandoning the iteration", file=sys.stderr,
+              flush=True)
+        report_failure(self.store, self.gen, self.rank, suspect, str(e), bad_peer=isinstance(e, BadPayload))
+        gen = wait_generation(self.store, self.gen, 2 * self.job.timeout_s + (self.job.heartbeat_deadline_s or 0))
+        info = read_generation(self.store, gen)
+        if self.rank not in info["alive"]:
+            raise RecoveryError(f"node {self.rank}: fenced out of generation {gen} by the coordinator",
+                                node=self.rank)
+        self._regroup(gen, info["alive"])
+        # agree whether the iteration was committed anywhere (then it is not re-run)
+        flag = torch.tensor([1 if committed else 0], dtype=torch.int64)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        self._any_committed = bool(flag.item())
+        new = replan(sched, self.alive)
+        print(f"skiptrain node {self.rank}: generation {gen}: alive {self.alive}, dead "
+              f"{ {k: v[:80] for k, v in info['dead'].items()} }; placement {new.placement}", file=sys.stderr,
+              flush=True)
+        return new, True
+
+    def _settle(self, committed: bool, stepped: bool, it: int, model, strat, lr: float, res) -> bool:
+        """After re-forming: a committed iteration whose stage sync did not finish is synced over
+        the surviving replicas with the gradients held; otherwise gradients are dropped."""
+        from .recovery import RecoveryError
+
+        redone = False
+        if model is not None:
+            need = torch.tensor([0 if stepped else 1, 1 if stepped else 0], dtype=torch.int64)
+            if self._any_committed:
+                dist.all_reduce(need, op=dist.ReduceOp.MAX, group=strat.tr.group)
+                if need[0] and need[1]:
+                    raise RecoveryError(f"node {self.rank}: replicas of stage {self.stage_of.get(self.rank)} "
+                                        f"disagree whether iteration {it} was applied", node=None)
+                if need[0] and res is not None:
+                    strat.step(lr, res.n_processed)
+                    redone = True
+            for p in model.parameters():
+                p.grad = None
+        return redone
 
     def finish(self) -> None:
         self.tr.close()
         dist.barrier()
         self.hb.finish()
+
+
+class _InjectedFault(RuntimeError):
+    """A test fault raised on purpose: the node itself fails (never recovered in place)."""
 
 
 def _warm_up(model, stage: int, cfg) -> None:
@@ -241,6 +457,8 @@ def main(argv: list[str] | None = None) -> int:
     if os.environ.get("SKIPTRAIN_STORE_HOSTED") == "1":
         set_parent_death_signal()
     torch.set_num_threads(1)
+    import faulthandler
+    faulthandler.register(signal.SIGUSR1, all_threads=True)   # `kill -USR1 PID`: stacks to the log
     try:
         rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
         addr, port = os.environ.get("MASTER_ADDR", "127.0.0.1"), int(os.environ["MASTER_PORT"])
@@ -260,7 +478,9 @@ def main(argv: list[str] | None = None) -> int:
         abort_process(EXIT_FAILED)
     except BaseException as e:  # noqa: BLE001 - report anything, then leave at once
         # a gloo error in a collective means some peer failed (which one: the launcher knows)
-        write_error(err_path, rank, e, None if isinstance(e, dist.DistError) else rank)
+        # (gloo's timeouts and resets arrive as plain RuntimeErrors naming gloo's sources)
+        peer_side = isinstance(e, dist.DistError) or "/gloo/" in str(e)
+        write_error(err_path, rank, e, None if peer_side else rank)
         abort_process(EXIT_FAILED)
     abort_process(0)  # skip interpreter teardown (gloo/threads); everything is written
     return 0

@@ -83,8 +83,14 @@ class P2PTransport:
     ``record`` (optional) receives timeline events for sends and receives."""
 
     def __init__(self, rank: int, group=None, link: LinkFifo | None = None,
-                 stage_of: Callable[[int], int] | None = None):
+                 stage_of: Callable[[int], int] | None = None,
+                 rank_of: Callable[[int], int] | None = None, node_of: Callable[[int], int] | None = None):
         self.rank = rank
+        # node id <-> rank in the current process group (they differ after a recovery re-formed
+        # the groups over the survivors; identity otherwise)
+        self.rank_of = rank_of or (lambda n: n)
+        self.node_of = node_of or (lambda r: r)
+        self.corrupt: str | None = None       # test fault: "nan" / "shape" payloads (bad peer)
         self.group = group
         self.link = link
         self.stage_of = stage_of or (lambda n: -1)
@@ -128,6 +134,10 @@ class P2PTransport:
         if self._closed:
             raise TransportError("transport is closed")
         payload = tensor.detach().to(torch.float32).contiguous()
+        if self.corrupt == "nan":
+            payload = payload * float("nan")
+        elif self.corrupt == "shape":
+            payload = payload.reshape(-1)[: max(1, payload.numel() // 2)].contiguous()
         nbytes = payload.numel() * 4
         now = time.time()
         if self.link is not None:
@@ -156,8 +166,9 @@ class P2PTransport:
             if delay > 0:
                 time.sleep(delay)
             try:
-                dist.send(hdr, dst, group=self.group, tag=TAG_HEADER)
-                dist.send(payload, dst, group=self.group, tag=TAG_PAYLOAD)
+                r = self.rank_of(dst)
+                dist.send(hdr, r, group=self.group, tag=TAG_HEADER)
+                dist.send(payload, r, group=self.group, tag=TAG_PAYLOAD)
             except Exception as e:  # noqa: BLE001 - gloo raises RuntimeError/DistBackendError
                 self.inbox.put(TransportError(
                     f"node {self.rank}: sending {KIND_NAMES[int(hdr[0])]} of micro-batch {mb} to node {dst} "
@@ -191,9 +202,10 @@ class P2PTransport:
                     src = work._source_rank()
                     if self.group is not None:
                         src = dist.get_global_rank(self.group, src)
+                    src_rank, src = src, self.node_of(src)
                     kind, it, mb, pos, shape = decode_header(hdr)
                     payload = torch.empty(shape, dtype=torch.float32)
-                    dist.recv(payload, src, group=self.group, tag=TAG_PAYLOAD)
+                    dist.recv(payload, src_rank, group=self.group, tag=TAG_PAYLOAD)
                 except Exception as e:  # noqa: BLE001
                     who = f"node {src}" if src is not None else "any peer"
                     self.inbox.put(TransportError(

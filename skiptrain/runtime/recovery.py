@@ -1,0 +1,245 @@
+"""Recovery without a restart (issue 8): re-planning for the surviving nodes, the membership
+protocol between the coordinator (the launcher) and the nodes, and payload checks on received
+tensors.
+
+Failure semantics (what survivors do, torchft style):
+
+* **Who decides.**  The coordinator (:func:`skiptrain.runtime.launcher.launch` with
+  ``job.recover``) is the only authority on membership.  It holds no model state: only the
+  rendezvous store, the child processes and the current generation.  It declares a node dead
+  when the process exits or is killed, when its heartbeat is older than
+  ``job.heartbeat_deadline_s``, or when a node reports it as a *bad peer* (a payload rejected by
+  :func:`check_payload`).  A dead node that is still running (hung, bad) is SIGKILLed by PID
+  first (fencing: it can never come back with stale state, and every gloo connection to it
+  resets, so survivors blocked on it fail within milliseconds instead of the group timeout).
+  It then publishes generation ``g+1``: ``gen = g+1`` and ``gen/<g+1> = {"alive": [...],
+  "dead": {node: cause}, ...}`` in the store.
+* **What survivors do.**  Every node watches ``gen`` (:class:`GenerationWatch`, one store read
+  per heartbeat interval).  A new generation, or any transport/gloo error of its own, makes the
+  node abandon the current iteration (all micro-batches of it, not only those that touched the
+  lost node: simpler, and measured in ``docs/failures.md``).  It reports what it saw
+  (``report/<g>/<node>``: the peer it suspects, the cause, the time), waits for the
+  coordinator's next generation, destroys every process group and re-creates them on the fresh
+  store prefix ``g<gen>/`` with ranks renumbered over the survivors (node ids never change),
+  computes the same :func:`replan` as every other survivor (deterministic: no schedule is sent),
+  rebuilds its stage group and DP strategy keeping the optimizer state, and re-runs the
+  iteration on the same samples.  Threads blocked in calls of the old groups are abandoned
+  (daemon threads; they never touch the new groups).
+* **Commit point.**  An iteration is *committed* once any survivor passed the barrier after the
+  pipeline (then every node, the dead one included, had finished its tasks).  A failure after
+  that point does not re-run the pipeline: survivors whose stage sync failed redo it over the
+  surviving replicas of their stage with the gradients they hold; the dead node's share of that
+  stage's gradient is lost (documented).  Before the commit point nothing was applied anywhere
+  and the iteration is re-run from scratch; the data cursor does not advance.
+* **Data.**  Micro-batch ids keep their global sample ranges (``cursor + rank(id) * mb``);
+  :func:`replan` hands a dead originator's micro-batches to surviving originators, so the same
+  global batch is trained: no sample lost, none repeated.
+* **Unrecoverable.**  No stage-0 node left (the embedding and head are gone), or no decision
+  from the coordinator within ``recover_wait_s``: the node raises
+  :class:`~skiptrain.runtime.failure.NodeFailure` and the run stops as before.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections import Counter
+from typing import Callable
+
+import torch
+
+from ..schedule.schedule import MicroBatch, Schedule
+from .failure import NodeFailure
+from .transport import KIND_NAMES
+
+
+class RecoveryError(NodeFailure):
+    """The run cannot continue after a failure (e.g. no stage-0 node left)."""
+
+
+# ---- re-planning ---------------------------------------------------------------------------
+
+def replan(schedule: Schedule, alive: set[int] | list[int]) -> Schedule:
+    """The schedule for the nodes in ``alive``: same micro-batch ids (same samples), same stages.
+
+    * Placement: dead nodes removed; a stage with no replica left keeps an empty list and is
+      skipped by every route (the model is trained with skipping, so a route without that stage
+      is a valid, shorter route).
+    * Originators: the micro-batches of a dead originator go, in their order, to the surviving
+      stage-0 node with the fewest micro-batches so far (ties: lowest id), appended after its own.
+    * Routes: a hop on a dead node moves to the surviving replica of that stage with the fewest
+      forward passes so far (ties: lowest id), never to a node already on the route; with no
+      replica left the hop is dropped.  The visit order of the remaining stages is kept.
+
+    Deterministic in (``schedule``, ``alive``), so every survivor computes the same result
+    without exchanging it.  Raises :class:`RecoveryError` when no stage-0 node survives.
+    """
+    alive = set(alive)
+    placement = [[n for n in p if n in alive] for p in schedule.placement]
+    if not placement or not placement[0]:
+        raise RecoveryError(f"no stage-0 node left among {sorted(alive)}: nobody holds the embedding "
+                            "and head; the run cannot continue", node=None)
+    load: Counter = Counter({n: 0 for p in placement for n in p})
+    per_orig: Counter = Counter({n: 0 for n in placement[0]})
+    for mb in schedule.micro_batches:
+        if mb.originator in alive:
+            per_orig[mb.originator] += 1
+            load[mb.originator] += 1
+        for _, n in mb.route:
+            if n in alive:
+                load[n] += 1
+    kept: list[MicroBatch] = []
+    moved: list[MicroBatch] = []
+    for mb in schedule.micro_batches:
+        route: list[tuple[int, int]] = []
+        used = {n for _, n in mb.route if n in alive}
+        for s, n in mb.route:
+            if n in alive:
+                route.append((s, n))
+                continue
+            cands = [r for r in placement[s] if r not in used]
+            if not cands:
+                continue                                     # stage gone (or all used): skip it
+            r = min(cands, key=lambda x: (load[x], x))
+            load[r] += 1
+            used.add(r)
+            route.append((s, r))
+        if mb.originator in alive:
+            kept.append(MicroBatch(mb.id, mb.originator, route, 0.0))
+        else:
+            o = min(placement[0], key=lambda x: (per_orig[x], x))
+            per_orig[o] += 1
+            load[o] += 1
+            moved.append(MicroBatch(mb.id, o, route, 0.0))
+    meta = dict(schedule.meta)
+    meta["replanned_for"] = sorted(alive)
+    return Schedule(placement=placement, micro_batches=kept + moved, memory=schedule.memory,
+                    skip_ratio=schedule.skip_ratio, max_swaps=schedule.max_swaps, policy=schedule.policy,
+                    method=(schedule.method or "schedule") + "+replan", meta=meta)
+
+
+# ---- bad peers -----------------------------------------------------------------------------
+
+class BadPayload(NodeFailure):
+    """A received tensor failed :func:`check_payload`; ``node`` is the sender."""
+
+
+def check_payload(kind: int, tensor: torch.Tensor, src: int, expected_shape: tuple[int, ...] | None,
+                  mb: int, rank: int) -> None:
+    """Reject an activation/gradient with the wrong dtype, shape or non-finite values, naming the
+    sender.  Raises :class:`BadPayload` (the sender is then treated as failed)."""
+    what = f"{KIND_NAMES[kind]} of micro-batch {mb} from node {src}"
+    if tensor.dtype != torch.float32:
+        raise BadPayload(f"node {rank}: rejected {what}: dtype {tensor.dtype}, expected float32", node=src)
+    if expected_shape is not None and tuple(tensor.shape) != tuple(expected_shape):
+        raise BadPayload(f"node {rank}: rejected {what}: shape {tuple(tensor.shape)}, expected "
+                         f"{tuple(expected_shape)}", node=src)
+    if not bool(torch.isfinite(tensor).all()):
+        bad = int((~torch.isfinite(tensor)).sum())
+        raise BadPayload(f"node {rank}: rejected {what}: {bad} non-finite value(s)", node=src)
+
+
+# ---- membership protocol (store keys) --------------------------------------------------------
+
+def publish_generation(store, gen: int, alive: list[int], dead: dict[int, str], info: dict | None = None) -> None:
+    """Coordinator side: announce generation ``gen`` (the value first, then the counter)."""
+    store.set(f"gen/{gen}", json.dumps({"alive": sorted(alive), "dead": {str(k): v for k, v in dead.items()},
+                                        "t": time.time(), **(info or {})}))
+    store.set("gen", str(gen))
+
+
+def current_generation(store) -> int:
+    return int(store.get("gen").decode())
+
+
+def read_generation(store, gen: int) -> dict:
+    d = json.loads(store.get(f"gen/{gen}").decode())
+    d["dead"] = {int(k): v for k, v in d["dead"].items()}
+    return d
+
+
+def report_failure(store, gen: int, rank: int, suspect: int | None, cause: str, bad_peer: bool = False) -> None:
+    """Node side: what this node saw (the coordinator uses ``bad_peer`` reports to fence)."""
+    store.set(f"report/{gen}/{rank}", json.dumps({"rank": rank, "node": suspect, "cause": cause[:500],
+                                                  "bad_peer": bad_peer, "t": time.time()}))
+
+
+def wait_generation(store, after: int, timeout_s: float, poll_s: float = 0.02) -> int:
+    """Wait until the coordinator published a generation newer than ``after``; return it."""
+    deadline = time.time() + timeout_s
+    while True:
+        g = current_generation(store)
+        if g > after:
+            return g
+        if time.time() > deadline:
+            raise RecoveryError(f"no new membership from the coordinator within {timeout_s:g} s after a "
+                                f"failure in generation {after}", node=None)
+        time.sleep(poll_s)
+
+
+class GenerationWatch:
+    """Polls ``gen`` in the store every ``interval_s``; calls ``on_change(gen)`` once for every
+    generation newer than :attr:`gen` (the node sets :attr:`gen` after re-forming).  Store errors
+    are left to the heartbeat, which stops the node when the store is gone."""
+
+    def __init__(self, store, interval_s: float, on_change: Callable[[int], None]):
+        self.store, self.interval_s, self.on_change = store, interval_s, on_change
+        self.gen = 0
+        self._seen = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="genwatch", daemon=True)
+
+    def start(self) -> "GenerationWatch":
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def newer(self) -> bool:
+        """Whether a generation newer than the one this node runs in was seen."""
+        return self._seen > self.gen
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            try:
+                g = current_generation(self.store)
+            except Exception:  # noqa: BLE001
+                continue
+            if g > max(self.gen, self._seen):
+                self._seen = g
+                self.on_change(g)
+
+
+# ---- dropping broken process groups ----------------------------------------------------------
+
+_GRAVEYARD: list = []
+
+
+def abandon_process_groups() -> int:
+    """Forget every process group of this process *without shutting them down*, so a new default
+    group can be initialised on a fresh store prefix; returns how many were dropped.
+
+    ``dist.destroy_process_group()`` calls ``shutdown()`` on each group, and a gloo group whose
+    worker is blocked in a receive from a dead or stopped peer (our transport's receiver thread,
+    an unfinished send) can then block the caller indefinitely (seen here: the whole process,
+    heartbeat included, stalled in the second recovery of a run).  The groups are kept referenced
+    here, so their destructors never run either; their threads and sockets are leaked (a few per
+    membership change, bounded by the number of failures)."""
+    import torch.distributed.distributed_c10d as c10d
+
+    w = c10d._world
+    pgs = list(w.pg_names.keys())
+    _GRAVEYARD.extend(pgs)
+    c10d._update_default_pg(None)
+    w.pg_map.clear()
+    w.pg_names.clear()
+    w.pg_group_ranks.clear()
+    w.pg_backend_config.clear()
+    w.pg_to_tag.clear()
+    w.tags_to_pg.clear()
+    w.pg_coalesce_state.clear()
+    c10d._unregister_all_process_groups()
+    w.group_count = 0
+    return len(pgs)
