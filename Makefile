@@ -26,7 +26,7 @@ test: install
 	$(PY) -m pytest -q
 
 bench-quick: install
-	for b in bench/*.py; do $(PY) $$b --quick --json runs/bench/$$(basename $$b .py).json || exit 1; done
+	for b in bench/[!_]*.py; do $(PY) $$b --quick --json runs/bench/$$(basename $$b .py).json || exit 1; done
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache
