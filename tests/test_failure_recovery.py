@@ -1,6 +1,9 @@
-"""Issue 8: training that survives killed, hung and bad peers without a restart.
+"""Issue 8: training that survives killed, hung and bad peers without a restart, and admits
+only nodes that answer the join challenge.
 
-Units: the re-plan for surviving nodes, payload checks.  Multi-process: one 8-node run with four
+Units: the re-plan for surviving nodes, payload checks, the HMAC challenge-response.
+Multi-process: one 8-node run where one node lacks the join secret (refused before any process
+group) and with four
 faults at four iterations (a killed sole replica of a body stage mid-iteration, a killed stage-0
 originator, a hung node found by the heartbeat deadline, a peer sending NaN activations); the run
 finishes, every detection is logged with node, cause and time, and the samples trained over the
@@ -17,6 +20,7 @@ import torch
 
 from skiptrain.config import build_config
 from skiptrain.runtime.failure import RuntimeFailure
+from skiptrain.runtime.join import respond, verify
 from skiptrain.runtime.job import Job, Phase
 from skiptrain.runtime.launcher import launch
 from skiptrain.runtime.recovery import BadPayload, RecoveryError, check_payload, replan
@@ -77,9 +81,19 @@ def test_check_payload_rejects_bad_tensors_naming_the_peer():
         check_payload(GRAD, torch.zeros(2, 4, 8, dtype=torch.float64), 6, (2, 4, 8), 3, 1)
 
 
+def test_join_challenge_response_needs_the_secret():
+    nonce = "ab" * 32
+    r = respond("s3cret", nonce, 4)
+    assert verify("s3cret", nonce, 4, r)
+    assert r != "s3cret" and "s3cret" not in r                    # the secret is not on the wire
+    assert not verify("other", nonce, 4, respond("other2", nonce, 4))
+    assert not verify("s3cret", "cd" * 32, 4, r)                  # bound to the nonce (no replay)
+    assert not verify("s3cret", nonce, 5, r)                      # bound to the node id
+
+
 # ---- multi-process ------------------------------------------------------------------------------
 
-def _job(byte_data, run_dir, faults, iterations, deadline_s=2.0):
+def _job(byte_data, run_dir, faults, iterations, deadline_s=4.0):
     cfg = build_config("tiny", overrides={"train": {"grad_clip": 0.0, "steps": 20, "warmup_steps": 1}})
     return Job(config=cfg.to_dict(), data_path=str(byte_data), run_dir=str(run_dir),
                phases=[Phase("p", _schedule().to_dict(), iterations=iterations)], timeout_s=15.0,
@@ -98,8 +112,9 @@ def _our_processes(run_dir: Path) -> list[int]:
     return pids
 
 
-def test_run_survives_kill_originator_kill_hang_and_bad_peer(byte_data, tmp_path):
+def test_run_refuses_a_node_without_the_secret_and_survives_kill_originator_kill_hang_and_bad_peer(byte_data, tmp_path):
     faults = [
+        {"node": 3, "kind": "wrong_secret"},                           # refused at admission
         {"node": 7, "kind": "kill", "iteration": 1, "delay_s": 0.3},   # sole replica of stage 3, mid-iteration
         {"node": 1, "kind": "kill", "iteration": 2},                   # a stage-0 originator
         {"node": 4, "kind": "hang", "iteration": 3},                   # stage 1, found by heartbeat deadline
@@ -110,7 +125,11 @@ def test_run_survives_kill_originator_kill_hang_and_bad_peer(byte_data, tmp_path
     res = launch(_job(byte_data, run, faults, iters), timeout_s=240)
     rec = [json.loads(x) for x in (run / "recoveries.jsonl").read_text().splitlines()]
     by_node = {r["node"]: r for r in rec}
-    assert set(by_node) == {7, 1, 4, 6}, rec
+    assert set(by_node) == {3, 7, 1, 4, 6}, rec
+    assert by_node[3]["refused"] and by_node[3]["gen"] == 0 and "wrong challenge response" in by_node[3]["cause"]
+    log3 = (run / "logs" / "node3.log").read_text()
+    assert "refused by the coordinator" in log3 and "generation" not in log3   # never entered a group
+    rec = [r for r in rec if r["node"] != 3]
     assert "died (killed by SIGKILL)" in by_node[7]["cause"] and "died" in by_node[1]["cause"]
     assert "stopped responding" in by_node[4]["cause"] and by_node[4]["fenced"]
     assert "bad peer" in by_node[6]["cause"] and "non-finite" in by_node[6]["cause"] and by_node[6]["fenced"]
@@ -120,7 +139,7 @@ def test_run_survives_kill_originator_kill_hang_and_bad_peer(byte_data, tmp_path
     rows = res.phase_metrics("p")
     assert [r["step"] for r in rows] == list(range(1, iters + 1))
     assert all(r["loss"] == r["loss"] and r["loss"] < 10 for r in rows)
-    assert rows[0]["nodes"] == 8 and rows[-1]["nodes"] == 4
+    assert rows[0]["nodes"] == 7 and rows[-1]["nodes"] == 3
     # every global sample of the run's cursor trained exactly once: none lost, none repeated
     gb = 6 * build_config("tiny").train.micro_batch
     trained: list[int] = []
@@ -130,7 +149,7 @@ def test_run_survives_kill_originator_kill_hang_and_bad_peer(byte_data, tmp_path
     assert sorted(trained) == list(range(iters * gb))
     # survivors recorded their recoveries
     n0 = json.loads((run / "phases" / "p" / "node0.json").read_text())
-    assert len(n0["recoveries"]) == 4 and n0["recoveries"][-1]["alive"] == [0, 2, 3, 5]
+    assert len(n0["recoveries"]) == 4 and n0["recoveries"][-1]["alive"] == [0, 2, 5]
     assert _our_processes(run) == []
 
 

@@ -5,6 +5,8 @@ started (exit status), their heartbeats (``hb/<r>``, deadline ``job.heartbeat_de
 ``job.timeout_s``) and the nodes' failure reports (``report/<gen>/<r>``; a report of a rejected
 payload names a *bad peer*).  On a detection it
 
+0. (at the start) admits the nodes by challenge-response (:mod:`skiptrain.runtime.join`):
+   only admitted nodes are in generation 0, and groups are formed over that set;
 1. logs the node, the cause and the time it took (from the injected fault's time when known,
    else from the last heartbeat), to stderr and ``RUN_DIR/recoveries.jsonl``;
 2. fences the node: SIGKILL by PID if it still runs (a hung or bad node never comes back, and
@@ -39,15 +41,37 @@ from .recovery import publish_generation
 
 
 def coordinate(job: Job, procs, store, world: int, t_start: float, timeout_s: float,
-               run_dir: Path) -> dict | None:
+               run_dir: Path, join_secret: str) -> dict | None:
+    from .join import admit
+
     deadline = job.heartbeat_deadline_s or job.timeout_s
-    alive = set(range(world))
     gen = 0
     stage0 = set()
     for ph in job.phases:
         stage0 |= set(Schedule.from_dict(ph.schedule).placement[0])
     log_path = Path(run_dir) / "recoveries.jsonl"
     fenced: set[int] = set()
+    # admission: only nodes that answer the join challenge enter generation 0 (and any group)
+    t_adm = time.time()
+    adm = admit(store, list(range(world)), join_secret, max(60.0, job.timeout_s),
+                alive=lambda n: procs[n].poll() is None)
+    alive = {n for n, v in adm.items() if v == "ok"}
+    with open(log_path, "a") as f:
+        for n, v in sorted(adm.items()):
+            if v == "ok":
+                continue
+            if procs[n].poll() is None:
+                fenced.add(n)
+                os.kill(procs[n].pid, signal.SIGKILL)
+                procs[n].wait(timeout=10)
+            print(f"[coordinator] node {n}: {v}; not admitted", file=sys.stderr, flush=True)
+            f.write(json.dumps({"gen": 0, "node": n, "cause": v, "refused": True, "t_detect": time.time(),
+                                "detect_s": time.time() - t_adm, "fenced": n in fenced,
+                                "alive": sorted(alive)}) + "\n")
+    if not (alive & stage0):
+        return {"kind": "exit", "node": min(set(range(world)) - alive), "t": time.time(),
+                "code": procs[min(set(range(world)) - alive)].poll()}
+    publish_generation(store, 0, sorted(alive), {n: v for n, v in adm.items() if v != "ok"})
     next_hb = time.time() + job.heartbeat_s
     while True:
         codes = [p.poll() for p in procs]

@@ -73,7 +73,7 @@ def _describe(job: Job, node: int) -> str:
 
 
 def launch(job: Job, nodes: int | None = None, timeout_s: float = 3600.0, grace_s: float = 3.0,
-           echo: bool = False) -> LaunchResult:
+           echo: bool = False, join_secret: str | None = None) -> LaunchResult:
     """Run ``job`` on ``nodes`` local processes (default: the schedules' node count); see module doc."""
     import torch.distributed as dist
 
@@ -103,8 +103,9 @@ def launch(job: Job, nodes: int | None = None, timeout_s: float = 3600.0, grace_
     t_start = time.time()
     killed_by_us: set[int] = set()
     if job.recover:
-        from .recovery import publish_generation
-        publish_generation(store, 0, list(range(world)), {})
+        from .join import SECRET_ENV, new_secret
+        join_secret = join_secret or new_secret()        # recovery mode always admits by challenge
+        base_env[SECRET_ENV] = join_secret
     try:
         for r in range(world):
             env = dict(base_env, RANK=str(r), LOCAL_RANK=str(r))
@@ -114,7 +115,7 @@ def launch(job: Job, nodes: int | None = None, timeout_s: float = 3600.0, grace_
                                           env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL))
         if job.recover:
             from .coordinator import coordinate
-            failure = coordinate(job, procs, store, world, t_start, timeout_s, run_dir)
+            failure = coordinate(job, procs, store, world, t_start, timeout_s, run_dir, join_secret)
         else:
             failure = _monitor(job, procs, store, world, t_start, timeout_s)
         if failure is not None:

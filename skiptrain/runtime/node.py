@@ -72,10 +72,26 @@ class _Node:
         self.hb = Heartbeat(self.hb_store, rank, world, job.heartbeat_s, job.timeout_s,
                             self._peer_failed_soft if job.recover else self._peer_failed,
                             describe=self.describe).start()
-        dist.init_process_group("gloo", store=dist.PrefixStore("pg", self.store), rank=rank,
-                                world_size=world, timeout=timedelta(seconds=job.timeout_s))
+        if job.recover:
+            # admission by challenge-response before any process group; then generation 0's
+            # alive set (the admitted nodes) decides the ranks
+            from .join import JoinRefused, node_join, secret_from_env
+            from .recovery import read_generation
+
+            secret = secret_from_env()
+            if self._fault_kind() == "wrong_secret":
+                secret = "not the secret"
+            node_join(self.store, rank, secret, max(60.0, job.timeout_s))
+            self.store.wait(["gen/0"], timedelta(seconds=max(60.0, job.timeout_s)))
+            self.alive = read_generation(self.store, 0)["alive"]
+            if rank not in self.alive:
+                raise JoinRefused(f"node {rank}: not admitted to generation 0", node=rank)
+            self._rank = {n: i for i, n in enumerate(self.alive)}
+            self.hb.membership.alive = set(self.alive)
+        dist.init_process_group("gloo", store=dist.PrefixStore("pg", self.store), rank=self._rank[rank],
+                                world_size=len(self.alive), timeout=timedelta(seconds=job.timeout_s))
         # a separate gloo context for pipeline messages, so collectives never share tags with them
-        self.p2p_group = dist.new_group(list(range(world)), timeout=timedelta(seconds=job.timeout_s))
+        self.p2p_group = dist.new_group(list(range(len(self.alive))), timeout=timedelta(seconds=job.timeout_s))
         self.hb.arm()
         self.cfg = config_from_dict(job.config)
         ds = TokenDataset.open(job.data_path)
@@ -132,14 +148,20 @@ class _Node:
         write_error(self.err_path, self.rank, NodeFailure(f"node {self.rank}: {reason}", node), node)
         abort_process(EXIT_PEER_FAILED)
 
+    def _fault_kind(self) -> str | None:
+        faults = self.job.fault if isinstance(self.job.fault, list) else [self.job.fault]
+        return next((f["kind"] for f in faults if f and f.get("node") == self.rank), None)
+
     def _fault(self, phase: str, iteration: int, where: str) -> None:
         faults = self.job.fault if isinstance(self.job.fault, list) else [self.job.fault]
         for i, f in enumerate(faults):
             if not f or i in self._fired or f.get("node") != self.rank or f.get("phase", phase) != phase \
                     or f.get("iteration", 0) != iteration or f.get("where", "start") != where:
                 continue
-            self._fired.add(i)
             kind = f["kind"]
+            if kind == "wrong_secret":               # used at admission, see __init__
+                continue
+            self._fired.add(i)
             if kind in ("nan", "shape"):            # a bad peer: corrupt every payload it sends
                 self.store.set(f"fault/{self.rank}", repr(time.time()))
                 self.tr.corrupt = kind
@@ -474,8 +496,10 @@ def main(argv: list[str] | None = None) -> int:
             node.run_phase(ph)
         node.finish()
     except NodeFailure as e:
+        from .join import EXIT_REFUSED, JoinRefused
+
         write_error(err_path, rank, e, e.node)
-        abort_process(EXIT_FAILED)
+        abort_process(EXIT_REFUSED if isinstance(e, JoinRefused) else EXIT_FAILED)
     except BaseException as e:  # noqa: BLE001 - report anything, then leave at once
         # a gloo error in a collective means some peer failed (which one: the launcher knows)
         # (gloo's timeouts and resets arrive as plain RuntimeErrors naming gloo's sources)

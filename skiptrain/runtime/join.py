@@ -1,0 +1,102 @@
+"""Admission by challenge-response (issue 8, joining): a node proves it knows the run's join
+secret without sending it, before it may enter any process group.
+
+Protocol (over the rendezvous store, keys under ``join/``):
+
+1. the node announces itself: ``join/hello/<node>``;
+2. the coordinator answers with a fresh random nonce: ``join/nonce/<node>`` (32 bytes, hex);
+3. the node replies ``join/resp/<node> = HMAC-SHA256(secret, nonce || node id)`` (hex);
+4. the coordinator verifies with a constant-time compare and writes ``join/result/<node>`` =
+   ``ok`` or ``refused``; only admitted nodes are put in generation 0's alive set, and process
+   groups are formed over that set only.
+
+Failure semantics: a node whose response is wrong, or that does not answer within the timeout,
+is refused; the node raises :class:`JoinRefused` and exits without calling
+``init_process_group`` (exit status :data:`EXIT_REFUSED`); the coordinator also SIGKILLs it by PID
+if it is still running.  The secret reaches the nodes through the environment variable
+:data:`SECRET_ENV` (never the job file).  What this does and does not protect: docs/failures.md.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import os
+import secrets
+import time
+
+from .failure import NodeFailure
+
+SECRET_ENV = "SKIPTRAIN_JOIN_SECRET"
+EXIT_REFUSED = 5
+
+
+class JoinRefused(NodeFailure):
+    """The coordinator refused this node (wrong or missing join secret)."""
+
+
+def new_secret() -> str:
+    return secrets.token_hex(32)
+
+
+def respond(secret: str | bytes, nonce_hex: str, node: int) -> str:
+    key = secret.encode() if isinstance(secret, str) else secret
+    return hmac.new(key, bytes.fromhex(nonce_hex) + str(int(node)).encode(), hashlib.sha256).hexdigest()
+
+
+def verify(secret: str | bytes, nonce_hex: str, node: int, response: str) -> bool:
+    return hmac.compare_digest(respond(secret, nonce_hex, node), response)
+
+
+def _wait_key(store, key: str, timeout_s: float, poll_s: float = 0.01) -> str | None:
+    deadline = time.time() + timeout_s
+    while time.time() < deadline:
+        if store.check([key]):
+            return store.get(key).decode()
+        time.sleep(poll_s)
+    return None
+
+
+def node_join(store, node: int, secret: str | None, timeout_s: float) -> None:
+    """Node side: answer the coordinator's challenge; raise :class:`JoinRefused` if refused."""
+    store.set(f"join/hello/{node}", repr(time.time()))
+    nonce = _wait_key(store, f"join/nonce/{node}", timeout_s)
+    if nonce is None:
+        raise JoinRefused(f"node {node}: no challenge from the coordinator within {timeout_s:g} s", node=node)
+    store.set(f"join/resp/{node}", respond(secret or "", nonce, node) if secret else "")
+    res = _wait_key(store, f"join/result/{node}", timeout_s)
+    if res != "ok":
+        raise JoinRefused(f"node {node}: refused by the coordinator ({res or 'no answer'}): "
+                          "wrong or missing join secret", node=node)
+
+
+def admit(store, nodes: list[int], secret: str, timeout_s: float, alive=lambda n: True) -> dict[int, str]:
+    """Coordinator side: challenge every node of ``nodes``; returns ``{node: "ok" | reason}``.
+    ``alive(n)`` tells whether the process still runs (a dead one is not waited for)."""
+    out: dict[int, str] = {}
+    nonces = {}
+    for n in nodes:
+        nonces[n] = secrets.token_hex(32)
+        store.set(f"join/nonce/{n}", nonces[n])
+    deadline = time.time() + timeout_s
+    pending = set(nodes)
+    while pending and time.time() < deadline:
+        for n in sorted(pending):
+            if store.check([f"join/resp/{n}"]):
+                resp = store.get(f"join/resp/{n}").decode()
+                ok = bool(resp) and verify(secret, nonces[n], n, resp)
+                out[n] = "ok" if ok else "refused: wrong challenge response"
+                store.set(f"join/result/{n}", "ok" if ok else "refused")
+                pending.discard(n)
+            elif not alive(n):
+                out[n] = "refused: exited before answering the challenge"
+                pending.discard(n)
+        time.sleep(0.01)
+    for n in pending:
+        out[n] = f"refused: no challenge response within {timeout_s:g} s"
+        store.set(f"join/result/{n}", "refused")
+    return out
+
+
+def secret_from_env() -> str | None:
+    return os.environ.get(SECRET_ENV) or None
