@@ -36,6 +36,7 @@ from ..schedule.schedule import Schedule
 from ..schedule.timeline import Event, from_dicts, save_timeline
 from .failure import RuntimeFailure, describe_exit
 from .job import Job
+from .progress import SwarmProgress
 
 
 @dataclass
@@ -113,11 +114,12 @@ def launch(job: Job, nodes: int | None = None, timeout_s: float = 3600.0, grace_
             logs.append(log)
             procs.append(subprocess.Popen([sys.executable, "-m", "skiptrain.runtime.node", "--job", str(job_path)],
                                           env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL))
-        if job.recover:
-            from .coordinator import coordinate
-            failure = coordinate(job, procs, store, world, t_start, timeout_s, run_dir, join_secret)
-        else:
-            failure = _monitor(job, procs, store, world, t_start, timeout_s)
+        with SwarmProgress(run_dir / "metrics.jsonl", sum(ph.iterations for ph in job.phases), enabled=echo):
+            if job.recover:
+                from .coordinator import coordinate
+                failure = coordinate(job, procs, store, world, t_start, timeout_s, run_dir, join_secret)
+            else:
+                failure = _monitor(job, procs, store, world, t_start, timeout_s)
         if failure is not None:
             grace_end = time.time() + grace_s
             while time.time() < grace_end and any(p.poll() is None for p in procs):
