@@ -23,7 +23,8 @@ from skiptrain.runtime.failure import RuntimeFailure
 from skiptrain.runtime.join import respond, verify
 from skiptrain.runtime.job import Job, Phase
 from skiptrain.runtime.launcher import launch
-from skiptrain.runtime.recovery import BadPayload, RecoveryError, check_payload, replan
+from skiptrain.runtime.recovery import (BadPayload, RecoveryError, check_payload, checkfree_combine, replan,
+                                        stage_tensors)
 from skiptrain.runtime.transport import ACT, GRAD
 from skiptrain.schedule.schedule import MicroBatch, Schedule
 
@@ -79,6 +80,32 @@ def test_check_payload_rejects_bad_tensors_naming_the_peer():
         check_payload(GRAD, torch.zeros(2, 4), 6, (2, 4, 8), 3, 1)
     with pytest.raises(BadPayload, match="dtype"):
         check_payload(GRAD, torch.zeros(2, 4, 8, dtype=torch.float64), 6, (2, 4, 8), 3, 1)
+
+
+def test_replan_takeover_moves_a_replica_into_the_empty_stage():
+    s = _schedule()
+    r = replan(s, set(range(8)) - {7}, takeover=True)
+    # stages 1 and 2 both have two replicas: the lower stage gives its highest-id node
+    assert r.placement == [[0, 1, 2], [3], [5, 6], [4]] and r.meta["takeover"] == {4: [1, 3]}
+    for m, old in zip(sorted(r.micro_batches, key=lambda m: m.id), s.micro_batches):
+        assert m.stages == [1, 2, 3] and m.route[0] == (1, 3) and m.route[1] == old.route[1]
+        assert m.route[2] == (3, 4)
+    r.validate(claims=("placement", "originators", "stage0_ends", "no_repeat"))
+    # without a replicated body stage nothing can take over: the stage stays skipped
+    r2 = replan(r, set(range(8)) - {7, 4, 6}, takeover=True)
+    assert r2.placement == [[0, 1, 2], [3], [5], []] and r2.meta["takeover"] == {}
+
+
+def test_checkfree_combines_neighbours_by_gradient_norm():
+    a, b = torch.ones(4), torch.full((4,), 3.0)
+    w, coef = checkfree_combine([a, b], [1.0, 3.0])
+    assert coef == [0.25, 0.75] and torch.allclose(w, torch.full((4,), 2.5))
+    w, coef = checkfree_combine([a, b], [0.0, float("nan")])       # no usable norm: plain mean
+    assert coef == [0.5, 0.5] and torch.allclose(w, torch.full((4,), 2.0))
+    from skiptrain.model.transformer import StagedLM
+    m = StagedLM(build_config("tiny").model, stages=[1, 2])
+    t1, t2 = stage_tensors(m, 1), stage_tensors(m, 2)
+    assert [(j, n, p.shape) for j, n, p in t1] == [(j, n, p.shape) for j, n, p in t2]   # layer j <-> layer j
 
 
 def test_join_challenge_response_needs_the_secret():
@@ -158,4 +185,31 @@ def test_losing_every_stage0_node_stops_the_run(byte_data, tmp_path):
     run = tmp_path / "run"
     with pytest.raises(RuntimeFailure):
         launch(_job(byte_data, run, faults, 3), timeout_s=120)
+    assert _our_processes(run) == []
+
+
+def test_a_replica_takes_over_a_lost_stage_with_checkfree_init(byte_data, tmp_path):
+    """Stages 2/2/1/1: the sole stage-2 node dies; the higher-id stage-1 replica takes stage 2
+    over, initialised by CheckFree from stages 1 and 3, and training goes on with every stage."""
+    sched = Schedule(placement=[[0, 1], [2, 3], [4], [5]], memory=2, method="test", micro_batches=[
+        MicroBatch(k, k % 2, [(1, 2 + (k // 2) % 2), (2, 4), (3, 5)]) for k in range(4)])
+    cfg = build_config("tiny", overrides={"train": {"grad_clip": 0.0, "steps": 20, "warmup_steps": 1}})
+    run = tmp_path / "run"
+    job = Job(config=cfg.to_dict(), data_path=str(byte_data), run_dir=str(run),
+              phases=[Phase("p", sched.to_dict(), iterations=3)], timeout_s=15.0, heartbeat_s=0.2,
+              heartbeat_deadline_s=4.0, fault={"node": 4, "kind": "kill", "iteration": 1}, recover=True,
+              takeover=True)
+    res = launch(job, timeout_s=180)
+    rows = res.phase_metrics("p")
+    assert [r["step"] for r in rows] == [1, 2, 3] and all(r["loss"] < 10 for r in rows)
+    n3 = json.loads((run / "phases" / "p" / "node3.json").read_text())
+    (tk,) = n3["takeovers"]
+    assert tk["stage"] == 2 and tk["from_stage"] == 1 and tk["init"] == "checkfree"
+    assert tk["neighbours"] == [1, 3] and abs(sum(tk["coef"]) - 1) < 1e-9 and all(g > 0 for g in tk["grad_norms"])
+    assert n3["stage"] == 2 and n3["iterations"][-1]["n_processed"] == 4     # every micro-batch visits stage 2
+    trained = []
+    for f in (run / "phases" / "p").glob("samples_node*.jsonl"):
+        for line in f.read_text().splitlines():
+            trained += json.loads(line)["samples"]
+    assert sorted(trained) == list(range(3 * 4 * cfg.train.micro_batch))
     assert _our_processes(run) == []

@@ -14,7 +14,11 @@ processes by PID and reports the root cause.  How a failure is noticed:
 * **lost store / launcher gone**: a heartbeat write that fails makes the node exit; children
   also get SIGKILL from the kernel when the launcher dies (``PR_SET_PDEATHSIG``).
 
-Hooks for the next issue (routing around failures, re-forming groups, rejoining): detection is
+With ``job.recover`` (issue 8) the reaction is different: the launcher's coordinator
+(:mod:`.coordinator`) fences the failed node and publishes a new membership generation, and the
+survivors re-form their groups and re-plan (:mod:`.recovery`; docs/failures.md).
+
+Hooks (routing around failures, re-forming groups, rejoining): detection is
 separate from reaction.  :class:`Heartbeat` calls ``on_failure(node, reason)``; today the node
 installs :func:`abort_process` there.  A tolerant policy would instead mark the node dead in a
 :class:`Membership` view, let the executor re-plan the routes of unfinished micro-batches among

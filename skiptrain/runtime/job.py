@@ -62,6 +62,7 @@ class Job:
     fault: dict[str, Any] | list[dict[str, Any]] | None = None
     recover: bool = False                     # survive failures (issue 8, see runtime/recovery.py)
     heartbeat_deadline_s: float | None = None  # hung-peer deadline (default: timeout_s)
+    takeover: bool = False                    # a node of a replicated stage takes over a stage left empty
     meta: dict[str, Any] = field(default_factory=dict)
 
     @property

@@ -100,6 +100,7 @@ class _Node:
         self.tr = self._transport()
         self.watch = None
         self._any_committed = False
+        self._last_gnorm = 0.0       # this node's last pre-sync gradient norm (CheckFree weights)
         if job.recover:
             from .recovery import GenerationWatch
             self.watch = GenerationWatch(self.hb_store, job.heartbeat_s, self._membership_changed).start()
@@ -266,6 +267,8 @@ class _Node:
                                         "grads": {n: (p.grad.clone() if p.grad is not None else None)
                                                   for n, p in model.named_parameters()}},
                                        out_dir / f"grads_node{rank}.pt")
+                        gsq = [(p.grad.double() ** 2).sum() for p in model.parameters() if p.grad is not None]
+                        self._last_gnorm = float(torch.stack(gsq).sum().sqrt()) if gsq else 0.0
                         ts = time.time()
                         st = strat.step(lr, res.n_processed)
                         if ph.emulate_sync and cost is not None and topo is not None:
@@ -303,9 +306,17 @@ class _Node:
                     t_fail = time.time()
                     sched, stage_ok = self._recover(e, sched, it, committed, ph.name)
                     self.stage_of = sched.stage_of()
-                    groups, strat = self._stage_groups(sched, stage, model, strat, step_count)
+                    took = sched.meta.get("takeover") or {}
+                    was_moved = rank in took
+                    if took:
+                        model, stage, rep = self._takeover(sched, took, model, stage)
+                        if rep is not None:
+                            record.setdefault("takeovers", []).append(rep)
+                            record["stage"] = stage
+                    groups, strat = self._stage_groups(sched, stage, model, None if was_moved else strat, step_count)
                     ex = make_executor()
-                    redone = self._settle(committed, stepped, it, model, strat, lr, res)
+                    redone = self._settle(committed, stepped or was_moved, it, model, strat, lr,
+                                          None if was_moved else res)
                     if self._any_committed and entry is None and res is not None:
                         record["iterations"].append({"events": [], "n_processed": res.n_processed, "t_end": 0.0,
                                                      "samples": sorted(samples), "gen": self.gen})
@@ -374,6 +385,64 @@ class _Node:
             time.sleep(0.002)
         work.wait()
 
+    def _takeover(self, sched, took: dict, model, stage):
+        """Every survivor: send the neighbours' weights of each taken-over stage (broadcast from
+        the neighbour's first replica, with its last gradient norm); the taking-over node builds
+        the stage and initialises it by CheckFree (gradient-norm-weighted average of the adjacent
+        body stages with the same layer count; a copy with one neighbour; the seed's fresh init
+        with none).  Stage checkpoints: the runtime writes none during a phase, so the checkpoint
+        branch of issue 8 never applies here and the report says so.  Returns (model, stage,
+        report or None)."""
+        from ..model.transformer import StagedLM
+        from .recovery import checkfree_combine, stage_tensors
+
+        cfg, S = self.cfg, len(sched.placement)
+        report = None
+        targets = {v[1] for v in took.values()}
+        for n_t, (old, s) in sorted(took.items()):
+            got = []
+            for x in (s - 1, s + 1):
+                if not (1 <= x < S and sched.placement[x]) or x in targets:
+                    continue
+                src = sched.placement[x][0]
+                hdr = torch.zeros(2, dtype=torch.float64)
+                if self.rank == src:
+                    flat = torch.cat([p.detach().reshape(-1) for _, _, p in stage_tensors(model, x)])
+                    hdr = torch.tensor([flat.numel(), self._last_gnorm], dtype=torch.float64)
+                dist.broadcast(hdr, self._rank[src])
+                buf = flat if self.rank == src else torch.empty(int(hdr[0]))
+                dist.broadcast(buf, self._rank[src])
+                if self.rank == n_t:
+                    got.append((x, buf, float(hdr[1])))
+            if self.rank != n_t:
+                continue
+            torch.manual_seed(cfg.train.seed)
+            new = StagedLM(cfg.model, stages=[s], seed=cfg.train.seed)
+            new.train()
+            mine = stage_tensors(new, s)
+            size = sum(p.numel() for _, _, p in mine)
+            got = [g for g in got if g[1].numel() == size]        # same layer count only
+            coef: list[float] = []
+            if got:
+                flat, coef = checkfree_combine([g[1] for g in got], [g[2] for g in got])
+                off = 0
+                with torch.no_grad():
+                    for _, _, p in mine:
+                        p.copy_(flat[off:off + p.numel()].view_as(p))
+                        off += p.numel()
+                init = "checkfree" if len(got) > 1 else "copy of the only neighbour"
+            else:
+                init = "fresh (seed init: no neighbour stage with the same layer count)"
+            _warm_up(new, s, cfg)
+            report = {"gen": self.gen, "stage": s, "from_stage": old, "init": init,
+                      "neighbours": [g[0] for g in got], "grad_norms": [g[2] for g in got], "coef": coef,
+                      "checkpoint": "none: the runtime keeps no per-stage checkpoint during a phase"}
+            print(f"skiptrain node {self.rank}: takes over stage {s} (was stage {old}); init {init}, "
+                  f"neighbours {report['neighbours']} weights {[round(c, 3) for c in coef]}", file=sys.stderr,
+                  flush=True)
+            model, stage = new, s
+        return model, stage, report
+
     def _log_samples(self, out_dir: Path, phase: str, it: int, samples: list[int]) -> None:
         """Append the global sample indices this node trained in committed iteration ``it``
         (``samples_node<r>.jsonl``, flushed at once so it survives a SIGKILL of this node)."""
@@ -418,7 +487,7 @@ class _Node:
         flag = torch.tensor([1 if committed else 0], dtype=torch.int64)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         self._any_committed = bool(flag.item())
-        new = replan(sched, self.alive)
+        new = replan(sched, self.alive, takeover=self.job.takeover)
         print(f"skiptrain node {self.rank}: generation {gen}: alive {self.alive}, dead "
               f"{ {k: v[:80] for k, v in info['dead'].items()} }; placement {new.placement}", file=sys.stderr,
               flush=True)

@@ -60,7 +60,7 @@ class RecoveryError(NodeFailure):
 
 # ---- re-planning ---------------------------------------------------------------------------
 
-def replan(schedule: Schedule, alive: set[int] | list[int]) -> Schedule:
+def replan(schedule: Schedule, alive: set[int] | list[int], takeover: bool = False) -> Schedule:
     """The schedule for the nodes in ``alive``: same micro-batch ids (same samples), same stages.
 
     * Placement: dead nodes removed; a stage with no replica left keeps an empty list and is
@@ -72,6 +72,11 @@ def replan(schedule: Schedule, alive: set[int] | list[int]) -> Schedule:
       forward passes so far (ties: lowest id), never to a node already on the route; with no
       replica left the hop is dropped.  The visit order of the remaining stages is kept.
 
+    * ``takeover``: a body stage with no replica left is taken over by the highest-id replica of
+      the body stage with the most replicas (at least two; ties: lowest stage), recorded in
+      ``meta["takeover"] = {node: [old stage, new stage]}``; that node's hops of its old stage
+      move like a dead node's (it initialises the stage: :func:`checkfree_combine`).
+
     Deterministic in (``schedule``, ``alive``), so every survivor computes the same result
     without exchanging it.  Raises :class:`RecoveryError` when no stage-0 node survives.
     """
@@ -80,22 +85,39 @@ def replan(schedule: Schedule, alive: set[int] | list[int]) -> Schedule:
     if not placement or not placement[0]:
         raise RecoveryError(f"no stage-0 node left among {sorted(alive)}: nobody holds the embedding "
                             "and head; the run cannot continue", node=None)
+    moved: dict[int, list[int]] = {}
+    if takeover:
+        for s in range(1, len(placement)):
+            if placement[s]:
+                continue
+            donors = [t for t in range(1, len(placement)) if len(placement[t]) >= 2]
+            if not donors:
+                break
+            t = max(donors, key=lambda x: (len(placement[x]), -x))
+            n = max(placement[t])
+            placement[t].remove(n)
+            placement[s].append(n)
+            moved[n] = [t, s]
+    now_stage = {n: s for s, p in enumerate(placement) for n in p}
     load: Counter = Counter({n: 0 for p in placement for n in p})
     per_orig: Counter = Counter({n: 0 for n in placement[0]})
+    def ok(s: int, n: int) -> bool:
+        return n in alive and now_stage.get(n) == s
+
     for mb in schedule.micro_batches:
         if mb.originator in alive:
             per_orig[mb.originator] += 1
             load[mb.originator] += 1
-        for _, n in mb.route:
-            if n in alive:
+        for s, n in mb.route:
+            if ok(s, n):
                 load[n] += 1
     kept: list[MicroBatch] = []
-    moved: list[MicroBatch] = []
+    moved_mbs: list[MicroBatch] = []
     for mb in schedule.micro_batches:
         route: list[tuple[int, int]] = []
-        used = {n for _, n in mb.route if n in alive}
+        used = {n for s, n in mb.route if ok(s, n)}
         for s, n in mb.route:
-            if n in alive:
+            if ok(s, n):
                 route.append((s, n))
                 continue
             cands = [r for r in placement[s] if r not in used]
@@ -111,12 +133,41 @@ def replan(schedule: Schedule, alive: set[int] | list[int]) -> Schedule:
             o = min(placement[0], key=lambda x: (per_orig[x], x))
             per_orig[o] += 1
             load[o] += 1
-            moved.append(MicroBatch(mb.id, o, route, 0.0))
+            moved_mbs.append(MicroBatch(mb.id, o, route, 0.0))
     meta = dict(schedule.meta)
     meta["replanned_for"] = sorted(alive)
-    return Schedule(placement=placement, micro_batches=kept + moved, memory=schedule.memory,
+    meta["takeover"] = moved
+    return Schedule(placement=placement, micro_batches=kept + moved_mbs, memory=schedule.memory,
                     skip_ratio=schedule.skip_ratio, max_swaps=schedule.max_swaps, policy=schedule.policy,
                     method=(schedule.method or "schedule") + "+replan", meta=meta)
+
+
+# ---- taking over a stage (CheckFree) -------------------------------------------------------
+
+def stage_tensors(model, stage: int) -> list[tuple[int, str, "torch.nn.Parameter"]]:
+    """``(layer position in the stage, name inside the block, parameter)`` of ``stage``'s layers,
+    sorted: the same order for every stage with the same number of layers, which is how a
+    neighbour's layer ``j`` maps onto the taken-over stage's layer ``j``."""
+    pos = {str(i): j for j, i in enumerate(model.partition.layers(stage))}
+    out = []
+    for name, p in model.named_parameters():
+        parts = name.split(".", 2)
+        if parts[0] == "layers" and parts[1] in pos:
+            out.append((pos[parts[1]], parts[2], p))
+    return sorted(out, key=lambda t: (t[0], t[1]))
+
+
+def checkfree_combine(flats: list[torch.Tensor], grad_norms: list[float]) -> tuple[torch.Tensor, list[float]]:
+    """CheckFree initialisation of a lost stage from its neighbours' (flattened) weights: the
+    average weighted by the neighbours' last gradient norms (equal weights when every norm is 0
+    or not finite); returns the weights and the coefficients used."""
+    g = [x if x == x and x > 0 and x != float("inf") else 0.0 for x in grad_norms]
+    tot = sum(g)
+    coef = [x / tot for x in g] if tot > 0 else [1.0 / len(flats)] * len(flats)
+    out = torch.zeros_like(flats[0])
+    for c, f in zip(coef, flats):
+        out += c * f
+    return out, coef
 
 
 # ---- bad peers -----------------------------------------------------------------------------
