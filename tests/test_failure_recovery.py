@@ -213,3 +213,29 @@ def test_a_replica_takes_over_a_lost_stage_with_checkfree_init(byte_data, tmp_pa
             trained += json.loads(line)["samples"]
     assert sorted(trained) == list(range(3 * 4 * cfg.train.micro_batch))
     assert _our_processes(run) == []
+
+
+def test_a_second_failure_during_recovery_is_survived_too(byte_data, tmp_path):
+    """Node 4 dies at iteration 1; node 2 dies as soon as it starts recovering from that (the
+    others may be re-forming groups with it): the survivors recover again and finish."""
+    sched = Schedule(placement=[[0, 1], [2, 3], [4], [5]], memory=2, method="test", micro_batches=[
+        MicroBatch(k, k % 2, [(1, 2 + (k // 2) % 2), (2, 4), (3, 5)]) for k in range(4)])
+    cfg = build_config("tiny", overrides={"train": {"grad_clip": 0.0, "steps": 20, "warmup_steps": 1}})
+    run = tmp_path / "run"
+    job = Job(config=cfg.to_dict(), data_path=str(byte_data), run_dir=str(run),
+              phases=[Phase("p", sched.to_dict(), iterations=3)], timeout_s=6.0, heartbeat_s=0.2,
+              heartbeat_deadline_s=4.0, recover=True,
+              fault=[{"node": 4, "kind": "kill", "iteration": 1},
+                     {"node": 2, "kind": "kill", "iteration": 1, "where": "recover"}])
+    res = launch(job, timeout_s=180)
+    assert [r["step"] for r in res.phase_metrics("p")] == [1, 2, 3]
+    rec = [json.loads(x) for x in (run / "recoveries.jsonl").read_text().splitlines()]
+    assert {r["node"] for r in rec} == {4, 2} and all("died" in r["cause"] for r in rec)
+    n0 = json.loads((run / "phases" / "p" / "node0.json").read_text())
+    assert n0["recoveries"][-1]["alive"] == [0, 1, 3, 5]
+    trained = []
+    for f in (run / "phases" / "p").glob("samples_node*.jsonl"):
+        for line in f.read_text().splitlines():
+            trained += json.loads(line)["samples"]
+    assert sorted(trained) == list(range(3 * 4 * cfg.train.micro_batch))
+    assert _our_processes(run) == []

@@ -304,25 +304,42 @@ class _Node:
                     if not self._recoverable(e):
                         raise
                     t_fail = time.time()
-                    sched, stage_ok = self._recover(e, sched, it, committed, ph.name)
-                    self.stage_of = sched.stage_of()
-                    took = sched.meta.get("takeover") or {}
-                    was_moved = rank in took
-                    if took:
-                        model, stage, rep = self._takeover(sched, took, model, stage)
-                        if rep is not None:
-                            record.setdefault("takeovers", []).append(rep)
-                            record["stage"] = stage
-                    groups, strat = self._stage_groups(sched, stage, model, None if was_moved else strat, step_count)
-                    ex = make_executor()
-                    redone = self._settle(committed, stepped or was_moved, it, model, strat, lr,
-                                          None if was_moved else res)
+                    attempts = 0
+                    while True:
+                        # a further failure while recovering (a peer dying during the re-forming)
+                        # starts the recovery again from the pre-failure schedule and the newer
+                        # generation; a failure after a takeover switched this node's stage is not
+                        # handled (the stage stays switched)
+                        try:
+                            attempts += 1
+                            self._fault(ph.name, it, "recover")
+                            new_sched, _ = self._recover(e, sched, it, committed, ph.name)
+                            self.stage_of = new_sched.stage_of()
+                            took = new_sched.meta.get("takeover") or {}
+                            was_moved = rank in took
+                            if took:
+                                model, stage, rep = self._takeover(new_sched, took, model, stage)
+                                if rep is not None:
+                                    record.setdefault("takeovers", []).append(rep)
+                                    record["stage"] = stage
+                            groups, strat = self._stage_groups(new_sched, stage, model,
+                                                               None if was_moved else strat, step_count)
+                            ex = make_executor()
+                            redone = self._settle(committed, stepped or was_moved, it, model, strat, lr,
+                                                  None if was_moved else res)
+                            sched = new_sched
+                            break
+                        except Exception as e2:  # noqa: BLE001
+                            if not self._recoverable(e2):
+                                raise
+                            e = e2
                     if self._any_committed and entry is None and res is not None:
                         record["iterations"].append({"events": [], "n_processed": res.n_processed, "t_end": 0.0,
                                                      "samples": sorted(samples), "gen": self.gen})
                         self._log_samples(out_dir, ph.name, it, samples)
                     record["recoveries"].append({
                         "gen": self.gen, "iteration": it, "cause": str(e)[:300], "committed": committed,
+                        "attempts": attempts,
                         "redo_sync": redone, "alive": list(self.alive), "t_fail": t_fail,
                         "t_resumed": time.time(), "recover_s": time.time() - t_fail})
                     if committed or self._any_committed:
