@@ -49,6 +49,12 @@ def test_eval_json_and_drop(trained, tmp_path):
     assert json.loads((tmp_path / "ood.json").read_text())["route"] == [1, 3]
 
 
+def test_bad_drop_stages_is_a_one_line_error(trained):
+    _, run = trained
+    r = run_cli("eval", str(run), "--drop-stages", "a,b")
+    assert r.returncode == 2 and "expected body-stage numbers" in r.stderr and "Traceback" not in r.stderr
+
+
 def test_generate(trained, capsys):
     _, run = trained
     assert main(["generate", str(run), "--prompt", "HAMLET.", "--tokens", "12"]) == 0
@@ -60,6 +66,7 @@ def test_generate(trained, capsys):
     (["train", "--preset", "tiny", "--set", "model.d_modle=3", "--out", "/tmp/x"], "did you mean 'd_model'"),
     (["prepare", "--text", "/nonexistent.txt", "--out", "/tmp/x"], "does not exist"),
     (["eval", "/nonexistent/run"], "is not a run directory"),
+    (["train", "--preset", "tiny", "--nodes", "6", "--resume", "--out", "/tmp/x"], "--resume works with the single-process trainer only"),
 ])
 def test_errors_are_one_line_with_a_fix(args, needle):
     r = run_cli(*args)

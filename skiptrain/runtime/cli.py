@@ -40,6 +40,8 @@ def train_swarm(cfg, data: str, out: str, steps: int | None = None, echo: bool =
     cfg.data.path = str(data)
     cfg.check()
     steps = cfg.train.steps if steps is None else steps
+    if steps < 1:
+        raise UserError(f"a swarm run needs at least one step (got {steps}); pass --steps N with N >= 1")
     cfg.train.steps = steps
     t0 = time.time()
     topo = build_topology(cfg, rt.nodes)
@@ -62,6 +64,7 @@ def train_swarm(cfg, data: str, out: str, steps: int | None = None, echo: bool =
     rows = res.phase_metrics("train")
     baseline = unigram_loss(ds.tokens("train"), ds.tokens("val"), ds.vocab_size)
     _, model, _ = load_run(outp)
+    ckpt_dir = _save_weights_checkpoint(cfg, model, outp, steps, mbs * cfg.train.micro_batch)
     from ..data.loader import SampleSource
 
     val = evaluate(model, SampleSource(ds.tokens("val"), cfg.model.seq_len, shuffle=False),
@@ -91,6 +94,29 @@ def train_swarm(cfg, data: str, out: str, steps: int | None = None, echo: bool =
               f"{summary['median_iteration_s']:.3f} s (simulated {sim.iteration_s:.3f} s), "
               f"{summary['seconds']:.0f} s; run directory: {out}", flush=True)
     return summary
+
+
+def _save_weights_checkpoint(cfg, model, outp: Path, step: int, global_batch: int) -> Path:
+    """Commit the merged stage weights as a skiptrain checkpoint (``OUT/checkpoints``).
+
+    It holds the model weights by global name, the config and the data cursor, so ``skiptrain
+    ckpt verify|inspect|reshard`` and ``skiptrain export`` work on a swarm run.  It does **not**
+    hold the stages' optimizer state yet, so it is not a ``--resume`` point (``state.contents``
+    says so).
+    """
+    from ..checkpoint.manager import CheckpointManager
+
+    mgr = CheckpointManager(outp / "checkpoints", keep=cfg.checkpoint.keep)
+    try:
+        mgr.save(step, {n: p.detach() for n, p in model.state_dict().items()},
+                 state={"step": step, "config": cfg.to_dict(),
+                        "data": {"cursor": step * global_batch, "global_batch": global_batch,
+                                 "seed": cfg.train.seed},
+                        "contents": "model weights only (swarm run): no optimizer state, not a --resume point"},
+                 blocking=True)
+        return mgr.wait()
+    finally:
+        mgr.close()
 
 
 def cmd_launch(args: argparse.Namespace) -> int:

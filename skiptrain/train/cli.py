@@ -38,6 +38,10 @@ def cmd_train(args: argparse.Namespace) -> int:
     if cfg.runtime.nodes > 1:  # issue 4: the multi-process skip-pipeline runtime (skiptrain.runtime)
         from ..runtime.cli import train_swarm
 
+        if getattr(args, "resume", None) is not None:
+            raise UserError("--resume works with the single-process trainer only: swarm runs do not save "
+                            "optimizer state yet; drop --resume or train with --nodes 1")
+
         train_swarm(cfg, cfg.data.path, args.out)
         return 0
     if args.quiet:
@@ -63,7 +67,11 @@ def cmd_train(args: argparse.Namespace) -> int:
 def _route_from_args(args, n_stages: int):
     from ..schedule.routes import drop_route
 
-    drop = [int(s) for s in args.drop_stages.split(",") if s.strip()] if args.drop_stages else []
+    try:
+        drop = [int(s) for s in args.drop_stages.split(",") if s.strip()] if args.drop_stages else []
+    except ValueError:
+        raise UserError(f"--drop-stages {args.drop_stages!r}: expected body-stage numbers separated by "
+                        "commas, e.g. --drop-stages 2,4") from None
     if not drop and not args.drop_fraction:
         return None
     return drop_route(n_stages, drop, args.drop_fraction, args.seed)
