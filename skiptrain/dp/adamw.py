@@ -48,6 +48,13 @@ class AdamW:
             self.v[n].copy_(state["tensors"][n]["exp_avg_sq"])
 
 
+def mean_and_clip_(grads: dict[str, torch.Tensor], count: float, max_norm: float) -> float:
+    """Turn summed ``grads`` into their mean over ``count`` micro-batches, then :func:`clip_`."""
+    for g in grads.values():
+        g.div_(count)
+    return clip_(grads, max_norm)
+
+
 def clip_(grads: dict[str, torch.Tensor], max_norm: float) -> float:
     """Scale ``grads`` in place so their global L2 norm is at most ``max_norm``; return the norm."""
     total = math.sqrt(sum(float(g.double().pow(2).sum()) for g in grads.values()))

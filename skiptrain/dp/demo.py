@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import torch
 
-from .adamw import clip_
+from .adamw import mean_and_clip_
 from .dct import ChunkedDCT
 from .encoding import INDEX_LIMIT, quantize_values
 from .payload import PayloadLayout, TensorSpec
@@ -68,9 +68,7 @@ class DeMoStrategy(SyncStrategy):
     def _sync_and_update(self, lr: float, n: int) -> tuple[bool, int]:
         if n > 0:
             grads = self._grads()
-            for g in grads.values():
-                g.div_(n)
-            clip_(grads, self.opt.grad_clip)
+            mean_and_clip_(grads, n, self.opt.grad_clip)
             for name, g in grads.items():
                 self.m[name].mul_(self.beta).add_(self.geo[name].forward(g), alpha=lr)
         else:

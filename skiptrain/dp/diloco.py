@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from .adamw import AdamW, clip_
+from .adamw import AdamW, mean_and_clip_
 from .strategy import SyncStrategy
 
 
@@ -37,9 +37,7 @@ class DiLoCoStrategy(SyncStrategy):
     def _sync_and_update(self, lr: float, n: int) -> tuple[bool, int]:
         if n > 0:
             grads = self._grads()
-            for g in grads.values():
-                g.div_(n)
-            clip_(grads, self.opt.grad_clip)
+            mean_and_clip_(grads, n, self.opt.grad_clip)
             self.inner.step(lr, grads)
         self.n_since += n
         if self.step_count % self.H:

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from .adamw import AdamW, clip_
+from .adamw import AdamW, mean_and_clip_
 from .strategy import SyncStrategy
 
 
@@ -75,9 +75,7 @@ class PowerSGDStrategy(SyncStrategy):
             grads[name].copy_(approx_sum.view_as(grads[name]))
         if total == 0:
             return True, 0
-        for g in grads.values():
-            g.div_(total)
-        clip_(grads, self.opt.grad_clip)
+        mean_and_clip_(grads, total, self.opt.grad_clip)
         self.adam.step(lr, grads)
         return True, total
 
