@@ -32,3 +32,16 @@ def bpe_data(tmp_path_factory) -> Path:
     write_dataset(out, read_documents(TRAIN_TEXTS), None, tokenizer="bpe", vocab_size=512,
                   val_fraction=0.1, source="test excerpts")
     return out
+
+
+def processes_of_run(run_dir: Path) -> list[int]:
+    """PIDs of live processes whose command line names ``run_dir`` (node processes of a launch)."""
+    pids = []
+    for p in Path("/proc").iterdir():
+        if p.name.isdigit():
+            try:
+                if str(run_dir).encode() in (p / "cmdline").read_bytes():
+                    pids.append(int(p.name))
+            except OSError:
+                pass
+    return pids

@@ -13,11 +13,11 @@ from __future__ import annotations
 
 import json
 from collections import Counter
-from pathlib import Path
 
 import pytest
 import torch
 
+from conftest import processes_of_run
 from skiptrain.config import build_config
 from skiptrain.runtime.failure import RuntimeFailure
 from skiptrain.runtime.join import respond, verify
@@ -127,18 +127,6 @@ def _job(byte_data, run_dir, faults, iterations, deadline_s=4.0):
                heartbeat_s=0.2, heartbeat_deadline_s=deadline_s, fault=faults, recover=True)
 
 
-def _our_processes(run_dir: Path) -> list[int]:
-    pids = []
-    for p in Path("/proc").iterdir():
-        if p.name.isdigit():
-            try:
-                if str(run_dir).encode() in (p / "cmdline").read_bytes():
-                    pids.append(int(p.name))
-            except OSError:
-                pass
-    return pids
-
-
 def test_run_refuses_a_node_without_the_secret_and_survives_kill_originator_kill_hang_and_bad_peer(byte_data, tmp_path):
     faults = [
         {"node": 3, "kind": "wrong_secret"},                           # refused at admission
@@ -177,7 +165,7 @@ def test_run_refuses_a_node_without_the_secret_and_survives_kill_originator_kill
     # survivors recorded their recoveries
     n0 = json.loads((run / "phases" / "p" / "node0.json").read_text())
     assert len(n0["recoveries"]) == 4 and n0["recoveries"][-1]["alive"] == [0, 2, 5]
-    assert _our_processes(run) == []
+    assert processes_of_run(run) == []
 
 
 def test_losing_every_stage0_node_stops_the_run(byte_data, tmp_path):
@@ -185,7 +173,7 @@ def test_losing_every_stage0_node_stops_the_run(byte_data, tmp_path):
     run = tmp_path / "run"
     with pytest.raises(RuntimeFailure):
         launch(_job(byte_data, run, faults, 3), timeout_s=120)
-    assert _our_processes(run) == []
+    assert processes_of_run(run) == []
 
 
 def test_a_replica_takes_over_a_lost_stage_with_checkfree_init(byte_data, tmp_path):
@@ -212,7 +200,7 @@ def test_a_replica_takes_over_a_lost_stage_with_checkfree_init(byte_data, tmp_pa
         for line in f.read_text().splitlines():
             trained += json.loads(line)["samples"]
     assert sorted(trained) == list(range(3 * 4 * cfg.train.micro_batch))
-    assert _our_processes(run) == []
+    assert processes_of_run(run) == []
 
 
 def test_a_second_failure_during_recovery_is_survived_too(byte_data, tmp_path):
@@ -238,4 +226,4 @@ def test_a_second_failure_during_recovery_is_survived_too(byte_data, tmp_path):
         for line in f.read_text().splitlines():
             trained += json.loads(line)["samples"]
     assert sorted(trained) == list(range(3 * 4 * cfg.train.micro_batch))
-    assert _our_processes(run) == []
+    assert processes_of_run(run) == []

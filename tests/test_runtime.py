@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from conftest import processes_of_run
 from skiptrain.config import build_config
 from skiptrain.runtime.executor import node_plan
 from skiptrain.runtime.failure import RuntimeFailure
@@ -162,18 +163,6 @@ def test_timeline_is_recorded_in_simulator_format(swarm):
     assert sum(e.kind == "send" for e in ev) == sum(2 * (len(m.route) + 1) for m in skip.micro_batches if m.route)
 
 
-def _our_processes(run_dir: Path) -> list[int]:
-    pids = []
-    for p in Path("/proc").iterdir():
-        if p.name.isdigit():
-            try:
-                if str(run_dir).encode() in (p / "cmdline").read_bytes():
-                    pids.append(int(p.name))
-            except OSError:
-                pass
-    return pids
-
-
 @pytest.mark.parametrize("kind", ["kill", "hang"])
 def test_failed_peer_stops_the_run_with_an_error_naming_it(byte_data, tmp_path, kind):
     cfg = build_config("tiny", overrides={"runtime": {"nodes": 4, "stage_sizes": "1,1,1,1"}})
@@ -191,4 +180,4 @@ def test_failed_peer_stops_the_run_with_an_error_naming_it(byte_data, tmp_path, 
     assert f"node {victim} (stage 2)" in str(e)
     assert ("died (killed by SIGKILL)" if kind == "kill" else "stopped responding") in str(e)
     assert e.detected_after_s is not None and e.detected_after_s < 30
-    assert _our_processes(tmp_path / "run") == []
+    assert processes_of_run(tmp_path / "run") == []
