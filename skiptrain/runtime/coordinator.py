@@ -40,47 +40,105 @@ from .job import Job
 from .recovery import publish_generation
 
 
+def _pid_running(pid: int) -> bool:
+    """Whether ``pid`` runs (not gone, not a zombie): joining nodes are not this process's children."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        try:
+            os.kill(pid, 0)
+            return True
+        except OSError:
+            return False
+
+
+class _Members:
+    """Exit status of the launched children and of joined (external) node processes."""
+
+    def __init__(self, procs, store):
+        self.procs, self.store = procs, store
+        self.ext: dict[int, int] = {}            # joined node -> pid
+
+    def code(self, r: int) -> int | None:
+        if r < len(self.procs):
+            return self.procs[r].poll()
+        pid = self.ext.get(r)
+        if pid is None or _pid_running(pid):
+            return None
+        try:
+            done = self.store.get(f"hb/{r}").decode().endswith(":done")
+        except Exception:  # noqa: BLE001
+            done = False
+        return 0 if done else -signal.SIGKILL
+
+    def kill(self, r: int) -> None:
+        pid = self.procs[r].pid if r < len(self.procs) else self.ext.get(r)
+        if pid is None:
+            return
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            return
+        if r < len(self.procs):
+            try:
+                self.procs[r].wait(timeout=10)
+            except Exception:  # noqa: BLE001
+                pass
+        else:
+            end = time.time() + 5
+            while _pid_running(pid) and time.time() < end:
+                time.sleep(0.01)
+
+
+def _log(log_path: Path, row: dict) -> None:
+    with open(log_path, "a") as f:
+        f.write(json.dumps(row) + "\n")
+
+
 def coordinate(job: Job, procs, store, world: int, t_start: float, timeout_s: float,
                run_dir: Path, join_secret: str) -> dict | None:
     from .join import admit
 
     deadline = job.heartbeat_deadline_s or job.timeout_s
+    strikes_needed = max(1, int(getattr(job, "strikes", 1) or 1))
     gen = 0
     stage0 = set()
     for ph in job.phases:
         stage0 |= set(Schedule.from_dict(ph.schedule).placement[0])
     log_path = Path(run_dir) / "recoveries.jsonl"
     fenced: set[int] = set()
+    members = _Members(procs, store)
     # admission: only nodes that answer the join challenge enter generation 0 (and any group)
     t_adm = time.time()
     adm = admit(store, list(range(world)), join_secret, max(60.0, job.timeout_s),
                 alive=lambda n: procs[n].poll() is None)
     alive = {n for n, v in adm.items() if v == "ok"}
-    with open(log_path, "a") as f:
-        for n, v in sorted(adm.items()):
-            if v == "ok":
-                continue
-            if procs[n].poll() is None:
-                fenced.add(n)
-                os.kill(procs[n].pid, signal.SIGKILL)
-                procs[n].wait(timeout=10)
-            print(f"[coordinator] node {n}: {v}; not admitted", file=sys.stderr, flush=True)
-            f.write(json.dumps({"gen": 0, "node": n, "cause": v, "refused": True, "t_detect": time.time(),
-                                "detect_s": time.time() - t_adm, "fenced": n in fenced,
-                                "alive": sorted(alive)}) + "\n")
+    for n, v in sorted(adm.items()):
+        if v == "ok":
+            continue
+        if procs[n].poll() is None:
+            fenced.add(n)
+            members.kill(n)
+        print(f"[coordinator] node {n}: {v}; not admitted", file=sys.stderr, flush=True)
+        _log(log_path, {"gen": 0, "node": n, "cause": v, "refused": True, "t_detect": time.time(),
+                        "detect_s": time.time() - t_adm, "fenced": n in fenced, "alive": sorted(alive)})
     if not (alive & stage0):
         return {"kind": "exit", "node": min(set(range(world)) - alive), "t": time.time(),
                 "code": procs[min(set(range(world)) - alive)].poll()}
     publish_generation(store, 0, sorted(alive), {n: v for n, v in adm.items() if v != "ok"})
+    joins = _Joins(job, store, members, join_secret, log_path, world)
+    strikes: dict[int, int] = {}
     next_hb = time.time() + job.heartbeat_s
     while True:
-        codes = [p.poll() for p in procs]
+        codes = {r: members.code(r) for r in alive}
         if all(codes[r] == 0 for r in alive):
             return None
         now = time.time()
         if now - t_start > timeout_s:
             return {"kind": "timeout", "t": now}
         found: dict[int, tuple[str, float | None]] = {}     # node -> (cause, reference time)
+        struck: dict[int, tuple[str, float | None]] = {}    # bad peers below the strike limit
         for r in sorted(alive):
             if codes[r] not in (None, 0):
                 found[r] = (f"died ({describe_exit(codes[r])})", None)
@@ -105,28 +163,32 @@ def coordinate(job: Job, procs, store, world: int, t_start: float, timeout_s: fl
                 except Exception:  # noqa: BLE001
                     continue
                 bad = rep.get("node")
-                if rep.get("bad_peer") and bad is not None and bad in alive and bad not in found:
-                    found[bad] = (f"bad peer: {rep['cause'].splitlines()[0][:200]} (reported by node {r})",
-                                  float(rep["t"]))
-        if not found:
+                if rep.get("bad_peer") and bad is not None and bad in alive and bad not in found \
+                        and bad not in struck:
+                    cause = f"bad peer: {rep['cause'].splitlines()[0][:200]} (reported by node {r})"
+                    strikes[bad] = strikes.get(bad, 0) + 1
+                    if strikes[bad] >= strikes_needed:
+                        found[bad] = (cause + f"; strike {strikes[bad]} of {strikes_needed}: banned",
+                                      float(rep["t"]))
+                    else:
+                        struck[bad] = (cause + f"; strike {strikes[bad]} of {strikes_needed}", float(rep["t"]))
+        if not found and not struck:
+            if joins.step(gen, alive):
+                gen += 1
+                alive.add(joins.last_added)
             time.sleep(0.02)
             continue
         t_detect = time.time()
+        cancelled = joins.cancel(alive)                    # a join not yet taken up by every node
+        found.update(cancelled)
         for n in found:
-            if procs[n].poll() is None:
+            if members.code(n) is None:
                 fenced.add(n)
-                try:
-                    os.kill(procs[n].pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-                try:
-                    procs[n].wait(timeout=10)
-                except Exception:  # noqa: BLE001
-                    pass
+                members.kill(n)
         alive -= set(found)
         gen += 1
         rows = []
-        for n, (cause, ref) in sorted(found.items()):
+        for n, (cause, ref) in sorted({**found, **struck}.items()):
             fault_t = None
             try:
                 if store.check([f"fault/{n}"]):
@@ -137,14 +199,160 @@ def coordinate(job: Job, procs, store, world: int, t_start: float, timeout_s: fl
             row = {"gen": gen, "node": n, "cause": cause, "t_detect": t_detect, "fault_t": fault_t,
                    "detect_s": (t_detect - since) if since is not None else None, "fenced": n in fenced,
                    "alive": sorted(alive)}
+            if n in struck:
+                row["strike"] = strikes[n]
             rows.append(row)
             took = f"{row['detect_s']:.3f} s after the fault" if row["detect_s"] is not None else "time unknown"
             print(f"[coordinator] node {n}: {cause}; detected {took}; generation {gen}: "
                   f"{len(alive)} node(s) left", file=sys.stderr, flush=True)
-        with open(log_path, "a") as f:
-            for row in rows:
-                f.write(json.dumps(row) + "\n")
+        for row in rows:
+            _log(log_path, row)
         if not alive or not (alive & stage0):
-            return {"kind": "exit", "node": min(found), "code": codes[min(found)], "t": t_detect,
+            n0 = min(found) if found else min(struck)
+            return {"kind": "exit", "node": n0, "code": codes.get(n0), "t": t_detect,
                     "msg": "no stage-0 node left" if alive else "no node left"}
-        publish_generation(store, gen, sorted(alive), {n: c for n, (c, _) in found.items()})
+        publish_generation(store, gen, sorted(alive), {n: c for n, (c, _) in found.items()},
+                           {"cancelled": sorted(cancelled)})
+
+
+class _Joins:
+    """Nodes joining the running job (``python -m skiptrain.runtime.node --join``; protocol in
+    :mod:`skiptrain.runtime.join`).  One join at a time, only while every node has acknowledged
+    the current generation: challenge -> (refused: fenced, logged) -> admitted -> stage chosen
+    on the current schedule (:func:`~skiptrain.runtime.recovery.choose_stage`) -> a *join*
+    generation with the new schedule -> every node switches at its next iteration boundary and
+    acknowledges; the joiner then has its state.  A failure before every node acknowledged
+    cancels the join (the joiner is fenced; it may try again)."""
+
+    def __init__(self, job: Job, store, members: _Members, secret: str, log_path: Path, world: int):
+        from .job import Job as _J  # noqa: F401
+
+        self.job, self.store, self.members, self.secret = job, store, members, secret
+        self.log_path, self.world = log_path, world
+        self.seen: set[int] = set()
+        self.pending: dict[int, dict] = {}       # node -> state
+        self.to_fence: list[tuple[float, int, int]] = []
+        self.last_added = -1
+
+    def _ids(self) -> list[int]:
+        try:
+            top = self.store.add("nodes/next", 0)
+        except Exception:  # noqa: BLE001
+            return []
+        return [j for j in range(self.world, top) if j not in self.seen]
+
+    def _refuse(self, j: int, why: str, st: dict) -> None:
+        from .join import refuse
+
+        refuse(self.store, j)
+        now = time.time()
+        if st.get("pid"):
+            # it exits by itself on "refused"; fenced (SIGKILL) if still there 2 s later
+            self.to_fence.append((now + 2.0, j, st["pid"]))
+        print(f"[coordinator] joining node {j}: {why}; not admitted", file=sys.stderr, flush=True)
+        _log(self.log_path, {"gen": None, "node": j, "cause": why, "refused": True, "join": True, "t_detect": now,
+                             "detect_s": now - st["t_hello"], "pid": st.get("pid")})
+        self.pending.pop(j, None)
+
+    def _fence_refused(self) -> None:
+        now = time.time()
+        for item in list(self.to_fence):
+            t, j, pid = item
+            if not _pid_running(pid):
+                self.to_fence.remove(item)
+            elif now >= t:
+                self.to_fence.remove(item)
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                    print(f"[coordinator] refused node {j} (pid {pid}) still running: fenced", file=sys.stderr,
+                          flush=True)
+                except ProcessLookupError:
+                    pass
+
+    def step(self, gen: int, alive: set[int]) -> bool:
+        """Advance the joins; returns True when it published generation ``gen + 1``."""
+        from .join import challenge, check_response
+
+        now = time.time()
+        self._fence_refused()
+        for j in self._ids():
+            hello = self.store.check([f"join/hello/{j}"]) and self.store.get(f"join/hello/{j}").decode()
+            if not hello:
+                continue
+            self.seen.add(j)
+            try:
+                pid = int(json.loads(hello).get("pid") or 0)
+            except (ValueError, AttributeError):
+                pid = 0
+            self.pending[j] = {"t_hello": now, "pid": pid, "nonce": challenge(self.store, j), "state": "challenged"}
+        for j, st in sorted(self.pending.items()):
+            if st["state"] == "challenged":
+                ok = check_response(self.store, j, st["nonce"], self.secret)
+                if ok is None:
+                    if now - st["t_hello"] > max(60.0, self.job.timeout_s):
+                        self._refuse(j, "refused: no challenge response in time", st)
+                    continue
+                if not ok:
+                    self._refuse(j, "refused: wrong challenge response", st)
+                    continue
+                if len(self.job.phases) != 1:
+                    self._refuse(j, "refused: joining needs a single-phase job", st)
+                    continue
+                st.update(state="admitted", t_admit=now)
+                self.members.ext[j] = st["pid"]
+                print(f"[coordinator] joining node {j}: challenge answered, admitted "
+                      f"({now - st['t_hello']:.3f} s)", file=sys.stderr, flush=True)
+            elif st["state"] == "published":
+                if self.store.check([f"ack/{st['gen']}/{n}" for n in sorted(alive)]):
+                    st["t_ready"] = time.time()
+                    row = {"gen": st["gen"], "node": j, "cause": f"joined: stage {st['stage']}", "join": True,
+                           "t_detect": st["t_admit"], "detect_s": st["t_admit"] - st["t_hello"],
+                           "recover_s": st["t_ready"] - st["t_pub"], "t_published": st["t_pub"],
+                           "t_ready": st["t_ready"], "choice": st["choice"], "alive": sorted(alive)}
+                    _log(self.log_path, row)
+                    print(f"[coordinator] node {j} joined stage {st['stage']} in generation {st['gen']} "
+                          f"({row['recover_s']:.3f} s after publishing)", file=sys.stderr, flush=True)
+                    del self.pending[j]
+                elif self.members.code(j) is not None:
+                    pass                                   # found dead by the caller's next pass
+        if any(st["state"] == "published" for st in self.pending.values()):
+            return False
+        ready = [j for j, st in sorted(self.pending.items()) if st["state"] == "admitted"]
+        if not ready or not self.store.check([f"ack/{gen}/{n}" for n in sorted(alive)] + ["sched/cur"]):
+            return False
+        cur = json.loads(self.store.get("sched/cur").decode())
+        if cur.get("gen") != gen:
+            return False
+        j = ready[0]
+        if self.members.code(j) is not None:
+            self._refuse(j, "refused: exited before it was placed", self.pending[j])
+            return False
+        from ..net.topology import Topology
+        from ..schedule.cost import CostModel
+        from .recovery import add_replica, choose_stage
+
+        ph = self.job.phases[0]
+        sched = Schedule.from_dict(cur["schedule"])
+        topo = Topology.from_dict(ph.topology) if ph.topology else None
+        cost = CostModel.from_dict(ph.cost) if ph.cost else None
+        stage, choice = choose_stage(sched, j, Schedule.from_dict(ph.schedule), topo, cost)
+        new = add_replica(sched, j, stage, Schedule.from_dict(ph.schedule))
+        st = self.pending[j]
+        st.update(state="published", gen=gen + 1, stage=stage, choice=choice, t_pub=time.time())
+        publish_generation(self.store, gen + 1, sorted(alive | {j}), {},
+                           {"kind": "join", "join": {str(j): stage}, "schedule": new.to_dict(), "phase": 0,
+                            "choice": choice})
+        self.store.set(f"join/assign/{j}", str(gen + 1))
+        print(f"[coordinator] joining node {j} -> stage {stage} ({choice['rule']}; simulated "
+              f"{choice['simulated_s']}); generation {gen + 1}", file=sys.stderr, flush=True)
+        self.last_added = j
+        return True
+
+    def cancel(self, alive: set[int]) -> dict[int, tuple[str, float | None]]:
+        """A failure happened: a join published but not yet taken up everywhere is cancelled."""
+        out = {}
+        for j, st in list(self.pending.items()):
+            if st["state"] == "published":
+                out[j] = ("join cancelled: a failure happened before every node took it up", None)
+                del self.pending[j]
+        return out

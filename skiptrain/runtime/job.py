@@ -63,6 +63,9 @@ class Job:
     recover: bool = False                     # survive failures (issue 8, see runtime/recovery.py)
     heartbeat_deadline_s: float | None = None  # hung-peer deadline (default: timeout_s)
     takeover: bool = False                    # a node of a replicated stage takes over a stage left empty
+    strikes: int = 1                          # rejected payloads from one sender before it is banned
+    ckpt_every: int = 0                       # recovery mode: per-stage weights checkpoint every N iterations
+    ckpt_max_age: int = 10                    # a stage checkpoint older than this (iterations): CheckFree instead
     meta: dict[str, Any] = field(default_factory=dict)
 
     @property

@@ -10,6 +10,12 @@ Protocol (over the rendezvous store, keys under ``join/``):
    ``ok`` or ``refused``; only admitted nodes are put in generation 0's alive set, and process
    groups are formed over that set only.
 
+A node joining a *running* job (``python -m skiptrain.runtime.node --join HOST:PORT``, or
+``skiptrain launch --join HOST:PORT``) first takes a fresh node id (:func:`request_node_id`),
+then runs the same exchange with the coordinator's main loop (:func:`challenge`,
+:func:`check_response`); its ``hello`` carries its PID so the coordinator can fence it (same
+host only).
+
 Failure semantics: a node whose response is wrong, or that does not answer within the timeout,
 is refused; the node raises :class:`JoinRefused` and exits without calling
 ``init_process_group`` (exit status :data:`EXIT_REFUSED`); the coordinator also SIGKILLs it by PID
@@ -20,6 +26,7 @@ if it is still running.  The secret reaches the nodes through the environment va
 from __future__ import annotations
 
 import hashlib
+import json
 import hmac
 import os
 import secrets
@@ -59,7 +66,7 @@ def _wait_key(store, key: str, timeout_s: float, poll_s: float = 0.01) -> str | 
 
 def node_join(store, node: int, secret: str | None, timeout_s: float) -> None:
     """Node side: answer the coordinator's challenge; raise :class:`JoinRefused` if refused."""
-    store.set(f"join/hello/{node}", repr(time.time()))
+    store.set(f"join/hello/{node}", json.dumps({"t": time.time(), "pid": os.getpid()}))
     nonce = _wait_key(store, f"join/nonce/{node}", timeout_s)
     if nonce is None:
         raise JoinRefused(f"node {node}: no challenge from the coordinator within {timeout_s:g} s", node=node)
@@ -96,6 +103,34 @@ def admit(store, nodes: list[int], secret: str, timeout_s: float, alive=lambda n
         out[n] = f"refused: no challenge response within {timeout_s:g} s"
         store.set(f"join/result/{n}", "refused")
     return out
+
+
+def challenge(store, node: int) -> str:
+    """Coordinator side, one joining node: write a fresh nonce; returns it."""
+    nonce = secrets.token_hex(32)
+    store.set(f"join/nonce/{node}", nonce)
+    return nonce
+
+
+def check_response(store, node: int, nonce: str, secret: str) -> bool | None:
+    """Coordinator side: ``None`` while no response, else whether it is right (and then the
+    result is written: ``ok`` or ``refused``)."""
+    if not store.check([f"join/resp/{node}"]):
+        return None
+    resp = store.get(f"join/resp/{node}").decode()
+    ok = bool(resp) and verify(secret, nonce, node, resp)
+    store.set(f"join/result/{node}", "ok" if ok else "refused")
+    return ok
+
+
+def refuse(store, node: int) -> None:
+    store.set(f"join/result/{node}", "refused")
+
+
+def request_node_id(store) -> int:
+    """A joining process's node id: the next one after every id handed out so far (the launcher
+    sets ``nodes/next`` to its node count before it publishes the store address)."""
+    return int(store.add("nodes/next", 1)) - 1
 
 
 def secret_from_env() -> str | None:

@@ -85,7 +85,7 @@ def launch(job: Job, nodes: int | None = None, timeout_s: float = 3600.0, grace_
     run_dir.mkdir(parents=True, exist_ok=True)
     if (run_dir / "recoveries.jsonl").exists():
         (run_dir / "recoveries.jsonl").unlink()
-    for sub in ("errors", "phases", "parts"):
+    for sub in ("errors", "phases", "parts", "stage_ckpt"):
         d = run_dir / sub
         if d.is_dir():
             for f in sorted(d.rglob("*"), reverse=True):
@@ -95,6 +95,11 @@ def launch(job: Job, nodes: int | None = None, timeout_s: float = 3600.0, grace_
     job_path = job.save(run_dir / "job.json")
     store = dist.TCPStore("127.0.0.1", 0, world, is_master=True, wait_for_workers=False,
                           timeout=timedelta(seconds=max(job.timeout_s, 60.0)))
+    (run_dir / "join.json").unlink(missing_ok=True)
+    if job.recover:
+        # nodes joining later (``--join HOST:PORT``) take ids from here on and read the job here
+        store.add("nodes/next", world)
+        store.set("job", json.dumps(job.to_dict()))
     repo_root = str(Path(__file__).resolve().parents[2])
     base_env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(store.port), WORLD_SIZE=str(world),
                     SKIPTRAIN_STORE_HOSTED="1", OMP_NUM_THREADS="1",
@@ -107,6 +112,13 @@ def launch(job: Job, nodes: int | None = None, timeout_s: float = 3600.0, grace_
         from .join import SECRET_ENV, new_secret
         join_secret = join_secret or new_secret()        # recovery mode always admits by challenge
         base_env[SECRET_ENV] = join_secret
+        sf = run_dir / "join_secret"
+        sf.unlink(missing_ok=True)
+        fd = os.open(sf, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)   # readable by this user only
+        os.write(fd, join_secret.encode())
+        os.close(fd)
+        (run_dir / "join.json").write_text(json.dumps({"host": "127.0.0.1", "port": store.port,
+                                                       "secret_file": str(sf)}))
     try:
         for r in range(world):
             env = dict(base_env, RANK=str(r), LOCAL_RANK=str(r))
@@ -139,6 +151,8 @@ def launch(job: Job, nodes: int | None = None, timeout_s: float = 3600.0, grace_
                 pass
         for log in logs:
             log.close()
+        (run_dir / "join_secret").unlink(missing_ok=True)     # the run is over: nobody may join
+        (run_dir / "join.json").unlink(missing_ok=True)
     wall = time.time() - t_start
     if failure is not None:
         raise _explain(job, procs, failure, run_dir, store, killed_by_us)

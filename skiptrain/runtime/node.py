@@ -45,19 +45,22 @@ from .job import Job, Phase
 
 
 class _Node:
-    def __init__(self, job: Job, rank: int, world: int, addr: str, port: int):
+    def __init__(self, job: Job, rank: int, world: int, addr: str, port: int, store=None):
         from ..config import config_from_dict
         from ..data.dataset import TokenDataset
         from ..data.loader import SampleSource
+        # ``store`` given: a node joining a running job (rank = the id it was handed, see main)
+        self.joining: dict | None = None
+        self._pre_join: tuple[int, object] | None = None   # (joiner, schedule before its join)
         self.job, self.rank, self.world = job, rank, world
         self.run_dir = Path(job.run_dir)
         self.err_path = self.run_dir / "errors" / f"node{rank}.json"
         self.stage_of: dict[int, int] = {}
         hosted = os.environ.get("SKIPTRAIN_STORE_HOSTED") == "1" or \
             os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
-        self.store = dist.TCPStore(addr, port, world, is_master=(rank == 0 and not hosted),
-                                   timeout=timedelta(seconds=max(job.timeout_s, 60.0)),
-                                   wait_for_workers=False)
+        self.store = store or dist.TCPStore(addr, port, world, is_master=(rank == 0 and not hosted),
+                                            timeout=timedelta(seconds=max(job.timeout_s, 60.0)),
+                                            wait_for_workers=False)
         # membership: node ids never change; ranks are positions in the sorted alive list
         self.gen = 0
         self.alive = list(range(world))
@@ -82,13 +85,29 @@ class _Node:
             if self._fault_kind() == "wrong_secret":
                 secret = "not the secret"
             node_join(self.store, rank, secret, max(60.0, job.timeout_s))
-            self.store.wait(["gen/0"], timedelta(seconds=max(60.0, job.timeout_s)))
-            self.alive = read_generation(self.store, 0)["alive"]
+            if store is not None:
+                # joining a running job: wait until the coordinator placed this node (a join
+                # generation, switched to by every node at its next iteration boundary)
+                from .join import _wait_key
+                g = _wait_key(self.store, f"join/assign/{rank}", max(600.0, job.timeout_s))
+                if g is None:
+                    raise JoinRefused(f"node {rank}: admitted but never placed by the coordinator", node=rank)
+                self.gen = int(g)
+                info = read_generation(self.store, self.gen)
+                self.joining = {"gen": self.gen, "schedule": info["schedule"], "phase": int(info["phase"]),
+                                "stage": int(info["join"][str(rank)]), "choice": info.get("choice")}
+                print(f"skiptrain node {rank}: admitted; joins generation {self.gen} as a replica of stage "
+                      f"{self.joining['stage']} ({(info.get('choice') or {}).get('rule')})", file=sys.stderr,
+                      flush=True)
+            else:
+                self.store.wait(["gen/0"], timedelta(seconds=max(60.0, job.timeout_s)))
+            self.alive = read_generation(self.store, self.gen)["alive"]
             if rank not in self.alive:
-                raise JoinRefused(f"node {rank}: not admitted to generation 0", node=rank)
+                raise JoinRefused(f"node {rank}: not admitted to generation {self.gen}", node=rank)
             self._rank = {n: i for i, n in enumerate(self.alive)}
             self.hb.membership.alive = set(self.alive)
-        dist.init_process_group("gloo", store=dist.PrefixStore("pg", self.store), rank=self._rank[rank],
+        prefix = f"g{self.gen}/pg" if self.gen else "pg"
+        dist.init_process_group("gloo", store=dist.PrefixStore(prefix, self.store), rank=self._rank[rank],
                                 world_size=len(self.alive), timeout=timedelta(seconds=job.timeout_s))
         # a separate gloo context for pipeline messages, so collectives never share tags with them
         self.p2p_group = dist.new_group(list(range(len(self.alive))), timeout=timedelta(seconds=job.timeout_s))
@@ -103,7 +122,11 @@ class _Node:
         self._last_gnorm = 0.0       # this node's last pre-sync gradient norm (CheckFree weights)
         if job.recover:
             from .recovery import GenerationWatch
-            self.watch = GenerationWatch(self.hb_store, job.heartbeat_s, self._membership_changed).start()
+            self.watch = GenerationWatch(self.hb_store, job.heartbeat_s, self._membership_changed)
+            self.watch.gen = self.gen
+            self.watch.start()
+            if self.joining is None:
+                self._ack()
 
     def _transport(self):
         from .transport import P2PTransport
@@ -183,7 +206,7 @@ class _Node:
 
     # ---- one phase -------------------------------------------------------------------------
 
-    def run_phase(self, ph: Phase) -> None:
+    def run_phase(self, ph: Phase, phase_idx: int = 0) -> None:
         from ..model.transformer import StagedLM
         from ..net.topology import Topology
         from ..schedule.cost import CostModel
@@ -194,8 +217,12 @@ class _Node:
         from .wan import ComputePadding, LinkFifo
 
         cfg, rank = self.cfg, self.rank
+        joining = self.joining if self.joining is not None and self.joining["phase"] == phase_idx else None
+        self.joining = None
         sched = Schedule.from_dict(ph.schedule)
-        if sorted(self.alive) != list(range(self.world)):
+        if joining is not None:
+            sched = Schedule.from_dict(joining["schedule"])
+        elif sorted(self.alive) != list(range(self.world)):
             from .recovery import replan
             sched = replan(sched, self.alive)
         self.stage_of = sched.stage_of()
@@ -214,7 +241,7 @@ class _Node:
 
         def make_executor():
             self.tr.link = (LinkFifo.from_topology(topo, rank, ph.bytes_scale, cost.hop_overhead_s if cost else 0.0)
-                            if ph.wan and topo is not None else None)
+                            if ph.wan and topo is not None and rank < topo.n else None)
             return Executor(rank, self.tr, model, stage, cost, speed, padding, self.job.timeout_s, self.describe,
                             check=self._check_payload)
 
@@ -227,6 +254,19 @@ class _Node:
         record = {"rank": rank, "stage": stage, "iterations": [], "recoveries": []}
         cursor = 0
         it = 0
+        if joining is not None:
+            # a node joining a running job: its state from a live replica (or the stage's
+            # checkpoint / CheckFree when the stage had none), then the next iteration
+            t_j = time.time()
+            resume, rep = self._join_transfer(sched, {rank: stage}, model, strat, ph, phase_idx, 0, 0)
+            it, cursor = resume["it"], resume["cursor"]
+            record["joined"] = {"gen": self.gen, "stage": stage, "iteration": it, "choice": joining.get("choice"),
+                                "transfer_s": time.time() - t_j, **(rep or {})}
+            print(f"skiptrain node {rank}: joined at iteration {it} as a replica of stage {stage}; "
+                  f"state: {(rep or {}).get('init')}", file=sys.stderr, flush=True)
+            self._ack()
+        elif self.job.recover:
+            self._publish_sched(sched, phase_idx)
         try:
             while it < ph.iterations:
                 committed = stepped = False
@@ -237,6 +277,21 @@ class _Node:
                 lr = lr_at(it, cfg.train)
                 try:
                     self._fault(ph.name, it, "start")
+                    if self.watch is not None:
+                        # iteration boundary: every node learns the newest join generation any of
+                        # them has seen (this all-reduce is also the start barrier), and they all
+                        # switch to it together, before any work of the iteration
+                        # (a joined node enters here: the all-reduce is repeated after a join)
+                        while True:
+                            flag = torch.tensor([self.watch.join_seen], dtype=torch.int64)
+                            self._sync(dist.all_reduce, flag, dist.ReduceOp.MAX)
+                            if int(flag.item()) <= self.gen:
+                                break
+                            sched, groups, strat = self._apply_join(int(flag.item()), sched, model, stage, strat,
+                                                                    ph, phase_idx, it, cursor, step_count)
+                            record.setdefault("joins", []).append({"gen": self.gen, "iteration": it,
+                                                                   "placement": sched.placement})
+                            ex = make_executor()
                     sync_replicas = sched.placement[stage] if stage is not None else []
                     # common start: everyone present, then rank 0's clock + a margin for the broadcast
                     self._sync(dist.barrier)
@@ -278,6 +333,7 @@ class _Node:
                             events.append(Event(rank, "sync", None, stage, ts - t0, te - t0, st.payload_bytes))
                         for p in model.parameters():
                             p.grad = None
+                        self._save_stage_checkpoint(ph.name, it, stage, model, sched)
                     stepped = True
                     self.tr.wait_sent(self.job.timeout_s)
                     events += self.tr.take_events()
@@ -318,7 +374,7 @@ class _Node:
                             took = new_sched.meta.get("takeover") or {}
                             was_moved = rank in took
                             if took:
-                                model, stage, rep = self._takeover(new_sched, took, model, stage)
+                                model, stage, rep = self._takeover(new_sched, took, model, stage, ph.name, it)
                                 if rep is not None:
                                     record.setdefault("takeovers", []).append(rep)
                                     record["stage"] = stage
@@ -328,6 +384,8 @@ class _Node:
                             redone = self._settle(committed, stepped or was_moved, it, model, strat, lr,
                                                   None if was_moved else res)
                             sched = new_sched
+                            self._ack()
+                            self._publish_sched(sched, phase_idx)
                             break
                         except Exception as e2:  # noqa: BLE001
                             if not self._recoverable(e2):
@@ -402,63 +460,218 @@ class _Node:
             time.sleep(0.002)
         work.wait()
 
-    def _takeover(self, sched, took: dict, model, stage):
-        """Every survivor: send the neighbours' weights of each taken-over stage (broadcast from
-        the neighbour's first replica, with its last gradient norm); the taking-over node builds
-        the stage and initialises it by CheckFree (gradient-norm-weighted average of the adjacent
-        body stages with the same layer count; a copy with one neighbour; the seed's fresh init
-        with none).  Stage checkpoints: the runtime writes none during a phase, so the checkpoint
-        branch of issue 8 never applies here and the report says so.  Returns (model, stage,
-        report or None)."""
+    def _takeover(self, sched, took: dict, model, stage, phase: str = "", it: int = 0):
+        """Every survivor takes part in initialising each taken-over stage (:meth:`_init_stage`:
+        the stage's checkpoint when young enough, else CheckFree from the neighbours); the
+        taking-over node builds the stage.  Returns (model, stage, report or None)."""
         from ..model.transformer import StagedLM
-        from .recovery import checkfree_combine, stage_tensors
 
-        cfg, S = self.cfg, len(sched.placement)
+        cfg = self.cfg
         report = None
         targets = {v[1] for v in took.values()}
         for n_t, (old, s) in sorted(took.items()):
-            got = []
-            for x in (s - 1, s + 1):
-                if not (1 <= x < S and sched.placement[x]) or x in targets:
-                    continue
-                src = sched.placement[x][0]
-                hdr = torch.zeros(2, dtype=torch.float64)
-                if self.rank == src:
-                    flat = torch.cat([p.detach().reshape(-1) for _, _, p in stage_tensors(model, x)])
-                    hdr = torch.tensor([flat.numel(), self._last_gnorm], dtype=torch.float64)
-                dist.broadcast(hdr, self._rank[src])
-                buf = flat if self.rank == src else torch.empty(int(hdr[0]))
-                dist.broadcast(buf, self._rank[src])
-                if self.rank == n_t:
-                    got.append((x, buf, float(hdr[1])))
+            new = None
+            if self.rank == n_t:
+                torch.manual_seed(cfg.train.seed)
+                new = StagedLM(cfg.model, stages=[s], seed=cfg.train.seed)
+                new.train()
+            rep = self._init_stage(sched, s, n_t, model, new, phase, it, exclude=targets)
             if self.rank != n_t:
                 continue
-            torch.manual_seed(cfg.train.seed)
-            new = StagedLM(cfg.model, stages=[s], seed=cfg.train.seed)
-            new.train()
-            mine = stage_tensors(new, s)
-            size = sum(p.numel() for _, _, p in mine)
-            got = [g for g in got if g[1].numel() == size]        # same layer count only
-            coef: list[float] = []
-            if got:
-                flat, coef = checkfree_combine([g[1] for g in got], [g[2] for g in got])
-                off = 0
-                with torch.no_grad():
-                    for _, _, p in mine:
-                        p.copy_(flat[off:off + p.numel()].view_as(p))
-                        off += p.numel()
-                init = "checkfree" if len(got) > 1 else "copy of the only neighbour"
-            else:
-                init = "fresh (seed init: no neighbour stage with the same layer count)"
             _warm_up(new, s, cfg)
-            report = {"gen": self.gen, "stage": s, "from_stage": old, "init": init,
-                      "neighbours": [g[0] for g in got], "grad_norms": [g[2] for g in got], "coef": coef,
-                      "checkpoint": "none: the runtime keeps no per-stage checkpoint during a phase"}
-            print(f"skiptrain node {self.rank}: takes over stage {s} (was stage {old}); init {init}, "
-                  f"neighbours {report['neighbours']} weights {[round(c, 3) for c in coef]}", file=sys.stderr,
+            report = {"gen": self.gen, "stage": s, "from_stage": old, **rep}
+            print(f"skiptrain node {self.rank}: takes over stage {s} (was stage {old}); init {rep['init']}, "
+                  f"neighbours {rep['neighbours']} weights {[round(c, 3) for c in rep['coef']]}", file=sys.stderr,
                   flush=True)
             model, stage = new, s
         return model, stage, report
+
+    def _init_stage(self, sched, s: int, taker: int, model, new, phase: str, it: int,
+                    exclude: set[int] = frozenset()) -> dict:
+        """Collective over every node: initialise stage ``s`` (no live replica) on ``taker`` into
+        ``new``.  The taker looks for the latest per-stage checkpoint of ``s`` in this phase
+        (``job.ckpt_every``); if it is at most ``job.ckpt_max_age`` iterations old it is loaded,
+        else CheckFree: the first replica of each adjacent body stage broadcasts its stage weights
+        and last gradient norm, and the taker sets layer ``j`` to their gradient-norm-weighted
+        average (a copy with one neighbour, the seed's init with none).  The decision goes to
+        every node by a broadcast from the taker.  Returns the report (taker; ``{}`` elsewhere)."""
+        from .recovery import checkfree_combine, stage_tensors
+
+        S = len(sched.placement)
+        dec = torch.zeros(2, dtype=torch.float64)            # [use checkpoint, its age]
+        ck = None
+        if self.rank == taker:
+            ck = self._latest_stage_checkpoint(phase, s)
+            if ck is not None:
+                dec[1] = it - ck[0]
+                dec[0] = 1.0 if it - ck[0] <= self.job.ckpt_max_age else 0.0
+            else:
+                dec[1] = -1
+        dist.broadcast(dec, self._rank[taker])
+        age = None if dec[1] < 0 else int(dec[1])
+        if dec[0] > 0:
+            if self.rank != taker:
+                return {}
+            from ..checkpoint.manager import CheckpointManager
+            CheckpointManager.restore(ck[1], new)
+            return {"init": "checkpoint", "checkpoint": str(ck[1]), "checkpoint_age": age,
+                    "max_age": self.job.ckpt_max_age, "neighbours": [], "grad_norms": [], "coef": []}
+        got = []
+        for x in (s - 1, s + 1):
+            if not (1 <= x < S and sched.placement[x]) or x in exclude:
+                continue
+            src = sched.placement[x][0]
+            hdr = torch.zeros(2, dtype=torch.float64)
+            flat = None
+            if self.rank == src:
+                flat = torch.cat([p.detach().reshape(-1) for _, _, p in stage_tensors(model, x)])
+                hdr = torch.tensor([flat.numel(), self._last_gnorm], dtype=torch.float64)
+            dist.broadcast(hdr, self._rank[src])
+            buf = flat if self.rank == src else torch.empty(int(hdr[0]))
+            dist.broadcast(buf, self._rank[src])
+            if self.rank == taker:
+                got.append((x, buf, float(hdr[1])))
+        if self.rank != taker:
+            return {}
+        mine = stage_tensors(new, s)
+        size = sum(p.numel() for _, _, p in mine)
+        got = [g for g in got if g[1].numel() == size]        # same layer count only
+        coef: list[float] = []
+        if got:
+            flat, coef = checkfree_combine([g[1] for g in got], [g[2] for g in got])
+            off = 0
+            with torch.no_grad():
+                for _, _, p in mine:
+                    p.copy_(flat[off:off + p.numel()].view_as(p))
+                    off += p.numel()
+            init = "checkfree" if len(got) > 1 else "copy of the only neighbour"
+        else:
+            init = "fresh (seed init: no neighbour stage with the same layer count)"
+        if ck is None:
+            why = ("none: per-stage checkpoints are off (job.ckpt_every = 0)" if not self.job.ckpt_every
+                   else "none written for this stage yet")
+        else:
+            why = f"{ck[1]} is {age} iteration(s) old, more than ckpt_max_age = {self.job.ckpt_max_age}"
+        return {"init": init, "neighbours": [g[0] for g in got], "grad_norms": [g[2] for g in got], "coef": coef,
+                "checkpoint": why, "checkpoint_age": age}
+
+    # ---- per-stage checkpoints (recovery mode) ------------------------------------------------
+
+    def _stage_ckpt_root(self, phase: str, s: int) -> Path:
+        return self.run_dir / "stage_ckpt" / phase / f"stage{s}"
+
+    def _save_stage_checkpoint(self, phase: str, it: int, stage, model, sched) -> None:
+        """Every ``job.ckpt_every`` committed iterations the first replica of each stage writes
+        the stage's weights (skiptrain checkpoint format, step = committed iterations of the
+        phase) in the background; a taken-over or joined stage with no live replica starts from it."""
+        if not (self.job.recover and self.job.ckpt_every and model is not None) or (it + 1) % self.job.ckpt_every:
+            return
+        if sched.placement[stage][0] != self.rank:
+            return
+        from ..checkpoint.manager import CheckpointManager
+        from ..checkpoint.state import model_tensors
+
+        mgrs = self.__dict__.setdefault("_ckpt_mgrs", {})
+        key = (phase, stage)
+        if key not in mgrs:
+            mgrs[key] = CheckpointManager(self._stage_ckpt_root(phase, stage), keep=2)
+        mgrs[key].save(it + 1, model_tensors(model), state={"phase": phase, "stage": stage, "iteration": it + 1,
+                                                            "node": self.rank, "gen": self.gen})
+
+    def _latest_stage_checkpoint(self, phase: str, s: int):
+        """(committed iterations, path) of the newest committed checkpoint of stage ``s``, or None."""
+        root = self._stage_ckpt_root(phase, s)
+        if not root.is_dir():
+            return None
+        from ..checkpoint import store as ckstore
+
+        done = ckstore.list_committed(root)
+        return max(done) if done else None
+
+    # ---- joining (issue 8) ----------------------------------------------------------------------
+
+    def _ack(self) -> None:
+        """Tell the coordinator this node runs in its current generation (joins wait for it)."""
+        if self.job.recover:
+            self.store.set(f"ack/{self.gen}/{self.rank}", repr(time.time()))
+
+    def _publish_sched(self, sched, phase_idx: int) -> None:
+        """The lowest node of the generation tells the coordinator the schedule in force (it
+        places joining nodes on it)."""
+        if self.job.recover and self.rank == min(self.alive):
+            self.store.set("sched/cur", json.dumps({"gen": self.gen, "phase": phase_idx,
+                                                    "schedule": sched.to_dict()}))
+
+    def _apply_join(self, target: int, sched, model, stage, strat, ph, phase_idx: int, it: int, cursor: int,
+                    step_count: int):
+        """At an iteration boundary, every node switches to join generation ``target``: re-forms
+        the groups with the joining node(s), takes the coordinator's schedule, rebuilds its stage
+        group keeping its optimizer state, and takes part in the joiner's state transfer.
+        Returns (schedule, groups, strategy); on failure the caller keeps the old ones."""
+        from ..schedule.schedule import Schedule
+        from .recovery import read_generation
+
+        self._pre_join = None
+        recs = [read_generation(self.store, g) for g in range(self.gen + 1, target + 1)]
+        if any(r.get("kind") != "join" for r in recs):
+            raise NodeFailure(f"node {self.rank}: membership changed at the iteration boundary", node=None)
+        joins = {int(k): int(v) for r in recs for k, v in r["join"].items()}
+        new = Schedule.from_dict(recs[-1]["schedule"])
+        t = time.time()
+        self._regroup(target, recs[-1]["alive"])
+        self.stage_of = new.stage_of()
+        groups, strat2 = self._stage_groups(new, stage, model, strat, step_count)
+        self._join_transfer(new, joins, model, strat2, ph, phase_idx, it, cursor)
+        self._pre_join = (max(joins), sched)
+        self._ack()
+        self._publish_sched(new, phase_idx)
+        print(f"skiptrain node {self.rank}: generation {target}: node(s) {sorted(joins)} joined "
+              f"(stages {sorted(set(joins.values()))}); placement {new.placement}; {time.time() - t:.3f} s",
+              file=sys.stderr, flush=True)
+        return new, groups, strat2
+
+    def _join_transfer(self, sched, joins: dict[int, int], model, strat, ph, phase_idx: int, it: int, cursor: int):
+        """Collective over the new generation: rank 0 (the lowest existing node) broadcasts where
+        the run is (phase, iteration, data cursor); then each joining node gets its stage's
+        weights and optimizer/DP state point-to-point from the stage's first live replica
+        (:func:`~skiptrain.runtime.recovery.pack_stage_state`: JSON manifest + one float32
+        payload, no pickle), or, for a stage with no replica, initialises it by
+        :meth:`_init_stage` (checkpoint or CheckFree).  Returns (resume info, report on a joiner)."""
+        from .recovery import pack_stage_state, unpack_stage_state
+
+        pos = torch.tensor([phase_idx, it, cursor], dtype=torch.int64)
+        dist.broadcast(pos, 0)
+        resume = {"phase": int(pos[0]), "it": int(pos[1]), "cursor": int(pos[2])}
+        report = None
+        for j, s in sorted(joins.items()):
+            donors = [n for n in sched.placement[s] if n not in joins]
+            if not donors:
+                rep = self._init_stage(sched, s, j, model, model if self.rank == j else None, ph.name, resume["it"],
+                                       exclude=set(joins.values()))
+                if self.rank == j:
+                    report = rep
+                continue
+            d = donors[0]
+            if self.rank == d:
+                meta, flat = pack_stage_state(model, strat, {"from": d, "gen": self.gen, "iteration": it,
+                                                             "last_gnorm": self._last_gnorm})
+                dist.send(torch.tensor([len(meta), flat.numel()], dtype=torch.int64), self._rank[j])
+                dist.send(torch.frombuffer(bytearray(meta), dtype=torch.uint8), self._rank[j])
+                dist.send(flat, self._rank[j])
+            elif self.rank == j:
+                t = time.time()
+                n = torch.zeros(2, dtype=torch.int64)
+                dist.recv(n, self._rank[d])
+                meta = torch.empty(int(n[0]), dtype=torch.uint8)
+                dist.recv(meta, self._rank[d])
+                flat = torch.empty(int(n[1]), dtype=torch.float32)
+                dist.recv(flat, self._rank[d])
+                info = unpack_stage_state(bytes(meta.tolist()), flat, model, strat)
+                self._last_gnorm = float(info.get("last_gnorm", 0.0))
+                report = {"init": f"state of node {d} (live replica): weights and optimizer state",
+                          "from_node": d, "bytes": int(n[0]) + 4 * int(n[1]), "recv_s": time.time() - t,
+                          "optimizer_step": strat.step_count if strat is not None else None}
+        return resume, report
 
     def _log_samples(self, out_dir: Path, phase: str, it: int, samples: list[int]) -> None:
         """Append the global sample indices this node trained in committed iteration ``it``
@@ -499,6 +712,9 @@ class _Node:
         if self.rank not in info["alive"]:
             raise RecoveryError(f"node {self.rank}: fenced out of generation {gen} by the coordinator",
                                 node=self.rank)
+        if self._pre_join is not None and self._pre_join[0] in info.get("cancelled", []):
+            sched = self._pre_join[1]               # the join was cancelled: back to the schedule before it
+        self._pre_join = None
         self._regroup(gen, info["alive"])
         # agree whether the iteration was committed anywhere (then it is not re-run)
         flag = torch.tensor([1 if committed else 0], dtype=torch.int64)
@@ -558,28 +774,65 @@ def _warm_up(model, stage: int, cfg) -> None:
         p.grad = None
 
 
+def _connect_for_join(target: str):
+    """``HOST:PORT`` of a running job's store -> (addr, port, store, job, node id)."""
+    from .join import request_node_id
+
+    host, sep, port_s = target.rpartition(":")
+    if not sep or not host or not port_s.isdigit():
+        raise ValueError(f"expected HOST:PORT (e.g. 127.0.0.1:29500; RUN_DIR/join.json of the run has it), "
+                         f"got {target!r}")
+    port = int(port_s)
+    try:
+        store = dist.TCPStore(host, port, 1, is_master=False, timeout=timedelta(seconds=30),
+                              wait_for_workers=False)
+    except Exception as e:  # noqa: BLE001
+        raise RuntimeError(f"no store answers at {host}:{port} ({str(e).splitlines()[0][:120]}); is the run "
+                           "still going, and was it launched with recovery on (--recover)?") from None
+    if not store.check(["job", "nodes/next"]):
+        raise RuntimeError(f"the run at {host}:{port} does not accept joining nodes: launch it with --recover")
+    job = Job.from_dict(json.loads(store.get("job").decode()))
+    return host, port, store, job, request_node_id(store)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m skiptrain.runtime.node", description=__doc__.split("\n")[0])
-    ap.add_argument("--job", required=True, help="job JSON written by `skiptrain launch` / the launcher")
+    ap.add_argument("--job", help="job JSON written by `skiptrain launch` / the launcher")
+    ap.add_argument("--join", metavar="HOST:PORT", default=None,
+                    help="join a running job (recovery mode) through its coordinator's store; the join secret "
+                         "comes from SKIPTRAIN_JOIN_SECRET")
     args = ap.parse_args(argv)
+    if not args.job and not args.join:
+        ap.error("give --job JOB.json (a node of a launch) or --join HOST:PORT (a node joining a running job)")
     if os.environ.get("SKIPTRAIN_STORE_HOSTED") == "1":
         set_parent_death_signal()
     torch.set_num_threads(1)
     import faulthandler
     faulthandler.register(signal.SIGUSR1, all_threads=True)   # `kill -USR1 PID`: stacks to the log
-    try:
-        rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-        addr, port = os.environ.get("MASTER_ADDR", "127.0.0.1"), int(os.environ["MASTER_PORT"])
-    except (KeyError, ValueError) as e:
-        print(f"skiptrain node: set MASTER_ADDR, MASTER_PORT, RANK and WORLD_SIZE ({e})", file=sys.stderr)
-        return 2
-    job = Job.load(args.job)
+    store = None
+    if args.join:
+        try:
+            addr, port, store, job, rank = _connect_for_join(args.join)
+        except (ValueError, RuntimeError, OSError) as e:
+            print(f"skiptrain node: cannot join {args.join}: {e}", file=sys.stderr)
+            return 2
+        world = job.world
+    else:
+        try:
+            rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+            addr, port = os.environ.get("MASTER_ADDR", "127.0.0.1"), int(os.environ["MASTER_PORT"])
+        except (KeyError, ValueError) as e:
+            print(f"skiptrain node: set MASTER_ADDR, MASTER_PORT, RANK and WORLD_SIZE ({e})", file=sys.stderr)
+            return 2
+        job = Job.load(args.job)
     err_path = Path(job.run_dir) / "errors" / f"node{rank}.json"
     node = None
     try:
-        node = _Node(job, rank, world, addr, port)
-        for ph in job.phases:
-            node.run_phase(ph)
+        node = _Node(job, rank, world, addr, port, store=store)
+        for i, ph in enumerate(job.phases):
+            if node.joining is not None and i < node.joining["phase"]:
+                continue
+            node.run_phase(ph, i)
         node.finish()
     except NodeFailure as e:
         from .join import EXIT_REFUSED, JoinRefused

@@ -217,11 +217,13 @@ def report_failure(store, gen: int, rank: int, suspect: int | None, cause: str, 
 
 
 def wait_generation(store, after: int, timeout_s: float, poll_s: float = 0.02) -> int:
-    """Wait until the coordinator published a generation newer than ``after``; return it."""
+    """Wait until the coordinator published a generation newer than ``after`` that is not a pure
+    join (a failure is always followed by a membership change; a join generation published just
+    before it is cancelled by it); return it."""
     deadline = time.time() + timeout_s
     while True:
         g = current_generation(store)
-        if g > after:
+        if g > after and record_kind(store, g) != "join":
             return g
         if time.time() > deadline:
             raise RecoveryError(f"no new membership from the coordinator within {timeout_s:g} s after a "
@@ -231,13 +233,17 @@ def wait_generation(store, after: int, timeout_s: float, poll_s: float = 0.02) -
 
 class GenerationWatch:
     """Polls ``gen`` in the store every ``interval_s``; calls ``on_change(gen)`` once for every
-    generation newer than :attr:`gen` (the node sets :attr:`gen` after re-forming).  Store errors
-    are left to the heartbeat, which stops the node when the store is gone."""
+    generation newer than :attr:`gen` (the node sets :attr:`gen` after re-forming) that changes
+    membership.  A *join* generation (only adds nodes) does not abort anything: it is recorded
+    in :attr:`join_seen`, and the nodes switch to it together at the next iteration boundary.
+    Store errors are left to the heartbeat, which stops the node when the store is gone."""
 
     def __init__(self, store, interval_s: float, on_change: Callable[[int], None]):
         self.store, self.interval_s, self.on_change = store, interval_s, on_change
         self.gen = 0
         self._seen = 0
+        self.join_seen = 0
+        self._checked = 0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="genwatch", daemon=True)
 
@@ -258,9 +264,15 @@ class GenerationWatch:
                 g = current_generation(self.store)
             except Exception:  # noqa: BLE001
                 continue
-            if g > max(self.gen, self._seen):
-                self._seen = g
-                self.on_change(g)
+            if g <= max(self.gen, self._seen, self._checked):
+                continue
+            kinds = [record_kind(self.store, x) for x in range(max(self.gen, self._seen, self._checked) + 1, g + 1)]
+            self._checked = g
+            if all(k == "join" for k in kinds):
+                self.join_seen = g
+                continue
+            self._seen = g
+            self.on_change(g)
 
 
 # ---- dropping broken process groups ----------------------------------------------------------
@@ -294,3 +306,146 @@ def abandon_process_groups() -> int:
     c10d._unregister_all_process_groups()
     w.group_count = 0
     return len(pgs)
+
+
+# ---- joining a running job ----------------------------------------------------------------------
+
+def add_replica(schedule: Schedule, node: int, stage: int, original: Schedule | None = None) -> Schedule:
+    """The schedule with ``node`` added as a replica of body ``stage`` (a node joining the run).
+
+    * ``stage`` has replicas: forward hops of that stage move, last micro-batches first, from the
+      most-loaded replica to ``node`` until their counts differ by at most one.
+    * ``stage`` has none (it was lost and is skipped by every route): it goes back into every
+      route that visited it in ``original`` (the phase's schedule; every route when ``None``),
+      at the position that keeps ``original``'s visit order, on ``node``.
+
+    Micro-batch ids and originators never change (same samples).  Deterministic."""
+    if not 1 <= stage < len(schedule.placement):
+        raise ValueError(f"a joining node takes a body stage (1..{len(schedule.placement) - 1}), not {stage}")
+    if node in schedule.stage_of():
+        raise ValueError(f"node {node} is already in the schedule")
+    placement = [list(p) for p in schedule.placement]
+    mbs = [MicroBatch(m.id, m.originator, list(m.route), m.start_s) for m in schedule.micro_batches]
+    if placement[stage]:
+        load = Counter({n: 0 for n in placement[stage]})
+        for m in mbs:
+            for s, n in m.route:
+                if s == stage:
+                    load[n] += 1
+        load[node] = 0
+        while True:
+            top = max(placement[stage], key=lambda x: (load[x], -x))
+            if load[top] - load[node] <= 1:
+                break
+            m = next(m for m in reversed(mbs) if (stage, top) in m.route)
+            m.route[m.route.index((stage, top))] = (stage, node)
+            load[top] -= 1
+            load[node] += 1
+    else:
+        orig = {m.id: m.stages for m in original.micro_batches} if original is not None else {}
+        for m in mbs:
+            order = orig.get(m.id, list(range(1, len(placement)))) if original is not None else \
+                list(range(1, len(placement)))
+            if stage not in order or stage in m.stages:
+                continue
+            before = set(order[:order.index(stage)])
+            pos = sum(1 for s in m.stages if s in before)
+            m.route.insert(pos, (stage, node))
+    placement[stage].append(node)
+    meta = dict(schedule.meta)
+    meta["joined"] = {**meta.get("joined", {}), str(node): stage}
+    meta["takeover"] = {}
+    return Schedule(placement=placement, micro_batches=mbs, memory=schedule.memory,
+                    skip_ratio=schedule.skip_ratio, max_swaps=schedule.max_swaps, policy=schedule.policy,
+                    method=schedule.method, meta=meta)
+
+
+def choose_stage(schedule: Schedule, node: int, original: Schedule | None = None, topo=None,
+                 cost=None) -> tuple[int, dict]:
+    """Where a joining ``node`` shortens the iteration most: a body stage with no replica left
+    first (the routes skip it today), else the body stage whose extra replica gives the lowest
+    simulated iteration time (:func:`~skiptrain.schedule.simulator.simulate` with the phase's
+    topology and cost model, link contention on, no DP sync, like the runtime's planning).
+    Without a topology covering ``node`` (or a cost model) the stage with the most forward hops
+    per replica is taken.  Returns ``(stage, report)``; the report lists every candidate's score."""
+    from ..schedule.simulator import simulate
+
+    S = len(schedule.placement)
+    empty = [s for s in range(1, S) if not schedule.placement[s]]
+    pool = empty or list(range(1, S))
+    if not pool:
+        raise ValueError("the schedule has no body stage for a joining node")
+    scores: dict[int, float] = {}
+    rule = "empty stage" if empty else "simulated iteration time"
+    if topo is not None and cost is not None and node < topo.n:
+        for s in pool:
+            scores[s] = simulate(add_replica(schedule, node, s, original), topo, cost, contention=True,
+                                 dp_sync=False, record=False).iteration_s
+        best = min(pool, key=lambda s: (scores[s], s))
+        base = simulate(schedule, topo, cost, contention=True, dp_sync=False, record=False).iteration_s
+    else:
+        hops = Counter(s for m in schedule.micro_batches for s in m.stages)
+        per = {s: (hops[s] / len(schedule.placement[s]) if schedule.placement[s] else float("inf")) for s in pool}
+        best = max(pool, key=lambda s: (per[s], -s))
+        base = None
+        if not empty:
+            rule = "most forward hops per replica (no topology or cost model covering this node)"
+    return best, {"stage": best, "rule": rule, "candidates": pool,
+                  "simulated_s": {str(k): round(v, 6) for k, v in scores.items()},
+                  "simulated_before_s": None if base is None else round(base, 6)}
+
+
+def pack_stage_state(model, strat, info: dict | None = None) -> tuple[bytes, torch.Tensor]:
+    """A stage's weights and DP/optimizer state as (JSON bytes, one flat float32 tensor), to
+    send to a joining node without pickling: the JSON lists every tensor's name, shape and
+    dtype in the order of the flat payload, plus the strategy's scalar state and ``info``."""
+    names, parts = [], []
+    for n, t in model.state_dict().items():
+        names.append(["model", n, "", list(t.shape), str(t.dtype).replace("torch.", "")])
+        parts.append(t.detach().to(torch.float32).reshape(-1))
+    sd = dict(strat.state_dict()) if strat is not None else {"tensors": {}}
+    tensors = sd.pop("tensors", {}) or {}
+    for pn in sorted(tensors):
+        for k in sorted(tensors[pn]):
+            t = tensors[pn][k]
+            names.append(["opt", pn, k, list(t.shape), str(t.dtype).replace("torch.", "")])
+            parts.append(t.detach().to(torch.float32).reshape(-1))
+    meta = {"tensors": names, "strategy": sd if strat is not None else None, "info": info or {}}
+    flat = torch.cat(parts) if parts else torch.zeros(0)
+    return json.dumps(meta).encode(), flat
+
+
+def unpack_stage_state(meta_bytes: bytes, flat: torch.Tensor, model, strat) -> dict:
+    """Load what :func:`pack_stage_state` produced into ``model`` and ``strat`` (same stage);
+    returns the sender's ``info``.  Raises ``ValueError`` naming a tensor that does not fit."""
+    meta = json.loads(meta_bytes.decode())
+    own = model.state_dict()
+    opt: dict[str, dict[str, torch.Tensor]] = {}
+    off = 0
+    for where, name, key, shape, dtype in meta["tensors"]:
+        n = 1
+        for d in shape:
+            n *= d
+        t = flat[off:off + n].view(*shape) if shape else flat[off:off + n].view(())
+        off += n
+        t = t.to(getattr(torch, dtype))
+        if where == "model":
+            if name not in own or tuple(own[name].shape) != tuple(shape):
+                raise ValueError(f"received weight {name} {tuple(shape)} does not fit this stage")
+            with torch.no_grad():
+                own[name].copy_(t)
+        else:
+            opt.setdefault(name, {})[key] = t.clone()
+    if off != flat.numel():
+        raise ValueError(f"received {flat.numel()} values, the manifest lists {off}")
+    if strat is not None and meta["strategy"] is not None:
+        strat.load_state_dict({**meta["strategy"], "tensors": opt})
+    return meta["info"]
+
+
+def record_kind(store, gen: int) -> str:
+    """``"join"`` for a generation that only added nodes, else ``"change"``."""
+    try:
+        return json.loads(store.get(f"gen/{gen}").decode()).get("kind", "change")
+    except Exception:  # noqa: BLE001
+        return "change"

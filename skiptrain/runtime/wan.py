@@ -66,6 +66,8 @@ class LinkFifo:
 
         Returns ``(start, deliver)``: when the message starts occupying the link and when it is
         delivered at ``dst``.  Later calls for the same link queue behind earlier ones."""
+        if dst >= len(self.latency_s):           # a joined node outside the topology: not emulated
+            return now, now
         ser = nbytes * self.bytes_scale * self.inv_bandwidth[self.src][dst]
         start = max(now, self.free_at.get(dst, 0.0))
         self.free_at[dst] = start + ser

@@ -1,0 +1,147 @@
+"""Issue 8, joining a running job: a node started with ``--join HOST:PORT`` passes the HMAC
+challenge, is placed on the stage where it shortens the iteration most, receives weights and
+optimizer state from a live replica over the wire and starts at an iteration boundary; a process
+with a wrong secret is refused and never enters a process group.  Units: ``add_replica``,
+``choose_stage``, the state packing."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import processes_of_run
+from skiptrain.config import build_config
+from skiptrain.net.topology import load_topology
+from skiptrain.runtime.job import Job, Phase, build_cost
+from skiptrain.runtime.launcher import launch
+from skiptrain.runtime.recovery import add_replica, choose_stage, pack_stage_state, replan, unpack_stage_state
+from skiptrain.schedule.schedule import MicroBatch, Schedule
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _sched() -> Schedule:
+    return Schedule(placement=[[0, 1], [2], [3], [4]], memory=2, method="test", micro_batches=[
+        MicroBatch(k, k % 2, [(1, 2), (2, 3), (3, 4)]) for k in range(4)])
+
+
+# ---- units ------------------------------------------------------------------------------------
+
+def test_add_replica_balances_hops_and_restores_a_skipped_stage():
+    s = _sched()
+    r = add_replica(s, 7, 2)
+    assert r.placement[2] == [3, 7]
+    hops = [n for m in r.micro_batches for st, n in m.route if st == 2]
+    assert sorted(hops) == [3, 3, 7, 7] and [m.id for m in r.micro_batches] == [0, 1, 2, 3]
+    r.validate(claims=("placement", "originators", "stage0_ends", "no_repeat"))
+    lost = replan(s, {0, 1, 2, 4})                           # stage 2 lost: skipped by every route
+    assert all(m.stages == [1, 3] for m in lost.micro_batches)
+    back = add_replica(lost, 7, 2, original=s)
+    assert back.placement[2] == [7] and all(m.route == [(1, 2), (2, 7), (3, 4)] for m in back.micro_batches)
+    with pytest.raises(ValueError, match="body stage"):
+        add_replica(s, 7, 0)
+
+
+def test_choose_stage_takes_the_empty_stage_first_else_the_best_simulated():
+    cfg = build_config("tiny", overrides={"runtime": {"s_per_sample_layer": 1e-3}})
+    cfg.model.vocab_size = 256
+    cost = build_cost(cfg)
+    topo = load_topology("geo12", 8)
+    s = _sched()
+    lost = replan(s, {0, 1, 2, 4})
+    stage, rep = choose_stage(lost, 7, s, topo, cost)
+    assert stage == 2 and rep["rule"] == "empty stage"
+    stage, rep = choose_stage(s, 7, s, topo, cost)
+    sims = {int(k): v for k, v in rep["simulated_s"].items()}
+    assert set(sims) == {1, 2, 3} and sims[stage] == min(sims.values())
+    assert rep["simulated_before_s"] >= sims[stage]
+
+
+def test_stage_state_round_trips_without_pickle():
+    from skiptrain.dp.strategy import make_strategy
+    from skiptrain.model.transformer import StagedLM
+
+    cfg = build_config("tiny")
+    a, b = StagedLM(cfg.model, stages=[2], seed=1), StagedLM(cfg.model, stages=[2], seed=2)
+    sa = make_strategy(cfg.dp, a.named_parameters(), None, cfg.train)
+    for p in a.parameters():
+        p.grad = torch.randn_like(p)
+    sa.step(1e-3, 1)
+    sb = make_strategy(cfg.dp, b.named_parameters(), None, cfg.train)
+    meta, flat = pack_stage_state(a, sa, {"x": 1})
+    assert json.loads(meta)["info"] == {"x": 1}
+    assert unpack_stage_state(meta, flat, b, sb) == {"x": 1}
+    assert all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters()))
+    assert sb.step_count == sa.step_count == 1
+    ta, tb = sa.state_dict()["tensors"], sb.state_dict()["tensors"]
+    assert ta.keys() == tb.keys() and all(torch.equal(ta[n][k], tb[n][k]) for n in ta for k in ta[n])
+
+
+# ---- multi-process ------------------------------------------------------------------------------
+
+def _joiner(run: Path, info: dict, secret: str, name: str) -> subprocess.Popen:
+    env = dict(os.environ, SKIPTRAIN_JOIN_SECRET=secret, OMP_NUM_THREADS="1",
+               PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep))
+    log = open(run / "logs" / f"{name}.log", "wb")
+    return subprocess.Popen([sys.executable, "-m", "skiptrain.runtime.node", "--join",
+                             f"{info['host']}:{info['port']}"],
+                            env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+
+
+def test_a_node_joins_a_running_job_and_a_wrong_secret_is_refused(byte_data, tmp_path):
+    cfg = build_config("tiny", overrides={"train": {"grad_clip": 0.0, "steps": 40, "warmup_steps": 1}})
+    run = tmp_path / "run"
+    iters = 14
+    job = Job(config=cfg.to_dict(), data_path=str(byte_data), run_dir=str(run),
+              phases=[Phase("p", _sched().to_dict(), iterations=iters, dump=True)], timeout_s=15.0,
+              heartbeat_s=0.2, heartbeat_deadline_s=4.0, recover=True)
+    out: dict = {}
+    th = threading.Thread(target=lambda: out.setdefault("res", launch(job, timeout_s=240)), daemon=True)
+    th.start()
+    deadline = time.time() + 60
+    while not (run / "join.json").exists() and time.time() < deadline:
+        time.sleep(0.05)
+    info = json.loads((run / "join.json").read_text())
+    secret = Path(info["secret_file"]).read_text()
+    good = _joiner(run, info, secret, "joiner")
+    bad = _joiner(run, info, "not-the-secret", "intruder")
+    th.join(timeout=240)
+    good.wait(timeout=30)
+    bad.wait(timeout=30)
+    assert "res" in out, "the launch did not finish"
+    rec = [json.loads(x) for x in (run / "recoveries.jsonl").read_text().splitlines()]
+    joined = [r for r in rec if r.get("join") and not r.get("refused")]
+    refused = [r for r in rec if r.get("refused")]
+    assert len(joined) == 1 and len(refused) == 1, rec
+    j = joined[0]["node"]
+    assert j >= 5 and joined[0]["choice"]["stage"] == 1           # tie on hops per replica: lowest stage
+    assert "wrong challenge response" in refused[0]["cause"] and refused[0]["node"] >= 5
+    assert bad.returncode != 0
+    intruder_log = (run / "logs" / "intruder.log").read_text()
+    assert "refused by the coordinator" in intruder_log and "generation" not in intruder_log
+    assert good.returncode == 0
+    rows = out["res"].phase_metrics("p")
+    assert [r["step"] for r in rows] == list(range(1, iters + 1))
+    assert rows[0]["nodes"] == 5 and rows[-1]["nodes"] == 6
+    nj = json.loads((run / "phases" / "p" / f"node{j}.json").read_text())
+    assert nj["stage"] == 1 and nj["joined"]["from_node"] == 2 and 0 < nj["joined"]["iteration"] < iters
+    assert len(nj["iterations"]) == iters - nj["joined"]["iteration"]
+    assert all(e["n_processed"] > 0 for e in nj["iterations"])     # it took hops of stage 1
+    # weights and optimizer state came over the wire: the two replicas stay identical
+    pa = torch.load(run / "phases" / "p" / "params_node2.pt")
+    pb = torch.load(run / "phases" / "p" / f"params_node{j}.pt")
+    assert pa.keys() == pb.keys() and all(torch.equal(pa[k], pb[k]) for k in pa)
+    trained = []
+    for f in (run / "phases" / "p").glob("samples_node*.jsonl"):
+        for line in f.read_text().splitlines():
+            trained += json.loads(line)["samples"]
+    assert sorted(trained) == list(range(iters * 4 * cfg.train.micro_batch))
+    assert processes_of_run(run) == []
