@@ -194,6 +194,15 @@ class RuntimeConfig:
     timeout_s: float = _f(30.0, "peer / message / group timeout in seconds", min=0.5)
     heartbeat_s: float = _f(0.5, "heartbeat interval in seconds", min=0.05)
     plan_seed: int = _f(0, "seed of the planner and the random baselines")
+    recover: bool = _f(False, "survive failed nodes (issue 8): fence, re-plan, go on; nodes may join (--join)")
+    heartbeat_deadline_s: float = _f(0.0, "recover: a node without heartbeat this long is hung (0 = timeout_s)",
+                                     min=0.0)
+    strikes: int = _f(1, "recover: rejected payloads (bad shape/dtype/non-finite) from a node before it is banned",
+                      min=1)
+    takeover: bool = _f(False, "recover: a replica of the most replicated body stage takes over a stage left empty")
+    ckpt_every: int = _f(0, "recover: per-stage weights checkpoint every N iterations (0 = off)", min=0)
+    ckpt_max_age: int = _f(10, "recover: a stage checkpoint at most this many iterations old initialises a "
+                           "taken-over stage (older: CheckFree from the neighbours)", min=0)
 
 
 @dataclass

@@ -20,3 +20,28 @@ def test_launch_swarm_leaves_a_complete_run_directory(byte_data, tmp_path):
     # the run is usable afterwards
     assert main(["eval", str(out), "--batches", "1", "--json", str(tmp_path / "e.json")]) == 0
     assert json.loads((tmp_path / "e.json").read_text())["val_loss"] > 0
+
+
+def test_launch_with_recover_writes_stage_checkpoints_and_cleans_the_join_secret(byte_data, tmp_path):
+    out = tmp_path / "swarm"
+    assert main(["launch", "--preset", "tiny", "--data", str(byte_data), "--out", str(out), "--nodes", "5",
+                 "--set", "runtime.stage_sizes=2,1,1,1", "--steps", "2", "--recover", "--heartbeat-deadline", "8",
+                 "--strikes", "2", "--ckpt-every", "1"]) == 0
+    job = json.loads((out / "job.json").read_text())
+    assert job["recover"] and job["heartbeat_deadline_s"] == 8 and job["strikes"] == 2 and job["ckpt_every"] == 1
+    for s in range(4):                                     # every stage's first replica wrote its weights
+        assert (out / "stage_ckpt" / "train" / f"stage{s}" / "LATEST").read_text().strip() == "step-00000002"
+    assert not (out / "join_secret").exists() and not (out / "join.json").exists()   # run over: no joining
+    assert json.loads((out / "run.json").read_text())["step"] == 2
+
+
+def test_launch_failure_flags_give_clear_errors(byte_data, tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("SKIPTRAIN_JOIN_SECRET", "")          # restored afterwards (--join sets it)
+    assert main(["launch", "--preset", "tiny", "--data", str(byte_data), "--out", str(tmp_path / "x"),
+                 "--nodes", "5", "--takeover"]) != 0
+    assert "--takeover needs --recover" in capsys.readouterr().err
+    assert main(["launch", "--join", "127.0.0.1:1", "--join-secret-file", str(tmp_path / "nope")]) != 0
+    assert "cannot read the join secret file" in capsys.readouterr().err
+    (tmp_path / "s").write_text("x")
+    assert main(["launch", "--join", "nohostport", "--join-secret-file", str(tmp_path / "s")]) != 0
+    assert "expected HOST:PORT" in capsys.readouterr().err

@@ -59,7 +59,14 @@ def train_swarm(cfg, data: str, out: str, steps: int | None = None, echo: bool =
               f"topology {topo.name}{' (emulated)' if rt.wan else ''} -> {out}", flush=True)
     job = Job(config=cfg.to_dict(), data_path=str(ds.path), run_dir=str(outp), timeout_s=rt.timeout_s,
               heartbeat_s=rt.heartbeat_s,
-              phases=[phase_for(cfg, sched, topo, cost, "train", steps, save_weights=True)])
+              phases=[phase_for(cfg, sched, topo, cost, "train", steps, save_weights=True)],
+              recover=rt.recover, heartbeat_deadline_s=rt.heartbeat_deadline_s or None, strikes=rt.strikes,
+              takeover=rt.takeover, ckpt_every=rt.ckpt_every, ckpt_max_age=rt.ckpt_max_age)
+    if rt.recover and echo:
+        print(f"recovery on: hung-peer deadline {rt.heartbeat_deadline_s or rt.timeout_s:g} s, {rt.strikes} "
+              f"strike(s) for bad peers, takeover {'on' if rt.takeover else 'off'}, stage checkpoints "
+              f"{'every ' + str(rt.ckpt_every) + ' iterations' if rt.ckpt_every else 'off'}; nodes may join with "
+              f"`skiptrain launch --join HOST:PORT` (address and secret file: {outp / 'join.json'})", flush=True)
     res = launch(job, timeout_s=max(3600.0, steps * 60.0), echo=echo)
     rows = res.phase_metrics("train")
     baseline = unigram_loss(ds.tokens("train"), ds.tokens("val"), ds.vocab_size)
@@ -119,8 +126,32 @@ def _save_weights_checkpoint(cfg, model, outp: Path, step: int, global_batch: in
         mgr.close()
 
 
+def cmd_join(target: str, secret_file: str | None) -> int:
+    """``skiptrain launch --join HOST:PORT``: this process becomes a node of the running job."""
+    import os
+
+    from .node import main as node_main
+
+    if secret_file:
+        try:
+            os.environ["SKIPTRAIN_JOIN_SECRET"] = Path(secret_file).read_text().strip()
+        except OSError as e:
+            raise UserError(f"cannot read the join secret file {secret_file!r}: {e.strerror}; pass the run's "
+                            "RUN_DIR/join_secret (or set SKIPTRAIN_JOIN_SECRET)") from None
+    if not os.environ.get("SKIPTRAIN_JOIN_SECRET"):
+        raise UserError("joining needs the run's secret: --join-secret-file RUN_DIR/join_secret, or "
+                        "SKIPTRAIN_JOIN_SECRET in the environment")
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    return node_main(["--join", target])
+
+
 def cmd_launch(args: argparse.Namespace) -> int:
     from ..train.cli import config_from_args
+
+    if args.join:
+        return cmd_join(args.join, args.join_secret_file)
+    if args.out is None:
+        raise UserError("skiptrain launch needs --out RUN_DIR (or --join HOST:PORT to join a running job)")
 
     cfg = config_from_args(args, **{"data.path": args.data, "train.steps": args.steps,
                                     "train.skip_ratio": args.skip_ratio, "train.seed": args.seed,
@@ -128,6 +159,15 @@ def cmd_launch(args: argparse.Namespace) -> int:
                                     "runtime.topology": args.topology})
     if args.wan:
         cfg.runtime.wan = cfg.runtime.emulate_compute = True
+    for flag, key in (("recover", "recover"), ("takeover", "takeover")):
+        if getattr(args, flag):
+            setattr(cfg.runtime, key, True)
+    for flag, key in (("heartbeat_deadline", "heartbeat_deadline_s"), ("strikes", "strikes"),
+                      ("ckpt_every", "ckpt_every"), ("ckpt_max_age", "ckpt_max_age")):
+        if getattr(args, flag) is not None:
+            setattr(cfg.runtime, key, getattr(args, flag))
+    if cfg.runtime.takeover and not cfg.runtime.recover:
+        raise UserError("--takeover needs --recover (a stage is only taken over by a run that survives failures)")
     summary = train_swarm(cfg, cfg.data.path, args.out, echo=True)
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
@@ -150,6 +190,21 @@ def register(sub) -> None:
     p.add_argument("--steps", type=int, default=None)
     p.add_argument("--skip-ratio", type=float, default=None)
     p.add_argument("--seed", type=int, default=None)
-    p.add_argument("--out", required=True, help="run directory")
+    p.add_argument("--out", default=None, help="run directory")
+    g = p.add_argument_group("failures (issue 8; docs/failures.md)")
+    g.add_argument("--recover", action="store_true",
+                   help="survive killed, hung and bad nodes (config runtime.recover); nodes may join")
+    g.add_argument("--heartbeat-deadline", type=float, default=None, metavar="S",
+                   help="hung-peer deadline in seconds (config runtime.heartbeat_deadline_s)")
+    g.add_argument("--strikes", type=int, default=None, help="bad payloads before a node is banned")
+    g.add_argument("--takeover", action="store_true", help="a replica moves into a body stage left empty")
+    g.add_argument("--ckpt-every", type=int, default=None, metavar="N",
+                   help="per-stage weights checkpoint every N iterations (recovery mode)")
+    g.add_argument("--ckpt-max-age", type=int, default=None, metavar="N",
+                   help="newest stage checkpoint used up to N iterations old, else CheckFree")
+    g.add_argument("--join", default=None, metavar="HOST:PORT",
+                   help="join a running --recover job as a new node (address in RUN_DIR/join.json)")
+    g.add_argument("--join-secret-file", default=None, metavar="PATH",
+                   help="with --join: the run's secret (RUN_DIR/join_secret), else SKIPTRAIN_JOIN_SECRET")
     p.add_argument("--json", default=None, help="write the run summary here")
     p.set_defaults(func=cmd_launch)

@@ -248,4 +248,32 @@ def _merge_outputs(job: Job, run_dir: Path) -> None:
         state = {}
         for p in parts:
             state.update(load_file(str(p)))
+        if job.recover:
+            state.update(_lost_stages_from_checkpoints(job, run_dir, {p.stem for p in parts}))
         save_file(state, str(run_dir / "model.safetensors"))
+
+
+def _lost_stages_from_checkpoints(job: Job, run_dir: Path, have: set[str]) -> dict:
+    """Recovery mode: a stage that ended the run without a replica (lost for good, never taken
+    over) has no part; its newest per-stage checkpoint fills the merged model (noted in
+    ``RUN_DIR/lost_stages.json``), else the model lacks it and that file says so."""
+    from ..checkpoint import store as ckstore
+    from ..checkpoint.reader import CheckpointReader
+
+    ph = job.phases[-1]
+    S = len(Schedule.from_dict(ph.schedule).placement)
+    out, notes = {}, {}
+    for s in range(S):
+        if f"stage{s}" in have:
+            continue
+        done = ckstore.list_committed(run_dir / "stage_ckpt" / ph.name / f"stage{s}")
+        if done:
+            step, path = max(done)
+            r = CheckpointReader(path)
+            out.update(r.read_many(r.names()))
+            notes[s] = f"no replica at the end; weights from its checkpoint after iteration {step} ({path})"
+        else:
+            notes[s] = "no replica at the end and no checkpoint: missing from model.safetensors"
+    if notes:
+        (run_dir / "lost_stages.json").write_text(json.dumps({str(k): v for k, v in notes.items()}, indent=1))
+    return out

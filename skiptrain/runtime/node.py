@@ -808,7 +808,10 @@ def main(argv: list[str] | None = None) -> int:
         set_parent_death_signal()
     torch.set_num_threads(1)
     import faulthandler
-    faulthandler.register(signal.SIGUSR1, all_threads=True)   # `kill -USR1 PID`: stacks to the log
+    try:
+        faulthandler.register(signal.SIGUSR1, all_threads=True)   # `kill -USR1 PID`: stacks to the log
+    except (ValueError, OSError, AttributeError):                  # stderr without a file descriptor
+        pass
     store = None
     if args.join:
         try:
