@@ -227,3 +227,34 @@ def test_a_second_failure_during_recovery_is_survived_too(byte_data, tmp_path):
             trained += json.loads(line)["samples"]
     assert sorted(trained) == list(range(3 * 4 * cfg.train.micro_batch))
     assert processes_of_run(run) == []
+
+
+def test_a_bad_peer_is_banned_after_its_strikes_and_its_stage_restarts_from_the_checkpoint(byte_data, tmp_path):
+    """Stages 2/2/1/1, strikes = 2, per-stage checkpoints every iteration: the sole stage-2 node
+    sends NaN activations from iteration 2; the first rejection is a strike (the iteration is re-run
+    with the same nodes), the second bans it; node 3 takes stage 2 over from the stage's latest
+    checkpoint (young enough), not CheckFree."""
+    sched = Schedule(placement=[[0, 1], [2, 3], [4], [5]], memory=2, method="test", micro_batches=[
+        MicroBatch(k, k % 2, [(1, 2 + (k // 2) % 2), (2, 4), (3, 5)]) for k in range(4)])
+    cfg = build_config("tiny", overrides={"train": {"grad_clip": 0.0, "steps": 20, "warmup_steps": 1}})
+    run = tmp_path / "run"
+    job = Job(config=cfg.to_dict(), data_path=str(byte_data), run_dir=str(run),
+              phases=[Phase("p", sched.to_dict(), iterations=4)], timeout_s=15.0, heartbeat_s=0.2,
+              heartbeat_deadline_s=4.0, fault={"node": 4, "kind": "nan", "iteration": 2}, recover=True,
+              takeover=True, strikes=2, ckpt_every=1, ckpt_max_age=3)
+    res = launch(job, timeout_s=180)
+    assert [r["step"] for r in res.phase_metrics("p")] == [1, 2, 3, 4]
+    rec = [json.loads(x) for x in (run / "recoveries.jsonl").read_text().splitlines()]
+    assert [r["node"] for r in rec] == [4, 4]
+    assert rec[0]["strike"] == 1 and not rec[0]["fenced"] and rec[0]["alive"] == list(range(6))
+    assert "banned" in rec[1]["cause"] and rec[1]["fenced"] and 4 not in rec[1]["alive"]
+    n3 = json.loads((run / "phases" / "p" / "node3.json").read_text())
+    (tk,) = n3["takeovers"]
+    assert tk["stage"] == 2 and tk["init"] == "checkpoint" and tk["checkpoint_age"] == 0
+    assert "stage2" in tk["checkpoint"] and n3["stage"] == 2
+    trained = []
+    for f in (run / "phases" / "p").glob("samples_node*.jsonl"):
+        for line in f.read_text().splitlines():
+            trained += json.loads(line)["samples"]
+    assert sorted(trained) == list(range(4 * 4 * cfg.train.micro_batch))
+    assert processes_of_run(run) == []

@@ -131,8 +131,10 @@ class _Node:
     def _transport(self):
         from .transport import P2PTransport
 
-        return P2PTransport(self.rank, self.p2p_group, stage_of=lambda n: self.stage_of.get(n, -1),
-                            rank_of=self._rank.__getitem__, node_of=self.alive.__getitem__)
+        tr = P2PTransport(self.rank, self.p2p_group, stage_of=lambda n: self.stage_of.get(n, -1),
+                          rank_of=self._rank.__getitem__, node_of=self.alive.__getitem__)
+        tr.corrupt = getattr(self, "_corrupt", None)        # an injected bad peer stays bad
+        return tr
 
     def _peer_failed_soft(self, node: int, reason: str) -> None:
         """Recovery mode: the coordinator decides membership; only a lost store stops the node."""
@@ -188,7 +190,7 @@ class _Node:
             self._fired.add(i)
             if kind in ("nan", "shape"):            # a bad peer: corrupt every payload it sends
                 self.store.set(f"fault/{self.rank}", repr(time.time()))
-                self.tr.corrupt = kind
+                self.tr.corrupt = self._corrupt = kind
             elif kind == "raise":
                 self.store.set(f"fault/{self.rank}", repr(time.time()))
                 raise _InjectedFault(f"injected fault on node {self.rank}")
