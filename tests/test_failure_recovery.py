@@ -12,6 +12,7 @@ whole run are exactly the global sample cursor's, none lost, none repeated."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from collections import Counter
 
 import pytest
@@ -257,4 +258,57 @@ def test_a_bad_peer_is_banned_after_its_strikes_and_its_stage_restarts_from_the_
         for line in f.read_text().splitlines():
             trained += json.loads(line)["samples"]
     assert sorted(trained) == list(range(4 * 4 * cfg.train.micro_batch))
+    assert processes_of_run(run) == []
+
+
+def test_a_killed_coordinator_is_replaced_without_losing_the_run(byte_data, tmp_path):
+    """restartable=True: the store lives in its own process; the launcher (coordinator) is
+    SIGKILLed mid-run, the nodes keep training, ``python -m skiptrain.runtime.coordinator --run``
+    takes over from the store, then handles a killed originator, and finishes the run (outputs
+    merged, store stopped, no process left)."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    sched = Schedule(placement=[[0, 1], [2], [3], [4]], memory=2, method="test", micro_batches=[
+        MicroBatch(k, k % 2, [(1, 2), (2, 3), (3, 4)]) for k in range(4)])
+    cfg = build_config("tiny", overrides={"train": {"grad_clip": 0.0, "steps": 40, "warmup_steps": 1}})
+    run = tmp_path / "run"
+    iters = 16
+    job = Job(config=cfg.to_dict(), data_path=str(byte_data), run_dir=str(run),
+              phases=[Phase("p", sched.to_dict(), iterations=iters, save_weights=True)], timeout_s=15.0,
+              heartbeat_s=0.2, heartbeat_deadline_s=4.0, recover=True, restartable=True,
+              fault={"node": 1, "kind": "kill", "iteration": 12})
+    run.mkdir()
+    job.save(tmp_path / "job.json")
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1]))
+    launcher = subprocess.Popen([sys.executable, "-c", "import sys; from skiptrain.runtime.job import Job; "
+                                 "from skiptrain.runtime.launcher import launch; "
+                                 f"launch(Job.load({str(tmp_path / 'job.json')!r}), timeout_s=300)"],
+                                env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 120
+    while time.time() < deadline:
+        m = run / "metrics.jsonl"
+        if m.exists() and len(m.read_text().splitlines()) >= 2:
+            break
+        time.sleep(0.05)
+    os.kill(launcher.pid, signal.SIGKILL)
+    launcher.wait()
+    coord = subprocess.run([sys.executable, "-m", "skiptrain.runtime.coordinator", "--run", str(run)], env=env,
+                           capture_output=True, text=True, timeout=240)
+    assert coord.returncode == 0, coord.stderr[-2000:]
+    assert "restarted: generation 0" in coord.stderr
+    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines() if x.strip()]
+    assert [r["step"] for r in rows] == list(range(1, iters + 1)) and rows[-1]["nodes"] == 4
+    rec = [json.loads(x) for x in (run / "recoveries.jsonl").read_text().splitlines()]
+    assert rec[0]["restart"] and rec[1]["node"] == 1 and "died" in rec[1]["cause"] and rec[1]["gen"] == 1
+    assert (run / "model.safetensors").is_file() and not (run / "join_secret").exists()
+    trained = []
+    for f in (run / "phases" / "p").glob("samples_node*.jsonl"):
+        for line in f.read_text().splitlines():
+            trained += json.loads(line)["samples"]
+    assert sorted(trained) == list(range(iters * 4 * cfg.train.micro_batch))
+    time.sleep(0.5)
     assert processes_of_run(run) == []

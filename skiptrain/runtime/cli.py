@@ -19,7 +19,8 @@ from pathlib import Path
 from ..errors import UserError
 
 
-def train_swarm(cfg, data: str, out: str, steps: int | None = None, echo: bool = True) -> dict:
+def train_swarm(cfg, data: str, out: str, steps: int | None = None, echo: bool = True,
+                restartable: bool = False) -> dict:
     """Plan, launch, collect: returns the run summary (also written to ``OUT/run.json``)."""
     from ..data.dataset import TokenDataset
     from ..model import StagedLM
@@ -61,7 +62,8 @@ def train_swarm(cfg, data: str, out: str, steps: int | None = None, echo: bool =
               heartbeat_s=rt.heartbeat_s,
               phases=[phase_for(cfg, sched, topo, cost, "train", steps, save_weights=True)],
               recover=rt.recover, heartbeat_deadline_s=rt.heartbeat_deadline_s or None, strikes=rt.strikes,
-              takeover=rt.takeover, ckpt_every=rt.ckpt_every, ckpt_max_age=rt.ckpt_max_age)
+              takeover=rt.takeover, ckpt_every=rt.ckpt_every, ckpt_max_age=rt.ckpt_max_age,
+              restartable=rt.recover and restartable)
     if rt.recover and echo:
         print(f"recovery on: hung-peer deadline {rt.heartbeat_deadline_s or rt.timeout_s:g} s, {rt.strikes} "
               f"strike(s) for bad peers, takeover {'on' if rt.takeover else 'off'}, stage checkpoints "
@@ -168,7 +170,9 @@ def cmd_launch(args: argparse.Namespace) -> int:
             setattr(cfg.runtime, key, getattr(args, flag))
     if cfg.runtime.takeover and not cfg.runtime.recover:
         raise UserError("--takeover needs --recover (a stage is only taken over by a run that survives failures)")
-    summary = train_swarm(cfg, cfg.data.path, args.out, echo=True)
+    if args.restartable and not cfg.runtime.recover:
+        raise UserError("--restartable needs --recover (only a recovering run has a coordinator to restart)")
+    summary = train_swarm(cfg, cfg.data.path, args.out, echo=True, restartable=args.restartable)
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(summary, indent=1))
@@ -202,6 +206,9 @@ def register(sub) -> None:
                    help="per-stage weights checkpoint every N iterations (recovery mode)")
     g.add_argument("--ckpt-max-age", type=int, default=None, metavar="N",
                    help="newest stage checkpoint used up to N iterations old, else CheckFree")
+    g.add_argument("--restartable", action="store_true",
+                   help="store in its own process: if this launcher dies, `python -m skiptrain.runtime.coordinator "
+                        "--run OUT` takes over (docs/failures.md)")
     g.add_argument("--join", default=None, metavar="HOST:PORT",
                    help="join a running --recover job as a new node (address in RUN_DIR/join.json)")
     g.add_argument("--join-secret-file", default=None, metavar="PATH",

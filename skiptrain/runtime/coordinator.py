@@ -97,7 +97,7 @@ def _log(log_path: Path, row: dict) -> None:
 
 
 def coordinate(job: Job, procs, store, world: int, t_start: float, timeout_s: float,
-               run_dir: Path, join_secret: str) -> dict | None:
+               run_dir: Path, join_secret: str, resume: bool = False) -> dict | None:
     from .join import admit
 
     deadline = job.heartbeat_deadline_s or job.timeout_s
@@ -109,6 +109,9 @@ def coordinate(job: Job, procs, store, world: int, t_start: float, timeout_s: fl
     log_path = Path(run_dir) / "recoveries.jsonl"
     fenced: set[int] = set()
     members = _Members(procs, store)
+    if resume:
+        return _loop(job, store, members, stage0, deadline, strikes_needed, log_path, fenced, world, t_start,
+                     timeout_s, join_secret, resume=True)
     # admission: only nodes that answer the join challenge enter generation 0 (and any group)
     t_adm = time.time()
     adm = admit(store, list(range(world)), join_secret, max(60.0, job.timeout_s),
@@ -127,8 +130,31 @@ def coordinate(job: Job, procs, store, world: int, t_start: float, timeout_s: fl
         return {"kind": "exit", "node": min(set(range(world)) - alive), "t": time.time(),
                 "code": procs[min(set(range(world)) - alive)].poll()}
     publish_generation(store, 0, sorted(alive), {n: v for n, v in adm.items() if v != "ok"})
-    joins = _Joins(job, store, members, join_secret, log_path, world)
+    return _loop(job, store, members, stage0, deadline, strikes_needed, log_path, fenced, world, t_start,
+                 timeout_s, join_secret, alive=alive)
+
+
+def _loop(job, store, members, stage0, deadline, strikes_needed, log_path, fenced, world, t_start, timeout_s,
+          join_secret, alive: set[int] | None = None, resume: bool = False) -> dict | None:
+    """The coordinator's watch loop.  ``resume``: a restarted coordinator; everything it needs
+    is read back from the store (generation, alive set, node PIDs, strikes, joins under way)."""
+    from .recovery import current_generation, read_generation
+
+    gen = 0
     strikes: dict[int, int] = {}
+    joins = _Joins(job, store, members, join_secret, log_path, world)
+    if resume:
+        gen = current_generation(store)
+        alive = set(read_generation(store, gen)["alive"])
+        for r in sorted(alive):
+            members.ext[r] = int(store.get(f"pid/{r}").decode())
+        if store.check(["coord/strikes"]):
+            strikes = {int(k): v for k, v in json.loads(store.get("coord/strikes").decode()).items()}
+        joins.resume(gen, alive)
+        print(f"[coordinator] restarted: generation {gen}, alive {sorted(alive)}, node PIDs "
+              f"{[members.ext[r] for r in sorted(alive)]}", file=sys.stderr, flush=True)
+        _log(log_path, {"gen": gen, "node": None, "cause": "coordinator restarted", "restart": True,
+                        "t_detect": time.time(), "alive": sorted(alive)})
     next_hb = time.time() + job.heartbeat_s
     while True:
         codes = {r: members.code(r) for r in alive}
@@ -167,6 +193,7 @@ def coordinate(job: Job, procs, store, world: int, t_start: float, timeout_s: fl
                         and bad not in struck:
                     cause = f"bad peer: {rep['cause'].splitlines()[0][:200]} (reported by node {r})"
                     strikes[bad] = strikes.get(bad, 0) + 1
+                    store.set("coord/strikes", json.dumps(strikes))
                     if strikes[bad] >= strikes_needed:
                         found[bad] = (cause + f"; strike {strikes[bad]} of {strikes_needed}: banned",
                                       float(rep["t"]))
@@ -348,6 +375,35 @@ class _Joins:
         self.last_added = j
         return True
 
+    def resume(self, gen: int, alive: set[int]) -> None:
+        """A restarted coordinator: rebuild the joins under way from the store's join keys."""
+        try:
+            top = self.store.add("nodes/next", 0)
+        except Exception:  # noqa: BLE001
+            return
+        now = time.time()
+        for j in range(self.world, top):
+            if not self.store.check([f"join/hello/{j}"]):
+                continue
+            self.seen.add(j)
+            try:
+                pid = int(json.loads(self.store.get(f"join/hello/{j}").decode()).get("pid") or 0)
+            except (ValueError, AttributeError):
+                pid = 0
+            res = self.store.get(f"join/result/{j}").decode() if self.store.check([f"join/result/{j}"]) else None
+            if self.store.check([f"join/assign/{j}"]):
+                g = int(self.store.get(f"join/assign/{j}").decode())
+                if j in alive and not self.store.check([f"ack/{g}/{n}" for n in sorted(alive)]):
+                    info = json.loads(self.store.get(f"gen/{g}").decode())
+                    self.pending[j] = {"t_hello": now, "t_admit": now, "pid": pid, "state": "published", "gen": g,
+                                       "stage": info["join"][str(j)], "choice": info.get("choice"), "t_pub": now}
+            elif res == "ok":
+                self.pending[j] = {"t_hello": now, "t_admit": now, "pid": pid, "state": "admitted"}
+                self.members.ext[j] = pid
+            elif res is None and self.store.check([f"join/nonce/{j}"]):
+                self.pending[j] = {"t_hello": now, "pid": pid, "state": "challenged",
+                                   "nonce": self.store.get(f"join/nonce/{j}").decode()}
+
     def cancel(self, alive: set[int]) -> dict[int, tuple[str, float | None]]:
         """A failure happened: a join published but not yet taken up everywhere is cancelled."""
         out = {}
@@ -356,3 +412,48 @@ class _Joins:
                 out[j] = ("join cancelled: a failure happened before every node took it up", None)
                 del self.pending[j]
         return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m skiptrain.runtime.coordinator --run RUN_DIR``: replace a coordinator that died
+    (a run launched with ``Job(restartable=True)`` / ``--restartable``).  It reads the job, the
+    store address and the join secret from the run directory, resumes from the store, and at
+    the end merges the outputs like the launcher and stops the store."""
+    import argparse
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from .launcher import _merge_outputs, stop_store
+
+    ap = argparse.ArgumentParser(prog="python -m skiptrain.runtime.coordinator", description=main.__doc__.split("\n")[0])
+    ap.add_argument("--run", required=True, help="run directory of the running job")
+    ap.add_argument("--timeout", type=float, default=3600.0, help="seconds before giving up on the run")
+    args = ap.parse_args(argv)
+    run_dir = Path(args.run)
+    try:
+        job = Job.load(run_dir / "job.json")
+        info = json.loads((run_dir / "store.json").read_text())
+        secret = (run_dir / "join_secret").read_text()
+    except OSError as e:
+        print(f"skiptrain coordinator: {run_dir} is not a running restartable job ({e.strerror}: {e.filename}); "
+              "launch with restartable=True (--restartable)", file=sys.stderr)
+        return 2
+    store = dist.TCPStore(info["host"], int(info["port"]), 1, is_master=False, wait_for_workers=False,
+                          timeout=timedelta(seconds=max(job.timeout_s, 60.0)))
+    t0 = time.time()
+    failure = coordinate(job, [], store, job.world, t0, args.timeout, run_dir, secret, resume=True)
+    (run_dir / "join_secret").unlink(missing_ok=True)
+    (run_dir / "join.json").unlink(missing_ok=True)
+    if failure is None:
+        _merge_outputs(job, run_dir)
+    stop_store(int(info["pid"]), store)
+    if failure is not None:
+        print(f"skiptrain coordinator: the run failed: {failure}", file=sys.stderr)
+        return 1
+    print(f"skiptrain coordinator: the run finished ({time.time() - t0:.1f} s after the restart)", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -66,6 +66,7 @@ class Job:
     strikes: int = 1                          # rejected payloads from one sender before it is banned
     ckpt_every: int = 0                       # recovery mode: per-stage weights checkpoint every N iterations
     ckpt_max_age: int = 10                    # a stage checkpoint older than this (iterations): CheckFree instead
+    restartable: bool = False                 # recover: store in its own process; the coordinator can be restarted
     meta: dict[str, Any] = field(default_factory=dict)
 
     @property

@@ -93,8 +93,17 @@ def launch(job: Job, nodes: int | None = None, timeout_s: float = 3600.0, grace_
     (run_dir / "metrics.jsonl").write_text("")
     (run_dir / "logs").mkdir(exist_ok=True)
     job_path = job.save(run_dir / "job.json")
-    store = dist.TCPStore("127.0.0.1", 0, world, is_master=True, wait_for_workers=False,
-                          timeout=timedelta(seconds=max(job.timeout_s, 60.0)))
+    store_proc = None
+    if job.recover and job.restartable:
+        # the store in a process of its own: this launcher (the coordinator) may die and be
+        # replaced (``python -m skiptrain.runtime.coordinator --run RUN_DIR``) without losing the run
+        from .store import start as start_store
+        store_proc, _, port = start_store(run_dir)
+        store = dist.TCPStore("127.0.0.1", port, world, is_master=False, wait_for_workers=False,
+                              timeout=timedelta(seconds=max(job.timeout_s, 60.0)))
+    else:
+        store = dist.TCPStore("127.0.0.1", 0, world, is_master=True, wait_for_workers=False,
+                              timeout=timedelta(seconds=max(job.timeout_s, 60.0)))
     (run_dir / "join.json").unlink(missing_ok=True)
     if job.recover:
         # nodes joining later (``--join HOST:PORT``) take ids from here on and read the job here
@@ -103,6 +112,7 @@ def launch(job: Job, nodes: int | None = None, timeout_s: float = 3600.0, grace_
     repo_root = str(Path(__file__).resolve().parents[2])
     base_env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(store.port), WORLD_SIZE=str(world),
                     SKIPTRAIN_STORE_HOSTED="1", OMP_NUM_THREADS="1",
+                    SKIPTRAIN_DETACHED="1" if store_proc is not None else "0",
                     PYTHONPATH=os.pathsep.join([repo_root, os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep))
     procs: list[subprocess.Popen] = []
     logs = []
@@ -125,7 +135,8 @@ def launch(job: Job, nodes: int | None = None, timeout_s: float = 3600.0, grace_
             log = open(run_dir / "logs" / f"node{r}.log", "wb")
             logs.append(log)
             procs.append(subprocess.Popen([sys.executable, "-m", "skiptrain.runtime.node", "--job", str(job_path)],
-                                          env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL))
+                                          env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                          start_new_session=store_proc is not None))
         with SwarmProgress(run_dir / "metrics.jsonl", sum(ph.iterations for ph in job.phases), enabled=echo):
             if job.recover:
                 from .coordinator import coordinate
@@ -153,6 +164,8 @@ def launch(job: Job, nodes: int | None = None, timeout_s: float = 3600.0, grace_
             log.close()
         (run_dir / "join_secret").unlink(missing_ok=True)     # the run is over: nobody may join
         (run_dir / "join.json").unlink(missing_ok=True)
+        if store_proc is not None:
+            stop_store(store_proc, store)
     wall = time.time() - t_start
     if failure is not None:
         raise _explain(job, procs, failure, run_dir, store, killed_by_us)
@@ -161,6 +174,30 @@ def launch(job: Job, nodes: int | None = None, timeout_s: float = 3600.0, grace_
     if echo:
         print(f"[launch] {world} nodes finished in {wall:.1f} s", flush=True)
     return LaunchResult(run_dir, wall, metrics)
+
+
+def stop_store(store_proc, store) -> None:
+    """Ask the store process to exit (``store/stop``); SIGKILL it if it does not within 5 s."""
+    from .store import STOP_KEY
+
+    try:
+        store.set(STOP_KEY, "1")
+    except Exception:  # noqa: BLE001
+        pass
+    pid = store_proc if isinstance(store_proc, int) else store_proc.pid
+    end = time.time() + 5
+    while time.time() < end:
+        if isinstance(store_proc, int):
+            from .coordinator import _pid_running
+            if not _pid_running(pid):
+                return
+        elif store_proc.poll() is not None:
+            return
+        time.sleep(0.05)
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
 
 
 def _monitor(job: Job, procs, store, world: int, t_start: float, timeout_s: float) -> dict | None:

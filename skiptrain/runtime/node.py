@@ -81,6 +81,7 @@ class _Node:
             from .join import JoinRefused, node_join, secret_from_env
             from .recovery import read_generation
 
+            self.store.set(f"pid/{rank}", str(os.getpid()))   # a restarted coordinator fences by PID
             secret = secret_from_env()
             if self._fault_kind() == "wrong_secret":
                 secret = "not the secret"
@@ -806,8 +807,8 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if not args.job and not args.join:
         ap.error("give --job JOB.json (a node of a launch) or --join HOST:PORT (a node joining a running job)")
-    if os.environ.get("SKIPTRAIN_STORE_HOSTED") == "1":
-        set_parent_death_signal()
+    if os.environ.get("SKIPTRAIN_STORE_HOSTED") == "1" and os.environ.get("SKIPTRAIN_DETACHED") != "1":
+        set_parent_death_signal()     # (detached: the store lives on its own and the coordinator may restart)
     torch.set_num_threads(1)
     import faulthandler
     try:

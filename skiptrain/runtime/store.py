@@ -1,0 +1,69 @@
+"""The rendezvous store in a process of its own, so the coordinator can be restarted (issue 8).
+
+``python -m skiptrain.runtime.store --port-file PATH`` hosts a ``TCPStore`` on 127.0.0.1 (port
+chosen by the OS), writes ``{"host", "port", "pid"}`` to ``PATH`` and serves until the key
+``store/stop`` is set (the coordinator does that when the run ends).  Everything the coordinator
+knows lives in this store (generations and their alive sets, strikes, join nonces and results,
+node PIDs), so a coordinator that dies can be replaced by ``python -m
+skiptrain.runtime.coordinator --run RUN_DIR`` without losing the run: the nodes keep training
+meanwhile (they only need the coordinator when membership changes).
+
+Failure semantics: if this process dies, every node loses the store, its heartbeat write fails
+and it exits (as with the in-launcher store); nothing is persisted on disk.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from datetime import timedelta
+from pathlib import Path
+
+STOP_KEY = "store/stop"
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m skiptrain.runtime.store", description=__doc__.split("\n")[0])
+    ap.add_argument("--port-file", required=True, help="where to write the address (JSON)")
+    ap.add_argument("--poll", type=float, default=0.2, help="seconds between checks of the stop key")
+    args = ap.parse_args(argv)
+    import torch.distributed as dist
+
+    store = dist.TCPStore("127.0.0.1", 0, 1, is_master=True, wait_for_workers=False,
+                          timeout=timedelta(seconds=60))
+    tmp = Path(args.port_file).with_suffix(".tmp")
+    tmp.write_text(json.dumps({"host": "127.0.0.1", "port": store.port, "pid": os.getpid()}))
+    os.replace(tmp, args.port_file)
+    while not store.check([STOP_KEY]):
+        time.sleep(args.poll)
+    time.sleep(0.5)            # let the last clients finish their calls
+    return 0
+
+
+def start(run_dir: Path, timeout_s: float = 60.0):
+    """Start the store process for ``run_dir``; returns (Popen, host, port)."""
+    import subprocess
+
+    pf = Path(run_dir) / "store.json"
+    pf.unlink(missing_ok=True)
+    repo_root = str(Path(__file__).resolve().parents[2])
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([repo_root, os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep),
+               OMP_NUM_THREADS="1")
+    log = open(Path(run_dir) / "logs" / "store.log", "wb")
+    p = subprocess.Popen([sys.executable, "-m", "skiptrain.runtime.store", "--port-file", str(pf)], env=env,
+                         stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
+    log.close()
+    deadline = time.time() + timeout_s
+    while not pf.exists():
+        if p.poll() is not None or time.time() > deadline:
+            raise RuntimeError(f"the store process did not start (see {Path(run_dir) / 'logs' / 'store.log'})")
+        time.sleep(0.02)
+    d = json.loads(pf.read_text())
+    return p, d["host"], int(d["port"])
+
+
+if __name__ == "__main__":
+    sys.exit(main())
