@@ -124,6 +124,11 @@ class DPConfig:
     topk: int = _f(32, "DeMo coefficients kept per chunk", min=1)
     beta: float = _f(0.999, "DeMo momentum decay", min=0.0, max=1.0)
     dct: bool = _f(True, "DeMo: DCT the chunks (false = top-k in parameter space)")
+    step_rule: str = _f("sign", "DeMo update from the decoded momentum: sign (DeMo: p -= lr sign(d)) or rms "
+                        "(p -= lr d / rms(d) per tensor: same RMS step, keeps relative magnitudes)",
+                        choices=("sign", "rms"))
+    update_momentum: float = _f(0.0, "DeMo: momentum on the decoded (replica-identical) update, u = mu u + d, "
+                                "stepped on instead of d; no extra bytes (0 = off, DeMo)", min=0.0, max=0.999)
     values: str = _f("fp32", "DeMo value encoding", choices=("fp32", "bf16", "sign1", "sign2"))
     indices: str = _f("int64", "DeMo index encoding", choices=("int64", "u16", "u12"))
     sync_every: int = _f(1, "H: iterations per sync (DeMo: momentum accumulation; DiLoCo: local steps)", min=1)

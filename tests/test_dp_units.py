@@ -232,6 +232,57 @@ def test_n1_demo_full_k_is_sign_sgd():
             assert float(mom.abs().max()) < 1e-6
 
 
+def test_n1_demo_rms_step_rule_keeps_relative_magnitudes():
+    """dp.step_rule=rms: p -= lr * d / rms(d) per tensor, so the step has the RMS of a sign step
+    (lr) but follows the decoded momentum's direction, magnitudes included."""
+    m = _model()
+    dp = DPConfig(strategy="demo", chunk=64, topk=64 * 64, values="fp32", indices="int64", beta=0.0,
+                  step_rule="rms", check_every=1)
+    s = make_strategy(dp, m.named_parameters(), None, TrainConfig(weight_decay=0.0, grad_clip=0.0))
+    for it in range(2):
+        _grad(m, it)
+        before = {n: p.detach().clone() for n, p in m.named_parameters()}
+        grads = {n: p.grad.clone() for n, p in m.named_parameters()}
+        s.step(0.01, 1)
+        for n, p in m.named_parameters():
+            g = grads[n]
+            step = before[n] - p.detach()
+            assert torch.allclose(step, 0.01 * g / g.square().mean().sqrt(), rtol=1e-4, atol=1e-8), n
+            assert math.isclose(float(step.square().mean().sqrt()), 0.01, rel_tol=1e-4)
+            assert not torch.allclose(step, 0.01 * torch.sign(g), atol=1e-5)  # not a sign step
+    with pytest.raises(StrategyError, match="step_rule"):
+        make_strategy(DPConfig(strategy="demo", step_rule="nope"), _model().named_parameters(), None, TrainConfig())
+
+
+def test_n1_demo_update_momentum_accumulates_decoded_updates():
+    """dp.update_momentum=mu: u = mu u + decoded, the step follows u (same on every replica: no bytes)."""
+    m = _model()
+    dp = DPConfig(strategy="demo", chunk=64, topk=64 * 64, values="fp32", indices="int64", beta=0.0,
+                  update_momentum=0.5, check_every=1)
+    opt = TrainConfig(weight_decay=0.0, grad_clip=0.0)
+    s = make_strategy(dp, m.named_parameters(), None, opt)
+    u = {n: torch.zeros_like(p) for n, p in m.named_parameters()}
+    for it, lr in enumerate((0.01, 0.02, 0.005)):
+        _grad(m, it)
+        before = {n: p.detach().clone() for n, p in m.named_parameters()}
+        for n, p in m.named_parameters():
+            u[n] = 0.5 * u[n] + lr * p.grad  # everything is sent, beta=0: decoded = lr * g
+        s.step(lr, 1)
+        for n, p in m.named_parameters():
+            mask = u[n].abs() > 1e-6
+            assert torch.allclose(p.detach()[mask], (before[n] - lr * torch.sign(u[n]))[mask], atol=1e-7), n
+    # the update momentum is part of the state (checkpoint round trip), and is required on resume
+    st = s.state_dict()
+    for n, _ in m.named_parameters():
+        assert torch.allclose(st["tensors"][n]["update_momentum"], u[n], atol=1e-7)
+    s2 = make_strategy(dp, _model().named_parameters(), None, opt)
+    s2.load_state_dict(st)
+    assert all(torch.equal(s2.u[n], s.u[n]) for n in s.u)
+    st_plain = make_strategy(DPConfig(strategy="demo"), _model().named_parameters(), None, opt).state_dict()
+    with pytest.raises(StrategyError, match="update momentum"):
+        make_strategy(dp, _model().named_parameters(), None, opt).load_state_dict(st_plain)
+
+
 def test_n1_demo_topk_error_feedback_keeps_residual():
     m = _model()
     dp = DPConfig(strategy="demo", chunk=64, topk=5, values="sign1", indices="u12", beta=0.9, check_every=0)

@@ -46,6 +46,9 @@ class DeMoStrategy(SyncStrategy):
     def __init__(self, named_params, transport, dp_cfg, optim_cfg):
         super().__init__(named_params, transport, dp_cfg, optim_cfg)
         self.beta, self.H = dp_cfg.beta, dp_cfg.sync_every
+        self.step_rule = getattr(dp_cfg, "step_rule", "sign")
+        if self.step_rule not in ("sign", "rms"):
+            raise StrategyError(f"unknown dp.step_rule {self.step_rule!r}; choose sign or rms")
         self.geo = {n: ChunkedDCT(p.shape, dp_cfg.chunk, dp_cfg.dct) for n, p in self.named}
         self.k = {n: min(dp_cfg.topk, g.chunk_numel) for n, g in self.geo.items()}
         for n, g in self.geo.items():
@@ -56,6 +59,9 @@ class DeMoStrategy(SyncStrategy):
             [TensorSpec(n, tuple(p.shape), self.geo[n].n_chunks, self.geo[n].chunk_numel, self.k[n])
              for n, p in self.named], dp_cfg.indices, dp_cfg.values)
         self.m = {n: torch.zeros(g.n_chunks, g.chunk_numel) for n, g in self.geo.items()}
+        self.mu = float(getattr(dp_cfg, "update_momentum", 0.0))
+        # momentum of the decoded update (dp.update_momentum > 0): identical on every replica
+        self.u = {n: torch.zeros_like(p, dtype=torch.float32) for n, p in self.named} if self.mu else {}
         self.n_since = 0        # micro-batches folded into m since the last sync
         self.syncs = 0          # sync counter (payload header "step")
         self.tamper = None      # test hook: fn(bytes ndarray) -> ndarray applied to our payload
@@ -110,15 +116,25 @@ class DeMoStrategy(SyncStrategy):
                 wsum.scatter_add_(1, idx, torch.full(val.shape, w))
             avg = torch.where(wsum > 0, acc / wsum.clamp_min(1e-30), torch.zeros(()))
             upd = geo.inverse(avg)
+            if self.mu:
+                upd = self.u[name].mul_(self.mu).add_(upd)
             if self.opt.weight_decay and p.ndim >= 2:
                 p.mul_(1 - lr * self.opt.weight_decay)
-            p.add_(torch.sign(upd).to(p.dtype), alpha=-lr)
+            p.add_(self._direction(upd).to(p.dtype), alpha=-lr)
         return True, n_total
+
+    def _direction(self, upd: torch.Tensor) -> torch.Tensor:
+        """The unit-scale update direction from the decoded momentum (``dp.step_rule``)."""
+        if self.step_rule == "sign":
+            return torch.sign(upd)
+        rms = upd.square().mean().sqrt()  # "rms": same RMS as a sign step, relative magnitudes kept
+        return upd / rms if rms > 0 else torch.zeros_like(upd)
 
     def state_dict(self) -> dict:
         st = super().state_dict()
         st.update(syncs=self.syncs, n_since=self.n_since,
-                  tensors={n: {"momentum_coeffs": m.clone()} for n, m in self.m.items()})
+                  tensors={n: {"momentum_coeffs": m.clone(), **({"update_momentum": self.u[n].clone()} if self.mu else {})}
+                           for n, m in self.m.items()})
         return st
 
     def load_state_dict(self, state: dict) -> None:
@@ -130,3 +146,9 @@ class DeMoStrategy(SyncStrategy):
                 raise StrategyError(f"momentum of {n} has shape {tuple(src.shape)}, expected {tuple(m.shape)} "
                                     "(different dp.chunk or dp.dct setting)")
             m.copy_(src)
+            if self.mu:
+                u = state["tensors"][n].get("update_momentum")
+                if u is None:
+                    raise StrategyError(f"state lacks the update momentum of {n} (saved with dp.update_momentum=0); "
+                                        "resume with dp.update_momentum=0")
+                self.u[n].copy_(u)
