@@ -312,3 +312,43 @@ def test_a_killed_coordinator_is_replaced_without_losing_the_run(byte_data, tmp_
     assert sorted(trained) == list(range(iters * 4 * cfg.train.micro_batch))
     time.sleep(0.5)
     assert processes_of_run(run) == []
+
+
+def test_drift_replans_routes_away_from_a_node_that_slowed_down(byte_data, tmp_path):
+    """Emulated compute on a cluster topology, stages 2/2/1/1 (k=0): from iteration 2 node 3
+    (a stage-1 replica) computes 6x slower.  The measured iteration time drifts past the planned
+    one; rank 0 re-plans the routes on the measured topology (placement fixed) and every node
+    switches: node 3 gets fewer stage-1 hops.  Training goes on, every sample once."""
+    from skiptrain.net.topology import load_topology
+    from skiptrain.runtime.job import build_cost
+
+    cfg = build_config("tiny", overrides={"train": {"grad_clip": 0.0, "steps": 20, "warmup_steps": 1},
+                                          "runtime": {"s_per_sample_layer": 5e-3}})
+    cfg.model.vocab_size = 256
+    cost = build_cost(cfg)
+    topo = load_topology("cluster", 6)
+    sched = Schedule(placement=[[0, 1], [2, 3], [4], [5]], memory=2, method="test", micro_batches=[
+        MicroBatch(k, k % 2, [(1, 2 + k % 2), (2, 4), (3, 5)]) for k in range(4)])
+    run = tmp_path / "run"
+    iters = 8
+    job = Job(config=cfg.to_dict(), data_path=str(byte_data), run_dir=str(run),
+              phases=[Phase("p", sched.to_dict(), iterations=iters, cost=cost.to_dict(), topology=topo.to_dict(),
+                            emulate_compute=True)],
+              timeout_s=15.0, heartbeat_s=0.2, heartbeat_deadline_s=6.0, recover=True, drift_threshold=0.5,
+              fault={"node": 3, "kind": "slow", "factor": 6.0, "iteration": 2})
+    res = launch(job, timeout_s=180)
+    assert [r["step"] for r in res.phase_metrics("p")] == list(range(1, iters + 1))
+    n0 = json.loads((run / "phases" / "p" / "node0.json").read_text())
+    rp = [r for r in n0.get("replans", []) if r["adopted"]]
+    assert rp and rp[0]["iteration"] >= 3, n0.get("replans")
+    assert rp[0]["compute_factors"]["3"] > 2 * rp[0]["compute_factors"]["2"]
+    n3 = json.loads((run / "phases" / "p" / "node3.json").read_text())
+    before = n3["iterations"][0]["n_processed"]
+    after = n3["iterations"][-1]["n_processed"]
+    assert before == 2 and after < before                       # fewer micro-batches through the slow node
+    trained = []
+    for f in (run / "phases" / "p").glob("samples_node*.jsonl"):
+        for line in f.read_text().splitlines():
+            trained += json.loads(line)["samples"]
+    assert sorted(trained) == list(range(iters * 4 * cfg.train.micro_batch))
+    assert processes_of_run(run) == []

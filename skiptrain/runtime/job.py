@@ -67,6 +67,8 @@ class Job:
     ckpt_every: int = 0                       # recovery mode: per-stage weights checkpoint every N iterations
     ckpt_max_age: int = 10                    # a stage checkpoint older than this (iterations): CheckFree instead
     restartable: bool = False                 # recover: store in its own process; the coordinator can be restarted
+    drift_threshold: float = 0.0              # re-plan routes when measured / planned iteration time > 1 + this (0: off)
+    drift_alpha: float = 0.3                  # moving-average weight of the drift measurements
     meta: dict[str, Any] = field(default_factory=dict)
 
     @property

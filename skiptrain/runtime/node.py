@@ -52,6 +52,7 @@ class _Node:
         # ``store`` given: a node joining a running job (rank = the id it was handed, see main)
         self.joining: dict | None = None
         self._pre_join: tuple[int, object] | None = None   # (joiner, schedule before its join)
+        self._slow = 1.0
         self.job, self.rank, self.world = job, rank, world
         self.run_dir = Path(job.run_dir)
         self.err_path = self.run_dir / "errors" / f"node{rank}.json"
@@ -189,7 +190,10 @@ class _Node:
             if kind == "wrong_secret":               # used at admission, see __init__
                 continue
             self._fired.add(i)
-            if kind in ("nan", "shape"):            # a bad peer: corrupt every payload it sends
+            if kind == "slow":                       # drift: this node computes `factor` times slower
+                self.store.set(f"fault/{self.rank}", repr(time.time()))
+                self._slow = float(f.get("factor", 4.0))
+            elif kind in ("nan", "shape"):            # a bad peer: corrupt every payload it sends
                 self.store.set(f"fault/{self.rank}", repr(time.time()))
                 self.tr.corrupt = self._corrupt = kind
             elif kind == "raise":
@@ -257,6 +261,11 @@ class _Node:
         record = {"rank": rank, "stage": stage, "iterations": [], "recoveries": []}
         cursor = 0
         it = 0
+        drift = None
+        drift_state: dict = {}
+        if self.job.drift_threshold > 0 and cost is not None and topo is not None:
+            from .drift import DriftMonitor
+            drift = DriftMonitor(rank, topo.n, cost, topo, ph.bytes_scale, self.job.drift_alpha)
         if joining is not None:
             # a node joining a running job: its state from a live replica (or the stage's
             # checkpoint / CheckFree when the stage had none), then the next iteration
@@ -280,6 +289,7 @@ class _Node:
                 lr = lr_at(it, cfg.train)
                 try:
                     self._fault(ph.name, it, "start")
+                    ex.speed = speed / self._slow          # (a test fault: this node's compute slows down)
                     if self.watch is not None:
                         # iteration boundary: every node learns the newest join generation any of
                         # them has seen (this all-reduce is also the start barrier), and they all
@@ -345,6 +355,8 @@ class _Node:
                     entry["t_end"] = t_end
                     stats = torch.tensor([res.loss_sum, res.n_loss, t_end, padding.overruns, padding.overrun_s,
                                           res.max_in_flight], dtype=torch.float64)
+                    if drift is not None:
+                        stats = torch.cat([stats, drift.observe(events)])
                     allst = [torch.empty_like(stats) for _ in range(len(self.alive))]
                     self._sync(dist.all_gather, allst, stats)
                     if dist.get_rank() == 0:
@@ -359,6 +371,14 @@ class _Node:
                             row.update(gen=self.gen, nodes=len(self.alive))
                         with open(self.run_dir / "metrics.jsonl", "a") as metrics:
                             metrics.write(json.dumps(row) + "\n")
+                    if drift is not None:
+                        new_sched, drift_state = self._drift_step(allst, sched, ph, it, topo, cost, drift_state)
+                        if new_sched is not None:
+                            sched = new_sched
+                            self.stage_of = sched.stage_of()
+                            ex = make_executor()
+                            self._publish_sched(sched, phase_idx)
+                            record.setdefault("replans", []).append({"iteration": it + 1, **drift_state["last"]})
                 except Exception as e:  # noqa: BLE001 - classified below
                     if not self._recoverable(e):
                         raise
@@ -557,6 +577,66 @@ class _Node:
             why = f"{ck[1]} is {age} iteration(s) old, more than ckpt_max_age = {self.job.ckpt_max_age}"
         return {"init": init, "neighbours": [g[0] for g in got], "grad_norms": [g[2] for g in got], "coef": coef,
                 "checkpoint": why, "checkpoint_age": age}
+
+    # ---- drift re-planning (runtime/drift.py) --------------------------------------------------
+
+    def _drift_step(self, allst, sched, ph, it: int, topo, cost, state: dict):
+        """After an iteration's stats gather: rank 0 folds the measured iteration time into its
+        moving average and, past the threshold, re-plans the routes on the measured topology;
+        the decision (and the schedule) is broadcast to every node.  Returns (new schedule or
+        None, state)."""
+        import numpy as np
+
+        from ..schedule.schedule import Schedule
+        from ..schedule.simulator import simulate
+        from .drift import measured_topology, replan_routes
+
+        hdr = torch.zeros(2, dtype=torch.int64)
+        payload = b""
+        if dist.get_rank() == 0:
+            a = torch.stack(allst).numpy()
+            it_s = float(a[:, 2].max())
+            alpha = self.job.drift_alpha
+            state["ema"] = it_s if "ema" not in state else (1 - alpha) * state["ema"] + alpha * it_s
+            if "ref" not in state:
+                state["ref"] = simulate(sched, topo, cost, contention=True, dp_sync=False, record=False).iteration_s
+            state["n"] = state.get("n", 0) + 1
+            full = sched.placement == Schedule.from_dict(ph.schedule).placement
+            ratio = state["ema"] / state["ref"] if state["ref"] > 0 else 1.0
+            if full and state["n"] >= 2 and ratio > 1 + self.job.drift_threshold:
+                compute = {n: float(a[i, 6]) for i, n in enumerate(self.alive)}
+                links = np.ones((topo.n, topo.n))
+                for i, n in enumerate(self.alive):
+                    if n < topo.n:
+                        links[n, :] = a[i, 7:7 + topo.n]
+                mt = measured_topology(topo, compute, links)
+                t = time.time()
+                new, cur_s, new_s = replan_routes(sched, mt, cost, self.cfg)
+                state["last"] = {"measured_ema_s": round(state["ema"], 4), "reference_s": round(state["ref"], 4),
+                                 "ratio": round(ratio, 3), "simulated_current_on_measured_s": cur_s,
+                                 "simulated_new_on_measured_s": new_s, "plan_s": round(time.time() - t, 3),
+                                 "compute_factors": {str(k): round(v, 3) for k, v in compute.items()},
+                                 "adopted": new is not None}
+                print(f"skiptrain node {self.rank}: iteration {it + 1}: measured {state['ema']:.3f} s vs "
+                      f"{state['ref']:.3f} s planned ({ratio:.2f}x): re-planned routes on the measured topology: "
+                      f"{cur_s} -> {new_s} s simulated; {'adopted' if new is not None else 'kept'}",
+                      file=sys.stderr, flush=True)
+                # the reference becomes what the (new or kept) schedule should take on the measured network
+                state["ref"] = (new_s if new is not None else cur_s) or state["ref"]
+                state["ema"] = state["ref"] if new is not None else state["ema"]
+                state["n"] = 0
+                if new is not None:
+                    payload = json.dumps({"schedule": new.to_dict(), "last": state["last"]}).encode()
+                    hdr[0], hdr[1] = 1, len(payload)
+        self._sync(dist.broadcast, hdr, 0)
+        if not hdr[0]:
+            return None, state
+        buf = torch.frombuffer(bytearray(payload), dtype=torch.uint8) if payload else \
+            torch.empty(int(hdr[1]), dtype=torch.uint8)
+        self._sync(dist.broadcast, buf, 0)
+        d = json.loads(bytes(buf.tolist()).decode())
+        state["last"] = d["last"]
+        return Schedule.from_dict(d["schedule"]), state
 
     # ---- per-stage checkpoints (recovery mode) ------------------------------------------------
 
