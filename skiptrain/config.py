@@ -208,6 +208,8 @@ class RuntimeConfig:
     ckpt_every: int = _f(0, "recover: per-stage weights checkpoint every N iterations (0 = off)", min=0)
     ckpt_max_age: int = _f(10, "recover: a stage checkpoint at most this many iterations old initialises a "
                            "taken-over stage (older: CheckFree from the neighbours)", min=0)
+    drift_threshold: float = _f(0.0, "re-plan the routes on measured compute/link times when the measured "
+                                "iteration time exceeds the planned one by this fraction (0 = off)", min=0.0)
 
 
 @dataclass

@@ -63,7 +63,7 @@ def train_swarm(cfg, data: str, out: str, steps: int | None = None, echo: bool =
               phases=[phase_for(cfg, sched, topo, cost, "train", steps, save_weights=True)],
               recover=rt.recover, heartbeat_deadline_s=rt.heartbeat_deadline_s or None, strikes=rt.strikes,
               takeover=rt.takeover, ckpt_every=rt.ckpt_every, ckpt_max_age=rt.ckpt_max_age,
-              restartable=rt.recover and restartable)
+              restartable=rt.recover and restartable, drift_threshold=rt.drift_threshold)
     if rt.recover and echo:
         print(f"recovery on: hung-peer deadline {rt.heartbeat_deadline_s or rt.timeout_s:g} s, {rt.strikes} "
               f"strike(s) for bad peers, takeover {'on' if rt.takeover else 'off'}, stage checkpoints "
@@ -165,7 +165,8 @@ def cmd_launch(args: argparse.Namespace) -> int:
         if getattr(args, flag):
             setattr(cfg.runtime, key, True)
     for flag, key in (("heartbeat_deadline", "heartbeat_deadline_s"), ("strikes", "strikes"),
-                      ("ckpt_every", "ckpt_every"), ("ckpt_max_age", "ckpt_max_age")):
+                      ("ckpt_every", "ckpt_every"), ("ckpt_max_age", "ckpt_max_age"),
+                      ("drift_threshold", "drift_threshold")):
         if getattr(args, flag) is not None:
             setattr(cfg.runtime, key, getattr(args, flag))
     if cfg.runtime.takeover and not cfg.runtime.recover:
@@ -206,6 +207,8 @@ def register(sub) -> None:
                    help="per-stage weights checkpoint every N iterations (recovery mode)")
     g.add_argument("--ckpt-max-age", type=int, default=None, metavar="N",
                    help="newest stage checkpoint used up to N iterations old, else CheckFree")
+    g.add_argument("--drift-threshold", type=float, default=None, metavar="F",
+                   help="re-plan routes on measured times when the iteration is F (e.g. 0.3) slower than planned")
     g.add_argument("--restartable", action="store_true",
                    help="store in its own process: if this launcher dies, `python -m skiptrain.runtime.coordinator "
                         "--run OUT` takes over (docs/failures.md)")
