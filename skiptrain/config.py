@@ -129,7 +129,8 @@ class DPConfig:
                         choices=("sign", "rms"))
     update_momentum: float = _f(0.0, "DeMo: momentum on the decoded (replica-identical) update, u = mu u + d, "
                                 "stepped on instead of d; no extra bytes (0 = off, DeMo)", min=0.0, max=0.999)
-    values: str = _f("fp32", "DeMo value encoding", choices=("fp32", "bf16", "sign1", "sign2"))
+    values: str = _f("fp32", "DeMo value encoding (sign1c: 1-bit signs, one bf16 scale per chunk)",
+                     choices=("fp32", "bf16", "sign1", "sign2", "sign1c"))
     indices: str = _f("int64", "DeMo index encoding", choices=("int64", "u16", "u12"))
     sync_every: int = _f(1, "H: iterations per sync (DeMo: momentum accumulation; DiLoCo: local steps)", min=1)
     powersgd_rank: int = _f(4, "PowerSGD rank", min=1)

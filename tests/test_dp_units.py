@@ -52,8 +52,10 @@ def test_value_encodings_round_trip(enc, v):
         assert torch.equal(x, y)
     elif enc == "bf16":
         assert torch.equal(x.to(torch.bfloat16).float(), y)
-    elif enc == "sign1":
+    elif enc in ("sign1", "sign1c"):  # sign1c with group=None: one (bf16) scale for the block
         scale = x.abs().mean()
+        if enc == "sign1c":
+            scale = scale.to(torch.bfloat16).float()
         assert torch.allclose(y.abs(), scale.expand_as(y))
         assert torch.equal(y >= 0, x >= 0)
     else:  # sign2: nearest of 4 uniform levels over [-max, max]
@@ -66,7 +68,25 @@ def test_value_encodings_round_trip(enc, v):
 
 def test_value_bytes():
     assert value_nbytes(256, "sign1") == 4 + 32 and value_nbytes(256, "sign2") == 4 + 64
+    assert value_nbytes(256, "sign1c", 8) == 2 * 32 + 32 and value_nbytes(256, "sign1c") == 2 + 32
+    with pytest.raises(ValueError, match="groups"):
+        value_nbytes(10, "sign1c", 4)
     assert value_nbytes(256, "bf16") == 512 and value_nbytes(256, "fp32") == 1024
+
+
+@settings(max_examples=40, deadline=None)
+@given(g=st.integers(1, 12), k=st.integers(1, 9), data=st.data())
+def test_sign1c_one_bf16_scale_per_group(g, k, data):
+    """sign1c: every group of k values decodes to +-(its own mean |v|, rounded to bf16)."""
+    mags = data.draw(st.lists(st.floats(0, 1e3, width=32), min_size=g, max_size=g))
+    torch.manual_seed(g * 10 + k)
+    x = torch.randn(g, k) * torch.tensor(mags).unsqueeze(1)
+    buf = encode_values(x, "sign1c", k)
+    assert buf.size == value_nbytes(g * k, "sign1c", k) == 2 * g + (g * k + 7) // 8
+    y = decode_values(buf, g * k, "sign1c", k).view(g, k)
+    scale = x.abs().mean(1, keepdim=True).to(torch.bfloat16).float()
+    assert torch.equal(y.abs(), scale.expand_as(y))
+    assert torch.equal(y >= 0, x >= 0)
 
 
 # ---- DCT -----------------------------------------------------------------------------------
@@ -176,6 +196,17 @@ def test_payload_rejects_wrong_step_and_bad_scale():
     buf[b:b + 4] = np.frombuffer(np.float32(-1).tobytes(), np.uint8)
     with pytest.raises(PayloadError, match="peer rank 2.*a.weight.*scale"):
         lay.decode(buf, peer=2, expect_step=5)
+
+
+@pytest.mark.parametrize("bad", [np.inf, np.nan, -2.0])
+def test_payload_rejects_bad_per_chunk_scale(bad):
+    lay = _layout("u12", "sign1c")
+    buf = lay.encode(5, 1, _valid(lay))
+    lay.decode(buf.copy(), peer=1, expect_step=5)  # valid as sent
+    a, b, c = lay.blocks["b.weight"]
+    buf[b + 2:b + 4] = torch.tensor([bad]).to(torch.bfloat16).view(torch.int16).numpy().astype("<i2").view(np.uint8)
+    with pytest.raises(PayloadError, match="peer rank 1.*b.weight.*scale"):  # the second chunk's scale
+        lay.decode(buf, peer=1, expect_step=5)
 
 
 # ---- config, accounting, link model ----------------------------------------------------------

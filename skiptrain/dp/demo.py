@@ -87,7 +87,7 @@ class DeMoStrategy(SyncStrategy):
         send = {}
         for name, m in self.m.items():
             idx = m.abs().topk(self.k[name], dim=1, sorted=False).indices
-            q = quantize_values(m.gather(1, idx), self.dp.values)
+            q = quantize_values(m.gather(1, idx), self.dp.values, self.k[name])
             if self.n_since > 0:
                 m.scatter_(1, idx, m.gather(1, idx) - q)
             send[name] = (idx, q)

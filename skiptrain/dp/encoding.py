@@ -14,7 +14,13 @@ Value encodings (one block of values per tensor):
 * ``sign1`` - 1 bit each (the sign) plus one fp32 scale per tensor: ``value = +-scale`` with
   ``scale = mean |v|`` of the selected values;
 * ``sign2`` - 2 bits each plus one fp32 scale per tensor: a uniform 4-level quantizer over
-  ``[-scale, scale]`` with ``scale = max |v|``, levels ``{-1, -1/3, 1/3, 1} * scale``.
+  ``[-scale, scale]`` with ``scale = max |v|``, levels ``{-1, -1/3, 1/3, 1} * scale``;
+* ``sign1c`` - 1 bit each plus one bfloat16 scale per *group* of values (the payload uses one
+  group per chunk, i.e. ``k`` values): ``value = +-scale_g`` with ``scale_g = mean |v|`` of the
+  group, rounded to bfloat16.  Chunks whose momentum is small then send small values, so error
+  feedback does not overshoot them (with one scale per tensor it does).
+
+Functions taking ``group`` use it for ``sign1c`` only (values per scale; ``None`` = one group).
 
 ``encode_*`` return ``numpy.uint8`` arrays of exactly ``*_nbytes(n)`` bytes; ``decode_*`` take
 such arrays and return torch tensors.  Index decoding never validates range (the payload
@@ -28,7 +34,7 @@ import numpy as np
 import torch
 
 INDEX_ENCODINGS = ("int64", "u16", "u12")
-VALUE_ENCODINGS = ("fp32", "bf16", "sign1", "sign2")
+VALUE_ENCODINGS = ("fp32", "bf16", "sign1", "sign2", "sign1c")
 INDEX_LIMIT = {"int64": 2**63, "u16": 2**16, "u12": 2**12}
 
 
@@ -104,7 +110,15 @@ def _unpack_bits(buf: np.ndarray, n: int, bits: int) -> np.ndarray:
     return np.stack(cols, 1).reshape(-1)[:n]
 
 
-def value_nbytes(n: int, enc: str) -> int:
+def _groups(n: int, group: int | None) -> int:
+    if group is None or n == 0:
+        return 1 if n else 0
+    if group < 1 or n % group:
+        raise ValueError(f"a block of {n} values does not split into groups of {group}")
+    return n // group
+
+
+def value_nbytes(n: int, enc: str, group: int | None = None) -> int:
     """Bytes for a block of ``n`` values, including the per-block scale where there is one."""
     if enc == "fp32":
         return 4 * n
@@ -114,15 +128,25 @@ def value_nbytes(n: int, enc: str) -> int:
         return 4 + (n + 7) // 8
     if enc == "sign2":
         return 4 + (2 * n + 7) // 8
+    if enc == "sign1c":
+        return 2 * _groups(n, group) + (n + 7) // 8
     raise ValueError(f"unknown value encoding {enc!r}; choose one of {VALUE_ENCODINGS}")
 
 
-def quantize_values(v: torch.Tensor, enc: str) -> torch.Tensor:
+def quantize_values(v: torch.Tensor, enc: str, group: int | None = None) -> torch.Tensor:
     """What the receiver will decode from ``encode_values(v, enc)`` (used for error feedback)."""
-    return decode_values(encode_values(v, enc), v.numel(), enc).reshape(v.shape)
+    return decode_values(encode_values(v, enc, group), v.numel(), enc, group).reshape(v.shape)
 
 
-def encode_values(v: torch.Tensor, enc: str) -> np.ndarray:
+def _bf16_bits(x: np.ndarray) -> np.ndarray:
+    return torch.from_numpy(np.ascontiguousarray(x, np.float32)).to(torch.bfloat16).view(torch.int16).numpy()
+
+
+def _from_bf16_bits(b: np.ndarray) -> np.ndarray:
+    return torch.from_numpy(np.ascontiguousarray(b).astype(np.int16)).view(torch.bfloat16).float().numpy()
+
+
+def encode_values(v: torch.Tensor, enc: str, group: int | None = None) -> np.ndarray:
     v = v.detach().reshape(-1).float()
     if enc == "fp32":
         return v.numpy().astype("<f4").view(np.uint8)
@@ -138,18 +162,28 @@ def encode_values(v: torch.Tensor, enc: str) -> np.ndarray:
         safe = scale if scale > 0 else np.float32(1)
         codes = np.clip(np.rint((a / safe + 1.0) * 1.5), 0, 3).astype(np.uint8)
         return np.concatenate([np.array([scale], "<f4").view(np.uint8), _pack_bits(codes, 2)])
+    if enc == "sign1c":
+        g = _groups(a.size, group)
+        scales = np.abs(a).reshape(g, -1).mean(1).astype(np.float32) if a.size else np.zeros(0, np.float32)
+        codes = (a >= 0).astype(np.uint8)
+        return np.concatenate([_bf16_bits(scales).astype("<i2").view(np.uint8), _pack_bits(codes, 1)])
     raise ValueError(f"unknown value encoding {enc!r}; choose one of {VALUE_ENCODINGS}")
 
 
-def decode_values(buf: np.ndarray, n: int, enc: str) -> torch.Tensor:
+def decode_values(buf: np.ndarray, n: int, enc: str, group: int | None = None) -> torch.Tensor:
     """Bytes -> ``n`` float32 values (non-finite values are passed through, not checked)."""
     buf = np.ascontiguousarray(buf, dtype=np.uint8)
-    if buf.size != value_nbytes(n, enc):
-        raise ValueError(f"{enc} block of {n} values must be {value_nbytes(n, enc)} bytes, got {buf.size}")
+    if buf.size != value_nbytes(n, enc, group):
+        raise ValueError(f"{enc} block of {n} values must be {value_nbytes(n, enc, group)} bytes, got {buf.size}")
     if enc == "fp32":
         return torch.from_numpy(buf.view("<f4").astype(np.float32))
     if enc == "bf16":
         return torch.from_numpy(buf.view("<i2").astype(np.int16)).view(torch.bfloat16).float()
+    if enc == "sign1c":
+        g = _groups(n, group)
+        scales = _from_bf16_bits(buf[: 2 * g].view("<i2"))
+        codes = _unpack_bits(buf[2 * g:], n, 1).astype(np.float32)
+        return torch.from_numpy(((codes * 2 - 1).reshape(g, -1) * scales[:, None]).reshape(-1) if n else codes)
     scale = buf[:4].view("<f4").astype(np.float32)[0]
     if enc == "sign1":
         codes = _unpack_bits(buf[4:], n, 1).astype(np.float32)
@@ -160,8 +194,10 @@ def decode_values(buf: np.ndarray, n: int, enc: str) -> torch.Tensor:
     raise ValueError(f"unknown value encoding {enc!r}; choose one of {VALUE_ENCODINGS}")
 
 
-def block_scale(buf: np.ndarray, enc: str) -> float | None:
-    """The per-block scale of a sign1/sign2 block (None for fp32/bf16)."""
+def block_scales(buf: np.ndarray, enc: str, n: int, group: int | None = None) -> np.ndarray | None:
+    """The scales of a sign1/sign2/sign1c block as float32 (None for fp32/bf16)."""
     if enc in ("sign1", "sign2"):
-        return float(np.ascontiguousarray(buf[:4]).view("<f4")[0])
+        return np.ascontiguousarray(buf[:4]).view("<f4").astype(np.float32)
+    if enc == "sign1c":
+        return _from_bf16_bits(np.ascontiguousarray(buf[: 2 * _groups(n, group)]).view("<i2"))
     return None

@@ -13,7 +13,8 @@ Layout (little-endian), identical on every replica and known before training sta
       layout     u32  crc32 of (names, shapes, chunks, k, encodings): peers must agree
     then, for each tensor in sorted global-name order:
       indices    index_nbytes(n_chunks * k)   positions inside each chunk, chunk-major
-      values     value_nbytes(n_chunks * k)   (sign1/sign2 blocks start with a fp32 scale)
+      values     value_nbytes(n_chunks * k)   (sign1/sign2 blocks start with a fp32 scale,
+                                               sign1c blocks with one bf16 scale per chunk)
 
 :meth:`PayloadLayout.decode` validates everything a peer controls before anything is applied:
 total size, magic, version, encodings, layout hash, step, every index in ``[0, chunk_numel)``
@@ -31,7 +32,7 @@ import numpy as np
 import torch
 
 from ..errors import UserError
-from .encoding import (INDEX_ENCODINGS, VALUE_ENCODINGS, block_scale, decode_indices, decode_values,
+from .encoding import (INDEX_ENCODINGS, VALUE_ENCODINGS, block_scales, decode_indices, decode_values,
                        encode_indices, encode_values, index_nbytes, value_nbytes)
 
 MAGIC = b"SKDP"
@@ -71,7 +72,7 @@ class PayloadLayout:
         off = HEADER_BYTES
         desc = [index_enc, value_enc]
         for s in self.specs:
-            ni, nv = index_nbytes(s.n, index_enc), value_nbytes(s.n, value_enc)
+            ni, nv = index_nbytes(s.n, index_enc), value_nbytes(s.n, value_enc, s.k)
             self.blocks[s.name] = (off, off + ni, off + ni + nv)
             off += ni + nv
             desc.append(f"{s.name}:{s.shape}:{s.n_chunks}x{s.chunk_numel}:{s.k}")
@@ -89,7 +90,7 @@ class PayloadLayout:
             idx, val = tensors[s.name]
             a, b, c = self.blocks[s.name]
             out[a:b] = encode_indices(idx, self.index_enc)
-            out[b:c] = encode_values(val, self.value_enc)
+            out[b:c] = encode_values(val, self.value_enc, s.k)
         return out
 
     def decode(self, buf: np.ndarray, peer: int, expect_step: int | None = None
@@ -128,10 +129,11 @@ class PayloadLayout:
                 srt = idx.sort(dim=1).values
                 if bool((srt[:, 1:] == srt[:, :-1]).any()):
                     raise bad(f"tensor {s.name}: duplicate index inside a chunk")
-            scale = block_scale(buf[b:c], self.value_enc)
-            if scale is not None and not (np.isfinite(scale) and scale >= 0):
-                raise bad(f"tensor {s.name}: value scale {scale} is not a finite non-negative number")
-            val = decode_values(buf[b:c], s.n, self.value_enc).view(s.n_chunks, s.k)
+            scales = block_scales(buf[b:c], self.value_enc, s.n, s.k)
+            if scales is not None and not bool((np.isfinite(scales) & (scales >= 0)).all()):
+                worst = scales[~(np.isfinite(scales) & (scales >= 0))][0]
+                raise bad(f"tensor {s.name}: value scale {worst} is not a finite non-negative number")
+            val = decode_values(buf[b:c], s.n, self.value_enc, s.k).view(s.n_chunks, s.k)
             if not bool(torch.isfinite(val).all()):
                 raise bad(f"tensor {s.name}: non-finite value")
             out[s.name] = (idx, val)
