@@ -1,22 +1,35 @@
-"""Elastic pipelining by freezing (issue 9): real single-process runs + the simulator at 16 devices.
+"""Elastic pipelining by freezing (issue 9): real runs on this machine + the simulator at 16 devices.
 
-Real half (this machine, real text, data/shakespeare):
-  three trainers built from one config, stepped *interleaved* in one process (baseline step,
-  freeze-only step, elastic step, ...) so the shared, noisy CPU slows them alike:
-  (1) baseline: the plain trainer (every static pipeline/DP configuration computes exactly this
-      in one process); (2) freeze only (elastic, cache off); (3) elastic (freeze + cache "auto").
-  Validation loss every ``eval_every`` steps (not timed).  The training split is capped to
-  ``--windows`` samples so the run spans several epochs (the regime where caching pays:
-  PipeTransformer fine-tunes for many epochs).
-Simulated half (paper scale): a 32-layer d=2048 LM on 16 devices (2 machines x 8), the event
-  simulator of skiptrain.schedule with frozen layers costing no backward and cached prefixes
-  no forward (the hit rate measured per step in the real elastic run), replicas adding DP width.
-  Static configurations: a sweep of stages x replicas x micro-batches under a device-memory
-  limit; the elastic run starts from the best one and follows the real run's freeze schedule,
-  mapped by fraction of layers.  Steps to the target loss come from the real runs.
+Both halves compute *time to a target validation loss* (the baseline's final loss x 1.01) at an
+equal token budget for (a) the best static configuration of a sweep (stages x replicas x
+micro-batches that fit the device memory), (b) plain data parallelism (when it fits), (c) the
+elastic run, plus the paper's ablation (freeze only, +AutoPipe, +AutoPipe+AutoCache,
++AutoPipe+AutoDP, all).
 
-    .venv/bin/python bench/elastic.py --json runs/bench_elastic.json
-    .venv/bin/python bench/elastic.py --quick
+Real half (this machine, real text, data/shakespeare, 1 thread):
+  * optionally a shared pre-training phase (``--pretrain`` steps on the training text beyond the
+    fine-tuning set, untimed): PipeTransformer's regime is fine-tuning a pre-trained model;
+    ``--pretrain 0`` trains from scratch;
+  * three trainers from one config and one initial state, stepped *interleaved* (the noisy,
+    shared CPU slows them alike): baseline (the plain trainer: every static configuration and
+    plain DP compute exactly this), freeze only (elastic, cache off), elastic (cache auto).
+    Losses, steps to the target, the freeze schedule, layouts, transitions, guard time and
+    every step's CPU seconds are measured;
+  * per-node compute is *emulated*: 16 nodes do not fit on 2 cores, so a layout's iteration time
+    is the event simulator (skiptrain.schedule, 1F1B lanes, ring all-reduce of the active
+    parameters) run with per-layer costs **measured here** (forward, backward, head, cache read,
+    optimizer per parameter).  The emulation is checked against the measured single-process
+    step times (same costs, one node) -- the overlap between the two halves.
+Simulated half (paper scale): a 32-layer d=2048 LM on 16 devices (2 machines x 8), analytic
+  costs (FLOPs at 40% of an RTX 5000), the real run's freeze schedule and cache hit rate mapped
+  by layer fraction, steps to the target from the real runs.
+
+Memory: the static sweep keeps configurations whose largest stage fits a device (paper scale:
+24 GiB under the model of ``sim_memory``; small scale: the largest stage of the 4-stage start,
+in AutoPipe's units), the same budget AutoPipe shrinks the elastic pipeline under.
+
+    .venv/bin/python bench/elastic.py --json runs/bench/elastic.json
+    .venv/bin/python bench/elastic.py --quick --json runs/bench/elastic_quick.json
 """
 
 from __future__ import annotations
@@ -24,11 +37,14 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import statistics
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -36,63 +52,89 @@ sys.path.insert(0, str(ROOT))
 
 from skiptrain.config import ModelConfig, build_config  # noqa: E402
 from skiptrain.data.dataset import TokenDataset  # noqa: E402
-from skiptrain.elastic.repartition import autopipe, stage0_units  # noqa: E402
+from skiptrain.elastic.repartition import autopipe, split, stage0_units, stage_memory  # noqa: E402
 from skiptrain.elastic.replicas import transfer_plan  # noqa: E402
 from skiptrain.elastic.trainer import ElasticTrainer  # noqa: E402
-from skiptrain.model.partition import Partition, layer_flops_per_token  # noqa: E402
+from skiptrain.model.partition import Partition, head_flops_per_token, layer_flops_per_token  # noqa: E402
 from skiptrain.net.topology import from_spec  # noqa: E402
 from skiptrain.schedule.baselines import full_pipeline  # noqa: E402
 from skiptrain.schedule.cost import CostModel, layer_params  # noqa: E402
 from skiptrain.schedule.simulator import simulate  # noqa: E402
+from skiptrain.train.optim import build_adamw  # noqa: E402
 from skiptrain.train.trainer import Trainer  # noqa: E402
+
+N_DEV = 16
+MICROS = (1, 2, 4, 8, 16)
+
 
 # ---------------------------------------------------------------------------------------------
 # real half
 
 
-def capped(path: str, windows: int, seq_len: int) -> TokenDataset:
+def subset(path: str, first: int, count: int | None, seq_len: int) -> TokenDataset:
+    """The dataset with the training split cut to windows ``first .. first+count`` (all when None)."""
     ds = TokenDataset.open(path)
     full = ds.tokens
-    n = windows * seq_len + 1
-    ds.tokens = lambda split: full(split)[:n] if split == "train" else full(split)  # type: ignore[method-assign]
+    a = first * seq_len
+    b = None if count is None else a + count * seq_len + 1
+    ds.tokens = lambda split: full(split)[a:b] if split == "train" else full(split)  # type: ignore[method-assign]
     return ds
+
+
+def real_config(args, steps: int, elastic: dict | None):
+    base = {"data": {"path": args.data},
+            "model": {"d_model": 128, "n_layers": 8, "n_heads": 4, "n_kv_heads": 2, "seq_len": 64,
+                      "n_stages": 4, "stage0_layers": -1},
+            "train": {"steps": steps, "micro_batch": 4, "n_micro": 4, "lr": args.lr, "warmup_steps": args.warmup,
+                      "eval_every": 0, "eval_batches": 8, "progress": False, "seed": 1234},
+            "checkpoint": {"every": 0, "final": False}}
+    return build_config(overrides={**base, **({"elastic": elastic} if elastic else {})})
 
 
 def real_runs(args) -> dict:
     torch.set_num_threads(1)
     steps = args.steps
-    base = {"data": {"path": args.data},
-            "model": {"d_model": 128, "n_layers": 8, "n_heads": 4, "n_kv_heads": 2, "seq_len": 64,
-                      "n_stages": 4, "stage0_layers": -1},
-            "train": {"steps": steps, "micro_batch": 4, "n_micro": 4, "lr": 3e-3, "warmup_steps": 20,
-                      "eval_every": 0, "eval_batches": 8, "progress": False, "seed": 1234},
-            "checkpoint": {"every": 0, "final": False}}
-    el = {"enabled": True, "alpha": args.alpha, "check_every": args.check_every, "tol": args.tol,
-          "min_active": 2, "start_window": 2, "guard": True, "guard_tol": 0.01, "guard_batches": 4,
-          "nodes": 16}
     tmp = Path(tempfile.mkdtemp(prefix="bench-elastic-"))
+    init = None
+    pre_s = 0.0
+    if args.pretrain:
+        t0 = time.perf_counter()
+        cfg = real_config(args, args.pretrain, None)
+        cfg.train.lr, cfg.train.warmup_steps = 3e-3, 20
+        pre = Trainer(cfg, tmp / "pretrain", dataset=subset(args.data, args.windows, None, cfg.model.seq_len))
+        for _ in range(args.pretrain):
+            pre.train_step()
+        init = {k: v.detach().clone() for k, v in pre.model.state_dict().items()}
+        pre_s = time.perf_counter() - t0
+        print(f"  pre-trained {args.pretrain} steps in {pre_s:.0f}s, val loss {pre.validate():.4f}", flush=True)
+    el = {"enabled": True, "alpha": args.alpha, "check_every": args.check_every, "tol": args.tol,
+          "min_active": 2, "start_window": args.start_window, "stable_windows": args.stable_windows,
+          "guard": True, "guard_tol": args.guard_tol, "guard_ref": 4, "guard_batches": 4, "nodes": N_DEV}
     trainers = {}
-    for name, over in [("baseline", {}), ("freeze_only", {"elastic": {**el, "cache": "off"}}),
-                       ("elastic", {"elastic": {**el, "cache": "auto", "cache_dir": str(tmp / "cache")}})]:
-        cfg = build_config(overrides={**base, **over})
-        ds = capped(args.data, args.windows, cfg.model.seq_len)
-        cls = ElasticTrainer if over else Trainer
-        trainers[name] = cls(cfg, tmp / name, dataset=ds)
+    for name, e in [("baseline", None), ("freeze_only", {**el, "cache": "off"}),
+                    ("elastic", {**el, "cache": "auto", "cache_dir": str(tmp / "cache")})]:
+        cfg = real_config(args, steps, e)
+        ds = subset(args.data, 0, args.windows, cfg.model.seq_len)
+        trainers[name] = (ElasticTrainer if e else Trainer)(cfg, tmp / name, dataset=ds)
+        if init is not None:
+            trainers[name].model.load_state_dict(init)
     first = trainers["baseline"]
-    spent = {n: 0.0 for n in trainers}      # CPU seconds of the training thread (headline)
-    wall = {n: 0.0 for n in trainers}       # wall seconds (inflated by the other jobs on the CPU)
+    spent = {n: 0.0 for n in trainers}      # CPU seconds of the training thread
     curves = {n: [] for n in trainers}
     losses = {n: [] for n in trainers}
     step_s = {n: [] for n in trainers}
-    hits = []  # per step of the elastic run: (frozen, cached fraction of the prefix)
+    frozen = {n: [] for n in trainers}
+    hits = []  # per step of the elastic run: (frozen, cache hit fraction, cache on)
     el_tr = trainers["elastic"]
     prev = (0, 0, 0)
     for step in range(1, steps + 1):
         for n, tr in trainers.items():
-            t0, c0 = time.perf_counter(), time.thread_time()
+            frozen[n].append(getattr(tr, "frozen", 0))
+            if n == "elastic":
+                cached_now = el_tr.runner.enabled
+            c0 = time.thread_time()
             r = tr.train_step()
             dt = time.thread_time() - c0
-            wall[n] += time.perf_counter() - t0
             spent[n] += dt
             step_s[n].append(dt)
             losses[n].append(r.loss)
@@ -100,54 +142,126 @@ def real_runs(args) -> dict:
         cur = (c["hits"], c["misses"], c["extended"])
         d = [a - b for a, b in zip(cur, prev)]
         prev = cur
-        frac = d[0] / sum(d) if sum(d) else 0.0
-        hits.append((el_tr.frozen, frac))
+        hits.append((frozen["elastic"][-1], d[0] / sum(d) if sum(d) else 0.0, cached_now))
         if step % args.eval_every == 0 or step == steps:
             for n, tr in trainers.items():
                 curves[n].append({"step": step, "train_s": round(spent[n], 3), "val_loss": round(tr.validate(), 5)})
-        if step % 50 == 0:
+        if step % 100 == 0:
             print(f"  step {step}/{steps}: " + ", ".join(f"{n} {curves[n][-1]['val_loss'] if curves[n] else 0:.3f}"
-                                                         f" {spent[n]:.1f}s" for n in trainers), flush=True)
-    out = {"steps": steps, "windows": first.train_src.n, "epochs": round(steps * 16 / first.train_src.n, 2), "wall_s": {n: round(v, 3) for n, v in wall.items()},
-           "params": first.model.num_parameters(), "curves": curves, "train_s": {n: round(v, 3) for n, v in spent.items()},
-           "bit_identical_freeze_vs_cache": losses["freeze_only"] == losses["elastic"],
-           "layouts": [l.to_dict() for l in el_tr.layouts], "transitions": el_tr.transitions,
-           "decisions": el_tr.rule.history, "guard_s": round(el_tr.guard_s, 4),
-           "transition_s": round(sum(t["seconds"] for t in el_tr.transitions), 4),
-           "cache": el_tr.cache.stats() if el_tr.cache else None, "prefix_hits": hits,
-           "step_s": {n: v for n, v in step_s.items()}}
-    return out
+                                                         f" {spent[n]:.1f}s F={frozen[n][-1]}" for n in trainers), flush=True)
+    costs = profile_costs(first, tmp / "probe")
+    return {"steps": steps, "windows": first.train_src.n, "epochs": round(steps * 16 / first.train_src.n, 2),
+            "pretrain_steps": args.pretrain, "pretrain_s": round(pre_s, 1),
+            "params": first.model.num_parameters(), "curves": curves, "train_s": {n: round(v, 3) for n, v in spent.items()},
+            "bit_identical_freeze_vs_cache": losses["freeze_only"] == losses["elastic"],
+            "layouts": [l.to_dict() for l in el_tr.layouts], "transitions": el_tr.transitions,
+            "decisions": el_tr.rule.history, "guard_s": round(el_tr.guard_s, 4),
+            "guard_s_freeze_only": round(trainers["freeze_only"].guard_s, 4),
+            "transition_s": round(sum(t["seconds"] for t in el_tr.transitions), 4),
+            "cache": el_tr.cache.stats() if el_tr.cache else None, "prefix_hits": hits,
+            "step_s": step_s, "frozen": frozen, "costs": costs, "model": first.cfg.model}
 
 
-def time_to(curve: list[dict], target: float) -> tuple[int | None, float | None]:
+def _median_time(fn, reps: int) -> float:
+    fn()
+    ts = []
+    for _ in range(reps):
+        c0 = time.thread_time()
+        fn()
+        ts.append(time.thread_time() - c0)
+    return statistics.median(ts)
+
+
+def profile_costs(tr, probe_dir: Path, reps: int = 15) -> dict:
+    """Per-sample seconds on this machine, 1 thread: a layer's forward (no autograd), its forward +
+    backward, the head (norm, logits, loss) forward + backward, reading a cached row, and the
+    optimizer per parameter.  These are the emulated nodes' compute costs."""
+    m, t = tr.model, tr.cfg.train
+    b = t.micro_batch
+    x, y = tr.train_src.batch(list(range(b)))
+    with torch.no_grad():
+        h0 = m.tok_emb(x)
+    layer = m.layers["3"]
+
+    def fwd():
+        with torch.no_grad():
+            layer(h0, m.rope_cos, m.rope_sin)
+
+    def fwd_bwd():
+        h = h0.clone().requires_grad_(True)
+        layer(h, m.rope_cos, m.rope_sin).sum().backward()
+
+    def head():
+        h = h0.clone().requires_grad_(True)
+        m.loss(m.logits(h), y).backward()
+
+    rows = np.lib.format.open_memmap(probe_dir.with_suffix(".npy"), mode="w+", dtype=np.float32,
+                                     shape=(64,) + tuple(h0.shape[1:]))
+    rows[:] = 1.0
+    rows.flush()
+    ids = [3, 17, 40, 9]
+
+    def read():
+        torch.from_numpy(np.ascontiguousarray(rows[ids]))
+
+    import copy
+    mc = copy.deepcopy(m)
+    oc = build_adamw(list(mc.named_parameters()), tr.cfg.train)
+    n_params = sum(p.numel() for p in mc.parameters())
+    for p in mc.parameters():
+        p.grad = torch.zeros_like(p)
+
+    f = _median_time(fwd, reps) / b
+    fb = _median_time(fwd_bwd, reps) / b
+    hd = _median_time(head, reps) / b
+    rd = _median_time(read, reps) / len(ids)
+    op = _median_time(oc.step, 5) / n_params
+    for p in m.parameters():
+        p.grad = None
+    return {"fwd_s": f, "backward_factor": max(fb - f, 0.0) / f, "head_s": hd, "read_s": rd,
+            "opt_s_per_param": op}
+
+
+def time_to(curve: list[dict], target: float) -> int | None:
     for p in curve:
         if p["val_loss"] <= target:
-            return p["step"], p["train_s"]
-    return None, None
+            return p["step"]
+    return None
 
 
 # ---------------------------------------------------------------------------------------------
-# simulated half
+# layouts -> iteration seconds (both halves)
 
 
-SIM_MODEL = ModelConfig(vocab_size=32000, d_model=2048, n_layers=32, n_heads=16, n_kv_heads=16, seq_len=1024,
-                        n_stages=1)
-# PipeTransformer's testbed: 2 machines x 8 Quadro RTX 5000 (16 GB, 11.2 TFLOPS fp32), 25 Gbit/s between
-# Device memory: the testbed's 16 GB holds no static layout of this 1.6B-parameter model under the
-# memory model below (the best, 4 stages x 16 micro-batches, needs 16.2 GiB), so the simulation
-# uses 24 GiB devices: pipelines fit, plain data parallelism (60 GiB per replica) does not.
-N_DEV, GLOBAL_BATCH, DEV_MEM = 16, 128, 24 * 2**30
-DEV_FLOPS = 11.2e12 * 0.4  # fp32 peak x 40% utilisation
+@dataclass
+class Scale:
+    """Costs and memory of one half: per-sample seconds, device memory rule, global batch."""
+    name: str
+    model: ModelConfig
+    global_batch: int
+    fwd_s: float              # one layer's forward, per sample
+    backward_factor: float    # backward / forward
+    head_s: float             # norm + logits + loss, forward + backward, per sample
+    read_s: float             # one cached row, per sample
+    opt_s_per_param: float
+    dtype_bytes: int
+    start_stages: int = 0     # >0: memory budget = largest stage of this many all-active stages (AutoPipe units)
+    dev_mem: float = 0.0      # else: bytes per device under sim_memory
+
+    @property
+    def units(self) -> tuple[float, float]:
+        return stage0_units(self.model)
+
+    def fits(self, counts, frozen, b, in_flight) -> bool:
+        c0, m0 = self.units
+        if self.start_stages:
+            start = split(self.model.n_layers, 0, self.start_stages, False, c0) if self.start_stages > 1 \
+                else [self.model.n_layers]
+            return max(stage_memory(counts, frozen, m0)) <= max(stage_memory(start, 0, m0)) + 1e-9
+        return sim_memory(counts, frozen, b, in_flight, self.model) <= self.dev_mem
 
 
-def sim_topology():
-    spec = {"name": "2x8", "locations": ["m0", "m1"],
-            "links": [{"a": "m0", "b": "m1", "latency_ms": 0.1, "bandwidth_GBps": 25 / 8 * 0.93}],
-            "same_region": {"latency_ms": 0.01, "bandwidth_GBps": 10.0}}
-    return from_spec(spec, node_locations=["m0"] * 8 + ["m1"] * 8)
-
-
-def sim_memory(counts, frozen, b, in_flight, m=SIM_MODEL) -> float:
+def sim_memory(counts, frozen, b, in_flight, m) -> float:
     """Peak bytes of the largest stage: 16 B/param for active layers (weights, grads, Adam), 1/6
     of that for frozen ones, activations ~ 16 floats/token/layer per micro-batch in flight."""
     P = layer_params(m.d_model, m.hidden, m.kv_heads * m.head_dim)
@@ -163,44 +277,64 @@ def sim_memory(counts, frozen, b, in_flight, m=SIM_MODEL) -> float:
     return worst
 
 
-def sim_iteration(counts, frozen, replicas, n_micro, hit=0.0, m=SIM_MODEL, topo=None) -> float | None:
-    """Simulated seconds of one iteration, or None when the layout does not fit in memory."""
-    S = len(counts)
-    if GLOBAL_BATCH % (replicas * n_micro):
+def sim_topology():
+    """PipeTransformer's testbed network: 2 machines x 8 GPUs, 25 Gbit/s between the machines."""
+    spec = {"name": "2x8", "locations": ["m0", "m1"],
+            "links": [{"a": "m0", "b": "m1", "latency_ms": 0.1, "bandwidth_GBps": 25 / 8 * 0.93}],
+            "same_region": {"latency_ms": 0.01, "bandwidth_GBps": 10.0}}
+    return from_spec(spec, node_locations=["m0"] * 8 + ["m1"] * 8)
+
+
+def iteration(sc: Scale, counts, frozen, replicas, n_micro, hit, topo, check_mem=True) -> float | None:
+    """Seconds of one iteration of a layout (None: fewer samples than micro-batches, or it does not fit).
+
+    Per stage: active layers forward + backward, frozen layers forward only (a cached prefix
+    instead reads one row per sample for the hit fraction), stage 0 the head; the event
+    simulator runs the 1F1B lanes and the ring all-reduce of each stage's *active* parameters;
+    the optimizer of the stage with the most active parameters ends the iteration."""
+    m, S = sc.model, len(counts)
+    if replicas * n_micro > sc.global_batch:
         return None
-    b = GLOBAL_BATCH // (replicas * n_micro)
-    if sim_memory(counts, frozen, b, min(n_micro, S)) > DEV_MEM:
+    b = math.ceil(sc.global_batch / (replicas * n_micro))  # uneven splits: the largest share sets the pace
+    if check_mem and not sc.fits(counts, frozen, b, min(n_micro, S)):
         return None
-    topo = topo or sim_topology()
-    bf = 1.5
-    eff, P, start = [], layer_params(m.d_model, m.hidden, m.kv_heads * m.head_dim), 0
-    params = []
+    unit = sc.fwd_s * (1 + sc.backward_factor)
+    P = layer_params(m.d_model, m.hidden, m.kv_heads * m.head_dim)
+    eff, params, start = [], [], 0
     for s, c in enumerate(counts):
         nf = max(0, min(c, frozen - start))
-        eff.append((c - nf) + nf * (1 - hit) / (1 + bf))  # frozen: forward only, none when cached
+        e = (c - nf) + nf * (1 - hit) * sc.fwd_s / unit
+        if s == 0:
+            e += sc.head_s / unit + (hit * sc.read_s / unit if frozen else 0.0)
+        eff.append(e)
         params.append((c - nf) * P + (m.vocab_size * m.d_model * (1 if frozen else 2) if s == 0 else 0))
         start += c
-    spl = layer_flops_per_token(m) * m.seq_len / DEV_FLOPS
-    cost = CostModel(d_model=m.d_model, tokens_per_sample=m.seq_len, samples=b, dtype_bytes=2,
-                     layers_per_stage=eff, s_per_sample_per_layer=spl, hop_overhead_s=0.0,
-                     params_per_stage=params, grad_dtype_bytes=2)
+    cost = CostModel(d_model=m.d_model, tokens_per_sample=m.seq_len, samples=b, dtype_bytes=sc.dtype_bytes,
+                     layers_per_stage=eff, s_per_sample_per_layer=sc.fwd_s, backward_factor=sc.backward_factor,
+                     loss_factor=0.0, hop_overhead_s=0.0, params_per_stage=params, grad_dtype_bytes=sc.dtype_bytes)
     placement = [[s * replicas + r for r in range(replicas)] for s in range(S)]
     sched = full_pipeline(topo, cost, [replicas] * S, n_micro * replicas, min(n_micro, S), placement=placement)
-    return simulate(sched, topo, cost, record=False).iteration_s
+    return simulate(sched, topo, cost, record=False).iteration_s + sc.opt_s_per_param * max(params)
 
 
-def sim_sweep(topo) -> list[dict]:
+def start_counts(sc: Scale, S: int) -> list[int]:
+    return split(sc.model.n_layers, 0, S, False, sc.units[0]) if S > 1 else [sc.model.n_layers]
+
+
+def sweep(sc: Scale, topo) -> list[dict]:
     out = []
     for S in (1, 2, 4, 8, 16):
-        counts = autopipe(SIM_MODEL.n_layers, 0, S, S, False, *stage0_units(SIM_MODEL))[0] if S > 1 else [32]
-        for M in (1, 2, 4, 8, 16):
-            t = sim_iteration(counts, 0, N_DEV // S, M, topo=topo)
+        if S - 1 > sc.model.n_layers:
+            continue
+        for M in MICROS:
+            t = iteration(sc, start_counts(sc, S), 0, N_DEV // S, M, 0.0, topo)
             out.append({"stages": S, "replicas": N_DEV // S, "n_micro": M, "iteration_s": t})
     return out
 
 
-def transfer_seconds(old_counts, old_pl, new_counts, new_pl, frozen, topo, m=SIM_MODEL) -> float:
+def transfer_seconds(sc: Scale, old_counts, old_pl, new_counts, new_pl, frozen, topo) -> float:
     """Wire time of a transition: per receiver, its messages in sequence; receivers in parallel."""
+    m = sc.model
     P = layer_params(m.d_model, m.hidden, m.kv_heads * m.head_dim) * 4
     sizes = {"tok_emb.weight": m.vocab_size * m.d_model * 4, "head.weight": m.vocab_size * m.d_model * 4}
     for l in range(m.n_layers):
@@ -214,55 +348,134 @@ def transfer_seconds(old_counts, old_pl, new_counts, new_pl, frozen, topo, m=SIM
     return max(per_dst.values(), default=0.0)
 
 
-def sim_elastic(real: dict, best: dict, topo, repartition=True, replicas=True, cache=True) -> dict:
-    """Seconds per step of the elastic run at paper scale, following the real run's freeze
-    schedule and cache hit rate step by step; plus transition wire time."""
-    L_real = 8
-    c0, m0 = stage0_units(SIM_MODEL)
+def elastic_times(sc: Scale, schedule, L_real: int, best: dict, topo, repartition=True, replicas=True,
+                  cache=True) -> dict:
+    """Per-step seconds of the elastic run on ``sc``'s 16 nodes, following ``schedule`` (per step:
+    the real run's frozen count, cache hit fraction and cache decision; the frozen count mapped
+    by layer fraction), from the best static layout; plus the transitions' wire time.
+
+    Without ``repartition`` the layout stays (frozen layers just skip their backward, wherever
+    they live); without ``replicas`` freed nodes idle; without ``cache`` the prefix is recomputed.
+    At every transition the micro-batch count is re-picked by simulating (AutoPipe's profiling)."""
+    L = sc.model.n_layers
+    c0, m0 = sc.units
     S0, R0, M0 = best["stages"], best["replicas"], best["n_micro"]
-    counts = autopipe(SIM_MODEL.n_layers, 0, S0, S0, False, c0, m0)[0] if S0 > 1 else [SIM_MODEL.n_layers]
-    pl = [[s * R0 + r for r in range(R0)] for s in range(S0)]
-    layout = {"frozen": 0, "counts": counts, "replicas": R0, "n_micro": M0, "placement": pl}
+    budget_stages = sc.start_stages or S0
+    lay = {"frozen": 0, "counts": start_counts(sc, S0), "replicas": R0, "n_micro": M0,
+           "placement": [[s * R0 + r for r in range(R0)] for s in range(S0)]}
     memo: dict = {}
-    per_step, trans_s, history = [], 0.0, [dict(layout, step=0)]
-    for i, (f_real, hit) in enumerate(real["prefix_hits"]):
-        F = round(f_real / L_real * SIM_MODEL.n_layers)
-        h = hit if cache else 0.0
-        if F != layout["frozen"]:
+    per_step, wire, history = [], 0.0, [dict(lay, step=0)]
+    for i, (f_real, hit, cached) in enumerate(schedule):
+        F = round(f_real / L_real * L)
+        cached = cache and cached
+        h = round(hit, 2) if cached else 0.0
+        if F != lay["frozen"]:
+            counts = lay["counts"]
             if repartition:
-                counts, _ = autopipe(SIM_MODEL.n_layers, F, S0, len(layout["counts"]), cache, c0, m0)
-            else:
-                counts = layout["counts"]
-                if counts[0] < F:  # frozen layers live on stage 0: move the cut up
-                    counts = list(counts)
-                    moved = F - counts[0]
-                    counts[0] = F
-                    j = 1
-                    while moved and j < len(counts):
-                        take = min(moved, counts[j] - 1)
-                        counts[j] -= take
-                        moved -= take
-                        j += 1
+                counts, _ = autopipe(L, F, budget_stages, len(lay["counts"]), cached, c0, m0)
             S = len(counts)
-            R = N_DEV // S if replicas else layout["replicas"]
+            R = N_DEV // S if replicas else lay["replicas"]
             new_pl = [[s * R + r for r in range(R)] for s in range(S)]
-            best_m, best_t = layout["n_micro"], math.inf
-            for M in (1, 2, 4, 8, 16):  # re-pick micro-batches by simulating
-                t = sim_iteration(counts, F, R, M, 1.0 if cache else 0.0, topo=topo)
+            best_m, best_t = lay["n_micro"], math.inf
+            for M in MICROS:
+                t = iteration(sc, counts, F, R, M, 1.0 if cached else 0.0, topo, check_mem=False)
                 if t is not None and t < best_t:
                     best_m, best_t = M, t
-            trans_s += transfer_seconds(layout["counts"], layout["placement"], counts, new_pl, F, topo)
-            layout = {"frozen": F, "counts": counts, "replicas": R, "n_micro": best_m, "placement": new_pl}
-            history.append(dict(layout, step=i))
-        key = (F, tuple(layout["counts"]), layout["replicas"], layout["n_micro"], round(h, 2))
+            wire += transfer_seconds(sc, lay["counts"], lay["placement"], counts, new_pl, F, topo)
+            lay = {"frozen": F, "counts": counts, "replicas": R, "n_micro": best_m, "placement": new_pl}
+            history.append(dict(lay, step=i))
+        key = (F, tuple(lay["counts"]), lay["replicas"], lay["n_micro"], h)
         if key not in memo:
-            memo[key] = sim_iteration(layout["counts"], F, layout["replicas"], layout["n_micro"], round(h, 2), topo=topo)
+            memo[key] = iteration(sc, lay["counts"], F, lay["replicas"], lay["n_micro"], h, topo, check_mem=False)
         per_step.append(memo[key])
-    return {"per_step": per_step, "transition_s": trans_s,
+    return {"per_step": per_step, "wire_s": wire,
             "history": [{k: v for k, v in h.items() if k != "placement"} for h in history]}
 
 
+SIM_MODEL = ModelConfig(vocab_size=32000, d_model=2048, n_layers=32, n_heads=16, n_kv_heads=16, seq_len=1024,
+                        n_stages=1)
+DEV_FLOPS = 11.2e12 * 0.4  # Quadro RTX 5000 fp32 peak x 40% utilisation
+
+
+def paper_scale() -> Scale:
+    """32 layers d=2048 (1.6B parameters), global batch 128 x 1024 tokens, 24 GiB devices (at the
+    testbed's 16 GiB no static layout fits this model under sim_memory; at 24 GiB pipelines fit,
+    plain DP does not), cache rows read from host memory at 10 GB/s, AdamW at 300 GB/s."""
+    m = SIM_MODEL
+    return Scale("paper", m, 128, fwd_s=layer_flops_per_token(m) * m.seq_len / DEV_FLOPS, backward_factor=1.5,
+                 head_s=2.5 * head_flops_per_token(m) * m.seq_len / DEV_FLOPS,
+                 read_s=m.seq_len * m.d_model * 2 / 10e9, opt_s_per_param=16 * 3 / 300e9, dtype_bytes=2,
+                 dev_mem=24 * 2**30)
+
+
+def small_scale(real: dict) -> Scale:
+    """The real runs' model and batch with the costs measured on this machine; device memory =
+    the largest stage of the 4-stage start (so 4 stages is the fewest a static layout can use)."""
+    c = real["costs"]
+    return Scale("small", real["model"], 16, fwd_s=c["fwd_s"], backward_factor=c["backward_factor"],
+                 head_s=c["head_s"], read_s=c["read_s"], opt_s_per_param=c["opt_s_per_param"], dtype_bytes=4,
+                 start_stages=real["model"].n_stages)
+
+
 # ---------------------------------------------------------------------------------------------
+
+VARIANTS = {"freeze_only": dict(repartition=False, replicas=False, cache=False),
+            "+autopipe": dict(repartition=True, replicas=False, cache=False),
+            "+autopipe+autocache": dict(repartition=True, replicas=False, cache=True),
+            "+autopipe+autodp": dict(repartition=True, replicas=True, cache=False),
+            "all": dict(repartition=True, replicas=True, cache=True)}
+
+
+def half(sc: Scale, real: dict, steps_b: int | None, steps_e: int | None, topo, overhead) -> dict:
+    """Sweep, best static, plain DP and the elastic variants of one half; times to the target."""
+    sw = sweep(sc, topo)
+    feasible = [r for r in sw if r["iteration_s"] is not None]
+    if not feasible:
+        raise SystemExit(f"{sc.name} scale: no static configuration fits the device memory; "
+                         "raise DEV memory or shrink the model in bench/elastic.py")
+    best = min(feasible, key=lambda r: r["iteration_s"])
+    dp = min((r for r in feasible if r["stages"] == 1), key=lambda r: r["iteration_s"], default=None)
+    static_tt = best["iteration_s"] * steps_b if steps_b else None
+    dp_tt = dp["iteration_s"] * steps_b if (dp and steps_b) else None
+    out = {"sweep": sw, "best_static": best, "plain_dp": dp, "variants": {},
+           "time_to_target_s": {"best_static": static_tt, "plain_dp": dp_tt}}
+    for k, v in VARIANTS.items():
+        e = elastic_times(sc, real["prefix_hits"], real["model"].n_layers, best, topo, **v)
+        extra = overhead(sc, e, best, steps_e)
+        tt = sum(e["per_step"][:steps_e]) + extra if steps_e else None
+        total = sum(e["per_step"]) + overhead(sc, e, best, len(e["per_step"]))
+        out["variants"][k] = {"time_to_target_s": tt, "total_s": total, "overhead_s": extra,
+                              "speedup_vs_best_static": round(static_tt / tt, 3) if (tt and static_tt) else None,
+                              "speedup_vs_plain_dp": round(dp_tt / tt, 3) if (tt and dp_tt) else None,
+                              "history": e["history"], "wire_s": e["wire_s"]}
+    return out
+
+
+def print_half(title: str, h: dict) -> None:
+    print(f"\n{title}")
+    print("static sweep (s/iteration; - = does not fit in device memory):")
+    for S in (1, 2, 4, 8, 16):
+        row = [r for r in h["sweep"] if r["stages"] == S]
+        if row:
+            print(f"  S={S:<2} R={N_DEV // S:<2} " + "  ".join(
+                f"M={r['n_micro']}: {r['iteration_s']:.4g}" if r["iteration_s"] else f"M={r['n_micro']}: -" for r in row))
+    b, dp = h["best_static"], h["plain_dp"]
+    print(f"best static: S={b['stages']} R={b['replicas']} M={b['n_micro']} {b['iteration_s']:.4g} s/it; plain DP: "
+          + ("does not fit" if dp is None else f"M={dp['n_micro']} {dp['iteration_s']:.4g} s/it"))
+    print("elastic layouts (step: frozen, stages x replicas, micro-batches): " + ", ".join(
+        f"{x['step']}: {x['frozen']}, {len(x['counts'])}x{x['replicas']}, M={x['n_micro']}"
+        for x in h["variants"]["all"]["history"]))
+    tts = h["time_to_target_s"]
+    fmt = lambda t: f"{t:.4g}s" if t else "-"  # noqa: E731
+    print(f"{'config':<28} {'time to target':>14} {'vs best static':>15}")
+    print(f"{'best static':<28} {fmt(tts['best_static']):>14} {'1.00x':>15}")
+    if tts["plain_dp"]:
+        print(f"{'plain DP':<28} {fmt(tts['plain_dp']):>14} {tts['best_static'] / tts['plain_dp']:>14.2f}x")
+    else:
+        print(f"{'plain DP':<28} {'n/a (OOM)':>14}")
+    for k, v in h["variants"].items():
+        sp = v["speedup_vs_best_static"]
+        print(f"{'elastic ' + k:<28} {fmt(v['time_to_target_s']):>14} {(f'{sp:.2f}x' if sp else '-'):>15}")
 
 
 def main(argv=None) -> int:
@@ -271,119 +484,131 @@ def main(argv=None) -> int:
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--data", default=str(ROOT / "data" / "shakespeare"))
     ap.add_argument("--steps", type=int, default=None)
-    ap.add_argument("--windows", type=int, default=1024, help="training samples kept (multi-epoch regime)")
+    ap.add_argument("--pretrain", type=int, default=None, help="pre-training steps before the timed runs (0 = from scratch)")
+    ap.add_argument("--windows", type=int, default=1024, help="training samples of the timed runs (multi-epoch)")
+    ap.add_argument("--lr", type=float, default=None)
+    ap.add_argument("--warmup", type=int, default=None)
     ap.add_argument("--alpha", type=float, default=1 / 3)
     ap.add_argument("--tol", type=float, default=0.2)
+    ap.add_argument("--stable-windows", type=int, default=2)
+    ap.add_argument("--start-window", type=int, default=3)
+    ap.add_argument("--guard-tol", type=float, default=0.003)
     ap.add_argument("--check-every", type=int, default=None)
     ap.add_argument("--eval-every", type=int, default=None)
     args = ap.parse_args(argv)
-    args.steps = args.steps or (120 if args.quick else 320)
-    args.check_every = args.check_every or (10 if args.quick else 20)
-    args.eval_every = args.eval_every or (10 if args.quick else 20)
+    for k, quick, full in [("steps", 100, 400), ("pretrain", 100, 400), ("check_every", 10, 20),
+                           ("eval_every", 10, 20), ("lr", 1e-3, 1e-3), ("warmup", 10, 20)]:
+        if getattr(args, k) is None:
+            setattr(args, k, quick if args.quick else full)
+    if args.data and not (Path(args.data) / "manifest.json").is_file():
+        raise SystemExit(f"--data {args.data}: no prepared data set there (run `skiptrain prepare` first)")
     t_start = time.time()
-    print(f"real runs: {args.steps} steps, {args.windows} samples of 64 tokens, interleaved", flush=True)
+    print(f"real runs: {'pre-train ' + str(args.pretrain) + ' steps, then ' if args.pretrain else ''}"
+          f"{args.steps} steps on {args.windows} samples of 64 tokens, 3 trainers interleaved", flush=True)
     real = real_runs(args)
     c = real["curves"]
     final = {n: c[n][-1]["val_loss"] for n in c}
     target = round(final["baseline"] * 1.01, 5)
-    tt = {n: time_to(c[n], target) for n in c}
-    print(f"\nREAL (2-core CPU container, 1 thread, interleaved, CPU seconds of the training thread; target val loss {target} = baseline final x 1.01)")
-    print(f"{'run':<12} {'final val':>9} {'train s':>8} {'steps→tgt':>9} {'s→tgt':>7} {'speed-up':>8}")
-    b_s = tt["baseline"][1]
+    st = {n: time_to(c[n], target) for n in c}
+    steps_b, steps_e = st["baseline"], st["elastic"]
+
+    print(f"\nREAL, 1 node (this machine, 1 thread, measured CPU seconds of the training thread; "
+          f"target val loss {target} = baseline final x 1.01)")
+    print(f"{'run':<12} {'final val':>9} {'vs base':>8} {'train s':>8} {'steps→tgt':>9} {'s→tgt':>7} {'speed-up':>8}")
+    sec = {n: (sum(real["step_s"][n][:st[n]]) if st[n] else None) for n in c}
     for n in c:
-        st, s = tt[n]
-        sp = (b_s / s) if (s and b_s) else None
-        print(f"{n:<12} {final[n]:>9.4f} {real['train_s'][n]:>8.1f} {str(st):>9} "
-              f"{(f'{s:.1f}' if s else '-'):>7} {(f'{sp:.2f}x' if sp else '-'):>8}")
-    total_el = real["train_s"]["elastic"]
-    print(f"freeze schedule (step: frozen/stages x replicas): "
+        sp = sec["baseline"] / sec[n] if (sec[n] and sec["baseline"]) else None
+        print(f"{n:<12} {final[n]:>9.4f} {final[n] / final['baseline']:>8.4f} {real['train_s'][n]:>8.1f} "
+              f"{str(st[n]):>9} {(f'{sec[n]:.1f}' if sec[n] else '-'):>7} {(f'{sp:.2f}x' if sp else '-'):>8}")
+    print("freeze schedule (step: frozen/stages x replicas): "
           + ", ".join(f"{l['step']}: {l['frozen']}/{len(l['counts'])}x{l['replicas']}" for l in real["layouts"]))
-    print(f"transitions {real['transition_s']:.3f}s + guard validation {real['guard_s']:.3f}s of {total_el:.1f}s "
-          f"elastic train time; cache {real['cache']}; freeze-only == elastic losses bit-identical: "
-          f"{real['bit_identical_freeze_vs_cache']}")
+    acts = [d for d in real["decisions"] if d["action"] in ("freeze", "undo")]
+    print("freeze decisions: " + (", ".join(f"{d['step']} {d['action']} {d['frozen_before']}->{d['frozen_after']}"
+                                            for d in acts) or "none"))
+    print(f"transitions {real['transition_s']:.3f}s + guard validation {real['guard_s']:.3f}s of "
+          f"{real['train_s']['elastic']:.1f}s; cache {real['cache']}; freeze-only == elastic losses "
+          f"bit-identical: {real['bit_identical_freeze_vs_cache']}")
 
-    # ---- simulated -----------------------------------------------------------------------
+    # ---- emulated 16 nodes with the measured costs, and the overlap check -------------------
+    small = small_scale(real)
     topo = sim_topology()
-    sweep = sim_sweep(topo)
-    feasible = [r for r in sweep if r["iteration_s"] is not None]
-    if not feasible:
-        raise SystemExit(f"simulation: no static configuration fits in {DEV_MEM / 2**30:.0f} GiB per device; "
-                         "raise DEV_MEM or shrink SIM_MODEL in bench/elastic.py")
-    best = min(feasible, key=lambda r: r["iteration_s"])
-    dp = next((r for r in sorted(feasible, key=lambda r: r["iteration_s"]) if r["stages"] == 1), None)
-    print(f"\nSIMULATED (32 layers d=2048, 16 devices = 2 machines x 8, {DEV_MEM / 2**30:.0f} GiB each, "
-          f"global batch {GLOBAL_BATCH} x 1024 tokens)")
-    print("static sweep (s/iteration; - = does not fit in memory):")
-    for S in (1, 2, 4, 8, 16):
-        row = [r for r in sweep if r["stages"] == S]
-        print(f"  S={S:<2} R={N_DEV // S:<2} " + "  ".join(
-            f"M={r['n_micro']}: {r['iteration_s']:.2f}" if r["iteration_s"] else f"M={r['n_micro']}: -" for r in row))
-    steps_b = tt["baseline"][0]
-    steps_e = tt["elastic"][0]
-    n_steps = real["steps"]
-    static_t = best["iteration_s"]
-    variants = {"freeze_only": dict(repartition=False, replicas=False, cache=False),
-                "+autopipe": dict(repartition=True, replicas=False, cache=False),
-                "+autopipe+autocache": dict(repartition=True, replicas=False, cache=True),
-                "+autopipe+autodp": dict(repartition=True, replicas=True, cache=False),
-                "all": dict(repartition=True, replicas=True, cache=True)}
-    sims = {k: sim_elastic(real, best, topo, **v) for k, v in variants.items()}
+    co = real["costs"]
+    print(f"\nmeasured costs per sample: layer fwd {co['fwd_s'] * 1e3:.3f} ms, backward x{co['backward_factor']:.2f}, "
+          f"head fwd+bwd {co['head_s'] * 1e3:.3f} ms, cached row read {co['read_s'] * 1e3:.4f} ms, "
+          f"AdamW {co['opt_s_per_param'] * 1e9:.2f} ns/param")
+    print("overlap: 1-node emulation (same costs, S=1 R=1 M=4) vs the measured median step, per frozen count:")
+    overlap = []
+    for n, hitw in (("baseline", False), ("freeze_only", False), ("elastic", True)):
+        for F in sorted(set(real["frozen"][n])):
+            idx = [i for i, f in enumerate(real["frozen"][n]) if f == F]
+            if len(idx) < 3:
+                continue
+            hit = statistics.median(real["prefix_hits"][i][1] for i in idx) if (hitw and F) else 0.0
+            meas = statistics.median(real["step_s"][n][i] for i in idx)
+            pred = iteration(small, [small.model.n_layers], F, 1, 4, hit, topo, check_mem=False)
+            overlap.append({"run": n, "frozen": F, "hit": round(hit, 3), "measured_s": round(meas, 5),
+                            "emulated_s": round(pred, 5), "ratio": round(pred / meas, 3)})
+            print(f"  {n:<12} F={F} hit={hit:.2f}: measured {meas * 1e3:7.1f} ms, emulated {pred * 1e3:7.1f} ms "
+                  f"({pred / meas:.2f}x)")
 
-    def t_to(per_step, n, trans):
-        return sum(per_step[:n]) + trans if n else None
+    def small_overhead(sc, e, best, upto):
+        if not upto:
+            return 0.0
+        trans = sum(t["seconds"] for t in real["transitions"] if t["step"] <= upto)
+        checks = sum(1 for d in real["decisions"] if d["step"] <= upto and d["val_loss"] is not None)
+        g = checks * 16 * (sc.model.n_layers * sc.fwd_s + sc.head_s / (1 + sc.backward_factor)) / best["replicas"]
+        return trans + e["wire_s"] + g
 
-    sim_static_tt = static_t * steps_b if steps_b else None
-    sim_dp_tt = dp["iteration_s"] * steps_b if (dp and steps_b) else None
-    ablation = {}
-    for k, s in sims.items():
-        t = t_to(s["per_step"], steps_e, s["transition_s"])
-        ablation[k] = round(sim_static_tt / t, 3) if (t and sim_static_tt) else None
-    el = sims["all"]
-    el_tt = t_to(el["per_step"], steps_e, el["transition_s"])
-    el_total = sum(el["per_step"]) + el["transition_s"]
-    print(f"best static: S={best['stages']} R={best['replicas']} M={best['n_micro']}: {static_t:.2f} s/it; "
-          "plain DP (S=1): " + ("does not fit" if dp is None else f"{dp['iteration_s']:.2f} s/it"))
-    print("elastic layouts (step: frozen layers, stages, replicas, micro-batches): " + ", ".join(
-        f"{h['step']}: {h['frozen']}, {len(h['counts'])}, {h['replicas']}, {h['n_micro']}" for h in el["history"]))
-    print(f"{'config':<22} {'time to target':>14} {'vs best static':>14}")
-    print(f"{'best static':<22} {sim_static_tt or float('nan'):>13.0f}s {1.0:>13.2f}x")
-    if dp:
-        print(f"{'plain DP':<22} {sim_dp_tt:>13.0f}s {sim_static_tt / sim_dp_tt:>13.2f}x")
-    else:
-        print(f"{'plain DP':<22} {'n/a (OOM)':>14}")
-    for k, s in sims.items():
-        t = t_to(s["per_step"], steps_e, s["transition_s"])
-        print(f"{'elastic ' + k:<22} {t or float('nan'):>13.0f}s {ablation[k] or float('nan'):>13.2f}x")
-    # overlap check: the simulator on ONE device with the real run's schedule vs the real ratio
-    real_ratio = real["train_s"]["baseline"] / real["train_s"]["elastic"]
-    speedup = ablation["all"]
+    def paper_overhead(sc, e, best, upto):
+        if not upto:
+            return 0.0
+        checks = sum(1 for d in real["decisions"] if d["step"] <= upto and d["val_loss"] is not None)
+        g = checks * 16 * (sc.model.n_layers * sc.fwd_s + sc.head_s / (1 + sc.backward_factor)) / best["replicas"]
+        return e["wire_s"] + g
+
+    em = half(small, real, steps_b, steps_e, topo, small_overhead)
+    print_half("REAL, 16 emulated nodes (losses and steps from the runs above; per-node compute measured on "
+               "this machine; device memory = largest stage of the 4-stage start)", em)
+    paper = half(paper_scale(), real, steps_b, steps_e, topo, paper_overhead)
+    print_half("SIMULATED, paper scale (32 layers d=2048, 16 devices = 2 machines x 8, 24 GiB each, global "
+               "batch 128 x 1024 tokens; freeze schedule mapped by layer fraction)", paper)
+
+    ev, pv = em["variants"]["all"], paper["variants"]["all"]
     result = {
-        "speedup_vs_best_static": speedup,
+        "speedup_vs_best_static": ev["speedup_vs_best_static"],
+        "speedup_vs_best_static_sim": pv["speedup_vs_best_static"],
         "final_loss_ratio": round(final["elastic"] / final["baseline"], 5),
-        "transition_fraction": round(el["transition_s"] / el_total, 6),
-        "transition_fraction_real": round((real["transition_s"]) / real["train_s"]["elastic"], 6),
-        "guard_fraction_real": round(real["guard_s"] / real["train_s"]["elastic"], 6),
-        "ablation": ablation,
-        "real": {"target_val_loss": target, "final_val_loss": final, "train_cpu_s": real["train_s"], "wall_s": real["wall_s"],
-                 "steps_to_target": {n: tt[n][0] for n in tt}, "seconds_to_target": {n: tt[n][1] for n in tt},
-                 "speedup_to_target": {n: (round(b_s / tt[n][1], 3) if tt[n][1] and b_s else None) for n in tt},
-                 "whole_run_speedup_elastic": round(real_ratio, 3),
-                 "whole_run_speedup_freeze_only": round(real["train_s"]["baseline"] / real["train_s"]["freeze_only"], 3),
+        "transition_fraction": round((ev["total_s"] and (sum(t["seconds"] for t in real["transitions"]) + ev["wire_s"])
+                                      / ev["total_s"]), 6),
+        "transition_fraction_sim": round(pv["wire_s"] / pv["total_s"], 6),
+        "transition_fraction_real_1node": round(real["transition_s"] / real["train_s"]["elastic"], 6),
+        "guard_fraction_real_1node": round(real["guard_s"] / real["train_s"]["elastic"], 6),
+        "ablation": {k: v["speedup_vs_best_static"] for k, v in em["variants"].items()},
+        "ablation_sim": {k: v["speedup_vs_best_static"] for k, v in paper["variants"].items()},
+        "speedup_vs_plain_dp": ev["speedup_vs_plain_dp"],
+        "real": {"target_val_loss": target, "final_val_loss": final, "train_cpu_s": real["train_s"],
+                 "steps_to_target": st, "seconds_to_target_1node": sec,
+                 "speedup_to_target_1node": {n: (round(sec["baseline"] / sec[n], 3) if sec[n] and sec["baseline"] else None)
+                                             for n in sec},
+                 "whole_run_speedup_1node": {n: round(real["train_s"]["baseline"] / real["train_s"][n], 3) for n in c},
                  "bit_identical_freeze_vs_cache": real["bit_identical_freeze_vs_cache"],
+                 "pretrain_steps": real["pretrain_steps"], "pretrain_s": real["pretrain_s"],
                  "layouts": real["layouts"], "decisions": real["decisions"], "transitions": real["transitions"],
                  "cache": real["cache"], "curves": c, "windows": real["windows"], "epochs": real["epochs"],
-                 "params": real["params"]},
-        "sim": {"best_static": best, "plain_dp": dp, "sweep": sweep, "elastic_history": el["history"],
-                "time_to_target_s": {"best_static": sim_static_tt, "plain_dp": sim_dp_tt, "elastic": el_tt},
-                "transition_s": el["transition_s"]},
-        "quick": args.quick, "bench_seconds": round(time.time() - t_start, 1),
+                 "params": real["params"], "costs": real["costs"], "overlap": overlap,
+                 "guard_s": real["guard_s"], "transition_s": real["transition_s"]},
+        "emulated": em, "sim": paper,
+        "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+        "bench_seconds": round(time.time() - t_start, 1),
     }
-    print(f"\nspeedup_vs_best_static {speedup} (sim, steps from the real runs), final_loss_ratio "
-          f"{result['final_loss_ratio']} (real), transition_fraction {result['transition_fraction']} (sim) / "
-          f"{result['transition_fraction_real']} (real)")
+    print(f"\nspeedup_vs_best_static {result['speedup_vs_best_static']} (16 emulated nodes) / "
+          f"{result['speedup_vs_best_static_sim']} (paper-scale sim); speedup_vs_plain_dp {result['speedup_vs_plain_dp']}; "
+          f"final_loss_ratio {result['final_loss_ratio']}; transition_fraction {result['transition_fraction']} "
+          f"(emulated) / {result['transition_fraction_sim']} (sim) / {result['transition_fraction_real_1node']} "
+          f"(1 node, + guard {result['guard_fraction_real_1node']}); bench {result['bench_seconds']:.0f}s")
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(result, indent=1))
+        args.json.write_text(json.dumps(result, indent=1, default=str))
     return 0
 
 

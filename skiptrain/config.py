@@ -172,8 +172,12 @@ class ElasticConfig:
     min_active: int = _f(2, "layers that never freeze (the top of the stack keeps training)", min=1)
     start_window: int = _f(2, "first window (1-based) at which freezing may happen", min=1)
     guard: bool = _f(True, "validation-loss guard: undo a freeze that made validation loss worse")
-    guard_tol: float = _f(0.01, "relative validation-loss rise after a freeze that undoes it", min=0.0)
+    guard_tol: float = _f(0.01, "undo the latest freeze when validation loss is this fraction above the "
+                          "loss projected without freezing (cumulative over all freezes)", min=0.0)
     guard_delay: int = _f(2, "windows without freezing after an undo", min=0)
+    guard_ref: int = _f(4, "unfrozen validation points fitted (a + b ln of the summed learning rate) for the "
+                        "guard's projection", min=2)
+    stable_windows: int = _f(2, "consecutive windows a layer's gradient-norm change must stay <= tol", min=1)
     guard_batches: int = _f(4, "validation micro-batches per guard check", min=1)
     cache: str = _f("auto", "frozen-prefix activation cache: auto (when measured cheaper), on, off",
                     choices=("auto", "on", "off"))

@@ -29,7 +29,8 @@ def _window(rule, step, norms, val=None):
 
 
 def test_freeze_rule_gradient_prefix_bounded_by_alpha():
-    rule = FreezeRule(8, alpha=0.5, check_every=2, tol=0.05, min_active=2, start_window=2, guard=False)
+    rule = FreezeRule(8, alpha=0.5, check_every=2, tol=0.05, min_active=2, start_window=2, guard=False,
+                      stable_windows=1)
     d = _window(rule, 2, {l: 1.0 for l in range(8)})
     assert d.action == "warmup" and rule.frozen == 0
     # layers 0-4 stable, layer 5 moved 50%: converged prefix is 0..4, bound ceil(0.5 * 6) = 3
@@ -47,25 +48,68 @@ def test_freeze_rule_gradient_prefix_bounded_by_alpha():
     assert _window(rule, 12, {6: 1.0, 7: 1.0}).action == "max"
 
 
-def test_freeze_guard_undoes_and_delays():
-    rule = FreezeRule(6, alpha=1.0, check_every=1, tol=1.0, min_active=1, start_window=2, guard=True,
-                      guard_tol=0.01, guard_delay=2)
+def test_freeze_rule_needs_a_stable_streak():
+    rule = FreezeRule(4, alpha=1.0, check_every=1, tol=0.05, min_active=1, start_window=1, guard=False,
+                      stable_windows=3)
+    seq = [1.0, 1.01, 1.5, 1.51, 1.52, 1.53]   # layer 0: calm, jump, then calm for 3 windows
+    acts = [_window(rule, s + 1, {0: g, 1: 9.0 * (s + 1), 2: 1.0, 3: 1.0}).action for s, g in enumerate(seq)]
+    # window 2 is calm once (streak 1), the jump resets it, windows 4-6 rebuild it to 3
+    assert acts == ["hold", "hold", "hold", "hold", "hold", "freeze"]
+    assert rule.frozen == 1 and rule.history[-1]["stable"]["0"] == 3
+    assert rule.history[1]["stable"]["0"] == 1 and rule.history[2]["stable"]["0"] == 0
+    assert "needs 3" in rule.history[3]["reason"]
+
+
+def test_freeze_guard_is_cumulative_against_the_unfrozen_projection():
+    # a loss curve v = 4 - 0.5 ln(step) without freezing; every freeze costs 0.6% of loss on top
+    rule = FreezeRule(6, alpha=0.25, check_every=10, tol=1.0, min_active=1, start_window=1, guard=True,
+                      guard_tol=0.01, guard_delay=1, stable_windows=1, guard_ref=3)
     norms = {l: 1.0 for l in range(6)}
-    _window(rule, 1, norms, val=3.0)
-    d = _window(rule, 2, norms, val=3.0)
-    assert d.action == "freeze" and rule.frozen == 5 and d.val_loss == 3.0
-    d = _window(rule, 3, norms, val=3.1)  # 3.3% worse than at the freeze -> undo
-    assert d.action == "undo" and rule.frozen == 0 and "3.1" in d.reason
-    assert [_window(rule, s, norms, val=3.0).action for s in (4, 5)] == ["delay", "delay"]
-    d = _window(rule, 6, norms, val=2.9)
-    assert d.action == "freeze"
-    d = _window(rule, 7, norms, val=2.9)  # loss did not rise: the freeze stands
-    assert d.action == "max" and rule.frozen == 5
+    import math
+
+    def clean(step):
+        return 4 - 0.5 * math.log(step)
+
+    acts = []
+    for w in range(1, 9):
+        step = 10 * w
+        # each freeze in force adds 0.6%: one alone passes the 1% guard, two do not
+        cost = 1 + 0.006 * len(rule.freezes)
+        acts.append(_window(rule, step, norms, val=clean(step) * cost).action)
+    # windows 1-2: reference points (window 1 has no gradient history); window 2 freezes 2 layers
+    # (bound ceil(0.25 * 5)); window 3 freezes 1 more (0.6% each: under tol alone, 1.2% together);
+    # window 4 sees 1.2% > 1% above the projection -> undo the latest freeze, delay one window
+    assert acts[:5] == ["hold", "freeze", "freeze", "undo", "delay"]
+    h = rule.history
+    assert h[3]["frozen_before"] == 3 and h[3]["frozen_after"] == 2 and "window 3" in h[3]["reason"]
+    assert h[2]["projected"] == pytest.approx(clean(30), rel=1e-9)  # the fit recovers the clean curve
+    assert rule.ref == [[10, clean(10)], [20, clean(20)]]  # only unfrozen points are references
+    # a per-freeze guard (each freeze vs the loss just before it) would never have fired here
+    assert all(h[i]["val_loss"] <= h[i - 1]["val_loss"] * 1.01 for i in range(1, 4))
     # the state is JSON and round-trips exactly
     import json
-    clone = FreezeRule(6, alpha=1.0, check_every=1, tol=1.0, min_active=1)
+    clone = FreezeRule(6, alpha=0.25, check_every=10, tol=1.0, min_active=1, guard_ref=3)
     clone.load_state_dict(json.loads(json.dumps(rule.state_dict())))
     assert clone.state_dict() == rule.state_dict()
+
+
+def test_freeze_guard_waits_for_a_reference_and_undoes_step_by_step():
+    rule = FreezeRule(6, alpha=1.0, check_every=1, tol=1.0, min_active=1, start_window=1, guard=True,
+                      guard_tol=0.01, guard_delay=0, stable_windows=1, guard_ref=2)
+    norms = {l: 1.0 for l in range(6)}
+    assert _window(rule, 1, norms, val=3.0).action == "hold"       # no gradient history yet
+    # gradients are stable, but only one reference point existed before this window's
+    rule.ref.clear()
+    d = _window(rule, 2, norms, val=2.9)
+    assert d.action == "hold" and "reference" in d.reason and rule.ref == [[2, 2.9]]
+    rule.alpha = 0.2
+    assert _window(rule, 3, norms, val=2.85).action == "freeze" and rule.frozen == 1
+    assert _window(rule, 4, norms, val=2.80).action == "freeze" and rule.frozen == 2
+    # far above the projection twice: each window undoes one freeze, newest first
+    d = _window(rule, 5, norms, val=3.5)
+    assert (d.action, d.frozen_after) == ("undo", 1)
+    d = _window(rule, 6, norms, val=3.5)
+    assert (d.action, d.frozen_after) == ("undo", 0) and rule.freezes == []
 
 
 # ---- AutoPipe -----------------------------------------------------------------------------

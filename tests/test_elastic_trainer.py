@@ -9,6 +9,7 @@ import torch
 from skiptrain.checkpoint.reader import CheckpointReader
 from skiptrain.cli import main
 from skiptrain.config import build_config
+from skiptrain.data.dataset import TokenDataset
 from skiptrain.elastic.trainer import ElasticTrainer
 
 
@@ -20,7 +21,7 @@ def _cfg(data, cache="on", steps=24, **ckpt):
         "model": {"n_layers": 5, "n_stages": 4, "stage0_layers": -1},
         "train": {"steps": steps, "eval_every": 0, "progress": False, "n_micro": 2, "micro_batch": 4},
         "elastic": {"enabled": True, "check_every": 4, "tol": 1e9, "alpha": 0.5, "min_active": 1,
-                    "start_window": 2, "guard": True, "guard_tol": 1.0, "cache": cache, "nodes": 8},
+                    "start_window": 2, "stable_windows": 1, "guard": True, "guard_tol": 1.0, "cache": cache, "nodes": 8},
         "checkpoint": {"every": 6, "keep": 5, **ckpt}})
 
 
@@ -80,7 +81,7 @@ def test_resume_after_a_transition_reproduces_the_run(byte_data, tmp_path):
                "--quiet", "--resume", "--set", "train.steps=24", "--set", "train.eval_every=0",
                "--set", "model.n_layers=5", "--set", "train.n_micro=2", "--set", "train.micro_batch=4",
                "--set", "elastic.enabled=true", "--set", "elastic.check_every=4", "--set", "elastic.tol=1e9",
-               "--set", "elastic.alpha=0.5", "--set", "elastic.min_active=1", "--set", "elastic.guard_tol=1.0",
+               "--set", "elastic.alpha=0.5", "--set", "elastic.stable_windows=1", "--set", "elastic.min_active=1", "--set", "elastic.guard_tol=1.0",
                "--set", "elastic.cache=on", "--set", "elastic.nodes=8", "--set", "checkpoint.every=6",
                "--set", "checkpoint.keep=5"])
     assert rc == 0
@@ -91,3 +92,41 @@ def test_resume_after_a_transition_reproduces_the_run(byte_data, tmp_path):
     assert [l for l in got["layouts"]] == [l for l in want["layouts"]]
     logged = (tmp_path / "part" / "elastic.jsonl").read_text().splitlines()
     assert [json.loads(l)["step"] for l in logged] == [4, 8, 12, 16, 20, 24]
+
+
+def test_frozen_prefix_costs_no_backward_and_cache_hits_skip_its_forward(byte_data, tmp_path):
+    # 2 layers freeze at step 8 (cache on); then every window is cached and revisited
+    cfg = _cfg(byte_data, steps=40)
+    ds = TokenDataset.open(byte_data)
+    full = ds.tokens  # the training text cut to 40 windows, so that windows come back soon
+    ds.tokens = lambda split: full(split)[:40 * cfg.model.seq_len + 1] if split == "train" else full(split)
+    tr = ElasticTrainer(cfg, tmp_path / "run", dataset=ds)
+    assert tr.train_src.n == 40
+    tr.rule.alpha, tr.rule.min_active = 1.0, 3  # 2 layers freeze at step 8 and no more
+    calls = {i: 0 for i in range(5)}
+    grads_seen = {i: 0 for i in range(5)}
+    for i in range(5):
+        tr.model.layers[str(i)].register_forward_hook(lambda mod, inp, out, i=i: calls.__setitem__(i, calls[i] + 1))
+    for _ in range(8):
+        tr.train_step()
+    assert tr.frozen == 2 and tr.runner.enabled
+    for _ in range(100):                       # until every window is cached at depth 2
+        if tr.cache.stats()["entries"] == tr.train_src.n:
+            break
+        tr.train_step()
+    assert tr.cache.stats()["entries"] == tr.train_src.n and tr.frozen == 2
+    while tr.step % 4:                          # 3 steps inside one window: no guard validation
+        tr.train_step()
+    for k in calls:
+        calls[k] = 0
+    hits0, misses0 = tr.cache.hits, tr.cache.misses
+    for _ in range(3):
+        tr.train_step()
+        for i in range(5):
+            grads_seen[i] += any(p.grad is not None for p in tr.model.layers[str(i)].parameters())
+    assert tr.cache.hits - hits0 == 3 * 8 and tr.cache.misses == misses0
+    # frozen layers: no forward (their output comes from the cache), never a gradient
+    assert calls[0] == calls[1] == 0 and grads_seen[0] == grads_seen[1] == 0
+    assert tr.model.tok_emb.weight.grad is None
+    # active layers: forward per micro-batch, gradients every step
+    assert all(calls[i] == 3 * 2 for i in (2, 3, 4)) and all(grads_seen[i] == 3 for i in (2, 3, 4))

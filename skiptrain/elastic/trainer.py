@@ -198,7 +198,9 @@ class ElasticTrainer(Trainer):
         return v
 
     def _window(self) -> None:
-        d = self.rule.decide(self.step, val_loss=self._guard_val if self.cfg.elastic.guard else None)
+        t = self.cfg.train
+        clock = sum(lr_at(s, t) for s in range(self.step)) / t.lr  # the guard's time: integrated lr
+        d = self.rule.decide(self.step, val_loss=self._guard_val if self.cfg.elastic.guard else None, clock=clock)
         rec = d.to_dict()
         if d.frozen_after != d.frozen_before:
             rec["transition"] = self._transition()
