@@ -99,7 +99,7 @@ def _joiner(run: Path, info: dict, secret: str, name: str) -> subprocess.Popen:
 def test_a_node_joins_a_running_job_and_a_wrong_secret_is_refused(byte_data, tmp_path):
     cfg = build_config("tiny", overrides={"train": {"grad_clip": 0.0, "steps": 40, "warmup_steps": 1}})
     run = tmp_path / "run"
-    iters = 14
+    iters = 18                     # margin for the joiner's start-up (it joins at iteration 1-3 here)
     job = Job(config=cfg.to_dict(), data_path=str(byte_data), run_dir=str(run),
               phases=[Phase("p", _sched().to_dict(), iterations=iters, dump=True)], timeout_s=15.0,
               heartbeat_s=0.2, heartbeat_deadline_s=4.0, recover=True)
@@ -130,9 +130,10 @@ def test_a_node_joins_a_running_job_and_a_wrong_secret_is_refused(byte_data, tmp
     assert good.returncode == 0
     rows = out["res"].phase_metrics("p")
     assert [r["step"] for r in rows] == list(range(1, iters + 1))
-    assert rows[0]["nodes"] == 5 and rows[-1]["nodes"] == 6
     nj = json.loads((run / "phases" / "p" / f"node{j}.json").read_text())
-    assert nj["stage"] == 1 and nj["joined"]["from_node"] == 2 and 0 < nj["joined"]["iteration"] < iters
+    it_j = nj["joined"]["iteration"]
+    assert nj["stage"] == 1 and nj["joined"]["from_node"] == 2 and 0 <= it_j < iters
+    assert [r["nodes"] for r in rows] == [5] * it_j + [6] * (iters - it_j)     # from the boundary on
     assert len(nj["iterations"]) == iters - nj["joined"]["iteration"]
     assert all(e["n_processed"] > 0 for e in nj["iterations"])     # it took hops of stage 1
     # weights and optimizer state came over the wire: the two replicas stay identical
