@@ -352,3 +352,23 @@ def test_drift_replans_routes_away_from_a_node_that_slowed_down(byte_data, tmp_p
             trained += json.loads(line)["samples"]
     assert sorted(trained) == list(range(iters * 4 * cfg.train.micro_batch))
     assert processes_of_run(run) == []
+
+
+def test_a_stage_lost_for_good_is_filled_from_its_checkpoint_in_the_merged_model(tmp_path):
+    from skiptrain.checkpoint.manager import CheckpointManager
+    from skiptrain.checkpoint.state import model_tensors
+    from skiptrain.model.transformer import StagedLM
+    from skiptrain.runtime.launcher import _lost_stages_from_checkpoints
+
+    cfg = build_config("tiny")
+    job = Job(config=cfg.to_dict(), data_path="-", run_dir=str(tmp_path),
+              phases=[Phase("train", _schedule().to_dict(), iterations=4)], recover=True)
+    m2 = StagedLM(cfg.model, stages=[2], seed=5)
+    mgr = CheckpointManager(tmp_path / "stage_ckpt" / "train" / "stage2", keep=2)
+    mgr.save(3, model_tensors(m2), state={"stage": 2}, blocking=True)
+    mgr.close()
+    got = _lost_stages_from_checkpoints(job, tmp_path, {"stage0", "stage1"})
+    want = model_tensors(m2)
+    assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
+    notes = json.loads((tmp_path / "lost_stages.json").read_text())
+    assert "checkpoint after iteration 3" in notes["2"] and "missing" in notes["3"]
