@@ -18,8 +18,15 @@ Why not torchft's lighthouse: it provides quorum for *data-parallel replica grou
 hold a full model; here a node holds one stage of a pipeline whose routes cross all nodes, so
 every membership change needs a global re-plan, not a per-replica-group quorum.  The
 coordinator's state (alive set, generation) is tiny and lives in the store; it holds no weights.
-Limit: the store is hosted in the launcher process, so the launcher itself is not replaceable
-without losing the run (a standalone store would lift that; not done).
+By default the store lives in the launcher process (and nodes die with it); with
+``job.restartable`` it runs in a process of its own (:mod:`.store`), nodes are not tied to the
+launcher, and ``python -m skiptrain.runtime.coordinator --run RUN_DIR`` (:func:`main`) replaces a
+coordinator that died: every piece of its state is in the store (generation records, node PIDs,
+strikes, joins under way).
+
+Joining (:class:`_Joins`): nodes started with ``--join HOST:PORT`` are challenged, placed on the
+stage where they shorten the iteration most and announced in a *join* generation that the nodes
+take up at their next iteration boundary.
 
 Failure semantics: returns ``None`` when every surviving node exited 0, else a failure dict for
 the launcher's error (no stage-0 node left, every node gone, or the run's time limit).
