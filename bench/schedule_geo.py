@@ -4,9 +4,11 @@ Reference setup (skippipe_reference.json): 20 nodes over geo12 in the reference 
 sized 5/3/3/3/3/3, m=3, 6 micro-batches of 8x1024 tokens per stage-0 node, d=1024 fp32,
 4 layers per stage, 0.055 s per sample per layer, hop overhead 0.35 s, k=33%, <=2 swaps.
 Simulated twice: the reference's simplified model (no link contention, no DP sync) and the
-full model (per-link FIFO contention + dense ring all-reduce per stage).  Then, unless
-``--quick``: 64 nodes (8 stages, sizes by work) and the 18-node, k=25% sweep over 4k/8k/16k
-tokens per micro-batch.  Prints tables; ``--json PATH`` writes
+full model (per-link FIFO contention + dense ring all-reduce per stage).  ``--seed-sweep N``
+re-plans the reference setup (simplified) with seeds 0..N-1 and reports the spread.  Then,
+unless ``--quick``: 64 nodes (8 stages, sizes by work) and the 18-node, k=25% sweep over
+4k/8k/16k tokens per micro-batch.  Planner times are printed as wall-clock and CPU seconds
+(the limits are for one core; on a shared machine wall-clock includes other jobs).  Prints tables; ``--json PATH`` writes
 ``{"simplified": {method: iteration_s}, "full": {...}, "planner_s": ..., "sweeps": {...}}``;
 ``--gantt PATH`` the planner's Gantt chart for the reference setup (full model).
 
@@ -48,6 +50,9 @@ def main(argv=None) -> int:
     ap.add_argument("--quick", action="store_true", help="reference setup only (about a minute)")
     ap.add_argument("--gantt", default=None, help="PNG of the planner's timeline (reference setup, full model)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--seed-sweep", type=int, default=0, metavar="N",
+                    help="also plan the reference setup (simplified model) with seeds 0..N-1 and report "
+                         "the spread of planner/full_pipeline (the search is a local search: results vary by seed)")
     args = ap.parse_args(argv)
     t_all = time.perf_counter()
     print(f"machine: {platform.machine()} {platform.python_version()}, one process")
@@ -71,10 +76,15 @@ def main(argv=None) -> int:
     for k, v in r.items():
         print(f"  {k:<40} {v:.3f}")
     planner_s = {"simplified": ref["simplified"].planner_s, "full": ref["full"].planner_s}
-    print(f"  planner time (20 nodes): simplified {planner_s['simplified']:.2f} s, full {planner_s['full']:.2f} s")
+    planner_cpu = {m: ref[m].info["planner_meta"].get("planner_cpu_s") for m in ("simplified", "full")}
+    print(f"  planner time (20 nodes): simplified {planner_s['simplified']:.2f} s wall / "
+          f"{planner_cpu['simplified']:.2f} s CPU, full {planner_s['full']:.2f} s wall / {planner_cpu['full']:.2f} s CPU"
+          f" (limit 10 s on one core)")
     full_sync = {m: res.sync_s for m, res in ref["full"].results.items()}
     out = {"simplified": simp, "full": full, "planner_s": max(planner_s.values()),
-           "planner_s_by_model": planner_s, "ratios": r, "reference_paper_s": REFERENCE,
+           "planner_s_by_model": planner_s, "planner_cpu_s_by_model": planner_cpu,
+           "planner_meta": {m: ref[m].info["planner_meta"] for m in ("simplified", "full")},
+           "ratios": r, "reference_paper_s": REFERENCE,
            "bytes_on_wire_full": {m: res.bytes_on_wire for m, res in ref["full"].results.items()},
            "pipeline_s_full": {m: res.pipeline_s for m, res in ref["full"].results.items()},
            "sync_span_full_planner": full_sync["planner"], "sweeps": {}}
@@ -85,6 +95,28 @@ def main(argv=None) -> int:
         draw_gantt(res.timeline, args.gantt, node_labels=labels,
                    title=f"planner, geo12 20 nodes, full model: {res.iteration_s:.1f} s/iteration")
         print(f"wrote {args.gantt}")
+
+    if args.seed_sweep:
+        # ---- the same reference problem planned with other seeds (simplified model)
+        sweep = {}
+        full_pipe = simp["full_pipeline"]
+        for sd in range(args.seed_sweep):
+            c = compare(topo, cost, PlanConfig(**{**kw, "seed": sd}), contention=False, dp_sync=False,
+                        methods=("planner",))
+            sweep[sd] = {"planner": c.iteration_s()["planner"], "planner_s": c.planner_s,
+                         "planner_cpu_s": c.info["planner_meta"].get("planner_cpu_s")}
+        ratios = sorted(v["planner"] / full_pipe for v in sweep.values())
+        met = sum(x <= 0.42 for x in ratios)
+        print(f"\n== seed sweep, reference setup, simplified model, seeds 0..{args.seed_sweep - 1} "
+              f"(full pipeline {full_pipe:.1f} s)")
+        print("  planner s: " + " ".join(f"{sweep[sd]['planner']:.1f}" for sd in sorted(sweep)))
+        print(f"  planner/full_pipeline: min {ratios[0]:.3f}, median {ratios[len(ratios) // 2]:.3f}, "
+              f"mean {sum(ratios) / len(ratios):.3f}, max {ratios[-1]:.3f}; <= 0.42 for {met} of {len(ratios)} seeds")
+        print(f"  planner time: max {max(v['planner_s'] for v in sweep.values()):.2f} s wall, "
+              f"{max(v['planner_cpu_s'] for v in sweep.values()):.2f} s CPU")
+        out["seed_sweep"] = {"full_pipeline": full_pipe, "by_seed": sweep,
+                             "ratio_min": ratios[0], "ratio_mean": sum(ratios) / len(ratios),
+                             "ratio_max": ratios[-1], "met": met}
 
     if not args.quick:
         # ---- 64 nodes
@@ -97,9 +129,12 @@ def main(argv=None) -> int:
               f"{r64['full'].info['micro_batches']} micro-batches of 8x1024 tokens, k=33%, m=3")
         print(format_table({"simplified_s": r64["simplified"].iteration_s(), "full_s": r64["full"].iteration_s()}))
         p64 = {"simplified": r64["simplified"].planner_s, "full": r64["full"].planner_s}
-        print(f"  planner time (64 nodes): simplified {p64['simplified']:.2f} s, full {p64['full']:.2f} s")
+        c64 = {m: r64[m].info["planner_meta"].get("planner_cpu_s") for m in ("simplified", "full")}
+        print(f"  planner time (64 nodes): simplified {p64['simplified']:.2f} s wall / {c64['simplified']:.2f} s CPU, "
+              f"full {p64['full']:.2f} s wall / {c64['full']:.2f} s CPU (limit 60 s on one core)")
         out["sweeps"]["nodes64"] = {"simplified": r64["simplified"].iteration_s(), "full": r64["full"].iteration_s(),
-                                    "planner_s": p64, "stage_sizes": r64["full"].info["stage_sizes"]}
+                                    "planner_s": p64, "planner_cpu_s": c64,
+                                    "stage_sizes": r64["full"].info["stage_sizes"]}
         # ---- tokens per micro-batch, 18 nodes, k=25%
         topo18 = geo12(18)
         rows_s, rows_f, tok = {}, {}, {}
@@ -109,6 +144,7 @@ def main(argv=None) -> int:
             rr = run_pair(topo18, c, kw18)
             s_, f_ = rr["simplified"].iteration_s(), rr["full"].iteration_s()
             tok[tokens] = {"simplified": s_, "full": f_, "planner_s": rr["full"].planner_s,
+                           "planner_cpu_s": rr["full"].info["planner_meta"].get("planner_cpu_s"),
                            "stage_sizes": rr["full"].info["stage_sizes"], "paper_full_vs_skippipe": PAPER_TOKENS[tokens]}
             rows_s[f"{tokens // 1024}k"] = s_
             rows_f[f"{tokens // 1024}k"] = f_

@@ -164,11 +164,13 @@ class _Estimator:
 
 def place(topo: Topology, sizes: Sequence[int], cost: CostModel, skip_ratio: float = 0.0,
           memory: int = 3, mb_per_originator: int = 6, dp_sync: bool = True, mode: str = "skip",
-          seed: int = 0, restarts: int = 4, max_evals: int | None = None) -> list[list[int]]:
+          seed: int = 0, restarts: int = 4, max_evals: int | None = None,
+          return_all: bool = False) -> list[list[int]] | list[list[list[int]]]:
     """Network-aware placement of ``topo``'s nodes onto stages of ``sizes`` (see module doc).
 
     Deterministic for a given ``seed``.  Nodes beyond ``sum(sizes)`` stay unused (the search
-    may swap them in).
+    may swap them in).  With ``return_all`` the local optimum of every restart is returned,
+    best estimate first, duplicates removed (the planner screens them with real routes).
     """
     sizes = list(sizes)
     check_sizes(sizes, topo.n)
@@ -182,7 +184,7 @@ def place(topo: Topology, sizes: Sequence[int], cost: CostModel, skip_ratio: flo
     if max_evals is None:
         max_evals = 4000 if N <= 24 else 2500
     per_restart = max(1, max_evals // restarts)
-    best_pl, best_v = None, math.inf
+    found: list[tuple[float, int, list[list[int]]]] = []
     for r in range(restarts):
         nodes = list(range(N))
         rng.shuffle(nodes)
@@ -212,6 +214,15 @@ def place(topo: Topology, sizes: Sequence[int], cost: CostModel, skip_ratio: flo
                     v, improved = nv, True
                 else:
                     g1[i1], g2[i2] = g2[i2], g1[i1]
-        if v < best_v:
-            best_v, best_pl = v, [list(p) for p in pl]
-    return best_pl
+        found.append((v, r, [list(p) for p in pl]))
+    found.sort(key=lambda x: (x[0], x[1]))
+    if not return_all:
+        return found[0][2]
+    out: list[list[list[int]]] = []
+    seen: set = set()
+    for _, _, pl in found:
+        key = tuple(tuple(sorted(p)) for p in pl)
+        if key not in seen:
+            seen.add(key)
+            out.append(pl)
+    return out

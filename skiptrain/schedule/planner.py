@@ -3,29 +3,37 @@
 :func:`plan` returns a :class:`~.schedule.Schedule` for one iteration:
 
 1. **Placement** (:func:`~.placement.place`): stage sizes by work (stage 0 larger when
-   skipping), nodes onto stages by local search on an estimate of the iteration time.
+   skipping), nodes onto stages by local search on an estimate of the iteration time.  The
+   estimate ranks placements only roughly, so the local optima of the search's restarts (up
+   to ``PLACEMENTS_SMALL`` for <= 32 nodes, one above) all become candidates (step 4).
 2. **Construction** (:func:`construct_routes`): micro-batches are taken wave by wave, round-robin
    over originators; each picks the stage set, order (ascending up to ``max_swaps`` neighbour
    swaps) and replicas whose estimated finish is earliest given the load already reserved on
    every node (list scheduling; replicas by dynamic programming along the visit order).
    Balance holds by construction: every body stage has a quota of visits (``M * visits /
    (S - 1)``, +-1), and a stage whose quota equals the number of micro-batches still to plan
-   must be taken, so the quotas always stay satisfiable.
-3. **Local search** (:func:`improve_routes`): random balance-preserving moves (change a hop's
-   replica, trade a stage or a replica between two micro-batches, exchange two routes, toggle a
-   neighbour swap), each scored by the discrete-event simulator
+   must be taken, so the quotas always stay satisfiable.  Lane-like constructions
+   (:func:`construct_affinity`) are tried too; the simulator keeps the best start.
+3. **Local search** (:func:`improve_routes`): balance-preserving moves (re-pick a micro-batch's
+   replicas by hop cost, change a hop's replica, trade a stage or a replica between two
+   micro-batches, exchange two routes, toggle a neighbour swap), half of them aimed at the
+   critical originator, each scored by the discrete-event simulator
    (:func:`~.simulator.simulate` with the requested contention and DP-sync settings); a move is
-   kept when the simulated iteration is no longer (ties broken by the mean micro-batch finish).
-   Deadlocking schedules score infinity, so they are never kept.
+   kept when the score is no worse (descent with plateau moves).  Deadlocking schedules score
+   infinity, so they are never kept.
+4. **Screening**: with several placement candidates, each gets ``SCREEN_SHARE`` / candidates of
+   the search budget from its best start; the best one continues with the rest.
 
 Collision awareness is steps 2 and 3: routes are chosen against each other's load and scored
 with queueing on nodes and links.  ``collision_aware=False`` gives the "SkipPipe without
 collision awareness" ablation: every micro-batch takes its individually cheapest route under the
 stage quotas and per-node quotas (equal share of visits per replica), with no simulator feedback.
 
-The search is deterministic for a given ``seed`` and ``max_evals``; ``time_limit_s`` is a safety
-cap (when it cuts the search, results can differ between machines).  Defaults keep 20 nodes
-within a few seconds and 64 nodes within a minute on one core.
+The search is deterministic for a given ``seed`` and ``max_evals``; ``time_limit_s`` (CPU
+seconds of this process, default 80% of the issue's limit: 8 s for 20 nodes, 48 s for 64) is a
+safety cap; when it cuts the search, ``meta["planner"]["time_capped"]`` is true and results can
+differ between machines.  The default budget (:func:`default_evals`) takes about 4 s of CPU for
+20 nodes and about 25 s for 64 (full model), see docs/scheduler.md.
 """
 
 from __future__ import annotations
@@ -59,9 +67,11 @@ class PlanConfig:
     dp_sync: bool = True
     collision_aware: bool = True
     max_evals: int | None = None   # simulator calls in local search (None: by problem size)
-    time_limit_s: float | None = None
+    time_limit_s: float | None = None  # CPU-seconds cap (None: default_time_limit(n_nodes))
     placement: list[list[int]] | None = None  # skip placement search when given
     constructions: int | None = None  # lane-like starting points tried (None: by size)
+    placements: int | None = None  # placement candidates screened with real routes (None: by size)
+    anneal: float = 0.0            # local-search start temperature x start score (0: descent)
 
     def check(self, n_nodes: int) -> None:
         if self.n_stages < 1:
@@ -288,93 +298,175 @@ def construct_affinity(ctx: _Ctx, originators: Sequence[int], mb_per_originator:
     return mbs
 
 
+def _cheapest_replicas(H: list[list[float]], placement: list[list[int]], o: int,
+                       order: Sequence[int]) -> list[tuple[float, list[int]]]:
+    """Replica paths for visit ``order`` from originator ``o`` by hop cost there and back
+    (Viterbi over the replicas of each stage), cheapest first: at most one path per last node."""
+    layer: dict[int, tuple[float, list[int]]] = {o: (0.0, [])}
+    for s in order:
+        nxt = {}
+        for n in placement[s]:
+            c, path = min(((c + H[p][n] + H[n][p], path) for p, (c, path) in layer.items()),
+                          key=lambda x: x[0])
+            nxt[n] = (c, path + [n])
+        layer = nxt
+    return sorted(((c + H[p][o] + H[o][p], path) for p, (c, path) in layer.items()), key=lambda x: x[0])
+
+
+#: local-search move mix and objective (measured on the reference setup, docs/scheduler.md)
+TARGET_P = 0.3     # first micro-batch drawn from the critical originator (latest last finish)
+REROUTE_P = 0.3    # move: re-pick one micro-batch's replicas by hop cost (best, or second best)
+FINISH_WEIGHT = 0.05  # objective: + this x the mean over originators of their last finish
+SCREEN_SHARE = 0.4  # share of the search budget spent screening placement candidates
+PENALTIES = (0.0, 2.0, 5.0, 10.0)  # construct_affinity penalties tried in turn
+PLACEMENTS_SMALL = 4  # placement candidates screened for topologies of <= 32 nodes (1 above)
+
+
 def improve_routes(schedule: Schedule, topo: Topology, cost: CostModel, contention: bool, dp_sync: bool,
-                   rng: random.Random, max_evals: int, time_limit_s: float | None = None) -> tuple[Schedule, dict]:
-    """Local search on ``schedule``'s routes (see module doc, step 3); returns the best found."""
+                   rng: random.Random, max_evals: int, time_limit_s: float | None = None,
+                   anneal: float = 0.0) -> tuple[Schedule, dict]:
+    """Local search on ``schedule``'s routes (see module doc, step 3); returns the best found.
+
+    Every move keeps every route constraint and the stage balance.  A move is kept when the
+    search score is no worse (plateau moves included); ``anneal > 0`` also keeps worse moves
+    with a simulated-annealing probability (start temperature ``anneal`` x the start score).
+    Measured on the reference setup: plain descent beats annealing for budgets of a few
+    thousand simulations (docs/scheduler.md).  Search score: the simulated score
+    (:meth:`SimResult.score`) plus ``FINISH_WEIGHT`` x the mean over originators of their last
+    micro-batch's finish, so that moves which help a non-critical originator count too.
+    Moves: re-pick one micro-batch's replicas by hop cost (``REROUTE_P``); change one hop's
+    replica; trade the replicas of a shared stage between two micro-batches; trade a stage
+    (with its node) between two micro-batches; exchange two micro-batches' routes (between
+    micro-batches of one originator this changes the injection order); toggle a neighbour
+    swap.  With probability ``TARGET_P`` the first micro-batch is one of the critical
+    originator's (the one whose last micro-batch finishes last).
+    """
     S = schedule.n_stages
     mbs = schedule.micro_batches
     M = len(mbs)
     routes = [list(mb.route) for mb in mbs]
     pl = schedule.placement
+    N = topo.n
+    H = [[cost.hop_s(topo, a, b) if a != b else 0.0 for b in range(N)] for a in range(N)]
+    same_orig: dict[int, list[int]] = {}
+    for j, mb in enumerate(mbs):
+        same_orig.setdefault(mb.originator, []).append(j)
 
-    def score() -> float:
+    def run() -> tuple[float, Any]:
         for mb, r in zip(mbs, routes):
             mb.route = r
-        return simulate(schedule, topo, cost, contention=contention, dp_sync=dp_sync, record=False).score()
+        res = simulate(schedule, topo, cost, contention=contention, dp_sync=dp_sync, record=False)
+        sc_ = res.score()
+        if FINISH_WEIGHT and math.isfinite(sc_):
+            fin: dict[int, float] = {}
+            for mb in mbs:
+                d = res.mb_done_s[mb.id]
+                if d > fin.get(mb.originator, -1.0):
+                    fin[mb.originator] = d
+            sc_ += FINISH_WEIGHT * sum(fin.values()) / len(fin)
+        return sc_, res
 
-    cur = score()
+    cur, res = run()
     start = cur
     best_score, best_routes = cur, [list(r) for r in routes]
     t_start = time.perf_counter()
+    c_start = time.process_time()
     evals = accepted = 0
-    temp0 = 0.005 * cur if math.isfinite(cur) else 0.0
+    temp0 = anneal * cur if math.isfinite(cur) else 0.0
+    late: list[int] = []
+
+    def refresh_late() -> None:
+        if res is None or res.deadlock:
+            late[:] = []
+        else:
+            fin: dict[int, float] = {}
+            for mb in mbs:
+                fin[mb.originator] = max(fin.get(mb.originator, 0.0), res.mb_done_s.get(mb.id, 0.0))
+            worst = min(fin, key=lambda o: (-fin[o], o))
+            late[:] = same_orig[worst]
+
+    refresh_late()
     tries = 0
+    capped = False
     while evals < max_evals and tries < 20 * max_evals + 100:  # moves can be impossible (1 replica)
         tries += 1
-        if time_limit_s is not None and time.perf_counter() - t_start > time_limit_s:
+        if time_limit_s is not None and time.process_time() - c_start > time_limit_s:
+            capped = True
             break
+        j1 = rng.choice(late) if late and rng.random() < TARGET_P else rng.randrange(M)
         move = rng.random()
-        j1 = rng.randrange(M)
         old = None
-        if move < 0.25:  # change the replica of one hop
+        if move < REROUTE_P:  # re-pick replicas by hop cost
             r = routes[j1]
-            if not r:
-                continue
-            i = rng.randrange(len(r))
-            s, n = r[i]
-            if len(pl[s]) < 2:
-                continue
-            n2 = rng.choice([x for x in pl[s] if x != n])
-            old = [(j1, r)]
-            routes[j1] = r[:i] + [(s, n2)] + r[i + 1:]
-        elif move < 0.5:  # two micro-batches trade replicas of a stage they share
-            j2 = rng.randrange(M)
-            d1, d2 = dict(routes[j1]), dict(routes[j2])
-            common = [s for s in d1 if s in d2 and d1[s] != d2[s]]
-            if j1 == j2 or not common:
-                continue
-            s = rng.choice(common)
-            old = [(j1, routes[j1]), (j2, routes[j2])]
-            routes[j1] = [(x, d2[s] if x == s else n) for x, n in routes[j1]]
-            routes[j2] = [(x, d1[s] if x == s else n) for x, n in routes[j2]]
-        elif move < 0.75:  # trade a stage: j1 takes j2's stage and node, and vice versa
-            j2 = rng.randrange(M)
-            d1, d2 = dict(routes[j1]), dict(routes[j2])
-            only1 = [s for s in d1 if s not in d2]
-            only2 = [s for s in d2 if s not in d1]
-            if j1 == j2 or not only1 or not only2:
-                continue
-            s1, s2 = rng.choice(only1), rng.choice(only2)
-            old = [(j1, routes[j1]), (j2, routes[j2])]
-            r1 = sorted([(s, n) for s, n in routes[j1] if s != s1] + [(s2, d2[s2])])
-            r2 = sorted([(s, n) for s, n in routes[j2] if s != s2] + [(s1, d1[s1])])
-            routes[j1], routes[j2] = r1, r2
-        elif move < 0.9:  # exchange whole body routes of two micro-batches
-            j2 = rng.randrange(M)
-            if j1 == j2 or routes[j1] == routes[j2]:
-                continue
-            old = [(j1, routes[j1]), (j2, routes[j2])]
-            routes[j1], routes[j2] = routes[j2], routes[j1]
-        else:  # toggle a neighbour swap
-            r = routes[j1]
-            if len(r) < 2 or schedule.max_swaps == 0:
-                continue
-            i = rng.randrange(len(r) - 1)
-            cand = r[:i] + [r[i + 1], r[i]] + r[i + 2:]
-            try:
-                if count_swaps([s for s, _ in cand]) > schedule.max_swaps:
-                    continue
-            except Exception:
+            paths = _cheapest_replicas(H, pl, mbs[j1].originator, [s for s, _ in r])
+            path = paths[0][1] if len(paths) < 2 or rng.random() < 0.7 else paths[1][1]
+            cand = [(s, n) for (s, _), n in zip(r, path)]
+            if cand == r:
                 continue
             old = [(j1, r)]
             routes[j1] = cand
-        new = score()
+        else:
+            move = rng.random()
+            if move < 0.25:  # change the replica of one hop
+                r = routes[j1]
+                if not r:
+                    continue
+                i = rng.randrange(len(r))
+                s, n = r[i]
+                if len(pl[s]) < 2:
+                    continue
+                n2 = rng.choice([x for x in pl[s] if x != n])
+                old = [(j1, r)]
+                routes[j1] = r[:i] + [(s, n2)] + r[i + 1:]
+            elif move < 0.5:  # two micro-batches trade replicas of a stage they share
+                j2 = rng.randrange(M)
+                d1, d2 = dict(routes[j1]), dict(routes[j2])
+                common = [s for s in d1 if s in d2 and d1[s] != d2[s]]
+                if j1 == j2 or not common:
+                    continue
+                s = rng.choice(common)
+                old = [(j1, routes[j1]), (j2, routes[j2])]
+                routes[j1] = [(x, d2[s] if x == s else n) for x, n in routes[j1]]
+                routes[j2] = [(x, d1[s] if x == s else n) for x, n in routes[j2]]
+            elif move < 0.75:  # trade a stage: j1 takes j2's stage and node, and vice versa
+                j2 = rng.randrange(M)
+                d1, d2 = dict(routes[j1]), dict(routes[j2])
+                only1 = [s for s in d1 if s not in d2]
+                only2 = [s for s in d2 if s not in d1]
+                if j1 == j2 or not only1 or not only2:
+                    continue
+                s1, s2 = rng.choice(only1), rng.choice(only2)
+                old = [(j1, routes[j1]), (j2, routes[j2])]
+                r1 = sorted([(s, n) for s, n in routes[j1] if s != s1] + [(s2, d2[s2])])
+                r2 = sorted([(s, n) for s, n in routes[j2] if s != s2] + [(s1, d1[s1])])
+                routes[j1], routes[j2] = r1, r2
+            elif move < 0.9:  # exchange whole body routes of two micro-batches
+                j2 = rng.randrange(M)
+                if j1 == j2 or routes[j1] == routes[j2]:
+                    continue
+                old = [(j1, routes[j1]), (j2, routes[j2])]
+                routes[j1], routes[j2] = routes[j2], routes[j1]
+            else:  # toggle a neighbour swap
+                r = routes[j1]
+                if len(r) < 2 or schedule.max_swaps == 0:
+                    continue
+                i = rng.randrange(len(r) - 1)
+                cand = r[:i] + [r[i + 1], r[i]] + r[i + 2:]
+                try:
+                    if count_swaps([s for s, _ in cand]) > schedule.max_swaps:
+                        continue
+                except Exception:
+                    continue
+                old = [(j1, r)]
+                routes[j1] = cand
+        new, nres = run()
         evals += 1
         temp = temp0 * (1.0 - evals / max_evals)
         if new <= cur or (temp > 0 and math.isfinite(new) and rng.random() < math.exp((cur - new) / temp)):
             if new < cur:
                 accepted += 1
-            cur = new
+            cur, res = new, nres
+            refresh_late()
             if cur < best_score:
                 best_score, best_routes = cur, [list(r) for r in routes]
         else:
@@ -383,60 +475,108 @@ def improve_routes(schedule: Schedule, topo: Topology, cost: CostModel, contenti
     for mb, r in zip(mbs, best_routes):
         mb.route = r
     return schedule, {"evals": evals, "accepted": accepted, "start_score": start, "score": best_score,
-                      "search_s": time.perf_counter() - t_start}
+                      "search_s": time.perf_counter() - t_start, "time_capped": capped}
 
 
 def default_evals(n_mb: int) -> int:
-    """Local-search budget: about 1500 simulations for 30 micro-batches, fewer for big problems."""
-    return max(300, min(2000, 45000 // max(1, n_mb)))
+    """Local-search budget in simulations: 4000 for 30 micro-batches, fewer for big problems
+    (a simulation costs about 25 us per micro-batch; see docs/scheduler.md for measured times)."""
+    return max(400, min(4000, 120000 // max(1, n_mb)))
+
+
+def default_time_limit(n_nodes: int) -> float:
+    """Safety cap in CPU seconds on the whole plan: 80% of the issue's limit (10 s for 20 nodes,
+    60 s for 64, linear in between and beyond).  The eval budget normally ends the search well
+    before (``meta["planner"]["time_capped"]`` says when it did not).  CPU time, not wall-clock,
+    so that other jobs on a shared machine do not change the result."""
+    limit = 10.0 + (n_nodes - 20) * (50.0 / 44.0)
+    return 0.8 * max(10.0, limit)
 
 
 def plan(topo: Topology, cost: CostModel, cfg: PlanConfig) -> Schedule:
-    """Plan one iteration: placement, constructive routes, simulator-scored local search."""
+    """Plan one iteration: placement candidates, constructive routes, simulator-scored local search.
+
+    Without ``cfg.placement`` the placement search's restarts give up to ``cfg.placements``
+    distinct candidates; each gets its constructions and a short screening search, and the
+    best continues with the rest of the budget."""
     t0 = time.perf_counter()
+    c0 = time.process_time()
     cfg.check(topo.n)
     if cost.n_stages != cfg.n_stages:
         raise ScheduleError(f"cost model has {cost.n_stages} stages but {cfg.n_stages} were requested")
     rng = random.Random(cfg.seed)
     sizes = cfg.stage_sizes or stage_sizes(topo.n, cfg.n_stages, cfg.skip_ratio, cost)
     if cfg.placement is not None:
-        pl = [list(p) for p in cfg.placement]
+        cands = [[list(p) for p in cfg.placement]]
     else:
-        pl = place(topo, sizes, cost, cfg.skip_ratio, cfg.memory, cfg.mb_per_originator,
-                   cfg.dp_sync, mode="skip", seed=cfg.seed)
+        k = cfg.placements if cfg.placements is not None else (PLACEMENTS_SMALL if topo.n <= 32 else 1)
+        if cfg.max_evals == 0 or not cfg.collision_aware:
+            k = 1  # no search to screen with: the placement search's best, as before
+        cands = place(topo, sizes, cost, cfg.skip_ratio, cfg.memory, cfg.mb_per_originator,
+                      cfg.dp_sync, mode="skip", seed=cfg.seed, restarts=max(4, k), return_all=True)
+        cands = cands[:max(1, k)]
     t_place = time.perf_counter() - t0
     v = visits_per_route(cfg.skip_ratio, cfg.n_stages)
-    ctx = _Ctx(topo, cost, pl)
-    mbs = construct_routes(ctx, pl[0], cfg.mb_per_originator, cfg.n_stages, v, cfg.max_swaps,
-                           cfg.memory, rng, aware=cfg.collision_aware)
     method = "planner" if cfg.collision_aware else "planner_no_ca"
+    time_limit = cfg.time_limit_s if cfg.time_limit_s is not None else default_time_limit(topo.n)
 
-    def mk(mbs_: list[MicroBatch]) -> Schedule:
+    def mk(pl: list[list[int]], mbs_: list[MicroBatch]) -> Schedule:
         return Schedule(placement=pl, micro_batches=mbs_, memory=cfg.memory, skip_ratio=cfg.skip_ratio,
                         max_swaps=cfg.max_swaps, method=method)
 
-    sched = mk(mbs)
-    info: dict[str, Any] = {"placement_s": t_place}
-    if cfg.collision_aware:
+    def sc(x: Schedule) -> float:
+        return simulate(x, topo, cost, contention=cfg.contention, dp_sync=cfg.dp_sync, record=False).score()
+
+    def starting_point(pl: list[list[int]]) -> tuple[float, Schedule]:
+        ctx = _Ctx(topo, cost, pl)
+        sched = mk(pl, construct_routes(ctx, pl[0], cfg.mb_per_originator, cfg.n_stages, v, cfg.max_swaps,
+                                        cfg.memory, rng, aware=cfg.collision_aware))
+        if not cfg.collision_aware:
+            return math.nan, sched
         # several lane-like constructions too; keep the one the simulator likes best
-        def sc(x: Schedule) -> float:
-            return simulate(x, topo, cost, contention=cfg.contention, dp_sync=cfg.dp_sync, record=False).score()
         best_sc = sc(sched)
         n_con = cfg.constructions if cfg.constructions is not None else (12 if topo.n <= 32 else 4)
-        t_con = time.perf_counter()
-        pens = [0.0, 2.0, 5.0, 10.0]
         for k in range(n_con):
             oo = list(pl[0])
             rng.shuffle(oo)
-            cand = mk(construct_affinity(ctx, pl[0], cfg.mb_per_originator, cfg.n_stages, v,
-                                         cfg.max_swaps, rng, pens[k % len(pens)], oo))
+            cand = mk(pl, construct_affinity(ctx, pl[0], cfg.mb_per_originator, cfg.n_stages, v,
+                                             cfg.max_swaps, rng, PENALTIES[k % len(PENALTIES)], oo))
             x = sc(cand)
             if x < best_sc:
                 best_sc, sched = x, cand
-        info["construct_s"] = time.perf_counter() - t_con
-        budget = cfg.max_evals if cfg.max_evals is not None else default_evals(len(mbs))
-        left = None if cfg.time_limit_s is None else max(0.0, cfg.time_limit_s - (time.perf_counter() - t0))
-        sched, st = improve_routes(sched, topo, cost, cfg.contention, cfg.dp_sync, rng, budget, left)
+        return best_sc, sched
+
+    info: dict[str, Any] = {"placement_s": t_place, "placement_candidates": len(cands)}
+    t_con = time.perf_counter()
+    starts = [starting_point(pl) for pl in cands]
+    info["construct_s"] = time.perf_counter() - t_con
+    if not cfg.collision_aware:
+        sched = starts[0][1]
+    else:
+        budget = cfg.max_evals if cfg.max_evals is not None else default_evals(len(starts[0][1].micro_batches))
+
+        def left() -> float:
+            return max(0.0, time_limit - (time.process_time() - c0))
+
+        evals = 0
+        pick = 0
+        if len(starts) > 1 and budget > 0:
+            # screening: a short search from every candidate; the best goes on with the rest
+            each = max(1, int(budget * SCREEN_SHARE) // len(starts))
+            screened = []
+            for i, (_, s0) in enumerate(starts):
+                s1, st = improve_routes(s0, topo, cost, cfg.contention, cfg.dp_sync, rng, each, left(),
+                                        anneal=cfg.anneal)
+                evals += st["evals"]
+                screened.append((st["score"], i, s1))
+            info["screen_scores"] = [x for x, _, _ in screened]
+            _, pick, sched = min(screened, key=lambda x: (x[0], x[1]))
+        else:
+            sched = min(starts, key=lambda x: x[0])[1]
+        info["placement_pick"] = pick
+        sched, st = improve_routes(sched, topo, cost, cfg.contention, cfg.dp_sync, rng, max(0, budget - evals),
+                                   left(), anneal=cfg.anneal)
+        st["evals"] += evals
         info.update(st)
     if math.isinf(simulate(sched, topo, cost, contention=cfg.contention, dp_sync=cfg.dp_sync,
                            record=False).iteration_s):
@@ -446,5 +586,6 @@ def plan(topo: Topology, cost: CostModel, cfg: PlanConfig) -> Schedule:
             mb.route = sorted(mb.route)
         info["deadlock_fallback"] = True
     info["planner_s"] = time.perf_counter() - t0
+    info["planner_cpu_s"] = time.process_time() - c0
     sched.meta = {"planner": info, "seed": cfg.seed, "contention": cfg.contention, "dp_sync": cfg.dp_sync}
     return sched
