@@ -124,9 +124,10 @@ class DPConfig:
     topk: int = _f(32, "DeMo coefficients kept per chunk", min=1)
     beta: float = _f(0.999, "DeMo momentum decay", min=0.0, max=1.0)
     dct: bool = _f(True, "DeMo: DCT the chunks (false = top-k in parameter space)")
-    step_rule: str = _f("sign", "DeMo update from the decoded momentum: sign (DeMo: p -= lr sign(d)) or rms "
-                        "(p -= lr d / rms(d) per tensor: same RMS step, keeps relative magnitudes)",
-                        choices=("sign", "rms"))
+    step_rule: str = _f("sign", "DeMo update from the decoded momentum: sign (DeMo: p -= lr sign(d)), rms "
+                        "(p -= lr d / rms(d) per tensor: same RMS step, keeps relative magnitudes) or clip "
+                        "(p -= lr clamp(d / rms(d), -1, 1): sign for large entries, less for small ones)",
+                        choices=("sign", "rms", "clip"))
     update_momentum: float = _f(0.0, "DeMo: momentum on the decoded (replica-identical) update, u = mu u + d, "
                                 "stepped on instead of d; no extra bytes (0 = off, DeMo)", min=0.0, max=0.999)
     values: str = _f("fp32", "DeMo value encoding (sign1c: 1-bit signs, one bf16 scale per chunk)",

@@ -285,6 +285,25 @@ def test_n1_demo_rms_step_rule_keeps_relative_magnitudes():
         make_strategy(DPConfig(strategy="demo", step_rule="nope"), _model().named_parameters(), None, TrainConfig())
 
 
+def test_n1_demo_clip_step_rule_is_sign_above_rms_and_linear_below():
+    m = _model()
+    dp = DPConfig(strategy="demo", chunk=64, topk=64 * 64, values="fp32", indices="int64", beta=0.0,
+                  step_rule="clip", check_every=1)
+    s = make_strategy(dp, m.named_parameters(), None, TrainConfig(weight_decay=0.0, grad_clip=0.0))
+    _grad(m, 0)
+    before = {n: p.detach().clone() for n, p in m.named_parameters()}
+    grads = {n: p.grad.clone() for n, p in m.named_parameters()}
+    s.step(0.01, 1)
+    for n, p in m.named_parameters():
+        g, step = grads[n], before[n] - p.detach()
+        r = g / g.square().mean().sqrt()
+        big = r.abs() >= 1.001
+        assert bool(big.any()) and bool((~big).any()), n  # both regimes are exercised
+        assert torch.allclose(step[big], 0.01 * torch.sign(g[big]), atol=1e-8), n
+        assert torch.allclose(step[~big], 0.01 * r[~big], rtol=1e-3, atol=1e-8), n
+        assert float(step.abs().max()) <= 0.01 + 1e-8
+
+
 def test_n1_demo_update_momentum_accumulates_decoded_updates():
     """dp.update_momentum=mu: u = mu u + decoded, the step follows u (same on every replica: no bytes)."""
     m = _model()

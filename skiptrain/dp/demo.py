@@ -47,8 +47,8 @@ class DeMoStrategy(SyncStrategy):
         super().__init__(named_params, transport, dp_cfg, optim_cfg)
         self.beta, self.H = dp_cfg.beta, dp_cfg.sync_every
         self.step_rule = getattr(dp_cfg, "step_rule", "sign")
-        if self.step_rule not in ("sign", "rms"):
-            raise StrategyError(f"unknown dp.step_rule {self.step_rule!r}; choose sign or rms")
+        if self.step_rule not in ("sign", "rms", "clip"):
+            raise StrategyError(f"unknown dp.step_rule {self.step_rule!r}; choose sign, rms or clip")
         self.geo = {n: ChunkedDCT(p.shape, dp_cfg.chunk, dp_cfg.dct) for n, p in self.named}
         self.k = {n: min(dp_cfg.topk, g.chunk_numel) for n, g in self.geo.items()}
         for n, g in self.geo.items():
@@ -128,7 +128,11 @@ class DeMoStrategy(SyncStrategy):
         if self.step_rule == "sign":
             return torch.sign(upd)
         rms = upd.square().mean().sqrt()  # "rms": same RMS as a sign step, relative magnitudes kept
-        return upd / rms if rms > 0 else torch.zeros_like(upd)
+        if not rms > 0:
+            return torch.zeros_like(upd)
+        if self.step_rule == "clip":  # "clip": sign where |d| >= rms(d), proportionally less below
+            return (upd / rms).clamp_(-1.0, 1.0)
+        return upd / rms
 
     def state_dict(self) -> dict:
         st = super().state_dict()
