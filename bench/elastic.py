@@ -250,12 +250,14 @@ class Scale:
 
     @property
     def units(self) -> tuple[float, float]:
-        return stage0_units(self.model)
+        """Stage 0's extra (compute in forward-layer units from these costs, memory in layer units)."""
+        return self.head_s / self.fwd_s, stage0_units(self.model)[1]
 
     def fits(self, counts, frozen, b, in_flight) -> bool:
         c0, m0 = self.units
         if self.start_stages:
-            start = split(self.model.n_layers, 0, self.start_stages, False, c0) if self.start_stages > 1 \
+            start = split(self.model.n_layers, 0, self.start_stages, False, c0, self.backward_factor) \
+                if self.start_stages > 1 \
                 else [self.model.n_layers]
             return max(stage_memory(counts, frozen, m0)) <= max(stage_memory(start, 0, m0)) + 1e-9
         return sim_memory(counts, frozen, b, in_flight, self.model) <= self.dev_mem
@@ -318,7 +320,7 @@ def iteration(sc: Scale, counts, frozen, replicas, n_micro, hit, topo, check_mem
 
 
 def start_counts(sc: Scale, S: int) -> list[int]:
-    return split(sc.model.n_layers, 0, S, False, sc.units[0]) if S > 1 else [sc.model.n_layers]
+    return split(sc.model.n_layers, 0, S, False, sc.units[0], sc.backward_factor) if S > 1 else [sc.model.n_layers]
 
 
 def sweep(sc: Scale, topo) -> list[dict]:
@@ -356,7 +358,8 @@ def elastic_times(sc: Scale, schedule, L_real: int, best: dict, topo, repartitio
 
     Without ``repartition`` the layout stays (frozen layers just skip their backward, wherever
     they live); without ``replicas`` freed nodes idle; without ``cache`` the prefix is recomputed.
-    At every transition the micro-batch count is re-picked by simulating (AutoPipe's profiling)."""
+    AutoPipe balances with the scale's costs (measured here for the small scale: AutoPipe's
+    profiling); at every transition the micro-batch count is re-picked by simulating."""
     L = sc.model.n_layers
     c0, m0 = sc.units
     S0, R0, M0 = best["stages"], best["replicas"], best["n_micro"]
@@ -372,7 +375,7 @@ def elastic_times(sc: Scale, schedule, L_real: int, best: dict, topo, repartitio
         if F != lay["frozen"]:
             counts = lay["counts"]
             if repartition:
-                counts, _ = autopipe(L, F, budget_stages, len(lay["counts"]), cached, c0, m0)
+                counts, _ = autopipe(L, F, budget_stages, len(lay["counts"]), cached, c0, m0, sc.backward_factor)
             S = len(counts)
             R = N_DEV // S if replicas else lay["replicas"]
             new_pl = [[s * R + r for r in range(R)] for s in range(S)]
@@ -485,7 +488,7 @@ def main(argv=None) -> int:
     ap.add_argument("--data", default=str(ROOT / "data" / "shakespeare"))
     ap.add_argument("--steps", type=int, default=None)
     ap.add_argument("--pretrain", type=int, default=None, help="pre-training steps before the timed runs (0 = from scratch)")
-    ap.add_argument("--windows", type=int, default=1024, help="training samples of the timed runs (multi-epoch)")
+    ap.add_argument("--windows", type=int, default=2048, help="training samples of the timed runs (multi-epoch)")
     ap.add_argument("--lr", type=float, default=None)
     ap.add_argument("--warmup", type=int, default=None)
     ap.add_argument("--alpha", type=float, default=1 / 3)
@@ -496,7 +499,7 @@ def main(argv=None) -> int:
     ap.add_argument("--check-every", type=int, default=None)
     ap.add_argument("--eval-every", type=int, default=None)
     args = ap.parse_args(argv)
-    for k, quick, full in [("steps", 100, 400), ("pretrain", 100, 400), ("check_every", 10, 20),
+    for k, quick, full in [("steps", 80, 400), ("pretrain", 50, 400), ("check_every", 10, 20),
                            ("eval_every", 10, 20), ("lr", 1e-3, 1e-3), ("warmup", 10, 20)]:
         if getattr(args, k) is None:
             setattr(args, k, quick if args.quick else full)

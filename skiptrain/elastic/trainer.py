@@ -1,7 +1,9 @@
 """Elastic mode of the single-process trainer: freeze, repartition, replicas, cache, checkpoints.
 
 :class:`ElasticTrainer` is :class:`skiptrain.train.trainer.Trainer` plus, every
-``elastic.check_every`` steps, the freeze rule (:mod:`.freeze`).  When the frozen count changes
+``elastic.check_every`` steps, the freeze rule (:mod:`.freeze`; its guard gets the validation
+loss of every window and, as its clock, the learning rate summed over the steps so far, in
+units of the peak rate, which resumption recomputes from the step).  When the frozen count changes
 a *transition* runs:
 
 1. frozen layers (and the embedding, with the first of them) stop requiring gradients, so they
