@@ -259,8 +259,6 @@ class _Joins:
     cancels the join (the joiner is fenced; it may try again)."""
 
     def __init__(self, job: Job, store, members: _Members, secret: str, log_path: Path, world: int):
-        from .job import Job as _J  # noqa: F401
-
         self.job, self.store, self.members, self.secret = job, store, members, secret
         self.log_path, self.world = log_path, world
         self.seen: set[int] = set()
@@ -346,9 +344,7 @@ class _Joins:
                     _log(self.log_path, row)
                     print(f"[coordinator] node {j} joined stage {st['stage']} in generation {st['gen']} "
                           f"({row['recover_s']:.3f} s after publishing)", file=sys.stderr, flush=True)
-                    del self.pending[j]
-                elif self.members.code(j) is not None:
-                    pass                                   # found dead by the caller's next pass
+                    del self.pending[j]                    # (a joiner that dies meanwhile: the caller's next pass)
         if any(st["state"] == "published" for st in self.pending.values()):
             return False
         ready = [j for j, st in sorted(self.pending.items()) if st["state"] == "admitted"]
