@@ -84,6 +84,7 @@ class ElasticTrainer(Trainer):
         self.transitions: list[dict[str, Any]] = []
         self.guard_s = 0.0
         self.cache: ActivationCache | None = None
+        self._cache_meas: dict[int, dict[str, float]] = {}
         self.runner = PrefixRunner(self.model)
         self.runner.enabled = False
         self._stage_params()
@@ -227,8 +228,10 @@ class ElasticTrainer(Trainer):
             if e.cache == "on":
                 cached = True
             else:
-                probe_tokens, _ = self.train_src.batch(list(range(min(t.micro_batch, self.train_src.n))))
-                meas = measure(self.model, F, probe_tokens, cache.dir)
+                meas = self._cache_meas.get(F)
+                if meas is None:  # measured once per depth: an undo and refreeze reuses it
+                    probe_tokens, _ = self.train_src.batch(list(range(min(t.micro_batch, self.train_src.n))))
+                    meas = self._cache_meas[F] = measure(self.model, F, probe_tokens, cache.dir)
                 left = max(0, t.steps - self.step) * t.micro_batch * t.n_micro
                 visits = left / self.train_src.n
                 cached = worth_it(meas, visits) and cache.capacity > 0
