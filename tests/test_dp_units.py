@@ -86,7 +86,8 @@ def test_sign1c_one_bf16_scale_per_group(g, k, data):
     y = decode_values(buf, g * k, "sign1c", k).view(g, k)
     scale = x.abs().mean(1, keepdim=True).to(torch.bfloat16).float()
     assert torch.equal(y.abs(), scale.expand_as(y))
-    assert torch.equal(y >= 0, x >= 0)
+    live = (scale > 0).expand_as(y)  # a group whose scale rounds to 0 decodes to (signed) zeros
+    assert torch.equal((y >= 0)[live], (x >= 0)[live])
 
 
 # ---- DCT -----------------------------------------------------------------------------------
