@@ -57,7 +57,8 @@ def test_value_encodings_round_trip(enc, v):
         if enc == "sign1c":
             scale = scale.to(torch.bfloat16).float()
         assert torch.allclose(y.abs(), scale.expand_as(y))
-        assert torch.equal(y >= 0, x >= 0)
+        if scale > 0:  # a scale that rounds to 0 decodes to (signed) zeros
+            assert torch.equal(y >= 0, x >= 0)
     else:  # sign2: nearest of 4 uniform levels over [-max, max]
         s = float(x.abs().max())
         levels = torch.tensor([-1, -1 / 3, 1 / 3, 1]) * s
