@@ -488,7 +488,7 @@ def main(argv=None) -> int:
     ap.add_argument("--data", default=str(ROOT / "data" / "shakespeare"))
     ap.add_argument("--steps", type=int, default=None)
     ap.add_argument("--pretrain", type=int, default=None, help="pre-training steps before the timed runs (0 = from scratch)")
-    ap.add_argument("--windows", type=int, default=2048, help="training samples of the timed runs (multi-epoch)")
+    ap.add_argument("--windows", type=int, default=1024, help="training samples of the timed runs (multi-epoch)")
     ap.add_argument("--lr", type=float, default=None)
     ap.add_argument("--warmup", type=int, default=None)
     ap.add_argument("--alpha", type=float, default=1 / 3)
