@@ -179,13 +179,19 @@ def test_losing_every_stage0_node_stops_the_run(byte_data, tmp_path):
 
 def test_a_replica_takes_over_a_lost_stage_with_checkfree_init(byte_data, tmp_path):
     """Stages 2/2/1/1: the sole stage-2 node dies; the higher-id stage-1 replica takes stage 2
-    over, initialised by CheckFree from stages 1 and 3, and training goes on with every stage."""
+    over, initialised by CheckFree from stages 1 and 3, and training goes on with every stage.
+    The phase carries a (static) topology and cost model, so after the recovery rank 0 has the
+    planner re-plan the routes for the surviving placement (recorded whether adopted or not)."""
+    from skiptrain.net.topology import load_topology
+    from skiptrain.runtime.job import build_cost
+
     sched = Schedule(placement=[[0, 1], [2, 3], [4], [5]], memory=2, method="test", micro_batches=[
         MicroBatch(k, k % 2, [(1, 2 + (k // 2) % 2), (2, 4), (3, 5)]) for k in range(4)])
     cfg = build_config("tiny", overrides={"train": {"grad_clip": 0.0, "steps": 20, "warmup_steps": 1}})
     run = tmp_path / "run"
     job = Job(config=cfg.to_dict(), data_path=str(byte_data), run_dir=str(run),
-              phases=[Phase("p", sched.to_dict(), iterations=3)], timeout_s=15.0, heartbeat_s=0.2,
+              phases=[Phase("p", sched.to_dict(), iterations=3, cost=build_cost(cfg).to_dict(),
+                            topology=load_topology("cluster", 6).to_dict())], timeout_s=15.0, heartbeat_s=0.2,
               heartbeat_deadline_s=4.0, fault={"node": 4, "kind": "kill", "iteration": 1}, recover=True,
               takeover=True)
     res = launch(job, timeout_s=180)
@@ -196,6 +202,9 @@ def test_a_replica_takes_over_a_lost_stage_with_checkfree_init(byte_data, tmp_pa
     assert tk["stage"] == 2 and tk["from_stage"] == 1 and tk["init"] == "checkfree"
     assert tk["neighbours"] == [1, 3] and abs(sum(tk["coef"]) - 1) < 1e-9 and all(g > 0 for g in tk["grad_norms"])
     assert n3["stage"] == 2 and n3["iterations"][-1]["n_processed"] == 4     # every micro-batch visits stage 2
+    n0 = json.loads((run / "phases" / "p" / "node0.json").read_text())
+    rp = [r for r in n0.get("replans", []) if r.get("trigger") == "recovery"]
+    assert len(rp) == 1 and rp[0]["simulated_current_s"] is not None, n0.get("replans")
     trained = []
     for f in (run / "phases" / "p").glob("samples_node*.jsonl"):
         for line in f.read_text().splitlines():

@@ -16,9 +16,9 @@ the routes are re-planned when the measured iteration time drifts past a thresho
   the current one on the measured topology.  Rank 0 broadcasts it; every node switches at the
   next iteration.  After a re-plan the reference becomes the new schedule's simulated time on
   the measured topology.
-* **Limits**: only while every node of the phase's schedule is alive (the planner plans the full
-  node set; after a failure the repair of :func:`~skiptrain.runtime.recovery.replan` stays in
-  force); only with a topology and cost model in the phase; the re-plan (about 1 s of planner
+* **Limits**: drift re-planning only while the phase's full placement is in force (after a
+  failure the repair of :func:`~skiptrain.runtime.recovery.replan` is followed once by a
+  post-recovery :func:`replan_routes` of the survivors, ``Node._recovery_replan``); only with a topology and cost model in the phase; the re-plan (about 1 s of planner
   time on rank 0 for 12 nodes) stalls the swarm for that time once.
 """
 
@@ -75,24 +75,55 @@ def measured_topology(topo: Topology, compute: dict[int, float], links: np.ndarr
                     name=f"{topo.name}+measured")
 
 
-def replan_routes(schedule, topo: Topology, cost, cfg, min_gain: float = 0.05):
-    """Re-plan the routes of ``schedule`` on ``topo`` (measured) with its placement fixed.
-    Returns ``(new schedule or None, current simulated s, new simulated s)``."""
+def replan_routes(schedule, topo: Topology, cost, cfg, min_gain: float = 0.05, time_limit_s: float | None = None,
+                  max_evals: int | None = None):
+    """Re-plan the routes of ``schedule`` on ``topo`` (static or measured) with its placement fixed.
+    Returns ``(new schedule or None, current simulated s, new simulated s)``.
+
+    Works for any set of node ids (e.g. the survivors after :func:`~skiptrain.runtime.recovery.replan`
+    or a join): the placement's nodes, sorted, are relabelled to positions ``0..n'-1`` on
+    ``topo.subset(nodes)`` (which renumbers in that order), the planner plans there and the node ids
+    are mapped back.  The micro-batch ids are kept: the planner's micro-batches, in id order, take
+    the schedule's ids in id order (same count; every node's data cursor maps ids to samples, so no
+    sample is lost or repeated).  Returns ``(None, cur, None)`` when the planner cannot produce the
+    same problem: a stage with no replica (the planner needs every stage served) or a micro-batch
+    count that is not a multiple of the originators (the planner gives each the same number)."""
     from ..schedule.planner import PlanConfig, plan
+    from ..schedule.schedule import MicroBatch, Schedule
     from ..schedule.simulator import simulate
 
-    nodes = sorted(n for p in schedule.placement for n in p)
+    nodes = sorted({n for p in schedule.placement for n in p})
+    if not nodes or any(n >= topo.n for n in nodes):
+        return None, None, None
+    pos = {n: i for i, n in enumerate(nodes)}
     sub = topo.subset(nodes) if nodes != list(range(topo.n)) else topo
-    if nodes != list(range(len(nodes))):
-        return None, None, None                 # ids must equal positions for the planner
-    cur = simulate(schedule, sub, cost, contention=True, dp_sync=False, record=False).iteration_s
-    pc = PlanConfig(n_stages=len(schedule.placement), stage_sizes=[len(p) for p in schedule.placement],
+    rel_pl = [[pos[n] for n in p] for p in schedule.placement]
+    rel = Schedule(placement=rel_pl,
+                   micro_batches=[MicroBatch(m.id, pos[m.originator], [(s, pos[n]) for s, n in m.route], m.start_s)
+                                  for m in schedule.micro_batches],
+                   memory=schedule.memory, skip_ratio=schedule.skip_ratio, max_swaps=schedule.max_swaps,
+                   policy=schedule.policy, method=schedule.method, meta=dict(schedule.meta))
+    cur = simulate(rel, sub, cost, contention=True, dp_sync=False, record=False).iteration_s
+    ids = sorted(m.id for m in schedule.micro_batches)
+    n_orig = len(rel_pl[0])
+    if any(not p for p in rel_pl) or n_orig == 0 or len(ids) % n_orig:
+        return None, cur, None
+    pc = PlanConfig(n_stages=len(rel_pl), stage_sizes=[len(p) for p in rel_pl],
                     skip_ratio=schedule.skip_ratio, max_swaps=schedule.max_swaps, memory=schedule.memory,
-                    mb_per_originator=cfg.runtime.mb_per_originator, seed=cfg.runtime.plan_seed, contention=True,
-                    dp_sync=False, placement=[list(p) for p in schedule.placement])
+                    mb_per_originator=len(ids) // n_orig, seed=cfg.runtime.plan_seed, contention=True,
+                    dp_sync=False, placement=[list(p) for p in rel_pl], time_limit_s=time_limit_s,
+                    max_evals=max_evals)
     new = plan(sub, cost, pc)
-    if sorted(m.id for m in new.micro_batches) != sorted(m.id for m in schedule.micro_batches) or \
-            new.placement != schedule.placement:
+    if len(new.micro_batches) != len(ids) or new.placement != rel_pl:
         return None, cur, None
     ns = simulate(new, sub, cost, contention=True, dp_sync=False, record=False).iteration_s
-    return (new if ns < cur * (1 - min_gain) else None), cur, ns
+    if not ns < cur * (1 - min_gain):
+        return None, cur, ns
+    idmap = {m.id: ids[i] for i, m in enumerate(sorted(new.micro_batches, key=lambda m: m.id))}
+    out = Schedule(placement=[list(p) for p in schedule.placement],
+                   micro_batches=[MicroBatch(idmap[m.id], nodes[m.originator], [(s, nodes[n]) for s, n in m.route],
+                                             m.start_s) for m in new.micro_batches],
+                   memory=new.memory, skip_ratio=new.skip_ratio, max_swaps=new.max_swaps, policy=new.policy,
+                   method=(schedule.method or "schedule") + "+routes",
+                   meta={**schedule.meta, "takeover": {}, "planner": new.meta.get("planner")})
+    return out, cur, ns

@@ -44,6 +44,11 @@ from .failure import (EXIT_FAILED, EXIT_PEER_FAILED, Heartbeat, NodeFailure, abo
 from .job import Job, Phase
 
 
+# CPU-second cap on the planner when it re-plans the routes after a recovery generation or a
+# join (rank 0 plans; the swarm waits for it once)
+RECOVERY_PLAN_TIME_S = 2.0
+
+
 class _Node:
     def __init__(self, job: Job, rank: int, world: int, addr: str, port: int, store=None):
         from ..config import config_from_dict
@@ -263,6 +268,10 @@ class _Node:
         it = 0
         drift = None
         drift_state: dict = {}
+        # after a recovery generation (or a join), the planner re-plans the routes for the nodes
+        # that remain (placement as the repair left it); every node sets this flag on its own and
+        # the stats gather makes them agree (a column of the gathered stats)
+        replan_pending = joining is not None
         if self.job.drift_threshold > 0 and cost is not None and topo is not None:
             from .drift import DriftMonitor
             drift = DriftMonitor(rank, topo.n, cost, topo, ph.bytes_scale, self.job.drift_alpha)
@@ -304,6 +313,7 @@ class _Node:
                                                                     ph, phase_idx, it, cursor, step_count)
                             record.setdefault("joins", []).append({"gen": self.gen, "iteration": it,
                                                                    "placement": sched.placement})
+                            replan_pending = True
                             ex = make_executor()
                     sync_replicas = sched.placement[stage] if stage is not None else []
                     # common start: everyone present, then rank 0's clock + a margin for the broadcast
@@ -357,6 +367,7 @@ class _Node:
                                           res.max_in_flight], dtype=torch.float64)
                     if drift is not None:
                         stats = torch.cat([stats, drift.observe(events)])
+                    stats = torch.cat([stats, torch.tensor([1.0 if replan_pending else 0.0], dtype=torch.float64)])
                     allst = [torch.empty_like(stats) for _ in range(len(self.alive))]
                     self._sync(dist.all_gather, allst, stats)
                     if dist.get_rank() == 0:
@@ -371,7 +382,19 @@ class _Node:
                             row.update(gen=self.gen, nodes=len(self.alive))
                         with open(self.run_dir / "metrics.jsonl", "a") as metrics:
                             metrics.write(json.dumps(row) + "\n")
-                    if drift is not None:
+                    want = max(float(x[-1]) for x in allst) > 0 and topo is not None and cost is not None
+                    replan_pending = False
+                    if want:
+                        new_sched, last = self._recovery_replan(allst, sched, it, topo, cost, drift is not None,
+                                                                drift_state)
+                        if last is not None:
+                            record.setdefault("replans", []).append({"iteration": it + 1, **last})
+                        if new_sched is not None:
+                            sched = new_sched
+                            self.stage_of = sched.stage_of()
+                            ex = make_executor()
+                            self._publish_sched(sched, phase_idx)
+                    elif drift is not None:
                         new_sched, drift_state = self._drift_step(allst, sched, ph, it, topo, cost, drift_state)
                         if new_sched is not None:
                             sched = new_sched
@@ -409,6 +432,7 @@ class _Node:
                             sched = new_sched
                             self._ack()
                             self._publish_sched(sched, phase_idx)
+                            replan_pending = True
                             break
                         except Exception as e2:  # noqa: BLE001
                             if not self._recoverable(e2):
@@ -637,6 +661,60 @@ class _Node:
         d = json.loads(bytes(buf.tolist()).decode())
         state["last"] = d["last"]
         return Schedule.from_dict(d["schedule"]), state
+
+    def _recovery_replan(self, allst, sched, it: int, topo, cost, measured: bool, drift_state: dict):
+        """At the end of the first committed iteration after a recovery generation (or a join):
+        rank 0 re-plans the routes of the repaired schedule with its placement fixed
+        (:func:`~skiptrain.runtime.drift.replan_routes`, on the static topology, or the measured one
+        when drift re-planning is on), with a small planner budget (``RECOVERY_PLAN_TIME_S`` CPU
+        seconds); the new routes are adopted when they simulate at least 5% faster and broadcast,
+        and every node switches at the next iteration.  Returns (new schedule or None, the record
+        entry: rank 0 always, the others when adopted)."""
+        import numpy as np
+
+        from .drift import measured_topology, replan_routes
+
+        hdr = torch.zeros(2, dtype=torch.int64)
+        payload = b""
+        last = None
+        if dist.get_rank() == 0:
+            a = torch.stack(allst).numpy()
+            t_net = topo
+            if measured:
+                compute = {n: float(a[i, 6]) for i, n in enumerate(self.alive)}
+                links = np.ones((topo.n, topo.n))
+                for i, n in enumerate(self.alive):
+                    if n < topo.n:
+                        links[n, :] = a[i, 7:7 + topo.n]
+                t_net = measured_topology(topo, compute, links)
+            t = time.time()
+            try:
+                new, cur_s, new_s = replan_routes(sched, t_net, cost, self.cfg, time_limit_s=RECOVERY_PLAN_TIME_S)
+            except Exception as e:  # noqa: BLE001 - the repair stays in force
+                new, cur_s, new_s = None, None, None
+                print(f"skiptrain node {self.rank}: post-recovery re-plan failed: {e}", file=sys.stderr, flush=True)
+            last = {"trigger": "recovery", "gen": self.gen, "topology": "measured" if measured else "static",
+                    "simulated_current_s": cur_s, "simulated_new_s": new_s, "plan_s": round(time.time() - t, 3),
+                    "adopted": new is not None}
+            print(f"skiptrain node {self.rank}: generation {self.gen}, iteration {it + 1}: re-planned routes for "
+                  f"the surviving placement: {cur_s} -> {new_s} s simulated; "
+                  f"{'adopted' if new is not None else 'kept the repair'}", file=sys.stderr, flush=True)
+            if measured and (new_s if new is not None else cur_s):
+                drift_state["ref"] = new_s if new is not None else cur_s
+                drift_state["ema"] = drift_state["ref"]
+                drift_state["n"] = 0
+            if new is not None:
+                payload = json.dumps({"schedule": new.to_dict(), "last": last}).encode()
+                hdr[0], hdr[1] = 1, len(payload)
+        self._sync(dist.broadcast, hdr, 0)
+        if not hdr[0]:
+            return None, last
+        from ..schedule.schedule import Schedule
+        buf = torch.frombuffer(bytearray(payload), dtype=torch.uint8) if payload else \
+            torch.empty(int(hdr[1]), dtype=torch.uint8)
+        self._sync(dist.broadcast, buf, 0)
+        d = json.loads(bytes(buf.tolist()).decode())
+        return Schedule.from_dict(d["schedule"]), d["last"]
 
     # ---- per-stage checkpoints (recovery mode) ------------------------------------------------
 
