@@ -34,6 +34,7 @@ from skiptrain.data.corpus import read_documents  # noqa: E402
 from skiptrain.data.dataset import write_dataset  # noqa: E402
 from skiptrain.runtime.job import Job, Phase  # noqa: E402
 from skiptrain.runtime.launcher import launch  # noqa: E402
+from skiptrain.runtime.recovery import trained_samples  # noqa: E402
 from skiptrain.schedule.schedule import MicroBatch, Schedule  # noqa: E402
 
 PLACEMENT = [[0, 1, 2], [3, 4], [5, 6], [7]]
@@ -68,10 +69,7 @@ def run(data: Path, out: Path, faults, iterations: int, deadline_s: float) -> di
     for f in (out / "phases" / "p").glob("node*.json"):
         for r in json.loads(f.read_text())["recoveries"]:
             node_rec.setdefault(r["gen"], []).append(r)
-    trained = []
-    for f in (out / "phases" / "p").glob("samples_node*.jsonl"):
-        for line in f.read_text().splitlines():
-            trained += json.loads(line)["samples"]
+    trained = [i for s in trained_samples(out / "phases" / "p").values() for i in s]
     gb = 6 * cfg.train.micro_batch
     lost = len(set(range(iterations * gb)) - set(trained))
     repeated = len(trained) - len(set(trained))

@@ -60,6 +60,7 @@ from skiptrain.data.dataset import TokenDataset, write_dataset  # noqa: E402
 from skiptrain.net.topology import load_topology  # noqa: E402
 from skiptrain.runtime.job import Job, build_cost, build_schedule, phase_for  # noqa: E402
 from skiptrain.runtime.launcher import launch  # noqa: E402
+from skiptrain.runtime.recovery import trained_samples  # noqa: E402
 from skiptrain.runtime.wan import scale_topology  # noqa: E402
 from skiptrain.schedule.simulator import simulate  # noqa: E402
 
@@ -185,11 +186,7 @@ def analyse(run: Path, events: list[dict], gb: int, iterations: int) -> list[dic
     nodes = {}
     for f in (run / "phases" / "train").glob("node*.json"):
         nodes[int(f.stem[4:])] = json.loads(f.read_text())
-    per_it: dict[int, list[int]] = {}
-    for f in (run / "phases" / "train").glob("samples_node*.jsonl"):
-        for line in f.read_text().splitlines():
-            d = json.loads(line)
-            per_it.setdefault(d["iteration"], []).extend(d["samples"])
+    per_it = trained_samples(run / "phases" / "train")
 
     def sample_check(its: set[int]) -> tuple[int, int]:
         lost = rep = 0

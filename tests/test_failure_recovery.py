@@ -25,7 +25,7 @@ from skiptrain.runtime.join import respond, verify
 from skiptrain.runtime.job import Job, Phase
 from skiptrain.runtime.launcher import launch
 from skiptrain.runtime.recovery import (BadPayload, RecoveryError, check_payload, checkfree_combine, replan,
-                                        stage_tensors)
+                                        stage_tensors, trained_samples)
 from skiptrain.runtime.transport import ACT, GRAD
 from skiptrain.schedule.schedule import MicroBatch, Schedule
 
@@ -158,10 +158,7 @@ def test_run_refuses_a_node_without_the_secret_and_survives_kill_originator_kill
     assert rows[0]["nodes"] == 7 and rows[-1]["nodes"] == 3
     # every global sample of the run's cursor trained exactly once: none lost, none repeated
     gb = 6 * build_config("tiny").train.micro_batch
-    trained: list[int] = []
-    for f in (run / "phases" / "p").glob("samples_node*.jsonl"):       # dead nodes' files too
-        for line in f.read_text().splitlines():
-            trained += json.loads(line)["samples"]
+    trained = [i for s in trained_samples(run / "phases" / "p").values() for i in s]   # dead nodes' too
     assert sorted(trained) == list(range(iters * gb))
     # survivors recorded their recoveries
     n0 = json.loads((run / "phases" / "p" / "node0.json").read_text())
@@ -205,10 +202,7 @@ def test_a_replica_takes_over_a_lost_stage_with_checkfree_init(byte_data, tmp_pa
     n0 = json.loads((run / "phases" / "p" / "node0.json").read_text())
     rp = [r for r in n0.get("replans", []) if r.get("trigger") == "recovery"]
     assert len(rp) == 1 and rp[0]["simulated_current_s"] is not None, n0.get("replans")
-    trained = []
-    for f in (run / "phases" / "p").glob("samples_node*.jsonl"):
-        for line in f.read_text().splitlines():
-            trained += json.loads(line)["samples"]
+    trained = [i for s in trained_samples(run / "phases" / "p").values() for i in s]
     assert sorted(trained) == list(range(3 * 4 * cfg.train.micro_batch))
     assert processes_of_run(run) == []
 
@@ -231,10 +225,7 @@ def test_a_second_failure_during_recovery_is_survived_too(byte_data, tmp_path):
     assert {r["node"] for r in rec} == {4, 2} and all("died" in r["cause"] for r in rec)
     n0 = json.loads((run / "phases" / "p" / "node0.json").read_text())
     assert n0["recoveries"][-1]["alive"] == [0, 1, 3, 5]
-    trained = []
-    for f in (run / "phases" / "p").glob("samples_node*.jsonl"):
-        for line in f.read_text().splitlines():
-            trained += json.loads(line)["samples"]
+    trained = [i for s in trained_samples(run / "phases" / "p").values() for i in s]
     assert sorted(trained) == list(range(3 * 4 * cfg.train.micro_batch))
     assert processes_of_run(run) == []
 
@@ -262,10 +253,7 @@ def test_a_bad_peer_is_banned_after_its_strikes_and_its_stage_restarts_from_the_
     (tk,) = n3["takeovers"]
     assert tk["stage"] == 2 and tk["init"] == "checkpoint" and tk["checkpoint_age"] == 0
     assert "stage2" in tk["checkpoint"] and n3["stage"] == 2
-    trained = []
-    for f in (run / "phases" / "p").glob("samples_node*.jsonl"):
-        for line in f.read_text().splitlines():
-            trained += json.loads(line)["samples"]
+    trained = [i for s in trained_samples(run / "phases" / "p").values() for i in s]
     assert sorted(trained) == list(range(4 * 4 * cfg.train.micro_batch))
     assert processes_of_run(run) == []
 
@@ -314,10 +302,7 @@ def test_a_killed_coordinator_is_replaced_without_losing_the_run(byte_data, tmp_
     rec = [json.loads(x) for x in (run / "recoveries.jsonl").read_text().splitlines()]
     assert rec[0]["restart"] and rec[1]["node"] == 1 and "died" in rec[1]["cause"] and rec[1]["gen"] == 1
     assert (run / "model.safetensors").is_file() and not (run / "join_secret").exists()
-    trained = []
-    for f in (run / "phases" / "p").glob("samples_node*.jsonl"):
-        for line in f.read_text().splitlines():
-            trained += json.loads(line)["samples"]
+    trained = [i for s in trained_samples(run / "phases" / "p").values() for i in s]
     assert sorted(trained) == list(range(iters * 4 * cfg.train.micro_batch))
     time.sleep(0.5)
     assert processes_of_run(run) == []
@@ -355,10 +340,7 @@ def test_drift_replans_routes_away_from_a_node_that_slowed_down(byte_data, tmp_p
     before = n3["iterations"][0]["n_processed"]
     after = n3["iterations"][-1]["n_processed"]
     assert before == 2 and after < before                       # fewer micro-batches through the slow node
-    trained = []
-    for f in (run / "phases" / "p").glob("samples_node*.jsonl"):
-        for line in f.read_text().splitlines():
-            trained += json.loads(line)["samples"]
+    trained = [i for s in trained_samples(run / "phases" / "p").values() for i in s]
     assert sorted(trained) == list(range(iters * 4 * cfg.train.micro_batch))
     assert processes_of_run(run) == []
 

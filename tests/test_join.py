@@ -22,7 +22,8 @@ from skiptrain.config import build_config
 from skiptrain.net.topology import load_topology
 from skiptrain.runtime.job import Job, Phase, build_cost
 from skiptrain.runtime.launcher import launch
-from skiptrain.runtime.recovery import add_replica, choose_stage, pack_stage_state, replan, unpack_stage_state
+from skiptrain.runtime.recovery import (add_replica, choose_stage, pack_stage_state, replan, trained_samples,
+                                        unpack_stage_state)
 from skiptrain.schedule.schedule import MicroBatch, Schedule
 
 REPO = Path(__file__).resolve().parents[1]
@@ -140,9 +141,6 @@ def test_a_node_joins_a_running_job_and_a_wrong_secret_is_refused(byte_data, tmp
     pa = torch.load(run / "phases" / "p" / "params_node2.pt")
     pb = torch.load(run / "phases" / "p" / f"params_node{j}.pt")
     assert pa.keys() == pb.keys() and all(torch.equal(pa[k], pb[k]) for k in pa)
-    trained = []
-    for f in (run / "phases" / "p").glob("samples_node*.jsonl"):
-        for line in f.read_text().splitlines():
-            trained += json.loads(line)["samples"]
+    trained = [i for s in trained_samples(run / "phases" / "p").values() for i in s]
     assert sorted(trained) == list(range(iters * 4 * cfg.train.micro_batch))
     assert processes_of_run(run) == []

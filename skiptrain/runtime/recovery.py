@@ -60,6 +60,20 @@ class RecoveryError(NodeFailure):
 
 # ---- re-planning ---------------------------------------------------------------------------
 
+def trained_samples(phase_dir) -> dict[int, list[int]]:
+    """Global sample indices trained per committed iteration, read back from every node's
+    ``samples_node<r>.jsonl`` in ``phase_dir`` (dead nodes' files included: a line is written only
+    for a committed iteration).  The union over iterations must be each index exactly once."""
+    from pathlib import Path
+
+    per_it: dict[int, list[int]] = {}
+    for f in sorted(Path(phase_dir).glob("samples_node*.jsonl")):
+        for line in f.read_text().splitlines():
+            d = json.loads(line)
+            per_it.setdefault(int(d["iteration"]), []).extend(d["samples"])
+    return per_it
+
+
 def replan(schedule: Schedule, alive: set[int] | list[int], takeover: bool = False) -> Schedule:
     """The schedule for the nodes in ``alive``: same micro-batch ids (same samples), same stages.
 
