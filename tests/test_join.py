@@ -66,6 +66,23 @@ def test_choose_stage_takes_the_empty_stage_first_else_the_best_simulated():
     assert rep["simulated_before_s"] >= sims[stage]
 
 
+def test_garbled_join_input_is_refused_not_a_crash_and_claimed_pids_are_never_dangerous():
+    from skiptrain.runtime.coordinator import _claimed_pid, _pid_running
+    from skiptrain.runtime.join import respond, verify
+
+    nonce = "ab" * 32
+    good = respond("s3cret", nonce, 7)
+    assert verify("s3cret", nonce, 7, good)
+    assert not verify("s3cret", nonce, 8, good) and not verify("other", nonce, 7, good)
+    for bad in ["", "\u00e9" * 64, "\ufffd", good[:-1], good + "0", None, 12]:
+        assert verify("s3cret", nonce, 7, bad) is False          # wrong, never an exception
+    assert _claimed_pid(json.dumps({"pid": 4321})) == 4321
+    for hello in ['{"pid": -1}', '{"pid": 0}', '{"pid": 1}', '{"pid": [1]}', '{"pid": 1e400}', '{"pid": true}',
+                  json.dumps({"pid": os.getpid()}), '{"pid": "12"}', "not json", "[]", '{"pid": 99999999999}']:
+        assert _claimed_pid(hello) == 0, hello
+    assert not _pid_running(-1) and not _pid_running(0) and not _pid_running(1)
+
+
 def test_stage_state_round_trips_without_pickle():
     from skiptrain.dp.strategy import make_strategy
     from skiptrain.model.transformer import StagedLM

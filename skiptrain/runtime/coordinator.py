@@ -47,8 +47,23 @@ from .job import Job
 from .recovery import publish_generation
 
 
+def _claimed_pid(hello: str) -> int:
+    """The pid a joining node claims in its hello; 0 (never signalled) unless it is a plausible
+    other process (an int > 1, not this one)."""
+    try:
+        pid = json.loads(hello).get("pid")
+    except (ValueError, AttributeError):
+        return 0
+    if not isinstance(pid, int) or isinstance(pid, bool) or pid <= 1 or pid == os.getpid() or pid > 2 ** 22:
+        return 0
+    return pid
+
+
 def _pid_running(pid: int) -> bool:
-    """Whether ``pid`` runs (not gone, not a zombie): joining nodes are not this process's children."""
+    """Whether ``pid`` runs (not gone, not a zombie): joining nodes are not this process's children.
+    ``pid <= 1`` is never a node (0 and -1 address process groups / everything; 1 is init)."""
+    if pid <= 1:
+        return False
     try:
         with open(f"/proc/{pid}/stat") as f:
             return f.read().rsplit(")", 1)[1].split()[0] != "Z"
@@ -81,7 +96,7 @@ class _Members:
 
     def kill(self, r: int) -> None:
         pid = self.procs[r].pid if r < len(self.procs) else self.ext.get(r)
-        if pid is None:
+        if pid is None or pid <= 1 or pid == os.getpid():
             return
         try:
             os.kill(pid, signal.SIGKILL)
@@ -252,7 +267,7 @@ def _loop(job, store, members, stage0, deadline, strikes_needed, log_path, fence
 class _Joins:
     """Nodes joining the running job (``python -m skiptrain.runtime.node --join``; protocol in
     :mod:`skiptrain.runtime.join`).  One join at a time, only while every node has acknowledged
-    the current generation: challenge -> (refused: fenced, logged) -> admitted -> stage chosen
+    the current generation: challenge -> (refused: logged, never signalled) -> admitted -> stage chosen
     on the current schedule (:func:`~skiptrain.runtime.recovery.choose_stage`) -> a *join*
     generation with the new schedule -> every node switches at its next iteration boundary and
     acknowledges; the joiner then has its state.  A failure before every node acknowledged
@@ -263,7 +278,6 @@ class _Joins:
         self.log_path, self.world = log_path, world
         self.seen: set[int] = set()
         self.pending: dict[int, dict] = {}       # node -> state
-        self.to_fence: list[tuple[float, int, int]] = []
         self.last_added = -1
 
     def _ids(self) -> list[int]:
@@ -271,6 +285,8 @@ class _Joins:
             top = self.store.add("nodes/next", 0)
         except Exception:  # noqa: BLE001
             return []
+        # ids are handed out one by one by `request_node_id`; a forged huge counter costs a bounded scan
+        top = min(top, self.world + len(self.seen) + 64)
         return [j for j in range(self.world, top) if j not in self.seen]
 
     def _refuse(self, j: int, why: str, st: dict) -> None:
@@ -278,44 +294,24 @@ class _Joins:
 
         refuse(self.store, j)
         now = time.time()
-        if st.get("pid"):
-            # it exits by itself on "refused"; fenced (SIGKILL) if still there 2 s later
-            self.to_fence.append((now + 2.0, j, st["pid"]))
+        # Not killed: it exits by itself on "refused", never entered a group, and its pid is an
+        # unauthenticated claim (a forged pid must not make the coordinator kill anything).
         print(f"[coordinator] joining node {j}: {why}; not admitted", file=sys.stderr, flush=True)
         _log(self.log_path, {"gen": None, "node": j, "cause": why, "refused": True, "join": True, "t_detect": now,
                              "detect_s": now - st["t_hello"], "pid": st.get("pid")})
         self.pending.pop(j, None)
-
-    def _fence_refused(self) -> None:
-        now = time.time()
-        for item in list(self.to_fence):
-            t, j, pid = item
-            if not _pid_running(pid):
-                self.to_fence.remove(item)
-            elif now >= t:
-                self.to_fence.remove(item)
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                    print(f"[coordinator] refused node {j} (pid {pid}) still running: fenced", file=sys.stderr,
-                          flush=True)
-                except ProcessLookupError:
-                    pass
 
     def step(self, gen: int, alive: set[int]) -> bool:
         """Advance the joins; returns True when it published generation ``gen + 1``."""
         from .join import challenge, check_response
 
         now = time.time()
-        self._fence_refused()
         for j in self._ids():
-            hello = self.store.check([f"join/hello/{j}"]) and self.store.get(f"join/hello/{j}").decode()
+            hello = self.store.check([f"join/hello/{j}"]) and self.store.get(f"join/hello/{j}").decode(errors="replace")
             if not hello:
                 continue
             self.seen.add(j)
-            try:
-                pid = int(json.loads(hello).get("pid") or 0)
-            except (ValueError, AttributeError):
-                pid = 0
+            pid = _claimed_pid(hello)
             self.pending[j] = {"t_hello": now, "pid": pid, "nonce": challenge(self.store, j), "state": "challenged"}
         for j, st in sorted(self.pending.items()):
             if st["state"] == "challenged":
@@ -369,10 +365,12 @@ class _Joins:
         new = add_replica(sched, j, stage, Schedule.from_dict(ph.schedule))
         st = self.pending[j]
         st.update(state="published", gen=gen + 1, stage=stage, choice=choice, t_pub=time.time())
+        # assign first: a coordinator restarted between the two finds j admitted but not in the
+        # alive set and publishes the join again under the same number (the joiner waits for it)
+        self.store.set(f"join/assign/{j}", str(gen + 1))
         publish_generation(self.store, gen + 1, sorted(alive | {j}), {},
                            {"kind": "join", "join": {str(j): stage}, "schedule": new.to_dict(), "phase": 0,
                             "choice": choice})
-        self.store.set(f"join/assign/{j}", str(gen + 1))
         print(f"[coordinator] joining node {j} -> stage {stage} ({choice['rule']}; simulated "
               f"{choice['simulated_s']}); generation {gen + 1}", file=sys.stderr, flush=True)
         self.last_added = j
@@ -389,10 +387,7 @@ class _Joins:
             if not self.store.check([f"join/hello/{j}"]):
                 continue
             self.seen.add(j)
-            try:
-                pid = int(json.loads(self.store.get(f"join/hello/{j}").decode()).get("pid") or 0)
-            except (ValueError, AttributeError):
-                pid = 0
+            pid = _claimed_pid(self.store.get(f"join/hello/{j}").decode(errors="replace"))
             res = self.store.get(f"join/result/{j}").decode() if self.store.check([f"join/result/{j}"]) else None
             if self.store.check([f"join/assign/{j}"]):
                 g = int(self.store.get(f"join/assign/{j}").decode())

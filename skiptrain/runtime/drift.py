@@ -18,8 +18,9 @@ the routes are re-planned when the measured iteration time drifts past a thresho
   the measured topology.
 * **Limits**: drift re-planning only while the phase's full placement is in force (after a
   failure the repair of :func:`~skiptrain.runtime.recovery.replan` is followed once by a
-  post-recovery :func:`replan_routes` of the survivors, ``Node._recovery_replan``); only with a topology and cost model in the phase; the re-plan (about 1 s of planner
-  time on rank 0 for 12 nodes) stalls the swarm for that time once.
+  post-recovery :func:`replan_routes` of the survivors, ``Node._recovery_replan``); only with a
+  topology and cost model in the phase; the re-plan (about 1 s of planner time on rank 0 for 12
+  nodes, capped at ``node.RECOVERY_PLAN_TIME_S`` CPU seconds) stalls the swarm for that time once.
 """
 
 from __future__ import annotations

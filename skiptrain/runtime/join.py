@@ -52,7 +52,11 @@ def respond(secret: str | bytes, nonce_hex: str, node: int) -> str:
 
 
 def verify(secret: str | bytes, nonce_hex: str, node: int, response: str) -> bool:
-    return hmac.compare_digest(respond(secret, nonce_hex, node), response)
+    """Whether ``response`` is the HMAC of the challenge; any malformed response is simply wrong."""
+    try:
+        return hmac.compare_digest(respond(secret, nonce_hex, node).encode(), response.encode())
+    except (TypeError, AttributeError, UnicodeError):
+        return False
 
 
 def _wait_key(store, key: str, timeout_s: float, poll_s: float = 0.01) -> str | None:
@@ -90,7 +94,7 @@ def admit(store, nodes: list[int], secret: str, timeout_s: float, alive=lambda n
     while pending and time.time() < deadline:
         for n in sorted(pending):
             if store.check([f"join/resp/{n}"]):
-                resp = store.get(f"join/resp/{n}").decode()
+                resp = store.get(f"join/resp/{n}").decode(errors="replace")
                 ok = bool(resp) and verify(secret, nonces[n], n, resp)
                 out[n] = "ok" if ok else "refused: wrong challenge response"
                 store.set(f"join/result/{n}", "ok" if ok else "refused")
@@ -117,7 +121,7 @@ def check_response(store, node: int, nonce: str, secret: str) -> bool | None:
     result is written: ``ok`` or ``refused``)."""
     if not store.check([f"join/resp/{node}"]):
         return None
-    resp = store.get(f"join/resp/{node}").decode()
+    resp = store.get(f"join/resp/{node}").decode(errors="replace")
     ok = bool(resp) and verify(secret, nonce, node, resp)
     store.set(f"join/result/{node}", "ok" if ok else "refused")
     return ok

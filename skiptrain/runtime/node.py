@@ -44,8 +44,8 @@ from .failure import (EXIT_FAILED, EXIT_PEER_FAILED, Heartbeat, NodeFailure, abo
 from .job import Job, Phase
 
 
-# CPU-second cap on the planner when it re-plans the routes after a recovery generation or a
-# join (rank 0 plans; the swarm waits for it once)
+# CPU-second cap on the planner when it re-plans the routes after a recovery generation, a join
+# or a drift past the threshold (rank 0 plans; the swarm waits for it once)
 RECOVERY_PLAN_TIME_S = 2.0
 
 
@@ -635,7 +635,7 @@ class _Node:
                         links[n, :] = a[i, 7:7 + topo.n]
                 mt = measured_topology(topo, compute, links)
                 t = time.time()
-                new, cur_s, new_s = replan_routes(sched, mt, cost, self.cfg)
+                new, cur_s, new_s = replan_routes(sched, mt, cost, self.cfg, time_limit_s=RECOVERY_PLAN_TIME_S)
                 state["last"] = {"measured_ema_s": round(state["ema"], 4), "reference_s": round(state["ref"], 4),
                                  "ratio": round(ratio, 3), "simulated_current_on_measured_s": cur_s,
                                  "simulated_new_on_measured_s": new_s, "plan_s": round(time.time() - t, 3),
@@ -908,6 +908,12 @@ class _Node:
         return redone
 
     def finish(self) -> None:
+        for (phase, stage), mgr in self.__dict__.get("_ckpt_mgrs", {}).items():
+            try:                                     # the last background stage checkpoint lands on disk
+                mgr.close()
+            except Exception as e:  # noqa: BLE001   # a lost stage checkpoint is not a failed run
+                print(f"[node {self.rank}] stage {stage} checkpoint of phase {phase!r} in "
+                      f"{self._stage_ckpt_root(phase, stage)} failed to write: {e}", file=sys.stderr, flush=True)
         self.tr.close()
         dist.barrier()
         self.hb.finish()
