@@ -59,6 +59,9 @@ def start(run_dir: Path, timeout_s: float = 60.0):
     deadline = time.time() + timeout_s
     while not pf.exists():
         if p.poll() is not None or time.time() > deadline:
+            if p.poll() is None:
+                p.kill()                              # ours, started above: do not leave it behind
+                p.wait()
             raise RuntimeError(f"the store process did not start (see {Path(run_dir) / 'logs' / 'store.log'})")
         time.sleep(0.02)
     d = json.loads(pf.read_text())
