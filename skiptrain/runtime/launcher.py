@@ -202,12 +202,31 @@ def stop_store(store_proc, store) -> None:
 
 def _monitor(job: Job, procs, store, world: int, t_start: float, timeout_s: float) -> dict | None:
     """Wait for all processes; return None on success or a failure description."""
+    def stalest(codes, now: float, older_than: float) -> dict | None:
+        """The running node whose heartbeat is oldest, if older than ``older_than`` seconds."""
+        worst = None
+        for r in range(world):
+            key = f"hb/{r}"
+            try:
+                if not store.check([key]):
+                    continue
+                t, _, state = store.get(key).decode().partition(":")
+            except Exception:  # noqa: BLE001
+                continue
+            age = now - float(t)
+            if state != "done" and codes[r] is None and age > older_than and (worst is None or age > worst["age"]):
+                worst = {"kind": "hung", "node": r, "age": age, "t": now}
+        return worst
+
     next_hb = time.time() + job.heartbeat_s
     while True:
         codes = [p.poll() for p in procs]
         bad = [(r, c) for r, c in enumerate(codes) if c not in (None, 0)]
         if bad:
-            return {"kind": "exit", "node": bad[0][0], "code": bad[0][1], "t": time.time()}
+            # a peer that timed out waiting on a hung node may exit first (gloo's timeout and the
+            # heartbeat deadline are the same length): blame a node that has stopped heartbeating
+            hung = stalest(codes, time.time(), 0.5 * job.timeout_s)
+            return hung or {"kind": "exit", "node": bad[0][0], "code": bad[0][1], "t": time.time()}
         if all(c == 0 for c in codes):
             return None
         now = time.time()
@@ -215,16 +234,9 @@ def _monitor(job: Job, procs, store, world: int, t_start: float, timeout_s: floa
             return {"kind": "timeout", "t": now}
         if now >= next_hb:
             next_hb = now + job.heartbeat_s
-            for r in range(world):
-                key = f"hb/{r}"
-                try:
-                    if not store.check([key]):
-                        continue
-                    t, _, state = store.get(key).decode().partition(":")
-                except Exception:  # noqa: BLE001
-                    continue
-                if state != "done" and codes[r] is None and now - float(t) > job.timeout_s:
-                    return {"kind": "hung", "node": r, "age": now - float(t), "t": now}
+            hung = stalest(codes, now, job.timeout_s)
+            if hung:
+                return hung
         time.sleep(0.05)
 
 
