@@ -94,6 +94,7 @@ def launch(job: Job, nodes: int | None = None, timeout_s: float = 3600.0, grace_
     (run_dir / "logs").mkdir(exist_ok=True)
     job_path = job.save(run_dir / "job.json")
     store_proc = None
+    failure = err = None
     if job.recover and job.restartable:
         # the store in a process of its own: this launcher (the coordinator) may die and be
         # replaced (``python -m skiptrain.runtime.coordinator --run RUN_DIR``) without losing the run
@@ -164,11 +165,13 @@ def launch(job: Job, nodes: int | None = None, timeout_s: float = 3600.0, grace_
             log.close()
         (run_dir / "join_secret").unlink(missing_ok=True)     # the run is over: nobody may join
         (run_dir / "join.json").unlink(missing_ok=True)
+        if failure is not None:                 # explained while the store (fault times) is still up
+            err = _explain(job, procs, failure, run_dir, store, killed_by_us)
         if store_proc is not None:
             stop_store(store_proc, store)
     wall = time.time() - t_start
-    if failure is not None:
-        raise _explain(job, procs, failure, run_dir, store, killed_by_us)
+    if err is not None:
+        raise err
     _merge_outputs(job, run_dir)
     metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
     if echo:
