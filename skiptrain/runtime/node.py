@@ -609,14 +609,11 @@ class _Node:
         moving average and, past the threshold, re-plans the routes on the measured topology;
         the decision (and the schedule) is broadcast to every node.  Returns (new schedule or
         None, state)."""
-        import numpy as np
-
         from ..schedule.schedule import Schedule
         from ..schedule.simulator import simulate
-        from .drift import measured_topology, replan_routes
+        from .drift import replan_routes
 
-        hdr = torch.zeros(2, dtype=torch.int64)
-        payload = b""
+        adopted = None
         if dist.get_rank() == 0:
             a = torch.stack(allst).numpy()
             it_s = float(a[:, 2].max())
@@ -628,12 +625,7 @@ class _Node:
             full = sched.placement == Schedule.from_dict(ph.schedule).placement
             ratio = state["ema"] / state["ref"] if state["ref"] > 0 else 1.0
             if full and state["n"] >= 2 and ratio > 1 + self.job.drift_threshold:
-                compute = {n: float(a[i, 6]) for i, n in enumerate(self.alive)}
-                links = np.ones((topo.n, topo.n))
-                for i, n in enumerate(self.alive):
-                    if n < topo.n:
-                        links[n, :] = a[i, 7:7 + topo.n]
-                mt = measured_topology(topo, compute, links)
+                mt, compute = self._measured_net(a, topo)
                 t = time.time()
                 new, cur_s, new_s = replan_routes(sched, mt, cost, self.cfg, time_limit_s=RECOVERY_PLAN_TIME_S)
                 state["last"] = {"measured_ema_s": round(state["ema"], 4), "reference_s": round(state["ref"], 4),
@@ -650,17 +642,11 @@ class _Node:
                 state["ema"] = state["ref"] if new is not None else state["ema"]
                 state["n"] = 0
                 if new is not None:
-                    payload = json.dumps({"schedule": new.to_dict(), "last": state["last"]}).encode()
-                    hdr[0], hdr[1] = 1, len(payload)
-        self._sync(dist.broadcast, hdr, 0)
-        if not hdr[0]:
-            return None, state
-        buf = torch.frombuffer(bytearray(payload), dtype=torch.uint8) if payload else \
-            torch.empty(int(hdr[1]), dtype=torch.uint8)
-        self._sync(dist.broadcast, buf, 0)
-        d = json.loads(bytes(buf.tolist()).decode())
-        state["last"] = d["last"]
-        return Schedule.from_dict(d["schedule"]), state
+                    adopted = new, state["last"]
+        new, last = self._broadcast_schedule(adopted)
+        if new is not None:
+            state["last"] = last
+        return new, state
 
     def _recovery_replan(self, allst, sched, it: int, topo, cost, measured: bool, drift_state: dict):
         """At the end of the first committed iteration after a recovery generation (or a join):
@@ -670,23 +656,12 @@ class _Node:
         seconds); the new routes are adopted when they simulate at least 5% faster and broadcast,
         and every node switches at the next iteration.  Returns (new schedule or None, the record
         entry: rank 0 always, the others when adopted)."""
-        import numpy as np
+        from .drift import replan_routes
 
-        from .drift import measured_topology, replan_routes
-
-        hdr = torch.zeros(2, dtype=torch.int64)
-        payload = b""
-        last = None
+        adopted = last = None
         if dist.get_rank() == 0:
             a = torch.stack(allst).numpy()
-            t_net = topo
-            if measured:
-                compute = {n: float(a[i, 6]) for i, n in enumerate(self.alive)}
-                links = np.ones((topo.n, topo.n))
-                for i, n in enumerate(self.alive):
-                    if n < topo.n:
-                        links[n, :] = a[i, 7:7 + topo.n]
-                t_net = measured_topology(topo, compute, links)
+            t_net = self._measured_net(a, topo)[0] if measured else topo
             t = time.time()
             try:
                 new, cur_s, new_s = replan_routes(sched, t_net, cost, self.cfg, time_limit_s=RECOVERY_PLAN_TIME_S)
@@ -704,12 +679,37 @@ class _Node:
                 drift_state["ema"] = drift_state["ref"]
                 drift_state["n"] = 0
             if new is not None:
-                payload = json.dumps({"schedule": new.to_dict(), "last": last}).encode()
-                hdr[0], hdr[1] = 1, len(payload)
+                adopted = new, last
+        new, got = self._broadcast_schedule(adopted)
+        return new, (got if new is not None else last)
+
+    def _measured_net(self, a, topo):
+        """The topology with measured compute and link factors (columns 6 and 7.. of the gathered
+        stats ``a``, one row per alive node) in place of the static ones; also the compute factors."""
+        import numpy as np
+
+        from .drift import measured_topology
+
+        compute = {n: float(a[i, 6]) for i, n in enumerate(self.alive)}
+        links = np.ones((topo.n, topo.n))
+        for i, n in enumerate(self.alive):
+            if n < topo.n:
+                links[n, :] = a[i, 7:7 + topo.n]
+        return measured_topology(topo, compute, links), compute
+
+    def _broadcast_schedule(self, adopted):
+        """Rank 0's ``adopted = (schedule, record)`` (or None) to every node of the group; returns
+        (schedule or None, record or None) everywhere."""
+        from ..schedule.schedule import Schedule
+
+        hdr = torch.zeros(2, dtype=torch.int64)
+        payload = b""
+        if dist.get_rank() == 0 and adopted is not None:
+            payload = json.dumps({"schedule": adopted[0].to_dict(), "last": adopted[1]}).encode()
+            hdr[0], hdr[1] = 1, len(payload)
         self._sync(dist.broadcast, hdr, 0)
         if not hdr[0]:
-            return None, last
-        from ..schedule.schedule import Schedule
+            return None, None
         buf = torch.frombuffer(bytearray(payload), dtype=torch.uint8) if payload else \
             torch.empty(int(hdr[1]), dtype=torch.uint8)
         self._sync(dist.broadcast, buf, 0)
