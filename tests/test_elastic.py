@@ -10,7 +10,7 @@ import torch
 
 from skiptrain.config import build_config
 from skiptrain.data.loader import shard_indices
-from skiptrain.elastic.cache import ActivationCache, PrefixRunner, worth_it
+from skiptrain.elastic.cache import ActivationCache, PrefixRunner, at_depth, measure, worth_it
 from skiptrain.elastic.freeze import FreezeRule
 from skiptrain.elastic.repartition import autopipe, stage_memory
 from skiptrain.elastic.replicas import assign_nodes, pack_state, transfer_plan, unpack_state
@@ -186,6 +186,18 @@ def test_cache_decision_rule():
     assert not worth_it(m, 1.0)       # one visit: nothing to reuse
     assert worth_it(m, 3.0)
     assert not worth_it({"recompute_s": 0.01, "write_s": 0.1, "read_s": 0.05}, 10.0)
+
+
+def test_cache_measurement_rescales_to_other_depths(tiny_model, tmp_path):
+    tokens = torch.randint(0, tiny_model.cfg.vocab_size, (2, tiny_model.cfg.seq_len))
+    m = measure(tiny_model, 1, tokens, tmp_path, repeats=1)
+    assert m["depth"] == 1 and min(m["recompute_s"], m["write_s"], m["read_s"]) > 0
+    d = at_depth(m, 3)   # three layers cost three times one; rows cost the same at any depth
+    assert d["depth"] == 3 and d["recompute_s"] == pytest.approx(3 * m["recompute_s"])
+    assert (d["write_s"], d["read_s"]) == (m["write_s"], m["read_s"])
+    assert at_depth(d, 1)["recompute_s"] == pytest.approx(m["recompute_s"])
+    with pytest.raises(ValueError, match="positive"):
+        at_depth(m, 0)
 
 
 # ---- AutoDP: replicas -----------------------------------------------------------------------

@@ -53,7 +53,9 @@ def assign_nodes(sizes: Mapping[str, int], old_partition: Partition, old_placeme
     if per < 1:
         raise ValueError(f"{n_nodes} nodes cannot serve {S} stages")
     held = node_tensors(sizes, old_partition, old_placement)
-    need = {s: {n for n in sizes if tensor_stage(n, new_partition) == s} for s in range(S)}
+    need: dict[int, set[str]] = {s: set() for s in range(S)}
+    for n in sizes:
+        need[tensor_stage(n, new_partition)].add(n)
     pairs = []
     for node in range(n_nodes):
         have = held.get(node, set())
@@ -86,13 +88,16 @@ def transfer_plan(sizes: Mapping[str, int], old_partition: Partition, old_placem
     for node, names in held.items():
         for n in names:
             holders.setdefault(n, []).append(node)
+    of_stage: dict[int, list[str]] = {}
+    for name in sorted(sizes):
+        of_stage.setdefault(tensor_stage(name, new_partition), []).append(name)
     sent: dict[int, int] = {}
     out: dict[tuple[int, int], Transfer] = {}
     for s, nodes in enumerate(new_placement):
         for dst in nodes:
             have = held.get(dst, set())
-            for name in sorted(sizes):
-                if tensor_stage(name, new_partition) != s or name in have:
+            for name in of_stage.get(s, []):
+                if name in have:
                     continue
                 srcs = holders.get(name)
                 if not srcs:

@@ -46,7 +46,7 @@ from ..schedule.routes import balanced_routes, full_route, stage_visit_counts
 from ..train.evaluate import evaluate
 from ..train.optim import lr_at, set_lr
 from ..train.trainer import StepResult, Trainer, draw_routes
-from .cache import ActivationCache, PrefixRunner, measure, worth_it
+from .cache import ActivationCache, PrefixRunner, at_depth, measure, worth_it
 from .freeze import FreezeRule
 from .repartition import Layout, autopipe_for
 from .replicas import assign_nodes, pack_state, state_sizes, transfer_plan, unpack_tensors
@@ -84,7 +84,7 @@ class ElasticTrainer(Trainer):
         self.transitions: list[dict[str, Any]] = []
         self.guard_s = 0.0
         self.cache: ActivationCache | None = None
-        self._cache_meas: dict[int, dict[str, float]] = {}
+        self._cache_meas: dict[str, float] | None = None
         self.runner = PrefixRunner(self.model)
         self.runner.enabled = False
         self._stage_params()
@@ -228,10 +228,10 @@ class ElasticTrainer(Trainer):
             if e.cache == "on":
                 cached = True
             else:
-                meas = self._cache_meas.get(F)
-                if meas is None:  # measured once per depth: an undo and refreeze reuses it
+                if self._cache_meas is None:  # measured once, at the first freeze; other depths scale
                     probe_tokens, _ = self.train_src.batch(list(range(min(t.micro_batch, self.train_src.n))))
-                    meas = self._cache_meas[F] = measure(self.model, F, probe_tokens, cache.dir)
+                    self._cache_meas = measure(self.model, F, probe_tokens, cache.dir)
+                meas = at_depth(self._cache_meas, F)
                 left = max(0, t.steps - self.step) * t.micro_batch * t.n_micro
                 visits = left / self.train_src.n
                 cached = worth_it(meas, visits) and cache.capacity > 0
