@@ -155,9 +155,9 @@ def real_runs(args) -> dict:
             "params": first.model.num_parameters(), "curves": curves, "train_s": {n: round(v, 3) for n, v in spent.items()},
             "bit_identical_freeze_vs_cache": losses["freeze_only"] == losses["elastic"],
             "layouts": [l.to_dict() for l in el_tr.layouts], "transitions": el_tr.transitions,
-            "decisions": el_tr.rule.history, "guard_s": round(el_tr.guard_s, 4),
-            "guard_s_freeze_only": round(trainers["freeze_only"].guard_s, 4),
-            "transition_s": round(sum(t["seconds"] for t in el_tr.transitions), 4),
+            "decisions": el_tr.rule.history, "guard_s": round(el_tr.guard_cpu_s, 4),
+            "guard_s_freeze_only": round(trainers["freeze_only"].guard_cpu_s, 4),
+            "transition_s": round(sum(t["cpu_s"] for t in el_tr.transitions), 4),
             "cache": el_tr.cache.stats() if el_tr.cache else None, "prefix_hits": hits,
             "step_s": step_s, "frozen": frozen, "costs": costs, "model": first.cfg.model}
 
@@ -557,7 +557,7 @@ def main(argv=None) -> int:
     def small_overhead(sc, e, best, upto):
         if not upto:
             return 0.0
-        trans = sum(t["seconds"] for t in real["transitions"] if t["step"] <= upto)
+        trans = sum(t["cpu_s"] for t in real["transitions"] if t["step"] <= upto)
         checks = sum(1 for d in real["decisions"] if d["step"] <= upto and d["val_loss"] is not None)
         g = checks * 16 * (sc.model.n_layers * sc.fwd_s + sc.head_s / (1 + sc.backward_factor)) / best["replicas"]
         return trans + e["wire_s"] + g
@@ -581,7 +581,7 @@ def main(argv=None) -> int:
         "speedup_vs_best_static": ev["speedup_vs_best_static"],
         "speedup_vs_best_static_sim": pv["speedup_vs_best_static"],
         "final_loss_ratio": round(final["elastic"] / final["baseline"], 5),
-        "transition_fraction": round((ev["total_s"] and (sum(t["seconds"] for t in real["transitions"]) + ev["wire_s"])
+        "transition_fraction": round((ev["total_s"] and (sum(t["cpu_s"] for t in real["transitions"]) + ev["wire_s"])
                                       / ev["total_s"]), 6),
         "transition_fraction_sim": round(pv["wire_s"] / pv["total_s"], 6),
         "transition_fraction_real_1node": round(real["transition_s"] / real["train_s"]["elastic"], 6),

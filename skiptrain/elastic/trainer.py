@@ -83,6 +83,7 @@ class ElasticTrainer(Trainer):
                                [[s * R + r for r in range(R)] for s in range(m.n_stages)], False, 0)]
         self.transitions: list[dict[str, Any]] = []
         self.guard_s = 0.0
+        self.guard_cpu_s = 0.0
         self.cache: ActivationCache | None = None
         self._cache_meas: dict[str, float] | None = None
         self.runner = PrefixRunner(self.model)
@@ -195,9 +196,10 @@ class ElasticTrainer(Trainer):
     # ---- windows and transitions ----------------------------------------------------------
 
     def _guard_val(self) -> float:
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.thread_time()
         v = evaluate(self.model, self.val_src, self.cfg.elastic.guard_batches, self.cfg.train.micro_batch)
         self.guard_s += time.perf_counter() - t0
+        self.guard_cpu_s += time.thread_time() - c0
         return v
 
     def _window(self) -> None:
@@ -217,7 +219,7 @@ class ElasticTrainer(Trainer):
 
     def _transition(self) -> dict[str, Any]:
         """Apply the rule's new frozen count: freeze/unfreeze, cache, AutoPipe, AutoDP."""
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.thread_time()
         e, m, t = self.cfg.elastic, self.cfg.model, self.cfg.train
         F, old = self.frozen, self.layout
         self._apply_frozen()
@@ -261,7 +263,8 @@ class ElasticTrainer(Trainer):
                    counts=counts, placement=placement, cached=cached, autopipe=evidence,
                    transfer_bytes=sum(tr.nbytes for tr in plan), transfer_messages=len(plan),
                    pack_unpack_s=round(pack_s, 6))
-        rec["seconds"] = round(time.perf_counter() - t0, 6)
+        rec["seconds"] = round(time.perf_counter() - t0, 6)   # wall
+        rec["cpu_s"] = round(time.thread_time() - c0, 6)      # this thread's CPU (what a loaded machine does not inflate)
         self.transitions.append(rec)
         return rec
 
@@ -271,7 +274,7 @@ class ElasticTrainer(Trainer):
         c = self.cache
         return {"frozen_layers": self.frozen, "rule": self.rule.state_dict(),
                 "layouts": [l.to_dict() for l in self.layouts], "transitions": self.transitions,
-                "guard_s": self.guard_s,
+                "guard_s": self.guard_s, "guard_cpu_s": self.guard_cpu_s,
                 "cache": {"dir": None if c is None else str(c.dir), "enabled": self.runner.enabled,
                           "depth": self.frozen, **({} if c is None else c.stats())}}
 
@@ -280,6 +283,7 @@ class ElasticTrainer(Trainer):
         self.layouts = [Layout.from_dict(d) for d in st["layouts"]]
         self.transitions = list(st.get("transitions", []))
         self.guard_s = float(st.get("guard_s", 0.0))
+        self.guard_cpu_s = float(st.get("guard_cpu_s", 0.0))
         self._apply_frozen()
         cst = st.get("cache") or {}
         if cst.get("dir") and self.cfg.elastic.cache != "off":
