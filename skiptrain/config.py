@@ -126,8 +126,9 @@ class DPConfig:
     dct: bool = _f(True, "DeMo: DCT the chunks (false = top-k in parameter space)")
     step_rule: str = _f("sign", "DeMo update from the decoded momentum: sign (DeMo: p -= lr sign(d)), rms "
                         "(p -= lr d / rms(d) per tensor: same RMS step, keeps relative magnitudes) or clip "
-                        "(p -= lr clamp(d / rms(d), -1, 1): sign for large entries, less for small ones)",
-                        choices=("sign", "rms", "clip"))
+                        "(p -= lr clamp(d / rms(d), -1, 1): sign for large entries, less for small ones) or adam "
+                        "(Adam with train.beta1/beta2 on d / lr, the decoded update read as a gradient)",
+                        choices=("sign", "rms", "clip", "adam"))
     update_momentum: float = _f(0.0, "DeMo: momentum on the decoded (replica-identical) update, u = mu u + d, "
                                 "stepped on instead of d; no extra bytes (0 = off, DeMo)", min=0.0, max=0.999)
     values: str = _f("fp32", "DeMo value encoding (sign1c: 1-bit signs, one bf16 scale per chunk)",

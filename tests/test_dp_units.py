@@ -335,6 +335,32 @@ def test_n1_demo_update_momentum_accumulates_decoded_updates():
         make_strategy(dp, _model().named_parameters(), None, opt).load_state_dict(st_plain)
 
 
+def test_n1_demo_adam_step_rule_is_adam_on_the_decoded_gradient():
+    """dp.step_rule=adam with beta=0 and every coefficient sent: decoded = lr * g, so the step is
+    torch.optim.Adam's on g (train.beta1/beta2, eps 1e-8, bias-corrected); moments are saved."""
+    m, ref = _model(), _model()
+    dp = DPConfig(strategy="demo", chunk=64, topk=64 * 64, values="fp32", indices="int64", beta=0.0,
+                  step_rule="adam", check_every=1)
+    opt = TrainConfig(weight_decay=0.0, grad_clip=0.0, beta1=0.9, beta2=0.95)
+    s = make_strategy(dp, m.named_parameters(), None, opt)
+    adam = torch.optim.Adam(ref.parameters(), lr=0.01, betas=(0.9, 0.95), eps=1e-8)
+    for it, lr in enumerate((0.01, 0.02, 0.005, 0.01)):
+        _grad(m, it); _grad(ref, it)
+        for g in adam.param_groups:
+            g["lr"] = lr
+        s.step(lr, 1)
+        adam.step()
+        for (n, a), b in zip(m.named_parameters(), ref.parameters()):
+            assert torch.allclose(a, b, atol=2e-6), (it, n)
+    st = s.state_dict()
+    s2 = make_strategy(dp, _model().named_parameters(), None, opt)
+    s2.load_state_dict(st)
+    assert all(torch.equal(s2.adam[n][i], s.adam[n][i]) for n in s.adam for i in (0, 1))
+    st_sign = make_strategy(DPConfig(strategy="demo"), _model().named_parameters(), None, opt).state_dict()
+    with pytest.raises(StrategyError, match="Adam moments"):
+        make_strategy(dp, _model().named_parameters(), None, opt).load_state_dict(st_sign)
+
+
 def test_n1_demo_topk_error_feedback_keeps_residual():
     m = _model()
     dp = DPConfig(strategy="demo", chunk=64, topk=5, values="sign1", indices="u12", beta=0.9, check_every=0)

@@ -47,8 +47,8 @@ class DeMoStrategy(SyncStrategy):
         super().__init__(named_params, transport, dp_cfg, optim_cfg)
         self.beta, self.H = dp_cfg.beta, dp_cfg.sync_every
         self.step_rule = getattr(dp_cfg, "step_rule", "sign")
-        if self.step_rule not in ("sign", "rms", "clip"):
-            raise StrategyError(f"unknown dp.step_rule {self.step_rule!r}; choose sign, rms or clip")
+        if self.step_rule not in ("sign", "rms", "clip", "adam"):
+            raise StrategyError(f"unknown dp.step_rule {self.step_rule!r}; choose sign, rms, clip or adam")
         self.geo = {n: ChunkedDCT(p.shape, dp_cfg.chunk, dp_cfg.dct) for n, p in self.named}
         self.k = {n: min(dp_cfg.topk, g.chunk_numel) for n, g in self.geo.items()}
         for n, g in self.geo.items():
@@ -62,6 +62,10 @@ class DeMoStrategy(SyncStrategy):
         self.mu = float(getattr(dp_cfg, "update_momentum", 0.0))
         # momentum of the decoded update (dp.update_momentum > 0): identical on every replica
         self.u = {n: torch.zeros_like(p, dtype=torch.float32) for n, p in self.named} if self.mu else {}
+        # step_rule "adam": Adam moments of the decoded update (identical on every replica)
+        self.b1, self.b2 = optim_cfg.beta1, optim_cfg.beta2
+        self.adam = ({n: (torch.zeros_like(p, dtype=torch.float32), torch.zeros_like(p, dtype=torch.float32))
+                      for n, p in self.named} if self.step_rule == "adam" else {})
         self.n_since = 0        # micro-batches folded into m since the last sync
         self.syncs = 0          # sync counter (payload header "step")
         self.tamper = None      # test hook: fn(bytes ndarray) -> ndarray applied to our payload
@@ -120,13 +124,20 @@ class DeMoStrategy(SyncStrategy):
                 upd = self.u[name].mul_(self.mu).add_(upd)
             if self.opt.weight_decay and p.ndim >= 2:
                 p.mul_(1 - lr * self.opt.weight_decay)
-            p.add_(self._direction(upd).to(p.dtype), alpha=-lr)
+            p.add_(self._direction(upd, name, lr).to(p.dtype), alpha=-lr)
         return True, n_total
 
-    def _direction(self, upd: torch.Tensor) -> torch.Tensor:
+    def _direction(self, upd: torch.Tensor, name: str, lr: float) -> torch.Tensor:
         """The unit-scale update direction from the decoded momentum (``dp.step_rule``)."""
         if self.step_rule == "sign":
             return torch.sign(upd)
+        if self.step_rule == "adam":  # Adam on the decoded update read as a gradient (it is lr-folded)
+            g = upd / lr if lr > 0 else torch.zeros_like(upd)
+            m1, m2 = self.adam[name]
+            m1.mul_(self.b1).add_(g, alpha=1 - self.b1)
+            m2.mul_(self.b2).addcmul_(g, g, value=1 - self.b2)
+            t = self.syncs
+            return (m1 / (1 - self.b1 ** t)) / ((m2 / (1 - self.b2 ** t)).sqrt_().add_(1e-8))
         rms = upd.square().mean().sqrt()  # "rms": same RMS as a sign step, relative magnitudes kept
         if not rms > 0:
             return torch.zeros_like(upd)
@@ -137,7 +148,9 @@ class DeMoStrategy(SyncStrategy):
     def state_dict(self) -> dict:
         st = super().state_dict()
         st.update(syncs=self.syncs, n_since=self.n_since,
-                  tensors={n: {"momentum_coeffs": m.clone(), **({"update_momentum": self.u[n].clone()} if self.mu else {})}
+                  tensors={n: {"momentum_coeffs": m.clone(), **({"update_momentum": self.u[n].clone()} if self.mu else {}),
+                               **({"adam_m": self.adam[n][0].clone(), "adam_v": self.adam[n][1].clone()}
+                                  if self.adam else {})}
                            for n, m in self.m.items()})
         return st
 
@@ -156,3 +169,10 @@ class DeMoStrategy(SyncStrategy):
                     raise StrategyError(f"state lacks the update momentum of {n} (saved with dp.update_momentum=0); "
                                         "resume with dp.update_momentum=0")
                 self.u[n].copy_(u)
+            if self.adam:
+                st = state["tensors"][n]
+                if "adam_m" not in st:
+                    raise StrategyError(f"state lacks the Adam moments of {n} (saved with another dp.step_rule); "
+                                        "resume with the step rule it was saved with")
+                self.adam[n][0].copy_(st["adam_m"])
+                self.adam[n][1].copy_(st["adam_v"])
