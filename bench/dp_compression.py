@@ -31,6 +31,7 @@ from skiptrain.config import build_config  # noqa: E402
 from skiptrain.data.dataset import TokenDataset  # noqa: E402
 from skiptrain.dp.harness import run_many  # noqa: E402
 
+K8 = ["dp.strategy=demo", "dp.topk=8", "dp.indices=u12", "dp.values=sign1"]
 K8C = ["dp.strategy=demo", "dp.topk=8", "dp.indices=u12", "dp.values=sign1c"]
 BEST = "demo_k8_sign1_u12"  # default --best: the lowest 3-seed loss ratio measured so far (docs/dp.md)
 METHODS = {
@@ -51,13 +52,20 @@ METHODS = {
     "demo_k8_sign2_u12": ["dp.strategy=demo", "dp.topk=8", "dp.indices=u12", "dp.values=sign2"],
     "demo_k8_sign1_u12_lr1e-3": ["dp.strategy=demo", "dp.topk=8", "dp.indices=u12", "dp.values=sign1",
                                  "train.lr=1e-3"],
+    # the longer-budget diagnosis (docs/dp.md, "A 4x longer budget": --steps 240 --seeds 1)
+    "demo_k32_sign1_u12": ["dp.strategy=demo", "dp.topk=32", "dp.indices=u12", "dp.values=sign1"],
+    "demo_k8_sign1_u12_lr4e-3": K8 + ["train.lr=4e-3"],
+    "demo_k8_sign1_u12_lr8e-3": K8 + ["train.lr=8e-3"],
+    "demo_k8_sign1_u12_adam": K8 + ["dp.step_rule=adam"],
+    "demo_k8_sign1c_u12_adam": K8C + ["dp.step_rule=adam"],
+    "diloco_h5": ["dp.strategy=diloco", "dp.sync_every=5", "dp.outer_lr=0.7", "dp.outer_momentum=0.9"],
 }
 DEFAULT_METHODS = ["adamw_allreduce", "adamw_allreduce_bf16", "powersgd_r4", "diloco_h10", "demo_reference"]
 # + the --best setting; the other DeMo settings above ran with --methods (docs/dp.md)
 SHAPED_LINK = ["dp.link_up_mbps=10", "dp.link_down_mbps=100", "dp.link_latency_ms=25"]
 
 
-def base_overrides(quick: bool, steps: int | None, vocab: int) -> list[str]:
+def base_overrides(quick: bool, steps: int | None, vocab: int, micro_batch: int | None = None) -> list[str]:
     if quick:  # same code path, a reduced model and run
         ov = ["model.d_model=64", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2", "model.n_stages=2",
               "model.seq_len=64", "train.steps=10", "train.micro_batch=2", "train.n_micro=4",
@@ -68,6 +76,8 @@ def base_overrides(quick: bool, steps: int | None, vocab: int) -> list[str]:
     ov += [f"model.vocab_size={vocab}", "dp.check_every=25", "train.progress=false"]
     if steps:
         ov.append(f"train.steps={steps}")
+    if micro_batch:
+        ov.append(f"train.micro_batch={micro_batch}")
     return ov
 
 
@@ -82,6 +92,8 @@ def main(argv=None) -> int:
     ap.add_argument("--nodes", type=int, default=4)
     ap.add_argument("--quick", action="store_true", help="reduced model and steps (< 2 minutes)")
     ap.add_argument("--steps", type=int, default=None)
+    ap.add_argument("--micro-batch", type=int, default=None,
+                    help="samples per micro-batch (4 micro-batches a step, one per replica at N=4; default 4)")
     ap.add_argument("--seeds", type=int, default=None, help="seeds for the AdamW / best-DeMo pair (default 3, quick 1)")
     ap.add_argument("--methods", default=None, help=f"comma list of {list(METHODS)} (default: {DEFAULT_METHODS} + --best)")
     ap.add_argument("--best", default=BEST, help="the DeMo setting the targets are judged on: 3 seeds with AdamW, "
@@ -93,7 +105,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
 
     ds = TokenDataset.open(args.data)
-    base = base_overrides(args.quick, args.steps, ds.vocab_size)
+    base = base_overrides(args.quick, args.steps, ds.vocab_size, args.micro_batch)
     seeds = args.seeds or (1 if args.quick else 3)
     if args.best not in METHODS:
         raise SystemExit(f"--best {args.best!r} is not a method; choose one of {list(METHODS)}")
