@@ -26,7 +26,7 @@ recomputed every time (no eviction: every window is equally likely to come back 
 
 Whether to use the cache at all is a measurement (:func:`measure` and :func:`worth_it`):
 per sample, recomputing the prefix vs reading a row, counting the write on the first visit
-and the number of visits left in the run.
+and the number of visits left in the run; measured once and rescaled by depth (:func:`at_depth`).
 """
 
 from __future__ import annotations
