@@ -351,7 +351,7 @@ def transfer_seconds(sc: Scale, old_counts, old_pl, new_counts, new_pl, frozen, 
 
 
 def elastic_times(sc: Scale, schedule, L_real: int, best: dict, topo, repartition=True, replicas=True,
-                  cache=True) -> dict:
+                  cache=True, expected_hit: dict[int, float] | None = None) -> dict:
     """Per-step seconds of the elastic run on ``sc``'s 16 nodes, following ``schedule`` (per step:
     the real run's frozen count, cache hit fraction and cache decision; the frozen count mapped
     by layer fraction), from the best static layout; plus the transitions' wire time.
@@ -359,7 +359,9 @@ def elastic_times(sc: Scale, schedule, L_real: int, best: dict, topo, repartitio
     Without ``repartition`` the layout stays (frozen layers just skip their backward, wherever
     they live); without ``replicas`` freed nodes idle; without ``cache`` the prefix is recomputed.
     AutoPipe balances with the scale's costs (measured here for the small scale: AutoPipe's
-    profiling); at every transition the micro-batch count is re-picked by simulating."""
+    profiling) and, with the cache, the hit fraction the real run's trainer expected at that
+    transition (``expected_hit``: step -> fraction; 1 when absent); at every transition the
+    micro-batch count is re-picked by simulating."""
     L = sc.model.n_layers
     c0, m0 = sc.units
     S0, R0, M0 = best["stages"], best["replicas"], best["n_micro"]
@@ -374,14 +376,15 @@ def elastic_times(sc: Scale, schedule, L_real: int, best: dict, topo, repartitio
         h = round(hit, 2) if cached else 0.0
         if F != lay["frozen"]:
             counts = lay["counts"]
+            eh = (expected_hit or {}).get(i, 1.0) if cached else 0.0
             if repartition:
-                counts, _ = autopipe(L, F, budget_stages, len(lay["counts"]), cached, c0, m0, sc.backward_factor)
+                counts, _ = autopipe(L, F, budget_stages, len(lay["counts"]), eh, c0, m0, sc.backward_factor)
             S = len(counts)
             R = N_DEV // S if replicas else lay["replicas"]
             new_pl = [[s * R + r for r in range(R)] for s in range(S)]
             best_m, best_t = lay["n_micro"], math.inf
             for M in MICROS:
-                t = iteration(sc, counts, F, R, M, 1.0 if cached else 0.0, topo, check_mem=False)
+                t = iteration(sc, counts, F, R, M, eh, topo, check_mem=False)
                 if t is not None and t < best_t:
                     best_m, best_t = M, t
             wire += transfer_seconds(sc, lay["counts"], lay["placement"], counts, new_pl, F, topo)
@@ -443,7 +446,8 @@ def half(sc: Scale, real: dict, steps_b: int | None, steps_e: int | None, topo, 
     out = {"sweep": sw, "best_static": best, "plain_dp": dp, "variants": {},
            "time_to_target_s": {"best_static": static_tt, "plain_dp": dp_tt}}
     for k, v in VARIANTS.items():
-        e = elastic_times(sc, real["prefix_hits"], real["model"].n_layers, best, topo, **v)
+        e = elastic_times(sc, real["prefix_hits"], real["model"].n_layers, best, topo, **v,
+                          expected_hit={t["step"]: t.get("expected_hit", 1.0) for t in real["transitions"]})
         extra = overhead(sc, e, best, steps_e)
         tt = sum(e["per_step"][:steps_e]) + extra if steps_e else None
         total = sum(e["per_step"]) + overhead(sc, e, best, len(e["per_step"]))

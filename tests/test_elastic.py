@@ -10,9 +10,9 @@ import torch
 
 from skiptrain.config import build_config
 from skiptrain.data.loader import shard_indices
-from skiptrain.elastic.cache import ActivationCache, PrefixRunner, at_depth, measure, worth_it
+from skiptrain.elastic.cache import ActivationCache, PrefixRunner, at_depth, expected_hit, measure, worth_it
 from skiptrain.elastic.freeze import FreezeRule
-from skiptrain.elastic.repartition import autopipe, stage_memory
+from skiptrain.elastic.repartition import autopipe, layer_compute, stage_memory
 from skiptrain.elastic.replicas import assign_nodes, pack_state, transfer_plan, unpack_state
 from skiptrain.model import StagedLM
 from skiptrain.model.partition import Partition
@@ -130,6 +130,16 @@ def test_autopipe_halves_stages_within_start_memory():
     assert len(with_frozen) >= len(counts)
 
 
+def test_autopipe_costs_a_cached_prefix_by_its_expected_hits():
+    assert layer_compute(4, 2, True, 1.5) == [0.0, 0.0, 2.5, 2.5]
+    assert layer_compute(4, 2, False, 1.5) == [1.0, 1.0, 2.5, 2.5]
+    assert layer_compute(4, 2, 0.25, 1.5) == [0.75, 0.75, 2.5, 2.5]
+    # a prefix that will mostly miss weighs on stage 0: it gets fewer active layers than a free one
+    free = autopipe(16, 6, 4, 4, cached=1.0)[0]
+    missing = autopipe(16, 6, 4, 4, cached=0.2)[0]
+    assert free[0] - 6 > missing[0] - 6 and sum(free) == sum(missing) == 16
+
+
 # ---- AutoCache ----------------------------------------------------------------------------
 
 
@@ -186,6 +196,21 @@ def test_cache_decision_rule():
     assert not worth_it(m, 1.0)       # one visit: nothing to reuse
     assert worth_it(m, 3.0)
     assert not worth_it({"recompute_s": 0.01, "write_s": 0.1, "read_s": 0.05}, 10.0)
+
+
+def test_expected_hit_counts_coverage_capacity_and_visits(tmp_path):
+    c = ActivationCache(tmp_path / "c", n_windows=10, seq_len=4, d_model=2, max_bytes=8 * 4 * 2 * 4)
+    assert c.capacity == 8
+    assert expected_hit(c, 2, 0.0) == 0.0                      # nothing cached, no visits left
+    assert expected_hit(c, 2, 4.0) == pytest.approx((0.8 * 4 - 0.8) / 4)   # 8 of 10 cacheable, each misses once
+    row = torch.zeros(4, 2)
+    for w in range(4):
+        c.write(w, 2, 0, row)                                  # 4 windows at full depth
+    c.write(4, 1, 0, row)                                      # 1 at half depth: extension saves half
+    cover = (4 + 0.5) / 10
+    assert expected_hit(c, 2, 0.0) == pytest.approx(cover)
+    assert expected_hit(c, 2, 2.0) == pytest.approx((0.8 * 2 - (0.8 - cover)) / 2)
+    assert 0.0 <= expected_hit(c, 2, 0.5) <= 1.0
 
 
 def test_cache_measurement_rescales_to_other_depths(tiny_model, tmp_path):

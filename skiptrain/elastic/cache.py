@@ -233,6 +233,24 @@ def at_depth(meas: dict[str, float], depth: int) -> dict[str, float]:
     return {**meas, "recompute_s": meas["recompute_s"] * depth / d0, "depth": depth}
 
 
+def expected_hit(cache: "ActivationCache", depth: int, visits_left: float) -> float:
+    """Fraction of the prefix work the cache will save over the rest of the run, at ``depth``.
+
+    Windows beyond the capacity always recompute; a cacheable window without an entry misses
+    once, then hits on each of its remaining ``visits_left`` visits; an entry at a shallower
+    depth ``d`` is extended, saving ``d / depth`` of the work.  Call after
+    :meth:`PrefixRunner.set_frozen` (entries deeper than ``depth`` or stale are gone then).
+    """
+    if depth <= 0 or cache.n_windows <= 0:
+        return 0.0
+    cover = sum(min(int(cache.tags[slot, 1]), depth) / depth for slot in cache.slot_of.values()) / cache.n_windows
+    cacheable = cache.capacity / cache.n_windows
+    v = max(float(visits_left), 0.0)
+    if v == 0:
+        return min(cover, 1.0)
+    return min(max((cacheable * v - (cacheable - cover)) / v, 0.0), 1.0)
+
+
 def worth_it(m: dict[str, float], visits_per_window: float) -> bool:
     """Cache when ``recompute + write + (v - 1) * read < v * recompute`` (per window, over ``v``
     visits left): the first visit recomputes and writes, the others read."""

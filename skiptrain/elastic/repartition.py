@@ -2,7 +2,8 @@
 
 Units.  Compute is in forward-layer units per sample: an active layer costs ``1 + backward_factor``
 (forward and backward; 2.5 with the cost model's 1.5), a frozen layer costs 1 (forward only,
-no backward) or 0 when its output comes from the activation cache.  Memory is in active-layer
+no backward) times the fraction of samples the activation cache is expected to miss (0 when
+every sample's prefix output is read from the cache).  Memory is in active-layer
 units: a frozen layer costs ``frozen_memory`` (1/6: it keeps its weights but no activations for
 the backward, no gradients and no optimizer state); stage 0 also holds the embedding and the
 head (``stage0_memory`` layer units, derived from the parameter counts).
@@ -70,9 +71,15 @@ def stage0_units(cfg: ModelConfig, backward_factor: float = BACKWARD_FACTOR) -> 
     return compute, memory
 
 
-def layer_compute(n_layers: int, frozen: int, cached: bool, backward_factor: float = BACKWARD_FACTOR) -> list[float]:
-    """Per-layer compute: active 1 + bf, frozen 1 (forward only), frozen and cached 0."""
-    return [(0.0 if cached else 1.0) if l < frozen else 1.0 + backward_factor for l in range(n_layers)]
+def layer_compute(n_layers: int, frozen: int, cached: bool | float, backward_factor: float = BACKWARD_FACTOR
+                  ) -> list[float]:
+    """Per-layer compute: active 1 + bf, frozen 1 - hit (forward only, skipped when the cache hits).
+
+    ``cached`` is the expected cache hit fraction of the frozen prefix (True = 1: every sample
+    read from the cache, False = 0: recomputed), so a prefix that will mostly miss is not
+    balanced as if it were free."""
+    hit = min(max(float(cached), 0.0), 1.0)
+    return [1.0 - hit if l < frozen else 1.0 + backward_factor for l in range(n_layers)]
 
 
 def stage_memory(counts: Sequence[int], frozen: int, stage0_memory: float = 0.0,
@@ -86,7 +93,7 @@ def stage_memory(counts: Sequence[int], frozen: int, stage0_memory: float = 0.0,
     return out
 
 
-def split(n_layers: int, frozen: int, n_stages: int, cached: bool, stage0_compute: float,
+def split(n_layers: int, frozen: int, n_stages: int, cached: bool | float, stage0_compute: float,
           backward_factor: float = BACKWARD_FACTOR) -> list[int]:
     """Layers per stage: the frozen prefix on stage 0, active layers split by the cost model."""
     active = n_layers - frozen
@@ -99,7 +106,7 @@ def split(n_layers: int, frozen: int, n_stages: int, cached: bool, stage0_comput
     return counts
 
 
-def autopipe(n_layers: int, frozen: int, start_stages: int, current_stages: int, cached: bool,
+def autopipe(n_layers: int, frozen: int, start_stages: int, current_stages: int, cached: bool | float,
              stage0_compute: float = 0.0, stage0_memory: float = 0.0,
              backward_factor: float = BACKWARD_FACTOR) -> tuple[list[int], dict[str, Any]]:
     """(layers per stage, evidence): repartition, halving the stage count while memory allows.
@@ -132,7 +139,7 @@ def autopipe(n_layers: int, frozen: int, start_stages: int, current_stages: int,
     return counts, evidence
 
 
-def autopipe_for(cfg: ModelConfig, frozen: int, start_stages: int, current_stages: int, cached: bool,
+def autopipe_for(cfg: ModelConfig, frozen: int, start_stages: int, current_stages: int, cached: bool | float,
                  ) -> tuple[list[int], dict[str, Any]]:
     """:func:`autopipe` with stage 0's extra compute and memory taken from ``cfg``."""
     c0, m0 = stage0_units(cfg)

@@ -10,7 +10,8 @@ a *transition* runs:
    get no backward and AdamW leaves them untouched (their optimizer state is kept for an undo);
 2. the activation cache (:mod:`.cache`) is measured and switched on when cheaper, and its
    entries are validated (an undo drops entries deeper than the new prefix);
-3. AutoPipe (:mod:`.repartition`) repartitions the active layers and shrinks the stage count;
+3. AutoPipe (:mod:`.repartition`) repartitions the active layers and shrinks the stage count,
+   costing the frozen prefix by the share the cache is expected to save (:func:`.cache.expected_hit`);
 4. AutoDP (:mod:`.replicas`) assigns the ``elastic.nodes`` emulated nodes to the new stages and
    plans the state transfers; the largest receiver's message is packed and unpacked for real
    (that CPU cost is part of the measured transition time; the wire time is the runtime's).
@@ -46,7 +47,7 @@ from ..schedule.routes import balanced_routes, full_route, stage_visit_counts
 from ..train.evaluate import evaluate
 from ..train.optim import lr_at, set_lr
 from ..train.trainer import StepResult, Trainer, draw_routes
-from .cache import ActivationCache, PrefixRunner, at_depth, measure, worth_it
+from .cache import ActivationCache, PrefixRunner, at_depth, expected_hit, measure, worth_it
 from .freeze import FreezeRule
 from .repartition import Layout, autopipe_for
 from .replicas import assign_nodes, pack_state, state_sizes, transfer_plan, unpack_tensors
@@ -224,6 +225,7 @@ class ElasticTrainer(Trainer):
         F, old = self.frozen, self.layout
         self._apply_frozen()
         rec: dict[str, Any] = {"step": self.step, "frozen_before": old.frozen, "frozen_after": F}
+        visits_left = max(0, t.steps - self.step) * t.micro_batch * t.n_micro / self.train_src.n
         cached = False
         if F > 0 and e.cache != "off":
             cache = self._open_cache()
@@ -234,13 +236,16 @@ class ElasticTrainer(Trainer):
                     probe_tokens, _ = self.train_src.batch(list(range(min(t.micro_batch, self.train_src.n))))
                     self._cache_meas = measure(self.model, F, probe_tokens, cache.dir)
                 meas = at_depth(self._cache_meas, F)
-                left = max(0, t.steps - self.step) * t.micro_batch * t.n_micro
-                visits = left / self.train_src.n
-                cached = worth_it(meas, visits) and cache.capacity > 0
-                rec["cache_measure"] = {**{k: round(v, 7) for k, v in meas.items()}, "visits_left": round(visits, 3)}
+                cached = worth_it(meas, visits_left) and cache.capacity > 0
+                rec["cache_measure"] = {**{k: round(v, 7) for k, v in meas.items()},
+                                        "visits_left": round(visits_left, 3)}
         self.runner.enabled = cached
         rec["cache_dropped"] = self.runner.set_frozen(F)
-        counts, evidence = autopipe_for(m, F, self.start_stages, old.n_stages, cached)
+        hit = 0.0
+        if cached:  # AutoPipe costs the prefix by the share of it the cache will really save
+            hit = expected_hit(self.cache, F, visits_left)
+        rec["expected_hit"] = round(hit, 4)
+        counts, evidence = autopipe_for(m, F, self.start_stages, old.n_stages, hit)
         new_part = Partition(tuple(counts))
         frozen_names = [n for n, p in self.model.named_parameters() if not p.requires_grad]
         sizes = state_sizes(self.model, self.opt, frozen_names)
