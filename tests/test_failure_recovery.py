@@ -363,3 +363,28 @@ def test_a_stage_lost_for_good_is_filled_from_its_checkpoint_in_the_merged_model
     assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
     notes = json.loads((tmp_path / "lost_stages.json").read_text())
     assert "checkpoint after iteration 3" in notes["2"] and "missing" in notes["3"]
+
+
+def test_restarting_a_coordinator_before_generation_0_is_a_clear_error(byte_data, tmp_path, capsys):
+    """A coordinator that died during admission left no generation to resume: the replacement
+    says so (exit 2, no store timeout) and stops the store, so nodes still waiting exit too."""
+    from skiptrain.runtime import coordinator, store
+
+    sched = Schedule(placement=[[0], [1]], memory=2, method="test",
+                     micro_batches=[MicroBatch(0, 0, [(1, 2)])])
+    cfg = build_config("tiny")
+    run = tmp_path / "run"
+    (run / "logs").mkdir(parents=True)
+    job = Job(config=cfg.to_dict(), data_path=str(byte_data), run_dir=str(run),
+              phases=[Phase("p", sched.to_dict(), iterations=1)], timeout_s=15.0, recover=True, restartable=True)
+    job.save(run / "job.json")
+    (run / "join_secret").write_text("s" * 32)
+    proc, _, _ = store.start(run)
+    try:
+        assert coordinator.main(["--run", str(run)]) == 2
+        assert "no generation 0 yet" in capsys.readouterr().err
+        assert proc.wait(timeout=10) is not None          # the store was stopped
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()

@@ -42,7 +42,7 @@ import time
 from pathlib import Path
 
 from ..schedule.schedule import Schedule
-from .failure import describe_exit
+from .failure import RuntimeFailure, describe_exit
 from .job import Job
 from .recovery import publish_generation
 
@@ -132,6 +132,10 @@ def coordinate(job: Job, procs, store, world: int, t_start: float, timeout_s: fl
     fenced: set[int] = set()
     members = _Members(procs, store)
     if resume:
+        if not store.check(["gen"]):
+            raise RuntimeFailure(
+                f"the job in {run_dir} has no generation 0 yet: its coordinator died during admission, "
+                "before any node entered a group, so there is nothing to resume; stop the job and launch it again")
         return _loop(job, store, members, stage0, deadline, strikes_needed, log_path, fenced, world, t_start,
                      timeout_s, join_secret, resume=True)
     # admission: only nodes that answer the join challenge enter generation 0 (and any group)
@@ -440,7 +444,12 @@ def main(argv: list[str] | None = None) -> int:
     store = dist.TCPStore(info["host"], int(info["port"]), 1, is_master=False, wait_for_workers=False,
                           timeout=timedelta(seconds=max(job.timeout_s, 60.0)))
     t0 = time.time()
-    failure = coordinate(job, [], store, job.world, t0, args.timeout, run_dir, secret, resume=True)
+    try:
+        failure = coordinate(job, [], store, job.world, t0, args.timeout, run_dir, secret, resume=True)
+    except RuntimeFailure as e:  # nothing to resume: stopping the store makes the waiting nodes exit
+        stop_store(int(info["pid"]), store)
+        print(f"skiptrain coordinator: {e}", file=sys.stderr)
+        return 2
     (run_dir / "join_secret").unlink(missing_ok=True)
     (run_dir / "join.json").unlink(missing_ok=True)
     if failure is None:
