@@ -40,7 +40,7 @@ METHODS = {
     "powersgd_r4": ["dp.strategy=powersgd", "dp.powersgd_rank=4"],
     "diloco_h10": ["dp.strategy=diloco", "dp.sync_every=10", "dp.outer_lr=0.7", "dp.outer_momentum=0.9"],
     "demo_reference": ["dp.strategy=demo", "dp.topk=32", "dp.indices=int64", "dp.values=fp32"],
-    "demo_k8_sign1_u12": ["dp.strategy=demo", "dp.topk=8", "dp.indices=u12", "dp.values=sign1"],
+    "demo_k8_sign1_u12": K8,
     # k=8 with one bf16 scale per chunk (sign1c); DeMo-only tuning of lr / warm-up / step rule
     "demo_k8_sign1c_u12": K8C,
     "demo_k8_sign1c_u12_rms": K8C + ["dp.step_rule=rms"],
@@ -50,8 +50,7 @@ METHODS = {
     "demo_k8_sign1c_u12_clip_lr3e-3": K8C + ["dp.step_rule=clip", "train.lr=3e-3"],
     # variants explored (run with --methods)
     "demo_k8_sign2_u12": ["dp.strategy=demo", "dp.topk=8", "dp.indices=u12", "dp.values=sign2"],
-    "demo_k8_sign1_u12_lr1e-3": ["dp.strategy=demo", "dp.topk=8", "dp.indices=u12", "dp.values=sign1",
-                                 "train.lr=1e-3"],
+    "demo_k8_sign1_u12_lr1e-3": K8 + ["train.lr=1e-3"],
     # the longer-budget diagnosis (docs/dp.md, "A 4x longer budget": --steps 240 --seeds 1)
     "demo_k32_sign1_u12": ["dp.strategy=demo", "dp.topk=32", "dp.indices=u12", "dp.values=sign1"],
     "demo_k8_sign1_u12_lr4e-3": K8 + ["train.lr=4e-3"],

@@ -445,9 +445,9 @@ def half(sc: Scale, real: dict, steps_b: int | None, steps_e: int | None, topo, 
     dp_tt = dp["iteration_s"] * steps_b if (dp and steps_b) else None
     out = {"sweep": sw, "best_static": best, "plain_dp": dp, "variants": {},
            "time_to_target_s": {"best_static": static_tt, "plain_dp": dp_tt}}
+    expected = {t["step"]: t.get("expected_hit", 1.0) for t in real["transitions"]}
     for k, v in VARIANTS.items():
-        e = elastic_times(sc, real["prefix_hits"], real["model"].n_layers, best, topo, **v,
-                          expected_hit={t["step"]: t.get("expected_hit", 1.0) for t in real["transitions"]})
+        e = elastic_times(sc, real["prefix_hits"], real["model"].n_layers, best, topo, **v, expected_hit=expected)
         extra = overhead(sc, e, best, steps_e)
         tt = sum(e["per_step"][:steps_e]) + extra if steps_e else None
         total = sum(e["per_step"]) + overhead(sc, e, best, len(e["per_step"]))

@@ -243,7 +243,8 @@ def expected_hit(cache: "ActivationCache", depth: int, visits_left: float) -> fl
     """
     if depth <= 0 or cache.n_windows <= 0:
         return 0.0
-    cover = sum(min(int(cache.tags[slot, 1]), depth) / depth for slot in cache.slot_of.values()) / cache.n_windows
+    slots = np.fromiter(cache.slot_of.values(), dtype=np.int64, count=len(cache.slot_of))
+    cover = float(np.minimum(cache.tags[slots, 1], depth).sum()) / depth / cache.n_windows
     cacheable = cache.capacity / cache.n_windows
     v = max(float(visits_left), 0.0)
     if v == 0:
