@@ -35,6 +35,7 @@ in AutoPipe's units), the same budget AutoPipe shrinks the elastic pipeline unde
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import math
 import statistics
@@ -71,14 +72,31 @@ MICROS = (1, 2, 4, 8, 16)
 # real half
 
 
-def subset(path: str, first: int, count: int | None, seq_len: int) -> TokenDataset:
-    """The dataset with the training split cut to windows ``first .. first+count`` (all when None)."""
+def subset(path: str, first: int, count: int | None, seq_len: int, source: str = "train") -> TokenDataset:
+    """The dataset with the training split cut to windows ``first .. first+count`` (all when None).
+
+    ``source="ood"``: a domain shift -- training windows come from the out-of-distribution text
+    (Milton) and validation from its last ``OOD_VAL`` fraction, which training never reads."""
     ds = TokenDataset.open(path)
     full = ds.tokens
     a = first * seq_len
     b = None if count is None else a + count * seq_len + 1
-    ds.tokens = lambda split: full(split)[a:b] if split == "train" else full(split)  # type: ignore[method-assign]
+    if source == "train":
+        ds.tokens = lambda split: full(split)[a:b] if split == "train" else full(split)  # type: ignore[method-assign]
+        return ds
+    if not ds.has_split(source):
+        raise SystemExit(f"--finetune {source}: the data set at {path} has no {source!r} split; "
+                         f"re-run `skiptrain prepare --out {path}`")
+    src = full(source)
+    cut = int(len(src) * (1 - OOD_VAL))
+    if b is not None and b > cut:
+        raise SystemExit(f"--windows {count}: the {source!r} text has only {(cut - a - 1) // seq_len} training "
+                         f"windows of {seq_len} tokens; lower --windows")
+    ds.tokens = lambda split: src[a:min(b or cut, cut)] if split == "train" else src[cut:]  # type: ignore[method-assign]
     return ds
+
+
+OOD_VAL = 0.05
 
 
 def real_config(args, steps: int, elastic: dict | None):
@@ -98,15 +116,7 @@ def real_runs(args) -> dict:
     init = None
     pre_s = 0.0
     if args.pretrain:
-        t0 = time.perf_counter()
-        cfg = real_config(args, args.pretrain, None)
-        cfg.train.lr, cfg.train.warmup_steps = 3e-3, 20
-        pre = Trainer(cfg, tmp / "pretrain", dataset=subset(args.data, args.windows, None, cfg.model.seq_len))
-        for _ in range(args.pretrain):
-            pre.train_step()
-        init = {k: v.detach().clone() for k, v in pre.model.state_dict().items()}
-        pre_s = time.perf_counter() - t0
-        print(f"  pre-trained {args.pretrain} steps in {pre_s:.0f}s, val loss {pre.validate():.4f}", flush=True)
+        init, pre_s = pretrain(args, tmp)
     el = {"enabled": True, "alpha": args.alpha, "check_every": args.check_every, "tol": args.tol,
           "min_active": 2, "start_window": args.start_window, "stable_windows": args.stable_windows,
           "guard": True, "guard_tol": args.guard_tol, "guard_ref": 4, "guard_batches": 4, "nodes": N_DEV}
@@ -114,7 +124,7 @@ def real_runs(args) -> dict:
     for name, e in [("baseline", None), ("freeze_only", {**el, "cache": "off"}),
                     ("elastic", {**el, "cache": "auto", "cache_dir": str(tmp / "cache")})]:
         cfg = real_config(args, steps, e)
-        ds = subset(args.data, 0, args.windows, cfg.model.seq_len)
+        ds = subset(args.data, 0, args.windows, cfg.model.seq_len, args.finetune)
         trainers[name] = (ElasticTrainer if e else Trainer)(cfg, tmp / name, dataset=ds)
         if init is not None:
             trainers[name].model.load_state_dict(init)
@@ -160,6 +170,38 @@ def real_runs(args) -> dict:
             "transition_s": round(sum(t["cpu_s"] for t in el_tr.transitions), 4),
             "cache": el_tr.cache.stats() if el_tr.cache else None, "prefix_hits": hits,
             "step_s": step_s, "frozen": frozen, "costs": costs, "model": first.cfg.model}
+
+
+def pretrain(args, tmp: Path) -> tuple[dict, float]:
+    """The shared, untimed pre-training (lr 3e-3, 20 warm-up steps) -> (model state, seconds).
+
+    On the Shakespeare training text beyond the fine-tuning windows (``--finetune train``) or all
+    of it (``--finetune ood``: the fine-tuning text is Milton).  Deterministic, so the state is
+    kept under ``--pretrain-cache`` keyed by everything that determines it and reused."""
+    cfg = real_config(args, args.pretrain, None)
+    cfg.train.lr, cfg.train.warmup_steps = 3e-3, 20
+    first = args.windows if args.finetune == "train" else 0
+    mf = json.loads((Path(args.data) / "manifest.json").read_text())
+    key = hashlib.sha256(json.dumps([args.pretrain, first, cfg.model.__dict__, [d["sha256"] for d in mf["documents"]],
+                                     torch.__version__], sort_keys=True, default=str).encode()).hexdigest()[:16]
+    path = Path(args.pretrain_cache) / f"pretrain-{key}.pt" if args.pretrain_cache else None
+    if path is not None and path.is_file():
+        blob = torch.load(path, weights_only=True)
+        print(f"  pre-trained {args.pretrain} steps: reused {path} (val loss {blob['val_loss']:.4f}, "
+              f"{blob['seconds']:.0f}s when made)", flush=True)
+        return blob["state"], blob["seconds"]
+    t0 = time.perf_counter()
+    pre = Trainer(cfg, tmp / "pretrain", dataset=subset(args.data, first, None, cfg.model.seq_len))
+    for _ in range(args.pretrain):
+        pre.train_step()
+    state = {k: v.detach().clone() for k, v in pre.model.state_dict().items()}
+    secs, val = time.perf_counter() - t0, pre.validate()
+    print(f"  pre-trained {args.pretrain} steps in {secs:.0f}s, val loss {val:.4f}", flush=True)
+    if path is not None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        torch.save({"state": state, "seconds": secs, "val_loss": val}, path.with_suffix(".tmp"))
+        path.with_suffix(".tmp").replace(path)
+    return state, secs
 
 
 def _median_time(fn, reps: int) -> float:
@@ -377,16 +419,20 @@ def elastic_times(sc: Scale, schedule, L_real: int, best: dict, topo, repartitio
         if F != lay["frozen"]:
             counts = lay["counts"]
             eh = (expected_hit or {}).get(i, 1.0) if cached else 0.0
+
+            def fastest(cand, F=F, eh=eh):
+                """(seconds, micro-batches) of the quickest M for ``cand`` (AutoPipe's profiling)."""
+                R = N_DEV // len(cand) if replicas else lay["replicas"]
+                runs = [(iteration(sc, cand, F, R, M, eh, topo, check_mem=False), M) for M in MICROS]
+                return min(((t, M) for t, M in runs if t is not None), default=(math.inf, lay["n_micro"]))
+
             if repartition:
-                counts, _ = autopipe(L, F, budget_stages, len(lay["counts"]), eh, c0, m0, sc.backward_factor)
+                counts, _ = autopipe(L, F, budget_stages, len(lay["counts"]), eh, c0, m0, sc.backward_factor,
+                                     seconds=lambda cand: fastest(cand)[0])
             S = len(counts)
             R = N_DEV // S if replicas else lay["replicas"]
             new_pl = [[s * R + r for r in range(R)] for s in range(S)]
-            best_m, best_t = lay["n_micro"], math.inf
-            for M in MICROS:
-                t = iteration(sc, counts, F, R, M, eh, topo, check_mem=False)
-                if t is not None and t < best_t:
-                    best_m, best_t = M, t
+            best_m = fastest(counts)[1]
             wire += transfer_seconds(sc, lay["counts"], lay["placement"], counts, new_pl, F, topo)
             lay = {"frozen": F, "counts": counts, "replicas": R, "n_micro": best_m, "placement": new_pl}
             history.append(dict(lay, step=i))
@@ -493,6 +539,11 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=None)
     ap.add_argument("--pretrain", type=int, default=None, help="pre-training steps before the timed runs (0 = from scratch)")
     ap.add_argument("--windows", type=int, default=1024, help="training samples of the timed runs (multi-epoch)")
+    ap.add_argument("--finetune", choices=("train", "ood"), default="train",
+                    help="fine-tuning text: Shakespeare windows held out of pre-training (train) or Milton (ood: "
+                         "a domain shift, validated on Milton's last 5%%)")
+    ap.add_argument("--pretrain-cache", default=str(ROOT / "runs" / "bench" / "pretrain"),
+                    help="directory keeping pre-trained states for reuse ('' = never keep)")
     ap.add_argument("--lr", type=float, default=None)
     ap.add_argument("--warmup", type=int, default=None)
     ap.add_argument("--alpha", type=float, default=1 / 3)
@@ -511,7 +562,8 @@ def main(argv=None) -> int:
         raise SystemExit(f"--data {args.data}: no prepared data set there (run `skiptrain prepare` first)")
     t_start = time.time()
     print(f"real runs: {'pre-train ' + str(args.pretrain) + ' steps, then ' if args.pretrain else ''}"
-          f"{args.steps} steps on {args.windows} samples of 64 tokens, 3 trainers interleaved", flush=True)
+          f"{args.steps} steps on {args.windows} samples of 64 tokens of "
+          f"{'Shakespeare' if args.finetune == 'train' else 'Milton (domain shift)'}, 3 trainers interleaved", flush=True)
     real = real_runs(args)
     c = real["curves"]
     final = {n: c[n][-1]["val_loss"] for n in c}

@@ -12,7 +12,7 @@ from skiptrain.config import build_config
 from skiptrain.data.loader import shard_indices
 from skiptrain.elastic.cache import ActivationCache, PrefixRunner, at_depth, expected_hit, measure, worth_it
 from skiptrain.elastic.freeze import FreezeRule
-from skiptrain.elastic.repartition import autopipe, layer_compute, stage_memory
+from skiptrain.elastic.repartition import autopipe, iteration_units, layer_compute, stage_memory
 from skiptrain.elastic.replicas import assign_nodes, pack_state, transfer_plan, unpack_state
 from skiptrain.model import StagedLM
 from skiptrain.model.partition import Partition
@@ -115,19 +115,52 @@ def test_freeze_guard_waits_for_a_reference_and_undoes_step_by_step():
 # ---- AutoPipe -----------------------------------------------------------------------------
 
 
-def test_autopipe_halves_stages_within_start_memory():
+def test_autopipe_picks_the_fewest_stages_that_fit_the_start_memory():
     counts, ev = autopipe(16, 0, 8, 8, cached=False)
-    assert len(counts) == 8 and sum(counts) == 16 and ev["tried"][0]["stages"] == 4
+    assert len(counts) == 8 and sum(counts) == 16
     budget = ev["memory_budget"]
+    assert [t["stages"] for t in ev["tried"]] == list(range(8, 0, -1))
     counts, ev = autopipe(16, 12, 8, 8, cached=True)
     assert sum(counts) == 16 and counts[0] >= 12  # the frozen prefix sits on stage 0
     assert max(stage_memory(counts, 12)) <= budget + 1e-9
     assert len(counts) < 8
-    # every tried halving that was rejected broke the memory budget
+    # exactly the candidates within the budget were scored, and none that fits has fewer stages
+    # with an estimate as good (one node per current stage, one sample each)
     for t in ev["tried"]:
-        assert (len(t["counts"]) >= len(counts)) == (t["max_memory"] <= budget + 1e-9)
+        assert t["fits"] == (t["max_memory"] <= budget + 1e-9) == (t["estimate"] is not None)
+    best = min(t["estimate"] for t in ev["tried"] if t["fits"])
+    assert all(t["estimate"] > best * 1.001 for t in ev["tried"] if t["fits"] and t["stages"] < len(counts))
     with_frozen = autopipe(16, 6, 8, 8, cached=False)[0]
     assert len(with_frozen) >= len(counts)
+
+
+def test_autopipe_estimate_knows_the_nodes_and_an_undo_grows_the_pipeline_back():
+    # 8 layers, 6 frozen and cached: at most 3 stages.  On 16 nodes 3 stages leave a node idle and
+    # split 16 samples over 5 replicas; 2 stages x 8 replicas is faster and fits
+    counts, ev = autopipe(8, 6, 4, 4, cached=True, stage0_compute=2.0, stage0_memory=1.0,
+                          n_nodes=16, global_batch=16, n_micro=4)
+    est = {t["stages"]: t["estimate"] for t in ev["tried"]}
+    assert len(counts) == 2 and est[2] < est[3]
+    assert iteration_units([1.0, 1.0], 16, 16, 4) == 3 * 1.0   # 8 replicas x 2 samples, M=2: 3 slots
+    assert iteration_units([1.0, 1.0, 1.0], 16, 16, 4) == 6.0  # 5 replicas: 4 samples, M=4: 6 slots
+    # a caller's own profile (seconds) decides instead of the estimate
+    counts3, _ = autopipe(8, 6, 4, 4, cached=True, stage0_compute=2.0, stage0_memory=1.0,
+                          seconds=lambda c: 1.0 if len(c) == 3 else 2.0)
+    assert len(counts3) == 3
+    # ... and with a profile each count's balanced split competes with its one-layer neighbours
+    from skiptrain.elastic.repartition import neighbour_splits
+    assert sorted(neighbour_splits([6, 1, 1], 6)) == []            # prefix stays, body stages keep a layer
+    assert sorted(neighbour_splits([2, 3, 3], 1)) == [[1, 4, 3], [2, 2, 4], [2, 4, 2], [3, 2, 3]]
+    shifted, ev3 = autopipe(8, 2, 4, 4, cached=False, stage0_compute=2.0, stage0_memory=1.0,
+                            seconds=lambda c: 1.0 if c == [2, 3, 3] else 2.0)
+    balanced = [t["counts"] for t in ev3["tried"] if t["stages"] == 3][0]
+    assert shifted == [2, 3, 3] != balanced
+    # an undo back to nothing frozen must return to a layout within the start memory: 2 stages
+    # of 4 active layers do not fit, so the pipeline grows back
+    counts0, ev0 = autopipe(8, 0, 4, len(counts), cached=False, stage0_compute=2.0, stage0_memory=1.0,
+                            n_nodes=16, global_batch=16, n_micro=4)
+    assert not [t for t in ev0["tried"] if t["stages"] == 2][0]["fits"]
+    assert len(counts0) > 2 and max(stage_memory(counts0, 0, 1.0)) <= ev0["memory_budget"] + 1e-9
 
 
 def test_autopipe_costs_a_cached_prefix_by_its_expected_hits():

@@ -13,8 +13,15 @@ head (``stage0_memory`` layer units, derived from the parameter counts).
 * the frozen prefix stays on stage 0 (it needs the embedding and feeds the first active layer);
 * the active layers are split by :func:`skiptrain.model.partition.best_partition` (min-max
   stage cost, then the most even), cuts only between layers, so never inside a residual block;
-* starting from the current stage count, the count is halved while the largest stage of the
-  new partition still fits the memory of the largest stage at the start of training.
+* the stage count is re-picked among the counts whose largest stage still fits the memory of
+  the largest stage at the start of training (so the pipeline shrinks as frozen layers free
+  memory, and grows back when an undo needs it): the fastest by a cost estimate wins, ties to
+  the fewest stages.  The estimate is :func:`iteration_units` (the ``n_nodes`` nodes as
+  ``n_nodes // S`` replicas, the global batch split over them, a 1F1B pipeline paced by its
+  slowest stage) unless the caller profiles layouts itself (``seconds``: the bench uses the
+  event simulator with measured costs).  The paper halves the count (its GPU counts are powers
+  of two); trying every count also finds 3 -> 2 stages, and an estimate that knows the nodes
+  avoids a count that leaves nodes idle or splits the batch unevenly.
 
 A :class:`Layout` is one point of the layout history: frozen count, stage partition, stage
 count, replicas per stage, micro-batches and node placement.  It is JSON for checkpoints.
@@ -22,8 +29,9 @@ count, replicas per stage, micro-batches and node placement.  It is JSON for che
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, field
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 from ..config import ModelConfig
 from ..model.partition import Partition, best_partition, head_flops_per_token, layer_bytes, layer_flops_per_token
@@ -106,41 +114,98 @@ def split(n_layers: int, frozen: int, n_stages: int, cached: bool | float, stage
     return counts
 
 
+def stage_costs(counts: Sequence[int], frozen: int, cached: bool | float, stage0_compute: float = 0.0,
+                backward_factor: float = BACKWARD_FACTOR) -> list[float]:
+    """Compute per stage and sample in forward-layer units (stage 0 adds the head's)."""
+    costs = layer_compute(sum(counts), frozen, cached, backward_factor)
+    out, i = [], 0
+    for s, c in enumerate(counts):
+        out.append(sum(costs[i:i + c]) + (stage0_compute if s == 0 else 0.0))
+        i += c
+    return out
+
+
+def iteration_units(stage_cost: Sequence[float], n_nodes: int, global_batch: int, n_micro: int) -> float:
+    """Estimated iteration time (forward-layer units) of a layout on ``n_nodes`` nodes.
+
+    ``S = len(stage_cost)`` stages, ``R = n_nodes // S`` replicas each (the rest idle); a replica
+    gets ``ceil(global_batch / R)`` samples in ``M = min(n_micro, samples)`` micro-batches, and a
+    1F1B pipeline takes ``M + S - 1`` micro-batch slots of its slowest stage."""
+    S = len(stage_cost)
+    R = n_nodes // S
+    if R < 1:
+        return math.inf
+    n = math.ceil(global_batch / R)
+    M = max(1, min(n_micro, n))
+    return (M + S - 1) * math.ceil(n / M) * max(stage_cost)
+
+
+def neighbour_splits(counts: Sequence[int], frozen: int) -> list[list[int]]:
+    """``counts`` with one cut moved by one layer, keeping the frozen prefix on stage 0 and a
+    layer on every body stage."""
+    out = []
+    for k in range(len(counts) - 1):
+        for d in (-1, 1):
+            c = list(counts)
+            c[k] += d
+            c[k + 1] -= d
+            if c[0] >= frozen and all(x >= 1 for x in c[1:]) and min(c) >= 0:
+                out.append(c)
+    return out
+
+
 def autopipe(n_layers: int, frozen: int, start_stages: int, current_stages: int, cached: bool | float,
              stage0_compute: float = 0.0, stage0_memory: float = 0.0,
-             backward_factor: float = BACKWARD_FACTOR) -> tuple[list[int], dict[str, Any]]:
-    """(layers per stage, evidence): repartition, halving the stage count while memory allows.
+             backward_factor: float = BACKWARD_FACTOR, *, n_nodes: int | None = None,
+             global_batch: int | None = None, n_micro: int = 1,
+             seconds: Callable[[list[int]], float] | None = None) -> tuple[list[int], dict[str, Any]]:
+    """(layers per stage, evidence): repartition and re-pick the stage count (module docstring).
 
     The memory budget is the largest stage of the all-active partition with ``start_stages``.
+    Candidates are the counts ``1 .. min(start_stages, active layers + 1)`` that fit it; each is
+    scored by ``seconds(counts)`` when given (then each count's balanced split and its
+    :func:`neighbour_splits` are profiled), else by :func:`iteration_units` on ``n_nodes``
+    nodes (default: ``current_stages``, one node per current stage) with ``global_batch``
+    (default: one sample per node) split into at most ``n_micro`` micro-batches.
     """
     start = split(n_layers, 0, start_stages, False, stage0_compute, backward_factor)
     budget = max(stage_memory(start, 0, stage0_memory))
+    nodes = n_nodes or current_stages
+    batch = global_batch or nodes
     # body stages need an active layer each: too few active layers force a smaller count
-    S = min(current_stages, n_layers - frozen + 1)
-    counts = split(n_layers, frozen, S, cached, stage0_compute, backward_factor)
+    top = max(1, min(start_stages, n_layers - frozen + 1))
     tried = []
-    while S > 1:
-        S2 = S // 2
-        if n_layers - frozen < S2 - 1:
-            break
-        cand = split(n_layers, frozen, S2, cached, stage0_compute, backward_factor)
-        mem = max(stage_memory(cand, frozen, stage0_memory))
-        tried.append({"stages": S2, "counts": cand, "max_memory": round(mem, 4)})
-        if mem > budget + 1e-9:
-            break
-        counts, S = cand, S2
-    costs = layer_compute(n_layers, frozen, cached, backward_factor)
-    stage_cost, i = [], 0
-    for s, c in enumerate(counts):
-        stage_cost.append(round(sum(costs[i:i + c]) + (stage0_compute if s == 0 else 0.0), 4))
-        i += c
+    for S in range(top, 0, -1):
+        balanced = split(n_layers, frozen, S, cached, stage0_compute, backward_factor)
+        # a profile also tries moving each cut by one layer: the unit cost model does not see
+        # everything (stage 0 originates every micro-batch; links differ)
+        for cand in [balanced] + (neighbour_splits(balanced, frozen) if seconds is not None else []):
+            mem = max(stage_memory(cand, frozen, stage0_memory))
+            fits = mem <= budget + 1e-9
+            est = None
+            if fits:
+                est = (seconds(cand) if seconds is not None else
+                       iteration_units(stage_costs(cand, frozen, cached, stage0_compute, backward_factor),
+                                       nodes, batch, n_micro))
+            tried.append({"stages": S, "counts": cand, "max_memory": round(mem, 4), "fits": fits,
+                          "estimate": None if est is None else round(est, 6)})
+    ok = [t for t in tried if t["fits"] and t["estimate"] is not None and math.isfinite(t["estimate"])]
+    # the fastest; within 0.1% of it, the fewest stages (more replicas, fewer hops)
+    if ok:
+        best = min(t["estimate"] for t in ok)
+        counts = min((t for t in ok if t["estimate"] <= best * 1.001 + 1e-12), key=lambda t: t["stages"])["counts"]
+    else:  # nothing fits (cannot happen for frozen >= 0 with the start's own count): keep the start
+        counts = split(n_layers, frozen, top, cached, stage0_compute, backward_factor)
+    stage_cost = [round(c, 4) for c in stage_costs(counts, frozen, cached, stage0_compute, backward_factor)]
     evidence = {"memory_budget": round(budget, 4), "tried": tried, "stage_cost": stage_cost,
                 "stage_memory": [round(m, 4) for m in stage_memory(counts, frozen, stage0_memory)]}
     return counts, evidence
 
 
 def autopipe_for(cfg: ModelConfig, frozen: int, start_stages: int, current_stages: int, cached: bool | float,
+                 n_nodes: int | None = None, global_batch: int | None = None, n_micro: int = 1,
                  ) -> tuple[list[int], dict[str, Any]]:
     """:func:`autopipe` with stage 0's extra compute and memory taken from ``cfg``."""
     c0, m0 = stage0_units(cfg)
-    return autopipe(cfg.n_layers, frozen, start_stages, current_stages, cached, c0, m0)
+    return autopipe(cfg.n_layers, frozen, start_stages, current_stages, cached, c0, m0,
+                    n_nodes=n_nodes, global_batch=global_batch, n_micro=n_micro)

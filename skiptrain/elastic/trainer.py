@@ -245,7 +245,8 @@ class ElasticTrainer(Trainer):
         if cached:  # AutoPipe costs the prefix by the share of it the cache will really save
             hit = expected_hit(self.cache, F, visits_left)
         rec["expected_hit"] = round(hit, 4)
-        counts, evidence = autopipe_for(m, F, self.start_stages, old.n_stages, hit)
+        counts, evidence = autopipe_for(m, F, self.start_stages, old.n_stages, hit, self.n_nodes,
+                                         t.micro_batch * t.n_micro, t.n_micro)
         new_part = Partition(tuple(counts))
         frozen_names = [n for n, p in self.model.named_parameters() if not p.requires_grad]
         sizes = state_sizes(self.model, self.opt, frozen_names)
