@@ -237,8 +237,10 @@ def expected_hit(cache: "ActivationCache", depth: int, visits_left: float) -> fl
     """Fraction of the prefix work the cache will save over the rest of the run, at ``depth``.
 
     Windows beyond the capacity always recompute; a cacheable window without an entry misses
-    once, then hits on each of its remaining ``visits_left`` visits; an entry at a shallower
-    depth ``d`` is extended, saving ``d / depth`` of the work.  Call after
+    on its first visit (which happens with probability ``min(visits_left, 1)``), then hits on
+    each of its remaining visits; an entry at a shallower depth ``d`` is extended, saving
+    ``d / depth`` of the work.  With less than one visit left the hit fraction is the coverage
+    (a lookup hits when its window is cached).  Call after
     :meth:`PrefixRunner.set_frozen` (entries deeper than ``depth`` or stale are gone then).
     """
     if depth <= 0 or cache.n_windows <= 0:
@@ -249,7 +251,7 @@ def expected_hit(cache: "ActivationCache", depth: int, visits_left: float) -> fl
     v = max(float(visits_left), 0.0)
     if v == 0:
         return min(cover, 1.0)
-    return min(max((cacheable * v - (cacheable - cover)) / v, 0.0), 1.0)
+    return min(max((cacheable * v - (cacheable - cover) * min(v, 1.0)) / v, 0.0), 1.0)
 
 
 def worth_it(m: dict[str, float], visits_per_window: float) -> bool:

@@ -6,7 +6,8 @@ no backward) times the fraction of samples the activation cache is expected to m
 every sample's prefix output is read from the cache).  Memory is in active-layer
 units: a frozen layer costs ``frozen_memory`` (1/6: it keeps its weights but no activations for
 the backward, no gradients and no optimizer state); stage 0 also holds the embedding and the
-head (``stage0_memory`` layer units, derived from the parameter counts).
+head (``stage0_memory`` layer units, derived from the parameter counts); the embedding freezes
+with the first layer and then costs ``frozen_memory`` of its share (``embedding_memory``).
 
 :func:`autopipe` implements the paper's rule:
 
@@ -79,6 +80,12 @@ def stage0_units(cfg: ModelConfig, backward_factor: float = BACKWARD_FACTOR) -> 
     return compute, memory
 
 
+def embedding_units(cfg: ModelConfig) -> float:
+    """Memory of the token embedding in layer units: part of stage 0's, and frozen with the
+    first frozen layer (so it then costs ``FROZEN_MEMORY`` of that, like a frozen layer)."""
+    return cfg.vocab_size * cfg.d_model * 4 / layer_bytes(cfg)
+
+
 def layer_compute(n_layers: int, frozen: int, cached: bool | float, backward_factor: float = BACKWARD_FACTOR
                   ) -> list[float]:
     """Per-layer compute: active 1 + bf, frozen 1 - hit (forward only, skipped when the cache hits).
@@ -91,12 +98,16 @@ def layer_compute(n_layers: int, frozen: int, cached: bool | float, backward_fac
 
 
 def stage_memory(counts: Sequence[int], frozen: int, stage0_memory: float = 0.0,
-                 frozen_memory: float = FROZEN_MEMORY) -> list[float]:
-    """Memory per stage in active-layer units (frozen layers at ``frozen_memory``)."""
+                 frozen_memory: float = FROZEN_MEMORY, embedding_memory: float = 0.0) -> list[float]:
+    """Memory per stage in active-layer units (frozen layers at ``frozen_memory``).
+
+    ``stage0_memory`` is stage 0's embedding + head + norm, of which ``embedding_memory`` is the
+    embedding: once anything is frozen it is frozen too, and costs ``frozen_memory`` of that."""
     out, start = [], 0
+    s0 = stage0_memory - (embedding_memory * (1 - frozen_memory) if frozen > 0 else 0.0)
     for s, c in enumerate(counts):
         n_frozen = max(0, min(c, frozen - start))
-        out.append(n_frozen * frozen_memory + (c - n_frozen) + (stage0_memory if s == 0 else 0.0))
+        out.append(n_frozen * frozen_memory + (c - n_frozen) + (s0 if s == 0 else 0.0))
         start += c
     return out
 
@@ -156,7 +167,8 @@ def neighbour_splits(counts: Sequence[int], frozen: int) -> list[list[int]]:
 
 def autopipe(n_layers: int, frozen: int, start_stages: int, current_stages: int, cached: bool | float,
              stage0_compute: float = 0.0, stage0_memory: float = 0.0,
-             backward_factor: float = BACKWARD_FACTOR, *, n_nodes: int | None = None,
+             backward_factor: float = BACKWARD_FACTOR, *, embedding_memory: float = 0.0,
+             n_nodes: int | None = None,
              global_batch: int | None = None, n_micro: int = 1,
              seconds: Callable[[list[int]], float] | None = None) -> tuple[list[int], dict[str, Any]]:
     """(layers per stage, evidence): repartition and re-pick the stage count (module docstring).
@@ -180,7 +192,7 @@ def autopipe(n_layers: int, frozen: int, start_stages: int, current_stages: int,
         # a profile also tries moving each cut by one layer: the unit cost model does not see
         # everything (stage 0 originates every micro-batch; links differ)
         for cand in [balanced] + (neighbour_splits(balanced, frozen) if seconds is not None else []):
-            mem = max(stage_memory(cand, frozen, stage0_memory))
+            mem = max(stage_memory(cand, frozen, stage0_memory, embedding_memory=embedding_memory))
             fits = mem <= budget + 1e-9
             est = None
             if fits:
@@ -198,7 +210,8 @@ def autopipe(n_layers: int, frozen: int, start_stages: int, current_stages: int,
         counts = split(n_layers, frozen, top, cached, stage0_compute, backward_factor)
     stage_cost = [round(c, 4) for c in stage_costs(counts, frozen, cached, stage0_compute, backward_factor)]
     evidence = {"memory_budget": round(budget, 4), "tried": tried, "stage_cost": stage_cost,
-                "stage_memory": [round(m, 4) for m in stage_memory(counts, frozen, stage0_memory)]}
+                "stage_memory": [round(m, 4) for m in stage_memory(counts, frozen, stage0_memory,
+                                                                    embedding_memory=embedding_memory)]}
     return counts, evidence
 
 
@@ -208,4 +221,5 @@ def autopipe_for(cfg: ModelConfig, frozen: int, start_stages: int, current_stage
     """:func:`autopipe` with stage 0's extra compute and memory taken from ``cfg``."""
     c0, m0 = stage0_units(cfg)
     return autopipe(cfg.n_layers, frozen, start_stages, current_stages, cached, c0, m0,
-                    n_nodes=n_nodes, global_batch=global_batch, n_micro=n_micro)
+                    embedding_memory=embedding_units(cfg), n_nodes=n_nodes, global_batch=global_batch,
+                    n_micro=n_micro)
