@@ -622,20 +622,26 @@ def main(argv=None) -> int:
     def overhead(sc, e, best, upto, cpu=True):
         """Seconds the elastic run spends outside its steps up to step ``upto``: the transitions
         (their measured CPU on the small scale, and the wire time of their transfers) and the
-        guard's validation passes (16 samples, full forward, spread over the replicas of the
-        layout in force at each check)."""
+        guard's validation passes (16 samples spread over the replicas of the layout in force at
+        each check; the guard keeps its windows' frozen-prefix outputs, see
+        ElasticTrainer._guard_from_prefix, so a check runs the active layers and the head, and
+        the prefix once per new depth)."""
         if not upto:
             return 0.0
         trans = sum(t["cpu_s"] for t in real["transitions"] if t["step"] <= upto) if cpu else 0.0
         wire = sum(h.get("wire_s", 0.0) for h in e["history"] if h["step"] <= upto)
-        fwd = sc.model.n_layers * sc.fwd_s + sc.head_s / (1 + sc.backward_factor)
-        g = 0.0
+        L, L_real = sc.model.n_layers, real["model"].n_layers
+        head_fwd = sc.head_s / (1 + sc.backward_factor)
+        g, kept = 0.0, None
         for d in real["decisions"]:
             if d["step"] <= upto and d["val_loss"] is not None:
                 # the check precedes the transition it may trigger: the layout before that step
                 R = max((h for h in e["history"] if h["step"] < d["step"] or h["step"] == 0),
                         key=lambda h: h["step"])["replicas"]
-                g += math.ceil(16 / R) * fwd
+                F = round(d["frozen_before"] / L_real * L)
+                layers = (L - F) + (F if F and F != kept else 0)
+                kept = F or None
+                g += math.ceil(16 / R) * (layers * sc.fwd_s + head_fwd)
         return trans + wire + g
 
     def small_overhead(sc, e, best, upto):

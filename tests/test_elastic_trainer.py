@@ -130,3 +130,27 @@ def test_frozen_prefix_costs_no_backward_and_cache_hits_skip_its_forward(byte_da
     assert tr.model.tok_emb.weight.grad is None
     # active layers: forward per micro-batch, gradients every step
     assert all(calls[i] == 3 * 2 for i in (2, 3, 4)) and all(grads_seen[i] == 3 for i in (2, 3, 4))
+
+
+def test_guard_keeps_the_frozen_prefix_of_its_windows_and_equals_evaluate(byte_data, tmp_path):
+    from skiptrain.train.evaluate import evaluate
+    tr = ElasticTrainer(_cfg(byte_data, steps=16, every=0), tmp_path / "g")
+    for _ in range(8):
+        tr.train_step()
+    assert tr.frozen == 2
+    e, t = tr.cfg.elastic, tr.cfg.train
+    calls = {i: 0 for i in range(5)}
+    for i in range(5):
+        tr.model.layers[str(i)].register_forward_hook(lambda mod, inp, out, i=i: calls.__setitem__(i, calls[i] + 1))
+    ref = evaluate(tr.model, tr.val_src, e.guard_batches, t.micro_batch)
+    assert tr._guard_val() == ref                          # bit for bit; computes and keeps the prefix
+    for k in calls:
+        calls[k] = 0
+    assert tr._guard_val() == ref                          # the next check: the kept prefix, same value
+    assert calls[0] == calls[1] == 0 and calls[2] == e.guard_batches
+    # a changed prefix (an undo lets it train) is recomputed, not read stale
+    with torch.no_grad():
+        tr.model.layers["0"].attn.wq.weight.mul_(1.5)
+    tr.runner.set_frozen(tr.frozen)
+    ref2 = evaluate(tr.model, tr.val_src, e.guard_batches, t.micro_batch)
+    assert tr._guard_val() == ref2 != ref

@@ -87,6 +87,7 @@ class ElasticTrainer(Trainer):
         self.guard_cpu_s = 0.0
         self.cache: ActivationCache | None = None
         self._cache_meas: dict[str, float] | None = None
+        self._guard_rows: tuple[Any, list[torch.Tensor]] | None = None   # guard windows' prefix outputs
         self.runner = PrefixRunner(self.model)
         self.runner.enabled = False
         self._stage_params()
@@ -198,10 +199,38 @@ class ElasticTrainer(Trainer):
 
     def _guard_val(self) -> float:
         t0, c0 = time.perf_counter(), time.thread_time()
-        v = evaluate(self.model, self.val_src, self.cfg.elastic.guard_batches, self.cfg.train.micro_batch)
+        if self.frozen > 0:
+            v = self._guard_from_prefix()
+        else:
+            v = evaluate(self.model, self.val_src, self.cfg.elastic.guard_batches, self.cfg.train.micro_batch)
         self.guard_s += time.perf_counter() - t0
         self.guard_cpu_s += time.thread_time() - c0
         return v
+
+    @torch.no_grad()
+    def _guard_from_prefix(self) -> float:
+        """:func:`evaluate`'s loss over the guard windows, with their frozen-prefix outputs kept.
+
+        The guard reads the same validation windows at every check and frozen weights do not
+        change, so the prefix is computed once per (depth, prefix fingerprint) -- after a
+        transition, an undo or changed weights it is recomputed -- and each check runs only the
+        active layers and the head.  Same operations on the same micro-batches as
+        :func:`evaluate`, so the same value bit for bit (tested)."""
+        m, F, mb = self.model, self.frozen, self.cfg.train.micro_batch
+        n = min(self.cfg.elastic.guard_batches * mb, self.val_src.n)
+        batches = [self.val_src.batch(list(range(a, min(n, a + mb)))) for a in range(0, n, mb)]
+        key = (F, self.runner.fps.get(F))
+        was_training = m.training
+        m.eval()
+        if self._guard_rows is None or self._guard_rows[0] != key:
+            self._guard_rows = (key, [self.runner.compute(x) for x, _ in batches])
+        total = 0.0
+        for h, (_, y) in zip(self._guard_rows[1], batches):
+            for i in range(F, self.cfg.model.n_layers):
+                h = m.layers[str(i)](h, m.rope_cos, m.rope_sin)
+            total += m.loss(m.logits(h), y).item() * len(y)
+        m.train(was_training)
+        return total / n
 
     def _window(self) -> None:
         t = self.cfg.train
