@@ -104,7 +104,7 @@ def real_config(args, steps: int, elastic: dict | None):
             "model": {"d_model": 128, "n_layers": 8, "n_heads": 4, "n_kv_heads": 2, "seq_len": 64,
                       "n_stages": 4, "stage0_layers": -1},
             "train": {"steps": steps, "micro_batch": 4, "n_micro": 4, "lr": args.lr, "warmup_steps": args.warmup,
-                      "eval_every": 0, "eval_batches": 8, "progress": False, "seed": 1234},
+                      "eval_every": 0, "eval_batches": 8, "progress": False, "seed": args.seed},
             "checkpoint": {"every": 0, "final": False}}
     return build_config(overrides={**base, **({"elastic": elastic} if elastic else {})})
 
@@ -183,7 +183,8 @@ def pretrain(args, tmp: Path) -> tuple[dict, float]:
     first = args.windows if args.finetune == "train" else 0
     mf = json.loads((Path(args.data) / "manifest.json").read_text())
     key = hashlib.sha256(json.dumps([args.pretrain, first, cfg.model.__dict__, [d["sha256"] for d in mf["documents"]],
-                                     torch.__version__], sort_keys=True, default=str).encode()).hexdigest()[:16]
+                                     torch.__version__] + ([] if args.seed == 1234 else [args.seed]),
+                                    sort_keys=True, default=str).encode()).hexdigest()[:16]
     path = Path(args.pretrain_cache) / f"pretrain-{key}.pt" if args.pretrain_cache else None
     if path is not None and path.is_file():
         blob = torch.load(path, weights_only=True)
@@ -552,6 +553,7 @@ def main(argv=None) -> int:
                          "a domain shift, validated on Milton's last 5%%)")
     ap.add_argument("--pretrain-cache", default=str(ROOT / "runs" / "bench" / "pretrain"),
                     help="directory keeping pre-trained states for reuse ('' = never keep)")
+    ap.add_argument("--seed", type=int, default=1234, help="model init, data order (pre-training and fine-tuning)")
     ap.add_argument("--lr", type=float, default=None)
     ap.add_argument("--warmup", type=int, default=None)
     ap.add_argument("--alpha", type=float, default=0.5,
