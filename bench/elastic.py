@@ -35,6 +35,7 @@ in AutoPipe's units), the same budget AutoPipe shrinks the elastic pipeline unde
 from __future__ import annotations
 
 import argparse
+import functools
 import hashlib
 import json
 import math
@@ -183,8 +184,7 @@ def pretrain(args, tmp: Path) -> tuple[dict, float]:
     first = args.windows if args.finetune == "train" else 0
     mf = json.loads((Path(args.data) / "manifest.json").read_text())
     key = hashlib.sha256(json.dumps([args.pretrain, first, cfg.model.__dict__, [d["sha256"] for d in mf["documents"]],
-                                     torch.__version__] + ([] if args.seed == 1234 else [args.seed]),
-                                    sort_keys=True, default=str).encode()).hexdigest()[:16]
+                                     torch.__version__, args.seed], sort_keys=True, default=str).encode()).hexdigest()[:16]
     path = Path(args.pretrain_cache) / f"pretrain-{key}.pt" if args.pretrain_cache else None
     if path is not None and path.is_file():
         blob = torch.load(path, weights_only=True)
@@ -424,11 +424,16 @@ def elastic_times(sc: Scale, schedule, L_real: int, best: dict, topo, repartitio
             counts = lay["counts"]
             eh = (expected_hit or {}).get(i, 1.0) if cached else 0.0
 
-            def fastest(cand, F=F, eh=eh):
+            profiled: dict[tuple[int, ...], tuple[float, int]] = {}
+
+            def fastest(cand, F=F, eh=eh, profiled=profiled):
                 """(seconds, micro-batches) of the quickest M for ``cand`` (AutoPipe's profiling)."""
-                R = N_DEV // len(cand) if replicas else lay["replicas"]
-                runs = [(iteration(sc, cand, F, R, M, eh, topo, check_mem=False), M) for M in MICROS]
-                return min(((t, M) for t, M in runs if t is not None), default=(math.inf, lay["n_micro"]))
+                if tuple(cand) not in profiled:
+                    R = N_DEV // len(cand) if replicas else lay["replicas"]
+                    runs = [(iteration(sc, cand, F, R, M, eh, topo, check_mem=False), M) for M in MICROS]
+                    profiled[tuple(cand)] = min(((t, M) for t, M in runs if t is not None),
+                                                default=(math.inf, lay["n_micro"]))
+                return profiled[tuple(cand)]
 
             if repartition:
                 counts, _ = autopipe(L, F, budget_stages, len(lay["counts"]), eh, c0, m0, sc.backward_factor,
@@ -646,16 +651,11 @@ def main(argv=None) -> int:
                 g += math.ceil(16 / R) * (layers * sc.fwd_s + head_fwd)
         return trans + wire + g
 
-    def small_overhead(sc, e, best, upto):
-        return overhead(sc, e, best, upto)
 
-    def paper_overhead(sc, e, best, upto):
-        return overhead(sc, e, best, upto, cpu=False)
-
-    em = half(small, real, steps_b, steps_e, topo, small_overhead)
+    em = half(small, real, steps_b, steps_e, topo, overhead)
     print_half("REAL, 16 emulated nodes (losses and steps from the runs above; per-node compute measured on "
                "this machine; device memory = largest stage of the 4-stage start)", em)
-    paper = half(paper_scale(), real, steps_b, steps_e, topo, paper_overhead)
+    paper = half(paper_scale(), real, steps_b, steps_e, topo, functools.partial(overhead, cpu=False))
     print_half("SIMULATED, paper scale (32 layers d=2048, 16 devices = 2 machines x 8, 24 GiB each, global "
                "batch 128 x 1024 tokens; freeze schedule mapped by layer fraction)", paper)
 

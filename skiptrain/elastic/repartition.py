@@ -160,7 +160,7 @@ def neighbour_splits(counts: Sequence[int], frozen: int) -> list[list[int]]:
             c = list(counts)
             c[k] += d
             c[k + 1] -= d
-            if c[0] >= frozen and all(x >= 1 for x in c[1:]) and min(c) >= 0:
+            if c[0] >= frozen and all(x >= 1 for x in c[1:]):
                 out.append(c)
     return out
 
@@ -201,7 +201,7 @@ def autopipe(n_layers: int, frozen: int, start_stages: int, current_stages: int,
                                        nodes, batch, n_micro))
             tried.append({"stages": S, "counts": cand, "max_memory": round(mem, 4), "fits": fits,
                           "estimate": None if est is None else round(est, 6)})
-    ok = [t for t in tried if t["fits"] and t["estimate"] is not None and math.isfinite(t["estimate"])]
+    ok = [t for t in tried if t["fits"] and math.isfinite(t["estimate"])]
     # the fastest; within 0.1% of it, the fewest stages (more replicas, fewer hops)
     if ok:
         best = min(t["estimate"] for t in ok)

@@ -87,7 +87,8 @@ class ElasticTrainer(Trainer):
         self.guard_cpu_s = 0.0
         self.cache: ActivationCache | None = None
         self._cache_meas: dict[str, float] | None = None
-        self._guard_rows: tuple[Any, list[torch.Tensor]] | None = None   # guard windows' prefix outputs
+        self._guard_batches: list[tuple[torch.Tensor, torch.Tensor]] | None = None   # the guard's windows
+        self._guard_rows: tuple[Any, list[torch.Tensor]] | None = None   # and their prefix outputs
         self.runner = PrefixRunner(self.model)
         self.runner.enabled = False
         self._stage_params()
@@ -217,18 +218,20 @@ class ElasticTrainer(Trainer):
         active layers and the head.  Same operations on the same micro-batches as
         :func:`evaluate`, so the same value bit for bit (tested)."""
         m, F, mb = self.model, self.frozen, self.cfg.train.micro_batch
-        n = min(self.cfg.elastic.guard_batches * mb, self.val_src.n)
-        batches = [self.val_src.batch(list(range(a, min(n, a + mb)))) for a in range(0, n, mb)]
+        if self._guard_batches is None:  # the guard windows never change
+            n = min(self.cfg.elastic.guard_batches * mb, self.val_src.n)
+            self._guard_batches = [self.val_src.batch(list(range(a, min(n, a + mb)))) for a in range(0, n, mb)]
+        batches = self._guard_batches
         key = (F, self.runner.fps.get(F))
         was_training = m.training
         m.eval()
         if self._guard_rows is None or self._guard_rows[0] != key:
             self._guard_rows = (key, [self.runner.compute(x) for x, _ in batches])
-        total = 0.0
+        total, n = 0.0, 0
         for h, (_, y) in zip(self._guard_rows[1], batches):
-            for i in range(F, self.cfg.model.n_layers):
-                h = m.layers[str(i)](h, m.rope_cos, m.rope_sin)
+            h = self.runner.run_layers(h, F, self.cfg.model.n_layers)
             total += m.loss(m.logits(h), y).item() * len(y)
+            n += len(y)
         m.train(was_training)
         return total / n
 
