@@ -105,7 +105,7 @@ def real_config(args, steps: int, elastic: dict | None):
             "model": {"d_model": 128, "n_layers": 8, "n_heads": 4, "n_kv_heads": 2, "seq_len": 64,
                       "n_stages": 4, "stage0_layers": -1},
             "train": {"steps": steps, "micro_batch": 4, "n_micro": 4, "lr": args.lr, "warmup_steps": args.warmup,
-                      "eval_every": 0, "eval_batches": 8, "progress": False, "seed": args.seed},
+                      "eval_every": 0, "eval_batches": args.eval_batches, "progress": False, "seed": args.seed},
             "checkpoint": {"every": 0, "final": False}}
     return build_config(overrides={**base, **({"elastic": elastic} if elastic else {})})
 
@@ -169,6 +169,7 @@ def real_runs(args) -> dict:
             "decisions": el_tr.rule.history, "guard_s": round(el_tr.guard_cpu_s, 4),
             "guard_s_freeze_only": round(trainers["freeze_only"].guard_cpu_s, 4),
             "transition_s": round(sum(t["cpu_s"] for t in el_tr.transitions), 4),
+            "prefill_s": round(sum(t.get("prefill", {}).get("cpu_s", 0.0) for t in el_tr.transitions), 4),
             "cache": el_tr.cache.stats() if el_tr.cache else None, "prefix_hits": hits,
             "step_s": step_s, "frozen": frozen, "costs": costs, "model": first.cfg.model}
 
@@ -397,7 +398,8 @@ def transfer_seconds(sc: Scale, old_counts, old_pl, new_counts, new_pl, frozen, 
 
 
 def elastic_times(sc: Scale, schedule, L_real: int, best: dict, topo, repartition=True, replicas=True,
-                  cache=True, expected_hit: dict[int, float] | None = None) -> dict:
+                  cache=True, expected_hit: dict[int, float] | None = None,
+                  prefix_cached: dict[int, bool] | None = None) -> dict:
     """Per-step seconds of the elastic run on ``sc``'s 16 nodes, following ``schedule`` (per step:
     the real run's frozen count, cache hit fraction and cache decision; the frozen count mapped
     by layer fraction), from the best static layout; plus the transitions' wire time.
@@ -407,7 +409,9 @@ def elastic_times(sc: Scale, schedule, L_real: int, best: dict, topo, repartitio
     AutoPipe balances with the scale's costs (measured here for the small scale: AutoPipe's
     profiling) and, with the cache, the hit fraction the real run's trainer expected at that
     transition (``expected_hit``: step -> fraction; 1 when absent); at every transition the
-    micro-batch count is re-picked by simulating."""
+    micro-batch count is re-picked by simulating.  Where the real run prefilled the cache
+    (``prefix_cached``: step -> every window cached at the new depth) AutoPipe plans without the
+    prefix in device memory; the prefill's own time is the caller's overhead."""
     L = sc.model.n_layers
     c0, m0 = sc.units
     S0, R0, M0 = best["stages"], best["replicas"], best["n_micro"]
@@ -423,6 +427,7 @@ def elastic_times(sc: Scale, schedule, L_real: int, best: dict, topo, repartitio
         if F != lay["frozen"]:
             counts = lay["counts"]
             eh = (expected_hit or {}).get(i, 1.0) if cached else 0.0
+            gone = bool(cached and (prefix_cached or {}).get(i, False))
 
             profiled: dict[tuple[int, ...], tuple[float, int]] = {}
 
@@ -437,7 +442,7 @@ def elastic_times(sc: Scale, schedule, L_real: int, best: dict, topo, repartitio
 
             if repartition:
                 counts, _ = autopipe(L, F, budget_stages, len(lay["counts"]), eh, c0, m0, sc.backward_factor,
-                                     embedding_memory=embedding_units(sc.model),
+                                     embedding_memory=embedding_units(sc.model), prefix_cached=gone,
                                      seconds=lambda cand: fastest(cand)[0])
             S = len(counts)
             R = N_DEV // S if replicas else lay["replicas"]
@@ -451,7 +456,7 @@ def elastic_times(sc: Scale, schedule, L_real: int, best: dict, topo, repartitio
         if key not in memo:
             memo[key] = iteration(sc, lay["counts"], F, lay["replicas"], lay["n_micro"], h, topo, check_mem=False)
         per_step.append(memo[key])
-    return {"per_step": per_step, "wire_s": wire,
+    return {"per_step": per_step, "wire_s": wire, "cache": cache,
             "history": [{k: v for k, v in h.items() if k != "placement"} for h in history]}
 
 
@@ -480,6 +485,22 @@ def small_scale(real: dict) -> Scale:
                  start_stages=real["model"].n_stages)
 
 
+def prefill_seconds(sc: Scale, real: dict, upto: int) -> float:
+    """Time of the cache prefills up to step ``upto`` on ``sc``'s nodes: each prefill is forward
+    only and data parallel, every node computing its 1/16 of the windows (the layers a window
+    still lacked, the embedding negligible) and writing its rows.  The paper scale's data set has
+    the same epochs at its global batch (x8 windows) and x4 layers per real layer."""
+    L, L_real = sc.model.n_layers, real["model"].n_layers
+    k = sc.global_batch / 16
+    t = 0.0
+    for tr in real["transitions"]:
+        p = tr.get("prefill")
+        if p and tr["step"] <= upto:
+            write = tr["cache_measure"]["write_s"] if sc.start_stages else sc.read_s  # per row
+            t += (p["layer_rows"] * k * L / L_real * sc.fwd_s + p["rows"] * k * write) / N_DEV
+    return t
+
+
 # ---------------------------------------------------------------------------------------------
 
 VARIANTS = {"freeze_only": dict(repartition=False, replicas=False, cache=False),
@@ -504,12 +525,15 @@ def half(sc: Scale, real: dict, steps_b: int | None, steps_e: int | None, topo, 
     out = {"sweep": sw, "best_static": best, "plain_dp": dp, "variants": {}, "static_total_s": static_total,
            "time_to_target_s": {"best_static": static_tt, "plain_dp": dp_tt}}
     expected = {t["step"]: t.get("expected_hit", 1.0) for t in real["transitions"]}
+    gone = {t["step"]: bool(t.get("autopipe", {}).get("prefix_cached")) for t in real["transitions"]}
     for k, v in VARIANTS.items():
-        e = elastic_times(sc, real["prefix_hits"], real["model"].n_layers, best, topo, **v, expected_hit=expected)
+        e = elastic_times(sc, real["prefix_hits"], real["model"].n_layers, best, topo, **v, expected_hit=expected,
+                          prefix_cached=gone)
         extra = overhead(sc, e, best, steps_e)
         tt = sum(e["per_step"][:steps_e]) + extra if steps_e else None
         total = sum(e["per_step"]) + overhead(sc, e, best, len(e["per_step"]))
         out["variants"][k] = {"time_to_target_s": tt, "total_s": total, "overhead_s": extra,
+                              "prefill_s": prefill_seconds(sc, real, len(e["per_step"])) if v["cache"] else 0.0,
                               "whole_run_speedup_vs_best_static": round(static_total / total, 3),
                               "speedup_vs_best_static": round(static_tt / tt, 3) if (tt and static_tt) else None,
                               "speedup_vs_plain_dp": round(dp_tt / tt, 3) if (tt and dp_tt) else None,
@@ -569,6 +593,8 @@ def main(argv=None) -> int:
     ap.add_argument("--guard-tol", type=float, default=0.003)
     ap.add_argument("--check-every", type=int, default=None)
     ap.add_argument("--eval-every", type=int, default=None)
+    ap.add_argument("--eval-batches", type=int, default=8,
+                    help="validation micro-batches (of 4 windows) per point of the loss curves that set the target")
     args = ap.parse_args(argv)
     for k, quick, full in [("steps", 80, 400), ("pretrain", 50, 400), ("check_every", 10, 10),
                            ("eval_every", 10, 10), ("lr", 1e-3, 1e-3), ("warmup", 10, 20)]:
@@ -600,7 +626,8 @@ def main(argv=None) -> int:
     acts = [d for d in real["decisions"] if d["action"] in ("freeze", "undo")]
     print("freeze decisions: " + (", ".join(f"{d['step']} {d['action']} {d['frozen_before']}->{d['frozen_after']}"
                                             for d in acts) or "none"))
-    print(f"transitions {real['transition_s']:.3f}s + guard validation {real['guard_s']:.3f}s of "
+    print(f"transitions {real['transition_s']:.3f}s + cache prefill {real['prefill_s']:.3f}s + guard validation "
+          f"{real['guard_s']:.3f}s of "
           f"{real['train_s']['elastic']:.1f}s; cache {real['cache']}; freeze-only == elastic losses "
           f"bit-identical: {real['bit_identical_freeze_vs_cache']}")
 
@@ -628,8 +655,8 @@ def main(argv=None) -> int:
 
     def overhead(sc, e, best, upto, cpu=True):
         """Seconds the elastic run spends outside its steps up to step ``upto``: the transitions
-        (their measured CPU on the small scale, and the wire time of their transfers) and the
-        guard's validation passes (16 samples spread over the replicas of the layout in force at
+        (their measured CPU on the small scale, and the wire time of their transfers), the cache
+        prefills (:func:`prefill_seconds`, variants with the cache) and the guard's validation passes (16 samples spread over the replicas of the layout in force at
         each check; the guard keeps its windows' frozen-prefix outputs, see
         ElasticTrainer._guard_from_prefix, so a check runs the active layers and the head, and
         the prefix once per new depth)."""
@@ -649,7 +676,7 @@ def main(argv=None) -> int:
                 layers = (L - F) + (F if F and F != kept else 0)
                 kept = F or None
                 g += math.ceil(16 / R) * (layers * sc.fwd_s + head_fwd)
-        return trans + wire + g
+        return trans + wire + g + (prefill_seconds(sc, real, upto) if e["cache"] else 0.0)
 
 
     em = half(small, real, steps_b, steps_e, topo, overhead)
@@ -668,6 +695,9 @@ def main(argv=None) -> int:
                                       / ev["total_s"]), 6),
         "transition_fraction_sim": round(pv["wire_s"] / pv["total_s"], 6),
         "transition_fraction_real_1node": round(real["transition_s"] / real["train_s"]["elastic"], 6),
+        "prefill_fraction": round(ev["prefill_s"] / ev["total_s"], 6),
+        "prefill_fraction_sim": round(pv["prefill_s"] / pv["total_s"], 6),
+        "prefill_fraction_real_1node": round(real["prefill_s"] / real["train_s"]["elastic"], 6),
         "guard_fraction_real_1node": round(real["guard_s"] / real["train_s"]["elastic"], 6),
         "whole_run_speedup_vs_best_static": ev["whole_run_speedup_vs_best_static"],
         "whole_run_speedup_vs_best_static_sim": pv["whole_run_speedup_vs_best_static"],
@@ -685,7 +715,7 @@ def main(argv=None) -> int:
                  "layouts": real["layouts"], "decisions": real["decisions"], "transitions": real["transitions"],
                  "cache": real["cache"], "curves": c, "windows": real["windows"], "epochs": real["epochs"],
                  "params": real["params"], "costs": real["costs"], "overlap": overlap,
-                 "guard_s": real["guard_s"], "transition_s": real["transition_s"]},
+                 "guard_s": real["guard_s"], "transition_s": real["transition_s"], "prefill_s": real["prefill_s"]},
         "emulated": em, "sim": paper,
         "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
         "bench_seconds": round(time.time() - t_start, 1),
@@ -696,7 +726,9 @@ def main(argv=None) -> int:
           f"speedup_vs_plain_dp {result['speedup_vs_plain_dp']}; "
           f"final_loss_ratio {result['final_loss_ratio']}; transition_fraction {result['transition_fraction']} "
           f"(emulated) / {result['transition_fraction_sim']} (sim) / {result['transition_fraction_real_1node']} "
-          f"(1 node, + guard {result['guard_fraction_real_1node']}); bench {result['bench_seconds']:.0f}s")
+          f"(1 node, + guard {result['guard_fraction_real_1node']}); cache prefill {result['prefill_fraction']} "
+          f"(emulated) / {result['prefill_fraction_sim']} (sim) / {result['prefill_fraction_real_1node']} (1 node); "
+          f"bench {result['bench_seconds']:.0f}s")
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(result, indent=1, default=str))

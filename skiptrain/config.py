@@ -184,6 +184,8 @@ class ElasticConfig:
     cache: str = _f("auto", "frozen-prefix activation cache: auto (when measured cheaper), on, off",
                     choices=("auto", "on", "off"))
     cache_mb: float = _f(1024.0, "activation cache size bound in MiB", min=0.0)
+    prefill: bool = _f(True, "at a freeze, fill the cache for every training window at once when it fits "
+                       "(forward only, data parallel; the prefix then leaves the training pipeline)")
     cache_dir: str = _f("", "activation cache directory (empty = RUN_DIR/elastic_cache or a temp dir)")
     nodes: int = _f(0, "nodes of the emulated layout (0 = model.n_stages, one replica each)", min=0)
 

@@ -179,6 +179,23 @@ def test_autopipe_counts_the_embedding_frozen_with_the_prefix():
     assert max(ev["stage_memory"]) <= ev["memory_budget"] + 1e-9
 
 
+def test_autopipe_plans_without_a_fully_cached_prefix():
+    from skiptrain.config import ModelConfig
+    from skiptrain.elastic.repartition import autopipe_for, embedding_units
+    # a prefilled cache serves every sample: frozen layers and the embedding are not resident
+    assert stage_memory([3, 1], 2, 3.0, embedding_memory=2.0, prefix_cached=True) == [1.0 + 1.0, 1.0]
+    assert stage_memory([3, 1], 0, 3.0, embedding_memory=2.0, prefix_cached=True) == [6.0, 1.0]  # nothing frozen
+    # the bench's model with 6 of 8 layers frozen: 2 active layers + the head fit one device only
+    # without the prefix, and one stage x 16 replicas (no pipeline bubble) is then the fastest
+    cfg = ModelConfig(vocab_size=4096, d_model=128, n_layers=8, n_heads=4, n_kv_heads=2, seq_len=64, n_stages=4)
+    kept, ev_kept = autopipe_for(cfg, 6, 4, 2, 1.0, n_nodes=16, global_batch=16, n_micro=4)
+    gone, ev_gone = autopipe_for(cfg, 6, 4, 2, 1.0, n_nodes=16, global_batch=16, n_micro=4, prefix_cached=True)
+    assert len(kept) == 2 and not [t for t in ev_kept["tried"] if t["stages"] == 1][0]["fits"]
+    assert gone == [8] and ev_gone["prefix_cached"]
+    # the start's largest stage is the embedding + head; now the head + 2 active layers
+    assert ev_gone["stage_memory"] == [pytest.approx(ev_kept["memory_budget"] - embedding_units(cfg) + 2.0, abs=1e-3)]
+
+
 def test_autopipe_costs_a_cached_prefix_by_its_expected_hits():
     assert layer_compute(4, 2, True, 1.5) == [0.0, 0.0, 2.5, 2.5]
     assert layer_compute(4, 2, False, 1.5) == [1.0, 1.0, 2.5, 2.5]
@@ -238,6 +255,43 @@ def test_cache_equals_recompute_extends_and_invalidates(tiny_model, tmp_path):
     with torch.no_grad():
         m.tok_emb.weight.add_(0.01)
     assert run2.set_frozen(1) == 10 and again.entries == 0
+
+
+def test_cache_prefill_equals_recompute_and_extends_what_is_there(tiny_model, tmp_path):
+    m = tiny_model
+    n_win, T, d = 40, m.cfg.seq_len, m.cfg.d_model
+    tokens = torch.randint(0, 256, (n_win, T), generator=torch.Generator().manual_seed(1))
+    cache = ActivationCache(tmp_path / "c", n_win, T, d, max_bytes=n_win * T * d * 4)
+    run = PrefixRunner(m, cache)
+    run.set_frozen(1)
+    run(tokens[:20], list(range(20)))           # a step cached windows 0-19 at depth 1
+    assert not run.complete()
+    run.set_frozen(2)
+    asked = []
+
+    def tokens_of(ws):
+        asked.extend(ws)
+        return tokens[ws]
+
+    got = run.prefill(tokens_of, batch=7)
+    # windows 0-19 extended by one layer, 20-39 computed from their tokens through both
+    assert got["rows"] == 40 and got["layer_rows"] == 20 * 1 + 20 * 2
+    assert sorted(asked) == list(range(20, 40)) and cache.stats()["prefilled"] == 40
+    assert run.complete() and cache.misses == 20 and cache.hits == 0   # prefill is not a step's lookup
+    ref = PrefixRunner(m)
+    ref.frozen = 2
+    assert torch.equal(run(tokens, list(range(n_win))), ref.compute(tokens))   # bit for bit
+    assert cache.hits == 40 and cache.misses == 20 and cache.extended == 0
+    assert run.prefill(tokens_of, batch=7)["rows"] == 0        # already complete: nothing to do
+    # changed prefix weights: entries dropped, no longer complete
+    with torch.no_grad():
+        m.layers["1"].attn.wq.weight.mul_(1.1)
+    run.set_frozen(2)
+    assert not run.complete()
+    small = PrefixRunner(m, ActivationCache(tmp_path / "s", n_win, T, d, max_bytes=10 * T * d * 4))
+    small.set_frozen(1)
+    with pytest.raises(ValueError, match="cache_mb"):
+        small.prefill(tokens_of, batch=7)
 
 
 def test_cache_decision_rule():

@@ -97,10 +97,8 @@ def test_resume_after_a_transition_reproduces_the_run(byte_data, tmp_path):
 def test_frozen_prefix_costs_no_backward_and_cache_hits_skip_its_forward(byte_data, tmp_path):
     # 2 layers freeze at step 8 (cache on); then every window is cached and revisited
     cfg = _cfg(byte_data, steps=40)
-    ds = TokenDataset.open(byte_data)
-    full = ds.tokens  # the training text cut to 40 windows, so that windows come back soon
-    ds.tokens = lambda split: full(split)[:40 * cfg.model.seq_len + 1] if split == "train" else full(split)
-    tr = ElasticTrainer(cfg, tmp_path / "run", dataset=ds)
+    cfg.elastic.prefill = False   # the cache fills one miss at a time
+    tr = ElasticTrainer(cfg, tmp_path / "run", dataset=_forty_windows(cfg, byte_data))
     assert tr.train_src.n == 40
     tr.rule.alpha, tr.rule.min_active = 1.0, 3  # 2 layers freeze at step 8 and no more
     calls = {i: 0 for i in range(5)}
@@ -130,6 +128,36 @@ def test_frozen_prefix_costs_no_backward_and_cache_hits_skip_its_forward(byte_da
     assert tr.model.tok_emb.weight.grad is None
     # active layers: forward per micro-batch, gradients every step
     assert all(calls[i] == 3 * 2 for i in (2, 3, 4)) and all(grads_seen[i] == 3 for i in (2, 3, 4))
+
+
+def _forty_windows(cfg, data):
+    ds = TokenDataset.open(data)
+    full = ds.tokens  # the training text cut to 40 windows, so that windows come back soon
+    ds.tokens = lambda split: full(split)[:40 * cfg.model.seq_len + 1] if split == "train" else full(split)
+    return ds
+
+
+def test_prefill_at_a_freeze_then_every_step_hits_and_the_run_is_unchanged(byte_data, tmp_path):
+    runs = {}
+    for name, cache, prefill in (("prefill", "on", True), ("lazy", "on", False), ("off", "off", True)):
+        cfg = _cfg(byte_data, cache=cache, steps=24, every=0)
+        cfg.elastic.prefill = prefill
+        tr = ElasticTrainer(cfg, tmp_path / name, dataset=_forty_windows(cfg, byte_data))
+        tr.fit()
+        runs[name] = tr
+    pre, lazy = runs["prefill"], runs["lazy"]
+    # the first freeze (step 8) filled all 40 windows; later freezes extended them; no step missed
+    first = pre.transitions[0]
+    assert first["step"] == 8 and first["prefill"]["rows"] == 40 and first["expected_hit"] == 1.0
+    assert first["autopipe"]["prefix_cached"] and first["prefill"]["cpu_s"] >= 0
+    assert [t["prefill"]["layer_rows"] for t in pre.transitions] == [40 * 2, 40 * 1, 40 * 1]
+    assert pre.cache.misses == 0 and pre.cache.extended == 0 and pre.cache.hits == 16 * 8
+    assert lazy.cache.misses > 0 and "prefill" not in lazy.transitions[0]
+    assert not lazy.transitions[0]["autopipe"]["prefix_cached"]
+    # same losses and weights, bit for bit, whichever way the prefix was obtained
+    assert _losses(tmp_path / "prefill") == _losses(tmp_path / "lazy") == _losses(tmp_path / "off")
+    for (n, a), (_, b) in zip(pre.model.named_parameters(), runs["off"].model.named_parameters()):
+        assert torch.equal(a, b), n
 
 
 def test_guard_keeps_the_frozen_prefix_of_its_windows_and_equals_evaluate(byte_data, tmp_path):

@@ -45,9 +45,12 @@ class SampleSource:
 
     def batch(self, indices) -> tuple[torch.Tensor, torch.Tensor]:
         """(inputs, targets) of shape (len(indices), seq_len), int64."""
+        return self.window_batch([self.window(g) for g in indices])
+
+    def window_batch(self, windows) -> tuple[torch.Tensor, torch.Tensor]:
+        """(inputs, targets) of the windows with these ids (not global sample indices)."""
         t = self.seq_len
-        rows = np.stack([np.asarray(self.tokens[w * t: w * t + t + 1], dtype=np.int64)
-                         for w in (self.window(g) for g in indices)])
+        rows = np.stack([np.asarray(self.tokens[w * t: w * t + t + 1], dtype=np.int64) for w in windows])
         x = torch.from_numpy(rows)
         return x[:, :-1], x[:, 1:]
 

@@ -24,6 +24,11 @@ new depth, which costs less than recomputing from the tokens.
 Bound.  ``capacity = min(windows, max_bytes // row_bytes)`` rows; windows beyond it are
 recomputed every time (no eviction: every window is equally likely to come back next epoch).
 
+Prefill.  When the whole training split fits, a freeze brings every window to the new depth at
+once (:meth:`PrefixRunner.prefill`, forward only, data parallel over the nodes) instead of one
+miss at a time over the next epoch: every later lookup hits, and the prefix need not stay
+resident with the layers that still train (:meth:`PrefixRunner.complete`).
+
 Whether to use the cache at all is a measurement (:func:`measure` and :func:`worth_it`):
 per sample, recomputing the prefix vs reading a row, counting the write on the first visit
 and the number of visits left in the run; measured once and rescaled by depth (:func:`at_depth`).
@@ -35,7 +40,7 @@ import json
 import time
 import zlib
 from pathlib import Path
-from typing import Any, Iterable, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 import torch
@@ -62,7 +67,7 @@ class ActivationCache:
         self.row_bytes = seq_len * d_model * 4
         self.n_windows = n_windows
         self.capacity = int(min(n_windows, max_bytes // self.row_bytes))
-        self.hits = self.misses = self.extended = self.writes = 0
+        self.hits = self.misses = self.extended = self.writes = self.prefilled = 0
         meta = {"capacity": self.capacity, "seq_len": seq_len, "d_model": d_model, "n_windows": n_windows}
         meta_path = self.dir / "meta.json"
         reuse = meta_path.is_file() and json.loads(meta_path.read_text()) == meta
@@ -133,7 +138,7 @@ class ActivationCache:
 
     def stats(self) -> dict[str, Any]:
         return {"entries": self.entries, "capacity": self.capacity, "bytes": self.nbytes(), "hits": self.hits,
-                "misses": self.misses, "extended": self.extended, "writes": self.writes}
+                "misses": self.misses, "extended": self.extended, "writes": self.writes, "prefilled": self.prefilled}
 
 
 class PrefixRunner:
@@ -165,36 +170,87 @@ class PrefixRunner:
 
     @torch.no_grad()
     def __call__(self, tokens: torch.Tensor, windows: Sequence[int]) -> torch.Tensor:
-        F = self.frozen
         if not self.enabled or self.cache is None:
             return self.compute(tokens)
-        c = self.cache
         out = torch.empty(tokens.shape[0], tokens.shape[1], self.model.cfg.d_model)
+        self._fill(tokens, windows, out)
+        return out
+
+    def _fill(self, tokens: torch.Tensor | None, windows: Sequence[int], out: torch.Tensor | None,
+              tokens_of: Callable[[list[int]], torch.Tensor] | None = None) -> dict[str, int]:
+        """Bring ``windows`` to the current depth: read full-depth entries, extend shallower ones,
+        compute and write the missing (their tokens: ``tokens`` rows, or ``tokens_of(windows)``).
+        Writes the outputs into ``out`` when given; returns the counts (hits, extended, misses,
+        and the layer forwards run, per sample)."""
+        F, c = self.frozen, self.cache
+        assert c is not None
         found = c.lookup(windows)
-        full = [(i, s) for i, f in enumerate(found) if f is not None and f[1] == F for s in [f[0]]]
-        if full:
-            idx = [i for i, _ in full]
-            out[idx] = c.read([s for _, s in full])
-            c.hits += len(full)
+        n = {"hits": 0, "extended": 0, "misses": 0, "layer_rows": 0}
+        full = [(i, f[0]) for i, f in enumerate(found) if f is not None and f[1] == F]
+        if full and out is not None:
+            out[[i for i, _ in full]] = c.read([s for _, s in full])
+        n["hits"] = len(full)
         by_depth: dict[int, list[tuple[int, int]]] = {}
         for i, f in enumerate(found):
             if f is not None and f[1] < F:
                 by_depth.setdefault(f[1], []).append((i, f[0]))
         for depth, items in sorted(by_depth.items()):  # incremental extension
-            idx = [i for i, _ in items]
             h = self.run_layers(c.read([s for _, s in items]), depth, F)
-            out[idx] = h
+            if out is not None:
+                out[[i for i, _ in items]] = h
             for (i, _), row in zip(items, h):
                 c.write(windows[i], F, self.fps[F], row)
-            c.extended += len(items)
+            n["extended"] += len(items)
+            n["layer_rows"] += len(items) * (F - depth)
         miss = [i for i, f in enumerate(found) if f is None]
         if miss:
-            h = self.compute(tokens[miss])
-            out[miss] = h
+            x = tokens[miss] if tokens is not None else tokens_of([int(windows[i]) for i in miss])
+            h = self.compute(x)
+            if out is not None:
+                out[miss] = h
             for i, row in zip(miss, h):
                 c.write(windows[i], F, self.fps[F], row)
-            c.misses += len(miss)
-        return out
+            n["misses"] = len(miss)
+            n["layer_rows"] += len(miss) * F
+        if out is not None:  # a training step's lookups (prefill counts separately)
+            c.hits += n["hits"]
+            c.extended += n["extended"]
+            c.misses += n["misses"]
+        return n
+
+    @torch.no_grad()
+    def prefill(self, tokens_of: Callable[[list[int]], torch.Tensor], batch: int) -> dict[str, Any]:
+        """Bring every window of the training split to the current depth, ``batch`` windows at a time.
+
+        Run at a freeze when the whole split fits the cache: the prefix then never runs inside a
+        training step again (every lookup hits), and a prefix whose every output is cached need
+        not be resident with the layers that still train (AutoPipe's ``prefix_cached``).  The
+        work is the first visit of every window, which the steps would otherwise do one miss at
+        a time; done at once it is forward-only and data parallel over all nodes.  Windows
+        already at the depth are skipped, shallower ones extended.  Returns ``rows`` (windows
+        computed or extended), ``layer_rows`` (layer forwards run, per sample) and ``seconds``."""
+        c = self.cache
+        if c is None or self.frozen <= 0:
+            return {"rows": 0, "layer_rows": 0, "seconds": 0.0}
+        if c.capacity < c.n_windows:
+            raise ValueError(f"prefill needs room for all {c.n_windows} windows; the cache holds {c.capacity} "
+                             "(raise elastic.cache_mb)")
+        t0 = time.perf_counter()
+        rows = layer_rows = 0
+        for a in range(0, c.n_windows, batch):
+            n = self._fill(None, list(range(a, min(c.n_windows, a + batch))), None, tokens_of)
+            rows += n["extended"] + n["misses"]
+            layer_rows += n["layer_rows"]
+        c.prefilled += rows
+        return {"rows": rows, "layer_rows": layer_rows, "seconds": round(time.perf_counter() - t0, 6)}
+
+    def complete(self) -> bool:
+        """Every training window's entry is at the current depth (so every lookup hits)."""
+        c = self.cache
+        if c is None or self.frozen <= 0 or c.entries < c.n_windows:
+            return False
+        slots = np.fromiter(c.slot_of.values(), dtype=np.int64, count=len(c.slot_of))
+        return bool((c.tags[slots, 1] == self.frozen).all())
 
 
 def measure(model, frozen: int, tokens: torch.Tensor, directory: str | Path, repeats: int = 3) -> dict[str, float]:

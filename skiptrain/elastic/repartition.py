@@ -8,6 +8,9 @@ units: a frozen layer costs ``frozen_memory`` (1/6: it keeps its weights but no 
 the backward, no gradients and no optimizer state); stage 0 also holds the embedding and the
 head (``stage0_memory`` layer units, derived from the parameter counts); the embedding freezes
 with the first layer and then costs ``frozen_memory`` of its share (``embedding_memory``).
+When the activation cache holds every training sample's prefix output (``prefix_cached``: it was
+prefilled at the freeze) the frozen layers and the embedding never run in a step, so they cost
+no device memory either: they stay in host memory for validation, checkpoints and an undo.
 
 :func:`autopipe` implements the paper's rule:
 
@@ -98,16 +101,21 @@ def layer_compute(n_layers: int, frozen: int, cached: bool | float, backward_fac
 
 
 def stage_memory(counts: Sequence[int], frozen: int, stage0_memory: float = 0.0,
-                 frozen_memory: float = FROZEN_MEMORY, embedding_memory: float = 0.0) -> list[float]:
+                 frozen_memory: float = FROZEN_MEMORY, embedding_memory: float = 0.0,
+                 prefix_cached: bool = False) -> list[float]:
     """Memory per stage in active-layer units (frozen layers at ``frozen_memory``).
 
     ``stage0_memory`` is stage 0's embedding + head + norm, of which ``embedding_memory`` is the
-    embedding: once anything is frozen it is frozen too, and costs ``frozen_memory`` of that."""
+    embedding: once anything is frozen it is frozen too, and costs ``frozen_memory`` of that.
+    ``prefix_cached``: every training sample's prefix output is in the activation cache, so the
+    frozen layers and the embedding never run in a step and are not resident (0)."""
     out, start = [], 0
-    s0 = stage0_memory - (embedding_memory * (1 - frozen_memory) if frozen > 0 else 0.0)
+    gone = frozen > 0 and prefix_cached
+    s0 = stage0_memory - (embedding_memory * (1 if gone else 1 - frozen_memory) if frozen > 0 else 0.0)
+    per_frozen = 0.0 if gone else frozen_memory
     for s, c in enumerate(counts):
         n_frozen = max(0, min(c, frozen - start))
-        out.append(n_frozen * frozen_memory + (c - n_frozen) + (s0 if s == 0 else 0.0))
+        out.append(n_frozen * per_frozen + (c - n_frozen) + (s0 if s == 0 else 0.0))
         start += c
     return out
 
@@ -168,7 +176,7 @@ def neighbour_splits(counts: Sequence[int], frozen: int) -> list[list[int]]:
 def autopipe(n_layers: int, frozen: int, start_stages: int, current_stages: int, cached: bool | float,
              stage0_compute: float = 0.0, stage0_memory: float = 0.0,
              backward_factor: float = BACKWARD_FACTOR, *, embedding_memory: float = 0.0,
-             n_nodes: int | None = None,
+             prefix_cached: bool = False, n_nodes: int | None = None,
              global_batch: int | None = None, n_micro: int = 1,
              seconds: Callable[[list[int]], float] | None = None) -> tuple[list[int], dict[str, Any]]:
     """(layers per stage, evidence): repartition and re-pick the stage count (module docstring).
@@ -192,7 +200,8 @@ def autopipe(n_layers: int, frozen: int, start_stages: int, current_stages: int,
         # a profile also tries moving each cut by one layer: the unit cost model does not see
         # everything (stage 0 originates every micro-batch; links differ)
         for cand in [balanced] + (neighbour_splits(balanced, frozen) if seconds is not None else []):
-            mem = max(stage_memory(cand, frozen, stage0_memory, embedding_memory=embedding_memory))
+            mem = max(stage_memory(cand, frozen, stage0_memory, embedding_memory=embedding_memory,
+                                   prefix_cached=prefix_cached))
             fits = mem <= budget + 1e-9
             est = None
             if fits:
@@ -210,16 +219,18 @@ def autopipe(n_layers: int, frozen: int, start_stages: int, current_stages: int,
         counts = split(n_layers, frozen, top, cached, stage0_compute, backward_factor)
     stage_cost = [round(c, 4) for c in stage_costs(counts, frozen, cached, stage0_compute, backward_factor)]
     evidence = {"memory_budget": round(budget, 4), "tried": tried, "stage_cost": stage_cost,
+                "prefix_cached": prefix_cached,
                 "stage_memory": [round(m, 4) for m in stage_memory(counts, frozen, stage0_memory,
-                                                                    embedding_memory=embedding_memory)]}
+                                                                    embedding_memory=embedding_memory,
+                                                                    prefix_cached=prefix_cached)]}
     return counts, evidence
 
 
 def autopipe_for(cfg: ModelConfig, frozen: int, start_stages: int, current_stages: int, cached: bool | float,
                  n_nodes: int | None = None, global_batch: int | None = None, n_micro: int = 1,
-                 ) -> tuple[list[int], dict[str, Any]]:
+                 prefix_cached: bool = False) -> tuple[list[int], dict[str, Any]]:
     """:func:`autopipe` with stage 0's extra compute and memory taken from ``cfg``."""
     c0, m0 = stage0_units(cfg)
     return autopipe(cfg.n_layers, frozen, start_stages, current_stages, cached, c0, m0,
-                    embedding_memory=embedding_units(cfg), n_nodes=n_nodes, global_batch=global_batch,
-                    n_micro=n_micro)
+                    embedding_memory=embedding_units(cfg), prefix_cached=prefix_cached, n_nodes=n_nodes,
+                    global_batch=global_batch, n_micro=n_micro)

@@ -9,7 +9,9 @@ a *transition* runs:
 1. frozen layers (and the embedding, with the first of them) stop requiring gradients, so they
    get no backward and AdamW leaves them untouched (their optimizer state is kept for an undo);
 2. the activation cache (:mod:`.cache`) is measured and switched on when cheaper, and its
-   entries are validated (an undo drops entries deeper than the new prefix);
+   entries are validated (an undo drops entries deeper than the new prefix); when the whole
+   training split fits it is prefilled to the new depth (``elastic.prefill``), so no step runs
+   the prefix again and AutoPipe plans without it in device memory;
 3. AutoPipe (:mod:`.repartition`) repartitions the active layers and shrinks the stage count,
    costing the frozen prefix by the share the cache is expected to save (:func:`.cache.expected_hit`);
 4. AutoDP (:mod:`.replicas`) assigns the ``elastic.nodes`` emulated nodes to the new stages and
@@ -273,12 +275,19 @@ class ElasticTrainer(Trainer):
                                         "visits_left": round(visits_left, 3)}
         self.runner.enabled = cached
         rec["cache_dropped"] = self.runner.set_frozen(F)
-        hit = 0.0
+        hit, prefill_cpu = 0.0, 0.0
+        if cached and e.prefill and visits_left >= 1 and self.cache.capacity >= self.cache.n_windows:
+            c1 = time.thread_time()
+            rec["prefill"] = self.runner.prefill(lambda ws: self.train_src.window_batch(ws)[0],
+                                                 t.micro_batch * t.n_micro)
+            prefill_cpu = time.thread_time() - c1
+            rec["prefill"]["cpu_s"] = round(prefill_cpu, 6)
         if cached:  # AutoPipe costs the prefix by the share of it the cache will really save
             hit = expected_hit(self.cache, F, visits_left)
         rec["expected_hit"] = round(hit, 4)
         counts, evidence = autopipe_for(m, F, self.start_stages, old.n_stages, hit, self.n_nodes,
-                                         t.micro_batch * t.n_micro, t.n_micro)
+                                         t.micro_batch * t.n_micro, t.n_micro,
+                                         prefix_cached=cached and self.runner.complete())
         new_part = Partition(tuple(counts))
         frozen_names = [n for n, p in self.model.named_parameters() if not p.requires_grad]
         sizes = state_sizes(self.model, self.opt, frozen_names)
@@ -301,8 +310,9 @@ class ElasticTrainer(Trainer):
                    counts=counts, placement=placement, cached=cached, autopipe=evidence,
                    transfer_bytes=sum(tr.nbytes for tr in plan), transfer_messages=len(plan),
                    pack_unpack_s=round(pack_s, 6))
-        rec["seconds"] = round(time.perf_counter() - t0, 6)   # wall
-        rec["cpu_s"] = round(time.thread_time() - c0, 6)      # this thread's CPU (what a loaded machine does not inflate)
+        # the transition's own cost; a prefill is the first epoch's prefix work, reported apart
+        rec["seconds"] = round(time.perf_counter() - t0 - rec.get("prefill", {}).get("seconds", 0.0), 6)   # wall
+        rec["cpu_s"] = round(time.thread_time() - c0 - prefill_cpu, 6)   # this thread's CPU (not inflated by load)
         self.transitions.append(rec)
         return rec
 
@@ -345,6 +355,8 @@ class ElasticTrainer(Trainer):
         summary = super().fit(steps)
         summary["elastic"] = {"frozen_layers": self.frozen, "layouts": [l.to_dict() for l in self.layouts],
                               "transition_s": round(sum(t["seconds"] for t in self.transitions), 4),
+                              "prefill_s": round(sum(t.get("prefill", {}).get("seconds", 0.0)
+                                                     for t in self.transitions), 4),
                               "guard_s": round(self.guard_s, 4),
                               "cache": None if self.cache is None else self.cache.stats()}
         if self.out is not None:
