@@ -496,7 +496,8 @@ def prefill_seconds(sc: Scale, real: dict, upto: int) -> float:
     for tr in real["transitions"]:
         p = tr.get("prefill")
         if p and tr["step"] <= upto:
-            write = tr["cache_measure"]["write_s"] if sc.start_stages else sc.read_s  # per row
+            # per row: the trainer's measured write (cache "auto"), else a read's cost
+            write = tr.get("cache_measure", {}).get("write_s", sc.read_s) if sc.start_stages else sc.read_s
             t += (p["layer_rows"] * k * L / L_real * sc.fwd_s + p["rows"] * k * write) / N_DEV
     return t
 

@@ -160,6 +160,46 @@ def test_prefill_at_a_freeze_then_every_step_hits_and_the_run_is_unchanged(byte_
         assert torch.equal(a, b), n
 
 
+def test_resume_refills_a_prefilled_cache_and_continues_exactly(byte_data, tmp_path):
+    cfg = _cfg(byte_data, steps=24)
+    full = ElasticTrainer(cfg, tmp_path / "full", dataset=_forty_windows(cfg, byte_data))
+    full.fit()
+    cfg = _cfg(byte_data, steps=24, final=False)
+    part = ElasticTrainer(cfg, tmp_path / "part", dataset=_forty_windows(cfg, byte_data))
+    part.fit(steps=16)  # killed at 16; the step-16 freeze extended every entry past the step-12 checkpoint
+    again = ElasticTrainer(cfg, tmp_path / "part", dataset=_forty_windows(cfg, byte_data))
+    again.resume()
+    assert again.step == 12 and again.frozen == 3
+    # the entries were one layer too deep for the checkpoint: dropped, and refilled at once
+    assert again.resume_prefill["rows"] == 40 and again.runner.complete()
+    assert again.cache.misses == full.cache.misses == 0
+    again.fit()
+    assert _losses(tmp_path / "part") == _losses(tmp_path / "full")
+    st, want = again.cache.stats(), full.cache.stats()
+    assert (st["hits"], st["misses"], st["extended"]) == (want["hits"], want["misses"], want["extended"])
+    assert [t["prefill"]["layer_rows"] for t in again.transitions] == [t["prefill"]["layer_rows"]
+                                                                       for t in full.transitions]
+    assert [t["counts"] for t in again.transitions] == [t["counts"] for t in full.transitions]
+
+
+def test_a_prefill_is_timed_apart_from_its_transition(byte_data, tmp_path, monkeypatch):
+    cfg = _cfg(byte_data, steps=16, every=0)   # the freeze at step 8 prefills (1.6 visits per window left)
+    tr = ElasticTrainer(cfg, tmp_path / "t", dataset=_forty_windows(cfg, byte_data))
+    real = tr.runner.prefill
+
+    def slow_prefill(*a, **k):
+        c0 = __import__("time").thread_time()
+        while __import__("time").thread_time() - c0 < 0.5:   # CPU work, not a sleep
+            pass
+        return real(*a, **k)
+
+    monkeypatch.setattr(tr.runner, "prefill", slow_prefill)
+    tr.fit()
+    rec = tr.transitions[0]
+    assert rec["prefill"]["cpu_s"] >= 0.5 and rec["prefill"]["seconds"] >= 0.5
+    assert rec["cpu_s"] < 0.25 and rec["seconds"] < rec["prefill"]["seconds"]
+
+
 def test_guard_keeps_the_frozen_prefix_of_its_windows_and_equals_evaluate(byte_data, tmp_path):
     from skiptrain.train.evaluate import evaluate
     tr = ElasticTrainer(_cfg(byte_data, steps=16, every=0), tmp_path / "g")

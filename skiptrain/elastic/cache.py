@@ -225,8 +225,9 @@ class PrefixRunner:
         Run at a freeze when the whole split fits the cache: the prefix then never runs inside a
         training step again (every lookup hits), and a prefix whose every output is cached need
         not be resident with the layers that still train (AutoPipe's ``prefix_cached``).  The
-        work is the first visit of every window, which the steps would otherwise do one miss at
-        a time; done at once it is forward-only and data parallel over all nodes.  Windows
+        work is what each window's next visit would do as a miss (the caller prefills only with
+        at least one visit per window left); done at once it is forward-only and data parallel
+        over all nodes.  Windows
         already at the depth are skipped, shallower ones extended.  Returns ``rows`` (windows
         computed or extended), ``layer_rows`` (layer forwards run, per sample) and ``seconds``."""
         c = self.cache

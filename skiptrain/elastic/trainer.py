@@ -26,8 +26,9 @@ step) are untouched by transitions, so no sample is repeated or skipped.
 
 Checkpoints carry, under ``state["freeze"]``: the frozen count, the whole rule state (window
 sums, previous norms, guard), the layout history, the transitions and the cache position (its
-directory, depth and counters); ``resume`` restores all of it and revalidates the cache, so a
-resumed run continues exactly as the uninterrupted one.  Decisions go to ``RUN_DIR/elastic.jsonl``.
+directory, depth and counters); ``resume`` restores all of it and revalidates the cache (and,
+when the layout in force was planned with a prefilled cache that has since lost entries,
+prefills it again: ``resume_prefill``), so a resumed run continues exactly as the uninterrupted one.  Decisions go to ``RUN_DIR/elastic.jsonl``.
 """
 
 from __future__ import annotations
@@ -93,6 +94,7 @@ class ElasticTrainer(Trainer):
         self._guard_rows: tuple[Any, list[torch.Tensor]] | None = None   # and their prefix outputs
         self.runner = PrefixRunner(self.model)
         self.runner.enabled = False
+        self.resume_prefill: dict[str, Any] | None = None   # a prefill redone when resuming
         self._stage_params()
         if self.ckpt is not None:
             self.ckpt.manager.close()
@@ -275,13 +277,13 @@ class ElasticTrainer(Trainer):
                                         "visits_left": round(visits_left, 3)}
         self.runner.enabled = cached
         rec["cache_dropped"] = self.runner.set_frozen(F)
-        hit, prefill_cpu = 0.0, 0.0
+        hit, prefill_cpu, prefill_wall = 0.0, 0.0, 0.0
         if cached and e.prefill and visits_left >= 1 and self.cache.capacity >= self.cache.n_windows:
-            c1 = time.thread_time()
+            t1, c1 = time.perf_counter(), time.thread_time()
             rec["prefill"] = self.runner.prefill(lambda ws: self.train_src.window_batch(ws)[0],
                                                  t.micro_batch * t.n_micro)
-            prefill_cpu = time.thread_time() - c1
-            rec["prefill"]["cpu_s"] = round(prefill_cpu, 6)
+            prefill_cpu, prefill_wall = time.thread_time() - c1, time.perf_counter() - t1
+            rec["prefill"].update(cpu_s=round(prefill_cpu, 6), seconds=round(prefill_wall, 6))
         if cached:  # AutoPipe costs the prefix by the share of it the cache will really save
             hit = expected_hit(self.cache, F, visits_left)
         rec["expected_hit"] = round(hit, 4)
@@ -311,7 +313,7 @@ class ElasticTrainer(Trainer):
                    transfer_bytes=sum(tr.nbytes for tr in plan), transfer_messages=len(plan),
                    pack_unpack_s=round(pack_s, 6))
         # the transition's own cost; a prefill is the first epoch's prefix work, reported apart
-        rec["seconds"] = round(time.perf_counter() - t0 - rec.get("prefill", {}).get("seconds", 0.0), 6)   # wall
+        rec["seconds"] = round(time.perf_counter() - t0 - prefill_wall, 6)   # wall
         rec["cpu_s"] = round(time.thread_time() - c0 - prefill_cpu, 6)   # this thread's CPU (not inflated by load)
         self.transitions.append(rec)
         return rec
@@ -340,6 +342,20 @@ class ElasticTrainer(Trainer):
             self._open_cache()
         self.runner.enabled = bool(cst.get("enabled")) and self.cache is not None
         self.runner.set_frozen(self.frozen)
+        if self.cache is not None:  # the counters continue where the checkpoint left them
+            for k in ("hits", "misses", "extended", "writes", "prefilled"):
+                setattr(self.cache, k, int(cst.get(k, 0)))
+        self.resume_prefill: dict[str, Any] | None = None
+        planned = self.transitions[-1].get("autopipe", {}).get("prefix_cached") if self.transitions else False
+        if self.runner.enabled and planned and not self.runner.complete():
+            # the layout in force was planned without the prefix on the device: the cache lost
+            # entries since the checkpoint (a later, deeper freeze rewrote them, or the cache
+            # directory is new), so bring it back to the checkpoint's depth before any step
+            c1 = time.thread_time()
+            t = self.cfg.train
+            self.resume_prefill = self.runner.prefill(lambda ws: self.train_src.window_batch(ws)[0],
+                                                      t.micro_batch * t.n_micro)
+            self.resume_prefill["cpu_s"] = round(time.thread_time() - c1, 6)
         self._stage_params()
 
     def resume(self, path: str | Path | None = None) -> Path:
