@@ -186,6 +186,8 @@ class ElasticConfig:
     cache_mb: float = _f(1024.0, "activation cache size bound in MiB", min=0.0)
     prefill: bool = _f(True, "at a freeze, fill the cache for every training window at once when it fits "
                        "(forward only, data parallel; the prefix then leaves the training pipeline)")
+    prefill_after_undo: int = _f(4, "windows after a guard undo in which a freeze fills the cache lazily instead "
+                                 "(an undo discards a prefill: do not repeat it while freezing is unsettled)", min=0)
     cache_dir: str = _f("", "activation cache directory (empty = RUN_DIR/elastic_cache or a temp dir)")
     nodes: int = _f(0, "nodes of the emulated layout (0 = model.n_stages, one replica each)", min=0)
 

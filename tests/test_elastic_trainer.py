@@ -160,6 +160,21 @@ def test_prefill_at_a_freeze_then_every_step_hits_and_the_run_is_unchanged(byte_
         assert torch.equal(a, b), n
 
 
+def test_no_prefill_while_freezing_is_unsettled(byte_data, tmp_path):
+    # an undo at step 4 (as the guard would log it): the freeze at step 8 is within
+    # prefill_after_undo windows of it, so the cache fills lazily; with 0 windows it prefills
+    for quiet, prefilled in ((4, False), (0, True)):
+        cfg = _cfg(byte_data, steps=16, every=0)   # 1.6 visits per window left at step 8
+        cfg.elastic.prefill_after_undo = quiet
+        tr = ElasticTrainer(cfg, tmp_path / f"q{quiet}", dataset=_forty_windows(cfg, byte_data))
+        tr.rule.history.append({"step": 4, "action": "undo"})
+        tr.fit()
+        rec = tr.transitions[0]
+        assert rec["step"] == 8 and rec["prefill_settled"] is prefilled and ("prefill" in rec) is prefilled
+        assert rec["autopipe"]["prefix_cached"] is prefilled and tr.runner.enabled
+        assert (tr.cache.misses > 0) is not prefilled
+
+
 def test_resume_refills_a_prefilled_cache_and_continues_exactly(byte_data, tmp_path):
     cfg = _cfg(byte_data, steps=24)
     full = ElasticTrainer(cfg, tmp_path / "full", dataset=_forty_windows(cfg, byte_data))

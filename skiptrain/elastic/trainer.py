@@ -278,7 +278,13 @@ class ElasticTrainer(Trainer):
         self.runner.enabled = cached
         rec["cache_dropped"] = self.runner.set_frozen(F)
         hit, prefill_cpu, prefill_wall = 0.0, 0.0, 0.0
-        if cached and e.prefill and visits_left >= 1 and self.cache.capacity >= self.cache.n_windows:
+        # an undo within the last prefill_after_undo windows: freezing is unsettled, and the next
+        # undo would discard a whole prefill (every entry deeper than the new prefix is dropped)
+        settled = not any(d["action"] == "undo" and d["step"] > self.step - e.prefill_after_undo * e.check_every
+                          for d in self.rule.history)
+        rec["prefill_settled"] = settled
+        if (cached and e.prefill and settled and visits_left >= 1
+                and self.cache.capacity >= self.cache.n_windows):
             t1, c1 = time.perf_counter(), time.thread_time()
             rec["prefill"] = self.runner.prefill(lambda ws: self.train_src.window_batch(ws)[0],
                                                  t.micro_batch * t.n_micro)
