@@ -657,8 +657,9 @@ def main(argv=None) -> int:
     def overhead(sc, e, best, upto, cpu=True):
         """Seconds the elastic run spends outside its steps up to step ``upto``: the transitions
         (their measured CPU on the small scale, and the wire time of their transfers), the cache
-        prefills (:func:`prefill_seconds`, variants with the cache) and the guard's validation passes (16 samples spread over the replicas of the layout in force at
-        each check; the guard keeps its windows' frozen-prefix outputs, see
+        prefills (:func:`prefill_seconds`, variants with the cache) and the guard's validation
+        passes (16 samples spread over the replicas of the layout in force at each check; the
+        guard keeps its windows' frozen-prefix outputs, see
         ElasticTrainer._guard_from_prefix, so a check runs the active layers and the head, and
         the prefix once per new depth)."""
         if not upto:

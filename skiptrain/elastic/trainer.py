@@ -254,6 +254,16 @@ class ElasticTrainer(Trainer):
         with open(Path(self.out) / "elastic.jsonl", "a") as f:
             f.write(json.dumps(rec) + "\n")
 
+    def _prefill(self) -> tuple[dict[str, Any], float, float]:
+        """Prefill the cache to the current depth, a global batch of windows at a time: (its
+        record with wall ``seconds`` and thread ``cpu_s`` measured around it, wall, CPU)."""
+        t0, c0 = time.perf_counter(), time.thread_time()
+        t = self.cfg.train
+        rec = self.runner.prefill(lambda ws: self.train_src.window_batch(ws)[0], t.micro_batch * t.n_micro)
+        wall, cpu = time.perf_counter() - t0, time.thread_time() - c0
+        rec.update(seconds=round(wall, 6), cpu_s=round(cpu, 6))
+        return rec, wall, cpu
+
     def _transition(self) -> dict[str, Any]:
         """Apply the rule's new frozen count: freeze/unfreeze, cache, AutoPipe, AutoDP."""
         t0, c0 = time.perf_counter(), time.thread_time()
@@ -277,7 +287,7 @@ class ElasticTrainer(Trainer):
                                         "visits_left": round(visits_left, 3)}
         self.runner.enabled = cached
         rec["cache_dropped"] = self.runner.set_frozen(F)
-        hit, prefill_cpu, prefill_wall = 0.0, 0.0, 0.0
+        prefill_cpu = prefill_wall = 0.0
         # an undo within the last prefill_after_undo windows: freezing is unsettled, and the next
         # undo would discard a whole prefill (every entry deeper than the new prefix is dropped)
         settled = not any(d["action"] == "undo" and d["step"] > self.step - e.prefill_after_undo * e.check_every
@@ -285,13 +295,9 @@ class ElasticTrainer(Trainer):
         rec["prefill_settled"] = settled
         if (cached and e.prefill and settled and visits_left >= 1
                 and self.cache.capacity >= self.cache.n_windows):
-            t1, c1 = time.perf_counter(), time.thread_time()
-            rec["prefill"] = self.runner.prefill(lambda ws: self.train_src.window_batch(ws)[0],
-                                                 t.micro_batch * t.n_micro)
-            prefill_cpu, prefill_wall = time.thread_time() - c1, time.perf_counter() - t1
-            rec["prefill"].update(cpu_s=round(prefill_cpu, 6), seconds=round(prefill_wall, 6))
-        if cached:  # AutoPipe costs the prefix by the share of it the cache will really save
-            hit = expected_hit(self.cache, F, visits_left)
+            rec["prefill"], prefill_wall, prefill_cpu = self._prefill()
+        # AutoPipe costs the prefix by the share of it the cache will really save
+        hit = expected_hit(self.cache, F, visits_left) if cached else 0.0
         rec["expected_hit"] = round(hit, 4)
         counts, evidence = autopipe_for(m, F, self.start_stages, old.n_stages, hit, self.n_nodes,
                                          t.micro_batch * t.n_micro, t.n_micro,
@@ -351,17 +357,13 @@ class ElasticTrainer(Trainer):
         if self.cache is not None:  # the counters continue where the checkpoint left them
             for k in ("hits", "misses", "extended", "writes", "prefilled"):
                 setattr(self.cache, k, int(cst.get(k, 0)))
-        self.resume_prefill: dict[str, Any] | None = None
+        self.resume_prefill = None
         planned = self.transitions[-1].get("autopipe", {}).get("prefix_cached") if self.transitions else False
         if self.runner.enabled and planned and not self.runner.complete():
             # the layout in force was planned without the prefix on the device: the cache lost
             # entries since the checkpoint (a later, deeper freeze rewrote them, or the cache
             # directory is new), so bring it back to the checkpoint's depth before any step
-            c1 = time.thread_time()
-            t = self.cfg.train
-            self.resume_prefill = self.runner.prefill(lambda ws: self.train_src.window_batch(ws)[0],
-                                                      t.micro_batch * t.n_micro)
-            self.resume_prefill["cpu_s"] = round(time.thread_time() - c1, 6)
+            self.resume_prefill = self._prefill()[0]
         self._stage_params()
 
     def resume(self, path: str | Path | None = None) -> Path:
