@@ -511,8 +511,12 @@ VARIANTS = {"freeze_only": dict(repartition=False, replicas=False, cache=False),
             "all": dict(repartition=True, replicas=True, cache=True)}
 
 
-def half(sc: Scale, real: dict, steps_b: int | None, steps_e: int | None, topo, overhead) -> dict:
-    """Sweep, best static, plain DP and the elastic variants of one half; times to the target."""
+def half(sc: Scale, real: dict, steps_b: int | None, steps_e: int | None, topo, overhead,
+         other_targets: dict[str, tuple[int | None, int | None]] | None = None) -> dict:
+    """Sweep, best static, plain DP and the elastic variants of one half; times to the target.
+
+    ``other_targets`` (name -> steps to it of the baseline and the elastic run): the full
+    elastic run's speed-up at other target levels, the sensitivity of the headline figure."""
     sw = sweep(sc, topo)
     feasible = [r for r in sw if r["iteration_s"] is not None]
     if not feasible:
@@ -539,6 +543,13 @@ def half(sc: Scale, real: dict, steps_b: int | None, steps_e: int | None, topo, 
                               "speedup_vs_best_static": round(static_tt / tt, 3) if (tt and static_tt) else None,
                               "speedup_vs_plain_dp": round(dp_tt / tt, 3) if (tt and dp_tt) else None,
                               "history": e["history"], "wire_s": e["wire_s"]}
+        if k == "all":
+            out["speedup_by_target"] = {}
+            for name, (sb, se) in (other_targets or {}).items():
+                t_e = sum(e["per_step"][:se]) + overhead(sc, e, best, se) if se else None
+                out["speedup_by_target"][name] = {
+                    "steps_baseline": sb, "steps_elastic": se,
+                    "speedup_vs_best_static": round(best["iteration_s"] * sb / t_e, 3) if (sb and t_e) else None}
     return out
 
 
@@ -681,13 +692,23 @@ def main(argv=None) -> int:
         return trans + wire + g + (prefill_seconds(sc, real, upto) if e["cache"] else 0.0)
 
 
-    em = half(small, real, steps_b, steps_e, topo, overhead)
+    # the headline target's sensitivity: other levels, and the baseline's best loss (it overfits late)
+    best_b = min(p["val_loss"] for p in c["baseline"])
+    levels = {f"final x {m}": final["baseline"] * m for m in (1.005, 1.01, 1.02, 1.03)}
+    levels.update({f"best x {m}": best_b * m for m in (1.01, 1.02)})
+    others = {k: (time_to(c["baseline"], v), time_to(c["elastic"], v)) for k, v in levels.items()}
+    em = half(small, real, steps_b, steps_e, topo, overhead, others)
     print_half("REAL, 16 emulated nodes (losses and steps from the runs above; per-node compute measured on "
                "this machine; device memory = largest stage of the 4-stage start)", em)
-    paper = half(paper_scale(), real, steps_b, steps_e, topo, functools.partial(overhead, cpu=False))
+    paper = half(paper_scale(), real, steps_b, steps_e, topo, functools.partial(overhead, cpu=False), others)
     print_half("SIMULATED, paper scale (32 layers d=2048, 16 devices = 2 machines x 8, 24 GiB each, global "
                "batch 128 x 1024 tokens; freeze schedule mapped by layer fraction)", paper)
 
+    print("\nspeed-up to other target levels (steps baseline / elastic: emulated, sim):")
+    for k, v in levels.items():
+        a, b = em["speedup_by_target"][k], paper["speedup_by_target"][k]
+        print(f"  {k:<16} {v:.4f}: steps {a['steps_baseline']} / {a['steps_elastic']}: "
+              f"{a['speedup_vs_best_static']}x, {b['speedup_vs_best_static']}x")
     ev, pv = em["variants"]["all"], paper["variants"]["all"]
     result = {
         "speedup_vs_best_static": ev["speedup_vs_best_static"],
@@ -707,6 +728,10 @@ def main(argv=None) -> int:
         "ablation_whole_run": {k: v["whole_run_speedup_vs_best_static"] for k, v in em["variants"].items()},
         "ablation_sim": {k: v["speedup_vs_best_static"] for k, v in paper["variants"].items()},
         "speedup_vs_plain_dp": ev["speedup_vs_plain_dp"],
+        "speedup_by_target": {k: {"target_val_loss": round(v, 5),
+                                  "emulated": em["speedup_by_target"][k]["speedup_vs_best_static"],
+                                  "sim": paper["speedup_by_target"][k]["speedup_vs_best_static"],
+                                  "steps": others[k]} for k, v in levels.items()},
         "real": {"target_val_loss": target, "final_val_loss": final, "train_cpu_s": real["train_s"],
                  "steps_to_target": st, "seconds_to_target_1node": sec,
                  "speedup_to_target_1node": {n: (round(sec["baseline"] / sec[n], 3) if sec[n] and sec["baseline"] else None)
