@@ -120,7 +120,8 @@ def real_runs(args) -> dict:
         init, pre_s = pretrain(args, tmp)
     el = {"enabled": True, "alpha": args.alpha, "check_every": args.check_every, "tol": args.tol,
           "min_active": 2, "start_window": args.start_window, "stable_windows": args.stable_windows,
-          "guard": True, "guard_tol": args.guard_tol, "guard_ref": 4, "guard_batches": 4, "nodes": N_DEV}
+          "guard": True, "guard_tol": args.guard_tol, "guard_confirm": args.guard_confirm, "guard_ref": 4,
+          "guard_batches": 4, "nodes": N_DEV}
     trainers = {}
     for name, e in [("baseline", None), ("freeze_only", {**el, "cache": "off"}),
                     ("elastic", {**el, "cache": "auto", "cache_dir": str(tmp / "cache")})]:
@@ -603,6 +604,8 @@ def main(argv=None) -> int:
     ap.add_argument("--stable-windows", type=int, default=2)
     ap.add_argument("--start-window", type=int, default=3)
     ap.add_argument("--guard-tol", type=float, default=0.003)
+    ap.add_argument("--guard-confirm", type=int, default=1,
+                    help="consecutive windows above the guard's projection before it undoes a freeze")
     ap.add_argument("--check-every", type=int, default=None)
     ap.add_argument("--eval-every", type=int, default=None)
     ap.add_argument("--eval-batches", type=int, default=8,

@@ -179,6 +179,8 @@ class ElasticConfig:
     guard_delay: int = _f(2, "windows without freezing after an undo", min=0)
     guard_ref: int = _f(4, "unfrozen validation points fitted (a + b ln of the summed learning rate) for the "
                         "guard's projection", min=2)
+    guard_confirm: int = _f(1, "consecutive windows above the projection before the guard undoes a freeze "
+                            "(each such window delays freezing)", min=1)
     stable_windows: int = _f(2, "consecutive windows a layer's gradient-norm change must stay <= tol", min=1)
     guard_batches: int = _f(4, "validation micro-batches per guard check", min=1)
     cache: str = _f("auto", "frozen-prefix activation cache: auto (when measured cheaper), on, off",

@@ -112,6 +112,31 @@ def test_freeze_guard_waits_for_a_reference_and_undoes_step_by_step():
     assert (d.action, d.frozen_after) == ("undo", 0) and rule.freezes == []
 
 
+def test_freeze_guard_confirm_ignores_a_one_window_blip_and_undoes_a_lasting_excess():
+    import json
+    rule = FreezeRule(6, alpha=0.2, check_every=1, tol=1.0, min_active=1, start_window=1, guard=True,
+                      guard_tol=0.01, guard_delay=0, stable_windows=1, guard_ref=2, guard_confirm=2)
+    norms = {l: 1.0 for l in range(6)}
+    assert _window(rule, 1, norms, val=3.0).action == "hold"
+    assert _window(rule, 2, norms, val=2.9).action == "freeze" and rule.frozen == 1
+    # one window far above the projection: not yet an undo, but no freezing either
+    d = _window(rule, 3, norms, val=3.5)
+    assert (d.action, d.frozen_after, rule.above) == ("delay", 1, 1) and "1 of the 2" in d.reason
+    # back under it: the blip is forgotten and freezing goes on
+    d = _window(rule, 4, norms, val=2.5)
+    assert d.action == "freeze" and rule.above == 0 and rule.frozen == 2
+    # two windows in a row above it: the second undoes the newest freeze
+    assert _window(rule, 5, norms, val=3.5).action == "delay"
+    clone = FreezeRule(6, alpha=0.2, check_every=1, tol=1.0, min_active=1, start_window=1, guard=True,
+                       guard_tol=0.01, guard_delay=0, stable_windows=1, guard_ref=2, guard_confirm=2)
+    clone.load_state_dict(json.loads(json.dumps(rule.state_dict())))
+    for r in (rule, clone):   # the count of windows above survives a checkpoint
+        d = _window(r, 6, norms, val=3.5)
+        assert (d.action, d.frozen_before, d.frozen_after) == ("undo", 2, 1)
+    with pytest.raises(ValueError, match="guard_confirm"):
+        FreezeRule(6, guard_confirm=0)
+
+
 # ---- AutoPipe -----------------------------------------------------------------------------
 
 

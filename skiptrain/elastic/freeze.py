@@ -27,7 +27,10 @@ the paper describes, in windows of ``check_every`` optimizer steps, conservative
    what it was before it) and freezing is delayed for ``guard_delay`` windows; the next window
    that is still above undoes the freeze before it, and so on.  Comparing against the projected
    unfrozen trajectory, not against the loss just before each freeze, keeps the *sum* of many
-   small freezes' costs under ``guard_tol``.
+   small freezes' costs under ``guard_tol``.  With ``guard_confirm = k > 1`` an undo needs
+   ``k`` consecutive windows above the projection (validation loss on a few windows is noisy:
+   one window's blip should not discard a freeze and the cache built for it); a window above it
+   that does not yet undo delays further freezing.
 
 Every window produces a :class:`Decision` with its evidence (changes, stability streaks,
 bound, candidate, validation loss, projection, action).  The whole rule state is JSON
@@ -79,17 +82,20 @@ class FreezeRule:
 
     def __init__(self, n_layers: int, alpha: float = 1 / 3, check_every: int = 25, tol: float = 0.1,
                  min_active: int = 2, start_window: int = 2, guard: bool = True, guard_tol: float = 0.01,
-                 guard_delay: int = 2, stable_windows: int = 2, guard_ref: int = 4):
+                 guard_delay: int = 2, stable_windows: int = 2, guard_ref: int = 4, guard_confirm: int = 1):
         if min_active < 1 or min_active > n_layers:
             raise ValueError(f"min_active={min_active} must lie in 1..{n_layers}")
         if stable_windows < 1:
             raise ValueError(f"stable_windows={stable_windows} must be >= 1")
         if guard_ref < 2:
             raise ValueError(f"guard_ref={guard_ref} must be >= 2 (a trajectory needs two points)")
+        if guard_confirm < 1:
+            raise ValueError(f"guard_confirm={guard_confirm} must be >= 1 (windows above the projection before an undo)")
         self.n_layers, self.alpha, self.check_every, self.tol = n_layers, alpha, check_every, tol
         self.min_active, self.start_window = min_active, start_window
         self.guard, self.guard_tol, self.guard_delay = guard, guard_tol, guard_delay
-        self.stable_windows, self.guard_ref = stable_windows, guard_ref
+        self.stable_windows, self.guard_ref, self.guard_confirm = stable_windows, guard_ref, guard_confirm
+        self.above = 0                  # consecutive windows above the projection (guard_confirm)
         self.frozen = 0
         self.window = 0
         self.sums = [0.0] * n_layers
@@ -105,7 +111,8 @@ class FreezeRule:
     def from_config(cls, n_layers: int, e) -> "FreezeRule":
         return cls(n_layers, alpha=e.alpha, check_every=e.check_every, tol=e.tol, min_active=e.min_active,
                    start_window=e.start_window, guard=e.guard, guard_tol=e.guard_tol,
-                   guard_delay=e.guard_delay, stable_windows=e.stable_windows, guard_ref=e.guard_ref)
+                   guard_delay=e.guard_delay, stable_windows=e.stable_windows, guard_ref=e.guard_ref,
+                   guard_confirm=e.guard_confirm)
 
     @property
     def freezable(self) -> int:
@@ -169,7 +176,15 @@ class FreezeRule:
             else:
                 proj = self.projected(clock)
                 d.projected = proj
-                if proj is not None and vl > proj * (1 + self.guard_tol) and self.freezes:
+                over = proj is not None and vl > proj * (1 + self.guard_tol) and bool(self.freezes)
+                self.above = self.above + 1 if over else 0
+                if over and self.above < self.guard_confirm:
+                    d.action = "delay"
+                    d.reason = (f"validation loss {vl:.4f} > {proj:.4f} * (1 + {self.guard_tol}) for {self.above} "
+                                f"of the {self.guard_confirm} consecutive windows an undo needs; no freezing meanwhile")
+                    return self._log(d)
+                if over:
+                    self.above = 0
                     last = self.freezes.pop()
                     d.action, d.frozen_after = "undo", int(last["frozen_before"])
                     d.reason = (f"validation loss {vl:.4f} > {proj:.4f} * (1 + {self.guard_tol}), the loss "
@@ -220,7 +235,7 @@ class FreezeRule:
         return {"frozen": self.frozen, "window": self.window, "sums": list(self.sums), "count": self.count,
                 "prev": list(self.prev), "streak": list(self.streak), "delay_until": self.delay_until,
                 "ref": [list(p) for p in self.ref], "freezes": [dict(f) for f in self.freezes],
-                "history": list(self.history)}
+                "above": self.above, "history": list(self.history)}
 
     def load_state_dict(self, st: Mapping[str, Any]) -> None:
         self.frozen, self.window = int(st["frozen"]), int(st["window"])
@@ -230,4 +245,5 @@ class FreezeRule:
         self.delay_until = int(st["delay_until"])
         self.ref = [[float(s), float(v)] for s, v in st.get("ref", [])]
         self.freezes = [dict(f) for f in st.get("freezes", [])]
+        self.above = int(st.get("above", 0))
         self.history = list(st.get("history", []))
