@@ -532,12 +532,17 @@ def half(sc: Scale, real: dict, steps_b: int | None, steps_e: int | None, topo, 
            "time_to_target_s": {"best_static": static_tt, "plain_dp": dp_tt}}
     expected = {t["step"]: t.get("expected_hit", 1.0) for t in real["transitions"]}
     gone = {t["step"]: bool(t.get("autopipe", {}).get("prefix_cached")) for t in real["transitions"]}
+
+    def elapsed(e: dict, upto: int | None) -> float | None:
+        """The elastic run's seconds up to step ``upto``: its steps and its overhead."""
+        return sum(e["per_step"][:upto]) + overhead(sc, e, best, upto) if upto else None
+
     for k, v in VARIANTS.items():
         e = elastic_times(sc, real["prefix_hits"], real["model"].n_layers, best, topo, **v, expected_hit=expected,
                           prefix_cached=gone)
         extra = overhead(sc, e, best, steps_e)
-        tt = sum(e["per_step"][:steps_e]) + extra if steps_e else None
-        total = sum(e["per_step"]) + overhead(sc, e, best, len(e["per_step"]))
+        tt = elapsed(e, steps_e)
+        total = elapsed(e, len(e["per_step"]))
         out["variants"][k] = {"time_to_target_s": tt, "total_s": total, "overhead_s": extra,
                               "prefill_s": prefill_seconds(sc, real, len(e["per_step"])) if v["cache"] else 0.0,
                               "whole_run_speedup_vs_best_static": round(static_total / total, 3),
@@ -547,7 +552,7 @@ def half(sc: Scale, real: dict, steps_b: int | None, steps_e: int | None, topo, 
         if k == "all":
             out["speedup_by_target"] = {}
             for name, (sb, se) in (other_targets or {}).items():
-                t_e = sum(e["per_step"][:se]) + overhead(sc, e, best, se) if se else None
+                t_e = elapsed(e, se)
                 out["speedup_by_target"][name] = {
                     "steps_baseline": sb, "steps_elastic": se,
                     "speedup_vs_best_static": round(best["iteration_s"] * sb / t_e, 3) if (sb and t_e) else None}
@@ -693,7 +698,6 @@ def main(argv=None) -> int:
                 kept = F or None
                 g += math.ceil(16 / R) * (layers * sc.fwd_s + head_fwd)
         return trans + wire + g + (prefill_seconds(sc, real, upto) if e["cache"] else 0.0)
-
 
     # the headline target's sensitivity: other levels, and the baseline's best loss (it overfits late)
     best_b = min(p["val_loss"] for p in c["baseline"])

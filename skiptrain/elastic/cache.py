@@ -227,9 +227,9 @@ class PrefixRunner:
         not be resident with the layers that still train (AutoPipe's ``prefix_cached``).  The
         work is what each window's next visit would do as a miss (the caller prefills only with
         at least one visit per window left); done at once it is forward-only and data parallel
-        over all nodes.  Windows
-        already at the depth are skipped, shallower ones extended.  Returns ``rows`` (windows
-        computed or extended), ``layer_rows`` (layer forwards run, per sample) and ``seconds``."""
+        over all nodes.  Windows already at the depth are skipped, shallower ones extended.
+        Returns ``rows`` (windows computed or extended), ``layer_rows`` (layer forwards run, per
+        sample) and ``seconds``."""
         c = self.cache
         if c is None or self.frozen <= 0:
             return {"rows": 0, "layer_rows": 0, "seconds": 0.0}
