@@ -121,6 +121,7 @@ def real_runs(args) -> dict:
     el = {"enabled": True, "alpha": args.alpha, "check_every": args.check_every, "tol": args.tol,
           "min_active": 2, "start_window": args.start_window, "stable_windows": args.stable_windows,
           "guard": True, "guard_tol": args.guard_tol, "guard_confirm": args.guard_confirm, "guard_ref": 4,
+          "guard_min_ref": args.guard_min_ref,
           "guard_batches": 4, "nodes": N_DEV}
     trainers = {}
     for name, e in [("baseline", None), ("freeze_only", {**el, "cache": "off"}),
@@ -611,6 +612,8 @@ def main(argv=None) -> int:
     ap.add_argument("--guard-tol", type=float, default=0.003)
     ap.add_argument("--guard-confirm", type=int, default=1,
                     help="consecutive windows above the guard's projection before it undoes a freeze")
+    ap.add_argument("--guard-min-ref", type=int, default=2,
+                    help="unfrozen validation points after the learning-rate warm-up before anything freezes")
     ap.add_argument("--check-every", type=int, default=None)
     ap.add_argument("--eval-every", type=int, default=None)
     ap.add_argument("--eval-batches", type=int, default=8,

@@ -179,6 +179,8 @@ class ElasticConfig:
     guard_delay: int = _f(2, "windows without freezing after an undo", min=0)
     guard_ref: int = _f(4, "unfrozen validation points fitted (a + b ln of the summed learning rate) for the "
                         "guard's projection", min=2)
+    guard_min_ref: int = _f(2, "unfrozen validation points (after the learning-rate warm-up) needed before "
+                            "anything freezes", min=2)
     guard_confirm: int = _f(1, "consecutive windows above the projection before the guard undoes a freeze "
                             "(each such window delays freezing)", min=1)
     stable_windows: int = _f(2, "consecutive windows a layer's gradient-norm change must stay <= tol", min=1)

@@ -112,6 +112,30 @@ def test_freeze_guard_waits_for_a_reference_and_undoes_step_by_step():
     assert (d.action, d.frozen_after) == ("undo", 0) and rule.freezes == []
 
 
+def test_freeze_guard_reference_starts_after_the_warmup_and_waits_for_min_ref_points():
+    import math
+
+    def clean(step):
+        return 4 - 0.5 * math.log(step)
+
+    # the warm-up windows (steps <= 20) fall much faster than the trajectory after them: a fit
+    # through them would project far too pessimistic a loss and never see a freeze's cost
+    warm = {10: clean(10) + 0.5, 20: clean(20) + 0.2}
+    rule = FreezeRule(6, alpha=0.2, check_every=10, tol=1.0, min_active=1, start_window=1, guard=True,
+                      guard_tol=0.01, guard_delay=0, stable_windows=1, guard_ref=4, guard_min_ref=3,
+                      ref_after=20)
+    norms = {l: 1.0 for l in range(6)}
+    acts = [_window(rule, s, norms, val=warm.get(s, clean(s))) for s in (10, 20, 30, 40, 50)]
+    assert [d.action for d in acts] == ["hold", "hold", "hold", "hold", "freeze"]
+    assert "2 of the 3" in acts[3].reason and "after step 20" in acts[3].reason
+    assert rule.ref == [[30, clean(30)], [40, clean(40)], [50, clean(50)]]   # no warm-up points
+    # the projection is the post-warm-up trajectory, so a 1.5% cost is seen and undone
+    d = _window(rule, 60, norms, val=clean(60) * 1.015)
+    assert d.projected == pytest.approx(clean(60), rel=1e-9) and d.action == "undo"
+    with pytest.raises(ValueError, match="guard_min_ref"):
+        FreezeRule(6, guard_min_ref=1)
+
+
 def test_freeze_guard_confirm_ignores_a_one_window_blip_and_undoes_a_lasting_excess():
     import json
     rule = FreezeRule(6, alpha=0.2, check_every=1, tol=1.0, min_active=1, start_window=1, guard=True,

@@ -15,11 +15,13 @@ from skiptrain.elastic.trainer import ElasticTrainer
 
 def _cfg(data, cache="on", steps=24, **ckpt):
     # tol huge: the gradient signal always agrees, so the alpha bound alone sets the schedule
-    # (windows of 4 steps, freezing from window 2: 2 layers at step 8, 3 at step 12).
+    # (windows of 4 steps, freezing from window 2: 2 layers at step 8, 3 at step 12; no learning-
+    # rate warm-up, so the guard's reference points start at step 4).
     return build_config("tiny", overrides={
         "data": {"path": str(data)},
         "model": {"n_layers": 5, "n_stages": 4, "stage0_layers": -1},
-        "train": {"steps": steps, "eval_every": 0, "progress": False, "n_micro": 2, "micro_batch": 4},
+        "train": {"steps": steps, "eval_every": 0, "progress": False, "n_micro": 2, "micro_batch": 4,
+                  "warmup_steps": 0},
         "elastic": {"enabled": True, "check_every": 4, "tol": 1e9, "alpha": 0.5, "min_active": 1,
                     "start_window": 2, "stable_windows": 1, "guard": True, "guard_tol": 1.0, "cache": cache, "nodes": 8},
         "checkpoint": {"every": 6, "keep": 5, **ckpt}})
@@ -80,7 +82,7 @@ def test_resume_after_a_transition_reproduces_the_run(byte_data, tmp_path):
     rc = main(["train", "--preset", "tiny", "--data", str(byte_data), "--out", str(tmp_path / "part"),
                "--quiet", "--resume", "--set", "train.steps=24", "--set", "train.eval_every=0",
                "--set", "model.n_layers=5", "--set", "train.n_micro=2", "--set", "train.micro_batch=4",
-               "--set", "elastic.enabled=true", "--set", "elastic.check_every=4", "--set", "elastic.tol=1e9",
+               "--set", "train.warmup_steps=0", "--set", "elastic.enabled=true", "--set", "elastic.check_every=4", "--set", "elastic.tol=1e9",
                "--set", "elastic.alpha=0.5", "--set", "elastic.stable_windows=1", "--set", "elastic.min_active=1", "--set", "elastic.guard_tol=1.0",
                "--set", "elastic.cache=on", "--set", "elastic.nodes=8", "--set", "checkpoint.every=6",
                "--set", "checkpoint.keep=5"])

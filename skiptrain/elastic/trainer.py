@@ -77,7 +77,7 @@ class ElasticTrainer(Trainer):
     def __init__(self, cfg: Config, out: str | Path | None = None, dataset: TokenDataset | None = None):
         super().__init__(cfg, out, dataset)
         e, m = self.cfg.elastic, self.cfg.model
-        self.rule = FreezeRule.from_config(m.n_layers, e)
+        self.rule = FreezeRule.from_config(m.n_layers, e, self.cfg.train.warmup_steps)
         self.start_stages = m.n_stages
         self.n_nodes = e.nodes or m.n_stages
         R = self.n_nodes // m.n_stages
