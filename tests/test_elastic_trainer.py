@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 
 import torch
 
@@ -205,8 +206,8 @@ def test_a_prefill_is_timed_apart_from_its_transition(byte_data, tmp_path, monke
     real = tr.runner.prefill
 
     def slow_prefill(*a, **k):
-        c0 = __import__("time").thread_time()
-        while __import__("time").thread_time() - c0 < 0.5:   # CPU work, not a sleep
+        c0 = time.thread_time()
+        while time.thread_time() - c0 < 0.5:   # CPU work, not a sleep
             pass
         return real(*a, **k)
 

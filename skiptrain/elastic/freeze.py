@@ -22,14 +22,13 @@ the paper describes, in windows of ``check_every`` optimizer steps, conservative
    the run would have had without freezing.  Warm-up windows are left out because the loss
    falls much faster while the rate ramps up than after: fitted through them, the projection
    was 2-4% too pessimistic by the end of the bench's runs, so a freeze's cost of 1% never
-   showed above it.  The
-   trainer's clock is the learning rate summed over the steps so far (progress follows the
-   integrated learning rate, so the projection flattens with a decaying schedule); without one
-   it is the step.  After the
-   first freeze, every window compares its validation loss with that projection: if it is more
-   than ``guard_tol`` (relative) above, the most recent freeze is undone (frozen count back to
-   what it was before it) and freezing is delayed for ``guard_delay`` windows; the next window
-   that is still above undoes the freeze before it, and so on.  Comparing against the projected
+   showed above it.  The trainer's clock is the learning rate summed over the steps so far
+   (progress follows the integrated learning rate, so the projection flattens with a decaying
+   schedule); without one it is the step.  After the first freeze, every window compares its
+   validation loss with that projection: if it is more than ``guard_tol`` (relative) above,
+   the most recent freeze is undone (frozen count back to what it was before it) and freezing
+   is delayed for ``guard_delay`` windows; the next window that is still above undoes the
+   freeze before it, and so on.  Comparing against the projected
    unfrozen trajectory, not against the loss just before each freeze, keeps the *sum* of many
    small freezes' costs under ``guard_tol``.  With ``guard_confirm = k > 1`` an undo needs
    ``k`` consecutive windows above the projection (validation loss on a few windows is noisy:
@@ -180,8 +179,9 @@ class FreezeRule:
         if guarded:
             vl = float(val_loss())
             d.val_loss = vl
-            if F == 0 and step > self.ref_after:
-                self.ref.append([clock, vl])
+            if F == 0:
+                if step > self.ref_after:   # warm-up windows are no reference
+                    self.ref.append([clock, vl])
             else:
                 proj = self.projected(clock)
                 d.projected = proj
