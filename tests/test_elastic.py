@@ -129,6 +129,14 @@ def test_freeze_guard_reference_starts_after_the_warmup_and_waits_for_min_ref_po
     assert [d.action for d in acts] == ["hold", "hold", "hold", "hold", "freeze"]
     assert "2 of the 3" in acts[3].reason and "after step 20" in acts[3].reason
     assert rule.ref == [[30, clean(30)], [40, clean(40)], [50, clean(50)]]   # no warm-up points
+    # nor is a warm-up window's validation pass run at all: nothing would use it
+    assert [d.val_loss for d in acts[:3]] == [None, None, clean(30)]
+    calls = []
+    probe = FreezeRule(6, guard=True, check_every=1, start_window=1, ref_after=2)
+    for s in (1, 2, 3):
+        probe.observe(norms)
+        probe.decide(s, lambda: calls.append(s) or 3.0)
+    assert calls == [3]
     # the projection is the post-warm-up trajectory, so a 1.5% cost is seen and undone
     d = _window(rule, 60, norms, val=clean(60) * 1.015)
     assert d.projected == pytest.approx(clean(60), rel=1e-9) and d.action == "undo"
@@ -444,3 +452,42 @@ def test_sharding_over_a_replica_change_never_repeats_or_skips():
             seen.extend(shard_indices(cursor, B, r, world))
         cursor += B
     assert sorted(seen) == list(range(cursor))
+
+
+def test_assign_nodes_and_transfer_plan_match_a_per_node_reference():
+    """The placement keeps the most bytes in place, as a per-node reference computes it, over
+    shrinks, growths (an undo) and stages without layers; the plan gives each node its stage."""
+    import random
+
+    from skiptrain.checkpoint.plan import tensor_stage
+
+    def reference(sizes, old, old_pl, new, n_nodes):
+        held = {n: {t for t in sizes if n in old_pl[tensor_stage(t, old)]} for n in range(n_nodes)}
+        need = {s: {t for t in sizes if tensor_stage(t, new) == s} for s in range(new.n_stages)}
+        pairs = sorted((-sum(sizes[t] for t in need[s] & held[n]), n, s)
+                       for n in range(n_nodes) for s in range(new.n_stages))
+        pl, used = [[] for _ in range(new.n_stages)], set()
+        for _, n, s in pairs:
+            if n not in used and len(pl[s]) < n_nodes // new.n_stages:
+                pl[s].append(n)
+                used.add(n)
+        return [sorted(p) for p in pl]
+
+    rng = random.Random(0)
+    names = ["tok_emb.weight", "head.weight", "norm.weight"] + [f"layers.{i}.{w}" for i in range(8) for w in "abc"]
+    names += [f"optim.exp_avg.{n}" for n in names]
+    for old_c, new_c, n_nodes in [((2, 2, 2, 2), (4, 4), 16), ((4, 4), (8,), 16), ((0, 2, 3, 3), (3, 5), 16),
+                                  ((3, 5), (0, 2, 3, 3), 16), ((2, 3, 3), (5, 3), 7)]:
+        sizes = {n: rng.randrange(1, 10_000) for n in names}
+        old, new = Partition(old_c), Partition(new_c)
+        per = n_nodes // old.n_stages
+        old_pl = [list(range(s * per, (s + 1) * per)) for s in range(old.n_stages)]
+        pl = assign_nodes(sizes, old, old_pl, new, n_nodes)
+        assert pl == reference(sizes, old, old_pl, new, n_nodes)
+        got = {n: {t for t in sizes if n in old_pl[tensor_stage(t, old)]} for n in range(n_nodes)}
+        for tr in transfer_plan(sizes, old, old_pl, new, pl):
+            assert tr.src != tr.dst and not set(tr.names) & got[tr.dst]
+            got[tr.dst] |= set(tr.names)
+        for s, nodes in enumerate(pl):
+            for n in nodes:
+                assert {t for t in sizes if tensor_stage(t, new) == s} <= got[n]

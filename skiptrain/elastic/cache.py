@@ -97,15 +97,24 @@ class ActivationCache:
 
     def validate(self, fingerprints: dict[int, int], frozen: int) -> int:
         """Drop entries deeper than ``frozen`` or whose weights changed; returns how many."""
-        dropped = 0
-        for w, slot in list(self.slot_of.items()):
-            _, depth, fp = (int(v) for v in self.tags[slot])
-            if depth > frozen or depth < 1 or fingerprints.get(depth) != fp:
-                self.tags[slot] = -1
-                del self.slot_of[w]
-                self.free.append(slot)
-                dropped += 1
-        return dropped
+        if not self.slot_of:
+            return 0
+        slots = np.fromiter(self.slot_of.values(), dtype=np.int64, count=len(self.slot_of))
+        tags = np.asarray(self.tags[slots])                     # (window, depth, fingerprint) rows
+        depth = tags[:, 1]
+        want = np.full(max(frozen, 0) + 1, -1, dtype=np.int64)  # the fingerprint each depth must carry
+        for d, fp in fingerprints.items():
+            if 1 <= d <= frozen:
+                want[d] = fp
+        ok = (depth >= 1) & (depth <= frozen)
+        ok[ok] = want[depth[ok]] == tags[ok, 2]
+        bad = slots[~ok]
+        if len(bad):
+            self.tags[np.sort(bad)] = -1
+            for w in tags[~ok, 0]:
+                del self.slot_of[int(w)]
+            self.free.extend(int(b) for b in bad)
+        return int(len(bad))
 
     def lookup(self, windows: Sequence[int]) -> list[tuple[int, int] | None]:
         """Per window: ``(slot, depth)`` of its entry, or None."""

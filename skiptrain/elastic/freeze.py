@@ -153,8 +153,9 @@ class FreezeRule:
         """Close the window ending at ``step``; returns the decision (the trainer applies it).
 
         ``val_loss`` is called once per window when the guard is on (the reference trajectory
-        and the cumulative check need every window's validation loss); ``clock`` is the
-        guard's time axis (default: ``step``).
+        and the cumulative check need every window's validation loss), except in the warm-up
+        windows (``step <= ref_after``) while nothing is frozen, which use none; ``clock`` is
+        the guard's time axis (default: ``step``).
         """
         clock = float(step) if clock is None else float(clock)
         self.window += 1
@@ -176,7 +177,9 @@ class FreezeRule:
                      grad_norms={str(l): round(g, 6) for l, g in means.items()},
                      stable={str(l): self.streak[l] for l in means})
         guarded = self.guard and val_loss is not None
-        if guarded:
+        # a warm-up window with nothing frozen is neither a reference point nor checked: its
+        # validation pass would be spent for nothing, so it is not run (val_loss stays None)
+        if guarded and (F > 0 or step > self.ref_after):
             vl = float(val_loss())
             d.val_loss = vl
             if F == 0:

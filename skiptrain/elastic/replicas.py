@@ -35,10 +35,13 @@ from ..model.partition import Partition
 def node_tensors(names: Iterable[str], partition: Partition, placement: Sequence[Sequence[int]]
                  ) -> dict[int, set[str]]:
     """node -> the tensor names it holds under ``partition`` and ``placement``."""
-    out: dict[int, set[str]] = {n: set() for nodes in placement for n in nodes}
+    of_stage: dict[int, set[str]] = {}
     for name in names:
-        for node in placement[tensor_stage(name, partition)]:
-            out[node].add(name)
+        of_stage.setdefault(tensor_stage(name, partition), set()).add(name)
+    out: dict[int, set[str]] = {n: set() for nodes in placement for n in nodes}
+    for s, nodes in enumerate(placement):
+        for node in nodes:
+            out[node] |= of_stage.get(s, set())
     return out
 
 
@@ -56,11 +59,15 @@ def assign_nodes(sizes: Mapping[str, int], old_partition: Partition, old_placeme
     need: dict[int, set[str]] = {s: set() for s in range(S)}
     for n in sizes:
         need[tensor_stage(n, new_partition)].add(n)
+    old_stage = {n: s for s, nodes in enumerate(old_placement) for n in nodes}
+    held_bytes: dict[tuple[int | None, int], int] = {}   # the nodes of one old stage hold the same
     pairs = []
     for node in range(n_nodes):
-        have = held.get(node, set())
         for s in range(S):
-            pairs.append((-sum(sizes[t] for t in need[s] & have), node, s))
+            key = (old_stage.get(node), s)
+            if key not in held_bytes:
+                held_bytes[key] = sum(sizes[t] for t in need[s] & held.get(node, set()))
+            pairs.append((-held_bytes[key], node, s))
     pairs.sort()
     placement: list[list[int]] = [[] for _ in range(S)]
     used: set[int] = set()

@@ -34,8 +34,10 @@ class Partition:
         return range(start, start + self.counts[stage])
 
     def stage_of_layer(self, layer: int) -> int:
-        for s in range(self.n_stages):
-            if layer in self.layers(s):
+        end = 0
+        for s, c in enumerate(self.counts):   # a stage of 0 layers holds none
+            end += c
+            if 0 <= layer < end:
                 return s
         raise IndexError(f"layer {layer} is not in this partition ({self.n_layers} layers)")
 
