@@ -110,11 +110,11 @@ class ActivationCache:
         ok[ok] = want[depth[ok]] == tags[ok, 2]
         bad = slots[~ok]
         if len(bad):
-            self.tags[np.sort(bad)] = -1
+            self.tags[bad] = -1
             for w in tags[~ok, 0]:
                 del self.slot_of[int(w)]
-            self.free.extend(int(b) for b in bad)
-        return int(len(bad))
+            self.free.extend(bad.tolist())
+        return len(bad)
 
     def lookup(self, windows: Sequence[int]) -> list[tuple[int, int] | None]:
         """Per window: ``(slot, depth)`` of its entry, or None."""

@@ -182,9 +182,8 @@ class FreezeRule:
         if guarded and (F > 0 or step > self.ref_after):
             vl = float(val_loss())
             d.val_loss = vl
-            if F == 0:
-                if step > self.ref_after:   # warm-up windows are no reference
-                    self.ref.append([clock, vl])
+            if F == 0:   # after the warm-up (see above): a reference point
+                self.ref.append([clock, vl])
             else:
                 proj = self.projected(clock)
                 d.projected = proj
