@@ -46,7 +46,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from skiptrain.checkpoint.manager import CheckpointManager  # noqa: E402
 from skiptrain.config import build_config  # noqa: E402
 from skiptrain.model.transformer import StagedLM  # noqa: E402
-from skiptrain.train.optim import build_adamw  # noqa: E402
+from skiptrain.optim import build_adamw  # noqa: E402
 
 GiB = 1 << 30
 

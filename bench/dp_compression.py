@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from skiptrain.config import build_config  # noqa: E402
 from skiptrain.data.dataset import TokenDataset  # noqa: E402
-from skiptrain.dp.harness import run_many  # noqa: E402
+from skiptrain.runtime.dataparallel import run_many  # noqa: E402
 
 K8 = ["dp.strategy=demo", "dp.topk=8", "dp.indices=u12", "dp.values=sign1"]
 K8C = ["dp.strategy=demo", "dp.topk=8", "dp.indices=u12", "dp.values=sign1c"]

@@ -63,7 +63,7 @@ from skiptrain.net.topology import from_spec  # noqa: E402
 from skiptrain.schedule.baselines import full_pipeline  # noqa: E402
 from skiptrain.schedule.cost import CostModel, layer_params  # noqa: E402
 from skiptrain.schedule.simulator import simulate  # noqa: E402
-from skiptrain.train.optim import build_adamw  # noqa: E402
+from skiptrain.optim import build_adamw  # noqa: E402
 from skiptrain.train.trainer import Trainer  # noqa: E402
 
 N_DEV = 16

@@ -13,7 +13,7 @@ from skiptrain.checkpoint.reader import CheckpointReader
 from skiptrain.checkpoint.state import split_optim_name
 from skiptrain.config import build_config
 from skiptrain.model.transformer import StagedLM
-from skiptrain.train.optim import build_adamw
+from skiptrain.optim import build_adamw
 
 
 def _cfg(n_stages: int, stage0_layers: int):

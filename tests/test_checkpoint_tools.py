@@ -15,7 +15,7 @@ from skiptrain.checkpoint.reader import CheckpointReader
 from skiptrain.cli import main
 from skiptrain.config import build_config
 from skiptrain.model.transformer import StagedLM
-from skiptrain.train.optim import build_adamw
+from skiptrain.optim import build_adamw
 
 
 @pytest.fixture()

@@ -7,7 +7,7 @@ import pytest
 from skiptrain.config import build_config
 from skiptrain.data.corpus import Document
 from skiptrain.data.dataset import write_dataset
-from skiptrain.dp.harness import HarnessError, run_data_parallel
+from skiptrain.runtime.dataparallel import HarnessError, run_data_parallel
 
 pytestmark = pytest.mark.slow
 

@@ -16,7 +16,7 @@ from skiptrain.elastic.repartition import autopipe, iteration_units, layer_compu
 from skiptrain.elastic.replicas import assign_nodes, pack_state, transfer_plan, unpack_state
 from skiptrain.model import StagedLM
 from skiptrain.model.partition import Partition
-from skiptrain.train.optim import build_adamw
+from skiptrain.optim import build_adamw
 
 
 # ---- freeze rule --------------------------------------------------------------------------

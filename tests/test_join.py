@@ -84,23 +84,34 @@ def test_garbled_join_input_is_refused_not_a_crash_and_claimed_pids_are_never_da
 
 
 def test_stage_state_round_trips_without_pickle():
-    from skiptrain.dp.strategy import make_strategy
+    from skiptrain.dp import make_strategy
     from skiptrain.model.transformer import StagedLM
+    from skiptrain.optim import build_optimizer
+    from skiptrain.runtime.step import HostedStage, optimizer_step
 
-    cfg = build_config("tiny")
+    cfg = build_config("tiny", overrides={"dp": {"strategy": "diloco", "sync_every": 2}})
     a, b = StagedLM(cfg.model, stages=[2], seed=1), StagedLM(cfg.model, stages=[2], seed=2)
     sa = make_strategy(cfg.dp, a.named_parameters(), None, cfg.train)
+    oa = build_optimizer(a.named_parameters(), cfg.train, sa.update_rule)
     for p in a.parameters():
         p.grad = torch.randn_like(p)
-    sa.step(1e-3, 1)
+    optimizer_step([HostedStage(2, sa, 1)], oa, 1e-3, 1.0)
     sb = make_strategy(cfg.dp, b.named_parameters(), None, cfg.train)
-    meta, flat = pack_stage_state(a, sa, {"x": 1})
+    ob = build_optimizer(b.named_parameters(), cfg.train, sb.update_rule)
+    meta, flat = pack_stage_state(a, sa, oa, {"x": 1})
     assert json.loads(meta)["info"] == {"x": 1}
-    assert unpack_stage_state(meta, flat, b, sb) == {"x": 1}
+    assert unpack_stage_state(meta, flat, b, sb, ob) == {"x": 1}
     assert all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters()))
     assert sb.step_count == sa.step_count == 1
     ta, tb = sa.state_dict()["tensors"], sb.state_dict()["tensors"]
-    assert ta.keys() == tb.keys() and all(torch.equal(ta[n][k], tb[n][k]) for n in ta for k in ta[n])
+    assert ta and ta.keys() == tb.keys() and all(torch.equal(ta[n][k], tb[n][k]) for n in ta for k in ta[n])
+    # the optimizer's moments travelled by name too: the next step is the same on both
+    for p, q in zip(a.parameters(), b.parameters()):
+        p.grad = torch.ones_like(p)
+        q.grad = torch.ones_like(q)
+    oa.step()
+    ob.step()
+    assert all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters()))
 
 
 # ---- multi-process ------------------------------------------------------------------------------

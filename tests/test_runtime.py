@@ -53,14 +53,20 @@ def test_node_plan_counts_tasks_and_messages():
 
 # ---- multi-process ------------------------------------------------------------------------------
 
-def _cfg(**train):
+def _cfg(dp=None, **train):
+    """The tiny model on a 6-node swarm (2/2/1/1) at the default settings (grad_clip 1.0)."""
     return build_config("tiny", overrides={
         "runtime": {"nodes": 6, "stage_sizes": "2,2,1,1", "mb_per_originator": 2, "timeout_s": 20},
-        "train": {"grad_clip": 0.0, "steps": 10, "warmup_steps": 2, **train}})
+        "train": {"steps": 10, "warmup_steps": 2, **train}, "dp": dp or {}})
 
 
-def _reference(cfg, data, schedule):
-    """The single-process Trainer, one step, with the schedule's routes (micro-batch id order)."""
+EQUIV_ITERS = 3
+
+
+def _reference(cfg, data, schedule, steps=EQUIV_ITERS):
+    """The single-process Trainer (one node hosting every stage) for ``steps`` steps with the
+    schedule's routes (micro-batch id order): its parameters, and the unclipped per-stage mean
+    gradients of the first step."""
     import skiptrain.train.trainer as tr
     from skiptrain.data.dataset import TokenDataset
 
@@ -70,19 +76,32 @@ def _reference(cfg, data, schedule):
     tr.draw_routes = lambda c, rng: [list(m.stages) for m in mbs]
     try:
         t = tr.Trainer(cfg, None, dataset=TokenDataset.open(data))
-        grads = {}
-        t.train_step()
-        for n, p in t.model.named_parameters():
-            grads[n] = p.grad.clone() if p.grad is not None else None
-        return {n: p.detach() for n, p in t.model.named_parameters()}, grads
+        assert t.cfg.train.grad_clip == 1.0
+        for _ in range(steps):
+            t.train_step()
+        params = {n: p.detach() for n, p in t.model.named_parameters()}
+        g_cfg = cfg_copy(cfg, grad_clip=0.0)
+        g = tr.Trainer(g_cfg, None, dataset=TokenDataset.open(data))
+        g.train_step()
+        grads = {n: p.grad.clone() if p.grad is not None else None for n, p in g.model.named_parameters()}
+        return params, grads
     finally:
         tr.draw_routes = orig
 
 
+def cfg_copy(cfg, **train):
+    from skiptrain.config import config_from_dict
+
+    c = config_from_dict(cfg.to_dict())
+    for k, v in train.items():
+        setattr(c.train, k, v)
+    return c
+
+
 @pytest.fixture(scope="module")
 def swarm(byte_data, tmp_path_factory):
-    """One launch, three phases: k=0 full pipeline (1 it), a planner skip schedule (1 it), and a
-    short training run on the skip schedule with a higher learning rate."""
+    """One launch, three phases: k=0 full pipeline, a planner skip schedule (3 iterations each),
+    and a short training run on the skip schedule with a higher learning rate."""
     cfg = _cfg()
     topo = build_topology(cfg, 6)
     cost = build_cost(cfg, s_per_sample_layer=0.001)
@@ -91,8 +110,8 @@ def swarm(byte_data, tmp_path_factory):
     skip = build_schedule(cfg_k, "planner", topo, cost)
     run_dir = tmp_path_factory.mktemp("swarm")
     job = Job(config=cfg.to_dict(), data_path=str(byte_data), run_dir=str(run_dir), timeout_s=20,
-              phases=[phase_for(cfg, full, topo, cost, "full", 1, dump=True),
-                      phase_for(cfg, skip, topo, cost, "skip", 1, dump=True),
+              phases=[phase_for(cfg, full, topo, cost, "full", EQUIV_ITERS, dump=True),
+                      phase_for(cfg, skip, topo, cost, "skip", EQUIV_ITERS, dump=True),
                       phase_for(cfg, skip, topo, cost, "train", 8, dump=True)])
     job.config["train"]["lr"] = 3e-3
     res = launch(job, timeout_s=240)
@@ -107,7 +126,7 @@ def _dist_params(run_dir: Path, phase: str, sched: Schedule) -> dict[str, torch.
     return out
 
 
-def test_k0_one_iteration_matches_single_process_trainer(swarm):
+def test_k0_swarm_equals_the_one_node_runtime_at_default_settings(swarm):
     full = swarm["full"]
     assert full.skip_ratio == 0 and all(m.stages == [1, 2, 3] for m in full.micro_batches)
     ref, _ = _reference(_cfg(), swarm["data"], full)
@@ -115,12 +134,19 @@ def test_k0_one_iteration_matches_single_process_trainer(swarm):
     assert set(got) == set(ref)
     from skiptrain.model import StagedLM
     init = dict(StagedLM(_cfg().model, seed=_cfg().train.seed).named_parameters())
-    assert max(float((ref[n] - init[n].detach()).abs().max()) for n in ref) > 1e-4   # the step moved them
+    assert max(float((ref[n] - init[n].detach()).abs().max()) for n in ref) > 1e-4   # the steps moved them
     for n in ref:
         torch.testing.assert_close(got[n], ref[n], atol=1e-5, rtol=0, msg=lambda m: f"{n}: {m}")
 
 
-def test_skip_schedule_gradients_and_step_match_route_reference(swarm):
+def test_the_default_clip_is_active_in_the_equivalence(swarm):
+    """The swarm's first iteration has a global gradient norm above 1.0, so the equivalence
+    above covers the global clip (summed across the swarm) and not only the unclipped path."""
+    rows = swarm["res"].phase_metrics("full")
+    assert rows and rows[0]["grad_norm"] > 1.0, rows[0]
+
+
+def test_skip_schedule_gradients_and_steps_match_route_reference(swarm):
     skip = swarm["skip"]
     assert any(len(m.route) < 3 for m in skip.micro_batches)   # really skipping
     ref_p, ref_g = _reference(_cfg(skip_ratio=0.5), swarm["data"], skip)
@@ -136,6 +162,28 @@ def test_skip_schedule_gradients_and_step_match_route_reference(swarm):
     got = _dist_params(swarm["dir"], "skip", skip)
     for n in ref_p:
         torch.testing.assert_close(got[n], ref_p[n], atol=1e-5, rtol=0, msg=lambda m: f"{n}: {m}")
+
+
+def test_demo_swarm_keeps_replicas_bit_identical(byte_data, tmp_path):
+    """DeMo on the 2/2/1/1 swarm with a skip schedule: after 3 iterations every stage's replicas
+    hold bit-identical parameters, and the parameters moved."""
+    cfg = _cfg(dp={"strategy": "demo", "chunk": 16, "topk": 8, "values": "sign1", "indices": "u12",
+                   "check_every": 1}, skip_ratio=0.5)
+    topo = build_topology(cfg, 6)
+    cost = build_cost(cfg, s_per_sample_layer=0.001)
+    skip = build_schedule(cfg, "planner", topo, cost)
+    job = Job(config=cfg.to_dict(), data_path=str(byte_data), run_dir=str(tmp_path / "run"), timeout_s=20,
+              phases=[phase_for(cfg, skip, topo, cost, "demo", EQUIV_ITERS, dump=True)])
+    launch(job, timeout_s=240)
+    d = tmp_path / "run" / "phases" / "demo"
+    from skiptrain.model import StagedLM
+    init = dict(StagedLM(cfg.model, seed=cfg.train.seed).named_parameters())
+    for nodes in skip.placement:
+        first = torch.load(d / f"params_node{nodes[0]}.pt")
+        assert max(float((first[k] - init[k].detach()).abs().max()) for k in first) > 1e-4
+        for n in nodes[1:]:
+            other = torch.load(d / f"params_node{n}.pt")
+            assert all(torch.equal(first[k], other[k]) for k in first), f"replica {n} differs from {nodes[0]}"
 
 
 def test_training_losses_fall_and_replicas_stay_identical(swarm):

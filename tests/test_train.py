@@ -4,7 +4,7 @@ from skiptrain.config import build_config
 from skiptrain.data.loader import shard_indices
 from skiptrain.model import StagedLM
 from skiptrain.train.metrics import read_metrics
-from skiptrain.train.optim import lr_at
+from skiptrain.optim import lr_at
 from skiptrain.train.trainer import Trainer
 
 

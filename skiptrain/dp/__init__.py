@@ -1,1 +1,47 @@
-"""skiptrain.dp"""
+"""skiptrain.dp: data-parallel sync strategies and their registry.
+
+:func:`make_strategy` builds the strategy named by ``dp.strategy`` (:mod:`.strategy` has the
+contract every strategy follows).
+"""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+import torch
+
+from .accountant import ByteAccountant
+from .allreduce import AllReduceStrategy
+from .demo import DeMoStrategy
+from .diloco import DiLoCoStrategy
+from .link import LinkModel
+from .powersgd import PowerSGDStrategy
+from .strategy import StrategyError, SyncStats, SyncStrategy
+from .transport import Transport
+
+STRATEGIES: dict[str, type[SyncStrategy]] = {
+    "allreduce": AllReduceStrategy, "allreduce_bf16": AllReduceStrategy, "powersgd": PowerSGDStrategy,
+    "diloco": DiLoCoStrategy, "demo": DeMoStrategy}
+
+
+def make_strategy(dp_cfg, named_params: Iterable[tuple[str, torch.nn.Parameter]], group=None,
+                  optimizer_cfg=None, link: LinkModel | None = None) -> SyncStrategy:
+    """Build the strategy ``dp_cfg.strategy`` for ``named_params`` replicated over ``group``.
+
+    ``dp_cfg`` is a :class:`skiptrain.config.DPConfig`; ``optimizer_cfg`` a
+    :class:`skiptrain.config.TrainConfig` (default: its defaults).  ``group`` is any initialised
+    gloo process group (None: the default group, or a group of one when torch.distributed is not
+    initialised).  ``link`` overrides the link emulation of ``dp_cfg`` (``link_up_mbps`` etc.).
+    """
+    from ..config import TrainConfig
+
+    if dp_cfg.strategy not in STRATEGIES:
+        raise StrategyError(f"unknown dp.strategy {dp_cfg.strategy!r}; choose one of {sorted(STRATEGIES)}")
+    if link is None:
+        link = LinkModel(dp_cfg.link_up_mbps, dp_cfg.link_down_mbps, dp_cfg.link_latency_ms)
+    tr = Transport(group, link, ByteAccountant(1))
+    tr.acct.world = tr.world
+    return STRATEGIES[dp_cfg.strategy](named_params, tr, dp_cfg, optimizer_cfg or TrainConfig())
+
+
+__all__ = ["STRATEGIES", "StrategyError", "SyncStats", "SyncStrategy", "make_strategy"]

@@ -2,8 +2,9 @@
 
 Per parameter tensor, per iteration, on every replica (DESIGN.md section 3):
 
-1. local mean gradient ``g = grad_sum / n_processed`` (zero if nothing was processed), clipped
-   by global norm (``train.grad_clip``) over this strategy's parameters;
+1. local mean gradient ``g = grad_sum / n_processed`` (zero if nothing was processed), already
+   scaled by the global clip (``clip_local``: the optimizer path clips the local gradients
+   before the exchange, as DeMo's reference clips what it folds into the momentum);
 2. momentum with the learning rate folded in: ``m = beta * m + lr * C(g)``, where ``C`` is the
    chunked orthonormal DCT (:mod:`skiptrain.dp.dct`; identity when ``dp.dct`` is off).  The
    momentum is kept in coefficient space; since ``C`` is orthonormal this is the same as DeMo's
@@ -17,7 +18,9 @@ Per parameter tensor, per iteration, on every replica (DESIGN.md section 3):
 5. decode: each coefficient is the average of the values of the replicas that sent it,
    weighted by their micro-batch counts (DeMo's plain mean when counts are equal; all weights
    are 1 if no replica processed anything); inverse DCT; padding cropped;
-6. decoupled weight decay on matrices ``p *= 1 - lr * wd``, then ``p -= lr * sign(decoded)``.
+6. the direction ``sign(decoded)`` goes to the one optimizer path (:mod:`skiptrain.optim`,
+   rule ``direction``): decoupled weight decay on matrices ``p *= 1 - lr * wd``, then
+   ``p -= lr * sign(decoded)``.  Step rule ``adam`` hands ``decoded / lr`` to AdamW instead.
 
 With ``H > 1`` the iterations between syncs only fold their gradients into the local momentum
 (no parameter update), so replicas stay bit-identical at every iteration and bytes per
@@ -33,7 +36,6 @@ from __future__ import annotations
 
 import torch
 
-from .adamw import mean_and_clip_
 from .dct import ChunkedDCT
 from .encoding import INDEX_LIMIT, quantize_values
 from .payload import PayloadLayout, TensorSpec
@@ -42,6 +44,7 @@ from .strategy import StrategyError, SyncStrategy
 
 class DeMoStrategy(SyncStrategy):
     name = "demo"
+    clip_local = True
 
     def __init__(self, named_params, transport, dp_cfg, optim_cfg):
         super().__init__(named_params, transport, dp_cfg, optim_cfg)
@@ -62,10 +65,8 @@ class DeMoStrategy(SyncStrategy):
         self.mu = float(getattr(dp_cfg, "update_momentum", 0.0))
         # momentum of the decoded update (dp.update_momentum > 0): identical on every replica
         self.u = {n: torch.zeros_like(p, dtype=torch.float32) for n, p in self.named} if self.mu else {}
-        # step_rule "adam": Adam moments of the decoded update (identical on every replica)
-        self.b1, self.b2 = optim_cfg.beta1, optim_cfg.beta2
-        self.adam = ({n: (torch.zeros_like(p, dtype=torch.float32), torch.zeros_like(p, dtype=torch.float32))
-                      for n, p in self.named} if self.step_rule == "adam" else {})
+        # step rule "adam": the decoded update, read as a gradient, goes to AdamW
+        self.update_rule = "adamw" if self.step_rule == "adam" else "direction"
         self.n_since = 0        # micro-batches folded into m since the last sync
         self.syncs = 0          # sync counter (payload header "step")
         self.tamper = None      # test hook: fn(bytes ndarray) -> ndarray applied to our payload
@@ -75,18 +76,16 @@ class DeMoStrategy(SyncStrategy):
         return self.layout.nbytes
 
     @torch.no_grad()
-    def _sync_and_update(self, lr: float, n: int) -> tuple[bool, int]:
+    def _exchange(self, grads: dict[str, torch.Tensor], n: int, lr: float):
         if n > 0:
-            grads = self._grads()
-            mean_and_clip_(grads, n, self.opt.grad_clip)
             for name, g in grads.items():
-                self.m[name].mul_(self.beta).add_(self.geo[name].forward(g), alpha=lr)
+                self.m[name].mul_(self.beta).add_(self.geo[name].forward(g.div_(n)), alpha=lr)
         else:
             for m in self.m.values():
                 m.mul_(self.beta)
         self.n_since += n
         if self.step_count % self.H:
-            return False, n
+            return None, False, n
         # ---- compress with error feedback
         send = {}
         for name, m in self.m.items():
@@ -107,9 +106,12 @@ class DeMoStrategy(SyncStrategy):
         n_total = int(sum(weights))
         if n_total == 0:
             weights = [1.0] * len(decoded)
-        # ---- decode: weighted mean over the senders of each coefficient, inverse DCT, sign step
-        for name, p in self.named:
-            geo = self.geo[name]
+        return self._decode(decoded, weights, lr), True, n_total
+
+    def _decode(self, decoded, weights: list[float], lr: float) -> dict[str, torch.Tensor]:
+        """Weighted mean over the senders of each coefficient, inverse DCT, the step rule."""
+        out = {}
+        for name, geo in self.geo.items():
             acc = torch.zeros(geo.n_chunks, geo.chunk_numel)
             wsum = torch.zeros(geo.n_chunks, geo.chunk_numel)
             for w, (_, tensors) in zip(weights, decoded):
@@ -122,22 +124,16 @@ class DeMoStrategy(SyncStrategy):
             upd = geo.inverse(avg)
             if self.mu:
                 upd = self.u[name].mul_(self.mu).add_(upd)
-            if self.opt.weight_decay and p.ndim >= 2:
-                p.mul_(1 - lr * self.opt.weight_decay)
-            p.add_(self._direction(upd, name, lr).to(p.dtype), alpha=-lr)
-        return True, n_total
+            out[name] = self._direction(upd, lr)
+        return out
 
-    def _direction(self, upd: torch.Tensor, name: str, lr: float) -> torch.Tensor:
-        """The unit-scale update direction from the decoded momentum (``dp.step_rule``)."""
+    def _direction(self, upd: torch.Tensor, lr: float) -> torch.Tensor:
+        """What the optimizer applies, from the decoded momentum (``dp.step_rule``): a unit-scale
+        direction, or for ``adam`` the decoded update read as a gradient (it is lr-folded)."""
         if self.step_rule == "sign":
             return torch.sign(upd)
-        if self.step_rule == "adam":  # Adam on the decoded update read as a gradient (it is lr-folded)
-            g = upd / lr if lr > 0 else torch.zeros_like(upd)
-            m1, m2 = self.adam[name]
-            m1.mul_(self.b1).add_(g, alpha=1 - self.b1)
-            m2.mul_(self.b2).addcmul_(g, g, value=1 - self.b2)
-            t = self.syncs
-            return (m1 / (1 - self.b1 ** t)) / ((m2 / (1 - self.b2 ** t)).sqrt_().add_(1e-8))
+        if self.step_rule == "adam":
+            return upd / lr if lr > 0 else torch.zeros_like(upd)
         rms = upd.square().mean().sqrt()  # "rms": same RMS as a sign step, relative magnitudes kept
         if not rms > 0:
             return torch.zeros_like(upd)
@@ -145,12 +141,13 @@ class DeMoStrategy(SyncStrategy):
             return (upd / rms).clamp_(-1.0, 1.0)
         return upd / rms
 
+    def state_tensor_names(self) -> list[str]:
+        return [n for n, _ in self.named]
+
     def state_dict(self) -> dict:
         st = super().state_dict()
         st.update(syncs=self.syncs, n_since=self.n_since,
-                  tensors={n: {"momentum_coeffs": m.clone(), **({"update_momentum": self.u[n].clone()} if self.mu else {}),
-                               **({"adam_m": self.adam[n][0].clone(), "adam_v": self.adam[n][1].clone()}
-                                  if self.adam else {})}
+                  tensors={n: {"momentum_coeffs": m.clone(), **({"update_momentum": self.u[n].clone()} if self.mu else {})}
                            for n, m in self.m.items()})
         return st
 
@@ -169,10 +166,3 @@ class DeMoStrategy(SyncStrategy):
                     raise StrategyError(f"state lacks the update momentum of {n} (saved with dp.update_momentum=0); "
                                         "resume with dp.update_momentum=0")
                 self.u[n].copy_(u)
-            if self.adam:
-                st = state["tensors"][n]
-                if "adam_m" not in st:
-                    raise StrategyError(f"state lacks the Adam moments of {n} (saved with another dp.step_rule); "
-                                        "resume with the step rule it was saved with")
-                self.adam[n][0].copy_(st["adam_m"])
-                self.adam[n][1].copy_(st["adam_v"])

@@ -1,7 +1,9 @@
 """Baseline: DiLoCo (Douillard et al. 2023): H local AdamW steps, then an outer Nesterov step.
 
-Every iteration each replica takes a local AdamW step on its own mean gradient (no
-communication; inner optimizer state is per replica).  Every ``H = dp.sync_every`` iterations:
+Like torchft's ``DiLoCo`` it wraps the optimizer instead of owning one: every iteration
+:meth:`exchange` hands the replica's own mean gradient to the one optimizer path (AdamW, the
+inner step; no communication; inner optimizer state is per replica).  After that step, every
+``H = dp.sync_every`` iterations:
 
 * pseudo-gradient ``delta_r = anchor - p_r`` (anchor = parameters after the previous sync),
   weighted by the micro-batches the replica processed since then; one fp32 all-reduce of all
@@ -18,7 +20,6 @@ from __future__ import annotations
 
 import torch
 
-from .adamw import AdamW, mean_and_clip_
 from .strategy import SyncStrategy
 
 
@@ -28,20 +29,23 @@ class DiLoCoStrategy(SyncStrategy):
     def __init__(self, named_params, transport, dp_cfg, optim_cfg):
         super().__init__(named_params, transport, dp_cfg, optim_cfg)
         self.H = dp_cfg.sync_every
-        self.inner = AdamW(self.named, (optim_cfg.beta1, optim_cfg.beta2), weight_decay=optim_cfg.weight_decay)
         self.anchor = {n: p.detach().clone() for n, p in self.named}
         self.v = {n: torch.zeros_like(p) for n, p in self.named}
         self.n_since = 0
 
     @torch.no_grad()
-    def _sync_and_update(self, lr: float, n: int) -> tuple[bool, int]:
-        if n > 0:
-            grads = self._grads()
-            mean_and_clip_(grads, n, self.opt.grad_clip)
-            self.inner.step(lr, grads)
+    def _exchange(self, grads: dict[str, torch.Tensor], n: int, lr: float):
         self.n_since += n
+        if n == 0:
+            return None, False, 0
+        for g in grads.values():
+            g.div_(n)
+        return grads, False, n
+
+    @torch.no_grad()
+    def _after_update(self, lr: float) -> int | None:
         if self.step_count % self.H:
-            return False, n
+            return None
         w = float(self.n_since)
         flat = torch.cat([(self.anchor[x] - p).reshape(-1) * w for x, p in self.named] + [torch.tensor([w])])
         self.tr.all_reduce_sum(flat)
@@ -56,19 +60,20 @@ class DiLoCoStrategy(SyncStrategy):
             self.v[x].mul_(mu).add_(d)
             p.copy_(self.anchor[x] - olr * (d + mu * self.v[x]))
             self.anchor[x].copy_(p)
-        return True, int(total)
+        return int(total)
+
+    def state_tensor_names(self) -> list[str]:
+        return [n for n, _ in self.named]
 
     def state_dict(self) -> dict:
         st = super().state_dict()
-        a = self.inner.state_dict()
-        st["inner_t"], st["n_since"] = a["t"], self.n_since
-        st["tensors"] = {x: {**a["tensors"][x], "anchor": self.anchor[x].clone(), "outer_momentum": self.v[x].clone()}
+        st["n_since"] = self.n_since
+        st["tensors"] = {x: {"anchor": self.anchor[x].clone(), "outer_momentum": self.v[x].clone()}
                          for x, _ in self.named}
         return st
 
     def load_state_dict(self, state: dict) -> None:
         super().load_state_dict(state)
-        self.inner.load_state_dict({"t": state["inner_t"], "tensors": state["tensors"]})
         self.n_since = int(state["n_since"])
         for x, _ in self.named:
             self.anchor[x].copy_(state["tensors"][x]["anchor"])

@@ -1,4 +1,4 @@
-"""Baseline: PowerSGD (Vogels et al. 2019) low-rank gradient compression, then AdamW.
+"""Baseline: PowerSGD (Vogels et al. 2019) low-rank gradient compression; AdamW applies the result.
 
 Equivalent to ``torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook`` with error
 feedback and warm start, re-implemented outside DDP so it fits the strategy interface and
@@ -12,15 +12,14 @@ its byte accounting:
   together with the micro-batch count.
 
 Two all-reduces per step.  ``Q`` starts from the same seeded random matrix on every replica and
-is reused (warm start) across steps.  The averaged gradient ``sum / total_count`` is clipped
-and fed to AdamW.  Bytes per step: ``4 * (sum(rows r) + uncompressed + 1) + 4 * sum(cols r)``.
+is reused (warm start) across steps.  The averaged gradient ``sum / total_count`` is what the
+optimizer path (``skiptrain.optim``) clips and applies.  Bytes per step: ``4 * (sum(rows r) + uncompressed + 1) + 4 * sum(cols r)``.
 """
 
 from __future__ import annotations
 
 import torch
 
-from .adamw import AdamW, mean_and_clip_
 from .strategy import SyncStrategy
 
 
@@ -30,7 +29,6 @@ class PowerSGDStrategy(SyncStrategy):
     def __init__(self, named_params, transport, dp_cfg, optim_cfg):
         super().__init__(named_params, transport, dp_cfg, optim_cfg)
         r = dp_cfg.powersgd_rank
-        self.adam = AdamW(self.named, (optim_cfg.beta1, optim_cfg.beta2), weight_decay=optim_cfg.weight_decay)
         self.low_rank: dict[str, int] = {}
         gen = torch.Generator().manual_seed(12345)
         self.q: dict[str, torch.Tensor] = {}
@@ -45,8 +43,7 @@ class PowerSGDStrategy(SyncStrategy):
                     self.err[n] = torch.zeros(rows, cols)
 
     @torch.no_grad()
-    def _sync_and_update(self, lr: float, n: int) -> tuple[bool, int]:
-        grads = self._grads()
+    def _exchange(self, grads: dict[str, torch.Tensor], n: int, lr: float):
         mats = {name: grads[name].reshape(grads[name].shape[0], -1) + self.err[name] for name in self.low_rank}
         ps = {name: m @ self.q[name] for name, m in mats.items()}
         dense = [name for name in grads if name not in self.low_rank]
@@ -74,22 +71,22 @@ class PowerSGDStrategy(SyncStrategy):
             self.q[name] = q.clone()
             grads[name].copy_(approx_sum.view_as(grads[name]))
         if total == 0:
-            return True, 0
-        mean_and_clip_(grads, total, self.opt.grad_clip)
-        self.adam.step(lr, grads)
-        return True, total
+            return None, True, 0
+        for g in grads.values():
+            g.div_(total)
+        return grads, True, total
+
+    def state_tensor_names(self) -> list[str]:
+        return list(self.low_rank)
 
     def state_dict(self) -> dict:
         st = super().state_dict()
-        a = self.adam.state_dict()
-        st["adam_t"], st["tensors"] = a["t"], a["tensors"]
-        for name in self.low_rank:
-            st["tensors"][name].update(powersgd_q=self.q[name].clone(), powersgd_error=self.err[name].clone())
+        st["tensors"] = {name: {"powersgd_q": self.q[name].clone(), "powersgd_error": self.err[name].clone()}
+                         for name in self.low_rank}
         return st
 
     def load_state_dict(self, state: dict) -> None:
         super().load_state_dict(state)
-        self.adam.load_state_dict({"t": state["adam_t"], "tensors": state["tensors"]})
         for name in self.low_rank:
             self.q[name] = state["tensors"][name]["powersgd_q"].clone()
             self.err[name] = state["tensors"][name]["powersgd_error"].clone()

@@ -1,31 +1,33 @@
 """The pluggable data-parallel sync interface.
 
-A *sync strategy* owns the optimizer of a set of parameters replicated over a process group
-(the whole model's replicas, or the replicas of one pipeline stage) and keeps the replicas in
-sync.  Build one with :func:`make_strategy` and call :meth:`SyncStrategy.step` once per
-iteration, after backward::
+A *sync strategy* keeps the replicas of a set of parameters (the whole model's replicas, or the
+replicas of one pipeline stage) in sync over a process group.  It owns no optimizer: like
+torchft's ``LocalSGD``/``DiLoCo`` it wraps the one optimizer path (:mod:`skiptrain.optim`), and
+:func:`skiptrain.runtime.step.optimizer_step` drives it once per iteration::
 
-    strat = make_strategy(cfg.dp, model.named_parameters(), group, cfg.train)
-    for it in range(steps):
-        for p in params: p.grad = None
-        n = 0
-        for x, y in my_micro_batches:           # may be none at all
-            model(x, y)[1].backward(); n += 1   # grads accumulate: SUM over micro-batches
-        stats = strat.step(lr(it), n)           # sync + exactly one optimizer step
+    grads = strat.local_grads()                 # this replica's SUM over its micro-batches
+    update = strat.exchange(grads, n, lr)       # the group's update input, or None
+    ...one global clip, then optimizer.step() on ``update``...
+    stats = strat.after_update(lr)              # DiLoCo's outer step, consistency, accounting
 
-Contract of ``step(lr, n_processed)``:
+Contract of ``exchange(grads, n_processed, lr)``:
 
-* on entry each ``param.grad`` holds the **sum** of the loss gradients of the ``n_processed``
-  micro-batches this replica ran this iteration (``None`` or zeros when ``n_processed == 0``);
+* ``grads`` holds the **sum** of the loss gradients of the ``n_processed`` micro-batches this
+  replica ran this iteration (float32 copies the strategy may modify; zeros when
+  ``n_processed == 0``);
 * every replica of the group must call it (a replica that processed nothing still takes part
   in the collectives, with ``n_processed = 0``);
-* it performs the exchange and exactly one optimizer step; after it returns, parameters are
-  bit-identical on all replicas (DiLoCo: after every sync step; between syncs replicas drift by
-  design);
+* it returns what the optimizer applies: the group's mean gradient for ``update_rule ==
+  "adamw"`` strategies (all-reduce, PowerSGD; DiLoCo: this replica's own mean, its inner step),
+  a unit-scale direction for ``"direction"`` strategies (DeMo), or None when parameters are not
+  updated this iteration (nothing processed anywhere; DeMo between syncs);
+* ``clip_local``: whether the global clip applies to the local gradients before the exchange
+  (DeMo, as in its reference, clips what it folds into its momentum) or to the output;
+* fed identical inputs in the same order, the optimizer keeps replicas bit-identical (DiLoCo:
+  after every outer step; between them replicas drift by design);
 * the gradient average is weighted by micro-batch counts: dense strategies all-reduce the
   summed gradients and counts and divide; DeMo weights each replica's coefficients by its count
-  (see :mod:`skiptrain.dp.demo`); if no replica processed anything, parameters only see weight
-  decay / momentum;
+  (see :mod:`skiptrain.dp.demo`);
 * errors: a peer's malformed payload raises :class:`~skiptrain.dp.payload.PayloadError` and a
   failed consistency check :class:`~skiptrain.dp.consistency.ConsistencyError` on every rank,
   before anything is applied; a dead peer raises gloo's error after the group's timeout.
@@ -34,7 +36,8 @@ Parameters are ordered by global name, so replicas whose modules were built in a
 still agree; at construction the group checks that every replica has the same names and shapes.
 
 ``state_dict()`` returns ``{"strategy", "step", "tensors": {global name: {state: tensor}}, ...}``;
-tensor states are keyed by global parameter name so checkpoints can be resharded by name.
+tensor states are keyed by global parameter name so checkpoints can be resharded by name.  The
+optimizer's own state (AdamW moments) is not part of it: it belongs to the optimizer.
 """
 
 from __future__ import annotations
@@ -70,9 +73,11 @@ class StrategyError(UserError, RuntimeError):
 
 class SyncStrategy:
     """Base class: parameter bookkeeping, consistency checks, accounting.  Subclasses implement
-    :meth:`_sync_and_update` and the state of their optimizer."""
+    :meth:`_exchange` (and :meth:`_after_update` when they act after the optimizer)."""
 
     name = "base"
+    update_rule = "adamw"     # the optimizer rule (skiptrain.optim.RULES) that consumes exchange()'s output
+    clip_local = False        # True: the global clip scales the local gradients before the exchange
 
     def __init__(self, named_params: Iterable[tuple[str, torch.nn.Parameter]], transport: Transport,
                  dp_cfg, optim_cfg):
@@ -85,9 +90,9 @@ class SyncStrategy:
         self.n_params = sum(p.numel() for _, p in self.named)
         self.tr.acct.n_params = self.n_params
         self.step_count = 0
+        self._c0 = 0.0
+        self._synced, self._n_total = False, 0
         self._check_layout()
-
-    # ---- helpers for subclasses ----------------------------------------------------------
 
     @property
     def rank(self) -> int:
@@ -97,7 +102,8 @@ class SyncStrategy:
     def world(self) -> int:
         return self.tr.world
 
-    def _grads(self) -> dict[str, torch.Tensor]:
+    def local_grads(self) -> dict[str, torch.Tensor]:
+        """float32 copies of this replica's gradients by name (zeros where a parameter has none)."""
         return {n: (p.grad.detach().float().clone() if p.grad is not None else torch.zeros_like(p, dtype=torch.float32))
                 for n, p in self.named}
 
@@ -112,28 +118,41 @@ class SyncStrategy:
 
     # ---- the interface -------------------------------------------------------------------
 
-    def step(self, lr: float, n_processed: int) -> SyncStats:
+    def exchange(self, grads: dict[str, torch.Tensor], n_processed: int, lr: float) -> dict[str, torch.Tensor] | None:
+        """Sync this iteration's gradients; return the optimizer's input (or None: no update)."""
         if n_processed < 0:
             raise ValueError(f"n_processed must be >= 0, got {n_processed}")
-        c0 = self.tr.comm_s
+        self._c0 = self.tr.comm_s
         self.step_count += 1
-        synced, n_total = self._sync_and_update(float(lr), int(n_processed))
+        update, self._synced, self._n_total = self._exchange(grads, int(n_processed), float(lr))
+        return update
+
+    def after_update(self, lr: float) -> SyncStats:
+        """After the optimizer applied :meth:`exchange`'s output: the strategy's own post-step
+        (DiLoCo's outer sync), the consistency check on synced steps, and the step's accounting."""
+        outer = self._after_update(float(lr))
+        if outer is not None:
+            self._synced, self._n_total = True, outer
         checked = False
         k = getattr(self.dp, "check_every", 0)
-        if synced and k and self.step_count % k == 0:
+        if self._synced and k and self.step_count % k == 0:
             check_consistency(self.named, self.tr, self.step_count)
             checked = True
         sb = self.tr.acct.end_step()
-        return SyncStats(self.step_count, synced, n_total, sb.payload, sb.received, 4 * self.n_params,
-                         self.tr.comm_s - c0, checked)
+        return SyncStats(self.step_count, self._synced, self._n_total, sb.payload, sb.received, 4 * self.n_params,
+                         self.tr.comm_s - self._c0, checked)
 
     def check_consistency(self) -> None:
         """Compare parameter hashes across the group now (raises ConsistencyError)."""
         check_consistency(self.named, self.tr, self.step_count)
 
-    def _sync_and_update(self, lr: float, n: int) -> tuple[bool, int]:
-        """Exchange and update; return (synced, micro-batches over the group)."""
+    def _exchange(self, grads: dict[str, torch.Tensor], n: int, lr: float) -> tuple[dict | None, bool, int]:
+        """Exchange; return (optimizer input or None, synced, micro-batches over the group)."""
         raise NotImplementedError
+
+    def _after_update(self, lr: float) -> int | None:
+        """Work after the optimizer step; return the group's micro-batch count if it synced."""
+        return None
 
     def state_dict(self) -> dict:
         return {"strategy": self.name, "step": self.step_count, "tensors": {}}
@@ -141,38 +160,14 @@ class SyncStrategy:
     def load_state_dict(self, state: dict) -> None:
         if state.get("strategy") != self.name:
             raise StrategyError(f"state is for strategy {state.get('strategy')!r}, this is {self.name!r}")
-        missing = [n for n, _ in self.named if n not in state["tensors"]] if state["tensors"] else []
+        missing = [n for n in self.state_tensor_names() if n not in state["tensors"]]
         if missing:
             raise StrategyError(f"state lacks tensors {missing[:3]}{'...' if len(missing) > 3 else ''}")
         self.step_count = int(state["step"])
 
+    def state_tensor_names(self) -> list[str]:
+        """Parameter names whose per-tensor state :meth:`state_dict` carries."""
+        return []
+
     def summary(self) -> dict:
         return self.tr.acct.summary()
-
-
-def make_strategy(dp_cfg, named_params: Iterable[tuple[str, torch.nn.Parameter]], group=None,
-                  optimizer_cfg=None, link: LinkModel | None = None) -> SyncStrategy:
-    """Build the strategy ``dp_cfg.strategy`` for ``named_params`` replicated over ``group``.
-
-    ``dp_cfg`` is a :class:`skiptrain.config.DPConfig`; ``optimizer_cfg`` a
-    :class:`skiptrain.config.TrainConfig` (betas, weight decay, clip; default: its defaults).
-    ``group`` is any initialised gloo process group (None: the default group, or a group of one
-    when torch.distributed is not initialised).  ``link`` overrides the link emulation of
-    ``dp_cfg`` (``link_up_mbps`` etc.).
-    """
-    from ..config import TrainConfig
-    from .allreduce import AllReduceStrategy
-    from .demo import DeMoStrategy
-    from .diloco import DiLoCoStrategy
-    from .powersgd import PowerSGDStrategy
-
-    optimizer_cfg = optimizer_cfg or TrainConfig()
-    if link is None:
-        link = LinkModel(dp_cfg.link_up_mbps, dp_cfg.link_down_mbps, dp_cfg.link_latency_ms)
-    tr = Transport(group, link, ByteAccountant(1))
-    tr.acct.world = tr.world
-    kinds = {"allreduce": AllReduceStrategy, "allreduce_bf16": AllReduceStrategy,
-             "powersgd": PowerSGDStrategy, "diloco": DiLoCoStrategy, "demo": DeMoStrategy}
-    if dp_cfg.strategy not in kinds:
-        raise StrategyError(f"unknown dp.strategy {dp_cfg.strategy!r}; choose one of {sorted(kinds)}")
-    return kinds[dp_cfg.strategy](named_params, tr, dp_cfg, optimizer_cfg)

@@ -47,8 +47,10 @@ from ..config import Config
 from ..data.dataset import TokenDataset
 from ..model.partition import Partition
 from ..schedule.routes import balanced_routes, full_route, stage_visit_counts
+from ..dp import make_strategy
+from ..optim import lr_at
+from ..runtime.step import HostedStage, optimizer_step
 from ..train.evaluate import evaluate
-from ..train.optim import lr_at, set_lr
 from ..train.trainer import StepResult, Trainer, draw_routes
 from .cache import ActivationCache, PrefixRunner, at_depth, expected_hit, measure, worth_it
 from .freeze import FreezeRule
@@ -115,13 +117,14 @@ class ElasticTrainer(Trainer):
         """Trainable parameters per stage of the current layout (stage 0: embedding, head, norm)."""
         part, F = self.layout.partition, self.frozen
         named = dict(self.model.named_parameters())
-        self.stage_grads_of = {}
+        self.syncs = {}
         for s in range(part.n_stages):
             pre = tuple(f"layers.{i}." for i in part.layers(s) if i >= F)
             if s == 0:
                 pre += ("norm.", "head.") + (() if F > 0 else ("tok_emb.",))
-            self.stage_grads_of[s] = [p for n, p in named.items() if pre and n.startswith(pre)]
-        self.layer_params = {l: list(self.model.layers[str(l)].parameters()) for l in range(self.cfg.model.n_layers)}
+            mine = [(n, p) for n, p in named.items() if pre and n.startswith(pre)]
+            if mine:
+                self.syncs[s] = make_strategy(self.cfg.dp, mine, None, self.cfg.train)
 
     def _apply_frozen(self) -> None:
         F = self.frozen
@@ -180,25 +183,23 @@ class ElasticTrainer(Trainer):
             loss.backward()
             total += loss.item()
         visits = stage_visit_counts(routes, self.layout.n_stages)
-        for s, params in self.stage_grads_of.items():
-            grads = [p.grad for p in params if p.grad is not None]
-            if grads and visits[s] > 1:
-                torch._foreach_mul_(grads, 1.0 / visits[s])
-        norms = {}
-        for l in range(F, self.cfg.model.n_layers):
-            gs = [p.grad for p in self.layer_params[l] if p.grad is not None]
-            if gs:
-                norms[l] = float(torch.linalg.vector_norm(torch.stack(torch._foreach_norm(gs))))
-        self.rule.observe(norms)
-        gnorm = (torch.nn.utils.clip_grad_norm_([p for p in self.model.parameters() if p.requires_grad],
-                                                t.grad_clip).item() if t.grad_clip > 0 else float("nan"))
         lr = lr_at(self.step, t)
-        set_lr(self.opt, lr)
-        self.opt.step()
+        out = optimizer_step([HostedStage(s, sync, visits[s]) for s, sync in self.syncs.items()], self.opt, lr,
+                             t.grad_clip, inspect=self._observe_layer_norms)
+        gnorm = out.grad_norm
         self.step += 1
         if self.rule.window_done(self.step):
             self._window()
         return StepResult(total / len(routes), lr, gnorm, routes)
+
+    def _observe_layer_norms(self, updates: dict[str, torch.Tensor]) -> None:
+        """Per active layer, the norm of its stage-averaged gradient, to the freeze rule."""
+        sq: dict[int, float] = {}
+        for n, g in updates.items():
+            if n.startswith("layers."):
+                layer = int(n.split(".", 2)[1])
+                sq[layer] = sq.get(layer, 0.0) + float(torch.linalg.vector_norm(g)) ** 2
+        self.rule.observe({l: v ** 0.5 for l, v in sorted(sq.items()) if l >= self.frozen})
 
     # ---- windows and transitions ----------------------------------------------------------
 

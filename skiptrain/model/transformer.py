@@ -196,12 +196,16 @@ class StagedLM(nn.Module):
             return logits
         return logits, self.loss(logits, targets)
 
-    def stage_parameters(self, stage: int) -> list[nn.Parameter]:
-        """Parameters owned by one stage (stage 0 includes embedding, final norm and head)."""
+    def stage_named_parameters(self, stage: int) -> list[tuple[str, nn.Parameter]]:
+        """(global name, parameter) owned by one stage (stage 0: also embedding, final norm, head)."""
         prefixes = tuple(f"layers.{i}." for i in self.partition.layers(stage))
         if stage == 0:
             prefixes += ("tok_emb.", "norm.", "head.")
-        return [p for n, p in self.named_parameters() if n.startswith(prefixes)]
+        return [(n, p) for n, p in self.named_parameters() if n.startswith(prefixes)]
+
+    def stage_parameters(self, stage: int) -> list[nn.Parameter]:
+        """Parameters owned by one stage (stage 0 includes embedding, final norm and head)."""
+        return [p for _, p in self.stage_named_parameters(stage)]
 
     def num_parameters(self) -> int:
         return sum(p.numel() for p in self.parameters())

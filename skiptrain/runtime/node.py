@@ -224,8 +224,9 @@ class _Node:
         from ..schedule.cost import CostModel
         from ..schedule.schedule import Schedule
         from ..schedule.timeline import Event
-        from ..train.optim import lr_at
+        from ..optim import lr_at
         from .executor import Executor
+        from .step import HostedStage, optimizer_step
         from .wan import ComputePadding, LinkFifo
 
         cfg, rank = self.cfg, self.rank
@@ -250,6 +251,7 @@ class _Node:
             model.train()
             _warm_up(model, stage, cfg)
         groups, strat = self._stage_groups(sched, stage, model, None)
+        opt = self._optimizer(model, strat)
 
         def make_executor():
             self.tr.link = (LinkFifo.from_topology(topo, rank, ph.bytes_scale, cost.hop_overhead_s if cost else 0.0)
@@ -279,7 +281,7 @@ class _Node:
             # a node joining a running job: its state from a live replica (or the stage's
             # checkpoint / CheckFree when the stage had none), then the next iteration
             t_j = time.time()
-            resume, rep = self._join_transfer(sched, {rank: stage}, model, strat, ph, phase_idx, 0, 0)
+            resume, rep = self._join_transfer(sched, {rank: stage}, model, strat, opt, ph, phase_idx, 0, 0)
             it, cursor = resume["it"], resume["cursor"]
             record["joined"] = {"gen": self.gen, "stage": stage, "iteration": it, "choice": joining.get("choice"),
                                 "transfer_s": time.time() - t_j, **(rep or {})}
@@ -310,7 +312,7 @@ class _Node:
                             if int(flag.item()) <= self.gen:
                                 break
                             sched, groups, strat = self._apply_join(int(flag.item()), sched, model, stage, strat,
-                                                                    ph, phase_idx, it, cursor, step_count)
+                                                                    opt, ph, phase_idx, it, cursor, step_count)
                             record.setdefault("joins", []).append({"gen": self.gen, "iteration": it,
                                                                    "placement": sched.placement})
                             replan_pending = True
@@ -348,7 +350,9 @@ class _Node:
                         gsq = [(p.grad.double() ** 2).sum() for p in model.parameters() if p.grad is not None]
                         self._last_gnorm = float(torch.stack(gsq).sum().sqrt()) if gsq else 0.0
                         ts = time.time()
-                        st = strat.step(lr, res.n_processed)
+                        out = optimizer_step([HostedStage(stage, strat, res.n_processed, len(sync_replicas))], opt,
+                                             lr, cfg.train.grad_clip, self._sum_across)
+                        st = out.stats[stage]
                         if ph.emulate_sync and cost is not None and topo is not None:
                             time.sleep(cost.dp_sync_s(topo, sync_replicas, stage))
                         te = time.time()
@@ -357,6 +361,8 @@ class _Node:
                         for p in model.parameters():
                             p.grad = None
                         self._save_stage_checkpoint(ph.name, it, stage, model, sched)
+                    else:
+                        out = optimizer_step([], None, lr, cfg.train.grad_clip, self._sum_across)
                     stepped = True
                     self.tr.wait_sent(self.job.timeout_s)
                     events += self.tr.take_events()
@@ -375,6 +381,7 @@ class _Node:
                         n = float(a[:, 1].sum())
                         row = {"phase": ph.name, "step": it + 1, "loss": round(float(a[:, 0].sum()) / max(n, 1), 5),
                                "iteration_s": round(float(a[:, 2].max()), 4), "lr": lr,
+                               "grad_norm": round(out.grad_norm, 5),
                                "tokens": (it + 1) * gb * cfg.model.seq_len,
                                "overruns": int(a[:, 3].sum()), "overrun_s": round(float(a[:, 4].sum()), 4),
                                "max_in_flight": int(a[:, 5].max())}
@@ -426,8 +433,10 @@ class _Node:
                                     record["stage"] = stage
                             groups, strat = self._stage_groups(new_sched, stage, model,
                                                                None if was_moved else strat, step_count)
+                            if was_moved:
+                                opt = self._optimizer(model, strat)
                             ex = make_executor()
-                            redone = self._settle(committed, stepped or was_moved, it, model, strat, lr,
+                            redone = self._settle(committed, stepped or was_moved, it, model, strat, opt, lr,
                                                   None if was_moved else res)
                             sched = new_sched
                             self._ack()
@@ -473,10 +482,24 @@ class _Node:
 
     # ---- recovery (issue 8; semantics in runtime/recovery.py) ---------------------------------
 
+    def _optimizer(self, model, strat):
+        """The one optimizer (``skiptrain.optim``) over this node's stage, of the rule its sync
+        strategy feeds (None without a stage)."""
+        from ..optim import build_optimizer
+
+        return None if model is None else build_optimizer(model.named_parameters(), self.cfg.train,
+                                                           strat.update_rule)
+
+    def _sum_across(self, x: float) -> float:
+        """Sum one float over every node of the generation (the global clip's squared norm)."""
+        t = torch.tensor([x], dtype=torch.float64)
+        self._sync(dist.all_reduce, t)
+        return float(t[0])
+
     def _stage_groups(self, sched, stage, model, old_strat, step_count: int | None = None):
         """One gloo group per stage with replicas (every rank creates every group, same order),
         and this node's DP strategy on its stage's group, keeping ``old_strat``'s optimizer state."""
-        from ..dp.strategy import make_strategy
+        from ..dp import make_strategy
 
         timeout = timedelta(seconds=self.job.timeout_s)
         groups = {s: dist.new_group(sorted(self._rank[n] for n in p), timeout=timeout)
@@ -763,7 +786,7 @@ class _Node:
             self.store.set("sched/cur", json.dumps({"gen": self.gen, "phase": phase_idx,
                                                     "schedule": sched.to_dict()}))
 
-    def _apply_join(self, target: int, sched, model, stage, strat, ph, phase_idx: int, it: int, cursor: int,
+    def _apply_join(self, target: int, sched, model, stage, strat, opt, ph, phase_idx: int, it: int, cursor: int,
                     step_count: int):
         """At an iteration boundary, every node switches to join generation ``target``: re-forms
         the groups with the joining node(s), takes the coordinator's schedule, rebuilds its stage
@@ -782,7 +805,7 @@ class _Node:
         self._regroup(target, recs[-1]["alive"])
         self.stage_of = new.stage_of()
         groups, strat2 = self._stage_groups(new, stage, model, strat, step_count)
-        self._join_transfer(new, joins, model, strat2, ph, phase_idx, it, cursor)
+        self._join_transfer(new, joins, model, strat2, opt, ph, phase_idx, it, cursor)
         self._pre_join = (max(joins), sched)
         self._ack()
         self._publish_sched(new, phase_idx)
@@ -791,7 +814,8 @@ class _Node:
               file=sys.stderr, flush=True)
         return new, groups, strat2
 
-    def _join_transfer(self, sched, joins: dict[int, int], model, strat, ph, phase_idx: int, it: int, cursor: int):
+    def _join_transfer(self, sched, joins: dict[int, int], model, strat, opt, ph, phase_idx: int, it: int,
+                       cursor: int):
         """Collective over the new generation: rank 0 (the lowest existing node) broadcasts where
         the run is (phase, iteration, data cursor); then each joining node gets its stage's
         weights and optimizer/DP state point-to-point from the stage's first live replica
@@ -814,8 +838,8 @@ class _Node:
                 continue
             d = donors[0]
             if self.rank == d:
-                meta, flat = pack_stage_state(model, strat, {"from": d, "gen": self.gen, "iteration": it,
-                                                             "last_gnorm": self._last_gnorm})
+                meta, flat = pack_stage_state(model, strat, opt, {"from": d, "gen": self.gen, "iteration": it,
+                                                                  "last_gnorm": self._last_gnorm})
                 dist.send(torch.tensor([len(meta), flat.numel()], dtype=torch.int64), self._rank[j])
                 dist.send(torch.frombuffer(bytearray(meta), dtype=torch.uint8), self._rank[j])
                 dist.send(flat, self._rank[j])
@@ -827,7 +851,7 @@ class _Node:
                 dist.recv(meta, self._rank[d])
                 flat = torch.empty(int(n[1]), dtype=torch.float32)
                 dist.recv(flat, self._rank[d])
-                info = unpack_stage_state(bytes(meta.tolist()), flat, model, strat)
+                info = unpack_stage_state(bytes(meta.tolist()), flat, model, strat, opt)
                 self._last_gnorm = float(info.get("last_gnorm", 0.0))
                 report = {"init": f"state of node {d} (live replica): weights and optimizer state",
                           "from_node": d, "bytes": int(n[0]) + 4 * int(n[1]), "recv_s": time.time() - t,
@@ -887,9 +911,12 @@ class _Node:
               flush=True)
         return new, True
 
-    def _settle(self, committed: bool, stepped: bool, it: int, model, strat, lr: float, res) -> bool:
+    def _settle(self, committed: bool, stepped: bool, it: int, model, strat, opt, lr: float, res) -> bool:
         """After re-forming: a committed iteration whose stage sync did not finish is synced over
-        the surviving replicas with the gradients held; otherwise gradients are dropped."""
+        the surviving replicas with the gradients held; otherwise gradients are dropped.  (That
+        re-done step clips by its own stage's norm: the other stages stepped already.)"""
+        from .step import HostedStage, optimizer_step
+
         from .recovery import RecoveryError
 
         redone = False
@@ -901,7 +928,8 @@ class _Node:
                     raise RecoveryError(f"node {self.rank}: replicas of stage {self.stage_of.get(self.rank)} "
                                         f"disagree whether iteration {it} was applied", node=None)
                 if need[0] and res is not None:
-                    strat.step(lr, res.n_processed)
+                    optimizer_step([HostedStage(self.stage_of.get(self.rank), strat, res.n_processed,
+                                                strat.world)], opt, lr, self.cfg.train.grad_clip)
                     redone = True
             for p in model.parameters():
                 p.grad = None

@@ -409,32 +409,46 @@ def choose_stage(schedule: Schedule, node: int, original: Schedule | None = None
                   "simulated_before_s": None if base is None else round(base, 6)}
 
 
-def pack_stage_state(model, strat, info: dict | None = None) -> tuple[bytes, torch.Tensor]:
-    """A stage's weights and DP/optimizer state as (JSON bytes, one flat float32 tensor), to
-    send to a joining node without pickling: the JSON lists every tensor's name, shape and
-    dtype in the order of the flat payload, plus the strategy's scalar state and ``info``."""
+def pack_stage_state(model, strat, opt=None, info: dict | None = None) -> tuple[bytes, torch.Tensor]:
+    """A stage's weights, DP strategy state and optimizer state as (JSON bytes, one flat float32
+    tensor), to send to a joining node without pickling: the JSON lists every tensor's name,
+    shape and dtype in the order of the flat payload, plus the strategy's scalar state, the
+    optimizer's record (:func:`~skiptrain.checkpoint.state.optimizer_tensors`) and ``info``."""
+    from ..checkpoint.state import optimizer_tensors
+
     names, parts = [], []
-    for n, t in model.state_dict().items():
-        names.append(["model", n, "", list(t.shape), str(t.dtype).replace("torch.", "")])
+
+    def add(where: str, name: str, key: str, t: torch.Tensor) -> None:
+        names.append([where, name, key, list(t.shape), str(t.dtype).replace("torch.", "")])
         parts.append(t.detach().to(torch.float32).reshape(-1))
+
+    for n, t in model.state_dict().items():
+        add("model", n, "", t)
     sd = dict(strat.state_dict()) if strat is not None else {"tensors": {}}
     tensors = sd.pop("tensors", {}) or {}
     for pn in sorted(tensors):
         for k in sorted(tensors[pn]):
-            t = tensors[pn][k]
-            names.append(["opt", pn, k, list(t.shape), str(t.dtype).replace("torch.", "")])
-            parts.append(t.detach().to(torch.float32).reshape(-1))
-    meta = {"tensors": names, "strategy": sd if strat is not None else None, "info": info or {}}
+            add("sync", pn, k, tensors[pn][k])
+    record = None
+    if opt is not None:
+        opt_t, record = optimizer_tensors(model.named_parameters(), opt)
+        for n in sorted(opt_t):
+            add("optim", n, "", opt_t[n])
+    meta = {"tensors": names, "strategy": sd if strat is not None else None, "optimizer": record,
+            "info": info or {}}
     flat = torch.cat(parts) if parts else torch.zeros(0)
     return json.dumps(meta).encode(), flat
 
 
-def unpack_stage_state(meta_bytes: bytes, flat: torch.Tensor, model, strat) -> dict:
-    """Load what :func:`pack_stage_state` produced into ``model`` and ``strat`` (same stage);
-    returns the sender's ``info``.  Raises ``ValueError`` naming a tensor that does not fit."""
+def unpack_stage_state(meta_bytes: bytes, flat: torch.Tensor, model, strat, opt=None) -> dict:
+    """Load what :func:`pack_stage_state` produced into ``model``, ``strat`` and ``opt`` (same
+    stage); returns the sender's ``info``.  Raises ``ValueError`` naming a tensor that does not fit."""
+    from ..checkpoint.state import load_optimizer
+
     meta = json.loads(meta_bytes.decode())
     own = model.state_dict()
-    opt: dict[str, dict[str, torch.Tensor]] = {}
+    sync: dict[str, dict[str, torch.Tensor]] = {}
+    optim: dict[str, torch.Tensor] = {}
     off = 0
     for where, name, key, shape, dtype in meta["tensors"]:
         n = 1
@@ -448,12 +462,16 @@ def unpack_stage_state(meta_bytes: bytes, flat: torch.Tensor, model, strat) -> d
                 raise ValueError(f"received weight {name} {tuple(shape)} does not fit this stage")
             with torch.no_grad():
                 own[name].copy_(t)
+        elif where == "optim":
+            optim[name] = t.clone()
         else:
-            opt.setdefault(name, {})[key] = t.clone()
+            sync.setdefault(name, {})[key] = t.clone()
     if off != flat.numel():
         raise ValueError(f"received {flat.numel()} values, the manifest lists {off}")
     if strat is not None and meta["strategy"] is not None:
-        strat.load_state_dict({**meta["strategy"], "tensors": opt})
+        strat.load_state_dict({**meta["strategy"], "tensors": sync})
+    if opt is not None and meta.get("optimizer") is not None:
+        load_optimizer(opt, model.named_parameters(), optim, meta["optimizer"])
     return meta["info"]
 
 

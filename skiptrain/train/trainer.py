@@ -2,9 +2,11 @@
 
 One iteration = ``n_micro`` micro-batches of ``micro_batch`` samples.  With skip ratio k > 0,
 each micro-batch runs stage 0 plus its own route through the body stages (balanced over the
-iteration, as the planner draws them).  Gradients are averaged per stage over the micro-batches
-that actually visited it, exactly as the pipeline runtime's per-stage sync does, then one AdamW
-step is taken.  So this trainer is the single-process reference for distributed execution.
+iteration, as the planner draws them).  The update is the runtime's one optimizer step
+(:func:`skiptrain.runtime.step.optimizer_step`) with this process hosting every stage, each in a
+data-parallel group of one: each stage's gradient is the mean over the micro-batches that
+visited it, one global clip, one optimizer step.  So this trainer computes what a swarm of node
+processes computes on the same routes.
 """
 
 from __future__ import annotations
@@ -21,11 +23,13 @@ from ..checkpoint.training import TrainerCheckpoints, restore_trainer
 from ..config import Config
 from ..data.dataset import TokenDataset
 from ..data.loader import SampleSource, ShardedLoader
+from ..dp import make_strategy
 from ..model import StagedLM
+from ..optim import build_optimizer, lr_at
+from ..runtime.step import HostedStage, optimizer_step
 from ..schedule.routes import balanced_routes, full_route, stage_visit_counts
 from .evaluate import evaluate, unigram_loss
 from .metrics import MetricsLog, plot_loss
-from .optim import build_adamw, lr_at, set_lr
 from .rundir import prepare_run_dir, save_weights, write_summary
 
 
@@ -59,8 +63,9 @@ class Trainer:
         torch.manual_seed(t.seed)
         self.model = StagedLM(cfg.model, seed=t.seed)
         self.model.train()
-        self.opt = build_adamw(self.model.named_parameters(), t)
-        self.stage_grads_of = {s: self.model.stage_parameters(s) for s in range(cfg.model.n_stages)}
+        self.syncs = {s: make_strategy(cfg.dp, self.model.stage_named_parameters(s), None, t)
+                      for s in range(cfg.model.n_stages)}
+        self.opt = build_optimizer(self.model.named_parameters(), t, self.syncs[0].update_rule)
         self.train_src = SampleSource(self.ds.tokens("train"), cfg.model.seq_len, seed=t.seed)
         self.val_src = SampleSource(self.ds.tokens("val"), cfg.model.seq_len, shuffle=False)
         self.loader = ShardedLoader(self.train_src, t.micro_batch * t.n_micro)
@@ -93,19 +98,12 @@ class Trainer:
             _, loss = self.model(x[sl], y[sl], route=route)
             loss.backward()
             total += loss.item()
-        # Each stage's gradient is the mean over the micro-batches that visited it.
         visits = stage_visit_counts(routes, S)
-        for s, params in self.stage_grads_of.items():
-            grads = [p.grad for p in params if p.grad is not None]
-            if grads and visits[s] > 1:
-                torch._foreach_mul_(grads, 1.0 / visits[s])
-        gnorm = (torch.nn.utils.clip_grad_norm_(self.model.parameters(), t.grad_clip).item()
-                 if t.grad_clip > 0 else float("nan"))
         lr = lr_at(self.step, t)
-        set_lr(self.opt, lr)
-        self.opt.step()
+        out = optimizer_step([HostedStage(s, sync, visits[s]) for s, sync in self.syncs.items()],
+                             self.opt, lr, t.grad_clip)
         self.step += 1
-        return StepResult(total / len(routes), lr, gnorm, routes)
+        return StepResult(total / len(routes), lr, out.grad_norm, routes)
 
     def validate(self, route=None) -> float:
         t = self.cfg.train

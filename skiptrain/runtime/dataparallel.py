@@ -42,16 +42,6 @@ class HarnessError(RuntimeError):
     """A rank failed; the message starts with the failing exception's type name."""
 
 
-def lr_at(step: int, cfg) -> float:
-    """Linear warm-up over ``warmup_steps``, then cosine decay to ``min_lr_frac * lr``."""
-    t = cfg.train
-    if t.warmup_steps and step < t.warmup_steps:
-        return t.lr * (step + 1) / t.warmup_steps
-    span = max(t.steps - t.warmup_steps, 1)
-    frac = min(max(step - t.warmup_steps, 0) / span, 1.0)
-    return t.lr * (t.min_lr_frac + (1 - t.min_lr_frac) * 0.5 * (1 + math.cos(math.pi * frac)))
-
-
 def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
@@ -102,19 +92,31 @@ def _worker(rank: int, world: int, port: int, cfg_dicts: list[dict], data_path: 
         raise SystemExit(1)
 
 
+def _sum_over_group(x: float) -> float:
+    import torch
+    import torch.distributed as dist
+
+    t = torch.tensor([x], dtype=torch.float64)
+    dist.all_reduce(t)
+    return float(t[0])
+
+
 def _train_one(rank, world, cfg, ds, out_file: Path, fault) -> None:
     import torch
     import torch.distributed as dist
 
     from ..data.loader import SampleSource, shard_indices
+    from ..dp import make_strategy
+    from ..dp.consistency import param_hashes
     from ..model.transformer import StagedLM
-    from .consistency import param_hashes
-    from .strategy import make_strategy
+    from ..optim import build_optimizer, lr_at
+    from .step import HostedStage, optimizer_step
 
     tr_src = SampleSource(ds.tokens("train"), cfg.model.seq_len, seed=cfg.train.seed)
     va_src = SampleSource(ds.tokens("val"), cfg.model.seq_len, seed=0, shuffle=False)
     model = StagedLM(cfg.model, seed=cfg.train.seed)
     strat = make_strategy(cfg.dp, model.named_parameters(), None, cfg.train)
+    opt = build_optimizer(model.named_parameters(), cfg.train, strat.update_rule)
     if fault and fault.get("rank") == rank and fault["kind"] in ("nan", "index", "header"):
         strat.tamper = _tamper_fn(fault["kind"], strat.layout)
     gb = cfg.train.micro_batch * cfg.train.n_micro
@@ -151,7 +153,8 @@ def _train_one(rank, world, cfg, ds, out_file: Path, fault) -> None:
         if fault and fault.get("rank") == rank and fault["kind"] == "diverge" and step == fault["step"]:
             with torch.no_grad():
                 dict(model.named_parameters())[fault.get("tensor", "norm.weight")].add_(1e-3)
-        st = strat.step(lr_at(step, cfg), n)
+        st = optimizer_step([HostedStage(0, strat, n, world)], opt, lr_at(step, cfg.train), cfg.train.grad_clip,
+                            sum_across=_sum_over_group).stats[0]
         rec["step_s"].append(time.perf_counter() - t0)
         rec["comm_s"].append(st.comm_s)
         rec["payload"].append(st.payload_bytes)
