@@ -23,6 +23,7 @@ demo: install
 	$(VENV)/bin/skiptrain demo --data $(DATA) --out $(RUN)
 
 test: install
+	$(VENV)/bin/lint-imports --no-cache
 	$(PY) -m pytest -q
 
 bench-quick: install

@@ -57,7 +57,7 @@ from skiptrain.config import ModelConfig, build_config  # noqa: E402
 from skiptrain.data.dataset import TokenDataset  # noqa: E402
 from skiptrain.elastic.repartition import autopipe, embedding_units, split, stage0_units, stage_memory  # noqa: E402
 from skiptrain.elastic.replicas import transfer_plan  # noqa: E402
-from skiptrain.elastic.trainer import ElasticTrainer  # noqa: E402
+from skiptrain.train.elastic_trainer import ElasticTrainer  # noqa: E402
 from skiptrain.model.partition import Partition, head_flops_per_token, layer_flops_per_token  # noqa: E402
 from skiptrain.net.topology import from_spec  # noqa: E402
 from skiptrain.schedule.baselines import full_pipeline  # noqa: E402

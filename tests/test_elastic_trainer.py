@@ -11,7 +11,7 @@ from skiptrain.checkpoint.reader import CheckpointReader
 from skiptrain.cli import main
 from skiptrain.config import build_config
 from skiptrain.data.dataset import TokenDataset
-from skiptrain.elastic.trainer import ElasticTrainer
+from skiptrain.train.elastic_trainer import ElasticTrainer
 
 
 def _cfg(data, cache="on", steps=24, **ckpt):

@@ -97,11 +97,11 @@ def restore_trainer(trainer, path: str | Path | None = None) -> Path:
     decode_random(st["rng"]["routes"], trainer.route_rng)
     torch.set_rng_state(decode_torch_rng(st["rng"]["torch"]))
     if trainer.out is not None:
-        _truncate_metrics(Path(trainer.out) / "metrics.jsonl", trainer.step)
+        truncate_metrics(Path(trainer.out) / "metrics.jsonl", trainer.step)
     return reader.path
 
 
-def _truncate_metrics(path: Path, step: int) -> None:
+def truncate_metrics(path: Path, step: int) -> None:
     """Drop metric lines logged after ``step`` (by the run that was interrupted), atomically."""
     if not path.is_file():
         return

@@ -29,10 +29,13 @@ def train_swarm(cfg, data: str, out: str, steps: int | None = None, echo: bool =
     from ..train.evaluate import evaluate, unigram_loss
     from ..train.metrics import plot_loss
     from ..train.rundir import load_run, prepare_run_dir, write_summary
-    from .job import Job, build_cost, build_schedule, build_topology, phase_for
-    from .launcher import launch
+    from ..runtime.job import Job, build_cost, build_schedule, build_topology, phase_for
+    from ..runtime.launcher import launch
 
     rt = cfg.runtime
+    if cfg.elastic.enabled:
+        raise UserError("elastic.enabled=true: freezing runs in the single-process trainer, not in a swarm of "
+                        "node processes; set elastic.enabled=false, or train with --nodes 1")
     if rt.nodes < cfg.model.n_stages:
         raise UserError(f"runtime.nodes={rt.nodes} cannot serve {cfg.model.n_stages} stages; use --nodes >= "
                         f"{cfg.model.n_stages} (or --nodes 1 for the single-process trainer)")
@@ -69,6 +72,9 @@ def train_swarm(cfg, data: str, out: str, steps: int | None = None, echo: bool =
               f"strike(s) for bad peers, takeover {'on' if rt.takeover else 'off'}, stage checkpoints "
               f"{'every ' + str(rt.ckpt_every) + ' iterations' if rt.ckpt_every else 'off'}; nodes may join with "
               f"`skiptrain launch --join HOST:PORT` (address and secret file: {outp / 'join.json'})", flush=True)
+    if echo and cfg.checkpoint.every and cfg.checkpoint.every < steps:
+        print(f"note: a swarm run writes one weights-only checkpoint at the end; checkpoint.every="
+              f"{cfg.checkpoint.every} applies to the single-process trainer (--nodes 1)", flush=True)
     res = launch(job, timeout_s=max(3600.0, steps * 60.0), echo=echo)
     rows = res.phase_metrics("train")
     baseline = unigram_loss(ds.tokens("train"), ds.tokens("val"), ds.vocab_size)
@@ -132,7 +138,7 @@ def cmd_join(target: str, secret_file: str | None) -> int:
     """``skiptrain launch --join HOST:PORT``: this process becomes a node of the running job."""
     import os
 
-    from .node import main as node_main
+    from ..runtime.node import main as node_main
 
     if secret_file:
         try:
@@ -148,7 +154,7 @@ def cmd_join(target: str, secret_file: str | None) -> int:
 
 
 def cmd_launch(args: argparse.Namespace) -> int:
-    from ..train.cli import config_from_args
+    from .options import config_from_args
 
     if args.join:
         return cmd_join(args.join, args.join_secret_file)
@@ -181,7 +187,7 @@ def cmd_launch(args: argparse.Namespace) -> int:
 
 
 def register(sub) -> None:
-    from ..train.cli import add_config_args
+    from .options import add_config_args
 
     p = sub.add_parser("launch", help="train on N local node processes (skip-pipeline runtime)",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)

@@ -8,35 +8,19 @@ import sys
 import time
 from pathlib import Path
 
-from ..config import build_config, preset_names
 from ..errors import UserError
-
-
-def add_config_args(p: argparse.ArgumentParser, default_preset: str | None = "small") -> None:
-    p.add_argument("--preset", default=default_preset, help=f"named preset: {', '.join(preset_names())}")
-    p.add_argument("--config", metavar="TOML", help="TOML file with [model], [train], ... sections")
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
-                   help="override any config field, e.g. --set model.d_model=128 (repeatable)")
-
-
-def config_from_args(args: argparse.Namespace, **shortcuts):
-    """Preset < TOML < --set < explicit shortcut flags (e.g. --steps)."""
-    overrides = list(args.overrides)
-    for key, value in shortcuts.items():
-        if value is not None:
-            overrides.append(f"{key}={value}")
-    return build_config(args.preset, args.config, overrides)
+from .options import add_config_args, config_from_args
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    from .trainer import Trainer
+    from ..train.trainer import Trainer
 
     cfg = config_from_args(args, **{"data.path": args.data, "train.steps": args.steps,
                                     "train.skip_ratio": args.skip_ratio, "train.seed": args.seed})
     if getattr(args, "nodes", None) is not None:
         cfg.runtime.nodes = args.nodes
     if cfg.runtime.nodes > 1:  # issue 4: the multi-process skip-pipeline runtime (skiptrain.runtime)
-        from ..runtime.cli import train_swarm
+        from .launch import train_swarm
 
         if getattr(args, "resume", None) is not None:
             raise UserError("--resume works with the single-process trainer only: swarm runs do not save "
@@ -47,7 +31,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     if args.quiet:
         cfg.train.progress = False
     if cfg.elastic.enabled:  # issue 9: elastic mode (freeze, repartition, cache)
-        from ..elastic.trainer import ElasticTrainer
+        from ..train.elastic_trainer import ElasticTrainer
         trainer = ElasticTrainer(cfg, args.out)
     else:
         trainer = Trainer(cfg, args.out)
@@ -80,8 +64,8 @@ def _route_from_args(args, n_stages: int):
 def cmd_eval(args: argparse.Namespace) -> int:
     from ..data.dataset import TokenDataset
     from ..data.loader import SampleSource
-    from .evaluate import evaluate, perplexity
-    from .rundir import load_run
+    from ..train.evaluate import evaluate, perplexity
+    from ..train.rundir import load_run
 
     cfg, model, _ = load_run(args.run_dir)
     ds = TokenDataset.open(args.data or cfg.data.path)
@@ -104,7 +88,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
 def cmd_generate(args: argparse.Namespace) -> int:
     import torch
 
-    from .rundir import load_run
+    from ..train.rundir import load_run
 
     cfg, model, tok = load_run(args.run_dir)
     route = _route_from_args(args, cfg.model.n_stages)
@@ -126,7 +110,7 @@ DEMO_SWARM = ["runtime.nodes=9", "runtime.stage_sizes=3,2,2,2", "runtime.mb_per_
 def cmd_demo(args: argparse.Namespace) -> int:
     """The embedded default: prepare the data if needed, train the `small` preset on a local swarm
     of node processes (``--nodes 1``: in one process), sample text."""
-    from ..data.cli import cmd_prepare
+    from .data import cmd_prepare
 
     data = Path(args.data)
     if not (data / "manifest.json").is_file():

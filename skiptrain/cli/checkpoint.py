@@ -13,8 +13,8 @@ import json
 import time
 from pathlib import Path
 
-from . import store
-from .format import METADATA_FILE, CheckpointCorruptError, CheckpointError
+from ..checkpoint import store
+from ..checkpoint.format import METADATA_FILE, CheckpointCorruptError, CheckpointError
 
 
 def _root(path: str) -> Path:
@@ -34,7 +34,7 @@ def cmd_ls(args) -> int:
     if not committed:
         raise CheckpointError(f"no committed checkpoints under {root}")
     latest = store.latest(root)
-    from .reader import CheckpointReader
+    from ..checkpoint.reader import CheckpointReader
 
     for step, p in committed:
         mark = "*" if latest is not None and p.name == latest.name else " "
@@ -53,7 +53,7 @@ def cmd_ls(args) -> int:
 
 
 def cmd_inspect(args) -> int:
-    from .reader import CheckpointReader
+    from ..checkpoint.reader import CheckpointReader
 
     r = CheckpointReader(_root(args.path))
     m = r.meta
@@ -74,7 +74,7 @@ def cmd_inspect(args) -> int:
 
 
 def cmd_verify(args) -> int:
-    from .reader import CheckpointReader
+    from ..checkpoint.reader import CheckpointReader
 
     root = _root(args.path)
     targets = ([p for _, p in store.list_committed(root)] if args.all else [root])
@@ -97,7 +97,7 @@ def cmd_verify(args) -> int:
 
 
 def cmd_reshard(args) -> int:
-    from .reshard import reshard
+    from ..checkpoint.reshard import reshard
 
     out = reshard(_root(args.src), args.dst, args.stages, args.replicas, args.stage0_layers)
     print(f"resharded -> {out} ({args.stages} stages x {args.replicas} replicas, "
@@ -106,7 +106,7 @@ def cmd_reshard(args) -> int:
 
 
 def cmd_export(args) -> int:
-    from .export import export
+    from ..checkpoint.export import export
 
     out = export(_root(args.path), args.out, args.format, args.dtype)
     what = "Hugging Face LLaMA (config.json + model.safetensors)" if args.format == "hf" else "safetensors"

@@ -12,11 +12,11 @@ import json
 from pathlib import Path
 
 from ..net.topology import load_topology
-from .compare import METHODS, compare, format_table
-from .cost import DP_MODES, CostModel
-from .gantt import draw_gantt
-from .planner import PlanConfig
-from .schedule import ScheduleError
+from ..schedule.compare import METHODS, compare, format_table
+from ..schedule.cost import DP_MODES, CostModel
+from ..schedule.gantt import draw_gantt
+from ..schedule.planner import PlanConfig
+from ..schedule.schedule import ScheduleError
 
 
 def _ints(text: str) -> list[int]:

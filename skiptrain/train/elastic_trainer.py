@@ -42,7 +42,7 @@ from typing import Any
 import torch
 
 from ..checkpoint.reader import CheckpointReader
-from ..checkpoint.training import TrainerCheckpoints, _truncate_metrics, trainer_state
+from ..checkpoint.training import TrainerCheckpoints, truncate_metrics, trainer_state
 from ..config import Config
 from ..data.dataset import TokenDataset
 from ..model.partition import Partition
@@ -50,12 +50,12 @@ from ..schedule.routes import balanced_routes, full_route, stage_visit_counts
 from ..dp import make_strategy
 from ..optim import lr_at
 from ..runtime.step import HostedStage, optimizer_step
-from ..train.evaluate import evaluate
-from ..train.trainer import StepResult, Trainer, draw_routes
-from .cache import ActivationCache, PrefixRunner, at_depth, expected_hit, measure, worth_it
-from .freeze import FreezeRule
-from .repartition import Layout, autopipe_for
-from .replicas import assign_nodes, pack_state, state_sizes, transfer_plan, unpack_tensors
+from .evaluate import evaluate
+from .trainer import StepResult, Trainer, draw_routes
+from ..elastic.cache import ActivationCache, PrefixRunner, at_depth, expected_hit, measure, worth_it
+from ..elastic.freeze import FreezeRule
+from ..elastic.repartition import Layout, autopipe_for
+from ..elastic.replicas import assign_nodes, pack_state, state_sizes, transfer_plan, unpack_tensors
 
 
 class ElasticCheckpoints(TrainerCheckpoints):
@@ -373,7 +373,7 @@ class ElasticTrainer(Trainer):
         if "rule" in st:
             self.load_elastic_state(st)
         if self.out is not None:
-            _truncate_metrics(Path(self.out) / "elastic.jsonl", self.step)
+            truncate_metrics(Path(self.out) / "elastic.jsonl", self.step)
         return p
 
     def fit(self, steps: int | None = None) -> dict:

@@ -1,0 +1,23 @@
+"""The config options every command shares: --preset, --config, --set."""
+
+from __future__ import annotations
+
+import argparse
+
+from ..config import build_config, preset_names
+
+
+def add_config_args(p: argparse.ArgumentParser, default_preset: str | None = "small") -> None:
+    p.add_argument("--preset", default=default_preset, help=f"named preset: {', '.join(preset_names())}")
+    p.add_argument("--config", metavar="TOML", help="TOML file with [model], [train], ... sections")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                   help="override any config field, e.g. --set model.d_model=128 (repeatable)")
+
+
+def config_from_args(args: argparse.Namespace, **shortcuts):
+    """Preset < TOML < --set < explicit shortcut flags (e.g. --steps)."""
+    overrides = list(args.overrides)
+    for key, value in shortcuts.items():
+        if value is not None:
+            overrides.append(f"{key}={value}")
+    return build_config(args.preset, args.config, overrides)
