@@ -32,6 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from skiptrain.config import build_config  # noqa: E402
 from skiptrain.data.corpus import read_documents  # noqa: E402
 from skiptrain.data.dataset import write_dataset  # noqa: E402
+from tests.fault_node import faulty_job  # noqa: E402  (the test-only fault-injecting node)
 from skiptrain.runtime.job import Job, Phase  # noqa: E402
 from skiptrain.runtime.launcher import launch  # noqa: E402
 from skiptrain.runtime.recovery import trained_samples  # noqa: E402
@@ -59,7 +60,7 @@ def run(data: Path, out: Path, faults, iterations: int, deadline_s: float) -> di
     cfg = build_config("tiny", overrides={"train": {"grad_clip": 0.0, "steps": 20, "warmup_steps": 1}})
     job = Job(config=cfg.to_dict(), data_path=str(data), run_dir=str(out),
               phases=[Phase("p", schedule().to_dict(), iterations=iterations)], timeout_s=15.0,
-              heartbeat_s=0.2, heartbeat_deadline_s=deadline_s, fault=faults or None, recover=True)
+              heartbeat_s=0.2, heartbeat_deadline_s=deadline_s, **(faulty_job(faults) if faults else {}), recover=True)
     t = time.time()
     res = launch(job, timeout_s=300)
     wall = time.time() - t

@@ -58,6 +58,7 @@ from skiptrain.config import build_config  # noqa: E402
 from skiptrain.data.corpus import read_documents  # noqa: E402
 from skiptrain.data.dataset import TokenDataset, write_dataset  # noqa: E402
 from skiptrain.net.topology import load_topology  # noqa: E402
+from tests.fault_node import faulty_job  # noqa: E402  (the test-only fault-injecting node)
 from skiptrain.runtime.job import Job, build_cost, build_schedule, phase_for  # noqa: E402
 from skiptrain.runtime.launcher import launch  # noqa: E402
 from skiptrain.runtime.recovery import trained_samples  # noqa: E402
@@ -132,7 +133,7 @@ def run_once(cfg, topo, cost, sched, data: Path, run: Path, iterations: int, fau
     phase = phase_for(cfg, sched, topo, cost, "train", iterations, save_weights=True)
     job = Job(config=cfg.to_dict(), data_path=str(data), run_dir=str(run), phases=[phase],
               timeout_s=cfg.runtime.timeout_s, heartbeat_s=0.25, heartbeat_deadline_s=deadline_s,
-              fault=faults or None, recover=True, ckpt_every=2, ckpt_max_age=8)
+              **(faulty_job(faults) if faults else {}), recover=True, ckpt_every=2, ckpt_max_age=8)
     out: dict = {}
 
     def go():

@@ -18,6 +18,7 @@ from collections import Counter
 import pytest
 import torch
 
+from fault_node import faulty_job
 from conftest import processes_of_run
 from skiptrain.config import build_config
 from skiptrain.runtime.failure import RuntimeFailure
@@ -125,7 +126,7 @@ def _job(byte_data, run_dir, faults, iterations, deadline_s=4.0):
     cfg = build_config("tiny", overrides={"train": {"grad_clip": 0.0, "steps": 20, "warmup_steps": 1}})
     return Job(config=cfg.to_dict(), data_path=str(byte_data), run_dir=str(run_dir),
                phases=[Phase("p", _schedule().to_dict(), iterations=iterations)], timeout_s=15.0,
-               heartbeat_s=0.2, heartbeat_deadline_s=deadline_s, fault=faults, recover=True)
+               heartbeat_s=0.2, heartbeat_deadline_s=deadline_s, **faulty_job(faults), recover=True)
 
 
 def test_run_refuses_a_node_without_the_secret_and_survives_kill_originator_kill_hang_and_bad_peer(byte_data, tmp_path):
@@ -189,7 +190,7 @@ def test_a_replica_takes_over_a_lost_stage_with_checkfree_init(byte_data, tmp_pa
     job = Job(config=cfg.to_dict(), data_path=str(byte_data), run_dir=str(run),
               phases=[Phase("p", sched.to_dict(), iterations=3, cost=build_cost(cfg).to_dict(),
                             topology=load_topology("cluster", 6).to_dict())], timeout_s=15.0, heartbeat_s=0.2,
-              heartbeat_deadline_s=4.0, fault={"node": 4, "kind": "kill", "iteration": 1}, recover=True,
+              heartbeat_deadline_s=4.0, **faulty_job({"node": 4, "kind": "kill", "iteration": 1}), recover=True,
               takeover=True)
     res = launch(job, timeout_s=180)
     rows = res.phase_metrics("p")
@@ -217,8 +218,8 @@ def test_a_second_failure_during_recovery_is_survived_too(byte_data, tmp_path):
     job = Job(config=cfg.to_dict(), data_path=str(byte_data), run_dir=str(run),
               phases=[Phase("p", sched.to_dict(), iterations=3)], timeout_s=6.0, heartbeat_s=0.2,
               heartbeat_deadline_s=4.0, recover=True,
-              fault=[{"node": 4, "kind": "kill", "iteration": 1},
-                     {"node": 2, "kind": "kill", "iteration": 1, "where": "recover"}])
+              **faulty_job([{"node": 4, "kind": "kill", "iteration": 1},
+                     {"node": 2, "kind": "kill", "iteration": 1, "where": "recover"}]))
     res = launch(job, timeout_s=180)
     assert [r["step"] for r in res.phase_metrics("p")] == [1, 2, 3]
     rec = [json.loads(x) for x in (run / "recoveries.jsonl").read_text().splitlines()]
@@ -241,7 +242,7 @@ def test_a_bad_peer_is_banned_after_its_strikes_and_its_stage_restarts_from_the_
     run = tmp_path / "run"
     job = Job(config=cfg.to_dict(), data_path=str(byte_data), run_dir=str(run),
               phases=[Phase("p", sched.to_dict(), iterations=4)], timeout_s=15.0, heartbeat_s=0.2,
-              heartbeat_deadline_s=4.0, fault={"node": 4, "kind": "nan", "iteration": 2}, recover=True,
+              heartbeat_deadline_s=4.0, **faulty_job({"node": 4, "kind": "nan", "iteration": 2}), recover=True,
               takeover=True, strikes=2, ckpt_every=1, ckpt_max_age=3)
     res = launch(job, timeout_s=180)
     assert [r["step"] for r in res.phase_metrics("p")] == [1, 2, 3, 4]
@@ -277,7 +278,7 @@ def test_a_killed_coordinator_is_replaced_without_losing_the_run(byte_data, tmp_
     job = Job(config=cfg.to_dict(), data_path=str(byte_data), run_dir=str(run),
               phases=[Phase("p", sched.to_dict(), iterations=iters, save_weights=True)], timeout_s=15.0,
               heartbeat_s=0.2, heartbeat_deadline_s=4.0, recover=True, restartable=True,
-              fault={"node": 1, "kind": "kill", "iteration": 12})
+              **faulty_job({"node": 1, "kind": "kill", "iteration": 12}))
     run.mkdir()
     job.save(tmp_path / "job.json")
     env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1]))
@@ -329,7 +330,7 @@ def test_drift_replans_routes_away_from_a_node_that_slowed_down(byte_data, tmp_p
               phases=[Phase("p", sched.to_dict(), iterations=iters, cost=cost.to_dict(), topology=topo.to_dict(),
                             emulate_compute=True)],
               timeout_s=15.0, heartbeat_s=0.2, heartbeat_deadline_s=6.0, recover=True, drift_threshold=0.5,
-              fault={"node": 3, "kind": "slow", "factor": 6.0, "iteration": 2})
+              **faulty_job({"node": 3, "kind": "slow", "factor": 6.0, "iteration": 2}))
     res = launch(job, timeout_s=180)
     assert [r["step"] for r in res.phase_metrics("p")] == list(range(1, iters + 1))
     n0 = json.loads((run / "phases" / "p" / "node0.json").read_text())

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from fault_node import faulty_job
 from conftest import processes_of_run
 from skiptrain.config import build_config
 from skiptrain.runtime.executor import node_plan
@@ -220,7 +221,7 @@ def test_failed_peer_stops_the_run_with_an_error_naming_it(byte_data, tmp_path, 
     victim = sched.placement[2][0]
     job = Job(config=cfg.to_dict(), data_path=str(byte_data), run_dir=str(tmp_path / "run"),
               phases=[phase_for(cfg, sched, topo, cost, "p", 3)], timeout_s=4.0, heartbeat_s=0.25,
-              fault={"node": victim, "kind": kind, "iteration": 1})
+              **faulty_job({"node": victim, "kind": kind, "iteration": 1}))
     with pytest.raises(RuntimeFailure) as ei:
         launch(job, timeout_s=180)
     e = ei.value

@@ -58,8 +58,7 @@ class Job:
     phases: list[Phase]
     timeout_s: float = 30.0
     heartbeat_s: float = 0.5
-    # test fault(s): {"node", "kind": kill|hang|raise|nan|shape, "phase", "iteration", "where", "delay_s"}
-    fault: dict[str, Any] | list[dict[str, Any]] | None = None
+    node_module: str = "skiptrain.runtime.node"   # what the launcher runs per node (tests: a fault-injecting wrapper)
     recover: bool = False                     # survive failures (issue 8, see runtime/recovery.py)
     heartbeat_deadline_s: float | None = None  # hung-peer deadline (default: timeout_s)
     takeover: bool = False                    # a node of a replicated stage takes over a stage left empty

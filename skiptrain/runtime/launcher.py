@@ -135,7 +135,7 @@ def launch(job: Job, nodes: int | None = None, timeout_s: float = 3600.0, grace_
             env = dict(base_env, RANK=str(r), LOCAL_RANK=str(r))
             log = open(run_dir / "logs" / f"node{r}.log", "wb")
             logs.append(log)
-            procs.append(subprocess.Popen([sys.executable, "-m", "skiptrain.runtime.node", "--job", str(job_path)],
+            procs.append(subprocess.Popen([sys.executable, "-m", job.node_module, "--job", str(job_path)],
                                           env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                           start_new_session=store_proc is not None))
         with SwarmProgress(run_dir / "metrics.jsonl", sum(ph.iterations for ph in job.phases), enabled=echo):

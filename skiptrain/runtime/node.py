@@ -31,10 +31,11 @@ import json
 import os
 import signal
 import sys
-import threading
 import time
+from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -44,12 +45,52 @@ from .failure import (EXIT_FAILED, EXIT_PEER_FAILED, Heartbeat, NodeFailure, abo
 from .job import Job, Phase
 
 
+@dataclass
+class PhaseState:
+    """Everything one node holds while it runs a phase (what a layout change replaces)."""
+    ph: Phase
+    idx: int
+    sched: Any
+    stage: int | None
+    model: Any
+    strat: Any
+    opt: Any
+    groups: dict
+    cost: Any
+    topo: Any
+    speed: float
+    padding: Any
+    out_dir: Path
+    order: dict[int, int]
+    record: dict
+    replan_pending: bool = False
+    ex: Any = None
+    gb: int = 0
+    it: int = 0
+    cursor: int = 0
+    drift: Any = None
+    drift_state: dict = field(default_factory=dict)
+
+
+@dataclass
+class Attempt:
+    """One attempt at an iteration: how far it got (for recovery)."""
+    step_count: int
+    lr: float
+    committed: bool = False
+    stepped: bool = False
+    samples: list[int] = field(default_factory=list)
+    entry: dict | None = None
+    res: Any = None
+    outcome: Any = None
+
+
 # CPU-second cap on the planner when it re-plans the routes after a recovery generation, a join
 # or a drift past the threshold (rank 0 plans; the swarm waits for it once)
 RECOVERY_PLAN_TIME_S = 2.0
 
 
-class _Node:
+class Node:
     def __init__(self, job: Job, rank: int, world: int, addr: str, port: int, store=None):
         from ..config import config_from_dict
         from ..data.dataset import TokenDataset
@@ -57,7 +98,6 @@ class _Node:
         # ``store`` given: a node joining a running job (rank = the id it was handed, see main)
         self.joining: dict | None = None
         self._pre_join: tuple[int, object] | None = None   # (joiner, schedule before its join)
-        self._slow = 1.0
         self.job, self.rank, self.world = job, rank, world
         self.run_dir = Path(job.run_dir)
         self.err_path = self.run_dir / "errors" / f"node{rank}.json"
@@ -71,7 +111,6 @@ class _Node:
         self.gen = 0
         self.alive = list(range(world))
         self._rank = {n: n for n in self.alive}
-        self._fired: set[int] = set()
         # a second client connection for the heartbeat and the membership watch: store calls of
         # one client are serialised, and a blocking get of the main thread (gloo rendezvous while
         # re-forming groups) must not stall the heartbeat
@@ -89,8 +128,6 @@ class _Node:
 
             self.store.set(f"pid/{rank}", str(os.getpid()))   # a restarted coordinator fences by PID
             secret = secret_from_env()
-            if self._fault_kind() == "wrong_secret":
-                secret = "not the secret"
             node_join(self.store, rank, secret, max(60.0, job.timeout_s))
             if store is not None:
                 # joining a running job: wait until the coordinator placed this node (a join
@@ -123,7 +160,7 @@ class _Node:
         ds = TokenDataset.open(job.data_path)
         self.cfg.model.vocab_size = ds.vocab_size
         self.src = SampleSource(ds.tokens("train"), self.cfg.model.seq_len, seed=self.cfg.train.seed)
-        self.tr = self._transport()
+        self.tr = self.make_transport()
         self.watch = None
         self._any_committed = False
         self._last_gnorm = 0.0       # this node's last pre-sync gradient norm (CheckFree weights)
@@ -135,12 +172,11 @@ class _Node:
             if self.joining is None:
                 self._ack()
 
-    def _transport(self):
+    def make_transport(self):
         from .transport import P2PTransport
 
         tr = P2PTransport(self.rank, self.p2p_group, stage_of=lambda n: self.stage_of.get(n, -1),
                           rank_of=self._rank.__getitem__, node_of=self.alive.__getitem__)
-        tr.corrupt = getattr(self, "_corrupt", None)        # an injected bad peer stays bad
         return tr
 
     def _peer_failed_soft(self, node: int, reason: str) -> None:
@@ -169,7 +205,7 @@ class _Node:
         dist.init_process_group("gloo", store=dist.PrefixStore(f"g{gen}/pg", self.store),
                                 rank=self._rank[self.rank], world_size=len(self.alive), timeout=timeout)
         self.p2p_group = dist.new_group(list(range(len(self.alive))), timeout=timeout)
-        self.tr = self._transport()
+        self.tr = self.make_transport()
         if self.watch is not None:
             self.watch.gen = gen
 
@@ -181,53 +217,33 @@ class _Node:
         write_error(self.err_path, self.rank, NodeFailure(f"node {self.rank}: {reason}", node), node)
         abort_process(EXIT_PEER_FAILED)
 
-    def _fault_kind(self) -> str | None:
-        faults = self.job.fault if isinstance(self.job.fault, list) else [self.job.fault]
-        return next((f["kind"] for f in faults if f and f.get("node") == self.rank), None)
-
-    def _fault(self, phase: str, iteration: int, where: str) -> None:
-        faults = self.job.fault if isinstance(self.job.fault, list) else [self.job.fault]
-        for i, f in enumerate(faults):
-            if not f or i in self._fired or f.get("node") != self.rank or f.get("phase", phase) != phase \
-                    or f.get("iteration", 0) != iteration or f.get("where", "start") != where:
-                continue
-            kind = f["kind"]
-            if kind == "wrong_secret":               # used at admission, see __init__
-                continue
-            self._fired.add(i)
-            if kind == "slow":                       # drift: this node computes `factor` times slower
-                self.store.set(f"fault/{self.rank}", repr(time.time()))
-                self._slow = float(f.get("factor", 4.0))
-            elif kind in ("nan", "shape"):            # a bad peer: corrupt every payload it sends
-                self.store.set(f"fault/{self.rank}", repr(time.time()))
-                self.tr.corrupt = self._corrupt = kind
-            elif kind == "raise":
-                self.store.set(f"fault/{self.rank}", repr(time.time()))
-                raise _InjectedFault(f"injected fault on node {self.rank}")
-            else:
-                sig = signal.SIGKILL if kind == "kill" else signal.SIGSTOP
-
-                def fire(_sig=sig):
-                    self.store.set(f"fault/{self.rank}", repr(time.time()))
-                    os.kill(os.getpid(), _sig)
-
-                if f.get("delay_s"):                 # mid-iteration
-                    threading.Timer(float(f["delay_s"]), fire).start()
-                else:
-                    fire()
+    def hook(self, phase: str, iteration: int, where: str, state: "PhaseState | None" = None) -> None:
+        """A point where a wrapper of the node may act (fault injection in the tests,
+        ``tests/fault_node.py``): ``where`` is ``start`` (an iteration begins), ``after_pipeline``
+        (its pipeline tasks are done, before the commit) or ``recover`` (a recovery attempt).
+        The node itself does nothing here."""
 
     # ---- one phase -------------------------------------------------------------------------
 
     def run_phase(self, ph: Phase, phase_idx: int = 0) -> None:
+        """Run every iteration of one phase: set up the stage, loop (recovering from failures in
+        recovery mode), then write the phase's outputs."""
+        st = self._begin_phase(ph, phase_idx)
+        try:
+            while st.it < ph.iterations:
+                self._run_iteration(st)
+        finally:
+            (st.out_dir / f"node{self.rank}.json").write_text(json.dumps(st.record))
+        self._end_phase(st)
+
+    def _begin_phase(self, ph: Phase, phase_idx: int) -> "PhaseState":
+        """Build this node's stage, groups, strategy, optimizer and executor for ``ph``; a node
+        joining a running job also takes its state and position from a live replica here."""
         from ..model.transformer import StagedLM
         from ..net.topology import Topology
         from ..schedule.cost import CostModel
         from ..schedule.schedule import Schedule
-        from ..schedule.timeline import Event
-        from ..optim import lr_at
-        from .executor import Executor
-        from .step import HostedStage, optimizer_step
-        from .wan import ComputePadding, LinkFifo
+        from .wan import ComputePadding
 
         cfg, rank = self.cfg, self.rank
         joining = self.joining if self.joining is not None and self.joining["phase"] == phase_idx else None
@@ -242,8 +258,6 @@ class _Node:
         stage = self.stage_of.get(rank)
         cost = CostModel.from_dict(ph.cost) if ph.cost else None
         topo = Topology.from_dict(ph.topology) if ph.topology else None
-        speed = topo.speed(rank) if topo is not None and rank < topo.n else 1.0
-        padding = ComputePadding(ph.emulate_compute and cost is not None)
         model = None
         if stage is not None:
             torch.manual_seed(cfg.train.seed)
@@ -251,224 +265,261 @@ class _Node:
             model.train()
             _warm_up(model, stage, cfg)
         groups, strat = self._stage_groups(sched, stage, model, None)
-        opt = self._optimizer(model, strat)
-
-        def make_executor():
-            self.tr.link = (LinkFifo.from_topology(topo, rank, ph.bytes_scale, cost.hop_overhead_s if cost else 0.0)
-                            if ph.wan and topo is not None and rank < topo.n else None)
-            return Executor(rank, self.tr, model, stage, cost, speed, padding, self.job.timeout_s, self.describe,
-                            check=self._check_payload)
-
-        ex = make_executor()
-        mbsz = cfg.train.micro_batch
-        order = {mb.id: i for i, mb in enumerate(sorted(sched.micro_batches, key=lambda m: m.id))}
-        gb = len(order) * mbsz
         out_dir = self.run_dir / "phases" / ph.name
         out_dir.mkdir(parents=True, exist_ok=True)
-        record = {"rank": rank, "stage": stage, "iterations": [], "recoveries": []}
-        cursor = 0
-        it = 0
-        drift = None
-        drift_state: dict = {}
-        # after a recovery generation (or a join), the planner re-plans the routes for the nodes
-        # that remain (placement as the repair left it); every node sets this flag on its own and
-        # the stats gather makes them agree (a column of the gathered stats)
-        replan_pending = joining is not None
+        st = PhaseState(ph=ph, idx=phase_idx, sched=sched, stage=stage, model=model, strat=strat,
+                        opt=self._optimizer(model, strat), groups=groups, cost=cost, topo=topo,
+                        speed=topo.speed(rank) if topo is not None and rank < topo.n else 1.0,
+                        padding=ComputePadding(ph.emulate_compute and cost is not None), out_dir=out_dir,
+                        order={mb.id: i for i, mb in enumerate(sorted(sched.micro_batches, key=lambda m: m.id))},
+                        record={"rank": rank, "stage": stage, "iterations": [], "recoveries": []},
+                        # after a recovery generation (or a join) the planner re-plans the routes for
+                        # the nodes that remain; every node sets this flag on its own and the stats
+                        # gather makes them agree (a column of the gathered stats)
+                        replan_pending=joining is not None)
+        st.gb = len(st.order) * cfg.train.micro_batch
+        st.ex = self._executor(st)
         if self.job.drift_threshold > 0 and cost is not None and topo is not None:
             from .drift import DriftMonitor
-            drift = DriftMonitor(rank, topo.n, cost, topo, ph.bytes_scale, self.job.drift_alpha)
+            st.drift = DriftMonitor(rank, topo.n, cost, topo, ph.bytes_scale, self.job.drift_alpha)
         if joining is not None:
-            # a node joining a running job: its state from a live replica (or the stage's
-            # checkpoint / CheckFree when the stage had none), then the next iteration
-            t_j = time.time()
-            resume, rep = self._join_transfer(sched, {rank: stage}, model, strat, opt, ph, phase_idx, 0, 0)
-            it, cursor = resume["it"], resume["cursor"]
-            record["joined"] = {"gen": self.gen, "stage": stage, "iteration": it, "choice": joining.get("choice"),
-                                "transfer_s": time.time() - t_j, **(rep or {})}
-            print(f"skiptrain node {rank}: joined at iteration {it} as a replica of stage {stage}; "
-                  f"state: {(rep or {}).get('init')}", file=sys.stderr, flush=True)
-            self._ack()
+            self._join_phase(st, joining)
         elif self.job.recover:
             self._publish_sched(sched, phase_idx)
+        return st
+
+    def _join_phase(self, st: "PhaseState", joining: dict) -> None:
+        """A node joining a running job: its state from a live replica (or the stage's checkpoint
+        / CheckFree when the stage had none), then the next iteration."""
+        t_j = time.time()
+        resume, rep = self._join_transfer(st.sched, {self.rank: st.stage}, st.model, st.strat, st.opt, st.ph, st.idx,
+                                          0, 0)
+        st.it, st.cursor = resume["it"], resume["cursor"]
+        st.record["joined"] = {"gen": self.gen, "stage": st.stage, "iteration": st.it,
+                               "choice": joining.get("choice"), "transfer_s": time.time() - t_j, **(rep or {})}
+        print(f"skiptrain node {self.rank}: joined at iteration {st.it} as a replica of stage {st.stage}; "
+              f"state: {(rep or {}).get('init')}", file=sys.stderr, flush=True)
+        self._ack()
+
+    def _executor(self, st: "PhaseState"):
+        from .executor import Executor
+        from .wan import LinkFifo
+
+        ph, topo, cost = st.ph, st.topo, st.cost
+        self.tr.link = (LinkFifo.from_topology(topo, self.rank, ph.bytes_scale, cost.hop_overhead_s if cost else 0.0)
+                        if ph.wan and topo is not None and self.rank < topo.n else None)
+        return Executor(self.rank, self.tr, st.model, st.stage, cost, st.speed, st.padding, self.job.timeout_s,
+                        self.describe, check=self._check_payload)
+
+    def _run_iteration(self, st: "PhaseState") -> None:
+        """One attempt at iteration ``st.it``; on a recoverable failure, recover and advance past
+        it when some node committed it."""
+        from ..optim import lr_at
+
+        a = Attempt(step_count=st.strat.step_count if st.strat is not None else 0, lr=lr_at(st.it, self.cfg.train))
         try:
-            while it < ph.iterations:
-                committed = stepped = False
-                samples: list[int] = []
-                entry = None
-                res = None
-                step_count = strat.step_count if strat is not None else 0
-                lr = lr_at(it, cfg.train)
-                try:
-                    self._fault(ph.name, it, "start")
-                    ex.speed = speed / self._slow          # (a test fault: this node's compute slows down)
-                    if self.watch is not None:
-                        # iteration boundary: every node learns the newest join generation any of
-                        # them has seen (this all-reduce is also the start barrier), and they all
-                        # switch to it together, before any work of the iteration
-                        # (a joined node enters here: the all-reduce is repeated after a join)
-                        while True:
-                            flag = torch.tensor([self.watch.join_seen], dtype=torch.int64)
-                            self._sync(dist.all_reduce, flag, dist.ReduceOp.MAX)
-                            if int(flag.item()) <= self.gen:
-                                break
-                            sched, groups, strat = self._apply_join(int(flag.item()), sched, model, stage, strat,
-                                                                    opt, ph, phase_idx, it, cursor, step_count)
-                            record.setdefault("joins", []).append({"gen": self.gen, "iteration": it,
-                                                                   "placement": sched.placement})
-                            replan_pending = True
-                            ex = make_executor()
-                    sync_replicas = sched.placement[stage] if stage is not None else []
-                    # common start: everyone present, then rank 0's clock + a margin for the broadcast
-                    self._sync(dist.barrier)
-                    tt = torch.tensor([time.time() + 0.2], dtype=torch.float64)
-                    self._sync(dist.broadcast, tt, 0)
-                    t0 = float(tt[0])
-                    time.sleep(max(0.0, t0 - time.time()))
-                    self.tr.begin_iteration(it, t0)
+            self._iterate(st, a)
+        except Exception as e:  # noqa: BLE001 - classified below
+            if not self._recoverable(e):
+                raise
+            self._recover_iteration(st, a, e)
+            if not (a.committed or self._any_committed):
+                return
+        st.it += 1
+        st.cursor += st.gb
 
-                    def batch_fn(mb_id: int, _c=cursor):
-                        i = order[mb_id]
-                        samples.extend(range(_c + i * mbsz, _c + (i + 1) * mbsz))
-                        return self.src.batch(range(_c + i * mbsz, _c + (i + 1) * mbsz))
+    def _iterate(self, st: "PhaseState", a: "Attempt") -> None:
+        """Switch to a pending join, start together, execute the schedule, commit, step, gather."""
+        self.hook(st.ph.name, st.it, "start", st)
+        if self.watch is not None:
+            self._switch_to_joins(st, a)
+        # common start: everyone present, then rank 0's clock + a margin for the broadcast
+        self._sync(dist.barrier)
+        tt = torch.tensor([time.time() + 0.2], dtype=torch.float64)
+        self._sync(dist.broadcast, tt, 0)
+        t0 = float(tt[0])
+        time.sleep(max(0.0, t0 - time.time()))
+        self.tr.begin_iteration(st.it, t0)
+        mbsz, c = self.cfg.train.micro_batch, st.cursor
 
-                    res = ex.run_iteration(it, sched, t0, batch_fn)
-                    self._fault(ph.name, it, "after_pipeline")
-                    if self.job.recover:
-                        self._sync(dist.barrier)   # commit point: every node finished its pipeline tasks
-                    committed = True
-                    entry = {"events": [], "n_processed": res.n_processed, "t_end": 0.0,
-                             "samples": sorted(samples), "gen": self.gen}
-                    record["iterations"].append(entry)
-                    self._log_samples(out_dir, ph.name, it, samples)
-                    events = list(res.events)
-                    if model is not None:
-                        if ph.dump and it == 0:
-                            torch.save({"n": res.n_processed, "stage": stage,
-                                        "grads": {n: (p.grad.clone() if p.grad is not None else None)
-                                                  for n, p in model.named_parameters()}},
-                                       out_dir / f"grads_node{rank}.pt")
-                        gsq = [(p.grad.double() ** 2).sum() for p in model.parameters() if p.grad is not None]
-                        self._last_gnorm = float(torch.stack(gsq).sum().sqrt()) if gsq else 0.0
-                        ts = time.time()
-                        out = optimizer_step([HostedStage(stage, strat, res.n_processed, len(sync_replicas))], opt,
-                                             lr, cfg.train.grad_clip, self._sum_across)
-                        st = out.stats[stage]
-                        if ph.emulate_sync and cost is not None and topo is not None:
-                            time.sleep(cost.dp_sync_s(topo, sync_replicas, stage))
-                        te = time.time()
-                        if len(sync_replicas) > 1:
-                            events.append(Event(rank, "sync", None, stage, ts - t0, te - t0, st.payload_bytes))
-                        for p in model.parameters():
-                            p.grad = None
-                        self._save_stage_checkpoint(ph.name, it, stage, model, sched)
-                    else:
-                        out = optimizer_step([], None, lr, cfg.train.grad_clip, self._sum_across)
-                    stepped = True
-                    self.tr.wait_sent(self.job.timeout_s)
-                    events += self.tr.take_events()
-                    t_end = max((e.end for e in events), default=0.0)
-                    entry["events"] = [e.to_dict() for e in events]
-                    entry["t_end"] = t_end
-                    stats = torch.tensor([res.loss_sum, res.n_loss, t_end, padding.overruns, padding.overrun_s,
-                                          res.max_in_flight], dtype=torch.float64)
-                    if drift is not None:
-                        stats = torch.cat([stats, drift.observe(events)])
-                    stats = torch.cat([stats, torch.tensor([1.0 if replan_pending else 0.0], dtype=torch.float64)])
-                    allst = [torch.empty_like(stats) for _ in range(len(self.alive))]
-                    self._sync(dist.all_gather, allst, stats)
-                    if dist.get_rank() == 0:
-                        a = torch.stack(allst)
-                        n = float(a[:, 1].sum())
-                        row = {"phase": ph.name, "step": it + 1, "loss": round(float(a[:, 0].sum()) / max(n, 1), 5),
-                               "iteration_s": round(float(a[:, 2].max()), 4), "lr": lr,
-                               "grad_norm": round(out.grad_norm, 5),
-                               "tokens": (it + 1) * gb * cfg.model.seq_len,
-                               "overruns": int(a[:, 3].sum()), "overrun_s": round(float(a[:, 4].sum()), 4),
-                               "max_in_flight": int(a[:, 5].max())}
-                        if self.job.recover:
-                            row.update(gen=self.gen, nodes=len(self.alive))
-                        with open(self.run_dir / "metrics.jsonl", "a") as metrics:
-                            metrics.write(json.dumps(row) + "\n")
-                    want = max(float(x[-1]) for x in allst) > 0 and topo is not None and cost is not None
-                    replan_pending = False
-                    if want:
-                        new_sched, last = self._recovery_replan(allst, sched, it, topo, cost, drift is not None,
-                                                                drift_state)
-                        if last is not None:
-                            record.setdefault("replans", []).append({"iteration": it + 1, **last})
-                        if new_sched is not None:
-                            sched = new_sched
-                            self.stage_of = sched.stage_of()
-                            ex = make_executor()
-                            self._publish_sched(sched, phase_idx)
-                    elif drift is not None:
-                        new_sched, drift_state = self._drift_step(allst, sched, ph, it, topo, cost, drift_state)
-                        if new_sched is not None:
-                            sched = new_sched
-                            self.stage_of = sched.stage_of()
-                            ex = make_executor()
-                            self._publish_sched(sched, phase_idx)
-                            record.setdefault("replans", []).append({"iteration": it + 1, **drift_state["last"]})
-                except Exception as e:  # noqa: BLE001 - classified below
-                    if not self._recoverable(e):
-                        raise
-                    t_fail = time.time()
-                    attempts = 0
-                    while True:
-                        # a further failure while recovering (a peer dying during the re-forming)
-                        # starts the recovery again from the pre-failure schedule and the newer
-                        # generation; a failure after a takeover switched this node's stage is not
-                        # handled (the stage stays switched)
-                        try:
-                            attempts += 1
-                            self._fault(ph.name, it, "recover")
-                            new_sched, _ = self._recover(e, sched, it, committed, ph.name)
-                            self.stage_of = new_sched.stage_of()
-                            took = new_sched.meta.get("takeover") or {}
-                            was_moved = rank in took
-                            if took:
-                                model, stage, rep = self._takeover(new_sched, took, model, stage, ph.name, it)
-                                if rep is not None:
-                                    record.setdefault("takeovers", []).append(rep)
-                                    record["stage"] = stage
-                            groups, strat = self._stage_groups(new_sched, stage, model,
-                                                               None if was_moved else strat, step_count)
-                            if was_moved:
-                                opt = self._optimizer(model, strat)
-                            ex = make_executor()
-                            redone = self._settle(committed, stepped or was_moved, it, model, strat, opt, lr,
-                                                  None if was_moved else res)
-                            sched = new_sched
-                            self._ack()
-                            self._publish_sched(sched, phase_idx)
-                            replan_pending = True
-                            break
-                        except Exception as e2:  # noqa: BLE001
-                            if not self._recoverable(e2):
-                                raise
-                            e = e2
-                    if self._any_committed and entry is None and res is not None:
-                        record["iterations"].append({"events": [], "n_processed": res.n_processed, "t_end": 0.0,
-                                                     "samples": sorted(samples), "gen": self.gen})
-                        self._log_samples(out_dir, ph.name, it, samples)
-                    record["recoveries"].append({
-                        "gen": self.gen, "iteration": it, "cause": str(e)[:300], "committed": committed,
-                        "attempts": attempts,
-                        "redo_sync": redone, "alive": list(self.alive), "t_fail": t_fail,
-                        "t_resumed": time.time(), "recover_s": time.time() - t_fail})
-                    if committed or self._any_committed:
-                        it += 1
-                        cursor += gb
-                    continue
-                it += 1
-                cursor += gb
-        finally:
-            (out_dir / f"node{rank}.json").write_text(json.dumps(record))
+        def batch_fn(mb_id: int):
+            i = st.order[mb_id]
+            a.samples.extend(range(c + i * mbsz, c + (i + 1) * mbsz))
+            return self.src.batch(range(c + i * mbsz, c + (i + 1) * mbsz))
+
+        a.res = st.ex.run_iteration(st.it, st.sched, t0, batch_fn)
+        self.hook(st.ph.name, st.it, "after_pipeline", st)
+        if self.job.recover:
+            self._sync(dist.barrier)   # commit point: every node finished its pipeline tasks
+        a.committed = True
+        a.entry = {"events": [], "n_processed": a.res.n_processed, "t_end": 0.0, "samples": sorted(a.samples),
+                   "gen": self.gen}
+        st.record["iterations"].append(a.entry)
+        self._log_samples(st.out_dir, st.ph.name, st.it, a.samples)
+        events = list(a.res.events) + self._step(st, a, t0)
+        a.stepped = True
+        self.tr.wait_sent(self.job.timeout_s)
+        events += self.tr.take_events()
+        a.entry["events"] = [e.to_dict() for e in events]
+        a.entry["t_end"] = max((e.end for e in events), default=0.0)
+        allst = self._gather_stats(st, a, events)
+        self._after_gather(st, allst)
+
+    def _switch_to_joins(self, st: "PhaseState", a: "Attempt") -> None:
+        """Iteration boundary: every node learns the newest join generation any of them has seen
+        (this all-reduce is also the start barrier) and they all switch to it together, before any
+        work of the iteration (a joined node enters here: the all-reduce is repeated after a join)."""
+        while True:
+            flag = torch.tensor([self.watch.join_seen], dtype=torch.int64)
+            self._sync(dist.all_reduce, flag, dist.ReduceOp.MAX)
+            if int(flag.item()) <= self.gen:
+                return
+            st.sched, st.groups, st.strat = self._apply_join(int(flag.item()), st.sched, st.model, st.stage,
+                                                             st.strat, st.opt, st.ph, st.idx, st.it, st.cursor,
+                                                             a.step_count)
+            st.record.setdefault("joins", []).append({"gen": self.gen, "iteration": st.it,
+                                                      "placement": st.sched.placement})
+            st.replan_pending = True
+            st.ex = self._executor(st)
+
+    def _step(self, st: "PhaseState", a: "Attempt", t0: float) -> list:
+        """The one optimizer step (:func:`~skiptrain.runtime.step.optimizer_step`) for this node's
+        stage; a node without a stage still takes part in the global clip's sum.  Returns the
+        sync event for the timeline (if the stage has replicas)."""
+        from ..schedule.timeline import Event
+        from .step import HostedStage, optimizer_step
+
+        ph, model, stage = st.ph, st.model, st.stage
+        if model is None:
+            a.outcome = optimizer_step([], None, a.lr, self.cfg.train.grad_clip, self._sum_across)
+            return []
+        replicas = st.sched.placement[stage]
+        if ph.dump and st.it == 0:
+            torch.save({"n": a.res.n_processed, "stage": stage,
+                        "grads": {n: (p.grad.clone() if p.grad is not None else None)
+                                  for n, p in model.named_parameters()}},
+                       st.out_dir / f"grads_node{self.rank}.pt")
+        gsq = [(p.grad.double() ** 2).sum() for p in model.parameters() if p.grad is not None]
+        self._last_gnorm = float(torch.stack(gsq).sum().sqrt()) if gsq else 0.0
+        ts = time.time()
+        a.outcome = optimizer_step([HostedStage(stage, st.strat, a.res.n_processed, len(replicas))], st.opt, a.lr,
+                                   self.cfg.train.grad_clip, self._sum_across)
+        stats = a.outcome.stats[stage]
+        if ph.emulate_sync and st.cost is not None and st.topo is not None:
+            time.sleep(st.cost.dp_sync_s(st.topo, replicas, stage))
+        te = time.time()
+        for p in model.parameters():
+            p.grad = None
+        self._save_stage_checkpoint(ph.name, st.it, stage, model, st.sched)
+        if len(replicas) > 1:
+            return [Event(self.rank, "sync", None, stage, ts - t0, te - t0, stats.payload_bytes)]
+        return []
+
+    def _gather_stats(self, st: "PhaseState", a: "Attempt", events: list) -> list:
+        """All-gather every node's iteration statistics; rank 0 appends the metrics line."""
+        res = a.res
+        stats = torch.tensor([res.loss_sum, res.n_loss, a.entry["t_end"], st.padding.overruns, st.padding.overrun_s,
+                              res.max_in_flight], dtype=torch.float64)
+        if st.drift is not None:
+            stats = torch.cat([stats, st.drift.observe(events)])
+        stats = torch.cat([stats, torch.tensor([1.0 if st.replan_pending else 0.0], dtype=torch.float64)])
+        allst = [torch.empty_like(stats) for _ in range(len(self.alive))]
+        self._sync(dist.all_gather, allst, stats)
+        if dist.get_rank() == 0:
+            g = torch.stack(allst)
+            n = float(g[:, 1].sum())
+            row = {"phase": st.ph.name, "step": st.it + 1, "loss": round(float(g[:, 0].sum()) / max(n, 1), 5),
+                   "iteration_s": round(float(g[:, 2].max()), 4), "lr": a.lr,
+                   "grad_norm": round(a.outcome.grad_norm, 5),
+                   "tokens": (st.it + 1) * st.gb * self.cfg.model.seq_len,
+                   "overruns": int(g[:, 3].sum()), "overrun_s": round(float(g[:, 4].sum()), 4),
+                   "max_in_flight": int(g[:, 5].max())}
+            if self.job.recover:
+                row.update(gen=self.gen, nodes=len(self.alive))
+            with open(self.run_dir / "metrics.jsonl", "a") as metrics:
+                metrics.write(json.dumps(row) + "\n")
+        return allst
+
+    def _after_gather(self, st: "PhaseState", allst: list) -> None:
+        """Re-plan the routes after a recovery or join, or on drift; switch at the next iteration."""
+        want = max(float(x[-1]) for x in allst) > 0 and st.topo is not None and st.cost is not None
+        st.replan_pending = False
+        new_sched = None
+        if want:
+            new_sched, last = self._recovery_replan(allst, st.sched, st.it, st.topo, st.cost, st.drift is not None,
+                                                    st.drift_state)
+            if last is not None:
+                st.record.setdefault("replans", []).append({"iteration": st.it + 1, **last})
+        elif st.drift is not None:
+            new_sched, st.drift_state = self._drift_step(allst, st.sched, st.ph, st.it, st.topo, st.cost,
+                                                         st.drift_state)
+            if new_sched is not None:
+                st.record.setdefault("replans", []).append({"iteration": st.it + 1, **st.drift_state["last"]})
+        if new_sched is not None:
+            st.sched = new_sched
+            self.stage_of = st.sched.stage_of()
+            st.ex = self._executor(st)
+            self._publish_sched(st.sched, st.idx)
+
+    def _recover_iteration(self, st: "PhaseState", a: "Attempt", e: BaseException) -> None:
+        """Recover from ``e`` (a peer failed or misbehaved): report, re-form over the survivors,
+        re-plan, settle the iteration's sync.  A further failure while recovering (a peer dying
+        during the re-forming) starts the recovery again from the pre-failure schedule and the
+        newer generation; a failure after a takeover switched this node's stage is not handled
+        (the stage stays switched)."""
+        t_fail = time.time()
+        attempts = 0
+        while True:
+            try:
+                attempts += 1
+                self.hook(st.ph.name, st.it, "recover", st)
+                redone = self._recover_once(st, a, e)
+                break
+            except Exception as e2:  # noqa: BLE001
+                if not self._recoverable(e2):
+                    raise
+                e = e2
+        if self._any_committed and a.entry is None and a.res is not None:
+            st.record["iterations"].append({"events": [], "n_processed": a.res.n_processed, "t_end": 0.0,
+                                            "samples": sorted(a.samples), "gen": self.gen})
+            self._log_samples(st.out_dir, st.ph.name, st.it, a.samples)
+        st.record["recoveries"].append({
+            "gen": self.gen, "iteration": st.it, "cause": str(e)[:300], "committed": a.committed,
+            "attempts": attempts, "redo_sync": redone, "alive": list(self.alive), "t_fail": t_fail,
+            "t_resumed": time.time(), "recover_s": time.time() - t_fail})
+
+    def _recover_once(self, st: "PhaseState", a: "Attempt", e: BaseException) -> bool:
+        """One recovery attempt; returns whether the iteration's sync was re-done."""
+        new_sched, _ = self._recover(e, st.sched, st.it, a.committed, st.ph.name)
+        self.stage_of = new_sched.stage_of()
+        took = new_sched.meta.get("takeover") or {}
+        was_moved = self.rank in took
+        if took:
+            st.model, st.stage, rep = self._takeover(new_sched, took, st.model, st.stage, st.ph.name, st.it)
+            if rep is not None:
+                st.record.setdefault("takeovers", []).append(rep)
+                st.record["stage"] = st.stage
+        st.groups, st.strat = self._stage_groups(new_sched, st.stage, st.model, None if was_moved else st.strat,
+                                                 a.step_count)
+        if was_moved:
+            st.opt = self._optimizer(st.model, st.strat)
+        st.ex = self._executor(st)
+        redone = self._settle(a.committed, a.stepped or was_moved, st.it, st.model, st.strat, st.opt, a.lr,
+                              None if was_moved else a.res)
+        st.sched = new_sched
+        self._ack()
+        self._publish_sched(st.sched, st.idx)
+        st.replan_pending = True
+        return redone
+
+    def _end_phase(self, st: "PhaseState") -> None:
+        """Dumps (tests), the stage's weights (first replica), and the phase's groups torn down."""
+        model, stage = st.model, st.stage
         if model is not None:
-            if ph.dump:
+            if st.ph.dump:
                 torch.save({n: p.detach().clone() for n, p in model.named_parameters()},
-                           out_dir / f"params_node{rank}.pt")
-            if ph.save_weights and rank == sched.placement[stage][0]:
+                           st.out_dir / f"params_node{self.rank}.pt")
+            if st.ph.save_weights and self.rank == st.sched.placement[stage][0]:
                 from safetensors.torch import save_file
 
                 parts = self.run_dir / "parts"
@@ -476,11 +527,11 @@ class _Node:
                 save_file({n: p.detach().contiguous() for n, p in model.state_dict().items()},
                           str(parts / f"stage{stage}.safetensors"))
         dist.barrier()
-        for g in groups.values():
+        for g in st.groups.values():
             if g is not None and g != dist.GroupMember.NON_GROUP_MEMBER:
                 dist.destroy_process_group(g)
 
-    # ---- recovery (issue 8; semantics in runtime/recovery.py) ---------------------------------
+    # ---- recovery (semantics in runtime/recovery.py) ---------------------------------
 
     def _optimizer(self, model, strat):
         """The one optimizer (``skiptrain.optim``) over this node's stage, of the rule its sync
@@ -868,7 +919,7 @@ class _Node:
     def _recoverable(self, e: BaseException) -> bool:
         from .recovery import RecoveryError
 
-        if not self.job.recover or isinstance(e, (RecoveryError, _InjectedFault)):
+        if not self.job.recover or isinstance(e, RecoveryError):
             return False
         return isinstance(e, RuntimeError) and getattr(e, "node", None) != self.rank
 
@@ -947,10 +998,6 @@ class _Node:
         self.hb.finish()
 
 
-class _InjectedFault(RuntimeError):
-    """A test fault raised on purpose: the node itself fails (never recovered in place)."""
-
-
 def _warm_up(model, stage: int, cfg) -> None:
     """One throw-away forward and backward of this node's pieces (first calls of torch kernels
     and the autograd engine are slow), so the timed iterations measure the steady state."""
@@ -990,7 +1037,7 @@ def _connect_for_join(target: str):
     return host, port, store, job, request_node_id(store)
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, node_class: type[Node] = Node) -> int:
     ap = argparse.ArgumentParser(prog="python -m skiptrain.runtime.node", description=__doc__.split("\n")[0])
     ap.add_argument("--job", help="job JSON written by `skiptrain launch` / the launcher")
     ap.add_argument("--join", metavar="HOST:PORT", default=None,
@@ -1026,7 +1073,7 @@ def main(argv: list[str] | None = None) -> int:
     err_path = Path(job.run_dir) / "errors" / f"node{rank}.json"
     node = None
     try:
-        node = _Node(job, rank, world, addr, port, store=store)
+        node = node_class(job, rank, world, addr, port, store=store)
         for i, ph in enumerate(job.phases):
             if node.joining is not None and i < node.joining["phase"]:
                 continue

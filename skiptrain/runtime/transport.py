@@ -90,7 +90,6 @@ class P2PTransport:
         # the groups over the survivors; identity otherwise)
         self.rank_of = rank_of or (lambda n: n)
         self.node_of = node_of or (lambda r: r)
-        self.corrupt: str | None = None       # test fault: "nan" / "shape" payloads (bad peer)
         self.group = group
         self.link = link
         self.stage_of = stage_of or (lambda n: -1)
@@ -134,10 +133,6 @@ class P2PTransport:
         if self._closed:
             raise TransportError("transport is closed")
         payload = tensor.detach().to(torch.float32).contiguous()
-        if self.corrupt == "nan":
-            payload = payload * float("nan")
-        elif self.corrupt == "shape":
-            payload = payload.reshape(-1)[: max(1, payload.numel() // 2)].contiguous()
         nbytes = payload.numel() * 4
         now = time.time()
         if self.link is not None:

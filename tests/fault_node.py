@@ -1,0 +1,121 @@
+"""A node process that injects faults: ``python -m tests.fault_node --job JOB.json``.
+
+Test-only.  The node runtime (:mod:`skiptrain.runtime.node`) has no fault code of its own; this
+wrapper subclasses :class:`~skiptrain.runtime.node.Node` and acts at its ``hook`` points.  A job
+asks for it with :func:`faulty_job` (``job.node_module`` and ``job.meta["faults"]``).  Each fault
+is ``{"node", "kind", "phase", "iteration", "where", "delay_s", "factor"}``:
+
+* ``kill`` / ``hang``: SIGKILL / SIGSTOP this process (after ``delay_s``: mid-iteration);
+* ``raise``: the node itself fails (a non-recoverable error naming itself);
+* ``nan`` / ``shape``: from then on every payload this node sends is NaN / cut in half (a bad peer);
+* ``slow``: this node computes ``factor`` times slower from then on (drift);
+* ``wrong_secret``: the node answers the admission challenge with a wrong secret.
+
+``where`` is ``start`` (default), ``after_pipeline`` or ``recover``; each fault fires once.
+The time a fault fires is written to the store as ``fault/<node>`` (the benches measure
+detection from it).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import threading
+import time
+
+import torch
+
+from skiptrain.runtime.failure import NodeFailure
+from skiptrain.runtime.job import Job
+from skiptrain.runtime.node import Node, main as node_main
+
+MODULE = "tests.fault_node"
+
+
+def faulty_job(faults) -> dict:
+    """Keyword arguments for :class:`~skiptrain.runtime.job.Job` that run every node through
+    this wrapper with ``faults`` (one dict or a list)."""
+    return {"node_module": MODULE, "meta": {"faults": faults if isinstance(faults, list) else [faults]}}
+
+
+def _faults_of(job: Job, node: int) -> list[tuple[int, dict]]:
+    return [(i, f) for i, f in enumerate(job.meta.get("faults") or []) if f and f.get("node") == node]
+
+
+def _corrupting(send, kind: str):
+    def send_corrupt(dst, k, mb, pos, tensor):
+        payload = tensor.detach().to(torch.float32)
+        if kind == "nan":
+            payload = payload * float("nan")
+        else:
+            payload = payload.reshape(-1)[: max(1, payload.numel() // 2)].contiguous()
+        return send(dst, k, mb, pos, payload)
+    return send_corrupt
+
+
+class FaultyNode(Node):
+    def __init__(self, job: Job, rank: int, *args, **kwargs):
+        self.fired: set[int] = set()
+        self.corrupt: str | None = None
+        self.slowdown = 1.0
+        super().__init__(job, rank, *args, **kwargs)
+
+    def make_transport(self):
+        tr = super().make_transport()
+        if self.corrupt is not None:                 # an injected bad peer stays bad after a regroup
+            tr.send = _corrupting(tr.send, self.corrupt)
+        return tr
+
+    def hook(self, phase, iteration, where, state=None):
+        if state is not None and self.slowdown != 1.0:
+            state.ex.speed = state.speed / self.slowdown
+        for i, f in _faults_of(self.job, self.rank):
+            if i in self.fired or f.get("phase", phase) != phase or f.get("iteration", 0) != iteration \
+                    or f.get("where", "start") != where or f["kind"] == "wrong_secret":
+                continue
+            self.fired.add(i)
+            self._fire(f, state)
+
+    def _mark(self) -> None:
+        self.store.set(f"fault/{self.rank}", repr(time.time()))
+
+    def _fire(self, f: dict, state) -> None:
+        kind = f["kind"]
+        if kind == "slow":
+            self._mark()
+            self.slowdown = float(f.get("factor", 4.0))
+            if state is not None:
+                state.ex.speed = state.speed / self.slowdown
+        elif kind in ("nan", "shape"):
+            self._mark()
+            self.corrupt = kind
+            self.tr.send = _corrupting(self.tr.send, kind)
+        elif kind == "raise":
+            self._mark()
+            raise NodeFailure(f"injected fault on node {self.rank}", node=self.rank)
+        else:
+            sig = signal.SIGKILL if kind == "kill" else signal.SIGSTOP
+
+            def fire():
+                self._mark()
+                os.kill(os.getpid(), sig)
+
+            if f.get("delay_s"):                     # mid-iteration
+                threading.Timer(float(f["delay_s"]), fire).start()
+            else:
+                fire()
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if "--job" in argv and "RANK" in os.environ:
+        job = Job.load(argv[argv.index("--job") + 1])
+        if any(f["kind"] == "wrong_secret" for _, f in _faults_of(job, int(os.environ["RANK"]))):
+            from skiptrain.runtime.join import SECRET_ENV
+            os.environ[SECRET_ENV] = "not the secret"
+    return node_main(argv, node_class=FaultyNode)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
