@@ -1,7 +1,8 @@
-"""Bench: bytes vs loss of data-parallel sync strategies (issue 5, DESIGN.md section 3).
+"""Bench: bytes vs loss of data-parallel sync strategies, on the node runtime.
 
-N=4 replica processes (gloo on 127.0.0.1, one torch thread each) train the same model on the
-same real text (data/shakespeare, BPE 4096) with the same tokens per step for every method;
+N=4 node processes of the runtime (``skiptrain.runtime``: one stage holding the whole model,
+N replicas, gloo on 127.0.0.1, one torch thread each), one phase per method, train the same
+model on the same real text (data/shakespeare, BPE 4096) with the same tokens per step for every method;
 only the sync strategy differs.  For each method the table reports payload bytes per step
 (what one node puts into the step's collectives, averaged over all steps, so DiLoCo's is
 averaged over H), its ratio to a dense fp32 gradient all-reduce (4 bytes x parameters), the
@@ -29,7 +30,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from skiptrain.config import build_config  # noqa: E402
 from skiptrain.data.dataset import TokenDataset  # noqa: E402
-from skiptrain.runtime.dataparallel import run_many  # noqa: E402
+from skiptrain.runtime.job import Job, data_parallel_phase  # noqa: E402
+from skiptrain.runtime.launcher import launch  # noqa: E402
 
 K8 = ["dp.strategy=demo", "dp.topk=8", "dp.indices=u12", "dp.values=sign1"]
 K8C = ["dp.strategy=demo", "dp.topk=8", "dp.indices=u12", "dp.values=sign1c"]
@@ -66,18 +68,45 @@ SHAPED_LINK = ["dp.link_up_mbps=10", "dp.link_down_mbps=100", "dp.link_latency_m
 
 def base_overrides(quick: bool, steps: int | None, vocab: int, micro_batch: int | None = None) -> list[str]:
     if quick:  # same code path, a reduced model and run
-        ov = ["model.d_model=64", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2", "model.n_stages=2",
+        ov = ["model.d_model=64", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2",
               "model.seq_len=64", "train.steps=10", "train.micro_batch=2", "train.n_micro=4",
               "train.warmup_steps=2", "train.eval_every=0", "train.eval_batches=4"]
     else:
         ov = ["train.steps=60", "train.micro_batch=4", "train.n_micro=4", "train.warmup_steps=6",
               "train.eval_every=20", "train.eval_batches=32"]
-    ov += [f"model.vocab_size={vocab}", "dp.check_every=25", "train.progress=false"]
+    ov += [f"model.vocab_size={vocab}", "model.n_stages=1", "dp.check_every=25", "train.progress=false"]
     if steps:
         ov.append(f"train.steps={steps}")
     if micro_batch:
         ov.append(f"train.micro_batch={micro_batch}")
     return ov
+
+
+def run_many(cfgs: list, nodes: int, data: str, timeout_s: float = 4 * 3600) -> list[dict]:
+    """Train each config as one phase of one launch of ``nodes`` runtime node processes (data
+    parallelism: every node a replica of the whole model); one record per config: per-step
+    loss (mean over every micro-batch), iteration and sync seconds, validation points, the byte
+    summary and every replica's final parameter hashes."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory(prefix="skiptrain-dp-bench-") as tmp:
+        phases = [data_parallel_phase(c, f"m{i}", nodes) for i, c in enumerate(cfgs)]
+        job = Job(config=cfgs[0].to_dict(), data_path=str(data), run_dir=tmp, phases=phases,
+                  timeout_s=max(c.dp.timeout_s for c in cfgs))
+        res = launch(job, timeout_s=timeout_s, echo=False)
+        out = []
+        for i, ph in enumerate(phases):
+            rows = res.phase_metrics(ph.name)
+            nodes_rec = [json.loads((Path(tmp) / "phases" / ph.name / f"node{r}.json").read_text())
+                         for r in range(nodes)]
+            train = [r for r in rows if "loss" in r]
+            summ = nodes_rec[0]["sync_summary"]
+            out.append({"losses_mean": [r["loss"] for r in train], "step_s": [r["iteration_s"] for r in train],
+                        "comm_s": [r["comm_s"] for r in train],
+                        "val": [[r["step"], r["val_loss"]] for r in rows if "val_loss" in r],
+                        "summary": summ, "emulated_s": summ["emulated_link_s"], "n_params": summ["n_params"],
+                        "all_hashes": [n["sync_summary"]["param_hashes"] for n in nodes_rec]})
+        return out
 
 
 def step_time(rec: dict, skip: int = 2) -> float:

@@ -56,7 +56,8 @@ sys.path.insert(0, str(ROOT))
 from skiptrain.config import ModelConfig, build_config  # noqa: E402
 from skiptrain.data.dataset import TokenDataset  # noqa: E402
 from skiptrain.elastic.repartition import autopipe, embedding_units, split, stage0_units, stage_memory  # noqa: E402
-from skiptrain.elastic.replicas import transfer_plan  # noqa: E402
+from skiptrain.layout import Layout  # noqa: E402
+from skiptrain.layout.transfer import transfer_plan  # noqa: E402
 from skiptrain.train.elastic_trainer import ElasticTrainer  # noqa: E402
 from skiptrain.model.partition import Partition, head_flops_per_token, layer_flops_per_token  # noqa: E402
 from skiptrain.net.topology import from_spec  # noqa: E402
@@ -414,7 +415,8 @@ def transfer_seconds(sc: Scale, old_counts, old_pl, new_counts, new_pl, frozen, 
             sizes[f"optim.exp_avg.layers.{l}.w"] = P
             sizes[f"optim.exp_avg_sq.layers.{l}.w"] = P
     per_dst: dict[int, float] = {}
-    for tr in transfer_plan(sizes, Partition(tuple(old_counts)), old_pl, Partition(tuple(new_counts)), new_pl):
+    for tr in transfer_plan(sizes, Layout(Partition(tuple(old_counts)), old_pl),
+                            Layout(Partition(tuple(new_counts)), new_pl)):
         per_dst[tr.dst] = per_dst.get(tr.dst, 0.0) + topo.transfer_s(tr.src, tr.dst, tr.nbytes)
     return max(per_dst.values(), default=0.0)
 

@@ -171,7 +171,7 @@ def validation_loss(cfg, data: Path, run: Path) -> float:
 
     from skiptrain.data.loader import SampleSource
     from skiptrain.model.transformer import StagedLM
-    from skiptrain.train.evaluate import evaluate
+    from skiptrain.runtime.evaluate import evaluate
 
     ds = TokenDataset.open(data)
     model = StagedLM(cfg.model, seed=cfg.train.seed)

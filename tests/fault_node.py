@@ -9,7 +9,11 @@ is ``{"node", "kind", "phase", "iteration", "where", "delay_s", "factor"}``:
 * ``raise``: the node itself fails (a non-recoverable error naming itself);
 * ``nan`` / ``shape``: from then on every payload this node sends is NaN / cut in half (a bad peer);
 * ``slow``: this node computes ``factor`` times slower from then on (drift);
-* ``wrong_secret``: the node answers the admission challenge with a wrong secret.
+* ``wrong_secret``: the node answers the admission challenge with a wrong secret;
+* ``payload_nan`` / ``payload_index`` / ``payload_header``: from then on the DeMo payload this
+  node contributes has a non-finite value / out-of-range indices / a wrong layout hash;
+* ``diverge``: this node's copy of ``tensor`` (default ``norm.weight``) drifts by 1e-3 before the
+  iteration's step (replicas no longer identical).
 
 ``where`` is ``start`` (default), ``after_pipeline`` or ``recover``; each fault fires once.
 The time a fault fires is written to the store as ``fault/<node>`` (the benches measure
@@ -54,6 +58,25 @@ def _corrupting(send, kind: str):
     return send_corrupt
 
 
+def _tampered(all_gather_bytes, kind: str, layout):
+    """Wrap a strategy transport's ``all_gather_bytes`` so this node's own buffer is corrupted."""
+    import numpy as np
+
+    def gather(buf):
+        buf = buf.copy()
+        spec = layout.specs[0]
+        a, b, _ = layout.blocks[spec.name]
+        if kind == "payload_nan":
+            bad = np.float32(np.nan) if layout.value_enc == "fp32" else np.float32(np.inf)
+            buf[b:b + 4] = np.frombuffer(bad.tobytes(), np.uint8)   # first value / scale of a sign block
+        elif kind == "payload_index":
+            buf[a:b] = 0xFF        # every index at its encoding's maximum: out of range or duplicated
+        else:
+            buf[20:24] ^= 0xFF     # the layout hash in the header
+        return all_gather_bytes(buf)
+    return gather
+
+
 class FaultyNode(Node):
     def __init__(self, job: Job, rank: int, *args, **kwargs):
         self.fired: set[int] = set()
@@ -91,6 +114,13 @@ class FaultyNode(Node):
             self._mark()
             self.corrupt = kind
             self.tr.send = _corrupting(self.tr.send, kind)
+        elif kind.startswith("payload_"):
+            self._mark()
+            tr = state.strat.tr
+            tr.all_gather_bytes = _tampered(tr.all_gather_bytes, kind, state.strat.layout)
+        elif kind == "diverge":
+            with torch.no_grad():
+                dict(state.model.named_parameters())[f.get("tensor", "norm.weight")].add_(1e-3)
         elif kind == "raise":
             self._mark()
             raise NodeFailure(f"injected fault on node {self.rank}", node=self.rank)

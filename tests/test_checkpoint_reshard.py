@@ -8,7 +8,7 @@ import torch
 
 import skiptrain.checkpoint.reader as reader_mod
 from skiptrain.checkpoint.manager import CheckpointManager, specs_of
-from skiptrain.checkpoint.plan import tensor_stage
+from skiptrain.layout import tensor_stage
 from skiptrain.checkpoint.reader import CheckpointReader
 from skiptrain.checkpoint.state import split_optim_name
 from skiptrain.config import build_config

@@ -1,13 +1,18 @@
-"""Multi-process data-parallel tests: gloo on 127.0.0.1, spawned replicas of the tiny model."""
+"""Data parallelism on the node runtime: one stage holding the whole model, N replicas, each sync
+strategy; replica consistency, an idle replica, malformed payloads and divergence."""
 
 import hashlib
+import json
 
 import pytest
 
+from fault_node import faulty_job
 from skiptrain.config import build_config
 from skiptrain.data.corpus import Document
 from skiptrain.data.dataset import write_dataset
-from skiptrain.runtime.dataparallel import HarnessError, run_data_parallel
+from skiptrain.runtime.failure import RuntimeFailure
+from skiptrain.runtime.job import Job, data_parallel_phase
+from skiptrain.runtime.launcher import launch
 
 pytestmark = pytest.mark.slow
 
@@ -21,41 +26,57 @@ def data(tmp_path_factory):
 
 
 def _cfg(*ov):
-    return build_config("tiny", overrides=["model.n_layers=2", "model.n_stages=2", "train.eval_every=0",
-                                           "train.eval_batches=3", *ov])
+    return build_config("tiny", overrides=["model.n_layers=2", "model.n_stages=1", "train.eval_every=0",
+                                           "train.eval_batches=3", "runtime.timeout_s=60", *ov])
 
 
-def test_demo_replicas_identical_with_an_idle_replica(data):
-    """4 replicas, 3 samples per step: rank 3 never processes a micro-batch yet stays identical."""
+def _run(cfg, nodes, data, run_dir, **job):
+    """Launch one data-parallel phase; returns (metrics rows, node records)."""
+    j = Job(config=cfg.to_dict(), data_path=str(data), run_dir=str(run_dir), timeout_s=60,
+            phases=[data_parallel_phase(cfg, "dp", nodes)], **job)
+    res = launch(j, timeout_s=240)
+    recs = [json.loads((run_dir / "phases" / "dp" / f"node{r}.json").read_text()) for r in range(nodes)]
+    return res.phase_metrics("dp"), recs
+
+
+def _identical(recs) -> bool:
+    return len({tuple(r["sync_summary"]["param_hashes"]) for r in recs}) == 1
+
+
+def test_demo_replicas_identical_with_an_idle_replica(data, tmp_path):
+    """4 replicas, 3 micro-batches of 1 sample per step: node 3 never processes one yet stays identical."""
     cfg = _cfg("train.steps=25", "train.micro_batch=1", "train.n_micro=3", "dp.strategy=demo", "dp.topk=4",
                "dp.values=sign1", "dp.indices=u12", "dp.check_every=5")
-    r = run_data_parallel(cfg, 4, data, timeout_s=240)
-    assert len({tuple(h) for h in r["all_hashes"]}) == 1
-    assert r["losses_mean"][-1] < r["losses_mean"][0] - 0.3
-    s = r["summary"]
+    rows, recs = _run(cfg, 4, data, tmp_path / "run")
+    assert _identical(recs)
+    assert all(it["n_processed"] == 0 for it in recs[3]["iterations"])
+    losses = [r["loss"] for r in rows if "loss" in r]
+    assert len(losses) == 25 and losses[-1] < losses[0] - 0.3, losses
+    s = recs[0]["sync_summary"]
     assert s["syncs"] == 25 and s["payload_bytes_per_step"] == s["payload_bytes_per_sync"] > 0
     assert s["received_bytes_per_step"] == 3 * s["payload_bytes_per_step"]
+    assert any("val_loss" in r for r in rows)             # validated in the loop after the last step
 
 
 @pytest.mark.parametrize("strategy", ["allreduce_bf16", "powersgd", "diloco"])
-def test_baselines_stay_identical(data, strategy):
+def test_baselines_stay_identical(data, tmp_path, strategy):
     cfg = _cfg("train.steps=4", "train.micro_batch=2", "train.n_micro=3", f"dp.strategy={strategy}",
                "dp.sync_every=2", "dp.check_every=2")
-    r = run_data_parallel(cfg, 2, data, timeout_s=240)
-    assert len({tuple(h) for h in r["all_hashes"]}) == 1
-    assert r["summary"]["syncs"] == (2 if strategy == "diloco" else 4)
+    _, recs = _run(cfg, 2, data, tmp_path / "run")
+    assert _identical(recs)
+    assert recs[0]["sync_summary"]["syncs"] == (2 if strategy == "diloco" else 4)
 
 
-@pytest.mark.parametrize("kind,words", [("nan", "non-finite|scale"), ("index", "out of range|duplicate")])
-def test_malformed_peer_payload_is_rejected_naming_the_peer(data, kind, words):
+@pytest.mark.parametrize("kind,words", [("payload_nan", "non-finite|scale"), ("payload_index", "out of range|duplicate")])
+def test_malformed_peer_payload_is_rejected_naming_the_peer(data, tmp_path, kind, words):
     cfg = _cfg("train.steps=4", "dp.strategy=demo", "dp.topk=4", "dp.values=sign1",
-               "dp.indices=u16" if kind == "index" else "dp.indices=u12", "dp.chunk=16")
-    with pytest.raises(HarnessError, match=rf"PayloadError: payload from peer rank 1 rejected: .*({words})"):
-        run_data_parallel(cfg, 2, data, fault={"rank": 1, "kind": kind}, timeout_s=240)
+               "dp.indices=u16" if kind == "payload_index" else "dp.indices=u12", "dp.chunk=16")
+    with pytest.raises(RuntimeFailure, match=rf"PayloadError: payload from peer rank 1 rejected: .*({words})"):
+        _run(cfg, 2, data, tmp_path / "run", **faulty_job({"node": 1, "kind": kind}))
 
 
-def test_divergence_is_detected_naming_the_tensor(data):
+def test_divergence_is_detected_naming_the_tensor(data, tmp_path):
     cfg = _cfg("train.steps=6", "dp.strategy=demo", "dp.topk=4", "dp.values=sign1", "dp.indices=u12",
                "dp.check_every=2")
-    with pytest.raises(HarnessError, match=r"ConsistencyError: .*norm\.weight differs on ranks \[1\]"):
-        run_data_parallel(cfg, 2, data, fault={"rank": 1, "kind": "diverge", "step": 2}, timeout_s=240)
+    with pytest.raises(RuntimeFailure, match=r"ConsistencyError: .*norm\.weight differs on ranks \[1\]"):
+        _run(cfg, 2, data, tmp_path / "run", **faulty_job({"node": 1, "kind": "diverge", "iteration": 2}))

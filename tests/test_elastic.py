@@ -13,7 +13,10 @@ from skiptrain.data.loader import shard_indices
 from skiptrain.elastic.cache import ActivationCache, PrefixRunner, at_depth, expected_hit, measure, worth_it
 from skiptrain.elastic.freeze import FreezeRule
 from skiptrain.elastic.repartition import autopipe, iteration_units, layer_compute, stage_memory
-from skiptrain.elastic.replicas import assign_nodes, pack_state, transfer_plan, unpack_state
+from skiptrain.checkpoint.wire import pack_state, unpack_state
+from skiptrain.elastic.replicas import assign_nodes
+from skiptrain.layout import Layout
+from skiptrain.layout.transfer import transfer_plan
 from skiptrain.model import StagedLM
 from skiptrain.model.partition import Partition
 from skiptrain.optim import build_adamw
@@ -406,7 +409,7 @@ def test_replicas_identical_after_transition(tmp_path):
     old_pl = [[0, 1], [2, 3], [4, 5], [6, 7]]
     pl = assign_nodes(sizes, old, old_pl, new, 8)
     assert sorted(n for p in pl for n in p) == list(range(8)) and all(len(p) == 4 for p in pl)
-    plan = transfer_plan(sizes, old, old_pl, new, pl)
+    plan = transfer_plan(sizes, Layout(old, old_pl), Layout(new, pl))
     assert all(tr.src != tr.dst for tr in plan)
     # a new replica of stage 1 (layers 3-5), built for the new layout, receives over a socket
     replica = StagedLM(cfg, stages=[1], partition=new, seed=99)
@@ -459,7 +462,7 @@ def test_assign_nodes_and_transfer_plan_match_a_per_node_reference():
     shrinks, growths (an undo) and stages without layers; the plan gives each node its stage."""
     import random
 
-    from skiptrain.checkpoint.plan import tensor_stage
+    from skiptrain.layout import tensor_stage
 
     def reference(sizes, old, old_pl, new, n_nodes):
         held = {n: {t for t in sizes if n in old_pl[tensor_stage(t, old)]} for n in range(n_nodes)}
@@ -485,7 +488,7 @@ def test_assign_nodes_and_transfer_plan_match_a_per_node_reference():
         pl = assign_nodes(sizes, old, old_pl, new, n_nodes)
         assert pl == reference(sizes, old, old_pl, new, n_nodes)
         got = {n: {t for t in sizes if n in old_pl[tensor_stage(t, old)]} for n in range(n_nodes)}
-        for tr in transfer_plan(sizes, old, old_pl, new, pl):
+        for tr in transfer_plan(sizes, Layout(old, old_pl), Layout(new, pl)):
             assert tr.src != tr.dst and not set(tr.names) & got[tr.dst]
             got[tr.dst] |= set(tr.names)
         for s, nodes in enumerate(pl):

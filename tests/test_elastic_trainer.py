@@ -219,7 +219,7 @@ def test_a_prefill_is_timed_apart_from_its_transition(byte_data, tmp_path, monke
 
 
 def test_guard_keeps_the_frozen_prefix_of_its_windows_and_equals_evaluate(byte_data, tmp_path):
-    from skiptrain.train.evaluate import evaluate
+    from skiptrain.runtime.evaluate import evaluate
     tr = ElasticTrainer(_cfg(byte_data, steps=16, every=0), tmp_path / "g")
     for _ in range(8):
         tr.train_step()

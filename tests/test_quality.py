@@ -11,7 +11,7 @@ from skiptrain.data.dataset import TokenDataset
 from skiptrain.data.loader import SampleSource
 from skiptrain.model import StagedLM
 from skiptrain.schedule.routes import drop_route, full_route
-from skiptrain.train.evaluate import evaluate
+from skiptrain.runtime.evaluate import evaluate
 from skiptrain.train.quality import drop_subsets, robustness
 
 

@@ -20,6 +20,7 @@ import math
 from dataclasses import dataclass
 from typing import Iterable, Mapping, Sequence
 
+from ..layout import tensor_stage
 from .format import DTYPES
 
 DEFAULT_CHUNK_BYTES = 64 << 20
@@ -125,21 +126,3 @@ def plan_save(specs: Iterable[TensorSpec], holders: Mapping[str, Sequence[int]] 
     for r in assigned:  # write in name order: related tensors end up near each other in the file
         assigned[r].sort(key=lambda it: (it.name, it.row0))
     return SavePlan(assigned, specs)
-
-
-def tensor_stage(name: str, partition) -> int:
-    """The pipeline stage holding tensor ``name`` under ``partition`` (a model.partition.Partition).
-
-    Optimizer state (``optim.<key>.<param>``) lives with its parameter; ``layers.{i}.*`` with the
-    stage holding layer i; everything else (embedding, final norm, head, RNG, ...) on stage 0.
-    """
-    if name.startswith("optim."):
-        name = name.split(".", 2)[2]
-    if name.startswith("layers."):
-        return partition.stage_of_layer(int(name.split(".", 2)[1]))
-    return 0
-
-
-def stage_holders(names, partition, placement) -> dict[str, list[int]]:
-    """tensor name -> ranks holding it, from ``placement[stage] = [ranks]``."""
-    return {n: list(placement[tensor_stage(n, partition)]) for n in names}

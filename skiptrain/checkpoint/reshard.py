@@ -18,7 +18,8 @@ from ..model.partition import partition_layers
 from .export import checkpoint_config
 from .format import CheckpointError
 from .manager import optimizer_record
-from .plan import DEFAULT_CHUNK_BYTES, TensorSpec, plan_save, stage_holders
+from ..layout import Layout
+from .plan import DEFAULT_CHUNK_BYTES, TensorSpec, plan_save
 from .reader import CheckpointReader, byte_view
 from .writer import commit, write_part
 
@@ -38,7 +39,8 @@ def reshard(src: str | Path, dst: str | Path, n_stages: int, replicas: int = 1, 
     placement = {s: [s * replicas + j for j in range(replicas)] for s in range(n_stages)}
     ranks = [r for rs in placement.values() for r in rs]
     specs = [TensorSpec(n, t.dtype, tuple(t.shape)) for n, t in reader.meta.tensors.items()]
-    plan = plan_save(specs, stage_holders(reader.meta.tensors, partition, placement), chunk_bytes, ranks)
+    plan = plan_save(specs, Layout(partition, [placement[s] for s in range(n_stages)]).holders(reader.meta.tensors),
+                     chunk_bytes, ranks)
     state = {k: v for k, v in reader.state.items() if k != "ranks"}
     state["config"] = cfg.to_dict()
     state["placement"] = {str(s): rs for s, rs in placement.items()}

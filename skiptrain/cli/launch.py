@@ -26,7 +26,8 @@ def train_swarm(cfg, data: str, out: str, steps: int | None = None, echo: bool =
     from ..model import StagedLM
     from ..schedule.gantt import draw_side_by_side
     from ..schedule.simulator import simulate
-    from ..train.evaluate import evaluate, unigram_loss
+    from ..train.evaluate import unigram_loss
+    from ..runtime.evaluate import evaluate
     from ..train.metrics import plot_loss
     from ..train.rundir import load_run, prepare_run_dir, write_summary
     from ..runtime.job import Job, build_cost, build_schedule, build_topology, phase_for

@@ -64,7 +64,8 @@ def _route_from_args(args, n_stages: int):
 def cmd_eval(args: argparse.Namespace) -> int:
     from ..data.dataset import TokenDataset
     from ..data.loader import SampleSource
-    from ..train.evaluate import evaluate, perplexity
+    from ..train.evaluate import perplexity
+    from ..runtime.evaluate import evaluate
     from ..train.rundir import load_run
 
     cfg, model, _ = load_run(args.run_dir)

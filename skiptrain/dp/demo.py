@@ -69,7 +69,6 @@ class DeMoStrategy(SyncStrategy):
         self.update_rule = "adamw" if self.step_rule == "adam" else "direction"
         self.n_since = 0        # micro-batches folded into m since the last sync
         self.syncs = 0          # sync counter (payload header "step")
-        self.tamper = None      # test hook: fn(bytes ndarray) -> ndarray applied to our payload
 
     @property
     def payload_bytes(self) -> int:
@@ -95,8 +94,6 @@ class DeMoStrategy(SyncStrategy):
                 m.scatter_(1, idx, m.gather(1, idx) - q)
             send[name] = (idx, q)
         payload = self.layout.encode(self.syncs, self.n_since, send)
-        if self.tamper is not None:
-            payload = self.tamper(payload)
         # ---- exchange and validate everything before applying anything
         bufs = self.tr.all_gather_bytes(payload)
         decoded = [self.layout.decode(b, peer=r, expect_step=self.syncs) for r, b in enumerate(bufs)]

@@ -27,7 +27,7 @@ no device memory either: they stay in host memory for validation, checkpoints an
   of two); trying every count also finds 3 -> 2 stages, and an estimate that knows the nodes
   avoids a count that leaves nodes idle or splits the batch unevenly.
 
-A :class:`Layout` is one point of the layout history: frozen count, stage partition, stage
+An :class:`ElasticLayout` is one point of the layout history: frozen count, stage partition, stage
 count, replicas per stage, micro-batches and node placement.  It is JSON for checkpoints.
 """
 
@@ -38,6 +38,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Sequence
 
 from ..config import ModelConfig
+from ..layout import Layout
 from ..model.partition import Partition, best_partition, head_flops_per_token, layer_bytes, layer_flops_per_token
 
 FROZEN_MEMORY = 1 / 6
@@ -45,32 +46,34 @@ BACKWARD_FACTOR = 1.5
 
 
 @dataclass
-class Layout:
-    """One layout of the elastic run (see the module docstring)."""
-    frozen: int
-    counts: list[int]                 # layers per stage; stage 0 holds the frozen prefix first
-    replicas: int = 1                 # nodes per stage
+class ElasticLayout(Layout):
+    """One point of the elastic run's layout history (see the module docstring): a
+    :class:`~skiptrain.layout.Layout` plus its replicas per stage, micro-batches per iteration,
+    whether the frozen prefix is served from the activation cache, and the first step trained
+    under it.  Stage 0 holds the frozen prefix first."""
+    replicas: int = 1
     n_micro: int = 1
-    placement: list[list[int]] = field(default_factory=list)   # stage -> node ids
     cached: bool = False
-    step: int = 0                     # first step trained under this layout
-
-    @property
-    def n_stages(self) -> int:
-        return len(self.counts)
-
-    @property
-    def partition(self) -> Partition:
-        return Partition(tuple(self.counts))
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+    step: int = 0
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "Layout":
-        return cls(frozen=int(d["frozen"]), counts=[int(c) for c in d["counts"]], replicas=int(d["replicas"]),
-                   n_micro=int(d["n_micro"]), placement=[[int(n) for n in p] for p in d["placement"]],
-                   cached=bool(d["cached"]), step=int(d.get("step", 0)))
+    def of(cls, frozen: int, counts, replicas: int = 1, n_micro: int = 1, placement=None, cached: bool = False,
+           step: int = 0) -> "ElasticLayout":
+        return cls(Partition(tuple(int(c) for c in counts)), [list(p) for p in (placement or [])], int(frozen),
+                   None, int(replicas), int(n_micro), bool(cached), int(step))
+
+    @property
+    def counts(self) -> list[int]:
+        return list(self.partition.counts)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"frozen": self.frozen, "counts": self.counts, "replicas": self.replicas, "n_micro": self.n_micro,
+                "placement": self.placement, "cached": self.cached, "step": self.step}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "ElasticLayout":
+        return cls.of(d["frozen"], d["counts"], d["replicas"], d["n_micro"],
+                      [[int(n) for n in p] for p in d["placement"]], d["cached"], d.get("step", 0))
 
 
 def stage0_units(cfg: ModelConfig, backward_factor: float = BACKWARD_FACTOR) -> tuple[float, float]:

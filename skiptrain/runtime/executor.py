@@ -97,6 +97,106 @@ class IterationResult:
     max_in_flight: int = 0
 
 
+class _Run:
+    """One iteration's task queues, memory credits and expected messages on one node."""
+
+    def __init__(self, ex: "Executor", iteration: int, schedule: Schedule, t0: float):
+        self.ex, self.iteration, self.t0 = ex, iteration, t0
+        self.plan = node_plan(schedule, ex.rank)
+        self.mbs = schedule.micro_batches
+        self.id_to_j = {mb.id: j for j, mb in enumerate(self.mbs)}
+        self.res = IterationResult()
+        self.waiting = dict(self.plan.incoming)          # messages still to come
+        self.hi: list = []                               # (ready_t, j, seq, kind, pos, tensor)
+        self.lo: list = []
+        self.seq = 0
+        self.credits = schedule.memory
+        self.held = 0
+        self.state: dict[tuple[int, int], tuple] = {}    # (j, pos) -> saved tensors
+        self.fwd_first = schedule.policy == "gpipe"
+        self.inj_ptr = 0
+        self.inj_at = t0 + self.mbs[self.plan.inject[0]].start_s if self.plan.inject else None
+        self.remaining = self.plan.n_tasks
+        self.last_progress = time.time()
+
+    def push(self, kind: int, j: int, pos: int, ready: float, tensor) -> None:
+        self.seq += 1
+        heapq.heappush(self.lo if kind == FWD else self.hi, (ready, j, self.seq, kind, pos, tensor))
+
+    def accept(self, m: "Message | TransportError") -> None:
+        ex = self.ex
+        if isinstance(m, TransportError):
+            raise NodeFailure(str(m), node=m.peer)
+        if m.iteration != self.iteration:
+            raise NodeFailure(f"node {ex.rank}: got a message of iteration {m.iteration} during "
+                              f"iteration {self.iteration} from node {m.src}", node=m.src)
+        if ex.check is not None:
+            ex.check(m)
+        j = self.id_to_j.get(m.mb, -1)
+        if self.waiting.pop((m.kind, j, m.pos), None) is None:
+            raise NodeFailure(f"node {ex.rank}: unexpected {KIND_NAMES[m.kind]} for micro-batch "
+                              f"{m.mb} (pos {m.pos}) from node {m.src}", node=m.src)
+        ready = m.arrived - self.t0
+        v = len(self.plan.paths[j]) - 1
+        if m.kind == ACT:
+            self.push(LOSS if m.pos == v + 1 else FWD, j, m.pos, ready, m.tensor)
+        else:
+            self.push(BWD, j, m.pos, ready, m.tensor)
+        self.last_progress = time.time()
+
+    def drain(self) -> None:
+        """Accept everything that has arrived."""
+        while True:
+            try:
+                self.accept(self.ex.tr.inbox.get_nowait())
+            except queue.Empty:
+                return
+
+    def pick(self, now: float) -> list | None:
+        """Inject the next own micro-batch when due; the queue to run from, by policy (or None)."""
+        if self.inj_at is not None and now >= self.inj_at:
+            self.push(FWD, self.plan.inject[self.inj_ptr], 0, self.inj_at - self.t0, None)
+            self.inj_at = None
+        can_fwd = bool(self.lo) and self.credits > 0
+        if self.fwd_first:
+            return self.lo if can_fwd else (self.hi or None)
+        return self.hi if self.hi else (self.lo if can_fwd else None)
+
+    def wait(self) -> None:
+        """Nothing runnable: wait for a message (or the next injection); time out naming the peers."""
+        now = time.time()
+        ex = self.ex
+        wait = ex.timeout_s - (now - self.last_progress)
+        if self.inj_at is not None:
+            wait = min(wait, max(self.inj_at - now, 0.0))
+        if wait <= 0 and self.inj_at is None:
+            raise ex.timeout_error(self.waiting, self.plan, self.mbs)
+        try:
+            self.accept(ex.tr.inbox.get(timeout=max(wait, 1e-4)))
+        except queue.Empty:
+            if self.inj_at is None and time.time() - self.last_progress >= ex.timeout_s:
+                raise ex.timeout_error(self.waiting, self.plan, self.mbs) from None
+
+    def done(self, kind: int, pos: int) -> None:
+        """Bookkeeping after a task: credits, the next injection, the DP weight."""
+        self.remaining -= 1
+        self.last_progress = time.time()
+        res = self.res
+        if kind == FWD:
+            self.credits -= 1
+            self.held += 1
+            res.max_in_flight = max(res.max_in_flight, self.held)
+            if pos == 0:
+                self.inj_ptr += 1
+                if self.inj_ptr < len(self.plan.inject):
+                    self.inj_at = max(res.events[-1].start + self.t0,
+                                      self.t0 + self.mbs[self.plan.inject[self.inj_ptr]].start_s)
+        elif kind == BWD:
+            self.credits += 1
+            self.held -= 1
+            res.n_processed += 1
+
+
 class Executor:
     """Runs iterations for one node.  ``model`` holds this node's stage (a
     :class:`~skiptrain.model.transformer.StagedLM` built with ``stages=[stage]``); ``cost`` gives
@@ -131,106 +231,24 @@ class Executor:
                       batch_fn: Callable[[int], tuple[torch.Tensor, torch.Tensor]]) -> IterationResult:
         """Run this node's tasks of ``schedule``; ``batch_fn(mb_id)`` gives (inputs, targets).
         ``t0`` is the common iteration start (``time.time()`` clock)."""
-        plan = node_plan(schedule, self.rank)
-        mbs = schedule.micro_batches
-        id_to_j = {mb.id: j for j, mb in enumerate(mbs)}
-        res = IterationResult()
-        if plan.n_tasks == 0:
-            return res
-        self.tr.expect(plan.n_incoming)
-        waiting = dict(plan.incoming)              # messages still to come
-        hi: list = []                              # (ready_t, j, seq, kind, pos, tensor)
-        lo: list = []
-        seq = 0
-        credits = schedule.memory
-        held = 0
-        state: dict[tuple[int, int], tuple] = {}   # (j, pos) -> saved tensors
-        fwd_first = schedule.policy == "gpipe"
-        inj_ptr = 0
-        inj_at = t0 + mbs[plan.inject[0]].start_s if plan.inject else None
-        remaining = plan.n_tasks
-        last_progress = time.time()
-
-        def push(kind: int, j: int, pos: int, ready: float, tensor) -> None:
-            nonlocal seq
-            seq += 1
-            heapq.heappush(lo if kind == FWD else hi, (ready, j, seq, kind, pos, tensor))
-
-        def accept(m: Message | TransportError) -> None:
-            if isinstance(m, TransportError):
-                raise NodeFailure(str(m), node=m.peer)
-            if m.iteration != iteration:
-                raise NodeFailure(f"node {self.rank}: got a message of iteration {m.iteration} during "
-                                  f"iteration {iteration} from node {m.src}", node=m.src)
-            if self.check is not None:
-                self.check(m)
-            j = id_to_j.get(m.mb, -1)
-            key = (m.kind, j, m.pos)
-            if waiting.pop(key, None) is None:
-                raise NodeFailure(f"node {self.rank}: unexpected {KIND_NAMES[m.kind]} for micro-batch "
-                                  f"{m.mb} (pos {m.pos}) from node {m.src}",
-                                  node=m.src)
-            ready = m.arrived - t0
-            v = len(plan.paths[j]) - 1
-            if m.kind == ACT:
-                push(LOSS if m.pos == v + 1 else FWD, j, m.pos, ready, m.tensor)
-            else:
-                push(BWD, j, m.pos, ready, m.tensor)
-
-        while remaining:
-            # 1. everything that has arrived
-            while True:
-                try:
-                    accept(self.tr.inbox.get_nowait())
-                    last_progress = time.time()
-                except queue.Empty:
-                    break
-            now = time.time()
-            if inj_at is not None and now >= inj_at:
-                j = plan.inject[inj_ptr]
-                push(FWD, j, 0, inj_at - t0, None)
-                inj_at = None
-            # 2. pick a task by policy
-            can_fwd = bool(lo) and credits > 0
-            q = None
-            if fwd_first:
-                q = lo if can_fwd else (hi or None)
-            else:
-                q = hi if hi else (lo if can_fwd else None)
+        run = _Run(self, iteration, schedule, t0)
+        if run.plan.n_tasks == 0:
+            return run.res
+        self.tr.expect(run.plan.n_incoming)
+        while run.remaining:
+            run.drain()
+            q = run.pick(time.time())
             if not q:
-                wait = self.timeout_s - (now - last_progress)
-                if inj_at is not None:
-                    wait = min(wait, max(inj_at - now, 0.0))
-                if wait <= 0 and inj_at is None:
-                    raise self._timeout(waiting, plan, mbs)
-                try:
-                    accept(self.tr.inbox.get(timeout=max(wait, 1e-4)))
-                    last_progress = time.time()
-                except queue.Empty:
-                    if inj_at is None and time.time() - last_progress >= self.timeout_s:
-                        raise self._timeout(waiting, plan, mbs) from None
+                run.wait()
                 continue
             _, j, _, kind, pos, tensor = heapq.heappop(q)
-            follow = self._run(kind, j, pos, tensor, plan, mbs, state, res, t0, batch_fn)
+            follow = self._run(kind, j, pos, tensor, run.plan, run.mbs, run.state, run.res, t0, batch_fn)
             if follow is not None:
-                push(follow[0], follow[1], follow[2], follow[3], follow[4])
-            remaining -= 1
-            last_progress = time.time()
-            if kind == FWD:
-                credits -= 1
-                held += 1
-                res.max_in_flight = max(res.max_in_flight, held)
-                if pos == 0:
-                    inj_ptr += 1
-                    if inj_ptr < len(plan.inject):
-                        inj_at = max(res.events[-1].start + t0, t0 + mbs[plan.inject[inj_ptr]].start_s)
-            elif kind == BWD:
-                credits += 1
-                held -= 1
-                res.n_processed += 1
-        return res
+                run.push(*follow)
+            run.done(kind, pos)
+        return run.res
 
-    def _timeout(self, waiting: dict, plan: NodePlan, mbs) -> NodeFailure:
+    def timeout_error(self, waiting: dict, plan: NodePlan, mbs) -> NodeFailure:
         srcs = sorted(set(waiting.values()))
         items = sorted(waiting.items(), key=lambda kv: (kv[0][1], kv[0][0]))[:4]
         what = ", ".join(f"{KIND_NAMES[k]} of micro-batch {mbs[j].id} from node {src}"

@@ -27,7 +27,7 @@ from typing import Any
 
 from ..config import Config, ConfigError
 from ..net.topology import Topology, load_topology
-from ..schedule.baselines import full_pipeline, random_skip
+from ..schedule.baselines import data_parallel, full_pipeline, random_skip
 from ..schedule.cost import CostModel, layer_params, profile_s_per_sample_per_layer
 from ..schedule.placement import stage_sizes as sizes_by_work
 from ..schedule.planner import PlanConfig, plan
@@ -48,6 +48,7 @@ class Phase:
     emulate_sync: bool = False
     dump: bool = False                        # write parameters and pre-sync gradients (tests)
     save_weights: bool = False                # first replica of each stage writes its tensors
+    config: dict[str, Any] | None = None      # {section: {key: value}} over the job's config for this phase
 
 
 @dataclass
@@ -169,3 +170,14 @@ def phase_for(cfg: Config, schedule: Schedule, topo: Topology, cost: CostModel, 
                  topology=topo.to_dict(), wan=kw.pop("wan", rt.wan), bytes_scale=float(rt.bytes_scale),
                  emulate_compute=kw.pop("emulate_compute", rt.emulate_compute),
                  emulate_sync=kw.pop("emulate_sync", False), **kw)
+
+
+def data_parallel_phase(cfg: Config, name: str, nodes: int, **kw: Any) -> Phase:
+    """A phase of plain data parallelism under its own config: ``nodes`` replicas of the whole
+    model (``model.n_stages`` must be 1), ``train.n_micro`` micro-batches per iteration dealt over
+    them, ``train.steps`` iterations, the sync strategy of ``cfg.dp``."""
+    if cfg.model.n_stages != 1:
+        raise ConfigError(f"data parallelism alone trains one stage holding the whole model; got "
+                          f"model.n_stages={cfg.model.n_stages}: set model.n_stages=1")
+    return Phase(name=name, schedule=data_parallel(nodes, cfg.train.n_micro).to_dict(), iterations=cfg.train.steps,
+                 config=cfg.to_dict(), **kw)

@@ -45,6 +45,12 @@ from .failure import (EXIT_FAILED, EXIT_PEER_FAILED, Heartbeat, NodeFailure, abo
 from .job import Job, Phase
 
 
+# columns of the per-iteration stats every node gathers (then the drift monitor's, then the
+# re-plan flag): loss sum, losses, iteration end, overruns, overrun s, max in flight, sync
+# payload bytes, received bytes, sync seconds
+N_STATS = 9
+
+
 @dataclass
 class PhaseState:
     """Everything one node holds while it runs a phase (what a layout change replaces)."""
@@ -156,10 +162,8 @@ class Node:
         # a separate gloo context for pipeline messages, so collectives never share tags with them
         self.p2p_group = dist.new_group(list(range(len(self.alive))), timeout=timedelta(seconds=job.timeout_s))
         self.hb.arm()
-        self.cfg = config_from_dict(job.config)
-        ds = TokenDataset.open(job.data_path)
-        self.cfg.model.vocab_size = ds.vocab_size
-        self.src = SampleSource(ds.tokens("train"), self.cfg.model.seq_len, seed=self.cfg.train.seed)
+        self.ds = TokenDataset.open(job.data_path)
+        self._use_config(None)
         self.tr = self.make_transport()
         self.watch = None
         self._any_committed = False
@@ -171,6 +175,18 @@ class Node:
             self.watch.start()
             if self.joining is None:
                 self._ack()
+
+    def _use_config(self, phase_config: dict | None) -> None:
+        """The job's config with the phase's overrides; the data sources that depend on it."""
+        from ..config import apply_dict, config_from_dict
+        from ..data.loader import SampleSource
+
+        self.cfg = config_from_dict(self.job.config)
+        if phase_config:
+            apply_dict(self.cfg, phase_config, "phase config")
+        self.cfg.model.vocab_size = self.ds.vocab_size
+        self.src = SampleSource(self.ds.tokens("train"), self.cfg.model.seq_len, seed=self.cfg.train.seed)
+        self.val_src = SampleSource(self.ds.tokens("val"), self.cfg.model.seq_len, shuffle=False)
 
     def make_transport(self):
         from .transport import P2PTransport
@@ -245,6 +261,8 @@ class Node:
         from ..schedule.schedule import Schedule
         from .wan import ComputePadding
 
+        if ph.config or phase_idx:
+            self._use_config(ph.config)
         cfg, rank = self.cfg, self.rank
         joining = self.joining if self.joining is not None and self.joining["phase"] == phase_idx else None
         self.joining = None
@@ -364,6 +382,29 @@ class Node:
         a.entry["t_end"] = max((e.end for e in events), default=0.0)
         allst = self._gather_stats(st, a, events)
         self._after_gather(st, allst)
+        self._maybe_evaluate(st)
+
+    def _maybe_evaluate(self, st: "PhaseState") -> None:
+        """Validation inside the loop, every ``train.eval_every`` iterations and after the last,
+        when every stage-holding node holds the whole model (one stage: data parallelism): each
+        node evaluates its share of ``train.eval_batches`` fixed validation micro-batches, the
+        sums are added over the swarm, rank 0 writes the ``val_loss`` line.  (A pipeline's
+        validation runs on the merged model after the run.)"""
+        t, n_it = self.cfg.train, st.it + 1
+        if len(st.sched.placement) != 1 or not (n_it == st.ph.iterations or (t.eval_every and n_it % t.eval_every == 0)):
+            return
+        from .evaluate import evaluate_sum
+
+        me, world = self._rank[self.rank], len(self.alive)
+        mine = range(me, t.eval_batches, world) if st.model is not None else range(0)
+        tot = torch.tensor(evaluate_sum(st.model, self.val_src, mine, t.micro_batch) if mine else [0.0, 0.0],
+                           dtype=torch.float64)
+        self._sync(dist.all_reduce, tot)
+        if dist.get_rank() == 0:
+            row = {"phase": st.ph.name, "step": n_it, "tokens": n_it * st.gb * self.cfg.model.seq_len,
+                   "val_loss": round(float(tot[0] / max(tot[1], 1)), 5)}
+            with open(self.run_dir / "metrics.jsonl", "a") as metrics:
+                metrics.write(json.dumps(row) + "\n")
 
     def _switch_to_joins(self, st: "PhaseState", a: "Attempt") -> None:
         """Iteration boundary: every node learns the newest join generation any of them has seen
@@ -405,6 +446,8 @@ class Node:
         a.outcome = optimizer_step([HostedStage(stage, st.strat, a.res.n_processed, len(replicas))], st.opt, a.lr,
                                    self.cfg.train.grad_clip, self._sum_across)
         stats = a.outcome.stats[stage]
+        a.entry["sync"] = {"payload": stats.payload_bytes, "received": stats.received_bytes,
+                           "comm_s": round(stats.comm_s, 6), "synced": stats.synced, "n_total": stats.n_total}
         if ph.emulate_sync and st.cost is not None and st.topo is not None:
             time.sleep(st.cost.dp_sync_s(st.topo, replicas, stage))
         te = time.time()
@@ -418,8 +461,10 @@ class Node:
     def _gather_stats(self, st: "PhaseState", a: "Attempt", events: list) -> list:
         """All-gather every node's iteration statistics; rank 0 appends the metrics line."""
         res = a.res
+        sync = a.entry.get("sync") or {}
         stats = torch.tensor([res.loss_sum, res.n_loss, a.entry["t_end"], st.padding.overruns, st.padding.overrun_s,
-                              res.max_in_flight], dtype=torch.float64)
+                              res.max_in_flight, sync.get("payload", 0), sync.get("received", 0),
+                              sync.get("comm_s", 0.0)], dtype=torch.float64)
         if st.drift is not None:
             stats = torch.cat([stats, st.drift.observe(events)])
         stats = torch.cat([stats, torch.tensor([1.0 if st.replan_pending else 0.0], dtype=torch.float64)])
@@ -433,7 +478,8 @@ class Node:
                    "grad_norm": round(a.outcome.grad_norm, 5),
                    "tokens": (st.it + 1) * st.gb * self.cfg.model.seq_len,
                    "overruns": int(g[:, 3].sum()), "overrun_s": round(float(g[:, 4].sum()), 4),
-                   "max_in_flight": int(g[:, 5].max())}
+                   "max_in_flight": int(g[:, 5].max()), "payload_bytes": int(g[:, 6].max()),
+                   "received_bytes": int(g[:, 7].max()), "comm_s": round(float(g[:, 8].max()), 6)}
             if self.job.recover:
                 row.update(gen=self.gen, nodes=len(self.alive))
             with open(self.run_dir / "metrics.jsonl", "a") as metrics:
@@ -515,6 +561,13 @@ class Node:
     def _end_phase(self, st: "PhaseState") -> None:
         """Dumps (tests), the stage's weights (first replica), and the phase's groups torn down."""
         model, stage = st.model, st.stage
+        if st.strat is not None:
+            from ..dp.consistency import param_hashes
+
+            st.record["sync_summary"] = {**st.strat.summary(), "emulated_link_s": st.strat.tr.emulated_s,
+                                         "n_params": model.num_parameters(),
+                                         "param_hashes": param_hashes(st.strat.named).tolist()}
+            (st.out_dir / f"node{self.rank}.json").write_text(json.dumps(st.record))
         if model is not None:
             if st.ph.dump:
                 torch.save({n: p.detach().clone() for n, p in model.named_parameters()},
@@ -764,11 +817,11 @@ class Node:
 
         from .drift import measured_topology
 
-        compute = {n: float(a[i, 6]) for i, n in enumerate(self.alive)}
+        compute = {n: float(a[i, N_STATS]) for i, n in enumerate(self.alive)}
         links = np.ones((topo.n, topo.n))
         for i, n in enumerate(self.alive):
             if n < topo.n:
-                links[n, :] = a[i, 7:7 + topo.n]
+                links[n, :] = a[i, N_STATS + 1:N_STATS + 1 + topo.n]
         return measured_topology(topo, compute, links), compute
 
     def _broadcast_schedule(self, adopted):
@@ -870,8 +923,8 @@ class Node:
         """Collective over the new generation: rank 0 (the lowest existing node) broadcasts where
         the run is (phase, iteration, data cursor); then each joining node gets its stage's
         weights and optimizer/DP state point-to-point from the stage's first live replica
-        (:func:`~skiptrain.runtime.recovery.pack_stage_state`: JSON manifest + one float32
-        payload, no pickle), or, for a stage with no replica, initialises it by
+        (:func:`~skiptrain.runtime.recovery.pack_stage_state`: the one wire format of state by
+        name, no pickle), or, for a stage with no replica, initialises it by
         :meth:`_init_stage` (checkpoint or CheckFree).  Returns (resume info, report on a joiner)."""
         from .recovery import pack_stage_state, unpack_stage_state
 
@@ -889,23 +942,20 @@ class Node:
                 continue
             d = donors[0]
             if self.rank == d:
-                meta, flat = pack_stage_state(model, strat, opt, {"from": d, "gen": self.gen, "iteration": it,
-                                                                  "last_gnorm": self._last_gnorm})
-                dist.send(torch.tensor([len(meta), flat.numel()], dtype=torch.int64), self._rank[j])
-                dist.send(torch.frombuffer(bytearray(meta), dtype=torch.uint8), self._rank[j])
-                dist.send(flat, self._rank[j])
+                blob = pack_stage_state(model, strat, opt, {"from": d, "gen": self.gen, "iteration": it,
+                                                            "last_gnorm": self._last_gnorm})
+                dist.send(torch.tensor([len(blob)], dtype=torch.int64), self._rank[j])
+                dist.send(torch.frombuffer(bytearray(blob), dtype=torch.uint8), self._rank[j])
             elif self.rank == j:
                 t = time.time()
-                n = torch.zeros(2, dtype=torch.int64)
+                n = torch.zeros(1, dtype=torch.int64)
                 dist.recv(n, self._rank[d])
-                meta = torch.empty(int(n[0]), dtype=torch.uint8)
-                dist.recv(meta, self._rank[d])
-                flat = torch.empty(int(n[1]), dtype=torch.float32)
-                dist.recv(flat, self._rank[d])
-                info = unpack_stage_state(bytes(meta.tolist()), flat, model, strat, opt)
+                buf = torch.empty(int(n[0]), dtype=torch.uint8)
+                dist.recv(buf, self._rank[d])
+                info = unpack_stage_state(buf.numpy().tobytes(), model, strat, opt)
                 self._last_gnorm = float(info.get("last_gnorm", 0.0))
-                report = {"init": f"state of node {d} (live replica): weights and optimizer state",
-                          "from_node": d, "bytes": int(n[0]) + 4 * int(n[1]), "recv_s": time.time() - t,
+                report = {"init": f"state of node {d} (live replica): weights, optimizer and sync state",
+                          "from_node": d, "bytes": int(n[0]), "recv_s": time.time() - t,
                           "optimizer_step": strat.step_count if strat is not None else None}
         return resume, report
 

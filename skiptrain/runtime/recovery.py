@@ -409,70 +409,48 @@ def choose_stage(schedule: Schedule, node: int, original: Schedule | None = None
                   "simulated_before_s": None if base is None else round(base, 6)}
 
 
-def pack_stage_state(model, strat, opt=None, info: dict | None = None) -> tuple[bytes, torch.Tensor]:
-    """A stage's weights, DP strategy state and optimizer state as (JSON bytes, one flat float32
-    tensor), to send to a joining node without pickling: the JSON lists every tensor's name,
-    shape and dtype in the order of the flat payload, plus the strategy's scalar state, the
-    optimizer's record (:func:`~skiptrain.checkpoint.state.optimizer_tensors`) and ``info``."""
-    from ..checkpoint.state import optimizer_tensors
-
-    names, parts = [], []
-
-    def add(where: str, name: str, key: str, t: torch.Tensor) -> None:
-        names.append([where, name, key, list(t.shape), str(t.dtype).replace("torch.", "")])
-        parts.append(t.detach().to(torch.float32).reshape(-1))
-
-    for n, t in model.state_dict().items():
-        add("model", n, "", t)
-    sd = dict(strat.state_dict()) if strat is not None else {"tensors": {}}
-    tensors = sd.pop("tensors", {}) or {}
-    for pn in sorted(tensors):
-        for k in sorted(tensors[pn]):
-            add("sync", pn, k, tensors[pn][k])
-    record = None
-    if opt is not None:
-        opt_t, record = optimizer_tensors(model.named_parameters(), opt)
-        for n in sorted(opt_t):
-            add("optim", n, "", opt_t[n])
-    meta = {"tensors": names, "strategy": sd if strat is not None else None, "optimizer": record,
-            "info": info or {}}
-    flat = torch.cat(parts) if parts else torch.zeros(0)
-    return json.dumps(meta).encode(), flat
+SYNC_PREFIX = "sync."
 
 
-def unpack_stage_state(meta_bytes: bytes, flat: torch.Tensor, model, strat, opt=None) -> dict:
+def pack_stage_state(model, strat, opt=None, info: dict | None = None) -> bytes:
+    """A stage's weights, DP strategy state and optimizer state in the one wire format of state by
+    name (:func:`skiptrain.checkpoint.wire.pack_state`), to send to a joining node: strategy
+    tensors are named ``sync.{key}.{param}``, its scalars and ``info`` travel in the JSON."""
+    from ..checkpoint.wire import pack_state
+
+    sd = dict(strat.state_dict()) if strat is not None else None
+    tensors = (sd.pop("tensors", {}) or {}) if sd is not None else {}
+    extra = {f"{SYNC_PREFIX}{k}.{pn}": t for pn, ts in tensors.items() for k, t in ts.items()}
+    return pack_state(model, opt, None, {"strategy": sd, "info": info or {}}, extra)
+
+
+def unpack_stage_state(blob: bytes, model, strat, opt=None) -> dict:
     """Load what :func:`pack_stage_state` produced into ``model``, ``strat`` and ``opt`` (same
     stage); returns the sender's ``info``.  Raises ``ValueError`` naming a tensor that does not fit."""
-    from ..checkpoint.state import load_optimizer
+    from ..checkpoint.state import load_optimizer, split_optim_name
+    from ..checkpoint.wire import unpack_tensors
 
-    meta = json.loads(meta_bytes.decode())
+    tensors, record, state = unpack_tensors(blob)
     own = model.state_dict()
-    sync: dict[str, dict[str, torch.Tensor]] = {}
-    optim: dict[str, torch.Tensor] = {}
-    off = 0
-    for where, name, key, shape, dtype in meta["tensors"]:
-        n = 1
-        for d in shape:
-            n *= d
-        t = flat[off:off + n].view(*shape) if shape else flat[off:off + n].view(())
-        off += n
-        t = t.to(getattr(torch, dtype))
-        if where == "model":
-            if name not in own or tuple(own[name].shape) != tuple(shape):
-                raise ValueError(f"received weight {name} {tuple(shape)} does not fit this stage")
-            with torch.no_grad():
-                own[name].copy_(t)
-        elif where == "optim":
-            optim[name] = t.clone()
-        else:
-            sync.setdefault(name, {})[key] = t.clone()
-    if off != flat.numel():
-        raise ValueError(f"received {flat.numel()} values, the manifest lists {off}")
-    if strat is not None and meta["strategy"] is not None:
-        strat.load_state_dict({**meta["strategy"], "tensors": sync})
-    if opt is not None and meta.get("optimizer") is not None:
-        load_optimizer(opt, model.named_parameters(), optim, meta["optimizer"])
-    return meta["info"]
+    for name, t in own.items():
+        got = tensors.get(name)
+        if got is None or tuple(got.shape) != tuple(t.shape):
+            raise ValueError(f"received state lacks weight {name} {tuple(t.shape)} of this stage"
+                             if got is None else f"received weight {name} {tuple(got.shape)} does not fit this stage")
+    with torch.no_grad():
+        for name, t in own.items():
+            t.copy_(tensors[name])
+    if strat is not None and state.get("strategy") is not None:
+        sync: dict[str, dict[str, torch.Tensor]] = {}
+        for name, t in tensors.items():
+            if name.startswith(SYNC_PREFIX):
+                key, _, param = name[len(SYNC_PREFIX):].partition(".")
+                sync.setdefault(param, {})[key] = t
+        strat.load_state_dict({**state["strategy"], "tensors": sync})
+    if opt is not None and record:
+        load_optimizer(opt, model.named_parameters(), {n: t for n, t in tensors.items() if split_optim_name(n)},
+                       record)
+    return state.get("info", {})
 
 
 def record_kind(store, gen: int) -> str:

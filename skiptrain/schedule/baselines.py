@@ -112,3 +112,14 @@ def swarm_greedy(topo: Topology, cost: CostModel, placement: list[list[int]], mb
     name = "swarm_skip" if skip else "swarm_full"
     return Schedule(placement=[list(p) for p in placement], micro_batches=mbs, memory=memory,
                     skip_ratio=k, max_swaps=0, method=name)
+
+
+def data_parallel(n_nodes: int, n_micro: int) -> Schedule:
+    """Plain data parallelism: one stage (the whole model) on every node, ``n_micro``
+    micro-batches per iteration dealt round-robin over the nodes (micro-batch ``i`` on node
+    ``i % n_nodes``; with fewer micro-batches than nodes some replicas idle), no hops."""
+    if n_nodes < 1 or n_micro < 1:
+        raise ValueError(f"data parallelism needs at least one node and one micro-batch (got {n_nodes}, {n_micro})")
+    mbs = [MicroBatch(i, i % n_nodes, []) for i in range(n_micro)]
+    return Schedule(placement=[list(range(n_nodes))], micro_batches=mbs, memory=max(1, math.ceil(n_micro / n_nodes)),
+                    method="data_parallel")

@@ -50,12 +50,15 @@ from ..schedule.routes import balanced_routes, full_route, stage_visit_counts
 from ..dp import make_strategy
 from ..optim import lr_at
 from ..runtime.step import HostedStage, optimizer_step
-from .evaluate import evaluate
+from ..runtime.evaluate import evaluate
 from .trainer import StepResult, Trainer, draw_routes
 from ..elastic.cache import ActivationCache, PrefixRunner, at_depth, expected_hit, measure, worth_it
 from ..elastic.freeze import FreezeRule
-from ..elastic.repartition import Layout, autopipe_for
-from ..elastic.replicas import assign_nodes, pack_state, state_sizes, transfer_plan, unpack_tensors
+from ..elastic.repartition import ElasticLayout, autopipe_for
+from ..checkpoint.wire import pack_state, state_sizes, unpack_tensors
+from ..elastic.replicas import assign_nodes
+from ..layout import Layout
+from ..layout.transfer import transfer_plan
 
 
 class ElasticCheckpoints(TrainerCheckpoints):
@@ -85,7 +88,7 @@ class ElasticTrainer(Trainer):
         R = self.n_nodes // m.n_stages
         if R < 1:
             raise ValueError(f"elastic.nodes={self.n_nodes} cannot serve {m.n_stages} stages")
-        self.layouts = [Layout(0, self.model.partition.to_list(), R, self.cfg.train.n_micro,
+        self.layouts = [ElasticLayout.of(0, self.model.partition.to_list(), R, self.cfg.train.n_micro,
                                [[s * R + r for r in range(R)] for s in range(m.n_stages)], False, 0)]
         self.transitions: list[dict[str, Any]] = []
         self.guard_s = 0.0
@@ -106,7 +109,7 @@ class ElasticTrainer(Trainer):
     # ---- layout bookkeeping ---------------------------------------------------------------
 
     @property
-    def layout(self) -> Layout:
+    def layout(self) -> ElasticLayout:
         return self.layouts[-1]
 
     @property
@@ -307,7 +310,7 @@ class ElasticTrainer(Trainer):
         frozen_names = [n for n, p in self.model.named_parameters() if not p.requires_grad]
         sizes = state_sizes(self.model, self.opt, frozen_names)
         placement = assign_nodes(sizes, old.partition, old.placement, new_part, self.n_nodes)
-        plan = transfer_plan(sizes, old.partition, old.placement, new_part, placement)
+        plan = transfer_plan(sizes, old, Layout(new_part, placement))
         pack_s = 0.0
         if plan:
             biggest: dict[int, list[str]] = {}
@@ -318,7 +321,7 @@ class ElasticTrainer(Trainer):
             blob = pack_state(self.model, self.opt, names, {"step": self.step, "data": self.loader.state_dict()})
             unpack_tensors(blob)
             pack_s = time.perf_counter() - t1
-        new = Layout(F, counts, len(placement[0]), old.n_micro, placement, cached, self.step)
+        new = ElasticLayout.of(F, counts, len(placement[0]), old.n_micro, placement, cached, self.step)
         self.layouts.append(new)
         self._stage_params()
         rec.update(stages_before=old.n_stages, stages_after=new.n_stages, replicas_after=new.replicas,
@@ -343,7 +346,7 @@ class ElasticTrainer(Trainer):
 
     def load_elastic_state(self, st: dict[str, Any]) -> None:
         self.rule.load_state_dict(st["rule"])
-        self.layouts = [Layout.from_dict(d) for d in st["layouts"]]
+        self.layouts = [ElasticLayout.from_dict(d) for d in st["layouts"]]
         self.transitions = list(st.get("transitions", []))
         self.guard_s = float(st.get("guard_s", 0.0))
         self.guard_cpu_s = float(st.get("guard_cpu_s", 0.0))

@@ -23,7 +23,8 @@ from typing import Sequence
 from ..data.loader import SampleSource
 from ..model import StagedLM
 from ..schedule.routes import drop_route, full_route
-from .evaluate import evaluate, perplexity
+from ..runtime.evaluate import evaluate
+from .evaluate import perplexity
 
 
 def drop_subsets(n_stages: int, drop_fraction: float, n_subsets: int) -> list[tuple[int, list[int]]]:

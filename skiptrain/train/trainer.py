@@ -28,7 +28,8 @@ from ..model import StagedLM
 from ..optim import build_optimizer, lr_at
 from ..runtime.step import HostedStage, optimizer_step
 from ..schedule.routes import balanced_routes, full_route, stage_visit_counts
-from .evaluate import evaluate, unigram_loss
+from ..runtime.evaluate import evaluate
+from .evaluate import unigram_loss
 from .metrics import MetricsLog, plot_loss
 from .rundir import prepare_run_dir, save_weights, write_summary
 
