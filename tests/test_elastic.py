@@ -494,3 +494,23 @@ def test_assign_nodes_and_transfer_plan_match_a_per_node_reference():
         for s, nodes in enumerate(pl):
             for n in nodes:
                 assert {t for t in sizes if tensor_stage(t, new) == s} <= got[n]
+
+
+def test_costs_model_static_sweep_and_an_elastic_schedule_at_paper_scale():
+    """The library's cost model of elastic runs: at PipeTransformer's scale a static sweep finds
+    feasible layouts only where memory allows, and freezing half the layers with the prefix
+    cached makes the elastic steps cheaper than the static best, with a transition bill."""
+    from skiptrain.elastic.costs import N_DEV, elastic_times, paper_scale, sim_memory, sim_topology, sweep
+
+    sc, topo = paper_scale(), sim_topology()
+    sw = sweep(sc, topo)
+    feasible = [r for r in sw if r["iteration_s"] is not None]
+    assert feasible and all(r["stages"] * r["replicas"] == N_DEV for r in sw)
+    assert all(r["iteration_s"] is None for r in sw if r["stages"] == 1)      # plain DP does not fit 24 GiB
+    assert sim_memory([32], 0, 1, 1, sc.model) > sc.dev_mem
+    best = min(feasible, key=lambda r: r["iteration_s"])
+    L = sc.model.n_layers
+    e = elastic_times(sc, [(0, 0.0, False)] * 2 + [(L // 2, 1.0, True)] * 2, L, best, topo)
+    assert e["per_step"][0] == pytest.approx(best["iteration_s"])
+    assert e["per_step"][-1] < 0.9 * best["iteration_s"] and e["wire_s"] > 0
+    assert e["history"][-1]["frozen"] == L // 2
