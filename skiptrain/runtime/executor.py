@@ -231,6 +231,7 @@ class Executor:
                       batch_fn: Callable[[int], tuple[torch.Tensor, torch.Tensor]]) -> IterationResult:
         """Run this node's tasks of ``schedule``; ``batch_fn(mb_id)`` gives (inputs, targets).
         ``t0`` is the common iteration start (``time.time()`` clock)."""
+        self.tr.begin_iteration(iteration, t0)
         run = _Run(self, iteration, schedule, t0)
         if run.plan.n_tasks == 0:
             return run.res

@@ -357,7 +357,6 @@ class Node:
         self._sync(dist.broadcast, tt, 0)
         t0 = float(tt[0])
         time.sleep(max(0.0, t0 - time.time()))
-        self.tr.begin_iteration(st.it, t0)
         mbsz, c = self.cfg.train.micro_batch, st.cursor
 
         def batch_fn(mb_id: int):

@@ -233,3 +233,36 @@ class P2PTransport:
         self._expect.put(None)
         for _, th in self._senders.values():
             th.join(timeout=5.0)
+
+
+class LocalTransport:
+    """The transport between stages hosted by one process: a send is delivered to this process's
+    own inbox at once (no copy, no wire, no thread).  What the one-process trainer runs on; the
+    executor cannot tell it from :class:`P2PTransport`."""
+
+    def __init__(self, rank: int = 0):
+        self.rank = rank
+        self.link = None
+        self.inbox: "queue.Queue[Message | TransportError]" = queue.Queue()
+        self.iteration = 0
+        self.bytes_sent = 0
+
+    def begin_iteration(self, iteration: int, t0: float) -> None:
+        self.iteration = iteration
+
+    def expect(self, n: int) -> None:
+        """Nothing to receive from a wire: every message is a local send."""
+
+    def send(self, dst: int, kind: int, mb: int, pos: int, tensor: torch.Tensor) -> None:
+        if dst != self.rank:
+            raise TransportError(f"node {self.rank}: a local transport cannot reach node {dst}", peer=dst)
+        self.inbox.put(Message(kind, self.iteration, mb, pos, self.rank, tensor, time.time()))
+
+    def wait_sent(self, timeout: float) -> None:
+        """Local sends are delivered at once."""
+
+    def take_events(self) -> list[Event]:
+        return []
+
+    def close(self) -> None:
+        """Nothing to stop."""

@@ -123,3 +123,12 @@ def data_parallel(n_nodes: int, n_micro: int) -> Schedule:
     mbs = [MicroBatch(i, i % n_nodes, []) for i in range(n_micro)]
     return Schedule(placement=[list(range(n_nodes))], micro_batches=mbs, memory=max(1, math.ceil(n_micro / n_nodes)),
                     method="data_parallel")
+
+
+def one_node(routes: Sequence[Sequence[int]], n_stages: int) -> Schedule:
+    """Every stage on node 0 (one process hosting the whole model): micro-batch ``i`` follows
+    body route ``routes[i]``.  Memory credits cover every hop of every micro-batch, so the one
+    node never waits on itself."""
+    mbs = [MicroBatch(i, 0, [(s, 0) for s in r]) for i, r in enumerate(routes)]
+    return Schedule(placement=[[0] for _ in range(n_stages)], micro_batches=mbs,
+                    memory=max(1, sum(len(r) + 1 for r in routes)), method="one_node")

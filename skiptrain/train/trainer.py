@@ -2,7 +2,9 @@
 
 One iteration = ``n_micro`` micro-batches of ``micro_batch`` samples.  With skip ratio k > 0,
 each micro-batch runs stage 0 plus its own route through the body stages (balanced over the
-iteration, as the planner draws them).  The update is the runtime's one optimizer step
+iteration, as the planner draws them), run by the runtime's executor exactly as a node of a
+swarm runs its share of a schedule, here one node hosting every stage with an in-process
+transport between them.  The update is the runtime's one optimizer step
 (:func:`skiptrain.runtime.step.optimizer_step`) with this process hosting every stage, each in a
 data-parallel group of one: each stage's gradient is the mean over the micro-batches that
 visited it, one global clip, one optimizer step.  So this trainer computes what a swarm of node
@@ -26,7 +28,10 @@ from ..data.loader import SampleSource, ShardedLoader
 from ..dp import make_strategy
 from ..model import StagedLM
 from ..optim import build_optimizer, lr_at
+from ..runtime.executor import Executor
 from ..runtime.step import HostedStage, optimizer_step
+from ..runtime.transport import LocalTransport
+from ..schedule.baselines import one_node
 from ..schedule.routes import balanced_routes, full_route, stage_visit_counts
 from ..runtime.evaluate import evaluate
 from .evaluate import unigram_loss
@@ -67,6 +72,7 @@ class Trainer:
         self.syncs = {s: make_strategy(cfg.dp, self.model.stage_named_parameters(s), None, t)
                       for s in range(cfg.model.n_stages)}
         self.opt = build_optimizer(self.model.named_parameters(), t, self.syncs[0].update_rule)
+        self.executor = Executor(0, LocalTransport(0), self.model)
         self.train_src = SampleSource(self.ds.tokens("train"), cfg.model.seq_len, seed=t.seed)
         self.val_src = SampleSource(self.ds.tokens("val"), cfg.model.seq_len, shuffle=False)
         self.loader = ShardedLoader(self.train_src, t.micro_batch * t.n_micro)
@@ -88,23 +94,24 @@ class Trainer:
         return t.micro_batch * t.n_micro * self.cfg.model.seq_len
 
     def train_step(self) -> StepResult:
-        """One iteration: forward/backward every micro-batch along its route, per-stage averaging, one step."""
+        """One iteration: the executor runs every micro-batch along its route (one node hosting
+        every stage, an in-process transport between them), then the one optimizer step."""
         t, S = self.cfg.train, self.cfg.model.n_stages
         x, y = self.loader.next_batch()
         routes = draw_routes(self.cfg, self.route_rng)
         self.opt.zero_grad(set_to_none=True)
-        total = 0.0
-        for i, route in enumerate(routes):
-            sl = slice(i * t.micro_batch, (i + 1) * t.micro_batch)
-            _, loss = self.model(x[sl], y[sl], route=route)
-            loss.backward()
-            total += loss.item()
-        visits = stage_visit_counts(routes, S)
+        mb = t.micro_batch
+
+        def batch(i: int):
+            return x[i * mb:(i + 1) * mb], y[i * mb:(i + 1) * mb]
+
+        res = self.executor.run_iteration(self.step, one_node(routes, S), time.time(), batch)
         lr = lr_at(self.step, t)
+        visits = stage_visit_counts(routes, S)
         out = optimizer_step([HostedStage(s, sync, visits[s]) for s, sync in self.syncs.items()],
                              self.opt, lr, t.grad_clip)
         self.step += 1
-        return StepResult(total / len(routes), lr, out.grad_norm, routes)
+        return StepResult(res.loss_sum / max(res.n_loss, 1), lr, out.grad_norm, routes)
 
     def validate(self, route=None) -> float:
         t = self.cfg.train
