@@ -18,8 +18,11 @@ Semantics (the simulator, the planner and the benches all use these and only the
   ``compressed_payload_bytes`` payload per replica (``n - 1`` steps, e.g. DeMo); ``"none"``
   skips it.  Sync messages pay latency + bytes / bandwidth, no per-hop overhead.
 
-:func:`reference_cost` is SkipPipe's 20-node setup (hop = latency + 32 MiB / bw + 0.35 s,
-forward 1.76 s per stage); :func:`from_model_config` derives layers and parameters from
+:func:`reference_cost` is SkipPipe's 20-node setup as its reference description states it
+(hop = latency + 32 MiB / bw + 0.35 s, forward 1.76 s per stage: 8 samples of 1024 tokens);
+:func:`published_cost` is the setting behind SkipPipe's published schedule and times (same
+32 MiB hops, forward 0.44 s per stage: 2 samples of 4096 tokens, 4x less compute per hop);
+:func:`from_model_config` derives layers and parameters from
 :class:`skiptrain.config.ModelConfig`; :func:`profile_s_per_sample_per_layer` measures the
 per-layer cost on this machine.
 """
@@ -27,6 +30,7 @@ per-layer cost on this machine.
 from __future__ import annotations
 
 import itertools
+import math
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Any, Sequence
@@ -35,6 +39,8 @@ from ..errors import UserError
 from ..net.topology import Topology
 
 DP_MODES = ("dense", "compressed", "none")
+#: a link whose hop takes more than this many times the median hop is unusable for routes
+USABLE_HOP_FACTOR = 10.0
 
 
 class CostError(UserError, ValueError):
@@ -99,6 +105,14 @@ class CostModel:
     def hop_s(self, topo: Topology, a: int, b: int) -> float:
         """Uncontended time of one activation (or gradient) message ``a -> b``."""
         return topo.transfer_s(a, b, self.activation_bytes) + self.hop_overhead_s
+
+    def usable_hop_s(self, topo: Topology, factor: float = USABLE_HOP_FACTOR) -> float:
+        """Slowest hop a route may use: ``factor`` x the median hop over all node pairs (geo12 at
+        32 MiB: median 1.9 s, so only the 132 s NL-London link is unusable)."""
+        if topo.n < 2:
+            return math.inf
+        hops = sorted(self.hop_s(topo, a, b) for a in range(topo.n) for b in range(topo.n) if a != b)
+        return factor * hops[len(hops) // 2]
 
     def stage_params(self, stage: int) -> int:
         if self.params_per_stage:
@@ -190,6 +204,15 @@ def reference_cost(tokens_per_microbatch: int = 8 * 1024, dp_mode: str = "dense"
     return CostModel(d_model=1024, tokens_per_sample=1024, samples=tokens_per_microbatch // 1024,
                      dtype_bytes=4, layers_per_stage=[4] * 6, s_per_sample_per_layer=0.055,
                      hop_overhead_s=0.35, dp_mode=dp_mode)
+
+
+def published_cost(dp_mode: str = "dense") -> CostModel:
+    """The cost behind SkipPipe's published schedule.json and its 79.9 s / 33.3 s: 2 samples of
+    4096 tokens per micro-batch (32 MiB per hop, d=1024 fp32), forward 0.055 s x 4 layers x 2
+    samples = 0.44 s per stage, 0.35 s per hop (``how_to_read`` in schedule/data)."""
+    return CostModel(d_model=1024, tokens_per_sample=4096, samples=2, dtype_bytes=4,
+                     layers_per_stage=[4] * 6, s_per_sample_per_layer=0.055, hop_overhead_s=0.35,
+                     dp_mode=dp_mode)
 
 
 def from_model_config(model: Any, samples: int, s_per_sample_per_layer: float | None = None,

@@ -26,8 +26,10 @@
 
 Collision awareness is steps 2 and 3: routes are chosen against each other's load and scored
 with queueing on nodes and links.  ``collision_aware=False`` gives the "SkipPipe without
-collision awareness" ablation: every micro-batch takes its individually cheapest route under the
-stage quotas and per-node quotas (equal share of visits per replica), with no simulator feedback.
+collision awareness" ablation: every micro-batch takes its individually cheapest route (as if
+alone on the network) under the stage quotas, with one static load rule (no replica takes more
+than ``NO_CA_SHARE_CAP`` times its speed-weighted share of its stage's visits) and no simulator
+feedback.  The cap is the strongest of those measured for the ablation (docs/scheduler.md).
 
 The search is deterministic for a given ``seed`` and ``max_evals``; ``time_limit_s`` (CPU
 seconds of this process, default 80% of the issue's limit: 8 s for 20 nodes, 48 s for 64) is a
@@ -186,7 +188,7 @@ def construct_routes(ctx: _Ctx, originators: Sequence[int], mb_per_originator: i
             reps = ctx.placement[s]
             tot_speed = sum(ctx.topo.nodes[n].speed for n in reps)
             for n in reps:
-                node_quota[n] = math.ceil(quota[s] * ctx.topo.nodes[n].speed / tot_speed)
+                node_quota[n] = math.ceil(NO_CA_SHARE_CAP * quota[s] * ctx.topo.nodes[n].speed / tot_speed)
     fwd_free = {o: 0.0 for o in originators}
     finish: dict[int, list[float]] = {o: [] for o in originators}
     mbs: list[MicroBatch] = []
@@ -320,6 +322,7 @@ FINISH_WEIGHT = 0.05  # objective: + this x the mean over originators of their l
 SCREEN_SHARE = 0.4  # share of the search budget spent screening placement candidates
 PENALTIES = (0.0, 2.0, 5.0, 10.0)  # construct_affinity penalties tried in turn
 PLACEMENTS_SMALL = 4  # placement candidates screened for topologies of <= 32 nodes (1 above)
+NO_CA_SHARE_CAP = 2.0  # collision-unaware ablation: a replica takes <= 2x its share of visits
 
 
 def improve_routes(schedule: Schedule, topo: Topology, cost: CostModel, contention: bool, dp_sync: bool,
