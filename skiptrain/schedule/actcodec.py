@@ -17,14 +17,17 @@ a row holding NaN or infinity decodes to NaN, so payload checks on the decoded t
 catch bad senders.  A zero row has scale 0 and decodes to zeros.
 
 Which links compress is the cost model's choice (:meth:`CostModel.hop_codec`): only links
-slower than a bandwidth threshold pay the quantisation error.
+slower than a bandwidth threshold pay the quantisation error.  torch is imported only by the
+functions that touch tensors, so the planner can count bytes without it.
 """
 
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 CODECS = ("fp32", "int8", "int4")
 QMAX = {"int8": 127, "int4": 7}
@@ -53,6 +56,8 @@ def encoded_bytes(codec: str, rows: int, cols: int) -> int:
 
 def pack_int4(q: torch.Tensor) -> torch.Tensor:
     """``rows x cols`` int8 codes in -8..7 -> ``rows x ceil(cols / 2)`` uint8 (see module doc)."""
+    import torch
+
     if q.shape[-1] % 2:
         q = torch.nn.functional.pad(q, (0, 1))
     u = (q.to(torch.int16) & 0xF).to(torch.uint8)
@@ -61,6 +66,8 @@ def pack_int4(q: torch.Tensor) -> torch.Tensor:
 
 def unpack_int4(packed: torch.Tensor, cols: int) -> torch.Tensor:
     """Inverse of :func:`pack_int4`: ``rows x cols`` int8 codes."""
+    import torch
+
     lo = (packed & 0xF).to(torch.int16)
     hi = (packed >> 4).to(torch.int16)
     q = torch.stack((lo, hi), dim=-1).reshape(*packed.shape[:-1], -1)[..., :cols]
@@ -69,6 +76,8 @@ def unpack_int4(packed: torch.Tensor, cols: int) -> torch.Tensor:
 
 def quantize(x2d: torch.Tensor, codec: str) -> tuple[torch.Tensor, torch.Tensor]:
     """(int8 codes, fp32 scale per row) of a 2-D float tensor for ``"int8"`` or ``"int4"``."""
+    import torch
+
     qmax = QMAX[codec]
     x = x2d.to(torch.float32)
     scale = x.abs().amax(dim=1) / qmax
@@ -82,6 +91,8 @@ def quantize(x2d: torch.Tensor, codec: str) -> tuple[torch.Tensor, torch.Tensor]
 
 def encode(x: torch.Tensor, codec: str) -> torch.Tensor:
     """Encode ``x`` (any float tensor with >= 1 dimension) into one flat uint8 buffer."""
+    import torch
+
     check_codec(codec)
     cols = x.shape[-1] if x.dim() else 1
     x2d = x.detach().reshape(-1, cols).to(torch.float32).contiguous()
@@ -94,6 +105,8 @@ def encode(x: torch.Tensor, codec: str) -> torch.Tensor:
 
 def decode(buf: torch.Tensor, codec: str, shape: tuple[int, ...]) -> torch.Tensor:
     """Float32 tensor of ``shape`` from :func:`encode`'s buffer (see module doc)."""
+    import torch
+
     check_codec(codec)
     cols = shape[-1] if shape else 1
     rows = math.prod(shape) // cols if cols else 0
