@@ -17,7 +17,8 @@ SkipPipe's published schedules on their own placement: the collision-aware sched
 micro-batches per originator), their paths without collision awareness, their random paths,
 and their 27-micro-batch lanes.  SkipPipe's own simulator times are printed beside them.
 
-Unless --quick: the full model (per-link FIFO contention + dense ring all-reduce per stage) at
+--seed-sweep N re-plans the reference setup with seeds 0..N-1 at both costs.  Unless
+--quick: the full model (per-link FIFO contention + dense ring all-reduce per stage) at
 both costs; activation compression (int8 / int4 on links slower than 1 GB/s) at both costs;
 unequal compute (5 random 20-node topologies, 6 regions, speeds 0.5-2); 64 nodes; and the
 18-node sweep over 4k/8k/16k tokens per micro-batch (bench cost).  Planner times are wall-clock
@@ -98,6 +99,25 @@ def check_targets(times: dict) -> dict:
         r = times[key]["planner"] / times[key]["skippipe_lanes"]
         print(f"  {key + ': planner / skippipe_lanes (27 micro-batches)':<58} {r:6.3f}")
         out[f"{key}: planner / skippipe_lanes"] = {"ratio": r}
+    return out
+
+
+def seed_sweep(n: int, times: dict) -> dict:
+    """The planner on the reference setup with seeds 0..n-1 (simplified model), both costs."""
+    out = {}
+    print(f"\n== seed sweep: the planner with seeds 0..{n - 1}, simplified model")
+    for key, mk in COSTS.items():
+        runs = [compare(geo12(20), mk(), PlanConfig(**REF_KW, seed=sd), contention=False, dp_sync=False,
+                        methods=("planner",)) for sd in range(n)]
+        v = [c.iteration_s()["planner"] for c in runs]
+        mean = sum(v) / n
+        sk, fp = times[key]["skippipe_published"], times[key]["full_pipeline"]
+        out[key] = {"planner": v, "mean": mean, "planner_s_max": max(c.planner_s for c in runs),
+                    "mean_x_skippipe_published": mean / sk, "mean_x_full_pipeline": mean / fp,
+                    "max_x_skippipe_published": max(v) / sk, "max_x_full_pipeline": max(v) / fp}
+        print(f"  {key:<15} " + " ".join(f"{x:.1f}" for x in v) + f"  mean {mean:.1f} (x skippipe_published "
+              f"{mean / sk:.3f}, x full_pipeline {mean / fp:.3f}); worst x {max(v) / sk:.3f} / {max(v) / fp:.3f}; "
+              f"planner time max {out[key]['planner_s_max']:.2f} s wall")
     return out
 
 
@@ -183,6 +203,9 @@ def main(argv=None) -> int:
     ap.add_argument("--gantt", default=None, help="PNG of the planner's timeline (bench cost, full model)")
     ap.add_argument("--seed", type=int, default=0, help="planner seed")
     ap.add_argument("--random-seeds", type=int, default=10, help="seeds of the random skip baseline")
+    ap.add_argument("--seed-sweep", type=int, default=0, metavar="N",
+                    help="also plan the reference setup with seeds 0..N-1 (simplified model, both costs): "
+                         "the search is a local search, results vary by seed")
     args = ap.parse_args(argv)
     t_all = time.perf_counter()
     print(f"machine: {platform.machine()} {platform.python_version()}, one process")
@@ -198,6 +221,8 @@ def main(argv=None) -> int:
     print(f"  planner time, 20 nodes: {out['planner_s']:.2f} s wall / {out['planner_cpu_s']:.2f} s CPU "
           f"(<= 10 s: {'met' if lim else 'NOT met'})")
     out["targets"]["planner_s"] = {"seconds": out["planner_s"], "limit": 10.0, "met": lim}
+    if args.seed_sweep:
+        out["seed_sweep"] = seed_sweep(args.seed_sweep, times)
     if not args.quick:
         full = reference(args.seed, args.random_seeds, full_model=True, record=args.gantt is not None)
         out["full_model"] = print_reference(full, "reference setup, full model (link contention + dense DP sync)")
