@@ -125,7 +125,10 @@ def stage_quotas(n_mb: int, n_stages: int, visits: int, rng: random.Random) -> d
     return q
 
 
-class _Ctx:
+class RouteContext:
+    """What the route constructions read for one placement: hop seconds ``H[a][b]``, forward
+    ``f``, backward ``b`` and loss seconds per node at its speed."""
+
     def __init__(self, topo: Topology, cost: CostModel, placement: list[list[int]]):
         self.topo, self.cost, self.placement = topo, cost, placement
         N = topo.n
@@ -136,7 +139,7 @@ class _Ctx:
         self.loss = {o: cost.loss_s(topo.nodes[o].speed) for o in placement[0]}
 
 
-def _best_replicas(ctx: _Ctx, o: int, order: Sequence[int], t0: float, free: Sequence[float],
+def _best_replicas(ctx: RouteContext, o: int, order: Sequence[int], t0: float, free: Sequence[float],
                    allowed: dict[int, list[int]] | None) -> tuple[float, list[int], list[float]]:
     """Replicas for visit ``order`` from originator ``o`` starting its forward at ``t0``.
 
@@ -171,7 +174,7 @@ def _best_replicas(ctx: _Ctx, o: int, order: Sequence[int], t0: float, free: Seq
     return best
 
 
-def construct_routes(ctx: _Ctx, originators: Sequence[int], mb_per_originator: int, n_stages: int,
+def construct_routes(ctx: RouteContext, originators: Sequence[int], mb_per_originator: int, n_stages: int,
                      visits: int, max_swaps: int, memory: int, rng: random.Random,
                      aware: bool = True) -> list[MicroBatch]:
     """Greedy list-scheduling construction (see module doc, step 2).  Micro-batch ids are
@@ -232,7 +235,7 @@ def construct_routes(ctx: _Ctx, originators: Sequence[int], mb_per_originator: i
     return mbs
 
 
-def construct_affinity(ctx: _Ctx, originators: Sequence[int], mb_per_originator: int, n_stages: int,
+def construct_affinity(ctx: RouteContext, originators: Sequence[int], mb_per_originator: int, n_stages: int,
                        visits: int, max_swaps: int, rng: random.Random, penalty: float,
                        order_of_originators: Sequence[int]) -> list[MicroBatch]:
     """Lane-like construction: originators one after another (in ``order_of_originators``),
@@ -300,7 +303,7 @@ def construct_affinity(ctx: _Ctx, originators: Sequence[int], mb_per_originator:
     return mbs
 
 
-def _cheapest_replicas(H: list[list[float]], placement: list[list[int]], o: int,
+def cheapest_replicas(H: list[list[float]], placement: list[list[int]], o: int,
                        order: Sequence[int], node_s: Sequence[float] | None = None
                        ) -> list[tuple[float, list[int]]]:
     """Replica paths for visit ``order`` from originator ``o`` by hop cost there and back plus
@@ -322,7 +325,7 @@ def _repick(H: list[list[float]], placement: list[list[int]], o: int, route: Seq
             node_s: Sequence[float]) -> list[tuple[int, int]]:
     """``route``'s stages with the replicas that are cheapest (hops + compute) from ``o``."""
     stages = [s for s, _ in route]
-    return list(zip(stages, _cheapest_replicas(H, placement, o, stages, node_s)[0][1]))
+    return list(zip(stages, cheapest_replicas(H, placement, o, stages, node_s)[0][1]))
 
 
 #: local-search move mix and objective (measured on the reference setup, docs/scheduler.md)
@@ -346,7 +349,7 @@ def _propose_move(routes: list[list[tuple[int, int]]], j1: int, mbs: Sequence[Mi
     old = None
     if move < REROUTE_P:  # re-pick replicas by hop cost
         r = routes[j1]
-        paths = _cheapest_replicas(H, pl, mbs[j1].originator, [s for s, _ in r], node_s)
+        paths = cheapest_replicas(H, pl, mbs[j1].originator, [s for s, _ in r], node_s)
         path = paths[0][1] if len(paths) < 2 or rng.random() < 0.7 else paths[1][1]
         cand = [(s, n) for (s, _), n in zip(r, path)]
         if cand == r:
@@ -567,7 +570,7 @@ def plan(topo: Topology, cost: CostModel, cfg: PlanConfig) -> Schedule:
         return simulate(x, topo, cost, contention=cfg.contention, dp_sync=cfg.dp_sync, record=False).score()
 
     def starting_point(pl: list[list[int]]) -> tuple[float, Schedule]:
-        ctx = _Ctx(topo, cost, pl)
+        ctx = RouteContext(topo, cost, pl)
         sched = mk(pl, construct_routes(ctx, pl[0], cfg.mb_per_originator, cfg.n_stages, v, cfg.max_swaps,
                                         cfg.memory, rng, aware=cfg.collision_aware))
         if not cfg.collision_aware:
