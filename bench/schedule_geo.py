@@ -19,7 +19,8 @@ and their 27-micro-batch lanes.  SkipPipe's own simulator times are printed besi
 
 --seed-sweep N re-plans the reference setup with seeds 0..N-1 at both costs.  Unless
 --quick: the full model (per-link FIFO contention + dense ring all-reduce per stage) at
-both costs; activation compression (int8 / int4 on links slower than 1 GB/s) at both costs;
+both costs; activation compression (int8 / int4 on links slower than 1 GB/s) at both costs,
+without and with the encode + decode time measured on this machine;
 unequal compute (5 random 20-node topologies, 6 regions, speeds 0.5-2); 64 nodes; and the
 18-node sweep over 4k/8k/16k tokens per micro-batch (bench cost).  Planner times are wall-clock
 and CPU seconds (the limit is 10 s for 20 nodes on one core; on a shared machine wall-clock
@@ -43,6 +44,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from skiptrain.net.topology import geo12, random_topology  # noqa: E402
+from skiptrain.schedule.actcodec import measure_codec_s  # noqa: E402
 from skiptrain.schedule.compare import METHODS, PUBLISHED_METHODS, compare, format_table  # noqa: E402
 from skiptrain.schedule.cost import CostModel, published_cost, reference_cost  # noqa: E402
 from skiptrain.schedule.gantt import draw_gantt  # noqa: E402
@@ -122,23 +124,31 @@ def seed_sweep(n: int, times: dict) -> dict:
 
 
 def compression(seed: int) -> dict:
-    """Planner and full pipeline with int8 / int4 on slow links (simplified model)."""
+    """Planner and full pipeline with int8 / int4 on slow links (simplified model), without
+    encoding time and with the encode + decode time measured on this machine."""
     topo = geo12(20)
     out: dict = {}
-    print("\n== activation compression on links slower than 1 GB/s (simplified model; hop bytes: fp32 / encoded)")
+    ref = reference_cost()
+    rows = ref.samples * ref.tokens_per_sample
+    codec_s = {c: measure_codec_s(c, rows, ref.d_model) for c in ("int8", "int4")}
+    print("\n== activation compression on links slower than 1 GB/s (simplified model); encode + decode of "
+          "one 32 MiB hop on this machine: " + ", ".join(f"{c} {v:.3f} s" for c, v in codec_s.items()))
     for key, mk in COSTS.items():
         out[key] = {}
-        for codec in ("fp32", "int8", "int4"):
-            cost = dataclasses.replace(mk(), act_codec=codec)
+        for codec, cs in (("fp32", 0.0), ("int8", 0.0), ("int8", codec_s["int8"]), ("int4", 0.0),
+                          ("int4", codec_s["int4"])):
+            cost = dataclasses.replace(mk(), act_codec=codec, act_codec_s=cs)
             cmp = compare(topo, cost, PlanConfig(**REF_KW, seed=seed), contention=False, dp_sync=False,
                           methods=("full_pipeline", "planner"))
             t = cmp.iteration_s()
             slow = cost.hop_bytes(topo, 0, 1)
-            out[key][codec] = {**t, "hop_bytes_slow_link": slow,
-                               "planner_bytes_on_wire": cmp.results["planner"].bytes_pipeline}
-            print(f"  {key:<15} {codec:<5} full_pipeline {t['full_pipeline']:6.1f}  planner {t['planner']:6.1f}  "
+            name = codec if codec == "fp32" else f"{codec}, codec {cs:.2f} s"
+            out[key][name] = {**t, "act_codec_s": cs, "hop_bytes_slow_link": slow,
+                              "planner_bytes_on_wire": cmp.results["planner"].bytes_pipeline}
+            print(f"  {key:<15} {name:<20} full_pipeline {t['full_pipeline']:6.1f}  planner {t['planner']:6.1f}  "
                   f"x fp32 bytes/hop {cost.activation_bytes / slow:5.2f}  planner bytes "
                   f"{cmp.results['planner'].bytes_pipeline / 2 ** 30:6.2f} GiB")
+    out["codec_s_measured"] = codec_s
     return out
 
 

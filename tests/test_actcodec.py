@@ -7,8 +7,8 @@ import struct
 import pytest
 import torch
 
-from skiptrain.schedule.actcodec import (CODECS, decode, encode, encoded_bytes, pack_int4, quantize,
-                                         unpack_int4)
+from skiptrain.schedule.actcodec import (CODECS, decode, encode, encoded_bytes, measure_codec_s, pack_int4,
+                                         quantize, unpack_int4)
 
 
 def ref_encode(rows, codec):
@@ -96,3 +96,7 @@ def test_decode_rejects_a_wrong_length():
         decode(torch.zeros(10, dtype=torch.uint8), "int8", (2, 8))
     with pytest.raises(ValueError):
         encode(torch.zeros(2), "fp16")
+
+
+def test_measure_codec_s_is_a_positive_time():
+    assert 0 < measure_codec_s("int8", 16, 32, repeats=1) < 5

@@ -119,3 +119,20 @@ def decode(buf: torch.Tensor, codec: str, shape: tuple[int, ...]) -> torch.Tenso
     codes = buf[rows * SCALE_BYTES:].reshape(rows, -1)
     q = codes.view(torch.int8) if codec == "int8" else unpack_int4(codes, cols)
     return (q.to(torch.float32) * scale[:, None]).reshape(shape)
+
+
+def measure_codec_s(codec: str, rows: int, cols: int, repeats: int = 3) -> float:
+    """Seconds to encode and decode one ``rows x cols`` fp32 tensor on this machine (least of
+    ``repeats`` after one warm-up): a value for :attr:`CostModel.act_codec_s`."""
+    import time
+
+    import torch
+
+    x = torch.randn(rows, cols)
+    decode(encode(x, codec), codec, (rows, cols))
+    best = float("inf")
+    for _ in range(repeats):
+        t = time.perf_counter()
+        decode(encode(x, codec), codec, (rows, cols))
+        best = min(best, time.perf_counter() - t)
+    return best
