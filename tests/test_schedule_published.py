@@ -64,3 +64,29 @@ def test_random_skip_avoids_unusable_links_and_stays_balanced(seed):
     visits = s.node_visits()
     for stage in pl[1:]:
         assert max(visits[n] for n in stage) - min(visits[n] for n in stage) <= 1
+
+
+def test_published_methods_only_on_the_reference_topology():
+    from skiptrain.net.topology import random_topology
+    from skiptrain.schedule.compare import compare
+    from skiptrain.schedule.planner import PlanConfig
+    cfg = PlanConfig(n_stages=6, skip_ratio=0.33, memory=3, mb_per_originator=1, max_evals=10, constructions=1)
+    with pytest.raises(ValueError, match="geo12 with 20 nodes"):
+        compare(random_topology(20, seed=1), published_cost(), cfg, contention=False, dp_sync=False,
+                methods=("planner", "skippipe_published"))
+
+
+def test_cli_simulate_with_compressed_hops(tmp_path):
+    import json
+
+    from skiptrain.cli import main
+    out = {}
+    for codec in ("fp32", "int8"):
+        path = tmp_path / f"{codec}.json"
+        rc = main(["simulate", "--topology", "geo12", "--nodes", "8", "--stages", "3", "--skip", "0.0",
+                   "--micro-batches", "1", "--samples", "1", "--seq-len", "64", "--d-model", "64",
+                   "--max-evals", "10", "--simplified", "--methods", "full_pipeline,planner",
+                   "--act-codec", codec, "--json", str(path)])
+        assert rc == 0
+        out[codec] = json.loads(path.read_text())["methods"]["full_pipeline"]["bytes_pipeline"]
+    assert 3.5 * out["int8"] < out["fp32"]  # cross-region hops carry 64 + 4 bytes per row, not 256
