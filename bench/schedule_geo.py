@@ -1,23 +1,40 @@
-"""Bench: SkipPipe's scheduling experiment, planner vs. every baseline, in one run.
+"""Bench: SkipPipe's scheduling experiment, the planner vs. every baseline, at two compute costs.
 
-Reference setup (skippipe_reference.json): 20 nodes over geo12 in the reference order, 6 stages
-sized 5/3/3/3/3/3, m=3, 6 micro-batches of 8x1024 tokens per stage-0 node, d=1024 fp32,
-4 layers per stage, 0.055 s per sample per layer, hop overhead 0.35 s, k=33%, <=2 swaps.
-Simulated twice: the reference's simplified model (no link contention, no DP sync) and the
-full model (per-link FIFO contention + dense ring all-reduce per stage).  ``--seed-sweep N``
-re-plans the reference setup (simplified) with seeds 0..N-1 and reports the spread.  Then,
-unless ``--quick``: 64 nodes (8 stages, sizes by work) and the 18-node, k=25% sweep over
-4k/8k/16k tokens per micro-batch.  Planner times are printed as wall-clock and CPU seconds
-(the limits are for one core; on a shared machine wall-clock includes other jobs).  Prints tables; ``--json PATH`` writes
-``{"simplified": {method: iteration_s}, "full": {...}, "planner_s": ..., "sweeps": {...}}``;
-``--gantt PATH`` the planner's Gantt chart for the reference setup (full model).
+Reference setup (schedule/data/skippipe_reference.json): 20 nodes over geo12 in the reference
+order, 6 stages sized 5/3/3/3/3/3, m=3, 6 micro-batches per stage-0 node, d=1024 fp32, 4 layers
+per stage, hop = latency + 32 MiB / bandwidth + 0.35 s, k=33%, <= 2 swaps.  Two costs:
 
-    .venv/bin/python bench/schedule_geo.py --json runs/bench/schedule_geo.json
+* published cost: forward 0.44 s per stage (2 samples x 4096 tokens, 0.055 s per sample-layer),
+  the setting behind SkipPipe's published schedule.json and its 79.9 s / 33.3 s;
+* bench cost: forward 1.76 s per stage (8 samples x 1024 tokens), the reference description's
+  numbers: the same 32 MiB hops with 4x the compute per stage.
+
+Every method is simulated at both costs with the simplified model (no link contention, no DP
+sync; SkipPipe's simulator's model): the planner, the planner without collision awareness, the
+full pipeline on fixed lanes (30 micro-batches, the same global batch), SWARM-style greedy
+wiring, random skip routes on the planner's placement (mean over --random-seeds seeds), and
+SkipPipe's published schedules on their own placement: the collision-aware schedule (6
+micro-batches per originator), their paths without collision awareness, their random paths,
+and their 27-micro-batch lanes.  SkipPipe's own simulator times are printed beside them.
+
+--seed-sweep N re-plans the reference setup with seeds 0..N-1 at both costs.  Unless
+--quick: the full model (per-link FIFO contention + dense ring all-reduce per stage) at
+both costs; activation compression (int8 / int4 on links slower than 1 GB/s) at both costs,
+without and with the encode + decode time measured on this machine;
+unequal compute (5 random 20-node topologies, 6 regions, speeds 0.5-2); 64 nodes; and the
+18-node sweep over 4k/8k/16k tokens per micro-batch (bench cost).  Planner times are wall-clock
+and CPU seconds (the limit is 10 s for 20 nodes on one core; on a shared machine wall-clock
+includes other jobs).  --json PATH writes ``{"published_cost": {method: s}, "bench_cost": {...},
+"planner_s": ..., "targets": {...}, ...}``; --gantt PATH the planner's Gantt chart (reference
+setup, bench cost, full model).
+
+    .venv/bin/python bench/schedule_geo.py --quick --json runs/bench/schedule_geo.json
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import platform
 import sys
@@ -26,146 +43,218 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from skiptrain.net.topology import geo12  # noqa: E402
-from skiptrain.schedule.compare import compare, format_table  # noqa: E402
-from skiptrain.schedule.cost import CostModel, reference_cost  # noqa: E402
+from skiptrain.net.topology import geo12, random_topology  # noqa: E402
+from skiptrain.schedule.actcodec import measure_codec_s  # noqa: E402
+from skiptrain.schedule.compare import METHODS, PUBLISHED_METHODS, compare, format_table  # noqa: E402
+from skiptrain.schedule.cost import CostModel, published_cost, reference_cost  # noqa: E402
 from skiptrain.schedule.gantt import draw_gantt  # noqa: E402
 from skiptrain.schedule.planner import PlanConfig  # noqa: E402
+from skiptrain.schedule.published import published_times  # noqa: E402
 
-REFERENCE = {"full_pipeline": 79.94, "random_skip": 48.92, "planner_no_ca": 35.43, "planner": 33.31}
+COSTS = {"published_cost": published_cost, "bench_cost": reference_cost}
+REF_KW = dict(n_stages=6, stage_sizes=[5, 3, 3, 3, 3, 3], skip_ratio=0.33, max_swaps=2, memory=3,
+              mb_per_originator=6)
 PAPER_TOKENS = {4096: (30.0, 15.6), 8192: (45.8, 25.8), 16384: (92.0, 55.7)}
+#: (numerator, denominator, limit) per cost
+TARGETS = {"published_cost": [("planner", "skippipe_published", 0.82), ("planner", "full_pipeline", 0.40),
+                              ("planner_no_ca", "skippipe_published_no_ca", 1.0)],
+           "bench_cost": [("planner", "skippipe_published", 0.92), ("planner", "full_pipeline", 0.40),
+                          ("planner_no_ca", "skippipe_published_no_ca", 1.0)]}
 
 
-def run_pair(topo, cost, cfg_kw, record=False):
+def reference(seed: int, random_seeds: int, full_model: bool, record: bool = False) -> dict:
+    """Every method at both costs on the reference setup; the model flags say which model."""
+    topo = geo12(20)
     out = {}
-    for name, flag in (("simplified", False), ("full", True)):
-        cmp = compare(topo, cost, PlanConfig(**cfg_kw), contention=flag, dp_sync=flag, record=record and flag)
-        out[name] = cmp
+    for key, mk in COSTS.items():
+        cmp = compare(topo, mk(), PlanConfig(**REF_KW, seed=seed), contention=full_model, dp_sync=full_model,
+                      methods=METHODS + PUBLISHED_METHODS, random_seeds=random_seeds, record=record)
+        out[key] = cmp
+    return out
+
+
+def print_reference(ref: dict, title: str) -> dict:
+    times = {k: c.iteration_s() for k, c in ref.items()}
+    print(f"\n== {title}")
+    print(format_table(times))
+    skp = published_times()
+    print("SkipPipe's own simulator (published cost): " + ", ".join(f"{m} {v:.1f}" for m, v in skp.items()))
+    for k, c in ref.items():
+        rs = c.random_skip_s
+        meta = c.info["planner_meta"]
+        print(f"  {k}: random_skip over {len(rs)} seeds: mean {sum(rs) / len(rs):.1f}, "
+              f"min {min(rs):.1f}, max {max(rs):.1f}; planner {c.planner_s:.2f} s wall / "
+              f"{meta.get('planner_cpu_s', 0):.2f} s CPU")
+    return times
+
+
+def check_targets(times: dict) -> dict:
+    """Ratios against the targets, printed, as a dict ``{name: {ratio, limit, met}}``."""
+    out = {}
+    print("\n== figures (simplified model)")
+    for key, rows in TARGETS.items():
+        for num, den, lim in rows:
+            r = times[key][num] / times[key][den]
+            name = f"{key}: {num} / {den}"
+            out[name] = {"ratio": r, "limit": lim, "met": r <= lim}
+            print(f"  {name:<58} {r:6.3f}  (<= {lim:.2f}: {'met' if r <= lim else 'NOT met'})")
+        r = times[key]["planner"] / times[key]["skippipe_lanes"]
+        print(f"  {key + ': planner / skippipe_lanes (27 micro-batches)':<58} {r:6.3f}")
+        out[f"{key}: planner / skippipe_lanes"] = {"ratio": r}
+    return out
+
+
+def seed_sweep(n: int, times: dict) -> dict:
+    """The planner on the reference setup with seeds 0..n-1 (simplified model), both costs."""
+    out = {}
+    print(f"\n== seed sweep: the planner with seeds 0..{n - 1}, simplified model")
+    for key, mk in COSTS.items():
+        runs = [compare(geo12(20), mk(), PlanConfig(**REF_KW, seed=sd), contention=False, dp_sync=False,
+                        methods=("planner",)) for sd in range(n)]
+        v = [c.iteration_s()["planner"] for c in runs]
+        mean = sum(v) / n
+        sk, fp = times[key]["skippipe_published"], times[key]["full_pipeline"]
+        out[key] = {"planner": v, "mean": mean, "planner_s_max": max(c.planner_s for c in runs),
+                    "mean_x_skippipe_published": mean / sk, "mean_x_full_pipeline": mean / fp,
+                    "max_x_skippipe_published": max(v) / sk, "max_x_full_pipeline": max(v) / fp}
+        print(f"  {key:<15} " + " ".join(f"{x:.1f}" for x in v) + f"  mean {mean:.1f} (x skippipe_published "
+              f"{mean / sk:.3f}, x full_pipeline {mean / fp:.3f}); worst x {max(v) / sk:.3f} / {max(v) / fp:.3f}; "
+              f"planner time max {out[key]['planner_s_max']:.2f} s wall")
+    return out
+
+
+def compression(seed: int) -> dict:
+    """Planner and full pipeline with int8 / int4 on slow links (simplified model), without
+    encoding time and with the encode + decode time measured on this machine."""
+    topo = geo12(20)
+    out: dict = {}
+    ref = reference_cost()
+    rows = ref.samples * ref.tokens_per_sample
+    codec_s = {c: measure_codec_s(c, rows, ref.d_model) for c in ("int8", "int4")}
+    print("\n== activation compression on links slower than 1 GB/s (simplified model); encode + decode of "
+          "one 32 MiB hop on this machine: " + ", ".join(f"{c} {v:.3f} s" for c, v in codec_s.items()))
+    for key, mk in COSTS.items():
+        out[key] = {}
+        for codec, cs in (("fp32", 0.0), ("int8", 0.0), ("int8", codec_s["int8"]), ("int4", 0.0),
+                          ("int4", codec_s["int4"])):
+            cost = dataclasses.replace(mk(), act_codec=codec, act_codec_s=cs)
+            cmp = compare(topo, cost, PlanConfig(**REF_KW, seed=seed), contention=False, dp_sync=False,
+                          methods=("full_pipeline", "planner"))
+            t = cmp.iteration_s()
+            slow = cost.hop_bytes(topo, 0, 1)
+            name = codec if codec == "fp32" else f"{codec}, codec {cs:.2f} s"
+            out[key][name] = {**t, "act_codec_s": cs, "hop_bytes_slow_link": slow,
+                              "planner_bytes_on_wire": cmp.results["planner"].bytes_pipeline}
+            print(f"  {key:<15} {name:<20} full_pipeline {t['full_pipeline']:6.1f}  planner {t['planner']:6.1f}  "
+                  f"x fp32 bytes/hop {cost.activation_bytes / slow:5.2f}  planner bytes "
+                  f"{cmp.results['planner'].bytes_pipeline / 2 ** 30:6.2f} GiB")
+    out["codec_s_measured"] = codec_s
+    return out
+
+
+def unequal_speeds(seed: int, n_topos: int = 5) -> list:
+    """Planner vs. full pipeline on random topologies with unequal node speeds."""
+    rows = []
+    print(f"\n== unequal compute: {n_topos} random topologies, 20 nodes, 6 regions, speeds 0.5-2 (simplified model)")
+    for key, mk in COSTS.items():
+        for ts in range(n_topos):
+            topo = random_topology(20, seed=ts, n_regions=6)
+            cfg = PlanConfig(n_stages=6, skip_ratio=0.33, max_swaps=2, memory=3, mb_per_originator=6, seed=seed)
+            t = compare(topo, mk(), cfg, contention=False, dp_sync=False,
+                        methods=("full_pipeline", "planner_no_ca", "planner")).iteration_s()
+            sp = [nd.speed for nd in topo.nodes]
+            r = t["planner"] / t["full_pipeline"]
+            rows.append({"cost": key, "topology": topo.name, "speeds": [min(sp), max(sp)], **t, "ratio": r})
+            print(f"  {key:<15} {topo.name:<10} speeds {min(sp):.2f}-{max(sp):.2f}  full_pipeline "
+                  f"{t['full_pipeline']:6.1f}  planner_no_ca {t['planner_no_ca']:6.1f}  planner {t['planner']:6.1f}"
+                  f"  planner/full {r:.3f} (<= 0.65: {'met' if r <= 0.65 else 'NOT met'})")
+    return rows
+
+
+def sweeps(seed: int) -> dict:
+    """64 nodes and the 18-node tokens sweep (bench cost family), simplified and full model."""
+    out: dict = {}
+    cost64 = CostModel(d_model=1024, tokens_per_sample=1024, samples=8, layers_per_stage=[3] * 8,
+                       s_per_sample_per_layer=0.055, hop_overhead_s=0.35)
+    kw64 = dict(n_stages=8, skip_ratio=0.33, max_swaps=2, memory=3, mb_per_originator=6, seed=seed)
+    r64 = {m: compare(geo12(64), cost64, PlanConfig(**kw64), contention=f, dp_sync=f)
+           for m, f in (("simplified", False), ("full", True))}
+    print(f"\n== 64 nodes over geo12, 8 stages x 3 layers (sizes {r64['full'].info['stage_sizes']}), "
+          f"{r64['full'].info['micro_batches']} micro-batches of 8x1024 tokens, k=33%, m=3")
+    print(format_table({m: r.iteration_s() for m, r in r64.items()}))
+    print("  planner time: " + ", ".join(f"{m} {r.planner_s:.2f} s wall / "
+                                         f"{r.info['planner_meta'].get('planner_cpu_s', 0):.2f} s CPU"
+                                         for m, r in r64.items()) + " (limit 60 s)")
+    out["nodes64"] = {m: r.iteration_s() for m, r in r64.items()}
+    out["nodes64"]["planner_s"] = {m: r.planner_s for m, r in r64.items()}
+    tok = {}
+    print("\n== 18 nodes over geo12, k=25%, m=3, 6 micro-batches per stage-0 node; tokens per micro-batch")
+    print(f"{'tokens':<8}{'model':<12}{'full_pipe':>11}{'random':>9}{'swarm_skip':>11}{'planner':>9}{'pl/full':>9}"
+          f"{'paper':>14}")
+    for tokens in (4096, 8192, 16384):
+        kw18 = dict(n_stages=6, skip_ratio=0.25, max_swaps=2, memory=3, mb_per_originator=6, seed=seed)
+        tok[tokens] = {}
+        for model, f in (("simplified", False), ("full", True)):
+            d = compare(geo12(18), reference_cost(tokens), PlanConfig(**kw18), contention=f, dp_sync=f,
+                        methods=("full_pipeline", "random_skip", "swarm_skip", "planner")).iteration_s()
+            tok[tokens][model] = d
+            pf, ps = PAPER_TOKENS[tokens]
+            paper = f"{pf}->{ps}" if model == "simplified" else ""
+            print(f"{tokens // 1024}k{'':<6}{model:<12}{d['full_pipeline']:>11.1f}{d['random_skip']:>9.1f}"
+                  f"{d['swarm_skip']:>11.1f}{d['planner']:>9.1f}{d['planner'] / d['full_pipeline']:>9.3f}{paper:>14}")
+    out["tokens18"] = {str(k): v for k, v in tok.items()}
     return out
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--json", default=None)
-    ap.add_argument("--quick", action="store_true", help="reference setup only (about a minute)")
-    ap.add_argument("--gantt", default=None, help="PNG of the planner's timeline (reference setup, full model)")
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--json", default=None, help="write the results here")
+    ap.add_argument("--quick", action="store_true", help="reference setup, simplified model, both costs only")
+    ap.add_argument("--gantt", default=None, help="PNG of the planner's timeline (bench cost, full model)")
+    ap.add_argument("--seed", type=int, default=0, help="planner seed")
+    ap.add_argument("--random-seeds", type=int, default=10, help="seeds of the random skip baseline")
     ap.add_argument("--seed-sweep", type=int, default=0, metavar="N",
-                    help="also plan the reference setup (simplified model) with seeds 0..N-1 and report "
-                         "the spread of planner/full_pipeline (the search is a local search: results vary by seed)")
+                    help="also plan the reference setup with seeds 0..N-1 (simplified model, both costs): "
+                         "the search is a local search, results vary by seed")
     args = ap.parse_args(argv)
     t_all = time.perf_counter()
     print(f"machine: {platform.machine()} {platform.python_version()}, one process")
-
-    # ---- reference setup
-    topo = geo12(20)
-    cost = reference_cost(8 * 1024)
-    kw = dict(n_stages=6, stage_sizes=[5, 3, 3, 3, 3, 3], skip_ratio=0.33, max_swaps=2, memory=3,
-              mb_per_originator=6, seed=args.seed)
-    ref = run_pair(topo, cost, kw, record=args.gantt is not None)
-    simp, full = ref["simplified"].iteration_s(), ref["full"].iteration_s()
-    print("\n== reference setup: geo12, 20 nodes, 5/3/3/3/3/3, m=3, 30 micro-batches of 8x1024 tokens, k=33%")
-    print(format_table({"simplified_s": simp, "full_s": full}))
-    print(f"{'reference (paper sim)':<22}" + "".join(f"  {m}={v}" for m, v in REFERENCE.items()))
-    r = {"planner/full_pipeline (simplified)": simp["planner"] / simp["full_pipeline"],
-         "planner/random_skip (simplified)": simp["planner"] / simp["random_skip"],
-         "planner/full_pipeline (full)": full["planner"] / full["full_pipeline"],
-         "planner/random_skip (full)": full["planner"] / full["random_skip"],
-         "reference skippipe/full": REFERENCE["planner"] / REFERENCE["full_pipeline"],
-         "reference skippipe/random": REFERENCE["planner"] / REFERENCE["random_skip"]}
-    for k, v in r.items():
-        print(f"  {k:<40} {v:.3f}")
-    planner_s = {"simplified": ref["simplified"].planner_s, "full": ref["full"].planner_s}
-    planner_cpu = {m: ref[m].info["planner_meta"].get("planner_cpu_s") for m in ("simplified", "full")}
-    print(f"  planner time (20 nodes): simplified {planner_s['simplified']:.2f} s wall / "
-          f"{planner_cpu['simplified']:.2f} s CPU, full {planner_s['full']:.2f} s wall / {planner_cpu['full']:.2f} s CPU"
-          f" (limit 10 s on one core)")
-    full_sync = {m: res.sync_s for m, res in ref["full"].results.items()}
-    out = {"simplified": simp, "full": full, "planner_s": max(planner_s.values()),
-           "planner_s_by_model": planner_s, "planner_cpu_s_by_model": planner_cpu,
-           "planner_meta": {m: ref[m].info["planner_meta"] for m in ("simplified", "full")},
-           "ratios": r, "reference_paper_s": REFERENCE,
-           "bytes_on_wire_full": {m: res.bytes_on_wire for m, res in ref["full"].results.items()},
-           "pipeline_s_full": {m: res.pipeline_s for m, res in ref["full"].results.items()},
-           "sync_span_full_planner": full_sync["planner"], "sweeps": {}}
-    if args.gantt:
-        res = ref["full"].results["planner"]
-        labels = {n: f"{n} {topo.nodes[n].location} s{s}"
-                  for s, p in enumerate(ref["full"].schedules["planner"].placement) for n in p}
-        draw_gantt(res.timeline, args.gantt, node_labels=labels,
-                   title=f"planner, geo12 20 nodes, full model: {res.iteration_s:.1f} s/iteration")
-        print(f"wrote {args.gantt}")
-
+    ref = reference(args.seed, args.random_seeds, full_model=False)
+    times = print_reference(ref, "reference setup: geo12, 20 nodes, 5/3/3/3/3/3, m=3, k=33%, simplified model "
+                                 "(no contention, no DP sync)")
+    out = {**times, "random_skip_by_seed": {k: c.random_skip_s for k, c in ref.items()},
+           "planner_s": max(c.planner_s for c in ref.values()),
+           "planner_cpu_s": max(c.info["planner_meta"].get("planner_cpu_s", 0.0) for c in ref.values()),
+           "skippipe_own_simulator_published_cost": published_times()}
+    out["targets"] = check_targets(times)
+    lim = out["planner_s"] <= 10.0
+    print(f"  planner time, 20 nodes: {out['planner_s']:.2f} s wall / {out['planner_cpu_s']:.2f} s CPU "
+          f"(<= 10 s: {'met' if lim else 'NOT met'})")
+    out["targets"]["planner_s"] = {"seconds": out["planner_s"], "limit": 10.0, "met": lim}
     if args.seed_sweep:
-        # ---- the same reference problem planned with other seeds (simplified model)
-        sweep = {}
-        full_pipe = simp["full_pipeline"]
-        for sd in range(args.seed_sweep):
-            c = compare(topo, cost, PlanConfig(**{**kw, "seed": sd}), contention=False, dp_sync=False,
-                        methods=("planner",))
-            sweep[sd] = {"planner": c.iteration_s()["planner"], "planner_s": c.planner_s,
-                         "planner_cpu_s": c.info["planner_meta"].get("planner_cpu_s")}
-        ratios = sorted(v["planner"] / full_pipe for v in sweep.values())
-        met = sum(x <= 0.42 for x in ratios)
-        print(f"\n== seed sweep, reference setup, simplified model, seeds 0..{args.seed_sweep - 1} "
-              f"(full pipeline {full_pipe:.1f} s)")
-        print("  planner s: " + " ".join(f"{sweep[sd]['planner']:.1f}" for sd in sorted(sweep)))
-        print(f"  planner/full_pipeline: min {ratios[0]:.3f}, median {ratios[len(ratios) // 2]:.3f}, "
-              f"mean {sum(ratios) / len(ratios):.3f}, max {ratios[-1]:.3f}; <= 0.42 for {met} of {len(ratios)} seeds")
-        print(f"  planner time: max {max(v['planner_s'] for v in sweep.values()):.2f} s wall, "
-              f"{max(v['planner_cpu_s'] for v in sweep.values()):.2f} s CPU")
-        out["seed_sweep"] = {"full_pipeline": full_pipe, "by_seed": sweep,
-                             "ratio_min": ratios[0], "ratio_mean": sum(ratios) / len(ratios),
-                             "ratio_max": ratios[-1], "met": met}
-
+        out["seed_sweep"] = seed_sweep(args.seed_sweep, times)
     if not args.quick:
-        # ---- 64 nodes
-        topo64 = geo12(64)
-        cost64 = CostModel(d_model=1024, tokens_per_sample=1024, samples=8, layers_per_stage=[3] * 8,
-                           s_per_sample_per_layer=0.055, hop_overhead_s=0.35)
-        kw64 = dict(n_stages=8, skip_ratio=0.33, max_swaps=2, memory=3, mb_per_originator=6, seed=args.seed)
-        r64 = run_pair(topo64, cost64, kw64)
-        print(f"\n== 64 nodes over geo12, 8 stages x 3 layers (sizes {r64['full'].info['stage_sizes']}), "
-              f"{r64['full'].info['micro_batches']} micro-batches of 8x1024 tokens, k=33%, m=3")
-        print(format_table({"simplified_s": r64["simplified"].iteration_s(), "full_s": r64["full"].iteration_s()}))
-        p64 = {"simplified": r64["simplified"].planner_s, "full": r64["full"].planner_s}
-        c64 = {m: r64[m].info["planner_meta"].get("planner_cpu_s") for m in ("simplified", "full")}
-        print(f"  planner time (64 nodes): simplified {p64['simplified']:.2f} s wall / {c64['simplified']:.2f} s CPU, "
-              f"full {p64['full']:.2f} s wall / {c64['full']:.2f} s CPU (limit 60 s on one core)")
-        out["sweeps"]["nodes64"] = {"simplified": r64["simplified"].iteration_s(), "full": r64["full"].iteration_s(),
-                                    "planner_s": p64, "planner_cpu_s": c64,
-                                    "stage_sizes": r64["full"].info["stage_sizes"]}
-        # ---- tokens per micro-batch, 18 nodes, k=25%
-        topo18 = geo12(18)
-        rows_s, rows_f, tok = {}, {}, {}
-        for tokens in (4096, 8192, 16384):
-            c = reference_cost(tokens)
-            kw18 = dict(n_stages=6, skip_ratio=0.25, max_swaps=2, memory=3, mb_per_originator=6, seed=args.seed)
-            rr = run_pair(topo18, c, kw18)
-            s_, f_ = rr["simplified"].iteration_s(), rr["full"].iteration_s()
-            tok[tokens] = {"simplified": s_, "full": f_, "planner_s": rr["full"].planner_s,
-                           "planner_cpu_s": rr["full"].info["planner_meta"].get("planner_cpu_s"),
-                           "stage_sizes": rr["full"].info["stage_sizes"], "paper_full_vs_skippipe": PAPER_TOKENS[tokens]}
-            rows_s[f"{tokens // 1024}k"] = s_
-            rows_f[f"{tokens // 1024}k"] = f_
-        print(f"\n== 18 nodes over geo12, 6 stages (sizes {tok[4096]['stage_sizes']}), k=25%, m=3, 6 micro-batches "
-              "per stage-0 node; tokens per micro-batch sweep")
-        head = f"{'tokens':<8}{'model':<12}{'full_pipe':>11}{'random':>9}{'swarm_skip':>11}{'planner':>9}{'pl/full':>9}{'paper':>14}"
-        print(head)
-        print("-" * len(head))
-        for tokens in (4096, 8192, 16384):
-            for model in ("simplified", "full"):
-                d = tok[tokens][model]
-                pf, ps = PAPER_TOKENS[tokens]
-                paper = f"{pf}->{ps}" if model == "simplified" else ""
-                print(f"{tokens // 1024}k{'':<6}{model:<12}{d['full_pipeline']:>11.1f}{d['random_skip']:>9.1f}"
-                      f"{d['swarm_skip']:>11.1f}{d['planner']:>9.1f}{d['planner'] / d['full_pipeline']:>9.3f}{paper:>14}")
-        out["sweeps"]["tokens18"] = {str(k): v for k, v in tok.items()}
+        full = reference(args.seed, args.random_seeds, full_model=True, record=args.gantt is not None)
+        out["full_model"] = print_reference(full, "reference setup, full model (link contention + dense DP sync)")
+        out["compression"] = compression(args.seed)
+        out["unequal_speeds"] = unequal_speeds(args.seed)
+        out["targets"]["unequal_speeds"] = {"max_ratio": max(r["ratio"] for r in out["unequal_speeds"]),
+                                            "limit": 0.65,
+                                            "met": all(r["ratio"] <= 0.65 for r in out["unequal_speeds"])}
+        out["sweeps"] = sweeps(args.seed)
+        if args.gantt:
+            res = full["bench_cost"].results["planner"]
+            pl = full["bench_cost"].schedules["planner"].placement
+            topo = geo12(20)
+            labels = {n: f"{n} {topo.nodes[n].location} s{s}" for s, p in enumerate(pl) for n in p}
+            draw_gantt(res.timeline, args.gantt, node_labels=labels,
+                       title=f"planner, geo12 20 nodes, bench cost, full model: {res.iteration_s:.1f} s/iteration")
+            print(f"wrote {args.gantt}")
     out["bench_s"] = time.perf_counter() - t_all
     print(f"\nbench time {out['bench_s']:.1f} s")
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(out, indent=1))
+        Path(args.json).write_text(json.dumps(out, indent=1, default=str))
         print(f"wrote {args.json}")
     return 0
 

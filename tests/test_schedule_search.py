@@ -13,7 +13,7 @@ from skiptrain.net.topology import geo12, random_topology
 from skiptrain.schedule.baselines import random_skip
 from skiptrain.schedule.cost import CostModel, reference_cost
 from skiptrain.schedule.placement import place, stage_sizes
-from skiptrain.schedule.planner import (PlanConfig, _cheapest_replicas, _Ctx, construct_routes,
+from skiptrain.schedule.planner import (PlanConfig, cheapest_replicas, RouteContext, construct_routes,
                                         default_time_limit, improve_routes, plan)
 from skiptrain.schedule.routes import check_route, visits_per_route
 from skiptrain.schedule.schedule import SKIP_CLAIMS
@@ -40,7 +40,7 @@ def test_cheapest_replicas_is_the_brute_force_minimum(seed, order):
     pl = [nodes[0:2], nodes[2:5], nodes[5:8], nodes[8:12]]
     H = hop_matrix(topo, cost)
     o = pl[0][0]
-    got = _cheapest_replicas(H, pl, o, order)
+    got = cheapest_replicas(H, pl, o, order)
     costs = [c for c, _ in got]
     assert costs == sorted(costs)
     for c, path in got:
@@ -50,6 +50,12 @@ def test_cheapest_replicas_is_the_brute_force_minimum(seed, order):
     brute = min(sum(H[a][b] + H[b][a] for a, b in zip([o, *p, o], [*p, o]))
                 for p in itertools.product(*(pl[s] for s in order)))
     assert math.isclose(costs[0], brute)
+    # with each replica's compute counted (unequal speeds)
+    node_s = [rng.uniform(0.0, 3.0) for _ in range(12)]
+    got_s = cheapest_replicas(H, pl, o, order, node_s)
+    brute_s = min(sum(H[a][b] + H[b][a] for a, b in zip([o, *p, o], [*p, o])) + sum(node_s[n] for n in p)
+                  for p in itertools.product(*(pl[s] for s in order)))
+    assert math.isclose(got_s[0][0], brute_s)
 
 
 @settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -66,7 +72,7 @@ def test_local_search_keeps_every_constraint_and_the_exact_balance(seed, S, k, s
     rng = random.Random(seed)
     if start:
         from skiptrain.schedule.schedule import Schedule
-        mbs = construct_routes(_Ctx(topo, cost, pl), pl[0], 2, S, visits_per_route(k, S), swaps, memory, rng)
+        mbs = construct_routes(RouteContext(topo, cost, pl), pl[0], 2, S, visits_per_route(k, S), swaps, memory, rng)
         sched = Schedule(placement=pl, micro_batches=mbs, memory=memory, skip_ratio=k, max_swaps=swaps)
     else:
         sched = random_skip(topo, cost, pl, 2, k, memory, seed)

@@ -113,3 +113,29 @@ def test_timeline_roundtrip_and_no_overlap():
     assert back == r.timeline
     assert sum(r.node_busy_s.values()) == pytest.approx(
         sum(e.end - e.start for e in r.timeline if e.kind in ("fwd", "bwd", "loss")))
+
+
+def test_compressed_hops_only_on_slow_links():
+    # nodes 0-1 on a fast link (2 GiB/s), 1-2 and 0-2 slow (0.1 GiB/s); d=64, 8 rows per message
+    GiB = 2.0 ** 30
+    bw = np.array([[1, 2, 0.1], [2, 1, 0.1], [0.1, 0.1, 1]]) * GiB
+    t = Topology([Node(i, f"n{i}") for i in range(3)], np.zeros((3, 3)), bw)
+    base = dict(d_model=64, tokens_per_sample=4, samples=2, layers_per_stage=[1, 1, 1],
+                s_per_sample_per_layer=0.5, hop_overhead_s=0.0, dp_mode="none")
+    plain = CostModel(**base)
+    c8 = CostModel(**base, act_codec="int8", act_codec_s=0.25)
+    c4 = CostModel(**base, act_codec="int4")
+    assert c8.hop_codec(t, 0, 1) == "fp32" and c8.hop_codec(t, 1, 2) == "int8"
+    assert c8.hop_bytes(t, 0, 1) == plain.activation_bytes == 8 * 64 * 4
+    assert c8.hop_bytes(t, 1, 2) == 8 * (64 + 4) and c4.hop_bytes(t, 1, 2) == 8 * (32 + 4)
+    assert c8.hop_s(t, 1, 2) == pytest.approx(8 * 68 / (0.1 * GiB) + 0.25)
+    s = Schedule([[0], [1], [2]], [MicroBatch(0, 0, [(1, 1), (2, 2)])], memory=1)
+    r0 = simulate(s, t, plain)
+    r8 = simulate(s, t, c8)
+    # hops 0->1 (fast), 1->2 (slow), 2->0 (slow), and back: 2 fast + 4 slow messages
+    assert r0.bytes_pipeline == 6 * 2048
+    assert r8.bytes_pipeline == 2 * 2048 + 4 * 8 * 68
+    comp = 1.0 * 3 + 0.25 * 1.0 + 1.5 * 3
+    wire8 = 2 * 2048 / (2 * GiB) + 4 * (8 * 68 / (0.1 * GiB) + 0.25)
+    assert r8.iteration_s == pytest.approx(comp + wire8)
+    assert {e.bytes for e in r8.timeline if e.kind == "send"} == {2048, 8 * 68}

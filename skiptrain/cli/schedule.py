@@ -12,6 +12,7 @@ import json
 from pathlib import Path
 
 from ..net.topology import load_topology
+from ..schedule.actcodec import CODECS
 from ..schedule.compare import METHODS, compare, format_table
 from ..schedule.cost import DP_MODES, CostModel
 from ..schedule.gantt import draw_gantt
@@ -46,6 +47,9 @@ def register(subparsers) -> None:
     p.add_argument("--hop-overhead", type=float, default=0.35, help="fixed seconds per message")
     p.add_argument("--dp", choices=DP_MODES, default="dense", help="data-parallel sync model")
     p.add_argument("--dp-payload-mb", type=float, default=0.0, help="compressed sync payload per replica (MiB)")
+    p.add_argument("--act-codec", choices=CODECS, default="fp32",
+                   help="activation/gradient encoding on links slower than --act-fast-gbps")
+    p.add_argument("--act-fast-gbps", type=float, default=1.0, help="links at least this fast (GB/s) carry fp32")
     p.add_argument("--simplified", action="store_true", help="reference model: no link contention, no DP sync")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--max-evals", type=int, default=None, help="planner local-search simulations")
@@ -64,7 +68,8 @@ def run(args: argparse.Namespace) -> int:
     cost = CostModel(d_model=args.d_model, tokens_per_sample=args.seq_len, samples=args.samples,
                      dtype_bytes=args.dtype_bytes, layers_per_stage=[args.layers_per_stage] * args.stages,
                      s_per_sample_per_layer=args.s_per_sample_layer, hop_overhead_s=args.hop_overhead,
-                     dp_mode=args.dp, compressed_payload_bytes=int(args.dp_payload_mb * 2 ** 20))
+                     dp_mode=args.dp, compressed_payload_bytes=int(args.dp_payload_mb * 2 ** 20),
+                     act_codec=args.act_codec, act_fast_GBps=args.act_fast_gbps)
     methods = tuple(m.strip() for m in args.methods.split(",") if m.strip())
     bad = [m for m in methods if m not in METHODS]
     if bad or "planner" not in methods:

@@ -4,7 +4,10 @@
   the ``i``-th node of every stage; the global batch is split evenly over the lanes; ``order``
   ``"1f1b"`` or ``"gpipe"`` sets the task priority on nodes.
 * :func:`random_skip` -- balanced random stage sets (ascending), replicas drawn at random with an
-  equal share of visits per replica: every route constraint kept, the network ignored.
+  equal share of visits per replica: every route constraint kept, the network ignored except
+  that no hop uses an unusable link (slower than :meth:`CostModel.usable_hop_s`, e.g. geo12's
+  NL-London link at 0.00024 GB/s: 132 s per hop), like SkipPipe's DT-FM-skip baseline.  One
+  seed is one draw; compare reports the mean over several.
 * :func:`swarm_greedy` -- SWARM-style wiring: micro-batches in injection order, each hop to the
   replica with the earliest expected finish (expected arrival vs. the replica's queue), with
   balanced random stage sets (``skip=True``) or the full pipeline (``skip=False``).
@@ -56,9 +59,42 @@ def _spread(reps: Sequence[int], count: int, rng: random.Random) -> list[int]:
     return out
 
 
+def slow_hops(topo: Topology, cost: CostModel, originator: int, route: Sequence[tuple[int, int]],
+              limit_s: float) -> int:
+    """Hops of one micro-batch's round trip (either direction) slower than ``limit_s``."""
+    path = [originator, *(n for _, n in route), originator]
+    return sum(max(cost.hop_s(topo, a, b), cost.hop_s(topo, b, a)) > limit_s for a, b in zip(path, path[1:]))
+
+
+def _avoid_slow_hops(topo: Topology, cost: CostModel, origins: Sequence[int], routes: list[list[tuple[int, int]]],
+                     limit_s: float, rng: random.Random) -> None:
+    """Trade replicas of a shared stage between random micro-batches until no hop is slower
+    than ``limit_s`` (or the tries run out); per-replica visit counts do not change."""
+    M = len(routes)
+    bad = lambda j: slow_hops(topo, cost, origins[j], routes[j], limit_s)  # noqa: E731
+    for _ in range(200 * M):
+        worst = [j for j in range(M) if bad(j)]
+        if not worst:
+            return
+        j = rng.choice(worst)
+        s, _ = routes[j][rng.randrange(len(routes[j]))]
+        others = [k for k in range(M) if k != j and any(x == s for x, _ in routes[k])]
+        if not others:
+            continue
+        k = rng.choice(others)
+        before = bad(j) + bad(k)
+        nj, nk = dict(routes[j])[s], dict(routes[k])[s]
+        old = routes[j], routes[k]
+        routes[j] = [(x, nk if x == s else n) for x, n in routes[j]]
+        routes[k] = [(x, nj if x == s else n) for x, n in routes[k]]
+        if bad(j) + bad(k) > before:
+            routes[j], routes[k] = old
+
+
 def random_skip(topo: Topology, cost: CostModel, placement: list[list[int]], mb_per_originator: int,
-                skip_ratio: float, memory: int, seed: int = 0) -> Schedule:
-    """Constraint-keeping random routes that ignore the network (see module doc)."""
+                skip_ratio: float, memory: int, seed: int = 0, max_hop_s: float | None = None) -> Schedule:
+    """Constraint-keeping random routes that avoid unusable links (see module doc);
+    ``max_hop_s`` defaults to :meth:`CostModel.usable_hop_s` (``math.inf``: the network ignored)."""
     rng = random.Random(seed)
     S = len(placement)
     origs = placement[0]
@@ -66,12 +102,14 @@ def random_skip(topo: Topology, cost: CostModel, placement: list[list[int]], mb_
     stage_sets = balanced_routes(S, skip_ratio, M, rng, max_swaps=0)
     need = {s: sum(s in r for r in stage_sets) for s in range(1, S)}
     pools = {s: _spread(placement[s], need[s], rng) for s in range(1, S)}
-    mbs = []
-    for j, r in enumerate(stage_sets):
-        o = origs[j % len(origs)]
-        mbs.append(MicroBatch(j, o, [(s, pools[s].pop()) for s in r], 0.0))
+    origins = [origs[j % len(origs)] for j in range(M)]
+    routes = [[(s, pools[s].pop()) for s in r] for r in stage_sets]
+    limit = cost.usable_hop_s(topo) if max_hop_s is None else max_hop_s
+    if math.isfinite(limit):
+        _avoid_slow_hops(topo, cost, origins, routes, limit, rng)
+    mbs = [MicroBatch(j, o, r, 0.0) for j, (o, r) in enumerate(zip(origins, routes))]
     return Schedule(placement=[list(p) for p in placement], micro_batches=mbs, memory=memory,
-                    skip_ratio=skip_ratio, max_swaps=0, method="random_skip")
+                    skip_ratio=skip_ratio, max_swaps=0, method="random_skip", meta={"max_hop_s": limit})
 
 
 def swarm_greedy(topo: Topology, cost: CostModel, placement: list[list[int]], mb_per_originator: int,

@@ -12,14 +12,22 @@ Semantics (the simulator, the planner and the benches all use these and only the
 * A hop from ``a`` to ``b`` costs ``latency + bytes / bandwidth + hop_overhead_s``; the fixed
   overhead (host/device copies, serialisation: 0.35 s in SkipPipe's setup) is paid per message.
   Only ``bytes / bandwidth`` occupies the link (that is what queues under contention).
+* Activation compression: on links slower than ``act_fast_GBps`` the hop carries
+  ``act_codec`` (``"int8"`` or ``"int4"`` with one fp32 scale per row of ``d_model`` values,
+  :mod:`skiptrain.schedule.actcodec`) instead of fp32, forward and backward alike, and pays
+  ``act_codec_s`` per message for encoding and decoding; faster links stay fp32
+  (:meth:`CostModel.hop_bytes`, :meth:`CostModel.hop_codec`).
 * Data-parallel sync of stage ``s`` after the last backward: ``dp_mode="dense"`` is a ring
   all-reduce of ``params(s) * grad_dtype_bytes`` bytes over the stage's replicas
   (``2 (n-1)`` steps of ``bytes / n`` per ring link); ``"compressed"`` is a ring all-gather of a
   ``compressed_payload_bytes`` payload per replica (``n - 1`` steps, e.g. DeMo); ``"none"``
   skips it.  Sync messages pay latency + bytes / bandwidth, no per-hop overhead.
 
-:func:`reference_cost` is SkipPipe's 20-node setup (hop = latency + 32 MiB / bw + 0.35 s,
-forward 1.76 s per stage); :func:`from_model_config` derives layers and parameters from
+:func:`reference_cost` is SkipPipe's 20-node setup as its reference description states it
+(hop = latency + 32 MiB / bw + 0.35 s, forward 1.76 s per stage: 8 samples of 1024 tokens);
+:func:`published_cost` is the setting behind SkipPipe's published schedule and times (same
+32 MiB hops, forward 0.44 s per stage: 2 samples of 4096 tokens, 4x less compute per hop);
+:func:`from_model_config` derives layers and parameters from
 :class:`skiptrain.config.ModelConfig`; :func:`profile_s_per_sample_per_layer` measures the
 per-layer cost on this machine.
 """
@@ -27,14 +35,18 @@ per-layer cost on this machine.
 from __future__ import annotations
 
 import itertools
+import math
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Any, Sequence
 
 from ..errors import UserError
 from ..net.topology import Topology
+from .actcodec import CODECS, encoded_bytes
 
 DP_MODES = ("dense", "compressed", "none")
+#: a link whose hop takes more than this many times the median hop is unusable for routes
+USABLE_HOP_FACTOR = 10.0
 
 
 class CostError(UserError, ValueError):
@@ -63,10 +75,18 @@ class CostModel:
     grad_dtype_bytes: int = 4
     dp_mode: str = "dense"
     compressed_payload_bytes: int = 0
+    act_codec: str = "fp32"         # encoding of activations/gradients on slow links
+    act_fast_GBps: float = 1.0      # links at least this fast (GB = 2^30 B/s) always carry fp32
+    act_codec_s: float = 0.0        # encode + decode seconds per compressed message
 
     def __post_init__(self) -> None:
         if self.dp_mode not in DP_MODES:
             raise CostError(f"dp_mode {self.dp_mode!r} is not one of {DP_MODES}")
+        if self.act_codec not in CODECS:
+            raise CostError(f"act_codec {self.act_codec!r} is not one of {CODECS}")
+        if self.act_codec_s < 0 or not self.act_fast_GBps >= 0:
+            raise CostError("act_codec_s and act_fast_GBps must be >= 0")
+        self._hop_tables: dict[tuple, tuple[Topology, list[list[int]], list[list[float]]]] = {}
         for name in ("d_model", "tokens_per_sample", "samples", "dtype_bytes"):
             if getattr(self, name) < 1:
                 raise CostError(f"cost model {name} must be >= 1")
@@ -96,9 +116,52 @@ class CostModel:
     def loss_s(self, speed: float = 1.0) -> float:
         return self.loss_factor * self.fwd_s(0, speed)
 
+    def hop_codec(self, topo: Topology, a: int, b: int) -> str:
+        """Encoding of messages ``a -> b``: ``act_codec`` on links slower than ``act_fast_GBps``,
+        fp32 (uncompressed) on the others."""
+        if self.act_codec == "fp32" or topo.bandwidth_Bps[a][b] >= self.act_fast_GBps * 2 ** 30:
+            return "fp32"
+        return self.act_codec
+
+    def hop_bytes(self, topo: Topology, a: int, b: int) -> int:
+        """Bytes of one activation (or gradient) message ``a -> b`` as encoded on that link
+        (:func:`skiptrain.schedule.actcodec.encoded_bytes`; fp32 is ``activation_bytes``)."""
+        codec = self.hop_codec(topo, a, b)
+        if codec == "fp32":
+            return self.activation_bytes
+        return encoded_bytes(codec, self.samples * self.tokens_per_sample, self.d_model)
+
     def hop_s(self, topo: Topology, a: int, b: int) -> float:
-        """Uncontended time of one activation (or gradient) message ``a -> b``."""
-        return topo.transfer_s(a, b, self.activation_bytes) + self.hop_overhead_s
+        """Uncontended time of one activation (or gradient) message ``a -> b``: latency, the
+        encoded bytes over the bandwidth, the per-message overhead and, when compressed,
+        ``act_codec_s``."""
+        extra = self.act_codec_s if self.hop_codec(topo, a, b) != "fp32" else 0.0
+        return topo.transfer_s(a, b, self.hop_bytes(topo, a, b)) + self.hop_overhead_s + extra
+
+    def hop_table(self, topo: Topology) -> tuple[list[list[int]], list[list[float]]]:
+        """Per directed link: (message bytes, fixed seconds = overhead + codec time), cached per
+        topology object and hop settings (the simulator reads it on every call)."""
+        key = (id(topo), self.activation_bytes, self.samples * self.tokens_per_sample, self.d_model,
+               self.act_codec, self.act_fast_GBps, self.act_codec_s, self.hop_overhead_s)
+        hit = self._hop_tables.get(key)
+        if hit is not None and hit[0] is topo:
+            return hit[1], hit[2]
+        n = topo.n
+        nbytes = [[self.hop_bytes(topo, a, b) if a != b else 0 for b in range(n)] for a in range(n)]
+        fixed = [[self.hop_overhead_s + (self.act_codec_s if a != b and self.hop_codec(topo, a, b) != "fp32" else 0.0)
+                  for b in range(n)] for a in range(n)]
+        if len(self._hop_tables) >= 8:
+            self._hop_tables.clear()
+        self._hop_tables[key] = (topo, nbytes, fixed)
+        return nbytes, fixed
+
+    def usable_hop_s(self, topo: Topology, factor: float = USABLE_HOP_FACTOR) -> float:
+        """Slowest hop a route may use: ``factor`` x the median hop over all node pairs (geo12 at
+        32 MiB: median 1.9 s, so only the 132 s NL-London link is unusable)."""
+        if topo.n < 2:
+            return math.inf
+        hops = sorted(self.hop_s(topo, a, b) for a in range(topo.n) for b in range(topo.n) if a != b)
+        return factor * hops[len(hops) // 2]
 
     def stage_params(self, stage: int) -> int:
         if self.params_per_stage:
@@ -190,6 +253,15 @@ def reference_cost(tokens_per_microbatch: int = 8 * 1024, dp_mode: str = "dense"
     return CostModel(d_model=1024, tokens_per_sample=1024, samples=tokens_per_microbatch // 1024,
                      dtype_bytes=4, layers_per_stage=[4] * 6, s_per_sample_per_layer=0.055,
                      hop_overhead_s=0.35, dp_mode=dp_mode)
+
+
+def published_cost(dp_mode: str = "dense") -> CostModel:
+    """The cost behind SkipPipe's published schedule.json and its 79.9 s / 33.3 s: 2 samples of
+    4096 tokens per micro-batch (32 MiB per hop, d=1024 fp32), forward 0.055 s x 4 layers x 2
+    samples = 0.44 s per stage, 0.35 s per hop (``how_to_read`` in schedule/data)."""
+    return CostModel(d_model=1024, tokens_per_sample=4096, samples=2, dtype_bytes=4,
+                     layers_per_stage=[4] * 6, s_per_sample_per_layer=0.055, hop_overhead_s=0.35,
+                     dp_mode=dp_mode)
 
 
 def from_model_config(model: Any, samples: int, s_per_sample_per_layer: float | None = None,

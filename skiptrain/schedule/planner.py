@@ -26,8 +26,10 @@
 
 Collision awareness is steps 2 and 3: routes are chosen against each other's load and scored
 with queueing on nodes and links.  ``collision_aware=False`` gives the "SkipPipe without
-collision awareness" ablation: every micro-batch takes its individually cheapest route under the
-stage quotas and per-node quotas (equal share of visits per replica), with no simulator feedback.
+collision awareness" ablation: every micro-batch takes its individually cheapest route (as if
+alone on the network) under the stage quotas, with one static load rule (no replica takes more
+than ``NO_CA_SHARE_CAP`` times its speed-weighted share of its stage's visits) and no simulator
+feedback.  The cap is the strongest of those measured for the ablation (docs/scheduler.md).
 
 The search is deterministic for a given ``seed`` and ``max_evals``; ``time_limit_s`` (CPU
 seconds of this process, default 80% of the issue's limit: 8 s for 20 nodes, 48 s for 64) is a
@@ -123,7 +125,10 @@ def stage_quotas(n_mb: int, n_stages: int, visits: int, rng: random.Random) -> d
     return q
 
 
-class _Ctx:
+class RouteContext:
+    """What the route constructions read for one placement: hop seconds ``H[a][b]``, forward
+    ``f``, backward ``b`` and loss seconds per node at its speed."""
+
     def __init__(self, topo: Topology, cost: CostModel, placement: list[list[int]]):
         self.topo, self.cost, self.placement = topo, cost, placement
         N = topo.n
@@ -134,7 +139,7 @@ class _Ctx:
         self.loss = {o: cost.loss_s(topo.nodes[o].speed) for o in placement[0]}
 
 
-def _best_replicas(ctx: _Ctx, o: int, order: Sequence[int], t0: float, free: Sequence[float],
+def _best_replicas(ctx: RouteContext, o: int, order: Sequence[int], t0: float, free: Sequence[float],
                    allowed: dict[int, list[int]] | None) -> tuple[float, list[int], list[float]]:
     """Replicas for visit ``order`` from originator ``o`` starting its forward at ``t0``.
 
@@ -169,7 +174,7 @@ def _best_replicas(ctx: _Ctx, o: int, order: Sequence[int], t0: float, free: Seq
     return best
 
 
-def construct_routes(ctx: _Ctx, originators: Sequence[int], mb_per_originator: int, n_stages: int,
+def construct_routes(ctx: RouteContext, originators: Sequence[int], mb_per_originator: int, n_stages: int,
                      visits: int, max_swaps: int, memory: int, rng: random.Random,
                      aware: bool = True) -> list[MicroBatch]:
     """Greedy list-scheduling construction (see module doc, step 2).  Micro-batch ids are
@@ -186,7 +191,7 @@ def construct_routes(ctx: _Ctx, originators: Sequence[int], mb_per_originator: i
             reps = ctx.placement[s]
             tot_speed = sum(ctx.topo.nodes[n].speed for n in reps)
             for n in reps:
-                node_quota[n] = math.ceil(quota[s] * ctx.topo.nodes[n].speed / tot_speed)
+                node_quota[n] = math.ceil(NO_CA_SHARE_CAP * quota[s] * ctx.topo.nodes[n].speed / tot_speed)
     fwd_free = {o: 0.0 for o in originators}
     finish: dict[int, list[float]] = {o: [] for o in originators}
     mbs: list[MicroBatch] = []
@@ -230,7 +235,7 @@ def construct_routes(ctx: _Ctx, originators: Sequence[int], mb_per_originator: i
     return mbs
 
 
-def construct_affinity(ctx: _Ctx, originators: Sequence[int], mb_per_originator: int, n_stages: int,
+def construct_affinity(ctx: RouteContext, originators: Sequence[int], mb_per_originator: int, n_stages: int,
                        visits: int, max_swaps: int, rng: random.Random, penalty: float,
                        order_of_originators: Sequence[int]) -> list[MicroBatch]:
     """Lane-like construction: originators one after another (in ``order_of_originators``),
@@ -298,28 +303,121 @@ def construct_affinity(ctx: _Ctx, originators: Sequence[int], mb_per_originator:
     return mbs
 
 
-def _cheapest_replicas(H: list[list[float]], placement: list[list[int]], o: int,
-                       order: Sequence[int]) -> list[tuple[float, list[int]]]:
-    """Replica paths for visit ``order`` from originator ``o`` by hop cost there and back
-    (Viterbi over the replicas of each stage), cheapest first: at most one path per last node."""
+def cheapest_replicas(H: list[list[float]], placement: list[list[int]], o: int,
+                       order: Sequence[int], node_s: Sequence[float] | None = None
+                       ) -> list[tuple[float, list[int]]]:
+    """Replica paths for visit ``order`` from originator ``o`` by hop cost there and back plus
+    each replica's compute ``node_s[n]`` (forward + backward at its speed; none when omitted),
+    Viterbi over the replicas of each stage, cheapest first: at most one path per last node."""
     layer: dict[int, tuple[float, list[int]]] = {o: (0.0, [])}
     for s in order:
         nxt = {}
         for n in placement[s]:
-            c, path = min(((c + H[p][n] + H[n][p], path) for p, (c, path) in layer.items()),
+            own = node_s[n] if node_s is not None else 0.0
+            c, path = min(((c + H[p][n] + H[n][p] + own, path) for p, (c, path) in layer.items()),
                           key=lambda x: x[0])
             nxt[n] = (c, path + [n])
         layer = nxt
     return sorted(((c + H[p][o] + H[o][p], path) for p, (c, path) in layer.items()), key=lambda x: x[0])
 
 
+def _repick(H: list[list[float]], placement: list[list[int]], o: int, route: Sequence[tuple[int, int]],
+            node_s: Sequence[float]) -> list[tuple[int, int]]:
+    """``route``'s stages with the replicas that are cheapest (hops + compute) from ``o``."""
+    stages = [s for s, _ in route]
+    return list(zip(stages, cheapest_replicas(H, placement, o, stages, node_s)[0][1]))
+
+
 #: local-search move mix and objective (measured on the reference setup, docs/scheduler.md)
 TARGET_P = 0.3     # first micro-batch drawn from the critical originator (latest last finish)
+TRADE_REROUTE_P = 0.5  # stage trade / route exchange between originators: re-pick both by cost
 REROUTE_P = 0.3    # move: re-pick one micro-batch's replicas by hop cost (best, or second best)
 FINISH_WEIGHT = 0.05  # objective: + this x the mean over originators of their last finish
 SCREEN_SHARE = 0.4  # share of the search budget spent screening placement candidates
 PENALTIES = (0.0, 2.0, 5.0, 10.0)  # construct_affinity penalties tried in turn
 PLACEMENTS_SMALL = 4  # placement candidates screened for topologies of <= 32 nodes (1 above)
+NO_CA_SHARE_CAP = 2.0  # collision-unaware ablation: a replica takes <= 2x its share of visits
+
+
+def _propose_move(routes: list[list[tuple[int, int]]], j1: int, mbs: Sequence[MicroBatch],
+                  pl: list[list[int]], H: list[list[float]], node_s: Sequence[float], rng: random.Random,
+                  max_swaps: int) -> list[tuple[int, list[tuple[int, int]]]] | None:
+    """Apply one random balance-preserving move to ``routes`` (see :func:`improve_routes`),
+    starting from micro-batch ``j1``; returns the changed micro-batches' old routes, or None
+    when the drawn move is impossible (nothing changed)."""
+    move = rng.random()
+    old = None
+    if move < REROUTE_P:  # re-pick replicas by hop cost
+        r = routes[j1]
+        paths = cheapest_replicas(H, pl, mbs[j1].originator, [s for s, _ in r], node_s)
+        path = paths[0][1] if len(paths) < 2 or rng.random() < 0.7 else paths[1][1]
+        cand = [(s, n) for (s, _), n in zip(r, path)]
+        if cand == r:
+            return None
+        old = [(j1, r)]
+        routes[j1] = cand
+    else:
+        move = rng.random()
+        if move < 0.25:  # change the replica of one hop
+            r = routes[j1]
+            if not r:
+                return None
+            i = rng.randrange(len(r))
+            s, n = r[i]
+            if len(pl[s]) < 2:
+                return None
+            n2 = rng.choice([x for x in pl[s] if x != n])
+            old = [(j1, r)]
+            routes[j1] = r[:i] + [(s, n2)] + r[i + 1:]
+        elif move < 0.5:  # two micro-batches trade replicas of a stage they share
+            j2 = rng.randrange(len(routes))
+            d1, d2 = dict(routes[j1]), dict(routes[j2])
+            common = [s for s in d1 if s in d2 and d1[s] != d2[s]]
+            if j1 == j2 or not common:
+                return None
+            s = rng.choice(common)
+            old = [(j1, routes[j1]), (j2, routes[j2])]
+            routes[j1] = [(x, d2[s] if x == s else n) for x, n in routes[j1]]
+            routes[j2] = [(x, d1[s] if x == s else n) for x, n in routes[j2]]
+        elif move < 0.75:  # trade a stage: j1 takes j2's stage and node, and vice versa
+            j2 = rng.randrange(len(routes))
+            d1, d2 = dict(routes[j1]), dict(routes[j2])
+            only1 = [s for s in d1 if s not in d2]
+            only2 = [s for s in d2 if s not in d1]
+            if j1 == j2 or not only1 or not only2:
+                return None
+            s1, s2 = rng.choice(only1), rng.choice(only2)
+            old = [(j1, routes[j1]), (j2, routes[j2])]
+            r1 = sorted([(s, n) for s, n in routes[j1] if s != s1] + [(s2, d2[s2])])
+            r2 = sorted([(s, n) for s, n in routes[j2] if s != s2] + [(s1, d1[s1])])
+            if rng.random() < TRADE_REROUTE_P:  # the traded stages' nodes suit the other originator
+                r1 = _repick(H, pl, mbs[j1].originator, r1, node_s)
+                r2 = _repick(H, pl, mbs[j2].originator, r2, node_s)
+            routes[j1], routes[j2] = r1, r2
+        elif move < 0.9:  # exchange whole body routes of two micro-batches
+            j2 = rng.randrange(len(routes))
+            if j1 == j2 or routes[j1] == routes[j2]:
+                return None
+            old = [(j1, routes[j1]), (j2, routes[j2])]
+            routes[j1], routes[j2] = routes[j2], routes[j1]
+            o1, o2 = mbs[j1].originator, mbs[j2].originator
+            if o1 != o2 and rng.random() < TRADE_REROUTE_P:  # stage sets trade, nodes re-picked
+                routes[j1] = _repick(H, pl, o1, routes[j1], node_s)
+                routes[j2] = _repick(H, pl, o2, routes[j2], node_s)
+        else:  # toggle a neighbour swap
+            r = routes[j1]
+            if len(r) < 2 or max_swaps == 0:
+                return None
+            i = rng.randrange(len(r) - 1)
+            cand = r[:i] + [r[i + 1], r[i]] + r[i + 2:]
+            try:
+                if count_swaps([s for s, _ in cand]) > max_swaps:
+                    return None
+            except Exception:
+                return None
+            old = [(j1, r)]
+            routes[j1] = cand
+    return old
 
 
 def improve_routes(schedule: Schedule, topo: Topology, cost: CostModel, contention: bool, dp_sync: bool,
@@ -334,11 +432,13 @@ def improve_routes(schedule: Schedule, topo: Topology, cost: CostModel, contenti
     thousand simulations (docs/scheduler.md).  Search score: the simulated score
     (:meth:`SimResult.score`) plus ``FINISH_WEIGHT`` x the mean over originators of their last
     micro-batch's finish, so that moves which help a non-critical originator count too.
-    Moves: re-pick one micro-batch's replicas by hop cost (``REROUTE_P``); change one hop's
-    replica; trade the replicas of a shared stage between two micro-batches; trade a stage
-    (with its node) between two micro-batches; exchange two micro-batches' routes (between
-    micro-batches of one originator this changes the injection order); toggle a neighbour
-    swap.  With probability ``TARGET_P`` the first micro-batch is one of the critical
+    Moves: re-pick one micro-batch's replicas by hop cost and compute (``REROUTE_P``); change
+    one hop's replica; trade the replicas of a shared stage between two micro-batches; trade a
+    stage (with its node) between two micro-batches; exchange two micro-batches' routes
+    (between micro-batches of one originator this changes the injection order); toggle a
+    neighbour swap.  A stage trade, and a route exchange between two originators, re-picks
+    both micro-batches' replicas by cost from their own originators with probability
+    ``TRADE_REROUTE_P``.  With probability ``TARGET_P`` the first micro-batch is one of the critical
     originator's (the one whose last micro-batch finishes last).
     """
     S = schedule.n_stages
@@ -348,6 +448,10 @@ def improve_routes(schedule: Schedule, topo: Topology, cost: CostModel, contenti
     pl = schedule.placement
     N = topo.n
     H = [[cost.hop_s(topo, a, b) if a != b else 0.0 for b in range(N)] for a in range(N)]
+    node_s = [0.0] * N
+    for st, nodes in enumerate(pl):
+        for n in nodes:
+            node_s[n] = cost.fwd_s(st, topo.nodes[n].speed) + cost.bwd_s(st, topo.nodes[n].speed)
     same_orig: dict[int, list[int]] = {}
     for j, mb in enumerate(mbs):
         same_orig.setdefault(mb.originator, []).append(j)
@@ -394,71 +498,9 @@ def improve_routes(schedule: Schedule, topo: Topology, cost: CostModel, contenti
             capped = True
             break
         j1 = rng.choice(late) if late and rng.random() < TARGET_P else rng.randrange(M)
-        move = rng.random()
-        old = None
-        if move < REROUTE_P:  # re-pick replicas by hop cost
-            r = routes[j1]
-            paths = _cheapest_replicas(H, pl, mbs[j1].originator, [s for s, _ in r])
-            path = paths[0][1] if len(paths) < 2 or rng.random() < 0.7 else paths[1][1]
-            cand = [(s, n) for (s, _), n in zip(r, path)]
-            if cand == r:
-                continue
-            old = [(j1, r)]
-            routes[j1] = cand
-        else:
-            move = rng.random()
-            if move < 0.25:  # change the replica of one hop
-                r = routes[j1]
-                if not r:
-                    continue
-                i = rng.randrange(len(r))
-                s, n = r[i]
-                if len(pl[s]) < 2:
-                    continue
-                n2 = rng.choice([x for x in pl[s] if x != n])
-                old = [(j1, r)]
-                routes[j1] = r[:i] + [(s, n2)] + r[i + 1:]
-            elif move < 0.5:  # two micro-batches trade replicas of a stage they share
-                j2 = rng.randrange(M)
-                d1, d2 = dict(routes[j1]), dict(routes[j2])
-                common = [s for s in d1 if s in d2 and d1[s] != d2[s]]
-                if j1 == j2 or not common:
-                    continue
-                s = rng.choice(common)
-                old = [(j1, routes[j1]), (j2, routes[j2])]
-                routes[j1] = [(x, d2[s] if x == s else n) for x, n in routes[j1]]
-                routes[j2] = [(x, d1[s] if x == s else n) for x, n in routes[j2]]
-            elif move < 0.75:  # trade a stage: j1 takes j2's stage and node, and vice versa
-                j2 = rng.randrange(M)
-                d1, d2 = dict(routes[j1]), dict(routes[j2])
-                only1 = [s for s in d1 if s not in d2]
-                only2 = [s for s in d2 if s not in d1]
-                if j1 == j2 or not only1 or not only2:
-                    continue
-                s1, s2 = rng.choice(only1), rng.choice(only2)
-                old = [(j1, routes[j1]), (j2, routes[j2])]
-                r1 = sorted([(s, n) for s, n in routes[j1] if s != s1] + [(s2, d2[s2])])
-                r2 = sorted([(s, n) for s, n in routes[j2] if s != s2] + [(s1, d1[s1])])
-                routes[j1], routes[j2] = r1, r2
-            elif move < 0.9:  # exchange whole body routes of two micro-batches
-                j2 = rng.randrange(M)
-                if j1 == j2 or routes[j1] == routes[j2]:
-                    continue
-                old = [(j1, routes[j1]), (j2, routes[j2])]
-                routes[j1], routes[j2] = routes[j2], routes[j1]
-            else:  # toggle a neighbour swap
-                r = routes[j1]
-                if len(r) < 2 or schedule.max_swaps == 0:
-                    continue
-                i = rng.randrange(len(r) - 1)
-                cand = r[:i] + [r[i + 1], r[i]] + r[i + 2:]
-                try:
-                    if count_swaps([s for s, _ in cand]) > schedule.max_swaps:
-                        continue
-                except Exception:
-                    continue
-                old = [(j1, r)]
-                routes[j1] = cand
+        old = _propose_move(routes, j1, mbs, pl, H, node_s, rng, schedule.max_swaps)
+        if old is None:
+            continue
         new, nres = run()
         evals += 1
         temp = temp0 * (1.0 - evals / max_evals)
@@ -528,7 +570,7 @@ def plan(topo: Topology, cost: CostModel, cfg: PlanConfig) -> Schedule:
         return simulate(x, topo, cost, contention=cfg.contention, dp_sync=cfg.dp_sync, record=False).score()
 
     def starting_point(pl: list[list[int]]) -> tuple[float, Schedule]:
-        ctx = _Ctx(topo, cost, pl)
+        ctx = RouteContext(topo, cost, pl)
         sched = mk(pl, construct_routes(ctx, pl[0], cfg.mb_per_originator, cfg.n_stages, v, cfg.max_swaps,
                                         cfg.memory, rng, aware=cfg.collision_aware))
         if not cfg.collision_aware:

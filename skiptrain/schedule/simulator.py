@@ -8,8 +8,10 @@ Model (DESIGN.md section 5; the runtime implements the same rules):
 * Memory credits: a node starts a forward only while it holds fewer than ``schedule.memory``
   micro-batches; the credit comes back when that micro-batch's backward on the node ends.
 * Originators start their micro-batches in schedule order, each not before its ``start_s``.
-* Messages: a hop ``a -> b`` of ``B`` bytes occupies the directed link for ``B / bandwidth``
-  seconds and is delivered ``latency + hop_overhead_s`` after it leaves the link.  With
+* Messages: a hop ``a -> b`` of ``B`` bytes (:meth:`CostModel.hop_bytes`: fp32, or int8/int4
+  on slow links with activation compression) occupies the directed link for ``B / bandwidth``
+  seconds and is delivered ``latency + hop_overhead_s`` (+ ``act_codec_s`` when compressed)
+  after it leaves the link.  With
   ``contention=True`` every directed link is a FIFO: a message waits until earlier ones have
   left the link.  With ``contention=False`` transfers never wait for each other.
 * With ``dp_sync=True`` each stage runs a ring sync over all its replicas as soon as the last
@@ -97,8 +99,7 @@ def simulate(schedule: Schedule, topo: Topology, cost: CostModel, contention: bo
     if any(n >= N or n < 0 for n in stage_of):
         raise ScheduleError(f"schedule uses nodes outside the topology's 0..{N - 1}")
     lat, inv_bw = topo._lat, topo._inv_bw
-    overhead = cost.hop_overhead_s
-    act = cost.activation_bytes
+    hop_bytes, hop_fixed = cost.hop_table(topo)
     fwd_t = [0.0] * N
     for n, s in stage_of.items():
         fwd_t[n] = cost.fwd_s(s, topo.nodes[n].speed)
@@ -160,12 +161,13 @@ def simulate(schedule: Schedule, topo: Topology, cost: CostModel, contention: bo
 
     def hop(a: int, b: int, t: float, j: int, kind: int, pos: int) -> None:
         nonlocal bytes_pipe
-        st, arr = send(a, b, act, t)
-        arr += overhead
-        bytes_pipe += act
+        nb = hop_bytes[a][b]
+        st, arr = send(a, b, nb, t)
+        arr += hop_fixed[a][b]
+        bytes_pipe += nb
         if record:
-            timeline.append(Event(a, "send", mb_ids[j], stage_of[a], st, arr, act, b))
-            timeline.append(Event(b, "recv", mb_ids[j], stage_of[b], arr, arr, act, a))
+            timeline.append(Event(a, "send", mb_ids[j], stage_of[a], st, arr, nb, b))
+            timeline.append(Event(b, "recv", mb_ids[j], stage_of[b], arr, arr, nb, a))
         push(arr, _ARRIVE, b, j, kind, pos)
 
     def enqueue(node: int, t: float, j: int, kind: int, pos: int) -> None:
