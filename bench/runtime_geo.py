@@ -12,7 +12,12 @@ The simulator gets exactly these numbers (same cost model, same time-scaled topo
 contention on).  The data-parallel sync is a real gloo all-reduce of the tiny model's
 gradients, not link-emulated, and the simulator is run without DP sync.
 
-The three schedules run as three phases of one launch (same processes; each phase restarts
+A fourth phase, ``planner_int8``, is the planner's schedule planned and run with the hops of
+links slower than 1 GB/s (in geo12's own units) encoded as int8 with one scale per row
+(activations forward, their gradients backward; ``runtime.act_codec``): the iteration it takes
+next to the uncompressed planner's.
+
+The schedules run as phases of one launch (same processes; each phase restarts
 from the same initial weights and data).  Prints a table; ``--json PATH`` writes
 ``{"methods": {method: {"measured_s": ..., "simulated_s": ...}}, ...}``; ``--gantt PATH`` the
 planner's simulated and measured timelines; ``--quick``: 8 nodes, 3 micro-batches per
@@ -43,7 +48,7 @@ from skiptrain.runtime.launcher import launch  # noqa: E402
 from skiptrain.schedule.gantt import draw_side_by_side  # noqa: E402
 from skiptrain.schedule.simulator import simulate  # noqa: E402
 
-METHODS = ("full_pipeline", "random_skip", "planner")
+METHODS = ("full_pipeline", "random_skip", "planner", "planner_int8")
 PAPER_S_PER_SAMPLE_LAYER = 0.055 * 4   # SkipPipe: 4 layers x 0.055 s per stage; here 1 layer per stage
 
 
@@ -92,7 +97,13 @@ def main(argv=None) -> int:
     planner_s = time.time() - t0
     scheds["random_skip"] = build_schedule(cfg, "random_skip", topo, cost, placement=scheds["planner"].placement)
     scheds["full_pipeline"] = build_schedule(cfg, "full_pipeline", topo, cost, contention=True, dp_sync=False)
-    sims = {m: simulate(scheds[m], topo, cost, contention=True, dp_sync=False) for m in METHODS}
+    cfg_q = build_config("tiny", overrides={**cfg.to_dict(), "runtime": {**cfg.to_dict()["runtime"],
+                                            "act_codec": "int8", "act_fast_GBps": 1.0 / tau}})
+    costs = {m: cost for m in METHODS}
+    costs["planner_int8"] = build_cost(cfg_q, dp_mode="none")
+    scheds["planner_int8"] = build_schedule(cfg_q, "planner", topo, costs["planner_int8"], contention=True,
+                                            dp_sync=False)
+    sims = {m: simulate(scheds[m], topo, costs[m], contention=True, dp_sync=False) for m in METHODS}
     for m in METHODS:
         s = scheds[m]
         print(f"  {m:<14} stages {[len(p) for p in s.placement]}, {len(s.micro_batches)} micro-batches, "
@@ -102,7 +113,7 @@ def main(argv=None) -> int:
         data = make_data(Path(tmp) / "data")
         job = Job(config=cfg.to_dict(), data_path=str(data), run_dir=args.keep or str(Path(tmp) / "run"),
                   timeout_s=cfg.runtime.timeout_s, heartbeat_s=0.5,
-                  phases=[phase_for(cfg, scheds[m], topo, cost, m, iters) for m in METHODS])
+                  phases=[phase_for(cfg, scheds[m], topo, costs[m], m, iters) for m in METHODS])
         res = launch(job, timeout_s=1800)
         measured = {m: [r["iteration_s"] for r in res.phase_metrics(m)] for m in METHODS}
         overruns = {m: max(r["overruns"] for r in res.phase_metrics(m)) for m in METHODS}  # cumulative per phase
@@ -132,9 +143,12 @@ def main(argv=None) -> int:
     out["planner_speedup_vs_full"] = round(f / p, 3)
     out["planner_vs_random"] = round(p / r, 3)
     out["max_abs_error_vs_sim"] = round(max(abs(v["measured_s"] / v["simulated_s"] - 1) for v in out["methods"].values()), 3)
+    q = out["methods"]["planner_int8"]["measured_s"]
+    out["planner_int8_vs_planner"] = round(q / p, 3)
     print(f"\nplanner {f / p:.2f}x faster than the full pipeline (target >= 2; SkipPipe's real deployment 2.7x); "
           f"planner / random skip {p / r:.3f} (target <= 0.8); measured vs simulated within "
-          f"{100 * out['max_abs_error_vs_sim']:.1f}% (target 20%)")
+          f"{100 * out['max_abs_error_vs_sim']:.1f}% (target 20%); planner with int8 hops on slow links "
+          f"{q / p:.3f}x the uncompressed planner (target <= 0.6)")
     print(f"total {time.time() - t_all:.0f} s (launch {res.wall_s:.0f} s)")
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)

@@ -223,6 +223,11 @@ class RuntimeConfig:
     ckpt_every: int = _f(0, "recover: per-stage weights checkpoint every N iterations (0 = off)", min=0)
     ckpt_max_age: int = _f(10, "recover: a stage checkpoint at most this many iterations old initialises a "
                            "taken-over stage (older: CheckFree from the neighbours)", min=0)
+    act_codec: str = _f("fp32", "encoding of activations and their gradients on slow links: fp32, int8 or int4 "
+                        "(one scale per row); the one-process trainer applies it to every hop",
+                        choices=("fp32", "int8", "int4"))
+    act_fast_GBps: float = _f(1.0, "links at least this fast (GiB/s, in the emulated topology) carry fp32",
+                              min=0.0)
     drift_threshold: float = _f(0.0, "re-plan the routes on measured compute/link times when the measured "
                                 "iteration time exceeds the planned one by this fraction (0 = off)", min=0.0)
 

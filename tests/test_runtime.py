@@ -16,7 +16,7 @@ from skiptrain.runtime.executor import node_plan
 from skiptrain.runtime.failure import RuntimeFailure
 from skiptrain.runtime.job import Job, build_cost, build_schedule, build_topology, phase_for
 from skiptrain.runtime.launcher import launch
-from skiptrain.runtime.transport import ACT, GRAD, decode_header, encode_header
+from skiptrain.runtime.transport import ACT, GRAD, LocalTransport, TransportError, decode_header, encode_header
 from skiptrain.runtime.wan import LinkFifo
 from skiptrain.schedule.schedule import MicroBatch, Schedule
 from skiptrain.schedule.timeline import check_no_overlap
@@ -37,9 +37,23 @@ def test_link_fifo_queues_messages_like_the_simulator():
 
 def test_header_round_trip_and_rejects_garbage():
     h = encode_header(GRAD, 7, 12, 3, (8, 64, 32))
-    assert decode_header(h) == (GRAD, 7, 12, 3, (8, 64, 32))
-    with pytest.raises(Exception):
-        decode_header(torch.tensor([9, 0, 0, 0, 0, 0, 0, 0, 0]))
+    assert decode_header(h) == (GRAD, 7, 12, 3, (8, 64, 32), "fp32")
+    assert decode_header(encode_header(ACT, 1, 2, 0, (2, 4, 8), "int4"))[-1] == "int4"
+    for bad in ([9, 0, 0, 0, 0, 0, 0, 0, 0, 0], [0, 0, 0, 0, 7, 1, 4, 0, 0, 0], [0, 0, 0, 0, 0, 1, -4, 0, 0, 0]):
+        with pytest.raises(TransportError):
+            decode_header(torch.tensor(bad))
+
+
+def test_local_transport_applies_the_codec_both_ways():
+    x = torch.randn(2, 8, 16)
+    tr = LocalTransport(0, "int8")
+    tr.send(0, ACT, 3, 1, x)
+    got = tr.inbox.get_nowait().tensor
+    scale = x.abs().amax(-1, keepdim=True) / 127
+    assert got.shape == x.shape and not torch.equal(got, x) and bool(((got - x).abs() <= scale / 2 + 1e-7).all())
+    plain = LocalTransport(0)
+    plain.send(0, GRAD, 0, 0, x)
+    assert plain.inbox.get_nowait().tensor is x          # fp32: delivered as it is
 
 
 def test_node_plan_counts_tasks_and_messages():
@@ -230,3 +244,34 @@ def test_failed_peer_stops_the_run_with_an_error_naming_it(byte_data, tmp_path, 
     assert ("died (killed by SIGKILL)" if kind == "kill" else "stopped responding") in str(e)
     assert e.detected_after_s is not None and e.detected_after_s < 30
     assert processes_of_run(tmp_path / "run") == []
+
+
+def test_int8_hops_swarm_equals_the_one_node_runtime_with_the_same_codec(byte_data, tmp_path):
+    """Every link compressed to int8 (activations and gradients, one scale per row): the swarm's
+    wire path (encode, send the bytes, decode) and the one-process trainer's in-process codec
+    give the same parameters after 3 iterations; what crosses the wire is the encoded bytes."""
+    codec = {"act_codec": "int8", "act_fast_GBps": 1e9}
+    cfg = _cfg()
+    for k, v in codec.items():
+        setattr(cfg.runtime, k, v)
+    topo = build_topology(cfg, 6)
+    cost = build_cost(cfg, s_per_sample_layer=0.001)
+    assert cost.act_codec == "int8" and cost.hop_codec(topo, 0, 2) == "int8"
+    full = build_schedule(cfg, "full_pipeline", topo, cost)
+    job = Job(config=cfg.to_dict(), data_path=str(byte_data), run_dir=str(tmp_path / "run"), timeout_s=20,
+              phases=[phase_for(cfg, full, topo, cost, "q", EQUIV_ITERS, dump=True)])
+    res = launch(job, timeout_s=240)
+    ref_cfg = _cfg()
+    ref_cfg.runtime.act_codec = "int8"
+    ref, _ = _reference(ref_cfg, byte_data, full)
+    plain, _ = _reference(_cfg(), byte_data, full)
+    got = _dist_params(tmp_path / "run", "q", full)
+    assert max(float((ref[n] - plain[n]).abs().max()) for n in ref) > 1e-6      # the codec changed training
+    for n in ref:
+        torch.testing.assert_close(got[n], ref[n], atol=1e-5, rtol=0, msg=lambda m: f"{n}: {m}")
+    from skiptrain.schedule.actcodec import encoded_bytes
+
+    rows = cfg.train.micro_batch * cfg.model.seq_len
+    sends = [e for e in res.timeline("q", 0) if e.kind == "send"]
+    assert sends and all(e.bytes == encoded_bytes("int8", rows, cfg.model.d_model) for e in sends)
+    assert all(e.bytes * 3.7 < rows * cfg.model.d_model * 4 for e in sends)    # d=64: 64 + 4 scale bytes a row

@@ -122,7 +122,8 @@ def build_cost(cfg: Config, s_per_sample_layer: float | None = None, dp_mode: st
     return CostModel(d_model=m.d_model, tokens_per_sample=m.seq_len, samples=cfg.train.micro_batch,
                      dtype_bytes=4 * rt.bytes_scale, layers_per_stage=layers, s_per_sample_per_layer=spl,
                      hop_overhead_s=rt.hop_overhead_s, params_per_stage=params,
-                     grad_dtype_bytes=4 * rt.bytes_scale, dp_mode=dp_mode)
+                     grad_dtype_bytes=4 * rt.bytes_scale, dp_mode=dp_mode, act_codec=rt.act_codec,
+                     act_fast_GBps=rt.act_fast_GBps, byte_scale=float(rt.bytes_scale))
 
 
 def build_topology(cfg: Config, n_nodes: int) -> Topology:

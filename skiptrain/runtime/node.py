@@ -326,8 +326,16 @@ class Node:
         ph, topo, cost = st.ph, st.topo, st.cost
         self.tr.link = (LinkFifo.from_topology(topo, self.rank, ph.bytes_scale, cost.hop_overhead_s if cost else 0.0)
                         if ph.wan and topo is not None and self.rank < topo.n else None)
+        self.tr.codec_of = self._codec_of(st)
         return Executor(self.rank, self.tr, st.model, st.stage, cost, st.speed, st.padding, self.job.timeout_s,
                         self.describe, check=self._check_payload)
+
+    def _codec_of(self, st: "PhaseState"):
+        """The activation encoding of each of this node's outgoing links (the cost model's choice)."""
+        cost, topo, me = st.cost, st.topo, self.rank
+        if cost is None or topo is None or cost.act_codec == "fp32" or me >= topo.n:
+            return lambda dst: "fp32"
+        return lambda dst: cost.hop_codec(topo, me, dst) if dst < topo.n else "fp32"
 
     def _run_iteration(self, st: "PhaseState") -> None:
         """One attempt at iteration ``st.it``; on a recoverable failure, recover and advance past

@@ -3,8 +3,11 @@
 Wire format: every message is two gloo sends on the pair ``src -> dst``:
 
 1. a **header**: an int64 tensor of :data:`HEADER_LEN` values ``[kind, iteration, mb, pos,
-   ndim, d0, d1, d2, d3]`` sent with tag :data:`TAG_HEADER`;
-2. the **payload**: a contiguous float32 tensor of that shape, tag :data:`TAG_PAYLOAD`.
+   codec, ndim, d0, d1, d2, d3]`` sent with tag :data:`TAG_HEADER`;
+2. the **payload**, tag :data:`TAG_PAYLOAD`: a contiguous float32 tensor of that shape, or, when
+   the link's codec (``codec_of(dst)``: int8 / int4 with one scale per row,
+   :mod:`skiptrain.schedule.actcodec`) is not fp32, the encoded uint8 buffer, which the
+   receiver decodes back to a float32 tensor of that shape before anything else sees it.
 
 The receiver posts ``irecv(src=None, tag=TAG_HEADER)`` (gloo's receive-from-any-source), learns
 the sender from the completed work, then receives the payload from exactly that sender.  Gloo
@@ -35,10 +38,11 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
+from ..schedule import actcodec
 from ..schedule.timeline import Event
 from .wan import LinkFifo
 
-HEADER_LEN = 9
+HEADER_LEN = 10
 TAG_HEADER, TAG_PAYLOAD = 11, 12
 ACT, GRAD = 0, 1          # message kinds: activations (forward), gradients (backward)
 KIND_NAMES = ("activation", "gradient")
@@ -63,19 +67,43 @@ class Message:
     arrived: float        # time.time() when the payload was in
 
 
-def encode_header(kind: int, iteration: int, mb: int, pos: int, shape: tuple[int, ...]) -> torch.Tensor:
-    if len(shape) > HEADER_LEN - 5:
-        raise ValueError(f"payload has {len(shape)} dimensions; at most {HEADER_LEN - 5} fit a header")
-    dims = list(shape) + [0] * (HEADER_LEN - 5 - len(shape))
-    return torch.tensor([kind, iteration, mb, pos, len(shape), *dims], dtype=torch.int64)
+def encode_header(kind: int, iteration: int, mb: int, pos: int, shape: tuple[int, ...],
+                  codec: str = "fp32") -> torch.Tensor:
+    if len(shape) > HEADER_LEN - 6:
+        raise ValueError(f"payload has {len(shape)} dimensions; at most {HEADER_LEN - 6} fit a header")
+    dims = list(shape) + [0] * (HEADER_LEN - 6 - len(shape))
+    return torch.tensor([kind, iteration, mb, pos, actcodec.CODECS.index(codec), len(shape), *dims],
+                        dtype=torch.int64)
 
 
-def decode_header(h: torch.Tensor) -> tuple[int, int, int, int, tuple[int, ...]]:
+def decode_header(h: torch.Tensor) -> tuple[int, int, int, int, tuple[int, ...], str]:
+    """(kind, iteration, micro-batch, position, shape, codec); raises TransportError if malformed."""
     v = h.tolist()
-    kind, it, mb, pos, nd = v[:5]
-    if kind not in (ACT, GRAD) or not 0 <= nd <= HEADER_LEN - 5:
+    kind, it, mb, pos, c, nd = v[:6]
+    if kind not in (ACT, GRAD) or not 0 <= c < len(actcodec.CODECS) or not 0 <= nd <= HEADER_LEN - 6 \
+            or any(d < 0 for d in v[6:6 + nd]):
         raise TransportError(f"malformed message header {v}")
-    return kind, it, mb, pos, tuple(v[5:5 + nd])
+    return kind, it, mb, pos, tuple(v[6:6 + nd]), actcodec.CODECS[c]
+
+
+def encode_payload(tensor: torch.Tensor, codec: str) -> torch.Tensor:
+    """What goes on the wire for ``tensor`` under ``codec`` (float32, or the encoded bytes)."""
+    payload = tensor.detach().to(torch.float32).contiguous()
+    return payload if codec == "fp32" else actcodec.encode(payload, codec)
+
+
+def payload_buffer(shape: tuple[int, ...], codec: str) -> torch.Tensor:
+    """An empty receive buffer for a payload of ``shape`` under ``codec``."""
+    if codec == "fp32":
+        return torch.empty(shape, dtype=torch.float32)
+    rows = 1
+    for d in shape[:-1]:
+        rows *= d
+    return torch.empty(actcodec.encoded_bytes(codec, rows, shape[-1] if shape else 1), dtype=torch.uint8)
+
+
+def decode_payload(buf: torch.Tensor, codec: str, shape: tuple[int, ...]) -> torch.Tensor:
+    return buf if codec == "fp32" else actcodec.decode(buf, codec, shape)
 
 
 class P2PTransport:
@@ -84,8 +112,10 @@ class P2PTransport:
 
     def __init__(self, rank: int, group=None, link: LinkFifo | None = None,
                  stage_of: Callable[[int], int] | None = None,
-                 rank_of: Callable[[int], int] | None = None, node_of: Callable[[int], int] | None = None):
+                 rank_of: Callable[[int], int] | None = None, node_of: Callable[[int], int] | None = None,
+                 codec_of: Callable[[int], str] | None = None):
         self.rank = rank
+        self.codec_of = codec_of or (lambda dst: "fp32")   # the encoding of messages to ``dst``
         # node id <-> rank in the current process group (they differ after a recovery re-formed
         # the groups over the survivors; identity otherwise)
         self.rank_of = rank_of or (lambda n: n)
@@ -132,14 +162,15 @@ class P2PTransport:
         """Queue ``tensor`` for ``dst``; returns at once (the sender thread does the work)."""
         if self._closed:
             raise TransportError("transport is closed")
-        payload = tensor.detach().to(torch.float32).contiguous()
-        nbytes = payload.numel() * 4
+        codec = self.codec_of(dst)
+        payload = encode_payload(tensor, codec)
+        nbytes = payload.numel() * payload.element_size()
         now = time.time()
         if self.link is not None:
             start, deliver = self.link.schedule(dst, nbytes, now)
         else:
             start, deliver = now, now
-        hdr = encode_header(kind, self.iteration, mb, pos, tuple(payload.shape))
+        hdr = encode_header(kind, self.iteration, mb, pos, tuple(tensor.shape), codec)
         if dst not in self._senders:
             q: queue.Queue = queue.Queue()
             th = threading.Thread(target=self._send_loop, args=(dst, q), name=f"send{self.rank}->{dst}",
@@ -171,7 +202,7 @@ class P2PTransport:
                 return
             end = time.time()
             self._record(Event(self.rank, "send", mb, self.stage_of(self.rank), start - t0, end - t0,
-                               payload.numel() * 4, dst))
+                               payload.numel() * payload.element_size(), dst))
             with self._cond:
                 self._pending -= 1
                 self._cond.notify_all()
@@ -198,9 +229,11 @@ class P2PTransport:
                     if self.group is not None:
                         src = dist.get_global_rank(self.group, src)
                     src_rank, src = src, self.node_of(src)
-                    kind, it, mb, pos, shape = decode_header(hdr)
-                    payload = torch.empty(shape, dtype=torch.float32)
-                    dist.recv(payload, src_rank, group=self.group, tag=TAG_PAYLOAD)
+                    kind, it, mb, pos, shape, codec = decode_header(hdr)
+                    buf = payload_buffer(shape, codec)
+                    dist.recv(buf, src_rank, group=self.group, tag=TAG_PAYLOAD)
+                    nbytes = buf.numel() * buf.element_size()
+                    payload = decode_payload(buf, codec, shape)
                 except Exception as e:  # noqa: BLE001
                     who = f"node {src}" if src is not None else "any peer"
                     self.inbox.put(TransportError(
@@ -209,7 +242,7 @@ class P2PTransport:
                     return
                 now = time.time()
                 self._record(Event(self.rank, "recv", mb, self.stage_of(self.rank), now - self.t0,
-                                   now - self.t0, payload.numel() * 4, src))
+                                   now - self.t0, nbytes, src))
                 self.inbox.put(Message(kind, it, mb, pos, src, payload, now))
 
     def wait_sent(self, timeout: float) -> None:
@@ -237,11 +270,15 @@ class P2PTransport:
 
 class LocalTransport:
     """The transport between stages hosted by one process: a send is delivered to this process's
-    own inbox at once (no copy, no wire, no thread).  What the one-process trainer runs on; the
-    executor cannot tell it from :class:`P2PTransport`."""
+    own inbox at once (no wire, no thread).  What the one-process trainer runs on; the executor
+    cannot tell it from :class:`P2PTransport`.  With a ``codec`` other than fp32 every message
+    goes through that encoding and back, as on a swarm's compressed links (so a one-process run
+    shows what the quantisation does to training)."""
 
-    def __init__(self, rank: int = 0):
+    def __init__(self, rank: int = 0, codec: str = "fp32"):
+        actcodec.check_codec(codec)
         self.rank = rank
+        self.codec = codec
         self.link = None
         self.inbox: "queue.Queue[Message | TransportError]" = queue.Queue()
         self.iteration = 0
@@ -256,6 +293,8 @@ class LocalTransport:
     def send(self, dst: int, kind: int, mb: int, pos: int, tensor: torch.Tensor) -> None:
         if dst != self.rank:
             raise TransportError(f"node {self.rank}: a local transport cannot reach node {dst}", peer=dst)
+        if self.codec != "fp32":
+            tensor = decode_payload(encode_payload(tensor, self.codec), self.codec, tuple(tensor.shape))
         self.inbox.put(Message(kind, self.iteration, mb, pos, self.rank, tensor, time.time()))
 
     def wait_sent(self, timeout: float) -> None:

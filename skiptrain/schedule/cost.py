@@ -78,6 +78,7 @@ class CostModel:
     act_codec: str = "fp32"         # encoding of activations/gradients on slow links
     act_fast_GBps: float = 1.0      # links at least this fast (GB = 2^30 B/s) always carry fp32
     act_codec_s: float = 0.0        # encode + decode seconds per compressed message
+    byte_scale: float = 1.0         # emulated bytes per encoded byte (the runtime's bytes_scale)
 
     def __post_init__(self) -> None:
         if self.dp_mode not in DP_MODES:
@@ -129,7 +130,7 @@ class CostModel:
         codec = self.hop_codec(topo, a, b)
         if codec == "fp32":
             return self.activation_bytes
-        return encoded_bytes(codec, self.samples * self.tokens_per_sample, self.d_model)
+        return int(encoded_bytes(codec, self.samples * self.tokens_per_sample, self.d_model) * self.byte_scale)
 
     def hop_s(self, topo: Topology, a: int, b: int) -> float:
         """Uncontended time of one activation (or gradient) message ``a -> b``: latency, the

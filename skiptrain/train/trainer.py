@@ -72,7 +72,7 @@ class Trainer:
         self.syncs = {s: make_strategy(cfg.dp, self.model.stage_named_parameters(s), None, t)
                       for s in range(cfg.model.n_stages)}
         self.opt = build_optimizer(self.model.named_parameters(), t, self.syncs[0].update_rule)
-        self.executor = Executor(0, LocalTransport(0), self.model)
+        self.executor = Executor(0, LocalTransport(0, cfg.runtime.act_codec), self.model)
         self.train_src = SampleSource(self.ds.tokens("train"), cfg.model.seq_len, seed=t.seed)
         self.val_src = SampleSource(self.ds.tokens("val"), cfg.model.seq_len, shuffle=False)
         self.loader = ShardedLoader(self.train_src, t.micro_batch * t.n_micro)
