@@ -91,219 +91,243 @@ def simulate(schedule: Schedule, topo: Topology, cost: CostModel, contention: bo
 
     ``record=False`` skips building the timeline (the planner's fast path).
     """
-    S = schedule.n_stages
-    if cost.n_stages != S:
-        raise ScheduleError(f"cost model has {cost.n_stages} stages, schedule has {S}")
-    stage_of = schedule.stage_of()
-    N = topo.n
-    if any(n >= N or n < 0 for n in stage_of):
-        raise ScheduleError(f"schedule uses nodes outside the topology's 0..{N - 1}")
-    lat, inv_bw = topo._lat, topo._inv_bw
-    hop_bytes, hop_fixed = cost.hop_table(topo)
-    fwd_t = [0.0] * N
-    for n, s in stage_of.items():
-        fwd_t[n] = cost.fwd_s(s, topo.nodes[n].speed)
-    bf = cost.backward_factor
-    loss_t = {n: cost.loss_s(topo.nodes[n].speed) for n in schedule.placement[0]}
-    policy_fwd_first = schedule.policy == "gpipe"
+    sim = _Run(schedule, topo, cost, contention, dp_sync, record)
+    sim.run()
+    return sim.result(on_deadlock)
 
-    mbs = schedule.micro_batches
-    M = len(mbs)
-    paths = [[mb.originator, *mb.nodes] for mb in mbs]
-    stages = [[0, *mb.stages] for mb in mbs]
-    mb_ids = [mb.id for mb in mbs]
-    # injection order per originator
-    inject: dict[int, list[int]] = {}
-    for j, mb in enumerate(mbs):
-        inject.setdefault(mb.originator, []).append(j)
-    inj_ptr = {o: 0 for o in inject}
 
-    credits = [schedule.memory] * N
-    held = [0] * N
-    max_held = [0] * N
-    busy = [False] * N
-    busy_s = [0.0] * N
-    hi: list[list] = [[] for _ in range(N)]   # heaps of (ready_t, j, seq, kind, pos)
-    lo: list[list] = [[] for _ in range(N)]
-    link_free: dict[tuple[int, int], float] = {}
-    ev: list = []
-    seq = 0
-    bytes_pipe = 0
-    bytes_sync = 0
-    timeline: list[Event] = []
-    done_at: dict[int, float] = {}
-    # stage sync bookkeeping
-    stage_total = [0] * S
-    for st in stages:
-        for s in st:
-            stage_total[s] += 1
-    stage_left = list(stage_total)
-    sync_span: dict[int, tuple[float, float]] = {}
-    sync_state: dict[int, dict[str, Any]] = {}
+class _Run:
+    """One simulated iteration: the tables (:meth:`__init__`), the event loop (:meth:`run`, its
+    handlers built over local variables for speed) and the result (:meth:`result`)."""
 
-    def push(t: float, etype: int, a: Any, b: Any = None, c: Any = None, d: Any = None) -> None:
-        nonlocal seq
-        seq += 1
-        heapq.heappush(ev, (t, seq, etype, a, b, c, d))
+    def __init__(self, schedule: Schedule, topo: Topology, cost: CostModel, contention: bool, dp_sync: bool,
+                 record: bool):
+        S = schedule.n_stages
+        if cost.n_stages != S:
+            raise ScheduleError(f"cost model has {cost.n_stages} stages, schedule has {S}")
+        self.stage_of = stage_of = schedule.stage_of()
+        N = topo.n
+        if any(n >= N or n < 0 for n in stage_of):
+            raise ScheduleError(f"schedule uses nodes outside the topology's 0..{N - 1}")
+        self.schedule, self.topo, self.cost = schedule, topo, cost
+        self.contention, self.dp_sync, self.record = contention, dp_sync, record
+        self.fwd_t = [0.0] * N
+        for n, s in stage_of.items():
+            self.fwd_t[n] = cost.fwd_s(s, topo.nodes[n].speed)
+        self.loss_t = {n: cost.loss_s(topo.nodes[n].speed) for n in schedule.placement[0]}
+        self.mbs = mbs = schedule.micro_batches
+        self.paths = [[mb.originator, *mb.nodes] for mb in mbs]
+        self.stages = [[0, *mb.stages] for mb in mbs]
+        self.mb_ids = [mb.id for mb in mbs]
+        self.inject: dict[int, list[int]] = {}          # injection order per originator
+        for j, mb in enumerate(mbs):
+            self.inject.setdefault(mb.originator, []).append(j)
+        for o in self.inject:
+            if stage_of.get(o) != 0:
+                raise ScheduleError(f"originator {o} is not a stage-0 node")
+        self.credits = [schedule.memory] * N
+        self.held = [0] * N
+        self.max_held = [0] * N
+        self.busy_s = [0.0] * N
+        self.ev: list = []
+        self.counts = [0, 0, 0]                         # event sequence, pipeline bytes, sync bytes
+        self.timeline: list[Event] = []
+        self.done_at: dict[int, float] = {}
+        self.stage_left = [0] * S                       # visits still to finish per stage
+        for st in self.stages:
+            for s in st:
+                self.stage_left[s] += 1
+        self.sync_span: dict[int, tuple[float, float]] = {}
+        self.sync_state: dict[int, dict[str, Any]] = {}
 
-    def send(a: int, b: int, nbytes: float, t: float) -> tuple[float, float]:
-        """Queue ``nbytes`` on link a->b at ``t``; (time it starts on the link, delivery time)."""
-        ser = nbytes * inv_bw[a][b]
-        if contention:
-            key = (a, b)
-            st = link_free.get(key, 0.0)
-            if st < t:
+    def _links(self):
+        """``push(t, event...)`` and ``send(a, b, bytes, t) -> (start, delivery)`` over the links."""
+        ev, counts, link_free = self.ev, self.counts, {}
+        lat, inv_bw = self.topo._lat, self.topo._inv_bw
+        contention = self.contention
+
+        def push(t: float, etype: int, a: Any, b: Any = None, c: Any = None, d: Any = None) -> None:
+            counts[0] += 1
+            heapq.heappush(ev, (t, counts[0], etype, a, b, c, d))
+
+        def send(a: int, b: int, nbytes: float, t: float) -> tuple[float, float]:
+            """Queue ``nbytes`` on link a->b at ``t``; (time it starts on the link, delivery time)."""
+            ser = nbytes * inv_bw[a][b]
+            if contention:
+                key = (a, b)
+                st = link_free.get(key, 0.0)
+                if st < t:
+                    st = t
+                link_free[key] = st + ser
+            else:
                 st = t
-            link_free[key] = st + ser
-        else:
-            st = t
-        return st, st + ser + lat[a][b]
+            return st, st + ser + lat[a][b]
+        return push, send
 
-    def hop(a: int, b: int, t: float, j: int, kind: int, pos: int) -> None:
-        nonlocal bytes_pipe
-        nb = hop_bytes[a][b]
-        st, arr = send(a, b, nb, t)
-        arr += hop_fixed[a][b]
-        bytes_pipe += nb
-        if record:
-            timeline.append(Event(a, "send", mb_ids[j], stage_of[a], st, arr, nb, b))
-            timeline.append(Event(b, "recv", mb_ids[j], stage_of[b], arr, arr, nb, a))
-        push(arr, _ARRIVE, b, j, kind, pos)
+    def _tasks(self, push, send):
+        """``hop``, ``enqueue`` and ``dispatch``: messages between nodes and one task at a time."""
+        N = self.topo.n
+        hop_bytes, hop_fixed = self.cost.hop_table(self.topo)
+        hi: list[list] = [[] for _ in range(N)]   # heaps of (ready_t, j, seq, kind, pos)
+        lo: list[list] = [[] for _ in range(N)]
+        busy = [False] * N
+        counts, record, timeline, mb_ids, stage_of = self.counts, self.record, self.timeline, self.mb_ids, self.stage_of
+        credits, held, max_held, busy_s, fwd_t, loss_t = (self.credits, self.held, self.max_held, self.busy_s,
+                                                          self.fwd_t, self.loss_t)
+        bf, stages, inject, mbs = self.cost.backward_factor, self.stages, self.inject, self.mbs
+        inj_ptr = {o: 0 for o in inject}
+        fwd_first = self.schedule.policy == "gpipe"
 
-    def enqueue(node: int, t: float, j: int, kind: int, pos: int) -> None:
-        nonlocal seq
-        seq += 1
-        heapq.heappush(lo[node] if kind == _FWD else hi[node], (t, j, seq, kind, pos))
+        def hop(a: int, b: int, t: float, j: int, kind: int, pos: int) -> None:
+            nb = hop_bytes[a][b]
+            st, arr = send(a, b, nb, t)
+            arr += hop_fixed[a][b]
+            counts[1] += nb
+            if record:
+                timeline.append(Event(a, "send", mb_ids[j], stage_of[a], st, arr, nb, b))
+                timeline.append(Event(b, "recv", mb_ids[j], stage_of[b], arr, arr, nb, a))
+            push(arr, _ARRIVE, b, j, kind, pos)
 
-    def dispatch(node: int, now: float) -> None:
-        if busy[node]:
-            return
-        q = None
-        can_fwd = lo[node] and credits[node] > 0
-        if policy_fwd_first:
-            q = lo[node] if can_fwd else (hi[node] or None)
-        else:
-            q = hi[node] if hi[node] else (lo[node] if can_fwd else None)
-        if not q:
-            return
-        _, j, _, kind, pos = heapq.heappop(q)
-        if kind == _FWD:
-            dur = fwd_t[node]
-            credits[node] -= 1
-            held[node] += 1
-            if held[node] > max_held[node]:
-                max_held[node] = held[node]
-            if pos == 0:  # injection: the originator's next micro-batch becomes eligible
-                o = node
-                inj_ptr[o] += 1
-                if inj_ptr[o] < len(inject[o]):
-                    nj = inject[o][inj_ptr[o]]
-                    push(max(now, mbs[nj].start_s), _ARRIVE, o, nj, _FWD, 0)
-        elif kind == _LOSS:
-            dur = loss_t[node]
-        else:
-            dur = fwd_t[node] * bf
-        busy[node] = True
-        busy_s[node] += dur
-        if record:
-            timeline.append(Event(node, _KIND_NAMES[kind], mb_ids[j], stages[j][pos], now, now + dur))
-        push(now + dur, _DONE, node, j, kind, pos)
+        def enqueue(node: int, t: float, j: int, kind: int, pos: int) -> None:
+            counts[0] += 1
+            heapq.heappush(lo[node] if kind == _FWD else hi[node], (t, j, counts[0], kind, pos))
 
-    def start_sync(s: int, t: float) -> None:
-        reps = schedule.placement[s]
-        steps, frac = cost.sync_steps(len(reps))
-        if steps == 0:
-            sync_span[s] = (t, t)
-            return
-        ring = ring_order(topo, reps)
-        nbytes = cost.sync_bytes(s) * frac
-        sync_state[s] = {"ring": ring, "steps": steps, "bytes": nbytes, "start": t,
-                         "end": {}, "sent": {}}
-        for r in range(len(ring)):
-            sync_send(s, r, 0, t)
-
-    def sync_send(s: int, r: int, k: int, t: float) -> None:
-        nonlocal bytes_sync
-        stt = sync_state[s]
-        ring = stt["ring"]
-        a, b = ring[r], ring[(r + 1) % len(ring)]
-        _, arr = send(a, b, stt["bytes"], t)
-        bytes_sync += int(stt["bytes"])
-        stt["sent"][a] = stt["sent"].get(a, 0) + int(stt["bytes"])
-        push(arr, _SYNC, s, (r + 1) % len(ring), k)
-
-    # inject the first micro-batch of every originator
-    for o, js in inject.items():
-        if stage_of.get(o) != 0:
-            raise ScheduleError(f"originator {o} is not a stage-0 node")
-        push(mbs[js[0]].start_s, _ARRIVE, o, js[0], _FWD, 0)
-
-    now = 0.0
-    while ev:
-        now, _, etype, a, j, kind, pos = heapq.heappop(ev)
-        if etype == _ARRIVE:
-            enqueue(a, now, j, kind, pos)
-            dispatch(a, now)
-        elif etype == _DONE:
-            node = a
-            busy[node] = False
-            path = paths[j]
-            v = len(path) - 1
+        def dispatch(node: int, now: float) -> None:
+            if busy[node]:
+                return
+            can_fwd = lo[node] and credits[node] > 0
+            if fwd_first:
+                q = lo[node] if can_fwd else (hi[node] or None)
+            else:
+                q = hi[node] if hi[node] else (lo[node] if can_fwd else None)
+            if not q:
+                return
+            _, j, _, kind, pos = heapq.heappop(q)
             if kind == _FWD:
-                if pos < v:
-                    hop(node, path[pos + 1], now, j, _FWD, pos + 1)
-                elif v == 0:
-                    enqueue(node, now, j, _LOSS, 0)
-                else:
-                    hop(node, path[0], now, j, _LOSS, 0)
-            elif kind == _LOSS:
-                if v == 0:
-                    enqueue(node, now, j, _BWD, 0)
-                else:
-                    hop(node, path[v], now, j, _BWD, v)
+                dur = fwd_t[node]
+                credits[node] -= 1
+                held[node] += 1
+                if held[node] > max_held[node]:
+                    max_held[node] = held[node]
+                if pos == 0:  # injection: the originator's next micro-batch becomes eligible
+                    inj_ptr[node] += 1
+                    if inj_ptr[node] < len(inject[node]):
+                        nj = inject[node][inj_ptr[node]]
+                        push(max(now, mbs[nj].start_s), _ARRIVE, node, nj, _FWD, 0)
             else:
-                credits[node] += 1
-                held[node] -= 1
-                s = stages[j][pos]
-                stage_left[s] -= 1
-                if pos > 0:
-                    hop(node, path[pos - 1], now, j, _BWD, pos - 1)
-                else:
-                    done_at[mb_ids[j]] = now
-                if stage_left[s] == 0 and dp_sync:
-                    start_sync(s, now)
-            dispatch(node, now)
-        else:  # _SYNC arrival: stage a, ring position j received step kind
-            s, r, k = a, j, kind
-            stt = sync_state[s]
-            if k + 1 < stt["steps"]:
-                sync_send(s, r, k + 1, now)
-            else:
-                stt["end"][stt["ring"][r]] = now
+                dur = loss_t[node] if kind == _LOSS else fwd_t[node] * bf
+            busy[node] = True
+            busy_s[node] += dur
+            if record:
+                timeline.append(Event(node, _KIND_NAMES[kind], mb_ids[j], stages[j][pos], now, now + dur))
+            push(now + dur, _DONE, node, j, kind, pos)
+        return hop, enqueue, dispatch, busy
 
-    deadlock = len(done_at) < M
-    if deadlock and on_deadlock == "raise":
-        raise SimulationError(
-            f"schedule deadlocked: {M - len(done_at)} of {M} micro-batches never finished "
-            f"(memory credits {schedule.memory} exhausted in a cycle; use ascending routes or more memory)")
-    pipeline_s = max(done_at.values(), default=0.0)
-    iteration_s = pipeline_s
-    for s, stt in sync_state.items():
-        end = max(stt["end"].values(), default=stt["start"])
-        sync_span[s] = (stt["start"], end)
-        iteration_s = max(iteration_s, end)
-        if record:
-            for node in stt["ring"]:
-                timeline.append(Event(node, "sync", None, s, stt["start"], stt["end"].get(node, end),
-                                      stt["sent"].get(node, 0)))
-    if deadlock:
-        iteration_s = math.inf
-    placed = schedule.nodes()
-    node_busy = {n: busy_s[n] for n in placed}
-    node_idle = {n: (iteration_s - busy_s[n]) if math.isfinite(iteration_s) else math.inf for n in placed}
-    if record:
-        timeline.sort(key=lambda e: (e.start, e.node))
-    return SimResult(iteration_s=iteration_s, pipeline_s=pipeline_s, mb_done_s=done_at,
-                     node_busy_s=node_busy, node_idle_s=node_idle, bytes_pipeline=bytes_pipe,
-                     bytes_sync=bytes_sync, max_in_flight={n: max_held[n] for n in placed},
-                     sync_s=sync_span, timeline=timeline, deadlock=deadlock)
+    def _syncs(self, push, send):
+        """``start_sync(stage, t)`` and ``sync_send``: each stage's ring all-reduce."""
+        schedule, cost, topo, sync_state, sync_span, counts = (self.schedule, self.cost, self.topo,
+                                                               self.sync_state, self.sync_span, self.counts)
+
+        def start_sync(s: int, t: float) -> None:
+            reps = schedule.placement[s]
+            steps, frac = cost.sync_steps(len(reps))
+            if steps == 0:
+                sync_span[s] = (t, t)
+                return
+            ring = ring_order(topo, reps)
+            sync_state[s] = {"ring": ring, "steps": steps, "bytes": cost.sync_bytes(s) * frac, "start": t,
+                             "end": {}, "sent": {}}
+            for r in range(len(ring)):
+                sync_send(s, r, 0, t)
+
+        def sync_send(s: int, r: int, k: int, t: float) -> None:
+            stt = sync_state[s]
+            ring = stt["ring"]
+            a, b = ring[r], ring[(r + 1) % len(ring)]
+            _, arr = send(a, b, stt["bytes"], t)
+            counts[2] += int(stt["bytes"])
+            stt["sent"][a] = stt["sent"].get(a, 0) + int(stt["bytes"])
+            push(arr, _SYNC, s, (r + 1) % len(ring), k)
+        return start_sync, sync_send
+
+    def run(self) -> None:
+        """The event loop: arrivals queue tasks, finished tasks send along the route (forward out,
+        loss at the originator, backward back), the last visit of a stage starts its sync."""
+        push, send = self._links()
+        hop, enqueue, dispatch, busy = self._tasks(push, send)
+        start_sync, sync_send = self._syncs(push, send)
+        ev, paths, stages, credits, held = self.ev, self.paths, self.stages, self.credits, self.held
+        stage_left, done_at, mb_ids, dp_sync, sync_state = (self.stage_left, self.done_at, self.mb_ids,
+                                                            self.dp_sync, self.sync_state)
+        for o, js in self.inject.items():            # the first micro-batch of every originator
+            push(self.mbs[js[0]].start_s, _ARRIVE, o, js[0], _FWD, 0)
+        while ev:
+            now, _, etype, a, j, kind, pos = heapq.heappop(ev)
+            if etype == _ARRIVE:
+                enqueue(a, now, j, kind, pos)
+                dispatch(a, now)
+            elif etype == _DONE:
+                node = a
+                busy[node] = False
+                path = paths[j]
+                v = len(path) - 1
+                if kind == _FWD:
+                    if pos < v:
+                        hop(node, path[pos + 1], now, j, _FWD, pos + 1)
+                    elif v == 0:
+                        enqueue(node, now, j, _LOSS, 0)
+                    else:
+                        hop(node, path[0], now, j, _LOSS, 0)
+                elif kind == _LOSS:
+                    if v == 0:
+                        enqueue(node, now, j, _BWD, 0)
+                    else:
+                        hop(node, path[v], now, j, _BWD, v)
+                else:
+                    credits[node] += 1
+                    held[node] -= 1
+                    s = stages[j][pos]
+                    stage_left[s] -= 1
+                    if pos > 0:
+                        hop(node, path[pos - 1], now, j, _BWD, pos - 1)
+                    else:
+                        done_at[mb_ids[j]] = now
+                    if stage_left[s] == 0 and dp_sync:
+                        start_sync(s, now)
+                dispatch(node, now)
+            else:  # _SYNC arrival: stage a, ring position j received step kind
+                stt = sync_state[a]
+                if kind + 1 < stt["steps"]:
+                    sync_send(a, j, kind + 1, now)
+                else:
+                    stt["end"][stt["ring"][j]] = now
+
+    def result(self, on_deadlock: str) -> SimResult:
+        M, done_at, timeline = len(self.mbs), self.done_at, self.timeline
+        deadlock = len(done_at) < M
+        if deadlock and on_deadlock == "raise":
+            raise SimulationError(
+                f"schedule deadlocked: {M - len(done_at)} of {M} micro-batches never finished "
+                f"(memory credits {self.schedule.memory} exhausted in a cycle; use ascending routes or more memory)")
+        pipeline_s = max(done_at.values(), default=0.0)
+        iteration_s = pipeline_s
+        for s, stt in self.sync_state.items():
+            end = max(stt["end"].values(), default=stt["start"])
+            self.sync_span[s] = (stt["start"], end)
+            iteration_s = max(iteration_s, end)
+            if self.record:
+                for node in stt["ring"]:
+                    timeline.append(Event(node, "sync", None, s, stt["start"], stt["end"].get(node, end),
+                                          stt["sent"].get(node, 0)))
+        if deadlock:
+            iteration_s = math.inf
+        placed = self.schedule.nodes()
+        busy_s = self.busy_s
+        node_idle = {n: (iteration_s - busy_s[n]) if math.isfinite(iteration_s) else math.inf for n in placed}
+        if self.record:
+            timeline.sort(key=lambda e: (e.start, e.node))
+        return SimResult(iteration_s=iteration_s, pipeline_s=pipeline_s, mb_done_s=done_at,
+                         node_busy_s={n: busy_s[n] for n in placed}, node_idle_s=node_idle,
+                         bytes_pipeline=self.counts[1], bytes_sync=self.counts[2],
+                         max_in_flight={n: self.max_held[n] for n in placed}, sync_s=self.sync_span,
+                         timeline=timeline, deadlock=deadlock)
