@@ -11,13 +11,14 @@ Every value is checked: an unknown section or key, a value of the wrong type, or
 allowed range is a :class:`ConfigError` whose message names the key and what is allowed.
 
 Fields declare their constraints through ``field(metadata=...)``: ``min``, ``max``, ``choices``
-and ``help``.  Other subsystems add their own section dataclass and a field on :class:`Config`.
+and ``help``.  Every float must be finite (``nan`` and ``inf`` are refused, whatever the source).  Other subsystems add their own section dataclass and a field on :class:`Config`.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import tomllib
 import typing
 from dataclasses import dataclass, field
@@ -244,7 +245,18 @@ class Config:
                 _check_value(f"{sec.name}.{f.name}", f, getattr(section, f.name))
             if hasattr(section, "check"):
                 section.check()
+        self._check_skip_ratio()
         return self
+
+    def _check_skip_ratio(self) -> None:
+        """Every route must visit at least one body stage (see ``schedule.routes.skip_count``)."""
+        from .schedule.routes import RouteError, skip_count
+
+        try:
+            skip_count(self.train.skip_ratio, self.model.n_stages)
+        except RouteError as e:
+            raise ConfigError(f"train.skip_ratio={self.train.skip_ratio} with model.n_stages="
+                              f"{self.model.n_stages}: {e}") from None
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
         return dataclasses.asdict(self)
@@ -328,6 +340,9 @@ def _coerce(key: str, tp: Any, value: Any) -> Any:
 
 def _check_value(key: str, f: dataclasses.Field, value: Any) -> None:
     meta = f.metadata
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ConfigError(f"{key}={value!r} is not a finite number; give a finite value "
+                          f"(default {f.default!r})")
     if "choices" in meta and value not in meta["choices"]:
         allowed = ", ".join(repr(c) for c in meta["choices"])
         raise ConfigError(f"{key}={value!r} is not allowed; choose one of {allowed}")

@@ -7,7 +7,9 @@ appears in the list.
 The SkipPipe route constraints (DESIGN.md section 1):
 
 * every micro-batch skips the same number of body stages, ``skip_count(k, S) = floor(k * S + 0.5)``
-  (S counts all stages, stage 0 included: S=6, k=0.33 skips 2 of the 5 body stages);
+  (S counts all stages, stage 0 included: S=6, k=0.33 skips 2 of the 5 body stages), and visits
+  at least one: a skip ratio that skips every body stage is refused (k must stay below
+  ``(S - 1.5) / S``);
 * no stage is visited twice;
 * the order is ascending except for swaps of two neighbours in the visit list, at most
   ``max_swaps`` (<= 2) of them, and the swapped pairs do not overlap;
@@ -39,10 +41,14 @@ def skip_count(skip_ratio: float, n_stages: int) -> int:
         raise RouteError(f"skip ratio {skip_ratio} must lie in [0, 1]")
     n = int(skip_ratio * n_stages + 0.5)
     body = n_stages - 1
-    if n > body:
+    if n and body == 0:
+        raise RouteError(f"skip ratio {skip_ratio} with {n_stages} stage: there is no body stage to skip; "
+                         "use skip ratio 0 or more stages")
+    if n and n >= body:
+        # round(k * S) <= body - 1  <=>  k * S + 0.5 < body  <=>  k < (body - 0.5) / S
         raise RouteError(
-            f"skip ratio {skip_ratio} with {n_stages} stages skips {n} body stages but there are only "
-            f"{body}; lower the skip ratio below {body / n_stages:.3f}")
+            f"skip ratio {skip_ratio} with {n_stages} stages skips {n} of the {body} body stages, leaving "
+            f"routes that train no body stage; use a skip ratio below {(body - 0.5) / n_stages:.4g}")
     return n
 
 
