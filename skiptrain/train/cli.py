@@ -10,6 +10,7 @@ from pathlib import Path
 
 from ..config import build_config, preset_names
 from ..errors import UserError
+from .generate import MAX_NEW_TOKENS
 
 
 def add_config_args(p: argparse.ArgumentParser, default_preset: str | None = "small") -> None:
@@ -83,6 +84,8 @@ def cmd_eval(args: argparse.Namespace) -> int:
     from .evaluate import evaluate, perplexity
     from .rundir import load_run
 
+    if args.batches < 1:
+        raise UserError(f"--batches {args.batches}: evaluate at least 1 micro-batch (e.g. --batches 16)")
     cfg, model, _ = load_run(args.run_dir)
     ds = TokenDataset.open(args.data or cfg.data.path)
     if ds.vocab_size != cfg.model.vocab_size:
@@ -104,15 +107,23 @@ def cmd_eval(args: argparse.Namespace) -> int:
 def cmd_generate(args: argparse.Namespace) -> int:
     import torch
 
+    from .generate import check_request, sample_tokens, stream_text
     from .rundir import load_run
 
+    check_request(args.tokens, args.temperature)
     cfg, model, tok = load_run(args.run_dir)
     route = _route_from_args(args, cfg.model.n_stages)
     ids = tok.encode(args.prompt) or [0]
     g = torch.Generator().manual_seed(args.seed)
-    out = model.generate(torch.tensor([ids]), args.tokens, temperature=args.temperature,
-                         route=route, generator=g)
-    print(tok.decode(out[0].tolist()))
+
+    def write(text: str) -> None:
+        sys.stdout.write(text)
+        sys.stdout.flush()
+
+    write(tok.decode(ids))
+    stream_text(tok, sample_tokens(model, ids, args.tokens, temperature=args.temperature, route=route,
+                                   generator=g), write)
+    write("\n")
     return 0
 
 
@@ -185,8 +196,9 @@ def register(sub) -> None:
     p = sub.add_parser("generate", help="sample text from a trained run")
     p.add_argument("run_dir")
     p.add_argument("--prompt", default="\n")
-    p.add_argument("--tokens", type=int, default=200)
-    p.add_argument("--temperature", type=float, default=0.8)
+    p.add_argument("--tokens", type=int, default=200,
+                   help=f"new tokens to sample, streamed as they come (at most {MAX_NEW_TOKENS})")
+    p.add_argument("--temperature", type=float, default=0.8, help="sampling temperature (0 = most likely token)")
     _add_drop_args(p)
     p.set_defaults(func=cmd_generate)
 
