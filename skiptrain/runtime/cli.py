@@ -149,6 +149,7 @@ def cmd_join(target: str, secret_file: str | None) -> int:
 
 def cmd_launch(args: argparse.Namespace) -> int:
     from ..train.cli import config_from_args
+    from ..train.rundir import claim_run_dir
 
     if args.join:
         return cmd_join(args.join, args.join_secret_file)
@@ -169,6 +170,8 @@ def cmd_launch(args: argparse.Namespace) -> int:
                       ("drift_threshold", "drift_threshold")):
         if getattr(args, flag) is not None:
             setattr(cfg.runtime, key, getattr(args, flag))
+    cfg.check()  # the flags above are checked like --set values
+    claim_run_dir(args.out, overwrite=args.overwrite)
     if cfg.runtime.takeover and not cfg.runtime.recover:
         raise UserError("--takeover needs --recover (a stage is only taken over by a run that survives failures)")
     if args.restartable and not cfg.runtime.recover:
@@ -195,7 +198,8 @@ def register(sub) -> None:
     p.add_argument("--steps", type=int, default=None)
     p.add_argument("--skip-ratio", type=float, default=None)
     p.add_argument("--seed", type=int, default=None)
-    p.add_argument("--out", default=None, help="run directory")
+    p.add_argument("--out", default=None, help="run directory (refused if it holds a run, unless --overwrite)")
+    p.add_argument("--overwrite", action="store_true", help="replace the run already in --out")
     g = p.add_argument_group("failures (issue 8; docs/failures.md)")
     g.add_argument("--recover", action="store_true",
                    help="survive killed, hung and bad nodes (config runtime.recover); nodes may join")

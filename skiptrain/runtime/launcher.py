@@ -295,14 +295,16 @@ def _merge_outputs(job: Job, run_dir: Path) -> None:
                 save_timeline(ev, run_dir / "phases" / ph.name / f"timeline_it{it}.json")
     parts = sorted((run_dir / "parts").glob("stage*.safetensors")) if (run_dir / "parts").is_dir() else []
     if parts:
-        from safetensors.torch import load_file, save_file
+        from safetensors.torch import load_file
+
+        from ..train.rundir import save_weights_file
 
         state = {}
         for p in parts:
             state.update(load_file(str(p)))
         if job.recover:
             state.update(_lost_stages_from_checkpoints(job, run_dir, {p.stem for p in parts}))
-        save_file(state, str(run_dir / "model.safetensors"))
+        save_weights_file(state, run_dir / "model.safetensors")
 
 
 def _lost_stages_from_checkpoints(job: Job, run_dir: Path, have: set[str]) -> dict:

@@ -30,10 +30,13 @@ def config_from_args(args: argparse.Namespace, **shortcuts):
 
 
 def cmd_train(args: argparse.Namespace) -> int:
+    from .rundir import claim_run_dir
     from .trainer import Trainer
 
     cfg = config_from_args(args, **{"data.path": args.data, "train.steps": args.steps,
                                     "train.skip_ratio": args.skip_ratio, "train.seed": args.seed})
+    claim_run_dir(args.out, resume=getattr(args, "resume", None) is not None,
+                  overwrite=getattr(args, "overwrite", False))
     if getattr(args, "nodes", None) is not None:
         cfg.runtime.nodes = args.nodes
     if cfg.runtime.nodes > 1:  # issue 4: the multi-process skip-pipeline runtime (skiptrain.runtime)
@@ -152,7 +155,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
         overrides = swarm + ([f"runtime.nodes={nodes}"] if nodes else []) + overrides
     train_args = argparse.Namespace(preset=args.preset, config=args.config, overrides=overrides,
                                     data=str(data), steps=args.steps, skip_ratio=None, seed=None,
-                                    out=args.out, quiet=False, nodes=nodes)
+                                    out=args.out, quiet=False, nodes=nodes, overwrite=True)
     cmd_train(train_args)
     print("\n[demo] a sample from the trained model:\n", flush=True)
     cmd_generate(argparse.Namespace(run_dir=args.out, prompt="ROMEO.\n", tokens=120, temperature=0.8,
@@ -175,7 +178,10 @@ def register(sub) -> None:
     p.add_argument("--steps", type=int, help="optimizer steps (config train.steps)")
     p.add_argument("--skip-ratio", type=float, help="random skip training with ratio k (config train.skip_ratio)")
     p.add_argument("--seed", type=int, help="config train.seed")
-    p.add_argument("--out", required=True, help="run directory to write")
+    p.add_argument("--out", required=True, help="run directory to write (refused if it holds a run, unless "
+                                                   "--resume or --overwrite)")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace the run already in --out (its weights, metrics and checkpoints are deleted)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.add_argument("--nodes", type=int, default=None,
                    help="train on N local node processes (skip-pipeline runtime, config runtime.nodes); 1 = single process")
@@ -205,7 +211,7 @@ def register(sub) -> None:
     p = sub.add_parser("demo", help="the embedded default: prepare Shakespeare, train the small model, sample")
     add_config_args(p)
     p.add_argument("--data", default="data/shakespeare")
-    p.add_argument("--out", default="runs/demo")
+    p.add_argument("--out", default="runs/demo", help="run directory (replaced if it holds a run)")
     p.add_argument("--steps", type=int, default=None)
     p.add_argument("--nodes", type=int, default=None,
                    help="node processes of the local swarm (default: 9 on a planned skip schedule; 1 = single process)")

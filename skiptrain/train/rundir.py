@@ -6,17 +6,28 @@
     RUN_DIR/metrics.jsonl      one JSON object per logged step (and per validation)
     RUN_DIR/loss.png           the loss curve
     RUN_DIR/run.json           summary: step, tokens, final validation loss, data set
+
+``model.safetensors`` carries the SHA-256 of its tensors (names, dtypes, shapes and bytes) in its
+safetensors metadata under ``skiptrain.sha256``; :func:`load_weights` (used by ``eval`` and
+``generate``) recomputes it and refuses a file that does not match.
+
+A directory that already holds a run is never trained into again by accident: ``train --out``
+refuses it unless ``--resume`` continues it or ``--overwrite`` replaces it (:func:`claim_run_dir`).
 """
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
 import json
 import os
 import shutil
+import sys
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save_file
 
 from ..config import Config, ConfigError, config_from_dict, load_toml, save_toml
 from ..data.tokenizer import BPETokenizer, ByteTokenizer, Tokenizer
@@ -30,23 +41,103 @@ class RunError(UserError):
     """A run directory that is missing or incomplete."""
 
 
+#: What a run (single-process or swarm) writes into its directory; ``--overwrite`` removes these.
+RUN_ENTRIES = ("config.toml", "tokenizer.json", WEIGHTS, WEIGHTS + ".tmp", "metrics.jsonl", "loss.png",
+               "run.json", "checkpoints", "parts", "phases", "logs", "stage_ckpt", "recoveries.jsonl",
+               "lost_stages.json", "join.json", "join_secret", "nodes.json")
+#: Entries whose presence means the directory holds a run.
+RUN_MARKERS = ("config.toml", WEIGHTS, "metrics.jsonl", "run.json", "checkpoints")
+CHECKSUM_KEY = "skiptrain.sha256"
+
+
+def claim_run_dir(out: str | Path, resume: bool = False, overwrite: bool = False) -> None:
+    """Refuse to train into a directory that holds a run, unless resuming it or told to replace it.
+
+    With ``overwrite`` the run's entries (:data:`RUN_ENTRIES`) are deleted; other files stay.
+    """
+    out = Path(out)
+    found = [m for m in RUN_MARKERS if (out / m).exists()]
+    if not found or resume:
+        return
+    if not overwrite:
+        raise RunError(f"{str(out)!r} already holds a run ({', '.join(found)}); continue it with --resume, "
+                       "replace it with --overwrite, or pass another --out")
+    for name in RUN_ENTRIES:
+        p = out / name
+        try:
+            if p.is_dir() and not p.is_symlink():
+                shutil.rmtree(p)
+            elif p.exists() or p.is_symlink():
+                p.unlink()
+        except OSError as e:
+            raise RunError(f"--overwrite could not remove {p}: {e.strerror}; remove it by hand") from None
+
+
 def prepare_run_dir(out: str | Path, cfg: Config, data_dir: str | Path | None) -> Path:
     out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
-    save_toml(cfg, out / "config.toml")
-    if data_dir is not None and (Path(data_dir) / BPETokenizer.FILE).is_file():
-        shutil.copyfile(Path(data_dir) / BPETokenizer.FILE, out / BPETokenizer.FILE)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        save_toml(cfg, out / "config.toml")
+        if data_dir is not None and (Path(data_dir) / BPETokenizer.FILE).is_file():
+            shutil.copyfile(Path(data_dir) / BPETokenizer.FILE, out / BPETokenizer.FILE)
+    except OSError as e:
+        raise RunError(f"cannot write the run directory {str(out)!r}: {e.strerror}; pass a writable --out") from None
     return out
 
 
+def weights_digest(state: dict[str, torch.Tensor]) -> str:
+    """SHA-256 over every tensor's name, dtype, shape and bytes, in name order."""
+    h = hashlib.sha256()
+    for name in sorted(state):
+        t = state[name].detach().contiguous().cpu()
+        h.update(f"{name}|{str(t.dtype).removeprefix('torch.')}|{list(t.shape)}|".encode())
+        if t.numel():
+            h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+def save_weights_file(state: dict[str, torch.Tensor], path: str | Path) -> None:
+    """Write ``state`` with its checksum atomically (temporary file, fsync, rename)."""
+    path = Path(path)
+    tmp = path.with_name(path.name + ".tmp")
+    state = {n: t.detach().contiguous() for n, t in state.items()}
+    try:
+        save_file(state, str(tmp), metadata={"format": "pt", CHECKSUM_KEY: weights_digest(state)})
+        with open(tmp, "rb") as f:
+            os.fsync(f.fileno())
+        tmp.replace(path)
+    except OSError as e:
+        with contextlib.suppress(OSError):
+            tmp.unlink(missing_ok=True)
+        raise RunError(f"cannot write {path}: {e.strerror}; free disk space or make {path.parent} "
+                       "writable (the run's checkpoints, if any, are unaffected)") from None
+
+
 def save_weights(model: StagedLM, out: str | Path) -> None:
-    """Write the weights atomically (temporary file, fsync, rename)."""
-    path = Path(out) / WEIGHTS
-    tmp = path.with_suffix(".tmp")
-    save_file({n: p.detach().contiguous() for n, p in model.state_dict().items()}, str(tmp))
-    with open(tmp, "rb") as f:
-        os.fsync(f.fileno())
-    tmp.replace(path)
+    """Write the model's weights with their checksum into ``out/model.safetensors``, atomically."""
+    save_weights_file(model.state_dict(), Path(out) / WEIGHTS)
+
+
+def load_weights(path: str | Path) -> dict[str, torch.Tensor]:
+    """The tensors of a weights file, after checking the checksum its metadata carries.
+
+    A file without a checksum (written by an older skiptrain) is read with a warning on stderr.
+    """
+    path = Path(path)
+    try:
+        with safe_open(str(path), "pt") as f:
+            meta = f.metadata() or {}
+            state = {n: f.get_tensor(n) for n in f.keys()}
+    except (SafetensorError, OSError, ValueError) as e:
+        raise RunError(f"{path} is corrupt or unreadable ({e}); rebuild it from a checkpoint "
+                       f"(skiptrain export {path.parent} --format skiptrain --out DIR) or retrain") from None
+    want = meta.get(CHECKSUM_KEY)
+    if want is None:
+        print(f"skiptrain: warning: {path} carries no checksum; its weights are not verified", file=sys.stderr)
+    elif weights_digest(state) != want:
+        raise RunError(f"{path} fails its checksum (the weights were changed or damaged after they were "
+                       "written); retrain or restore it from a checkpoint (skiptrain export --format skiptrain)")
+    return state
 
 
 def load_run(run_dir: str | Path) -> tuple[Config, StagedLM, Tokenizer]:
@@ -61,10 +152,7 @@ def load_run(run_dir: str | Path) -> tuple[Config, StagedLM, Tokenizer]:
     if not (d / WEIGHTS).is_file():
         raise RunError(f"{str(d)!r} has no {WEIGHTS}: the run has not saved weights yet")
     model = StagedLM(cfg.model, seed=cfg.train.seed)
-    try:
-        state = load_file(str(d / WEIGHTS))
-    except Exception as e:  # safetensors raises its own error type on corrupt headers
-        raise RunError(f"{d / WEIGHTS} is corrupt ({e}); retrain or restore it from a checkpoint") from None
+    state = load_weights(d / WEIGHTS)
     missing, unexpected = model.load_state_dict(state, strict=False)
     if missing or unexpected:
         raise RunError(f"{d / WEIGHTS} does not match config.toml (missing {missing[:3]}, unexpected {unexpected[:3]})")
