@@ -113,3 +113,25 @@ def test_weights_without_a_checksum_are_read_with_a_warning(tmp_path, capsys):
     assert "carries no checksum" in capsys.readouterr().err
     save_weights_file({"a": torch.ones(2), "e": torch.zeros(0)}, tmp_path / "v.safetensors")
     assert load_weights(tmp_path / "v.safetensors")["e"].numel() == 0
+
+
+def test_a_full_disk_during_training_is_one_line_and_keeps_the_last_checkpoint(tmp_path, byte_data, capsys,
+                                                                               monkeypatch):
+    import os
+
+    real = store.write_file
+
+    def full_after_step_1(path, data, durable=True):
+        if str(path).endswith("metadata.json") and "step-00000001" not in str(path):
+            raise OSError(28, os.strerror(28), str(path))
+        return real(path, data, durable)
+
+    monkeypatch.setattr(store, "write_file", full_after_step_1)
+    out = tmp_path / "run"
+    err = one_line_error(capsys, ["train", *TINY, "--data", str(byte_data), "--steps", "3", "--out", str(out)],
+                         "failed: No space left on device")
+    assert f"the last committed checkpoint is {out / 'checkpoints' / 'step-00000001'}" in err
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["LATEST", "step-00000001"]
+    monkeypatch.undo()
+    assert main(["train", *TINY, "--data", str(byte_data), "--steps", "3", "--out", str(out), "--resume"]) == 0
+    assert "resumed from" in capsys.readouterr().out and json.loads((out / "run.json").read_text())["step"] == 3
