@@ -44,22 +44,11 @@ from pathlib import Path
 from ..schedule.schedule import Schedule
 from .failure import RuntimeFailure, describe_exit
 from .job import Job
+from .membership import Verifier, sign
 from .recovery import publish_generation
 
 
-def _claimed_pid(hello: str) -> int:
-    """The pid a joining node claims in its hello; 0 (never signalled) unless it is a plausible
-    other process (an int > 1, not this one)."""
-    try:
-        pid = json.loads(hello).get("pid")
-    except (ValueError, AttributeError):
-        return 0
-    if not isinstance(pid, int) or isinstance(pid, bool) or pid <= 1 or pid == os.getpid() or pid > 2 ** 22:
-        return 0
-    return pid
-
-
-def _pid_running(pid: int) -> bool:
+def pid_running(pid: int) -> bool:
     """Whether ``pid`` runs (not gone, not a zombie): joining nodes are not this process's children.
     ``pid <= 1`` is never a node (0 and -1 address process groups / everything; 1 is init)."""
     if pid <= 1:
@@ -78,23 +67,22 @@ def _pid_running(pid: int) -> bool:
 class _Members:
     """Exit status of the launched children and of joined (external) node processes."""
 
-    def __init__(self, procs, store):
-        self.procs, self.store = procs, store
-        self.ext: dict[int, int] = {}            # joined node -> pid
+    def __init__(self, procs, store, verifier: Verifier):
+        self.procs, self.store, self.verifier = procs, store, verifier
+        self.ext: dict[int, int] = {}            # joined node -> pid (0: unverified, never signalled)
 
     def code(self, r: int) -> int | None:
         if r < len(self.procs):
             return self.procs[r].poll()
         pid = self.ext.get(r)
-        if pid is None or _pid_running(pid):
+        if not pid or pid_running(pid):
             return None
-        try:
-            done = self.store.get(f"hb/{r}").decode().endswith(":done")
-        except Exception:  # noqa: BLE001
-            done = False
-        return 0 if done else -signal.SIGKILL
+        hb = self.verifier.read(self.store, r, f"hb/{r}")
+        return 0 if hb is not None and hb.endswith(":done") else -signal.SIGKILL
 
     def kill(self, r: int) -> None:
+        """SIGKILL node ``r``: only a child this coordinator started, or a process whose PID came
+        signed with the node's member key (a joiner's hello, a node's ``pid/<r>``)."""
         pid = self.procs[r].pid if r < len(self.procs) else self.ext.get(r)
         if pid is None or pid <= 1 or pid == os.getpid():
             return
@@ -109,8 +97,26 @@ class _Members:
                 pass
         else:
             end = time.time() + 5
-            while _pid_running(pid) and time.time() < end:
+            while pid_running(pid) and time.time() < end:
                 time.sleep(0.01)
+
+
+#: The member-key id the coordinator signs its own saved state with (``coord/strikes``).
+COORDINATOR = -1
+
+
+def verified_pid(verifier: Verifier, store, node: int) -> int:
+    """The PID node ``node`` wrote (signed) to ``pid/<node>``; 0 (never signalled) when absent,
+    forged or implausible."""
+    raw = verifier.read(store, node, f"pid/{node}")
+    try:
+        pid = int(raw) if raw is not None else 0
+    except ValueError:
+        pid = 0
+    if pid <= 1 or pid == os.getpid() or pid > 2 ** 22:
+        print(f"[coordinator] node {node}: no verified PID; it will not be signalled", file=sys.stderr, flush=True)
+        return 0
+    return pid
 
 
 def _log(log_path: Path, row: dict) -> None:
@@ -130,7 +136,7 @@ def coordinate(job: Job, procs, store, world: int, t_start: float, timeout_s: fl
         stage0 |= set(Schedule.from_dict(ph.schedule).placement[0])
     log_path = Path(run_dir) / "recoveries.jsonl"
     fenced: set[int] = set()
-    members = _Members(procs, store)
+    members = _Members(procs, store, Verifier(join_secret, Path(run_dir) / "rejected_writes.jsonl"))
     if resume:
         if not store.check(["gen"]):
             raise RuntimeFailure(
@@ -173,9 +179,10 @@ def _loop(job, store, members, stage0, deadline, strikes_needed, log_path, fence
         gen = current_generation(store)
         alive = set(read_generation(store, gen)["alive"])
         for r in sorted(alive):
-            members.ext[r] = int(store.get(f"pid/{r}").decode())
-        if store.check(["coord/strikes"]):
-            strikes = {int(k): v for k, v in json.loads(store.get("coord/strikes").decode()).items()}
+            members.ext[r] = verified_pid(members.verifier, store, r)
+        saved = members.verifier.read(store, COORDINATOR, "coord/strikes")
+        if saved is not None:
+            strikes = {int(k): v for k, v in json.loads(saved).items()}
         joins.resume(gen, alive)
         print(f"[coordinator] restarted: generation {gen}, alive {sorted(alive)}, node PIDs "
               f"{[members.ext[r] for r in sorted(alive)]}", file=sys.stderr, flush=True)
@@ -197,29 +204,28 @@ def _loop(job, store, members, stage0, deadline, strikes_needed, log_path, fence
         if now >= next_hb:
             next_hb = now + job.heartbeat_s
             for r in sorted(alive - set(found)):
-                try:
-                    if codes[r] is not None or not store.check([f"hb/{r}"]):
-                        continue
-                    t, _, state = store.get(f"hb/{r}").decode().partition(":")
-                except Exception:  # noqa: BLE001
+                hb = None if codes[r] is not None else members.verifier.heartbeat(store, r)
+                if hb is None:                # absent, forged or replayed: no decision on it
                     continue
-                if state != "done" and now - float(t) > deadline:
-                    found[r] = (f"stopped responding: no heartbeat for {now - float(t):.2f} s "
-                                f"(deadline {deadline:g} s)", float(t))
+                t, state = hb
+                if state != "done" and now - t > deadline:
+                    found[r] = (f"stopped responding: no heartbeat for {now - t:.2f} s "
+                                f"(deadline {deadline:g} s)", t)
             for r in sorted(alive):
-                key = f"report/{gen}/{r}"
+                raw = members.verifier.read(store, r, f"report/{gen}/{r}")   # only r's own, signed
                 try:
-                    if not store.check([key]):
-                        continue
-                    rep = json.loads(store.get(key).decode())
-                except Exception:  # noqa: BLE001
+                    rep = json.loads(raw) if raw is not None else None
+                except ValueError:
+                    continue
+                if not isinstance(rep, dict):
                     continue
                 bad = rep.get("node")
                 if rep.get("bad_peer") and bad is not None and bad in alive and bad not in found \
                         and bad not in struck:
                     cause = f"bad peer: {rep['cause'].splitlines()[0][:200]} (reported by node {r})"
                     strikes[bad] = strikes.get(bad, 0) + 1
-                    store.set("coord/strikes", json.dumps(strikes))
+                    store.set("coord/strikes", sign(members.verifier.key(COORDINATOR), "coord/strikes",
+                                                    json.dumps(strikes)))
                     if strikes[bad] >= strikes_needed:
                         found[bad] = (cause + f"; strike {strikes[bad]} of {strikes_needed}: banned",
                                       float(rep["t"]))
@@ -307,7 +313,7 @@ class _Joins:
 
     def step(self, gen: int, alive: set[int]) -> bool:
         """Advance the joins; returns True when it published generation ``gen + 1``."""
-        from .join import challenge, check_response
+        from .join import challenge, check_response, hello_pid
 
         now = time.time()
         for j in self._ids():
@@ -315,7 +321,7 @@ class _Joins:
             if not hello:
                 continue
             self.seen.add(j)
-            pid = _claimed_pid(hello)
+            pid = hello_pid(self.secret, j, hello)
             self.pending[j] = {"t_hello": now, "pid": pid, "nonce": challenge(self.store, j), "state": "challenged"}
         for j, st in sorted(self.pending.items()):
             if st["state"] == "challenged":
@@ -382,6 +388,7 @@ class _Joins:
 
     def resume(self, gen: int, alive: set[int]) -> None:
         """A restarted coordinator: rebuild the joins under way from the store's join keys."""
+        from .join import hello_pid
         try:
             top = self.store.add("nodes/next", 0)
         except Exception:  # noqa: BLE001
@@ -391,7 +398,7 @@ class _Joins:
             if not self.store.check([f"join/hello/{j}"]):
                 continue
             self.seen.add(j)
-            pid = _claimed_pid(self.store.get(f"join/hello/{j}").decode(errors="replace"))
+            pid = hello_pid(self.secret, j, self.store.get(f"join/hello/{j}").decode(errors="replace"))
             res = self.store.get(f"join/result/{j}").decode() if self.store.check([f"join/result/{j}"]) else None
             if self.store.check([f"join/assign/{j}"]):
                 g = int(self.store.get(f"join/assign/{j}").decode())

@@ -13,8 +13,9 @@ Protocol (over the rendezvous store, keys under ``join/``):
 A node joining a *running* job (``python -m skiptrain.runtime.node --join HOST:PORT``, or
 ``skiptrain launch --join HOST:PORT``) first takes a fresh node id (:func:`request_node_id`),
 then runs the same exchange with the coordinator's main loop (:func:`challenge`,
-:func:`check_response`); its ``hello`` carries its PID so the coordinator can fence it (same
-host only).
+:func:`check_response`); its ``hello`` carries its PID, signed with its member key
+(:mod:`skiptrain.runtime.membership`), so the coordinator can fence it (same host only) and a
+PID written by anyone else is never signalled (:func:`hello_pid`).
 
 Failure semantics: a node whose response is wrong, or that does not answer within the timeout,
 is refused; the node raises :class:`JoinRefused` and exits without calling
@@ -33,8 +34,11 @@ import secrets
 import time
 
 from .failure import NodeFailure
+from .membership import SECRET_ENV, member_key, open_signed, secret_from_env, sign
 
-SECRET_ENV = "SKIPTRAIN_JOIN_SECRET"
+__all__ = ["SECRET_ENV", "EXIT_REFUSED", "JoinRefused", "secret_from_env", "new_secret", "respond", "verify",
+           "node_join", "admit", "challenge", "check_response", "refuse", "request_node_id", "hello_pid"]
+
 EXIT_REFUSED = 5
 
 
@@ -70,7 +74,9 @@ def _wait_key(store, key: str, timeout_s: float, poll_s: float = 0.01) -> str | 
 
 def node_join(store, node: int, secret: str | None, timeout_s: float) -> None:
     """Node side: answer the coordinator's challenge; raise :class:`JoinRefused` if refused."""
-    store.set(f"join/hello/{node}", json.dumps({"t": time.time(), "pid": os.getpid()}))
+    name = f"join/hello/{node}"
+    store.set(name, sign(member_key(secret, node) if secret else None, name,
+                         json.dumps({"t": time.time(), "pid": os.getpid()})))
     nonce = _wait_key(store, f"join/nonce/{node}", timeout_s)
     if nonce is None:
         raise JoinRefused(f"node {node}: no challenge from the coordinator within {timeout_s:g} s", node=node)
@@ -137,5 +143,17 @@ def request_node_id(store) -> int:
     return int(store.add("nodes/next", 1)) - 1
 
 
-def secret_from_env() -> str | None:
-    return os.environ.get(SECRET_ENV) or None
+
+def hello_pid(secret: str, node: int, raw: str) -> int:
+    """The PID a joining node's hello claims, if its tag verifies with the node's member key; else 0
+    (a process that does not know the secret cannot make the coordinator signal anything)."""
+    value = open_signed(member_key(secret, node), f"join/hello/{node}", raw)
+    if value is None:
+        return 0
+    try:
+        pid = json.loads(value).get("pid")
+    except (ValueError, AttributeError):
+        return 0
+    if not isinstance(pid, int) or isinstance(pid, bool) or pid <= 1 or pid == os.getpid() or pid > 2 ** 22:
+        return 0
+    return pid

@@ -36,6 +36,7 @@ from ..schedule.schedule import Schedule
 from ..schedule.timeline import Event, from_dicts, save_timeline
 from .failure import RuntimeFailure, describe_exit
 from .job import Job
+from .membership import parse_heartbeat
 from .progress import SwarmProgress
 
 
@@ -103,8 +104,8 @@ def launch(job: Job, nodes: int | None = None, timeout_s: float = 3600.0, grace_
         store = dist.TCPStore("127.0.0.1", port, world, is_master=False, wait_for_workers=False,
                               timeout=timedelta(seconds=max(job.timeout_s, 60.0)))
     else:
-        store = dist.TCPStore("127.0.0.1", 0, world, is_master=True, wait_for_workers=False,
-                              timeout=timedelta(seconds=max(job.timeout_s, 60.0)))
+        from .membership import host_store
+        store, listening = host_store(world, max(job.timeout_s, 60.0))  # noqa: F841 - loopback only
     (run_dir / "join.json").unlink(missing_ok=True)
     if job.recover:
         # nodes joining later (``--join HOST:PORT``) take ids from here on and read the job here
@@ -191,8 +192,8 @@ def stop_store(store_proc, store) -> None:
     end = time.time() + 5
     while time.time() < end:
         if isinstance(store_proc, int):
-            from .coordinator import _pid_running
-            if not _pid_running(pid):
+            from .coordinator import pid_running
+            if not pid_running(pid):
                 return
         elif store_proc.poll() is not None:
             return
@@ -213,7 +214,7 @@ def _monitor(job: Job, procs, store, world: int, t_start: float, timeout_s: floa
             try:
                 if not store.check([key]):
                     continue
-                t, _, state = store.get(key).decode().partition(":")
+                t, state = parse_heartbeat(store.get(key).decode())
             except Exception:  # noqa: BLE001
                 continue
             age = now - float(t)

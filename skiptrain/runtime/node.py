@@ -42,6 +42,7 @@ import torch.distributed as dist
 from .failure import (EXIT_FAILED, EXIT_PEER_FAILED, Heartbeat, NodeFailure, abort_process,
                       set_parent_death_signal, write_error)
 from .job import Job, Phase
+from .membership import set_member
 
 
 # CPU-second cap on the planner when it re-plans the routes after a recovery generation, a join
@@ -87,7 +88,7 @@ class _Node:
             from .join import JoinRefused, node_join, secret_from_env
             from .recovery import read_generation
 
-            self.store.set(f"pid/{rank}", str(os.getpid()))   # a restarted coordinator fences by PID
+            set_member(self.store, rank, f"pid/{rank}", str(os.getpid()))  # signed: a restarted coordinator fences by PID
             secret = secret_from_env()
             if self._fault_kind() == "wrong_secret":
                 secret = "not the secret"

@@ -1,7 +1,7 @@
 """The rendezvous store in a process of its own, so the coordinator can be restarted (issue 8).
 
-``python -m skiptrain.runtime.store --port-file PATH`` hosts a ``TCPStore`` on 127.0.0.1 (port
-chosen by the OS), writes ``{"host", "port", "pid"}`` to ``PATH`` and serves until the key
+``python -m skiptrain.runtime.store --port-file PATH`` hosts a ``TCPStore`` listening on
+127.0.0.1 only (``--host`` names another single address; port chosen by the OS), writes ``{"host", "port", "pid"}`` to ``PATH`` and serves until the key
 ``store/stop`` is set (the coordinator does that when the run ends).  Everything the coordinator
 knows lives in this store (generations and their alive sets, strikes, join nonces and results,
 node PIDs), so a coordinator that dies can be replaced by ``python -m
@@ -19,7 +19,6 @@ import json
 import os
 import sys
 import time
-from datetime import timedelta
 from pathlib import Path
 
 STOP_KEY = "store/stop"
@@ -29,13 +28,13 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m skiptrain.runtime.store", description=__doc__.split("\n")[0])
     ap.add_argument("--port-file", required=True, help="where to write the address (JSON)")
     ap.add_argument("--poll", type=float, default=0.2, help="seconds between checks of the stop key")
+    ap.add_argument("--host", default="127.0.0.1", help="the one address to listen on (default: loopback)")
     args = ap.parse_args(argv)
-    import torch.distributed as dist
+    from .membership import host_store
 
-    store = dist.TCPStore("127.0.0.1", 0, 1, is_master=True, wait_for_workers=False,
-                          timeout=timedelta(seconds=60))
+    store, listening = host_store(1, 60.0, args.host)  # noqa: F841 - the socket must stay open
     tmp = Path(args.port_file).with_suffix(".tmp")
-    tmp.write_text(json.dumps({"host": "127.0.0.1", "port": store.port, "pid": os.getpid()}))
+    tmp.write_text(json.dumps({"host": args.host, "port": store.port, "pid": os.getpid()}))
     os.replace(tmp, args.port_file)
     while not store.check([STOP_KEY]):
         time.sleep(args.poll)

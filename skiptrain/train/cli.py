@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 import time
 from pathlib import Path
@@ -62,7 +63,13 @@ def cmd_train(args: argparse.Namespace) -> int:
     print(f"skiptrain train: {trainer.model.num_parameters() / 1e6:.2f}M parameters, "
           f"{cfg.model.n_stages} stages {trainer.model.partition.to_list()}, "
           f"{trainer.tokens_per_step} tokens/step, {cfg.train.steps} steps -> {args.out}", flush=True)
-    s = trainer.fit()
+    try:
+        s = trainer.fit()
+    except FloatingPointError as e:   # the loss became inf/nan: the weights written are not usable
+        raise UserError(f"training diverged: {e}; the last checkpoint (if any) is under {args.out}/checkpoints")
+    if not math.isfinite(s["val_loss"]):
+        raise UserError(f"training diverged: the final validation loss is {s['val_loss']}; retrain with a lower "
+                        "train.lr (the run directory holds the diverged weights)")
     print(f"done: step {s['step']}, validation loss {s['val_loss']:.4f} "
           f"(unigram baseline {s['unigram_val_loss']:.4f}), {s['seconds']:.0f} s; run directory: {args.out}")
     return 0

@@ -44,7 +44,8 @@ class RunError(UserError):
 #: What a run (single-process or swarm) writes into its directory; ``--overwrite`` removes these.
 RUN_ENTRIES = ("config.toml", "tokenizer.json", WEIGHTS, WEIGHTS + ".tmp", "metrics.jsonl", "loss.png",
                "run.json", "checkpoints", "parts", "phases", "logs", "stage_ckpt", "recoveries.jsonl",
-               "lost_stages.json", "join.json", "join_secret", "nodes.json")
+               "lost_stages.json", "join.json", "join_secret", "rejected_writes.jsonl", "job.json",
+               "store.json", "errors", "interrupted.json", "schedule.json", "gantt.png")
 #: Entries whose presence means the directory holds a run.
 RUN_MARKERS = ("config.toml", WEIGHTS, "metrics.jsonl", "run.json", "checkpoints")
 CHECKSUM_KEY = "skiptrain.sha256"
