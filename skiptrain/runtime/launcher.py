@@ -22,11 +22,13 @@ Failure semantics (the launcher is the authority on which node failed):
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -76,7 +78,66 @@ def _describe(job: Job, node: int) -> str:
 
 def launch(job: Job, nodes: int | None = None, timeout_s: float = 3600.0, grace_s: float = 3.0,
            echo: bool = False, join_secret: str | None = None) -> LaunchResult:
-    """Run ``job`` on ``nodes`` local processes (default: the schedules' node count); see module doc."""
+    """Run ``job`` on ``nodes`` local processes (default: the schedules' node count); see module doc.
+
+    SIGTERM (in the main thread) stops the launch like Ctrl-C: every node process and the store
+    process are stopped, nothing is left running; then, when the run has per-stage checkpoints
+    (``job.ckpt_every``), the newest iteration every stage has is assembled into
+    ``model.safetensors`` (:func:`salvage_stage_checkpoints`) before ``KeyboardInterrupt`` goes up.
+    """
+    with sigterm_as_interrupt():
+        try:
+            return _launch(job, nodes, timeout_s, grace_s, echo, join_secret)
+        except KeyboardInterrupt:
+            print(f"[launch] interrupted: {salvage_stage_checkpoints(job)}", file=sys.stderr, flush=True)
+            raise
+
+
+@contextlib.contextmanager
+def sigterm_as_interrupt():
+    """While inside, SIGTERM raises KeyboardInterrupt (main thread only; elsewhere a no-op)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def handler(signum, frame):
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    old = signal.signal(signal.SIGTERM, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, old)
+
+
+def salvage_stage_checkpoints(job: Job) -> str:
+    """Write ``model.safetensors`` from the newest iteration for which every stage of the last
+    phase has a committed per-stage checkpoint; returns what was done, for the user."""
+    from ..checkpoint import store as ckstore
+    from ..checkpoint.reader import CheckpointReader
+    from ..train.rundir import save_weights_file
+
+    run_dir = Path(job.run_dir)
+    ph = job.phases[-1]
+    S = len(Schedule.from_dict(ph.schedule).placement)
+    roots = [run_dir / "stage_ckpt" / ph.name / f"stage{s}" for s in range(S)]
+    done = [dict(ckstore.list_committed(r)) for r in roots]
+    common = set.intersection(*[set(d) for d in done])
+    if not common:
+        return ("no iteration has a checkpoint of every stage, so no weights were saved (set --ckpt-every N "
+                "to keep per-stage checkpoints)")
+    it = max(common)
+    state = {}
+    for d in done:
+        reader = CheckpointReader(d[it])
+        state.update(reader.read_many(reader.names()))
+    save_weights_file(state, run_dir / "model.safetensors")
+    (run_dir / "interrupted.json").write_text(json.dumps({"iteration": it, "phase": ph.name, "stages": S}) + "\n")
+    return f"{run_dir / 'model.safetensors'} holds every stage's checkpoint of iteration {it} of phase {ph.name!r}"
+
+
+def _launch(job: Job, nodes: int | None, timeout_s: float, grace_s: float, echo: bool,
+            join_secret: str | None) -> LaunchResult:
     import torch.distributed as dist
 
     world = nodes or job.world
@@ -304,14 +365,23 @@ def _merge_outputs(job: Job, run_dir: Path) -> None:
         for p in parts:
             state.update(load_file(str(p)))
         if job.recover:
-            state.update(_lost_stages_from_checkpoints(job, run_dir, {p.stem for p in parts}))
+            state.update(lost_stages_from_checkpoints(job, run_dir, {p.stem for p in parts}))
         save_weights_file(state, run_dir / "model.safetensors")
 
 
-def _lost_stages_from_checkpoints(job: Job, run_dir: Path, have: set[str]) -> dict:
+def _initial_stage_weights(job: Job, stage: int) -> dict:
+    """Stage ``stage``'s weights as the run initialised them (same seed), by global name."""
+    from ..config import config_from_dict
+    from ..model import StagedLM
+
+    cfg = config_from_dict(job.config)
+    return {n: t.detach() for n, t in StagedLM(cfg.model, stages=[stage], seed=cfg.train.seed).state_dict().items()}
+
+
+def lost_stages_from_checkpoints(job: Job, run_dir: Path, have: set[str]) -> dict:
     """Recovery mode: a stage that ended the run without a replica (lost for good, never taken
-    over) has no part; its newest per-stage checkpoint fills the merged model (noted in
-    ``RUN_DIR/lost_stages.json``), else the model lacks it and that file says so."""
+    over) has no part; its newest per-stage checkpoint fills the merged model, else its initial
+    weights do (so the run's model is complete and loads); ``RUN_DIR/lost_stages.json`` says which."""
     from ..checkpoint import store as ckstore
     from ..checkpoint.reader import CheckpointReader
 
@@ -328,7 +398,9 @@ def _lost_stages_from_checkpoints(job: Job, run_dir: Path, have: set[str]) -> di
             out.update(r.read_many(r.names()))
             notes[s] = f"no replica at the end; weights from its checkpoint after iteration {step} ({path})"
         else:
-            notes[s] = "no replica at the end and no checkpoint: missing from model.safetensors"
+            out.update(_initial_stage_weights(job, s))
+            notes[s] = ("no replica at the end and no checkpoint: its INITIAL (untrained) weights are in "
+                        "model.safetensors; keep per-stage checkpoints (--ckpt-every N) to avoid this")
     if notes:
         (run_dir / "lost_stages.json").write_text(json.dumps({str(k): v for k, v in notes.items()}, indent=1))
     return out
