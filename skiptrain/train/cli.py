@@ -63,11 +63,12 @@ def cmd_train(args: argparse.Namespace) -> int:
     print(f"skiptrain train: {trainer.model.num_parameters() / 1e6:.2f}M parameters, "
           f"{cfg.model.n_stages} stages {trainer.model.partition.to_list()}, "
           f"{trainer.tokens_per_step} tokens/step, {cfg.train.steps} steps -> {args.out}", flush=True)
+    start = trainer.step
     try:
         s = trainer.fit()
     except FloatingPointError as e:   # the loss became inf/nan: the weights written are not usable
         raise UserError(f"training diverged: {e}; the last checkpoint (if any) is under {args.out}/checkpoints")
-    if not math.isfinite(s["val_loss"]):
+    if s["step"] > start and not math.isfinite(s["val_loss"]):  # (no step run: nothing was validated)
         raise UserError(f"training diverged: the final validation loss is {s['val_loss']}; retrain with a lower "
                         "train.lr (the run directory holds the diverged weights)")
     print(f"done: step {s['step']}, validation loss {s['val_loss']:.4f} "
@@ -104,6 +105,9 @@ def cmd_eval(args: argparse.Namespace) -> int:
     route = _route_from_args(args, cfg.model.n_stages)
     src = SampleSource(ds.tokens(args.split), cfg.model.seq_len, shuffle=False)
     loss = evaluate(model, src, args.batches, cfg.train.micro_batch, route=route)
+    if not math.isfinite(loss):
+        raise UserError(f"{args.split} loss is {loss}: the model's weights diverged (too large to give a finite "
+                        "loss); retrain with a lower train.lr")
     result = {"val_loss": loss, "perplexity": perplexity(loss), "split": args.split,
               "route": route if route is not None else list(range(1, cfg.model.n_stages)),
               "samples": min(args.batches * cfg.train.micro_batch, src.n)}
