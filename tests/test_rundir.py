@@ -135,3 +135,11 @@ def test_a_full_disk_during_training_is_one_line_and_keeps_the_last_checkpoint(t
     monkeypatch.undo()
     assert main(["train", *TINY, "--data", str(byte_data), "--steps", "3", "--out", str(out), "--resume"]) == 0
     assert "resumed from" in capsys.readouterr().out and json.loads((out / "run.json").read_text())["step"] == 3
+
+
+def test_non_finite_weights_are_refused(tmp_path):
+    import torch
+
+    save_weights_file({"a": torch.tensor([1.0, float("nan")])}, tmp_path / "w.safetensors")
+    with pytest.raises(Exception, match=r"holds non-finite weights \(a\): the run diverged; retrain with a lower"):
+        load_weights(tmp_path / "w.safetensors")

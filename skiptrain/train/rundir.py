@@ -137,7 +137,12 @@ def load_weights(path: str | Path) -> dict[str, torch.Tensor]:
         print(f"skiptrain: warning: {path} carries no checksum; its weights are not verified", file=sys.stderr)
     elif weights_digest(state) != want:
         raise RunError(f"{path} fails its checksum (the weights were changed or damaged after they were "
-                       "written); retrain or restore it from a checkpoint (skiptrain export --format skiptrain)")
+                       f"written); rebuild it from a checkpoint (skiptrain export {path.parent} --format skiptrain "
+                       "--out DIR) or retrain")
+    bad = sorted(n for n, t in state.items() if t.is_floating_point() and not bool(torch.isfinite(t).all()))
+    if bad:
+        raise RunError(f"{path} holds non-finite weights ({bad[0]}{' and more' if len(bad) > 1 else ''}): the run "
+                       "diverged; retrain with a lower train.lr")
     return state
 
 
