@@ -10,8 +10,7 @@ import sys
 import threading
 import time
 from datetime import timedelta
-
-import pytest
+from pathlib import Path
 
 from conftest import processes_of_run
 from skiptrain.config import build_config
@@ -22,6 +21,8 @@ from skiptrain.runtime.membership import (Verifier, host_store, member_key, open
                                           strip_tag)
 from skiptrain.runtime.recovery import trained_samples
 from skiptrain.schedule.schedule import MicroBatch, Schedule
+
+REPO = Path(__file__).resolve().parents[1]
 
 
 def _listening_addresses(port: int) -> list[str]:
@@ -147,4 +148,58 @@ def test_forged_store_writes_kill_nothing_and_are_logged(byte_data, tmp_path):
     trained = [i for s in trained_samples(run / "phases" / "p").values() for i in s]
     assert sorted(trained) == list(range(iters * 4 * cfg.train.micro_batch))
     assert (run / "model.safetensors").is_file()
+    assert processes_of_run(run) == []
+
+
+def test_a_restarted_coordinator_never_signals_a_forged_pid(byte_data, tmp_path):
+    """restartable=True: the launcher is SIGKILLed, a process without the secret overwrites two
+    nodes' ``pid/<r>`` with an unrelated process's PID, then the replacement coordinator takes
+    over: it does not use those PIDs (logged), the unrelated process lives, and the run finishes."""
+    import os
+    import signal
+
+    import torch.distributed as dist
+
+    sched = Schedule(placement=[[0, 1], [2], [3], [4]], memory=2, method="test", micro_batches=[
+        MicroBatch(k, k % 2, [(1, 2), (2, 3), (3, 4)]) for k in range(4)])
+    cfg = build_config("tiny", overrides={"train": {"grad_clip": 0.0, "steps": 40, "warmup_steps": 1}})
+    run = tmp_path / "run"
+    iters = 10
+    job = Job(config=cfg.to_dict(), data_path=str(byte_data), run_dir=str(run),
+              phases=[Phase("p", sched.to_dict(), iterations=iters, save_weights=True)], timeout_s=15.0,
+              heartbeat_s=0.2, heartbeat_deadline_s=4.0, recover=True, restartable=True)
+    run.mkdir()
+    job.save(tmp_path / "job.json")
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    launcher = subprocess.Popen([sys.executable, "-c", "from skiptrain.runtime.job import Job; "
+                                 "from skiptrain.runtime.launcher import launch; "
+                                 f"launch(Job.load({str(tmp_path / 'job.json')!r}), timeout_s=300)"],
+                                env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    sentinel = _sentinel()
+    try:
+        deadline = time.time() + 120
+        while time.time() < deadline:
+            m = run / "metrics.jsonl"
+            if m.exists() and len(m.read_text().splitlines()) >= 2:
+                break
+            time.sleep(0.05)
+        os.kill(launcher.pid, signal.SIGKILL)
+        launcher.wait()
+        info = json.loads((run / "store.json").read_text())
+        forger = dist.TCPStore(info["host"], int(info["port"]), 1, is_master=False, wait_for_workers=False,
+                               timeout=timedelta(seconds=10))
+        for r in (2, 3):
+            forger.set(f"pid/{r}", str(sentinel.pid))
+        coord = subprocess.run([sys.executable, "-m", "skiptrain.runtime.coordinator", "--run", str(run)], env=env,
+                               capture_output=True, text=True, timeout=240)
+        assert coord.returncode == 0, coord.stderr[-2000:]
+        assert "ignored a write to pid/2" in coord.stderr and "node 2: no verified PID" in coord.stderr
+        assert sentinel.poll() is None, "an unrelated process was signalled"
+    finally:
+        sentinel.kill()
+        sentinel.wait()
+    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines() if x.strip()]
+    assert [r["step"] for r in rows] == list(range(1, iters + 1)) and rows[-1]["nodes"] == 5
+    assert (run / "model.safetensors").is_file()
+    time.sleep(0.5)
     assert processes_of_run(run) == []

@@ -98,3 +98,29 @@ def test_sigterm_to_the_launcher_saves_the_stage_checkpoints_and_leaves_nothing_
     time.sleep(0.5)
     assert processes_of_run(run) == []
     assert not Path(f"/proc/{store_pid}").exists() or "Z" in Path(f"/proc/{store_pid}/stat").read_text().split()[2]
+
+
+def test_sigterm_to_single_process_training_writes_the_weights_and_resume_continues(byte_data, tmp_path):
+    from skiptrain.checkpoint import store
+    from skiptrain.train.rundir import load_weights
+
+    run = tmp_path / "run"
+    args = ["--preset", "tiny", "--quiet", "--data", str(byte_data), "--out", str(run), "--set", "checkpoint.every=2",
+            "--set", "train.eval_every=0", "--set", "train.eval_batches=1"]
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    p = subprocess.Popen([sys.executable, "-m", "skiptrain.cli", "train", *args, "--steps", "100000"], env=env,
+                         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 120
+    while not (run / "checkpoints" / "LATEST").exists() and time.time() < deadline:
+        time.sleep(0.05)
+    p.send_signal(signal.SIGTERM)
+    _, err = p.communicate(timeout=60)
+    assert p.returncode == 130, err[-2000:]
+    assert "interrupted at step" in err and "model.safetensors holds its weights; --resume continues from" in err
+    assert "Traceback" not in err
+    assert load_weights(run / "model.safetensors")             # complete, checksummed
+    step = store.latest(run / "checkpoints").name
+    n = int(step.split("-")[1])
+    r = subprocess.run([sys.executable, "-m", "skiptrain.cli", "train", *args, "--steps", str(n + 1), "--resume"],
+                       env=env, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and f"at step {n}" in r.stdout, r.stderr[-2000:]

@@ -75,10 +75,13 @@ class _Members:
         if r < len(self.procs):
             return self.procs[r].poll()
         pid = self.ext.get(r)
-        if not pid or pid_running(pid):
+        if pid and pid_running(pid):
             return None
         hb = self.verifier.read(self.store, r, f"hb/{r}")
-        return 0 if hb is not None and hb.endswith(":done") else -signal.SIGKILL
+        if hb is not None and hb.endswith(":done"):
+            return 0
+        # no verified PID: running until its signed heartbeat says done (or goes stale: hung)
+        return None if not pid else -signal.SIGKILL
 
     def kill(self, r: int) -> None:
         """SIGKILL node ``r``: only a child this coordinator started, or a process whose PID came
@@ -117,6 +120,34 @@ def verified_pid(verifier: Verifier, store, node: int) -> int:
         print(f"[coordinator] node {node}: no verified PID; it will not be signalled", file=sys.stderr, flush=True)
         return 0
     return pid
+
+
+def _read_reports(store, verifier: Verifier, gen: int, alive: set[int], strikes: dict[int, int],
+                  strikes_needed: int, found: dict, struck: dict) -> None:
+    """Count a strike against every bad peer named in a signed report of generation ``gen``
+    (each node's own ``report/<gen>/<r>``); at ``strikes_needed`` the peer goes to ``found`` (banned),
+    below it to ``struck``.  Unsigned or forged reports are ignored (and logged by ``verifier``)."""
+    for r in sorted(alive):
+        raw = verifier.read(store, r, f"report/{gen}/{r}")
+        try:
+            rep = json.loads(raw) if raw is not None else None
+        except ValueError:
+            continue
+        if not isinstance(rep, dict):
+            continue
+        bad = rep.get("node")
+        if not (rep.get("bad_peer") and isinstance(bad, int) and bad in alive and bad not in found
+                and bad not in struck):
+            continue
+        said = (str(rep.get("cause") or "?").splitlines() or ["?"])[0][:200]
+        cause = f"bad peer: {said} (reported by node {r})"
+        strikes[bad] = strikes.get(bad, 0) + 1
+        store.set("coord/strikes", sign(verifier.key(COORDINATOR), "coord/strikes", json.dumps(strikes)))
+        t = float(rep.get("t", time.time()))
+        if strikes[bad] >= strikes_needed:
+            found[bad] = (cause + f"; strike {strikes[bad]} of {strikes_needed}: banned", t)
+        else:
+            struck[bad] = (cause + f"; strike {strikes[bad]} of {strikes_needed}", t)
 
 
 def _log(log_path: Path, row: dict) -> None:
@@ -211,26 +242,7 @@ def _loop(job, store, members, stage0, deadline, strikes_needed, log_path, fence
                 if state != "done" and now - t > deadline:
                     found[r] = (f"stopped responding: no heartbeat for {now - t:.2f} s "
                                 f"(deadline {deadline:g} s)", t)
-            for r in sorted(alive):
-                raw = members.verifier.read(store, r, f"report/{gen}/{r}")   # only r's own, signed
-                try:
-                    rep = json.loads(raw) if raw is not None else None
-                except ValueError:
-                    continue
-                if not isinstance(rep, dict):
-                    continue
-                bad = rep.get("node")
-                if rep.get("bad_peer") and bad is not None and bad in alive and bad not in found \
-                        and bad not in struck:
-                    cause = f"bad peer: {rep['cause'].splitlines()[0][:200]} (reported by node {r})"
-                    strikes[bad] = strikes.get(bad, 0) + 1
-                    store.set("coord/strikes", sign(members.verifier.key(COORDINATOR), "coord/strikes",
-                                                    json.dumps(strikes)))
-                    if strikes[bad] >= strikes_needed:
-                        found[bad] = (cause + f"; strike {strikes[bad]} of {strikes_needed}: banned",
-                                      float(rep["t"]))
-                    else:
-                        struck[bad] = (cause + f"; strike {strikes[bad]} of {strikes_needed}", float(rep["t"]))
+            _read_reports(store, members.verifier, gen, alive, strikes, strikes_needed, found, struck)
         if not found and not struck:
             if joins.step(gen, alive):
                 gen += 1
@@ -433,7 +445,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch.distributed as dist
 
-    from .launcher import _merge_outputs, stop_store
+    from .launcher import merge_outputs, stop_store
 
     ap = argparse.ArgumentParser(prog="python -m skiptrain.runtime.coordinator", description=main.__doc__.split("\n")[0])
     ap.add_argument("--run", required=True, help="run directory of the running job")
@@ -460,7 +472,7 @@ def main(argv: list[str] | None = None) -> int:
     (run_dir / "join_secret").unlink(missing_ok=True)
     (run_dir / "join.json").unlink(missing_ok=True)
     if failure is None:
-        _merge_outputs(job, run_dir)
+        merge_outputs(job, run_dir)
     stop_store(int(info["pid"]), store)
     if failure is not None:
         print(f"skiptrain coordinator: the run failed: {failure}", file=sys.stderr)

@@ -38,11 +38,10 @@ import time
 import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
-
-from .membership import key_from_env, member_key, open_signed, parse_heartbeat, secret_from_env, sign
 from typing import Callable
 
 from ..errors import UserError
+from .membership import key_from_env, member_key, open_signed, parse_heartbeat, secret_from_env, sign
 
 EXIT_FAILED = 3            # this node hit an error (its own or a peer's)
 EXIT_PEER_FAILED = 4       # this node stopped because a peer failed
@@ -158,7 +157,6 @@ class Heartbeat:
                               f"(timeout {self.timeout_s:g} s)")
                     if self.membership.mark_failed(n, reason):
                         self.on_failure(n, reason)
-
 
     def _peer_beat(self, node: int, name: str, raw: str) -> tuple[float, str] | None:
         """A peer's heartbeat, or None when the run has a secret and its tag does not verify."""

@@ -37,7 +37,8 @@ from .failure import NodeFailure
 from .membership import SECRET_ENV, member_key, open_signed, secret_from_env, sign
 
 __all__ = ["SECRET_ENV", "EXIT_REFUSED", "JoinRefused", "secret_from_env", "new_secret", "respond", "verify",
-           "node_join", "admit", "challenge", "check_response", "refuse", "request_node_id", "hello_pid"]
+           "node_join", "admit", "challenge", "check_response", "refuse", "request_node_id", "hello_pid",
+           "wait_key"]
 
 EXIT_REFUSED = 5
 
@@ -63,7 +64,7 @@ def verify(secret: str | bytes, nonce_hex: str, node: int, response: str) -> boo
         return False
 
 
-def _wait_key(store, key: str, timeout_s: float, poll_s: float = 0.01) -> str | None:
+def wait_key(store, key: str, timeout_s: float, poll_s: float = 0.01) -> str | None:
     deadline = time.time() + timeout_s
     while time.time() < deadline:
         if store.check([key]):
@@ -77,11 +78,11 @@ def node_join(store, node: int, secret: str | None, timeout_s: float) -> None:
     name = f"join/hello/{node}"
     store.set(name, sign(member_key(secret, node) if secret else None, name,
                          json.dumps({"t": time.time(), "pid": os.getpid()})))
-    nonce = _wait_key(store, f"join/nonce/{node}", timeout_s)
+    nonce = wait_key(store, f"join/nonce/{node}", timeout_s)
     if nonce is None:
         raise JoinRefused(f"node {node}: no challenge from the coordinator within {timeout_s:g} s", node=node)
     store.set(f"join/resp/{node}", respond(secret or "", nonce, node) if secret else "")
-    res = _wait_key(store, f"join/result/{node}", timeout_s)
+    res = wait_key(store, f"join/result/{node}", timeout_s)
     if res != "ok":
         raise JoinRefused(f"node {node}: refused by the coordinator ({res or 'no answer'}): "
                           "wrong or missing join secret", node=node)
@@ -141,7 +142,6 @@ def request_node_id(store) -> int:
     """A joining process's node id: the next one after every id handed out so far (the launcher
     sets ``nodes/next`` to its node count before it publishes the store address)."""
     return int(store.add("nodes/next", 1)) - 1
-
 
 
 def hello_pid(secret: str, node: int, raw: str) -> int:

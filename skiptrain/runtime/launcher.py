@@ -22,13 +22,11 @@ Failure semantics (the launcher is the authority on which node failed):
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import signal
 import subprocess
 import sys
-import threading
 import time
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -37,6 +35,7 @@ from pathlib import Path
 from ..schedule.schedule import Schedule
 from ..schedule.timeline import Event, from_dicts, save_timeline
 from .failure import RuntimeFailure, describe_exit
+from ..signals import sigterm_as_interrupt
 from .job import Job
 from .membership import parse_heartbeat
 from .progress import SwarmProgress
@@ -91,23 +90,6 @@ def launch(job: Job, nodes: int | None = None, timeout_s: float = 3600.0, grace_
         except KeyboardInterrupt:
             print(f"[launch] interrupted: {salvage_stage_checkpoints(job)}", file=sys.stderr, flush=True)
             raise
-
-
-@contextlib.contextmanager
-def sigterm_as_interrupt():
-    """While inside, SIGTERM raises KeyboardInterrupt (main thread only; elsewhere a no-op)."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-
-    def handler(signum, frame):
-        raise KeyboardInterrupt(f"signal {signum}")
-
-    old = signal.signal(signal.SIGTERM, handler)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, old)
 
 
 def salvage_stage_checkpoints(job: Job) -> str:
@@ -211,18 +193,7 @@ def _launch(job: Job, nodes: int | None, timeout_s: float, grace_s: float, echo:
             while time.time() < grace_end and any(p.poll() is None for p in procs):
                 time.sleep(0.05)
     finally:
-        for r, p in enumerate(procs):
-            if p.poll() is None:
-                killed_by_us.add(r)
-                try:
-                    os.kill(p.pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-        for p in procs:
-            try:
-                p.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                pass
+        killed_by_us |= _stop_children(procs)
         for log in logs:
             log.close()
         (run_dir / "join_secret").unlink(missing_ok=True)     # the run is over: nobody may join
@@ -234,11 +205,29 @@ def _launch(job: Job, nodes: int | None, timeout_s: float, grace_s: float, echo:
     wall = time.time() - t_start
     if err is not None:
         raise err
-    _merge_outputs(job, run_dir)
+    merge_outputs(job, run_dir)
     metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
     if echo:
         print(f"[launch] {world} nodes finished in {wall:.1f} s", flush=True)
     return LaunchResult(run_dir, wall, metrics)
+
+
+def _stop_children(procs) -> set[int]:
+    """SIGKILL the node processes still running and reap all; returns the ranks killed here."""
+    killed = set()
+    for r, p in enumerate(procs):
+        if p.poll() is None:
+            killed.add(r)
+            try:
+                os.kill(p.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    for p in procs:
+        try:
+            p.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            pass
+    return killed
 
 
 def stop_store(store_proc, store) -> None:
@@ -348,7 +337,7 @@ def _explain(job: Job, procs, failure: dict, run_dir: Path, store, killed_by_us:
     return RuntimeFailure("\n".join(lines), node=node, detected_after_s=detected)
 
 
-def _merge_outputs(job: Job, run_dir: Path) -> None:
+def merge_outputs(job: Job, run_dir: Path) -> None:
     """Per-iteration merged timelines, and the stage weights merged into model.safetensors."""
     for ph in job.phases:
         for it in range(ph.iterations):

@@ -96,8 +96,8 @@ class _Node:
             if store is not None:
                 # joining a running job: wait until the coordinator placed this node (a join
                 # generation, switched to by every node at its next iteration boundary)
-                from .join import _wait_key
-                g = _wait_key(self.store, f"join/assign/{rank}", max(600.0, job.timeout_s))
+                from .join import wait_key
+                g = wait_key(self.store, f"join/assign/{rank}", max(600.0, job.timeout_s))
                 if g is None:
                     raise JoinRefused(f"node {rank}: admitted but never placed by the coordinator", node=rank)
                 self.gen = int(g)

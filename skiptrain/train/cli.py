@@ -11,6 +11,7 @@ from pathlib import Path
 
 from ..config import build_config, preset_names
 from ..errors import UserError
+from ..signals import sigterm_as_interrupt
 from .generate import MAX_NEW_TOKENS
 
 
@@ -65,7 +66,13 @@ def cmd_train(args: argparse.Namespace) -> int:
           f"{trainer.tokens_per_step} tokens/step, {cfg.train.steps} steps -> {args.out}", flush=True)
     start = trainer.step
     try:
-        s = trainer.fit()
+        with sigterm_as_interrupt():  # SIGTERM stops like Ctrl-C: the weights so far are written
+            s = trainer.fit()
+    except KeyboardInterrupt:          # Ctrl-C or SIGTERM: fit() wrote the weights before stopping
+        latest = trainer.ckpt.manager.latest() if trainer.ckpt is not None else None
+        print(f"skiptrain train: interrupted at step {trainer.step}: {args.out}/model.safetensors holds its "
+              f"weights; --resume continues from {latest or 'the start (no checkpoint yet)'}", file=sys.stderr)
+        raise
     except FloatingPointError as e:   # the loss became inf/nan: the weights written are not usable
         raise UserError(f"training diverged: {e}; the last checkpoint (if any) is under {args.out}/checkpoints")
     if s["step"] > start and not math.isfinite(s["val_loss"]):  # (no step run: nothing was validated)

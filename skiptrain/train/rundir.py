@@ -45,7 +45,8 @@ class RunError(UserError):
 RUN_ENTRIES = ("config.toml", "tokenizer.json", WEIGHTS, WEIGHTS + ".tmp", "metrics.jsonl", "loss.png",
                "run.json", "checkpoints", "parts", "phases", "logs", "stage_ckpt", "recoveries.jsonl",
                "lost_stages.json", "join.json", "join_secret", "rejected_writes.jsonl", "job.json",
-               "store.json", "errors", "interrupted.json", "schedule.json", "gantt.png")
+               "store.json", "errors", "interrupted.json", "schedule.json", "gantt.png", "elastic.jsonl",
+               "elastic_cache")
 #: Entries whose presence means the directory holds a run.
 RUN_MARKERS = ("config.toml", WEIGHTS, "metrics.jsonl", "run.json", "checkpoints")
 CHECKSUM_KEY = "skiptrain.sha256"
