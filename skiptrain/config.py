@@ -38,18 +38,25 @@ def _f(default: Any, help: str = "", **meta: Any) -> Any:
 
 @dataclass
 class ModelConfig:
-    vocab_size: int = _f(4096, "tokenizer vocabulary size (set by the data set's manifest)", min=2)
-    d_model: int = _f(256, "width of the residual stream", min=8)
-    n_layers: int = _f(8, "number of transformer layers in total", min=1)
-    n_heads: int = _f(8, "attention heads", min=1)
-    n_kv_heads: int = _f(0, "key/value heads for grouped-query attention (0 = n_heads)", min=0)
-    ffn_hidden: int = _f(0, "SwiGLU hidden width (0 = 8/3 * d_model rounded up to 32)", min=0)
-    seq_len: int = _f(256, "tokens per sample", min=2)
-    n_stages: int = _f(4, "pipeline stages: stage 0 (embedding, first layers, head, loss) + body stages", min=1)
+    vocab_size: int = _f(4096, "tokenizer vocabulary size (set by the data set's manifest)", min=2, max=2**24)
+    d_model: int = _f(256, "width of the residual stream", min=8, max=65536)
+    n_layers: int = _f(8, "number of transformer layers in total", min=1, max=1024)
+    n_heads: int = _f(8, "attention heads", min=1, max=1024)
+    n_kv_heads: int = _f(0, "key/value heads for grouped-query attention (0 = n_heads)", min=0, max=1024)
+    ffn_hidden: int = _f(0, "SwiGLU hidden width (0 = 8/3 * d_model rounded up to 32)", min=0, max=2**20)
+    seq_len: int = _f(256, "tokens per sample", min=2, max=2**20)
+    n_stages: int = _f(4, "pipeline stages: stage 0 (embedding, first layers, head, loss) + body stages", min=1,
+                       max=1024)
     stage0_layers: int = _f(-1, "layers held by stage 0 (-1 = chosen by the cost-model partitioner)", min=-1)
     rope_theta: float = _f(10000.0, "rotary embedding base", min=1.0)
     norm_eps: float = _f(1e-5, "RMSNorm epsilon", min=0.0)
     init_std: float = _f(0.02, "standard deviation of the weight initialisation", min=0.0)
+
+    def approx_parameters(self) -> int:
+        """Parameters of the model (embedding, head, attention and SwiGLU weights; norms left out)."""
+        kv = self.kv_heads * self.head_dim
+        per_layer = 2 * self.d_model * self.d_model + 2 * self.d_model * kv + 3 * self.d_model * self.hidden
+        return 2 * self.vocab_size * self.d_model + self.n_layers * per_layer
 
     @property
     def kv_heads(self) -> int:
@@ -96,8 +103,8 @@ class DataConfig:
 @dataclass
 class TrainConfig:
     steps: int = _f(300, "optimizer steps (iterations)", min=0)
-    micro_batch: int = _f(8, "samples per micro-batch", min=1)
-    n_micro: int = _f(4, "micro-batches per iteration (global batch = micro_batch * n_micro)", min=1)
+    micro_batch: int = _f(8, "samples per micro-batch", min=1, max=2**20)
+    n_micro: int = _f(4, "micro-batches per iteration (global batch = micro_batch * n_micro)", min=1, max=2**20)
     lr: float = _f(3e-3, "peak learning rate", min=0.0)
     min_lr_frac: float = _f(0.1, "final learning rate as a fraction of the peak", min=0.0, max=1.0)
     warmup_steps: int = _f(30, "linear warm-up steps", min=0)
@@ -200,7 +207,7 @@ class ElasticConfig:
 @dataclass
 class RuntimeConfig:
     """Multi-process skip-pipeline runtime (skiptrain.runtime, issue 4); used when ``nodes > 0``."""
-    nodes: int = _f(0, "node processes (0 = the single-process trainer)", min=0)
+    nodes: int = _f(0, "node processes on this machine (0 = the single-process trainer)", min=0, max=1024)
     stage_sizes: str = _f("", "nodes per stage, comma-separated, e.g. 3,2,2,2 (empty = by work)")
     method: str = _f("planner", "how routes are made", choices=("planner", "full_pipeline", "random_skip"))
     memory: int = _f(3, "micro-batches in flight per node (memory credits)", min=1)

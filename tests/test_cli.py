@@ -123,3 +123,16 @@ def test_stream_text_holds_back_split_characters():
 def test_eval_with_zero_batches_is_a_clear_error(trained, capsys):
     _, run = trained
     one_line_error(capsys, ["eval", str(run), "--batches", "0"], "--batches 0: evaluate at least 1 micro-batch")
+
+
+def test_a_model_too_large_for_this_machine_is_refused_before_allocation(capsys, tmp_path):
+    one_line_error(capsys, ["train", "--preset", "tiny", "--set", "model.d_model=65536", "--set", "model.n_heads=256",
+                            "--set", "model.n_kv_heads=0", "--set", "model.n_layers=1024", "--out", str(tmp_path / "r"),
+                            "--data", str(tmp_path)], "parameters: training it in one process needs about")
+    assert not (tmp_path / "r").exists()
+
+
+def test_prepare_into_an_unwritable_place_is_a_clear_error(capsys, tmp_path):
+    (tmp_path / "f").write_text("")
+    one_line_error(capsys, ["prepare", "--text", *TRAIN_TEXTS, "--tokenizer", "byte", "--out", str(tmp_path / "f" / "d")],
+                   "cannot write the data directory")

@@ -87,3 +87,21 @@ def test_skip_ratio_that_leaves_no_body_stage_is_refused_with_the_right_bound(k)
     with pytest.raises(ConfigError, match=r"train.skip_ratio=.*no body stage; use a skip ratio below 0.625"):
         build_config("tiny", overrides=[f"train.skip_ratio={k}"])
     assert build_config("tiny", overrides=["train.skip_ratio=0.62"]).train.skip_ratio == 0.62
+
+
+@pytest.mark.parametrize("override,needle", [
+    ("model.n_layers=100000000", "model.n_layers=100000000 is above its maximum 1024"),
+    ("runtime.nodes=99999999", "runtime.nodes=99999999 is above its maximum 1024"),
+    ("train.micro_batch=" + "9" * 20, "is above its maximum"),
+])
+def test_absurd_sizes_are_refused_before_anything_is_allocated(override, needle):
+    with pytest.raises(ConfigError, match=needle):
+        build_config("tiny", overrides=[override])
+
+
+def test_approx_parameters_matches_the_model():
+    from skiptrain.model import StagedLM
+
+    cfg = build_config("tiny")
+    exact = StagedLM(cfg.model, seed=0).num_parameters()
+    assert 0.97 * exact <= cfg.model.approx_parameters() <= exact

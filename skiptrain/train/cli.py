@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import sys
 import time
 from pathlib import Path
@@ -50,6 +51,7 @@ def cmd_train(args: argparse.Namespace) -> int:
 
         train_swarm(cfg, cfg.data.path, args.out)
         return 0
+    check_fits_memory(cfg)
     if args.quiet:
         cfg.train.progress = False
     if cfg.elastic.enabled:  # issue 9: elastic mode (freeze, repartition, cache)
@@ -81,6 +83,20 @@ def cmd_train(args: argparse.Namespace) -> int:
     print(f"done: step {s['step']}, validation loss {s['val_loss']:.4f} "
           f"(unigram baseline {s['unigram_val_loss']:.4f}), {s['seconds']:.0f} s; run directory: {args.out}")
     return 0
+
+
+def check_fits_memory(cfg) -> None:
+    """Refuse a single-process run whose weights, gradients and AdamW moments alone (16 bytes a
+    parameter in float32) exceed this machine's memory: it could only swap or be killed."""
+    try:
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return
+    params = cfg.model.approx_parameters()
+    if 16 * params > total:
+        raise UserError(f"the model has about {params / 1e9:.1f}B parameters: training it in one process needs about "
+                        f"{16 * params / 2**30:,.0f} GiB for weights, gradients and AdamW state, and this machine has "
+                        f"{total / 2**30:,.0f} GiB; choose a smaller model (model.d_model, model.n_layers)")
 
 
 def _route_from_args(args, n_stages: int):
