@@ -316,8 +316,8 @@ class _Joins:
 
         refuse(self.store, j)
         now = time.time()
-        # Not killed: it exits by itself on "refused", never entered a group, and its pid is an
-        # unauthenticated claim (a forged pid must not make the coordinator kill anything).
+        # Not killed: it exits by itself on "refused" and never entered a group; a refused
+        # process proved nothing, so the PID in its hello is not acted on.
         print(f"[coordinator] joining node {j}: {why}; not admitted", file=sys.stderr, flush=True)
         _log(self.log_path, {"gen": None, "node": j, "cause": why, "refused": True, "join": True, "t_detect": now,
                              "detect_s": now - st["t_hello"], "pid": st.get("pid")})
