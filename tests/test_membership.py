@@ -5,12 +5,15 @@ reaches the store port without the secret can neither get nodes fenced nor get a
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import threading
 import time
 from datetime import timedelta
 from pathlib import Path
+
+import pytest
 
 from conftest import processes_of_run
 from skiptrain.config import build_config
@@ -203,3 +206,18 @@ def test_a_restarted_coordinator_never_signals_a_forged_pid(byte_data, tmp_path)
     assert (run / "model.safetensors").is_file()
     time.sleep(0.5)
     assert processes_of_run(run) == []
+
+
+def test_a_joiner_accepts_only_a_join_result_the_coordinator_signed():
+    from skiptrain.runtime.join import JoinRefused, node_join, read_result, set_result
+
+    forged = FakeStore({"join/nonce/7": "ab" * 32, "join/result/7": "ok"})   # written by a process without the secret
+    with pytest.raises(JoinRefused, match="refused by the coordinator"):
+        node_join(forged, 7, "s3cret", timeout_s=1.0)
+    real = FakeStore({"join/nonce/7": "ab" * 32})
+    set_result(real, 7, "s3cret", True)
+    node_join(real, 7, "s3cret", timeout_s=1.0)                               # admitted
+    assert read_result("s3cret", 7, real["join/result/7"]) == "ok"
+    assert read_result("s3cret", 8, real["join/result/7"]) is None           # not movable to another node
+    hello = open_signed(member_key("s3cret", 7), "join/hello/7", real["join/hello/7"])   # the joiner signs its PID
+    assert json.loads(hello)["pid"] == os.getpid()

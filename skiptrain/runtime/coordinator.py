@@ -44,7 +44,7 @@ from pathlib import Path
 from ..schedule.schedule import Schedule
 from .failure import RuntimeFailure, describe_exit
 from .job import Job
-from .membership import Verifier, sign
+from .membership import COORDINATOR, Verifier, sign
 from .recovery import publish_generation
 
 
@@ -102,10 +102,6 @@ class _Members:
             end = time.time() + 5
             while pid_running(pid) and time.time() < end:
                 time.sleep(0.01)
-
-
-#: The member-key id the coordinator signs its own saved state with (``coord/strikes``).
-COORDINATOR = -1
 
 
 def verified_pid(verifier: Verifier, store, node: int) -> int:
@@ -314,7 +310,7 @@ class _Joins:
     def _refuse(self, j: int, why: str, st: dict) -> None:
         from .join import refuse
 
-        refuse(self.store, j)
+        refuse(self.store, j, self.secret)
         now = time.time()
         # Not killed: it exits by itself on "refused" and never entered a group; a refused
         # process proved nothing, so the PID in its hello is not acted on.
@@ -400,7 +396,7 @@ class _Joins:
 
     def resume(self, gen: int, alive: set[int]) -> None:
         """A restarted coordinator: rebuild the joins under way from the store's join keys."""
-        from .join import hello_pid
+        from .join import hello_pid, read_result
         try:
             top = self.store.add("nodes/next", 0)
         except Exception:  # noqa: BLE001
@@ -411,7 +407,8 @@ class _Joins:
                 continue
             self.seen.add(j)
             pid = hello_pid(self.secret, j, self.store.get(f"join/hello/{j}").decode(errors="replace"))
-            res = self.store.get(f"join/result/{j}").decode() if self.store.check([f"join/result/{j}"]) else None
+            res = (read_result(self.secret, j, self.store.get(f"join/result/{j}").decode(errors="replace"))
+                   if self.store.check([f"join/result/{j}"]) else None)
             if self.store.check([f"join/assign/{j}"]):
                 g = int(self.store.get(f"join/assign/{j}").decode())
                 if j in alive and not self.store.check([f"ack/{g}/{n}" for n in sorted(alive)]):

@@ -7,8 +7,9 @@ Protocol (over the rendezvous store, keys under ``join/``):
 2. the coordinator answers with a fresh random nonce: ``join/nonce/<node>`` (32 bytes, hex);
 3. the node replies ``join/resp/<node> = HMAC-SHA256(secret, nonce || node id)`` (hex);
 4. the coordinator verifies with a constant-time compare and writes ``join/result/<node>`` =
-   ``ok`` or ``refused``; only admitted nodes are put in generation 0's alive set, and process
-   groups are formed over that set only.
+   ``ok`` or ``refused``, signed with its own member key (a node accepts only a signed ``ok``);
+   only admitted nodes are put in generation 0's alive set, and process groups are formed over
+   that set only.
 
 A node joining a *running* job (``python -m skiptrain.runtime.node --join HOST:PORT``, or
 ``skiptrain launch --join HOST:PORT``) first takes a fresh node id (:func:`request_node_id`),
@@ -34,11 +35,11 @@ import secrets
 import time
 
 from .failure import NodeFailure
-from .membership import SECRET_ENV, member_key, open_signed, secret_from_env, sign
+from .membership import COORDINATOR, SECRET_ENV, member_key, open_signed, secret_from_env, sign
 
 __all__ = ["SECRET_ENV", "EXIT_REFUSED", "JoinRefused", "secret_from_env", "new_secret", "respond", "verify",
            "node_join", "admit", "challenge", "check_response", "refuse", "request_node_id", "hello_pid",
-           "wait_key"]
+           "wait_key", "set_result", "read_result"]
 
 EXIT_REFUSED = 5
 
@@ -82,7 +83,8 @@ def node_join(store, node: int, secret: str | None, timeout_s: float) -> None:
     if nonce is None:
         raise JoinRefused(f"node {node}: no challenge from the coordinator within {timeout_s:g} s", node=node)
     store.set(f"join/resp/{node}", respond(secret or "", nonce, node) if secret else "")
-    res = wait_key(store, f"join/result/{node}", timeout_s)
+    raw = wait_key(store, f"join/result/{node}", timeout_s)
+    res = read_result(secret, node, raw) if secret and raw is not None else raw
     if res != "ok":
         raise JoinRefused(f"node {node}: refused by the coordinator ({res or 'no answer'}): "
                           "wrong or missing join secret", node=node)
@@ -104,7 +106,7 @@ def admit(store, nodes: list[int], secret: str, timeout_s: float, alive=lambda n
                 resp = store.get(f"join/resp/{n}").decode(errors="replace")
                 ok = bool(resp) and verify(secret, nonces[n], n, resp)
                 out[n] = "ok" if ok else "refused: wrong challenge response"
-                store.set(f"join/result/{n}", "ok" if ok else "refused")
+                set_result(store, n, secret, ok)
                 pending.discard(n)
             elif not alive(n):
                 out[n] = "refused: exited before answering the challenge"
@@ -112,7 +114,7 @@ def admit(store, nodes: list[int], secret: str, timeout_s: float, alive=lambda n
         time.sleep(0.01)
     for n in pending:
         out[n] = f"refused: no challenge response within {timeout_s:g} s"
-        store.set(f"join/result/{n}", "refused")
+        set_result(store, n, secret, False)
     return out
 
 
@@ -130,12 +132,23 @@ def check_response(store, node: int, nonce: str, secret: str) -> bool | None:
         return None
     resp = store.get(f"join/resp/{node}").decode(errors="replace")
     ok = bool(resp) and verify(secret, nonce, node, resp)
-    store.set(f"join/result/{node}", "ok" if ok else "refused")
+    set_result(store, node, secret, ok)
     return ok
 
 
-def refuse(store, node: int) -> None:
-    store.set(f"join/result/{node}", "refused")
+def refuse(store, node: int, secret: str) -> None:
+    set_result(store, node, secret, False)
+
+
+def set_result(store, node: int, secret: str, ok: bool) -> None:
+    """Coordinator side: ``join/result/<node>`` = ``ok`` or ``refused``, signed with the coordinator's key."""
+    name = f"join/result/{node}"
+    store.set(name, sign(member_key(secret, COORDINATOR), name, "ok" if ok else "refused"))
+
+
+def read_result(secret: str, node: int, raw: str) -> str | None:
+    """The join result the coordinator signed, or None: a forged ``ok`` admits nobody."""
+    return open_signed(member_key(secret, COORDINATOR), f"join/result/{node}", raw)
 
 
 def request_node_id(store) -> int:

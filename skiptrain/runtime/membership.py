@@ -6,7 +6,8 @@ read and write any key.  So
 * the store listens on one address only (:func:`host_store`; loopback by default), never on
   every interface;
 * every membership write a node makes (heartbeat ``hb/<r>``, failure report ``report/<g>/<r>``,
-  PID ``pid/<r>``, a joiner's ``join/hello/<r>``) carries an HMAC-SHA256 tag made with the
+  PID ``pid/<r>``, a joiner's ``join/hello/<r>``), and the join results the coordinator writes
+  (``join/result/<r>``, with the key of id :data:`COORDINATOR`), carries an HMAC-SHA256 tag made with the
   node's *member key*, ``HMAC-SHA256(run secret, "skiptrain member key|<r>")``.  Only a process
   that knows the run's secret (every admitted node has it; the coordinator has it) can make the
   tag, and the tag covers the key name, so a value cannot be moved to another key or node;
@@ -32,6 +33,8 @@ from pathlib import Path
 
 SECRET_ENV = "SKIPTRAIN_JOIN_SECRET"
 TAG = "#sig="
+#: The member-key id of the coordinator (its saved strikes, the join results it writes).
+COORDINATOR = -1
 _LABEL = b"skiptrain member key|"
 
 
