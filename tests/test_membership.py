@@ -112,6 +112,7 @@ def _forge(info: dict, stop: threading.Event, sentinel_pid: int, done: dict) -> 
         time.sleep(0.05)
 
 
+@pytest.mark.slow
 def test_forged_store_writes_kill_nothing_and_are_logged(byte_data, tmp_path):
     sched = Schedule(placement=[[0, 1], [2, 3], [4], [5]], memory=2, method="test", micro_batches=[
         MicroBatch(k, k % 2, [(1, 2 + (k // 2) % 2), (2, 4), (3, 5)]) for k in range(4)])
@@ -154,6 +155,7 @@ def test_forged_store_writes_kill_nothing_and_are_logged(byte_data, tmp_path):
     assert processes_of_run(run) == []
 
 
+@pytest.mark.slow
 def test_a_restarted_coordinator_never_signals_a_forged_pid(byte_data, tmp_path):
     """restartable=True: the launcher is SIGKILLed, a process without the secret overwrites two
     nodes' ``pid/<r>`` with an unrelated process's PID, then the replacement coordinator takes

@@ -12,6 +12,8 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 from conftest import processes_of_run
 from skiptrain.config import build_config
 from skiptrain.runtime.cli import stage_ckpt_every
@@ -43,6 +45,7 @@ def test_single_copy_stages_get_stage_checkpoints_by_default_under_recover():
     assert stage_ckpt_every(build_config("tiny").runtime, PLACEMENT, 20) == 0   # no recovery: no stage ckpts
 
 
+@pytest.mark.slow
 def test_losing_the_only_node_of_a_body_stage_still_ends_in_a_complete_model(byte_data, tmp_path):
     cfg = _cfg()
     rt = build_config("tiny", overrides=["runtime.recover=true"]).runtime
@@ -64,6 +67,7 @@ def test_losing_the_only_node_of_a_body_stage_still_ends_in_a_complete_model(byt
     assert processes_of_run(run) == []
 
 
+@pytest.mark.slow
 def test_sigterm_to_the_launcher_saves_the_stage_checkpoints_and_leaves_nothing_running(byte_data, tmp_path):
     cfg = _cfg()
     run = tmp_path / "run"
@@ -100,6 +104,7 @@ def test_sigterm_to_the_launcher_saves_the_stage_checkpoints_and_leaves_nothing_
     assert not Path(f"/proc/{store_pid}").exists() or "Z" in Path(f"/proc/{store_pid}/stat").read_text().split()[2]
 
 
+@pytest.mark.slow
 def test_sigterm_to_single_process_training_writes_the_weights_and_resume_continues(byte_data, tmp_path):
     from skiptrain.checkpoint import store
     from skiptrain.train.rundir import load_weights
