@@ -129,3 +129,30 @@ def test_sigterm_to_single_process_training_writes_the_weights_and_resume_contin
     r = subprocess.run([sys.executable, "-m", "skiptrain.cli", "train", *args, "--steps", str(n + 1), "--resume"],
                        env=env, capture_output=True, text=True, timeout=120)
     assert r.returncode == 0 and f"at step {n}" in r.stdout, r.stderr[-2000:]
+
+
+def test_a_store_left_behind_exits_once_every_node_is_done_or_silent(tmp_path):
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from skiptrain.runtime.store import start
+
+    (tmp_path / "logs").mkdir()
+    proc, host, port = start(tmp_path, idle_exit_s=1.0)
+    try:
+        client = dist.TCPStore(host, port, 1, is_master=False, wait_for_workers=False, timeout=timedelta(seconds=10))
+        client.add("nodes/next", 2)
+        client.set("hb/0", f"{time.time()!r}:done")
+        t_end = time.time() + 3
+        while time.time() < t_end:                        # node 1 keeps beating: the store serves on
+            client.set("hb/1", f"{time.time()!r}:run")
+            time.sleep(0.2)
+        assert proc.poll() is None
+        proc.wait(timeout=10)                             # node 1 falls silent: the store exits by itself
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 0
+    assert "every node has been done or silent for 1 s" in (tmp_path / "logs" / "store.log").read_text()
