@@ -156,3 +156,50 @@ def test_a_store_left_behind_exits_once_every_node_is_done_or_silent(tmp_path):
             proc.wait()
     assert proc.returncode == 0
     assert "every node has been done or silent for 1 s" in (tmp_path / "logs" / "store.log").read_text()
+
+
+def _node_pid(run: Path, rank: int) -> int | None:
+    """PID of the node process of ``run`` started with RANK=rank (from /proc)."""
+    for pid in processes_of_run(run):
+        try:
+            env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if f"RANK={rank}".encode() in env and b"SKIPTRAIN_STORE_HOSTED=1" in env:
+            return pid
+    return None
+
+
+@pytest.mark.slow
+def test_kill_9_of_the_only_stage_2_node_in_a_2_2_1_1_swarm_still_gives_a_usable_run(byte_data, tmp_path):
+    """The documented layout through the CLI, --recover and no --ckpt-every: the sole stage-2 node
+    is SIGKILLed mid-run; the run finishes, writes run.json and a model that eval accepts."""
+    import threading
+
+    from skiptrain.cli import main
+
+    run = tmp_path / "run"
+    out: dict = {}
+    argv = ["train", "--preset", "tiny", "--quiet", "--data", str(byte_data), "--nodes", "6", "--steps", "14",
+            "--set", "runtime.stage_sizes=2,2,1,1", "--set", "runtime.recover=true", "--set", "runtime.timeout_s=15",
+            "--set", "runtime.heartbeat_deadline_s=3", "--set", "train.eval_batches=1", "--out", str(run)]
+    th = threading.Thread(target=lambda: out.setdefault("rc", main(argv)), daemon=True)
+    th.start()
+    deadline = time.time() + 180
+    victim = None
+    while time.time() < deadline and victim is None:
+        m = run / "metrics.jsonl"
+        if (run / "schedule.json").exists() and m.exists() and len(m.read_text().splitlines()) >= 3:
+            rank = json.loads((run / "schedule.json").read_text())["placement"][2][0]
+            victim = _node_pid(run, rank)
+        time.sleep(0.05)
+    assert victim is not None, "the stage-2 node was not found"
+    os.kill(victim, signal.SIGKILL)
+    th.join(timeout=300)
+    assert out.get("rc") == 0
+    summary = json.loads((run / "run.json").read_text())
+    assert summary["step"] == 14
+    notes = json.loads((run / "lost_stages.json").read_text())
+    assert list(notes) == ["2"] and "from its checkpoint" in notes["2"]
+    assert main(["eval", str(run), "--batches", "1"]) == 0
+    assert processes_of_run(run) == []
