@@ -168,3 +168,24 @@ def test_a_diverging_run_is_one_error_line_and_its_weights_are_refused(tmp_path,
         rc, lines = cli(["eval", str(run), "--batches", "1"])
         assert rc == 2 and len(lines) == 1 and "diverged" in lines[0], lines
     shutil.rmtree(run, ignore_errors=True)
+
+
+LAUNCH_ODD = st.sampled_from([
+    ["--nodes", "-1"], ["--nodes", "0"], ["--nodes", "99999999"], ["--nodes", "x"],
+    ["--recover", "--heartbeat-deadline", "nan"], ["--recover", "--heartbeat-deadline", "-1"],
+    ["--recover", "--strikes", "0"], ["--recover", "--ckpt-every", "-1"], ["--recover", "--drift-threshold", "inf"],
+    ["--set", "runtime.stage_sizes=a,b"], ["--set", "runtime.stage_sizes=0,0,0,4"], ["--set", "runtime.stage_sizes=9,9"],
+    ["--topology", "nope"], ["--takeover"], ["--restartable"], ["--skip-ratio", "0.7"], ["--set", "runtime.timeout_s=nan"],
+])
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(odd=LAUNCH_ODD)
+def test_launch_with_a_bad_argument_is_one_error_line_and_starts_nothing(places, odd):
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "run"
+        argv = ["launch", "--data", places["data"], "--steps", "1", "--out", str(out)]
+        argv += ["--nodes", "4"] if "--nodes" not in odd else []
+        rc, lines = cli(argv + odd)
+        check_outcome(rc, lines, "launch")
+        assert rc == 2 and not (out / "job.json").exists(), (odd, lines)
