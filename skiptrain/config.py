@@ -11,13 +11,14 @@ Every value is checked: an unknown section or key, a value of the wrong type, or
 allowed range is a :class:`ConfigError` whose message names the key and what is allowed.
 
 Fields declare their constraints through ``field(metadata=...)``: ``min``, ``max``, ``choices``
-and ``help``.  Other subsystems add their own section dataclass and a field on :class:`Config`.
+and ``help``.  Every float must be finite (``nan`` and ``inf`` are refused, whatever the source).  Other subsystems add their own section dataclass and a field on :class:`Config`.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import tomllib
 import typing
 from dataclasses import dataclass, field
@@ -37,18 +38,25 @@ def _f(default: Any, help: str = "", **meta: Any) -> Any:
 
 @dataclass
 class ModelConfig:
-    vocab_size: int = _f(4096, "tokenizer vocabulary size (set by the data set's manifest)", min=2)
-    d_model: int = _f(256, "width of the residual stream", min=8)
-    n_layers: int = _f(8, "number of transformer layers in total", min=1)
-    n_heads: int = _f(8, "attention heads", min=1)
-    n_kv_heads: int = _f(0, "key/value heads for grouped-query attention (0 = n_heads)", min=0)
-    ffn_hidden: int = _f(0, "SwiGLU hidden width (0 = 8/3 * d_model rounded up to 32)", min=0)
-    seq_len: int = _f(256, "tokens per sample", min=2)
-    n_stages: int = _f(4, "pipeline stages: stage 0 (embedding, first layers, head, loss) + body stages", min=1)
+    vocab_size: int = _f(4096, "tokenizer vocabulary size (set by the data set's manifest)", min=2, max=2**24)
+    d_model: int = _f(256, "width of the residual stream", min=8, max=65536)
+    n_layers: int = _f(8, "number of transformer layers in total", min=1, max=1024)
+    n_heads: int = _f(8, "attention heads", min=1, max=1024)
+    n_kv_heads: int = _f(0, "key/value heads for grouped-query attention (0 = n_heads)", min=0, max=1024)
+    ffn_hidden: int = _f(0, "SwiGLU hidden width (0 = 8/3 * d_model rounded up to 32)", min=0, max=2**20)
+    seq_len: int = _f(256, "tokens per sample", min=2, max=2**20)
+    n_stages: int = _f(4, "pipeline stages: stage 0 (embedding, first layers, head, loss) + body stages", min=1,
+                       max=1024)
     stage0_layers: int = _f(-1, "layers held by stage 0 (-1 = chosen by the cost-model partitioner)", min=-1)
     rope_theta: float = _f(10000.0, "rotary embedding base", min=1.0)
     norm_eps: float = _f(1e-5, "RMSNorm epsilon", min=0.0)
     init_std: float = _f(0.02, "standard deviation of the weight initialisation", min=0.0)
+
+    def approx_parameters(self) -> int:
+        """Parameters of the model (embedding, head, attention and SwiGLU weights; norms left out)."""
+        kv = self.kv_heads * self.head_dim
+        per_layer = 2 * self.d_model * self.d_model + 2 * self.d_model * kv + 3 * self.d_model * self.hidden
+        return 2 * self.vocab_size * self.d_model + self.n_layers * per_layer
 
     @property
     def kv_heads(self) -> int:
@@ -95,8 +103,8 @@ class DataConfig:
 @dataclass
 class TrainConfig:
     steps: int = _f(300, "optimizer steps (iterations)", min=0)
-    micro_batch: int = _f(8, "samples per micro-batch", min=1)
-    n_micro: int = _f(4, "micro-batches per iteration (global batch = micro_batch * n_micro)", min=1)
+    micro_batch: int = _f(8, "samples per micro-batch", min=1, max=2**20)
+    n_micro: int = _f(4, "micro-batches per iteration (global batch = micro_batch * n_micro)", min=1, max=2**20)
     lr: float = _f(3e-3, "peak learning rate", min=0.0)
     min_lr_frac: float = _f(0.1, "final learning rate as a fraction of the peak", min=0.0, max=1.0)
     warmup_steps: int = _f(30, "linear warm-up steps", min=0)
@@ -199,7 +207,7 @@ class ElasticConfig:
 @dataclass
 class RuntimeConfig:
     """Multi-process skip-pipeline runtime (skiptrain.runtime, issue 4); used when ``nodes > 0``."""
-    nodes: int = _f(0, "node processes (0 = the single-process trainer)", min=0)
+    nodes: int = _f(0, "node processes on this machine (0 = the single-process trainer)", min=0, max=1024)
     stage_sizes: str = _f("", "nodes per stage, comma-separated, e.g. 3,2,2,2 (empty = by work)")
     method: str = _f("planner", "how routes are made", choices=("planner", "full_pipeline", "random_skip"))
     memory: int = _f(3, "micro-batches in flight per node (memory credits)", min=1)
@@ -232,6 +240,24 @@ class RuntimeConfig:
                                 "iteration time exceeds the planned one by this fraction (0 = off)", min=0.0)
 
 
+def skip_count(skip_ratio: float, n_stages: int) -> int:
+    """Body stages each micro-batch skips for skip ratio ``k`` and ``n_stages`` stages in total."""
+    if not 0.0 <= skip_ratio <= 1.0:
+        raise ConfigError(f"skip ratio {skip_ratio} must lie in [0, 1]")
+    n = int(skip_ratio * n_stages + 0.5)
+    body = n_stages - 1
+    if n and body == 0:
+        raise ConfigError(f"skip ratio {skip_ratio} with {n_stages} stage: there is no body stage to skip; "
+                         "use skip ratio 0 or more stages")
+    if n and n >= body:
+        # round(k * S) <= body - 1  <=>  k * S + 0.5 < body  <=>  k < (body - 0.5) / S
+        raise ConfigError(
+            f"skip ratio {skip_ratio} with {n_stages} stages skips {n} of the {body} body stages, leaving "
+            f"routes that train no body stage; use a skip ratio below {(body - 0.5) / n_stages:.4g}")
+    return n
+
+
+
 @dataclass
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -249,7 +275,16 @@ class Config:
                 _check_value(f"{sec.name}.{f.name}", f, getattr(section, f.name))
             if hasattr(section, "check"):
                 section.check()
+        self._check_skip_ratio()
         return self
+
+    def _check_skip_ratio(self) -> None:
+        """Every route must visit at least one body stage (:func:`skip_count`)."""
+        try:
+            skip_count(self.train.skip_ratio, self.model.n_stages)
+        except ConfigError as e:
+            raise ConfigError(f"train.skip_ratio={self.train.skip_ratio} with model.n_stages="
+                              f"{self.model.n_stages}: {e}") from None
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
         return dataclasses.asdict(self)
@@ -333,6 +368,9 @@ def _coerce(key: str, tp: Any, value: Any) -> Any:
 
 def _check_value(key: str, f: dataclasses.Field, value: Any) -> None:
     meta = f.metadata
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ConfigError(f"{key}={value!r} is not a finite number; give a finite value "
+                          f"(default {f.default!r})")
     if "choices" in meta and value not in meta["choices"]:
         allowed = ", ".join(repr(c) for c in meta["choices"])
         raise ConfigError(f"{key}={value!r} is not allowed; choose one of {allowed}")
@@ -386,9 +424,13 @@ def load_toml(path: str | Path) -> dict[str, Any]:
     if not p.is_file():
         raise ConfigError(f"config file {str(p)!r} does not exist; pass an existing TOML file")
     try:
-        return tomllib.loads(p.read_text())
+        return tomllib.loads(p.read_text(encoding="utf-8"))
     except tomllib.TOMLDecodeError as e:
         raise ConfigError(f"config file {str(p)!r} is not valid TOML: {e}") from None
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"config file {str(p)!r} is not UTF-8 text (byte {e.start}); save it as UTF-8 TOML") from None
+    except OSError as e:
+        raise ConfigError(f"config file {str(p)!r} cannot be read: {e.strerror}") from None
 
 
 def build_config(preset: str | None = None, toml_path: str | Path | None = None,

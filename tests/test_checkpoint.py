@@ -204,7 +204,8 @@ def test_background_error_is_raised_and_nothing_committed(tmp_path, monkeypatch)
     mgr = CheckpointManager(tmp_path)
     monkeypatch.setattr(M, "write_part", boom)
     mgr.save(1, _state(), {})
-    with pytest.raises(OSError, match="No space"):
+    with pytest.raises(CheckpointError, match="step 1 failed: No space left on device; nothing of it was kept "
+                                              "and no checkpoint was committed yet"):
         mgr.wait()
     assert store.latest(tmp_path) is None
     with pytest.raises(CheckpointError, match="no committed checkpoint"):
@@ -325,3 +326,33 @@ def test_separate_writer_processes(tmp_path):
     assert sum(loads.values()) == sum(a.nbytes for a in want.values())
     for s in range(3):
         assert abs(loads[2 * s] - loads[2 * s + 1]) <= 16 << 10 and min(loads[2 * s], loads[2 * s + 1]) > 0
+
+
+@pytest.mark.parametrize("errno_,text", [(28, "No space left on device"), (30, "Read-only file system")])
+def test_an_io_error_during_a_save_is_one_line_naming_the_last_checkpoint_and_leaves_no_tmp(
+        tmp_path, monkeypatch, errno_, text):
+    import os
+
+    mgr = CheckpointManager(tmp_path)
+    mgr.save(1, _state(), {}, blocking=True)
+    real = store.write_file
+
+    def fail_on_metadata(path, data, durable=True):  # after the data file is written
+        if str(path).endswith(METADATA_FILE):
+            raise OSError(errno_, os.strerror(errno_), str(path))
+        return real(path, data, durable)
+
+    monkeypatch.setattr(store, "write_file", fail_on_metadata)
+    mgr.save(2, _state(), {})
+    with pytest.raises(CheckpointError) as e:
+        mgr.wait()
+    msg = str(e.value)
+    assert "\n" not in msg and f"step 2 failed: {text}" in msg
+    assert f"the last committed checkpoint is {tmp_path / 'step-00000001'}" in msg
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["LATEST", "step-00000001"]  # no .tmp-step-*
+
+
+def test_an_unwritable_checkpoint_root_is_a_one_line_error(tmp_path):
+    (tmp_path / "file").write_text("")
+    with pytest.raises(CheckpointError, match="cannot use the checkpoint directory .*: Not a directory"):
+        CheckpointManager(tmp_path / "file" / "ckpt")

@@ -73,3 +73,66 @@ def test_errors_are_one_line_with_a_fix(args, needle):
     assert r.returncode == 2, r.stderr
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and needle in lines[0], r.stderr
+
+
+def one_line_error(capsys, argv, needle):
+    """``main(argv)`` fails with exit status 2 and exactly one stderr line containing ``needle``."""
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and needle in err[0], err
+    return err[0]
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["--tokens", "1000000000000"], "--tokens 1000000000000 is outside 0..10000"),
+    (["--tokens", "-1"], "--tokens -1 is outside 0..10000"),
+    (["--temperature", "nan"], "--temperature nan must be a finite number >= 0"),
+    (["--temperature", "-1"], "--temperature -1.0 must be a finite number >= 0"),
+])
+def test_generate_refuses_huge_or_bad_requests_at_once(trained, capsys, argv, needle):
+    _, run = trained
+    one_line_error(capsys, ["generate", str(run), *argv], needle)
+
+
+def test_generate_streams_the_same_tokens_as_the_model_samples(trained):
+    import torch
+
+    from skiptrain.train.generate import sample_tokens, stream_text
+    from skiptrain.train.rundir import load_run
+
+    _, run = trained
+    _, model, tok = load_run(run)
+    ids = tok.encode("HAMLET.")
+    ref = model.generate(torch.tensor([ids]), 10, generator=torch.Generator().manual_seed(3))[0, len(ids):].tolist()
+    stream = sample_tokens(model, ids, 10, generator=torch.Generator().manual_seed(3))
+    assert next(stream) == ref[0]  # the first token exists before the other nine are sampled
+    pieces: list[str] = []
+    text = stream_text(tok, stream, pieces.append)
+    assert len(pieces) > 1 and text == "".join(pieces) == tok.decode(ref[1:])
+
+
+def test_stream_text_holds_back_split_characters():
+    from skiptrain.data.tokenizer import ByteTokenizer
+    from skiptrain.train.generate import stream_text
+
+    pieces: list[str] = []
+    ids = list("é!".encode())  # 2 bytes + 1
+    assert stream_text(ByteTokenizer(), ids, pieces.append) == "é!" and pieces == ["é", "!"]
+
+
+def test_eval_with_zero_batches_is_a_clear_error(trained, capsys):
+    _, run = trained
+    one_line_error(capsys, ["eval", str(run), "--batches", "0"], "--batches 0: evaluate at least 1 micro-batch")
+
+
+def test_a_model_too_large_for_this_machine_is_refused_before_allocation(capsys, tmp_path):
+    one_line_error(capsys, ["train", "--preset", "tiny", "--set", "model.d_model=65536", "--set", "model.n_heads=256",
+                            "--set", "model.n_kv_heads=0", "--set", "model.n_layers=1024", "--out", str(tmp_path / "r"),
+                            "--data", str(tmp_path)], "parameters: training it in one process needs about")
+    assert not (tmp_path / "r").exists()
+
+
+def test_prepare_into_an_unwritable_place_is_a_clear_error(capsys, tmp_path):
+    (tmp_path / "f").write_text("")
+    one_line_error(capsys, ["prepare", "--text", *TRAIN_TEXTS, "--tokenizer", "byte", "--out", str(tmp_path / "f" / "d")],
+                   "cannot write the data directory")

@@ -65,3 +65,43 @@ def test_toml_file(tmp_path):
 def test_override_syntax():
     with pytest.raises(ConfigError, match="expected section.key=value"):
         parse_overrides(["d_model=3"])
+
+
+@pytest.mark.parametrize("key", ["train.lr", "train.grad_clip", "train.weight_decay", "runtime.timeout_s"])
+@pytest.mark.parametrize("value", ["nan", "inf", "-inf", "NaN"])
+def test_non_finite_floats_are_refused_naming_the_key(key, value):
+    with pytest.raises(ConfigError, match=rf"{key}=.* is not a finite number; give a finite value"):
+        build_config("tiny", overrides=[f"{key}={value}"])
+
+
+def test_non_finite_floats_from_toml_are_refused(tmp_path):
+    p = tmp_path / "c.toml"
+    p.write_text("[train]\nlr = inf\n")
+    with pytest.raises(ConfigError, match="train.lr=inf is not a finite number"):
+        build_config("tiny", p)
+
+
+@pytest.mark.parametrize("k", [0.7, 0.75, 0.9, 0.625])
+def test_skip_ratio_that_leaves_no_body_stage_is_refused_with_the_right_bound(k):
+    # 4 stages = 3 body stages; round(k * 4) >= 3 skips all of them
+    with pytest.raises(ConfigError, match=r"train.skip_ratio=.*no body stage; use a skip ratio below 0.625"):
+        build_config("tiny", overrides=[f"train.skip_ratio={k}"])
+    assert build_config("tiny", overrides=["train.skip_ratio=0.62"]).train.skip_ratio == 0.62
+
+
+@pytest.mark.parametrize("override,needle", [
+    ("model.n_layers=100000000", "model.n_layers=100000000 is above its maximum 1024"),
+    ("runtime.nodes=99999999", "runtime.nodes=99999999 is above its maximum 1024"),
+    ("train.micro_batch=" + "9" * 20, "is above its maximum"),
+])
+def test_absurd_sizes_are_refused_before_anything_is_allocated(override, needle):
+    with pytest.raises(ConfigError, match=needle):
+        build_config("tiny", overrides=[override])
+
+
+def test_approx_parameters_matches_the_model():
+    from skiptrain.model import StagedLM
+
+    cfg = build_config("tiny")
+    exact = StagedLM(cfg.model, seed=0).num_parameters()
+    assert 0.97 * exact <= cfg.model.approx_parameters() <= exact

@@ -116,3 +116,32 @@ def test_loader_rejects_other_seed(byte_data):
     ld = ShardedLoader(SampleSource(ds.tokens("train"), 32, seed=1), 4)
     with pytest.raises(DataError, match="same train.seed"):
         ld.load_state_dict({"cursor": 8, "seed": 2})
+
+
+def _copy_dataset(src, dst):
+    import shutil
+
+    shutil.copytree(src, dst)
+    return dst
+
+
+def test_token_ids_outside_the_vocabulary_are_a_clear_error(tmp_path, byte_data):
+    d = _copy_dataset(byte_data, tmp_path / "d")
+    mf = json.loads((d / "manifest.json").read_text())
+    mf["tokenizer"]["vocab_size"] = 100  # byte data holds ids up to 255
+    (d / "manifest.json").write_text(json.dumps(mf))
+    ds = TokenDataset.open(d)
+    with pytest.raises(DataError, match=r"train.bin holds token id \d+ at position \d+, outside the vocabulary of "
+                                        r"100.*re-run `skiptrain prepare"):
+        ds.tokens("train")
+
+
+def test_an_empty_validation_split_is_a_clear_error(tmp_path, byte_data):
+    d = _copy_dataset(byte_data, tmp_path / "d")
+    mf = json.loads((d / "manifest.json").read_text())
+    mf["tokens"]["val"] = 0
+    (d / "manifest.json").write_text(json.dumps(mf))
+    (d / "val.bin").write_bytes(b"")
+    ds = TokenDataset.open(d)
+    with pytest.raises(DataError, match=r"the 'val' split of data set .* is empty \(0 tokens\); re-run"):
+        ds.tokens("val")

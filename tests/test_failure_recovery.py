@@ -350,7 +350,7 @@ def test_a_stage_lost_for_good_is_filled_from_its_checkpoint_in_the_merged_model
     from skiptrain.checkpoint.manager import CheckpointManager
     from skiptrain.checkpoint.state import model_tensors
     from skiptrain.model.transformer import StagedLM
-    from skiptrain.runtime.launcher import _lost_stages_from_checkpoints
+    from skiptrain.runtime.outputs import lost_stages_from_checkpoints
 
     cfg = build_config("tiny")
     job = Job(config=cfg.to_dict(), data_path="-", run_dir=str(tmp_path),
@@ -359,11 +359,13 @@ def test_a_stage_lost_for_good_is_filled_from_its_checkpoint_in_the_merged_model
     mgr = CheckpointManager(tmp_path / "stage_ckpt" / "train" / "stage2", keep=2)
     mgr.save(3, model_tensors(m2), state={"stage": 2}, blocking=True)
     mgr.close()
-    got = _lost_stages_from_checkpoints(job, tmp_path, {"stage0", "stage1"})
+    got = lost_stages_from_checkpoints(job, tmp_path, {"stage0", "stage1"})
     want = model_tensors(m2)
-    assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
+    init3 = model_tensors(StagedLM(cfg.model, stages=[3], seed=cfg.train.seed))   # no checkpoint: initial weights
+    assert got.keys() == want.keys() | init3.keys()
+    assert all(torch.equal(got[k], want[k]) for k in want) and all(torch.equal(got[k], init3[k]) for k in init3)
     notes = json.loads((tmp_path / "lost_stages.json").read_text())
-    assert "checkpoint after iteration 3" in notes["2"] and "missing" in notes["3"]
+    assert "checkpoint after iteration 3" in notes["2"] and "INITIAL (untrained) weights" in notes["3"]
 
 
 def test_restarting_a_coordinator_before_generation_0_is_a_clear_error(byte_data, tmp_path, capsys):

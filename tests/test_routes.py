@@ -10,8 +10,28 @@ from skiptrain.schedule.routes import (RouteError, balanced_routes, check_route,
 def test_skip_count_reference_case():
     assert skip_count(0.33, 6) == 2  # SkipPipe: stage 0 + 3 of 5 body stages
     assert skip_count(0.0, 6) == 0
-    with pytest.raises(RouteError, match="lower the skip ratio"):
+    with pytest.raises(RouteError, match="use a skip ratio below"):
         skip_count(1.0, 6)
+
+
+@settings(max_examples=100, deadline=None)
+@given(S=st.integers(1, 16), k=st.floats(0, 1))
+def test_skip_count_always_leaves_a_body_stage_and_its_bound_is_exact(S, k):
+    bound = (S - 1.5) / S
+    try:
+        n = skip_count(k, S)
+    except RouteError as e:
+        assert n_refused_is_consistent(k, S)
+        if S > 1:
+            assert f"below {bound:.4g}" in str(e)
+        return
+    assert n == 0 or n < S - 1
+    assert n == 0 or k < bound
+
+
+def n_refused_is_consistent(k, S):
+    n = int(k * S + 0.5)
+    return n > 0 and n >= S - 1
 
 
 def test_swaps():

@@ -14,7 +14,7 @@ from skiptrain.schedule.compare import CLAIMS, compare
 from skiptrain.schedule.cost import CostModel, from_model_config, reference_cost, ring_order
 from skiptrain.schedule.placement import place, stage_sizes
 from skiptrain.schedule.planner import PlanConfig, plan, route_orders
-from skiptrain.schedule.routes import check_route, skip_count
+from skiptrain.schedule.routes import RouteError, check_route, skip_count
 from skiptrain.schedule.schedule import Schedule, ScheduleError
 from skiptrain.schedule.simulator import simulate
 from skiptrain.schedule.timeline import check_no_overlap, max_in_flight
@@ -32,7 +32,9 @@ def small_cost(S, samples=2):
 def test_every_method_keeps_its_constraints(seed, S, extra, k, memory, mbo, swaps, full_model):
     n = S + extra + 1
     topo = random_topology(n, seed=seed)
-    if int(k * S + 0.5) > S - 1:
+    if 0 < int(k * S + 0.5) >= S - 1:  # refused: routes would visit no body stage
+        with pytest.raises(RouteError, match="no body stage"):
+            skip_count(k, S)
         return
     cfg = PlanConfig(n_stages=S, skip_ratio=k, max_swaps=swaps, memory=memory, mb_per_originator=mbo,
                      seed=seed, max_evals=40, constructions=2)

@@ -19,7 +19,8 @@ HF rotates halves ``(x[i], x[i + d/2])``.  So the rows of ``wq`` and ``wk`` are 
 each head exactly as Meta->HF conversion does (:func:`interleaved_to_half`).
 
 ``--format skiptrain`` writes the tensors under skiptrain's own global names instead (the same
-file layout as a run directory's ``model.safetensors``), without permutation.
+file layout as a run directory's ``model.safetensors``, its checksum included), without
+permutation.  The checkpoint's shards are CRC-32 checked as they are read.
 """
 
 from __future__ import annotations
@@ -107,7 +108,9 @@ def export(src: str | Path, out: str | Path, fmt: str = "hf", dtype: str = "floa
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     if fmt == "skiptrain":
-        save_file({n: t.to(target).contiguous() for n, t in tensors.items()}, str(out / "model.safetensors"))
+        from .weights import save_weights_file  # the run directory's format, checksum included
+
+        save_weights_file({n: t.to(target) for n, t in tensors.items()}, out / "model.safetensors")
     elif fmt == "hf":
         hf = {}
         for n, t in tensors.items():

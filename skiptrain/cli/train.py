@@ -4,19 +4,26 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
+import os
 import sys
 import time
 from pathlib import Path
 
 from ..errors import UserError
+from ..signals import sigterm_as_interrupt
+from ..train.generate import MAX_NEW_TOKENS
 from .options import add_config_args, config_from_args
 
 
 def cmd_train(args: argparse.Namespace) -> int:
+    from ..train.rundir import claim_run_dir
     from ..train.trainer import Trainer
 
     cfg = config_from_args(args, **{"data.path": args.data, "train.steps": args.steps,
                                     "train.skip_ratio": args.skip_ratio, "train.seed": args.seed})
+    claim_run_dir(args.out, resume=getattr(args, "resume", None) is not None,
+                  overwrite=getattr(args, "overwrite", False))
     if getattr(args, "nodes", None) is not None:
         cfg.runtime.nodes = args.nodes
     if cfg.runtime.nodes > 1:  # issue 4: the multi-process skip-pipeline runtime (skiptrain.runtime)
@@ -28,6 +35,7 @@ def cmd_train(args: argparse.Namespace) -> int:
 
         train_swarm(cfg, cfg.data.path, args.out)
         return 0
+    check_fits_memory(cfg)
     if args.quiet:
         cfg.train.progress = False
     if cfg.elastic.enabled:  # issue 9: elastic mode (freeze, repartition, cache)
@@ -42,10 +50,37 @@ def cmd_train(args: argparse.Namespace) -> int:
     print(f"skiptrain train: {trainer.model.num_parameters() / 1e6:.2f}M parameters, "
           f"{cfg.model.n_stages} stages {trainer.model.partition.to_list()}, "
           f"{trainer.tokens_per_step} tokens/step, {cfg.train.steps} steps -> {args.out}", flush=True)
-    s = trainer.fit()
+    start = trainer.step
+    try:
+        with sigterm_as_interrupt():  # SIGTERM stops like Ctrl-C: the weights so far are written
+            s = trainer.fit()
+    except KeyboardInterrupt:          # Ctrl-C or SIGTERM: fit() wrote the weights before stopping
+        latest = trainer.ckpt.manager.latest() if trainer.ckpt is not None else None
+        print(f"skiptrain train: interrupted at step {trainer.step}: {args.out}/model.safetensors holds its "
+              f"weights; --resume continues from {latest or 'the start (no checkpoint yet)'}", file=sys.stderr)
+        raise
+    except FloatingPointError as e:   # the loss became inf/nan: the weights written are not usable
+        raise UserError(f"training diverged: {e}; the last checkpoint (if any) is under {args.out}/checkpoints")
+    if s["step"] > start and not math.isfinite(s["val_loss"]):  # (no step run: nothing was validated)
+        raise UserError(f"training diverged: the final validation loss is {s['val_loss']}; retrain with a lower "
+                        "train.lr (the run directory holds the diverged weights)")
     print(f"done: step {s['step']}, validation loss {s['val_loss']:.4f} "
           f"(unigram baseline {s['unigram_val_loss']:.4f}), {s['seconds']:.0f} s; run directory: {args.out}")
     return 0
+
+
+def check_fits_memory(cfg) -> None:
+    """Refuse a single-process run whose weights, gradients and AdamW moments alone (16 bytes a
+    parameter in float32) exceed this machine's memory: it could only swap or be killed."""
+    try:
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return
+    params = cfg.model.approx_parameters()
+    if 16 * params > total:
+        raise UserError(f"the model has about {params / 1e9:.1f}B parameters: training it in one process needs about "
+                        f"{16 * params / 2**30:,.0f} GiB for weights, gradients and AdamW state, and this machine has "
+                        f"{total / 2**30:,.0f} GiB; choose a smaller model (model.d_model, model.n_layers)")
 
 
 def _route_from_args(args, n_stages: int):
@@ -68,6 +103,8 @@ def cmd_eval(args: argparse.Namespace) -> int:
     from ..runtime.evaluate import evaluate
     from ..train.rundir import load_run
 
+    if args.batches < 1:
+        raise UserError(f"--batches {args.batches}: evaluate at least 1 micro-batch (e.g. --batches 16)")
     cfg, model, _ = load_run(args.run_dir)
     ds = TokenDataset.open(args.data or cfg.data.path)
     if ds.vocab_size != cfg.model.vocab_size:
@@ -76,6 +113,9 @@ def cmd_eval(args: argparse.Namespace) -> int:
     route = _route_from_args(args, cfg.model.n_stages)
     src = SampleSource(ds.tokens(args.split), cfg.model.seq_len, shuffle=False)
     loss = evaluate(model, src, args.batches, cfg.train.micro_batch, route=route)
+    if not math.isfinite(loss):
+        raise UserError(f"{args.split} loss is {loss}: the model's weights diverged (too large to give a finite "
+                        "loss); retrain with a lower train.lr")
     result = {"val_loss": loss, "perplexity": perplexity(loss), "split": args.split,
               "route": route if route is not None else list(range(1, cfg.model.n_stages)),
               "samples": min(args.batches * cfg.train.micro_batch, src.n)}
@@ -89,15 +129,23 @@ def cmd_eval(args: argparse.Namespace) -> int:
 def cmd_generate(args: argparse.Namespace) -> int:
     import torch
 
+    from ..train.generate import check_request, sample_tokens, stream_text
     from ..train.rundir import load_run
 
+    check_request(args.tokens, args.temperature)
     cfg, model, tok = load_run(args.run_dir)
     route = _route_from_args(args, cfg.model.n_stages)
     ids = tok.encode(args.prompt) or [0]
     g = torch.Generator().manual_seed(args.seed)
-    out = model.generate(torch.tensor([ids]), args.tokens, temperature=args.temperature,
-                         route=route, generator=g)
-    print(tok.decode(out[0].tolist()))
+
+    def write(text: str) -> None:
+        sys.stdout.write(text)
+        sys.stdout.flush()
+
+    write(tok.decode(ids))
+    stream_text(tok, sample_tokens(model, ids, args.tokens, temperature=args.temperature, route=route,
+                                   generator=g), write)
+    write("\n")
     return 0
 
 
@@ -126,7 +174,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
         overrides = swarm + ([f"runtime.nodes={nodes}"] if nodes else []) + overrides
     train_args = argparse.Namespace(preset=args.preset, config=args.config, overrides=overrides,
                                     data=str(data), steps=args.steps, skip_ratio=None, seed=None,
-                                    out=args.out, quiet=False, nodes=nodes)
+                                    out=args.out, quiet=False, nodes=nodes, overwrite=True)
     cmd_train(train_args)
     print("\n[demo] a sample from the trained model:\n", flush=True)
     cmd_generate(argparse.Namespace(run_dir=args.out, prompt="ROMEO.\n", tokens=120, temperature=0.8,
@@ -149,7 +197,10 @@ def register(sub) -> None:
     p.add_argument("--steps", type=int, help="optimizer steps (config train.steps)")
     p.add_argument("--skip-ratio", type=float, help="random skip training with ratio k (config train.skip_ratio)")
     p.add_argument("--seed", type=int, help="config train.seed")
-    p.add_argument("--out", required=True, help="run directory to write")
+    p.add_argument("--out", required=True, help="run directory to write (refused if it holds a run, unless "
+                                                   "--resume or --overwrite)")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace the run already in --out (its weights, metrics and checkpoints are deleted)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.add_argument("--nodes", type=int, default=None,
                    help="train on N local node processes (skip-pipeline runtime, config runtime.nodes); 1 = single process")
@@ -170,15 +221,16 @@ def register(sub) -> None:
     p = sub.add_parser("generate", help="sample text from a trained run")
     p.add_argument("run_dir")
     p.add_argument("--prompt", default="\n")
-    p.add_argument("--tokens", type=int, default=200)
-    p.add_argument("--temperature", type=float, default=0.8)
+    p.add_argument("--tokens", type=int, default=200,
+                   help=f"new tokens to sample, streamed as they come (at most {MAX_NEW_TOKENS})")
+    p.add_argument("--temperature", type=float, default=0.8, help="sampling temperature (0 = most likely token)")
     _add_drop_args(p)
     p.set_defaults(func=cmd_generate)
 
     p = sub.add_parser("demo", help="the embedded default: prepare Shakespeare, train the small model, sample")
     add_config_args(p)
     p.add_argument("--data", default="data/shakespeare")
-    p.add_argument("--out", default="runs/demo")
+    p.add_argument("--out", default="runs/demo", help="run directory (replaced if it holds a run)")
     p.add_argument("--steps", type=int, default=None)
     p.add_argument("--nodes", type=int, default=None,
                    help="node processes of the local swarm (default: 9 on a planned skip schedule; 1 = single process)")

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -105,6 +105,7 @@ class TokenDataset:
     path: Path
     manifest: dict
     tokenizer: Tokenizer
+    checked: set = field(default_factory=set, repr=False)  # splits whose token ids were checked
 
     @classmethod
     def open(cls, path: str | Path) -> "TokenDataset":
@@ -141,4 +142,20 @@ class TokenDataset:
     def tokens(self, split: str) -> np.ndarray:
         if split not in self.manifest["tokens"]:
             raise DataError(f"data set {self.path} has no {split!r} split (has {sorted(self.manifest['tokens'])})")
-        return np.memmap(self.path / f"{split}.bin", dtype=self.manifest["dtype"], mode="r")
+        if int(self.manifest["tokens"][split]) == 0:
+            raise DataError(f"the {split!r} split of data set {self.path} is empty (0 tokens); re-run "
+                            f"`skiptrain prepare --out {self.path}` with more text or a larger --val-fraction")
+        arr = np.memmap(self.path / f"{split}.bin", dtype=self.manifest["dtype"], mode="r")
+        if split not in self.checked:
+            self.check_ids(split, arr)
+            self.checked.add(split)
+        return arr
+
+    def check_ids(self, split: str, arr: np.ndarray) -> None:
+        """Every token id of ``arr`` must be below the vocabulary size (else the embedding would fail)."""
+        top = int(arr.max())
+        if top >= self.vocab_size:
+            pos = int(np.argmax(arr >= self.vocab_size))
+            raise DataError(f"{self.path / (split + '.bin')} holds token id {int(arr[pos])} at position {pos}, "
+                            f"outside the vocabulary of {self.vocab_size} in {MANIFEST}; the token file does "
+                            f"not belong to this manifest: re-run `skiptrain prepare --out {self.path}`")

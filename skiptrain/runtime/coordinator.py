@@ -42,59 +42,34 @@ import time
 from pathlib import Path
 
 from ..schedule.schedule import Schedule
-from .failure import RuntimeFailure, describe_exit
+from .failure import RuntimeFailure, describe_exit, pid_running
 from .job import Job
+from .membership import COORDINATOR, Verifier, sign
 from .recovery import publish_generation
-
-
-def _claimed_pid(hello: str) -> int:
-    """The pid a joining node claims in its hello; 0 (never signalled) unless it is a plausible
-    other process (an int > 1, not this one)."""
-    try:
-        pid = json.loads(hello).get("pid")
-    except (ValueError, AttributeError):
-        return 0
-    if not isinstance(pid, int) or isinstance(pid, bool) or pid <= 1 or pid == os.getpid() or pid > 2 ** 22:
-        return 0
-    return pid
-
-
-def _pid_running(pid: int) -> bool:
-    """Whether ``pid`` runs (not gone, not a zombie): joining nodes are not this process's children.
-    ``pid <= 1`` is never a node (0 and -1 address process groups / everything; 1 is init)."""
-    if pid <= 1:
-        return False
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except (OSError, IndexError):
-        try:
-            os.kill(pid, 0)
-            return True
-        except OSError:
-            return False
 
 
 class _Members:
     """Exit status of the launched children and of joined (external) node processes."""
 
-    def __init__(self, procs, store):
-        self.procs, self.store = procs, store
-        self.ext: dict[int, int] = {}            # joined node -> pid
+    def __init__(self, procs, store, verifier: Verifier):
+        self.procs, self.store, self.verifier = procs, store, verifier
+        self.ext: dict[int, int] = {}            # joined node -> pid (0: unverified, never signalled)
 
     def code(self, r: int) -> int | None:
         if r < len(self.procs):
             return self.procs[r].poll()
         pid = self.ext.get(r)
-        if pid is None or _pid_running(pid):
+        if pid and pid_running(pid):
             return None
-        try:
-            done = self.store.get(f"hb/{r}").decode().endswith(":done")
-        except Exception:  # noqa: BLE001
-            done = False
-        return 0 if done else -signal.SIGKILL
+        hb = self.verifier.read(self.store, r, f"hb/{r}")
+        if hb is not None and hb.endswith(":done"):
+            return 0
+        # no verified PID: running until its signed heartbeat says done (or goes stale: hung)
+        return None if not pid else -signal.SIGKILL
 
     def kill(self, r: int) -> None:
+        """SIGKILL node ``r``: only a child this coordinator started, or a process whose PID came
+        signed with the node's member key (a joiner's hello, a node's ``pid/<r>``)."""
         pid = self.procs[r].pid if r < len(self.procs) else self.ext.get(r)
         if pid is None or pid <= 1 or pid == os.getpid():
             return
@@ -109,8 +84,50 @@ class _Members:
                 pass
         else:
             end = time.time() + 5
-            while _pid_running(pid) and time.time() < end:
+            while pid_running(pid) and time.time() < end:
                 time.sleep(0.01)
+
+
+def verified_pid(verifier: Verifier, store, node: int) -> int:
+    """The PID node ``node`` wrote (signed) to ``pid/<node>``; 0 (never signalled) when absent,
+    forged or implausible."""
+    raw = verifier.read(store, node, f"pid/{node}")
+    try:
+        pid = int(raw) if raw is not None else 0
+    except ValueError:
+        pid = 0
+    if pid <= 1 or pid == os.getpid() or pid > 2 ** 22:
+        print(f"[coordinator] node {node}: no verified PID; it will not be signalled", file=sys.stderr, flush=True)
+        return 0
+    return pid
+
+
+def _read_reports(store, verifier: Verifier, gen: int, alive: set[int], strikes: dict[int, int],
+                  strikes_needed: int, found: dict, struck: dict) -> None:
+    """Count a strike against every bad peer named in a signed report of generation ``gen``
+    (each node's own ``report/<gen>/<r>``); at ``strikes_needed`` the peer goes to ``found`` (banned),
+    below it to ``struck``.  Unsigned or forged reports are ignored (and logged by ``verifier``)."""
+    for r in sorted(alive):
+        raw = verifier.read(store, r, f"report/{gen}/{r}")
+        try:
+            rep = json.loads(raw) if raw is not None else None
+        except ValueError:
+            continue
+        if not isinstance(rep, dict):
+            continue
+        bad = rep.get("node")
+        if not (rep.get("bad_peer") and isinstance(bad, int) and bad in alive and bad not in found
+                and bad not in struck):
+            continue
+        said = (str(rep.get("cause") or "?").splitlines() or ["?"])[0][:200]
+        cause = f"bad peer: {said} (reported by node {r})"
+        strikes[bad] = strikes.get(bad, 0) + 1
+        store.set("coord/strikes", sign(verifier.key(COORDINATOR), "coord/strikes", json.dumps(strikes)))
+        t = float(rep.get("t", time.time()))
+        if strikes[bad] >= strikes_needed:
+            found[bad] = (cause + f"; strike {strikes[bad]} of {strikes_needed}: banned", t)
+        else:
+            struck[bad] = (cause + f"; strike {strikes[bad]} of {strikes_needed}", t)
 
 
 def _log(log_path: Path, row: dict) -> None:
@@ -130,7 +147,7 @@ def coordinate(job: Job, procs, store, world: int, t_start: float, timeout_s: fl
         stage0 |= set(Schedule.from_dict(ph.schedule).placement[0])
     log_path = Path(run_dir) / "recoveries.jsonl"
     fenced: set[int] = set()
-    members = _Members(procs, store)
+    members = _Members(procs, store, Verifier(join_secret, Path(run_dir) / "rejected_writes.jsonl"))
     if resume:
         if not store.check(["gen"]):
             raise RuntimeFailure(
@@ -173,9 +190,10 @@ def _loop(job, store, members, stage0, deadline, strikes_needed, log_path, fence
         gen = current_generation(store)
         alive = set(read_generation(store, gen)["alive"])
         for r in sorted(alive):
-            members.ext[r] = int(store.get(f"pid/{r}").decode())
-        if store.check(["coord/strikes"]):
-            strikes = {int(k): v for k, v in json.loads(store.get("coord/strikes").decode()).items()}
+            members.ext[r] = verified_pid(members.verifier, store, r)
+        saved = members.verifier.read(store, COORDINATOR, "coord/strikes")
+        if saved is not None:
+            strikes = {int(k): v for k, v in json.loads(saved).items()}
         joins.resume(gen, alive)
         print(f"[coordinator] restarted: generation {gen}, alive {sorted(alive)}, node PIDs "
               f"{[members.ext[r] for r in sorted(alive)]}", file=sys.stderr, flush=True)
@@ -197,34 +215,14 @@ def _loop(job, store, members, stage0, deadline, strikes_needed, log_path, fence
         if now >= next_hb:
             next_hb = now + job.heartbeat_s
             for r in sorted(alive - set(found)):
-                try:
-                    if codes[r] is not None or not store.check([f"hb/{r}"]):
-                        continue
-                    t, _, state = store.get(f"hb/{r}").decode().partition(":")
-                except Exception:  # noqa: BLE001
+                hb = None if codes[r] is not None else members.verifier.heartbeat(store, r)
+                if hb is None:                # absent, forged or replayed: no decision on it
                     continue
-                if state != "done" and now - float(t) > deadline:
-                    found[r] = (f"stopped responding: no heartbeat for {now - float(t):.2f} s "
-                                f"(deadline {deadline:g} s)", float(t))
-            for r in sorted(alive):
-                key = f"report/{gen}/{r}"
-                try:
-                    if not store.check([key]):
-                        continue
-                    rep = json.loads(store.get(key).decode())
-                except Exception:  # noqa: BLE001
-                    continue
-                bad = rep.get("node")
-                if rep.get("bad_peer") and bad is not None and bad in alive and bad not in found \
-                        and bad not in struck:
-                    cause = f"bad peer: {rep['cause'].splitlines()[0][:200]} (reported by node {r})"
-                    strikes[bad] = strikes.get(bad, 0) + 1
-                    store.set("coord/strikes", json.dumps(strikes))
-                    if strikes[bad] >= strikes_needed:
-                        found[bad] = (cause + f"; strike {strikes[bad]} of {strikes_needed}: banned",
-                                      float(rep["t"]))
-                    else:
-                        struck[bad] = (cause + f"; strike {strikes[bad]} of {strikes_needed}", float(rep["t"]))
+                t, state = hb
+                if state != "done" and now - t > deadline:
+                    found[r] = (f"stopped responding: no heartbeat for {now - t:.2f} s "
+                                f"(deadline {deadline:g} s)", t)
+            _read_reports(store, members.verifier, gen, alive, strikes, strikes_needed, found, struck)
         if not found and not struck:
             if joins.step(gen, alive):
                 gen += 1
@@ -296,10 +294,10 @@ class _Joins:
     def _refuse(self, j: int, why: str, st: dict) -> None:
         from .join import refuse
 
-        refuse(self.store, j)
+        refuse(self.store, j, self.secret)
         now = time.time()
-        # Not killed: it exits by itself on "refused", never entered a group, and its pid is an
-        # unauthenticated claim (a forged pid must not make the coordinator kill anything).
+        # Not killed: it exits by itself on "refused" and never entered a group; a refused
+        # process proved nothing, so the PID in its hello is not acted on.
         print(f"[coordinator] joining node {j}: {why}; not admitted", file=sys.stderr, flush=True)
         _log(self.log_path, {"gen": None, "node": j, "cause": why, "refused": True, "join": True, "t_detect": now,
                              "detect_s": now - st["t_hello"], "pid": st.get("pid")})
@@ -307,7 +305,7 @@ class _Joins:
 
     def step(self, gen: int, alive: set[int]) -> bool:
         """Advance the joins; returns True when it published generation ``gen + 1``."""
-        from .join import challenge, check_response
+        from .join import challenge, check_response, hello_pid
 
         now = time.time()
         for j in self._ids():
@@ -315,7 +313,7 @@ class _Joins:
             if not hello:
                 continue
             self.seen.add(j)
-            pid = _claimed_pid(hello)
+            pid = hello_pid(self.secret, j, hello)
             self.pending[j] = {"t_hello": now, "pid": pid, "nonce": challenge(self.store, j), "state": "challenged"}
         for j, st in sorted(self.pending.items()):
             if st["state"] == "challenged":
@@ -382,6 +380,7 @@ class _Joins:
 
     def resume(self, gen: int, alive: set[int]) -> None:
         """A restarted coordinator: rebuild the joins under way from the store's join keys."""
+        from .join import hello_pid, read_result
         try:
             top = self.store.add("nodes/next", 0)
         except Exception:  # noqa: BLE001
@@ -391,8 +390,9 @@ class _Joins:
             if not self.store.check([f"join/hello/{j}"]):
                 continue
             self.seen.add(j)
-            pid = _claimed_pid(self.store.get(f"join/hello/{j}").decode(errors="replace"))
-            res = self.store.get(f"join/result/{j}").decode() if self.store.check([f"join/result/{j}"]) else None
+            pid = hello_pid(self.secret, j, self.store.get(f"join/hello/{j}").decode(errors="replace"))
+            res = (read_result(self.secret, j, self.store.get(f"join/result/{j}").decode(errors="replace"))
+                   if self.store.check([f"join/result/{j}"]) else None)
             if self.store.check([f"join/assign/{j}"]):
                 g = int(self.store.get(f"join/assign/{j}").decode())
                 if j in alive and not self.store.check([f"ack/{g}/{n}" for n in sorted(alive)]):
@@ -426,7 +426,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch.distributed as dist
 
-    from .launcher import _merge_outputs, stop_store
+    from .outputs import merge_outputs, stop_store
 
     ap = argparse.ArgumentParser(prog="python -m skiptrain.runtime.coordinator", description=main.__doc__.split("\n")[0])
     ap.add_argument("--run", required=True, help="run directory of the running job")
@@ -453,7 +453,7 @@ def main(argv: list[str] | None = None) -> int:
     (run_dir / "join_secret").unlink(missing_ok=True)
     (run_dir / "join.json").unlink(missing_ok=True)
     if failure is None:
-        _merge_outputs(job, run_dir)
+        merge_outputs(job, run_dir)
     stop_store(int(info["pid"]), store)
     if failure is not None:
         print(f"skiptrain coordinator: the run failed: {failure}", file=sys.stderr)

@@ -41,6 +41,7 @@ from pathlib import Path
 from typing import Callable
 
 from ..errors import UserError
+from .membership import key_from_env, member_key, open_signed, parse_heartbeat, secret_from_env, sign
 
 EXIT_FAILED = 3            # this node hit an error (its own or a peer's)
 EXIT_PEER_FAILED = 4       # this node stopped because a peer failed
@@ -102,13 +103,16 @@ class Heartbeat:
         self.on_failure = on_failure
         self.describe = describe
         self.membership = Membership(world)
+        self.key = key_from_env(rank)        # heartbeats are signed when the run has a secret
+        self.secret = secret_from_env()
         self.state = "run"
         self._armed = False
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="heartbeat", daemon=True)
 
     def beat(self) -> None:
-        self.store.set(f"hb/{self.rank}", f"{time.time()!r}:{self.state}")
+        name = f"hb/{self.rank}"
+        self.store.set(name, sign(self.key, name, f"{time.time()!r}:{self.state}"))
 
     def start(self) -> "Heartbeat":
         self.beat()
@@ -144,15 +148,26 @@ class Heartbeat:
                 return
             now = time.time()
             for n, raw in zip(peers, vals):
-                t, _, state = raw.decode().partition(":")
-                if state == "done" or n not in self.membership.alive:
+                hb = self._peer_beat(n, f"hb/{n}", raw.decode(errors="replace"))
+                if hb is None or hb[1] == "done" or n not in self.membership.alive:
                     continue
-                age = now - float(t)
+                age = now - hb[0]
                 if age > self.timeout_s:
                     reason = (f"{self.describe(n)} stopped responding: no heartbeat for {age:.1f} s "
                               f"(timeout {self.timeout_s:g} s)")
                     if self.membership.mark_failed(n, reason):
                         self.on_failure(n, reason)
+
+    def _peer_beat(self, node: int, name: str, raw: str) -> tuple[float, str] | None:
+        """A peer's heartbeat, or None when the run has a secret and its tag does not verify."""
+        if self.secret:
+            raw = open_signed(member_key(self.secret, node), name, raw)
+            if raw is None:
+                return None
+        try:
+            return parse_heartbeat(raw)
+        except ValueError:
+            return None
 
 
 def read_heartbeats(store, world: int) -> dict[int, tuple[float, str]]:
@@ -161,8 +176,7 @@ def read_heartbeats(store, world: int) -> dict[int, tuple[float, str]]:
     for n in range(world):
         k = f"hb/{n}"
         if store.check([k]):
-            t, _, state = store.get(k).decode().partition(":")
-            out[n] = (float(t), state)
+            out[n] = parse_heartbeat(store.get(k).decode())
     return out
 
 
@@ -207,3 +221,19 @@ def describe_exit(code: int | None) -> str:
         except ValueError:
             return f"killed by signal {-code}"
     return f"exited with status {code}"
+
+
+def pid_running(pid: int) -> bool:
+    """Whether ``pid`` runs (not gone, not a zombie): joining nodes are not this process's children.
+    ``pid <= 1`` is never a node (0 and -1 address process groups / everything; 1 is init)."""
+    if pid <= 1:
+        return False
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        try:
+            os.kill(pid, 0)
+            return True
+        except OSError:
+            return False

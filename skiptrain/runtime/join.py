@@ -7,14 +7,16 @@ Protocol (over the rendezvous store, keys under ``join/``):
 2. the coordinator answers with a fresh random nonce: ``join/nonce/<node>`` (32 bytes, hex);
 3. the node replies ``join/resp/<node> = HMAC-SHA256(secret, nonce || node id)`` (hex);
 4. the coordinator verifies with a constant-time compare and writes ``join/result/<node>`` =
-   ``ok`` or ``refused``; only admitted nodes are put in generation 0's alive set, and process
-   groups are formed over that set only.
+   ``ok`` or ``refused``, signed with its own member key (a node accepts only a signed ``ok``);
+   only admitted nodes are put in generation 0's alive set, and process groups are formed over
+   that set only.
 
 A node joining a *running* job (``python -m skiptrain.runtime.node --join HOST:PORT``, or
 ``skiptrain launch --join HOST:PORT``) first takes a fresh node id (:func:`request_node_id`),
 then runs the same exchange with the coordinator's main loop (:func:`challenge`,
-:func:`check_response`); its ``hello`` carries its PID so the coordinator can fence it (same
-host only).
+:func:`check_response`); its ``hello`` carries its PID, signed with its member key
+(:mod:`skiptrain.runtime.membership`), so the coordinator can fence it (same host only) and a
+PID written by anyone else is never signalled (:func:`hello_pid`).
 
 Failure semantics: a node whose response is wrong, or that does not answer within the timeout,
 is refused; the node raises :class:`JoinRefused` and exits without calling
@@ -33,8 +35,12 @@ import secrets
 import time
 
 from .failure import NodeFailure
+from .membership import COORDINATOR, SECRET_ENV, member_key, open_signed, secret_from_env, sign
 
-SECRET_ENV = "SKIPTRAIN_JOIN_SECRET"
+__all__ = ["SECRET_ENV", "EXIT_REFUSED", "JoinRefused", "secret_from_env", "new_secret", "respond", "verify",
+           "node_join", "admit", "challenge", "check_response", "refuse", "request_node_id", "hello_pid",
+           "wait_key", "set_result", "read_result"]
+
 EXIT_REFUSED = 5
 
 
@@ -59,7 +65,7 @@ def verify(secret: str | bytes, nonce_hex: str, node: int, response: str) -> boo
         return False
 
 
-def _wait_key(store, key: str, timeout_s: float, poll_s: float = 0.01) -> str | None:
+def wait_key(store, key: str, timeout_s: float, poll_s: float = 0.01) -> str | None:
     deadline = time.time() + timeout_s
     while time.time() < deadline:
         if store.check([key]):
@@ -70,12 +76,15 @@ def _wait_key(store, key: str, timeout_s: float, poll_s: float = 0.01) -> str | 
 
 def node_join(store, node: int, secret: str | None, timeout_s: float) -> None:
     """Node side: answer the coordinator's challenge; raise :class:`JoinRefused` if refused."""
-    store.set(f"join/hello/{node}", json.dumps({"t": time.time(), "pid": os.getpid()}))
-    nonce = _wait_key(store, f"join/nonce/{node}", timeout_s)
+    name = f"join/hello/{node}"
+    store.set(name, sign(member_key(secret, node) if secret else None, name,
+                         json.dumps({"t": time.time(), "pid": os.getpid()})))
+    nonce = wait_key(store, f"join/nonce/{node}", timeout_s)
     if nonce is None:
         raise JoinRefused(f"node {node}: no challenge from the coordinator within {timeout_s:g} s", node=node)
     store.set(f"join/resp/{node}", respond(secret or "", nonce, node) if secret else "")
-    res = _wait_key(store, f"join/result/{node}", timeout_s)
+    raw = wait_key(store, f"join/result/{node}", timeout_s)
+    res = read_result(secret, node, raw) if secret and raw is not None else raw
     if res != "ok":
         raise JoinRefused(f"node {node}: refused by the coordinator ({res or 'no answer'}): "
                           "wrong or missing join secret", node=node)
@@ -97,7 +106,7 @@ def admit(store, nodes: list[int], secret: str, timeout_s: float, alive=lambda n
                 resp = store.get(f"join/resp/{n}").decode(errors="replace")
                 ok = bool(resp) and verify(secret, nonces[n], n, resp)
                 out[n] = "ok" if ok else "refused: wrong challenge response"
-                store.set(f"join/result/{n}", "ok" if ok else "refused")
+                set_result(store, n, secret, ok)
                 pending.discard(n)
             elif not alive(n):
                 out[n] = "refused: exited before answering the challenge"
@@ -105,7 +114,7 @@ def admit(store, nodes: list[int], secret: str, timeout_s: float, alive=lambda n
         time.sleep(0.01)
     for n in pending:
         out[n] = f"refused: no challenge response within {timeout_s:g} s"
-        store.set(f"join/result/{n}", "refused")
+        set_result(store, n, secret, False)
     return out
 
 
@@ -123,12 +132,23 @@ def check_response(store, node: int, nonce: str, secret: str) -> bool | None:
         return None
     resp = store.get(f"join/resp/{node}").decode(errors="replace")
     ok = bool(resp) and verify(secret, nonce, node, resp)
-    store.set(f"join/result/{node}", "ok" if ok else "refused")
+    set_result(store, node, secret, ok)
     return ok
 
 
-def refuse(store, node: int) -> None:
-    store.set(f"join/result/{node}", "refused")
+def refuse(store, node: int, secret: str) -> None:
+    set_result(store, node, secret, False)
+
+
+def set_result(store, node: int, secret: str, ok: bool) -> None:
+    """Coordinator side: ``join/result/<node>`` = ``ok`` or ``refused``, signed with the coordinator's key."""
+    name = f"join/result/{node}"
+    store.set(name, sign(member_key(secret, COORDINATOR), name, "ok" if ok else "refused"))
+
+
+def read_result(secret: str, node: int, raw: str) -> str | None:
+    """The join result the coordinator signed, or None: a forged ``ok`` admits nobody."""
+    return open_signed(member_key(secret, COORDINATOR), f"join/result/{node}", raw)
 
 
 def request_node_id(store) -> int:
@@ -137,5 +157,16 @@ def request_node_id(store) -> int:
     return int(store.add("nodes/next", 1)) - 1
 
 
-def secret_from_env() -> str | None:
-    return os.environ.get(SECRET_ENV) or None
+def hello_pid(secret: str, node: int, raw: str) -> int:
+    """The PID a joining node's hello claims, if its tag verifies with the node's member key; else 0
+    (a process that does not know the secret cannot make the coordinator signal anything)."""
+    value = open_signed(member_key(secret, node), f"join/hello/{node}", raw)
+    if value is None:
+        return 0
+    try:
+        pid = json.loads(value).get("pid")
+    except (ValueError, AttributeError):
+        return 0
+    if not isinstance(pid, int) or isinstance(pid, bool) or pid <= 1 or pid == os.getpid() or pid > 2 ** 22:
+        return 0
+    return pid

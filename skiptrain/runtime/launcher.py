@@ -33,9 +33,12 @@ from datetime import timedelta
 from pathlib import Path
 
 from ..schedule.schedule import Schedule
-from ..schedule.timeline import Event, from_dicts, save_timeline
+from ..schedule.timeline import Event
+from ..signals import sigterm_as_interrupt
 from .failure import RuntimeFailure, describe_exit
 from .job import Job
+from .membership import parse_heartbeat
+from .outputs import load_phase_timeline, merge_outputs, salvage_stage_checkpoints, stop_store
 from .progress import SwarmProgress
 
 
@@ -52,17 +55,6 @@ class LaunchResult:
         return load_phase_timeline(self.run_dir, phase, iteration)
 
 
-def load_phase_timeline(run_dir: str | Path, phase: str, iteration: int) -> list[Event]:
-    """All nodes' events of one iteration of ``phase``, sorted by start (simulator format)."""
-    events: list[Event] = []
-    for f in sorted((Path(run_dir) / "phases" / phase).glob("node*.json")):
-        rec = json.loads(f.read_text())
-        if iteration < len(rec["iterations"]):
-            events += from_dicts(rec["iterations"][iteration]["events"])
-    events.sort(key=lambda e: (e.start, e.node))
-    return events
-
-
 def _describe(job: Job, node: int) -> str:
     stages = []
     for ph in job.phases:
@@ -75,7 +67,23 @@ def _describe(job: Job, node: int) -> str:
 
 def launch(job: Job, nodes: int | None = None, timeout_s: float = 3600.0, grace_s: float = 3.0,
            echo: bool = False, join_secret: str | None = None) -> LaunchResult:
-    """Run ``job`` on ``nodes`` local processes (default: the schedules' node count); see module doc."""
+    """Run ``job`` on ``nodes`` local processes (default: the schedules' node count); see module doc.
+
+    SIGTERM (in the main thread) stops the launch like Ctrl-C: every node process and the store
+    process are stopped, nothing is left running; then, when the run has per-stage checkpoints
+    (``job.ckpt_every``), the newest iteration every stage has is assembled into
+    ``model.safetensors`` (:func:`salvage_stage_checkpoints`) before ``KeyboardInterrupt`` goes up.
+    """
+    with sigterm_as_interrupt():
+        try:
+            return _launch(job, nodes, timeout_s, grace_s, echo, join_secret)
+        except KeyboardInterrupt:
+            print(f"[launch] interrupted: {salvage_stage_checkpoints(job)}", file=sys.stderr, flush=True)
+            raise
+
+
+def _launch(job: Job, nodes: int | None, timeout_s: float, grace_s: float, echo: bool,
+            join_secret: str | None) -> LaunchResult:
     import torch.distributed as dist
 
     world = nodes or job.world
@@ -103,8 +111,8 @@ def launch(job: Job, nodes: int | None = None, timeout_s: float = 3600.0, grace_
         store = dist.TCPStore("127.0.0.1", port, world, is_master=False, wait_for_workers=False,
                               timeout=timedelta(seconds=max(job.timeout_s, 60.0)))
     else:
-        store = dist.TCPStore("127.0.0.1", 0, world, is_master=True, wait_for_workers=False,
-                              timeout=timedelta(seconds=max(job.timeout_s, 60.0)))
+        from .membership import host_store
+        store, listening = host_store(world, max(job.timeout_s, 60.0))  # noqa: F841 - loopback only
     (run_dir / "join.json").unlink(missing_ok=True)
     if job.recover:
         # nodes joining later (``--join HOST:PORT``) take ids from here on and read the job here
@@ -149,18 +157,7 @@ def launch(job: Job, nodes: int | None = None, timeout_s: float = 3600.0, grace_
             while time.time() < grace_end and any(p.poll() is None for p in procs):
                 time.sleep(0.05)
     finally:
-        for r, p in enumerate(procs):
-            if p.poll() is None:
-                killed_by_us.add(r)
-                try:
-                    os.kill(p.pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-        for p in procs:
-            try:
-                p.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                pass
+        killed_by_us |= _stop_children(procs)
         for log in logs:
             log.close()
         (run_dir / "join_secret").unlink(missing_ok=True)     # the run is over: nobody may join
@@ -172,35 +169,29 @@ def launch(job: Job, nodes: int | None = None, timeout_s: float = 3600.0, grace_
     wall = time.time() - t_start
     if err is not None:
         raise err
-    _merge_outputs(job, run_dir)
+    merge_outputs(job, run_dir)
     metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
     if echo:
         print(f"[launch] {world} nodes finished in {wall:.1f} s", flush=True)
     return LaunchResult(run_dir, wall, metrics)
 
 
-def stop_store(store_proc, store) -> None:
-    """Ask the store process to exit (``store/stop``); SIGKILL it if it does not within 5 s."""
-    from .store import STOP_KEY
-
-    try:
-        store.set(STOP_KEY, "1")
-    except Exception:  # noqa: BLE001
-        pass
-    pid = store_proc if isinstance(store_proc, int) else store_proc.pid
-    end = time.time() + 5
-    while time.time() < end:
-        if isinstance(store_proc, int):
-            from .coordinator import _pid_running
-            if not _pid_running(pid):
-                return
-        elif store_proc.poll() is not None:
-            return
-        time.sleep(0.05)
-    try:
-        os.kill(pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
+def _stop_children(procs) -> set[int]:
+    """SIGKILL the node processes still running and reap all; returns the ranks killed here."""
+    killed = set()
+    for r, p in enumerate(procs):
+        if p.poll() is None:
+            killed.add(r)
+            try:
+                os.kill(p.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    for p in procs:
+        try:
+            p.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            pass
+    return killed
 
 
 def _monitor(job: Job, procs, store, world: int, t_start: float, timeout_s: float) -> dict | None:
@@ -213,7 +204,7 @@ def _monitor(job: Job, procs, store, world: int, t_start: float, timeout_s: floa
             try:
                 if not store.check([key]):
                     continue
-                t, _, state = store.get(key).decode().partition(":")
+                t, state = parse_heartbeat(store.get(key).decode())
             except Exception:  # noqa: BLE001
                 continue
             age = now - float(t)
@@ -286,46 +277,3 @@ def _explain(job: Job, procs, failure: dict, run_dir: Path, store, killed_by_us:
     return RuntimeFailure("\n".join(lines), node=node, detected_after_s=detected)
 
 
-def _merge_outputs(job: Job, run_dir: Path) -> None:
-    """Per-iteration merged timelines, and the stage weights merged into model.safetensors."""
-    for ph in job.phases:
-        for it in range(ph.iterations):
-            ev = load_phase_timeline(run_dir, ph.name, it)
-            if ev:
-                save_timeline(ev, run_dir / "phases" / ph.name / f"timeline_it{it}.json")
-    parts = sorted((run_dir / "parts").glob("stage*.safetensors")) if (run_dir / "parts").is_dir() else []
-    if parts:
-        from safetensors.torch import load_file, save_file
-
-        state = {}
-        for p in parts:
-            state.update(load_file(str(p)))
-        if job.recover:
-            state.update(_lost_stages_from_checkpoints(job, run_dir, {p.stem for p in parts}))
-        save_file(state, str(run_dir / "model.safetensors"))
-
-
-def _lost_stages_from_checkpoints(job: Job, run_dir: Path, have: set[str]) -> dict:
-    """Recovery mode: a stage that ended the run without a replica (lost for good, never taken
-    over) has no part; its newest per-stage checkpoint fills the merged model (noted in
-    ``RUN_DIR/lost_stages.json``), else the model lacks it and that file says so."""
-    from ..checkpoint import store as ckstore
-    from ..checkpoint.reader import CheckpointReader
-
-    ph = job.phases[-1]
-    S = len(Schedule.from_dict(ph.schedule).placement)
-    out, notes = {}, {}
-    for s in range(S):
-        if f"stage{s}" in have:
-            continue
-        done = ckstore.list_committed(run_dir / "stage_ckpt" / ph.name / f"stage{s}")
-        if done:
-            step, path = max(done)
-            r = CheckpointReader(path)
-            out.update(r.read_many(r.names()))
-            notes[s] = f"no replica at the end; weights from its checkpoint after iteration {step} ({path})"
-        else:
-            notes[s] = "no replica at the end and no checkpoint: missing from model.safetensors"
-    if notes:
-        (run_dir / "lost_stages.json").write_text(json.dumps({str(k): v for k, v in notes.items()}, indent=1))
-    return out

@@ -43,6 +43,7 @@ import torch.distributed as dist
 from .failure import (EXIT_FAILED, EXIT_PEER_FAILED, Heartbeat, NodeFailure, abort_process,
                       set_parent_death_signal, write_error)
 from .job import Job, Phase
+from .membership import set_member
 
 
 # columns of the per-iteration stats every node gathers (then the drift monitor's, then the
@@ -132,14 +133,14 @@ class Node:
             from .join import JoinRefused, node_join, secret_from_env
             from .recovery import read_generation
 
-            self.store.set(f"pid/{rank}", str(os.getpid()))   # a restarted coordinator fences by PID
+            set_member(self.store, rank, f"pid/{rank}", str(os.getpid()))  # signed: a restarted coordinator fences by PID
             secret = secret_from_env()
             node_join(self.store, rank, secret, max(60.0, job.timeout_s))
             if store is not None:
                 # joining a running job: wait until the coordinator placed this node (a join
                 # generation, switched to by every node at its next iteration boundary)
-                from .join import _wait_key
-                g = _wait_key(self.store, f"join/assign/{rank}", max(600.0, job.timeout_s))
+                from .join import wait_key
+                g = wait_key(self.store, f"join/assign/{rank}", max(600.0, job.timeout_s))
                 if g is None:
                     raise JoinRefused(f"node {rank}: admitted but never placed by the coordinator", node=rank)
                 self.gen = int(g)

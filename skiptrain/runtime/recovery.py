@@ -51,6 +51,7 @@ import torch
 
 from ..schedule.schedule import MicroBatch, Schedule
 from .failure import NodeFailure
+from .membership import set_member
 from .transport import KIND_NAMES
 
 
@@ -225,9 +226,10 @@ def read_generation(store, gen: int) -> dict:
 
 
 def report_failure(store, gen: int, rank: int, suspect: int | None, cause: str, bad_peer: bool = False) -> None:
-    """Node side: what this node saw (the coordinator uses ``bad_peer`` reports to fence)."""
-    store.set(f"report/{gen}/{rank}", json.dumps({"rank": rank, "node": suspect, "cause": cause[:500],
-                                                  "bad_peer": bad_peer, "t": time.time()}))
+    """Node side: what this node saw (the coordinator uses ``bad_peer`` reports to fence); signed
+    with this node's member key, so the coordinator acts only on reports of admitted nodes."""
+    set_member(store, rank, f"report/{gen}/{rank}", json.dumps({"rank": rank, "node": suspect, "cause": cause[:500],
+                                                                "bad_peer": bad_peer, "t": time.time()}))
 
 
 def wait_generation(store, after: int, timeout_s: float, poll_s: float = 0.02) -> int:

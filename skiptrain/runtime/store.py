@@ -1,7 +1,7 @@
 """The rendezvous store in a process of its own, so the coordinator can be restarted (issue 8).
 
-``python -m skiptrain.runtime.store --port-file PATH`` hosts a ``TCPStore`` on 127.0.0.1 (port
-chosen by the OS), writes ``{"host", "port", "pid"}`` to ``PATH`` and serves until the key
+``python -m skiptrain.runtime.store --port-file PATH`` hosts a ``TCPStore`` listening on
+127.0.0.1 only (``--host`` names another single address; port chosen by the OS), writes ``{"host", "port", "pid"}`` to ``PATH`` and serves until the key
 ``store/stop`` is set (the coordinator does that when the run ends).  Everything the coordinator
 knows lives in this store (generations and their alive sets, strikes, join nonces and results,
 node PIDs), so a coordinator that dies can be replaced by ``python -m
@@ -9,7 +9,9 @@ skiptrain.runtime.coordinator --run RUN_DIR`` without losing the run: the nodes 
 meanwhile (they only need the coordinator when membership changes).
 
 Failure semantics: if this process dies, every node loses the store, its heartbeat write fails
-and it exits (as with the in-launcher store); nothing is persisted on disk.
+and it exits (as with the in-launcher store); nothing is persisted on disk.  It is never left
+behind for good: if the launcher died and no coordinator re-attached, it exits once every node
+has been done or silent for ``--idle-exit`` seconds (default 600).
 """
 
 from __future__ import annotations
@@ -19,31 +21,55 @@ import json
 import os
 import sys
 import time
-from datetime import timedelta
 from pathlib import Path
 
 STOP_KEY = "store/stop"
+#: A store whose nodes have all been done or silent this long exits by itself (nobody left to serve).
+IDLE_EXIT_S = 600.0
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m skiptrain.runtime.store", description=__doc__.split("\n")[0])
     ap.add_argument("--port-file", required=True, help="where to write the address (JSON)")
     ap.add_argument("--poll", type=float, default=0.2, help="seconds between checks of the stop key")
+    ap.add_argument("--host", default="127.0.0.1", help="the one address to listen on (default: loopback)")
+    ap.add_argument("--idle-exit", type=float, default=IDLE_EXIT_S, metavar="S",
+                    help="exit when every node has been done or silent for S seconds (nobody left to serve)")
     args = ap.parse_args(argv)
-    import torch.distributed as dist
+    from .membership import host_store
 
-    store = dist.TCPStore("127.0.0.1", 0, 1, is_master=True, wait_for_workers=False,
-                          timeout=timedelta(seconds=60))
+    store, listening = host_store(1, 60.0, args.host)  # noqa: F841 - the socket must stay open
     tmp = Path(args.port_file).with_suffix(".tmp")
-    tmp.write_text(json.dumps({"host": "127.0.0.1", "port": store.port, "pid": os.getpid()}))
+    tmp.write_text(json.dumps({"host": args.host, "port": store.port, "pid": os.getpid()}))
     os.replace(tmp, args.port_file)
+    ended_since = None
     while not store.check([STOP_KEY]):
         time.sleep(args.poll)
+        ended_since = (ended_since or time.time()) if run_ended(store, args.idle_exit) else None
+        if ended_since is not None and time.time() - ended_since >= args.idle_exit:
+            print(f"store: every node has been done or silent for {args.idle_exit:g} s and no coordinator "
+                  "stopped the store; exiting", flush=True)
+            return 0
     time.sleep(0.5)            # let the last clients finish their calls
     return 0
 
 
-def start(run_dir: Path, timeout_s: float = 60.0):
+def run_ended(store, silent_s: float) -> bool:
+    """Whether every node that ever beat is done, or has not beaten for ``silent_s`` seconds."""
+    from .membership import parse_heartbeat
+
+    try:
+        ids = range(int(store.add("nodes/next", 0)))
+        beats = [store.get(f"hb/{r}").decode(errors="replace") for r in ids if store.check([f"hb/{r}"])]
+        if not beats:
+            return False
+        now = time.time()
+        return all(state == "done" or now - t >= silent_s for t, state in map(parse_heartbeat, beats))
+    except (ValueError, RuntimeError):
+        return False
+
+
+def start(run_dir: Path, timeout_s: float = 60.0, idle_exit_s: float = IDLE_EXIT_S):
     """Start the store process for ``run_dir``; returns (Popen, host, port)."""
     import subprocess
 
@@ -53,7 +79,8 @@ def start(run_dir: Path, timeout_s: float = 60.0):
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([repo_root, os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep),
                OMP_NUM_THREADS="1")
     log = open(Path(run_dir) / "logs" / "store.log", "wb")
-    p = subprocess.Popen([sys.executable, "-m", "skiptrain.runtime.store", "--port-file", str(pf)], env=env,
+    p = subprocess.Popen([sys.executable, "-m", "skiptrain.runtime.store", "--port-file", str(pf),
+                          "--idle-exit", str(idle_exit_s)], env=env,
                          stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
     log.close()
     deadline = time.time() + timeout_s

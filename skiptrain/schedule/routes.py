@@ -7,7 +7,9 @@ appears in the list.
 The SkipPipe route constraints (DESIGN.md section 1):
 
 * every micro-batch skips the same number of body stages, ``skip_count(k, S) = floor(k * S + 0.5)``
-  (S counts all stages, stage 0 included: S=6, k=0.33 skips 2 of the 5 body stages);
+  (S counts all stages, stage 0 included: S=6, k=0.33 skips 2 of the 5 body stages), and visits
+  at least one: a skip ratio that skips every body stage is refused (k must stay below
+  ``(S - 1.5) / S``);
 * no stage is visited twice;
 * the order is ascending except for swaps of two neighbours in the visit list, at most
   ``max_swaps`` (<= 2) of them, and the swapped pairs do not overlap;
@@ -24,6 +26,8 @@ import random
 from collections import Counter
 from typing import Iterable, Sequence
 
+from ..config import ConfigError
+from ..config import skip_count as config_skip_count
 from ..errors import UserError
 
 Route = list[int]
@@ -34,16 +38,12 @@ class RouteError(UserError, ValueError):
 
 
 def skip_count(skip_ratio: float, n_stages: int) -> int:
-    """Body stages each micro-batch skips for skip ratio ``k`` and ``n_stages`` stages in total."""
-    if not 0.0 <= skip_ratio <= 1.0:
-        raise RouteError(f"skip ratio {skip_ratio} must lie in [0, 1]")
-    n = int(skip_ratio * n_stages + 0.5)
-    body = n_stages - 1
-    if n > body:
-        raise RouteError(
-            f"skip ratio {skip_ratio} with {n_stages} stages skips {n} body stages but there are only "
-            f"{body}; lower the skip ratio below {body / n_stages:.3f}")
-    return n
+    """Body stages each micro-batch skips for skip ratio ``k`` and ``n_stages`` stages in total
+    (the rule is :func:`skiptrain.config.skip_count`; here a broken one is a RouteError)."""
+    try:
+        return config_skip_count(skip_ratio, n_stages)
+    except ConfigError as e:
+        raise RouteError(str(e)) from None
 
 
 def visits_per_route(skip_ratio: float, n_stages: int) -> int:

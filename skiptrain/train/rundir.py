@@ -6,47 +6,83 @@
     RUN_DIR/metrics.jsonl      one JSON object per logged step (and per validation)
     RUN_DIR/loss.png           the loss curve
     RUN_DIR/run.json           summary: step, tokens, final validation loss, data set
+
+``model.safetensors`` carries the SHA-256 of its tensors (names, dtypes, shapes and bytes) in its
+safetensors metadata under ``skiptrain.sha256``; :func:`load_weights` (used by ``eval`` and
+``generate``) recomputes it and refuses a file that does not match.
+
+A directory that already holds a run is never trained into again by accident: ``train --out``
+refuses it unless ``--resume`` continues it or ``--overwrite`` replaces it (:func:`claim_run_dir`).
 """
 
 from __future__ import annotations
 
 import json
-import os
 import shutil
 from pathlib import Path
 
-import torch
-from safetensors.torch import load_file, save_file
-
+from ..checkpoint.weights import WEIGHTS, WeightsError, load_weights, save_weights_file
 from ..config import Config, ConfigError, config_from_dict, load_toml, save_toml
 from ..data.tokenizer import BPETokenizer, ByteTokenizer, Tokenizer
 from ..errors import UserError
 from ..model import StagedLM
 
-WEIGHTS = "model.safetensors"
-
-
 class RunError(UserError):
     """A run directory that is missing or incomplete."""
 
 
+__all__ = ["RunError", "WeightsError", "claim_run_dir", "load_run", "load_weights", "prepare_run_dir",
+           "save_weights", "save_weights_file", "write_summary"]
+
+
+#: What a run (single-process or swarm) writes into its directory; ``--overwrite`` removes these.
+RUN_ENTRIES = ("config.toml", "tokenizer.json", WEIGHTS, WEIGHTS + ".tmp", "metrics.jsonl", "loss.png",
+               "run.json", "checkpoints", "parts", "phases", "logs", "stage_ckpt", "recoveries.jsonl",
+               "lost_stages.json", "join.json", "join_secret", "rejected_writes.jsonl", "job.json",
+               "store.json", "errors", "interrupted.json", "schedule.json", "gantt.png", "elastic.jsonl",
+               "elastic_cache")
+#: Entries whose presence means the directory holds a run.
+RUN_MARKERS = ("config.toml", WEIGHTS, "metrics.jsonl", "run.json", "checkpoints")
+
+
+def claim_run_dir(out: str | Path, resume: bool = False, overwrite: bool = False) -> None:
+    """Refuse to train into a directory that holds a run, unless resuming it or told to replace it.
+
+    With ``overwrite`` the run's entries (:data:`RUN_ENTRIES`) are deleted; other files stay.
+    """
+    out = Path(out)
+    found = [m for m in RUN_MARKERS if (out / m).exists()]
+    if not found or resume:
+        return
+    if not overwrite:
+        raise RunError(f"{str(out)!r} already holds a run ({', '.join(found)}); continue it with --resume, "
+                       "replace it with --overwrite, or pass another --out")
+    for name in RUN_ENTRIES:
+        p = out / name
+        try:
+            if p.is_dir() and not p.is_symlink():
+                shutil.rmtree(p)
+            elif p.exists() or p.is_symlink():
+                p.unlink()
+        except OSError as e:
+            raise RunError(f"--overwrite could not remove {p}: {e.strerror}; remove it by hand") from None
+
+
 def prepare_run_dir(out: str | Path, cfg: Config, data_dir: str | Path | None) -> Path:
     out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
-    save_toml(cfg, out / "config.toml")
-    if data_dir is not None and (Path(data_dir) / BPETokenizer.FILE).is_file():
-        shutil.copyfile(Path(data_dir) / BPETokenizer.FILE, out / BPETokenizer.FILE)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        save_toml(cfg, out / "config.toml")
+        if data_dir is not None and (Path(data_dir) / BPETokenizer.FILE).is_file():
+            shutil.copyfile(Path(data_dir) / BPETokenizer.FILE, out / BPETokenizer.FILE)
+    except OSError as e:
+        raise RunError(f"cannot write the run directory {str(out)!r}: {e.strerror}; pass a writable --out") from None
     return out
 
 
 def save_weights(model: StagedLM, out: str | Path) -> None:
-    """Write the weights atomically (temporary file, fsync, rename)."""
-    path = Path(out) / WEIGHTS
-    tmp = path.with_suffix(".tmp")
-    save_file({n: p.detach().contiguous() for n, p in model.state_dict().items()}, str(tmp))
-    with open(tmp, "rb") as f:
-        os.fsync(f.fileno())
-    tmp.replace(path)
+    """Write the model's weights with their checksum into ``out/model.safetensors``, atomically."""
+    save_weights_file(model.state_dict(), Path(out) / WEIGHTS)
 
 
 def load_run(run_dir: str | Path) -> tuple[Config, StagedLM, Tokenizer]:
@@ -61,10 +97,7 @@ def load_run(run_dir: str | Path) -> tuple[Config, StagedLM, Tokenizer]:
     if not (d / WEIGHTS).is_file():
         raise RunError(f"{str(d)!r} has no {WEIGHTS}: the run has not saved weights yet")
     model = StagedLM(cfg.model, seed=cfg.train.seed)
-    try:
-        state = load_file(str(d / WEIGHTS))
-    except Exception as e:  # safetensors raises its own error type on corrupt headers
-        raise RunError(f"{d / WEIGHTS} is corrupt ({e}); retrain or restore it from a checkpoint") from None
+    state = load_weights(d / WEIGHTS)
     missing, unexpected = model.load_state_dict(state, strict=False)
     if missing or unexpected:
         raise RunError(f"{d / WEIGHTS} does not match config.toml (missing {missing[:3]}, unexpected {unexpected[:3]})")

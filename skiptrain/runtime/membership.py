@@ -1,0 +1,177 @@
+"""Who may speak in a run's membership: the store's address, and signed membership writes.
+
+The rendezvous store (a ``TCPStore``) has no access control: anyone who reaches its port may
+read and write any key.  So
+
+* the store listens on one address only (:func:`host_store`; loopback by default), never on
+  every interface;
+* every membership write a node makes (heartbeat ``hb/<r>``, failure report ``report/<g>/<r>``,
+  PID ``pid/<r>``, a joiner's ``join/hello/<r>``), and the join results the coordinator writes
+  (``join/result/<r>``, with the key of id :data:`COORDINATOR`), carries an HMAC-SHA256 tag made with the
+  node's *member key*, ``HMAC-SHA256(run secret, "skiptrain member key|<r>")``.  Only a process
+  that knows the run's secret (every admitted node has it; the coordinator has it) can make the
+  tag, and the tag covers the key name, so a value cannot be moved to another key or node;
+* the coordinator reads these keys through :class:`Verifier`: a value whose tag does not verify
+  (or an older heartbeat replayed over a newer one) is ignored and logged, never acted on.
+
+A signed value is ``<value>#sig=<64 hex digits>``.  Runs without a secret (no ``--recover``)
+write plain values; readers that only display or time values strip the tag
+(:func:`strip_tag`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+import os
+import socket
+import sys
+import time
+from datetime import timedelta
+from pathlib import Path
+
+SECRET_ENV = "SKIPTRAIN_JOIN_SECRET"
+TAG = "#sig="
+#: The member-key id of the coordinator (its saved strikes, the join results it writes).
+COORDINATOR = -1
+_LABEL = b"skiptrain member key|"
+
+
+def member_key(secret: str | bytes, node: int) -> bytes:
+    """The member key of node ``node``: derived from the run's secret, never sent anywhere."""
+    raw = secret.encode() if isinstance(secret, str) else secret
+    return hmac.new(raw, _LABEL + str(int(node)).encode(), hashlib.sha256).digest()
+
+
+def secret_from_env() -> str | None:
+    """The run's secret, which the launcher hands its nodes in :data:`SECRET_ENV` (None: no secret)."""
+    return os.environ.get(SECRET_ENV) or None
+
+
+def key_from_env(node: int) -> bytes | None:
+    """This node's member key from the run's secret in the environment (None: no secret)."""
+    secret = secret_from_env()
+    return member_key(secret, node) if secret else None
+
+
+def tag(key: bytes, name: str, value: str) -> str:
+    return hmac.new(key, name.encode() + b"\n" + value.encode(), hashlib.sha256).hexdigest()
+
+
+def sign(key: bytes | None, name: str, value: str) -> str:
+    """``value`` with its tag for store key ``name`` (``value`` unchanged without a key)."""
+    return value if key is None else f"{value}{TAG}{tag(key, name, value)}"
+
+
+def open_signed(key: bytes, name: str, raw: str) -> str | None:
+    """The value of a signed ``raw`` read from store key ``name``, or None if its tag is wrong."""
+    value, sep, got = raw.rpartition(TAG)
+    if not sep:
+        return None
+    try:
+        ok = hmac.compare_digest(tag(key, name, value).encode(), got.encode())
+    except (TypeError, UnicodeError):
+        return None
+    return value if ok else None
+
+
+def strip_tag(raw: str) -> str:
+    """The value of ``raw`` without its tag (for readers that do not act on it)."""
+    value, sep, _ = raw.rpartition(TAG)
+    return value if sep else raw
+
+
+def set_member(store, node: int, name: str, value: str) -> None:
+    """Node side: write ``name = value``, signed with this node's member key when the run has a secret."""
+    store.set(name, sign(key_from_env(node), name, value))
+
+
+def parse_heartbeat(raw: str) -> tuple[float, str]:
+    """``(time, state)`` of a heartbeat value ``"<time>:<state>"`` (tag stripped)."""
+    t, _, state = strip_tag(raw).partition(":")
+    return float(t), state
+
+
+class Verifier:
+    """Coordinator side: reads node-written keys and keeps only what the writer's key signed.
+
+    A value that fails (missing or wrong tag, a heartbeat older than one already seen) is
+    ignored; each distinct forgery is printed to stderr and logged to ``log_path`` once.
+    """
+
+    def __init__(self, secret: str, log_path: Path | None = None):
+        self.secret = secret
+        self.log_path = log_path
+        self.keys: dict[int, bytes] = {}
+        self.last_hb: dict[int, float] = {}
+        self.logged: set[tuple[str, str]] = set()
+        self.forged = 0
+
+    def key(self, node: int) -> bytes:
+        if node not in self.keys:
+            self.keys[node] = member_key(self.secret, node)
+        return self.keys[node]
+
+    def read(self, store, node: int, name: str) -> str | None:
+        """The verified value of ``name`` (written by ``node``), None when absent or forged."""
+        try:
+            if not store.check([name]):
+                return None
+            raw = store.get(name).decode(errors="replace")
+        except Exception:  # noqa: BLE001 - a store hiccup reads as "nothing new"
+            return None
+        value = open_signed(self.key(node), name, raw)
+        if value is None:
+            self.reject(name, raw, "its tag does not verify with the member key of node "
+                        f"{node}: not written by an admitted node")
+        return value
+
+    def heartbeat(self, store, node: int) -> tuple[float, str] | None:
+        """A verified heartbeat that is not older than the newest one seen (else None)."""
+        value = self.read(store, node, f"hb/{node}")
+        if value is None:
+            return None
+        try:
+            t, state = parse_heartbeat(value)
+        except ValueError:
+            return None
+        if t < self.last_hb.get(node, float("-inf")):
+            self.reject(f"hb/{node}", value, "an older heartbeat replayed over a newer one")
+            return None
+        self.last_hb[node] = t
+        return t, state
+
+    def reject(self, name: str, raw: str, why: str) -> None:
+        self.forged += 1
+        if (name, raw) in self.logged:
+            return
+        self.logged.add((name, raw))
+        print(f"[coordinator] ignored a write to {name}: {why}", file=sys.stderr, flush=True)
+        if self.log_path is not None:
+            with open(self.log_path, "a") as f:
+                f.write(json.dumps({"forged": name, "why": why, "value": raw[:200], "t": time.time()}) + "\n")
+
+
+def listen_socket(host: str = "127.0.0.1") -> socket.socket:
+    """A TCP socket listening on ``host`` only (port chosen by the OS)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    s = socket.socket(family, socket.SOCK_STREAM)
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    s.bind((host, 0))
+    s.listen(512)
+    return s
+
+
+def host_store(world: int, timeout_s: float, host: str = "127.0.0.1"):
+    """Host a ``TCPStore`` that listens on ``host`` only; returns ``(store, socket)``.
+
+    A ``TCPStore`` server binds every interface by itself; here it serves on a socket bound to
+    ``host``.  The caller keeps the socket referenced as long as the store serves.
+    """
+    import torch.distributed as dist
+
+    s = listen_socket(host)
+    store = dist.TCPStore(host, s.getsockname()[1], world, is_master=True, wait_for_workers=False,
+                          timeout=timedelta(seconds=timeout_s), master_listen_fd=s.fileno())
+    return store, s

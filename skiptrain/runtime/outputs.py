@@ -1,0 +1,137 @@
+"""What a job leaves behind, and its store's end: merged timelines and weights, salvage.
+
+* :func:`merge_outputs`: per-iteration timelines merged over the nodes, and the stages' weights
+  merged into ``model.safetensors`` (a stage lost for good filled from its newest per-stage
+  checkpoint, else its initial weights, noted in ``lost_stages.json``);
+* :func:`salvage_stage_checkpoints`: an interrupted job's model from the newest iteration every
+  stage has a committed checkpoint of;
+* :func:`stop_store`: ask the rendezvous store process to exit, SIGKILL it if it does not.
+
+Used by the launcher and by a restarted coordinator alike.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from pathlib import Path
+
+from ..schedule.schedule import Schedule
+from ..schedule.timeline import Event, from_dicts, save_timeline
+from .failure import pid_running
+from .job import Job
+
+
+def load_phase_timeline(run_dir: str | Path, phase: str, iteration: int) -> list[Event]:
+    """All nodes' events of one iteration of ``phase``, sorted by start (simulator format)."""
+    events: list[Event] = []
+    for f in sorted((Path(run_dir) / "phases" / phase).glob("node*.json")):
+        rec = json.loads(f.read_text())
+        if iteration < len(rec["iterations"]):
+            events += from_dicts(rec["iterations"][iteration]["events"])
+    events.sort(key=lambda e: (e.start, e.node))
+    return events
+
+def salvage_stage_checkpoints(job: Job) -> str:
+    """Write ``model.safetensors`` from the newest iteration for which every stage of the last
+    phase has a committed per-stage checkpoint; returns what was done, for the user."""
+    from ..checkpoint import store as ckstore
+    from ..checkpoint.reader import CheckpointReader
+    from ..checkpoint.weights import save_weights_file
+
+    run_dir = Path(job.run_dir)
+    ph = job.phases[-1]
+    S = len(Schedule.from_dict(ph.schedule).placement)
+    roots = [run_dir / "stage_ckpt" / ph.name / f"stage{s}" for s in range(S)]
+    done = [dict(ckstore.list_committed(r)) for r in roots]
+    common = set.intersection(*[set(d) for d in done])
+    if not common:
+        return ("no iteration has a checkpoint of every stage, so no weights were saved (set --ckpt-every N "
+                "to keep per-stage checkpoints)")
+    it = max(common)
+    state = {}
+    for d in done:
+        reader = CheckpointReader(d[it])
+        state.update(reader.read_many(reader.names()))
+    save_weights_file(state, run_dir / "model.safetensors")
+    (run_dir / "interrupted.json").write_text(json.dumps({"iteration": it, "phase": ph.name, "stages": S}) + "\n")
+    return f"{run_dir / 'model.safetensors'} holds every stage's checkpoint of iteration {it} of phase {ph.name!r}"
+
+def stop_store(store_proc, store) -> None:
+    """Ask the store process to exit (``store/stop``); SIGKILL it if it does not within 5 s."""
+    from .store import STOP_KEY
+
+    try:
+        store.set(STOP_KEY, "1")
+    except Exception:  # noqa: BLE001
+        pass
+    pid = store_proc if isinstance(store_proc, int) else store_proc.pid
+    end = time.time() + 5
+    while time.time() < end:
+        if isinstance(store_proc, int):
+            if not pid_running(pid):
+                return
+        elif store_proc.poll() is not None:
+            return
+        time.sleep(0.05)
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+def merge_outputs(job: Job, run_dir: Path) -> None:
+    """Per-iteration merged timelines, and the stage weights merged into model.safetensors."""
+    for ph in job.phases:
+        for it in range(ph.iterations):
+            ev = load_phase_timeline(run_dir, ph.name, it)
+            if ev:
+                save_timeline(ev, run_dir / "phases" / ph.name / f"timeline_it{it}.json")
+    parts = sorted((run_dir / "parts").glob("stage*.safetensors")) if (run_dir / "parts").is_dir() else []
+    if parts:
+        from safetensors.torch import load_file
+
+        from ..checkpoint.weights import save_weights_file
+
+        state = {}
+        for p in parts:
+            state.update(load_file(str(p)))
+        if job.recover:
+            state.update(lost_stages_from_checkpoints(job, run_dir, {p.stem for p in parts}))
+        save_weights_file(state, run_dir / "model.safetensors")
+
+def _initial_stage_weights(job: Job, stage: int) -> dict:
+    """Stage ``stage``'s weights as the run initialised them (same seed), by global name."""
+    from ..config import config_from_dict
+    from ..model import StagedLM
+
+    cfg = config_from_dict(job.config)
+    return {n: t.detach() for n, t in StagedLM(cfg.model, stages=[stage], seed=cfg.train.seed).state_dict().items()}
+
+def lost_stages_from_checkpoints(job: Job, run_dir: Path, have: set[str]) -> dict:
+    """Recovery mode: a stage that ended the run without a replica (lost for good, never taken
+    over) has no part; its newest per-stage checkpoint fills the merged model, else its initial
+    weights do (so the run's model is complete and loads); ``RUN_DIR/lost_stages.json`` says which."""
+    from ..checkpoint import store as ckstore
+    from ..checkpoint.reader import CheckpointReader
+
+    ph = job.phases[-1]
+    S = len(Schedule.from_dict(ph.schedule).placement)
+    out, notes = {}, {}
+    for s in range(S):
+        if f"stage{s}" in have:
+            continue
+        done = ckstore.list_committed(run_dir / "stage_ckpt" / ph.name / f"stage{s}")
+        if done:
+            step, path = max(done)
+            r = CheckpointReader(path)
+            out.update(r.read_many(r.names()))
+            notes[s] = f"no replica at the end; weights from its checkpoint after iteration {step} ({path})"
+        else:
+            out.update(_initial_stage_weights(job, s))
+            notes[s] = ("no replica at the end and no checkpoint: its INITIAL (untrained) weights are in "
+                        "model.safetensors; keep per-stage checkpoints (--ckpt-every N) to avoid this")
+    if notes:
+        (run_dir / "lost_stages.json").write_text(json.dumps({str(k): v for k, v in notes.items()}, indent=1))
+    return out

@@ -1,0 +1,225 @@
+"""Only the run's members can speak in its membership: the store listens on loopback only, and
+the coordinator acts only on heartbeats, reports and PIDs signed with a member key; a process that
+reaches the store port without the secret can neither get nodes fenced nor get anything signalled."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+
+from conftest import processes_of_run
+from skiptrain.config import build_config
+from skiptrain.runtime.coordinator import verified_pid
+from skiptrain.runtime.job import Job, Phase
+from skiptrain.runtime.launcher import launch
+from skiptrain.runtime.membership import (Verifier, host_store, member_key, open_signed, parse_heartbeat, sign,
+                                          strip_tag)
+from skiptrain.runtime.recovery import trained_samples
+from skiptrain.schedule.schedule import MicroBatch, Schedule
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _listening_addresses(port: int) -> list[str]:
+    """Local addresses (hex, as in /proc/net/tcp*) of sockets listening on ``port``."""
+    out = []
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            lines = open(table).read().splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            local, state = line.split()[1], line.split()[3]
+            addr, p = local.split(":")
+            if int(p, 16) == port and state == "0A":
+                out.append(addr)
+    return out
+
+
+def test_the_store_listens_on_loopback_only():
+    store, sock = host_store(1, 5.0)
+    assert sock.getsockname()[0] == "127.0.0.1"
+    assert _listening_addresses(store.port) == ["0100007F"]     # 127.0.0.1, not 0.0.0.0 / ::
+    store.set("k", "v")
+    assert store.get("k") == b"v"
+    sock.close()
+
+
+class FakeStore(dict):
+    def check(self, keys):
+        return all(k in self for k in keys)
+
+    def get(self, k):
+        return dict.__getitem__(self, k).encode()
+
+    def set(self, k, v):
+        self[k] = v
+
+
+def test_signed_values_verify_only_with_the_writers_key_and_name(tmp_path, capsys):
+    k3 = member_key("s3cret", 3)
+    raw = sign(k3, "hb/3", "12.5:run")
+    assert open_signed(k3, "hb/3", raw) == "12.5:run" and parse_heartbeat(raw) == (12.5, "run")
+    assert open_signed(member_key("s3cret", 4), "hb/3", raw) is None      # another node's key
+    assert open_signed(member_key("guess", 3), "hb/3", raw) is None       # another secret
+    assert open_signed(k3, "hb/4", raw) is None                           # moved to another key
+    assert open_signed(k3, "hb/3", "12.5:run") is None and strip_tag(raw) == "12.5:run"
+    v = Verifier("s3cret", tmp_path / "rejected.jsonl")
+    st = FakeStore({"hb/3": sign(k3, "hb/3", "20.0:run"), "pid/3": "4321", "pid/4": sign(member_key("s3cret", 4),
+                                                                                        "pid/4", "4321")})
+    assert v.heartbeat(st, 3) == (20.0, "run")
+    st["hb/3"] = sign(k3, "hb/3", "10.0:run")                                # replayed older beat
+    assert v.heartbeat(st, 3) is None
+    assert verified_pid(v, st, 3) == 0 and verified_pid(v, st, 4) == 4321   # unsigned pid: never used
+    rows = [json.loads(x) for x in (tmp_path / "rejected.jsonl").read_text().splitlines()]
+    assert [r["forged"] for r in rows] == ["hb/3", "pid/3"]
+    assert "ignored a write to pid/3" in capsys.readouterr().err
+
+
+def _sentinel() -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+
+
+def _forge(info: dict, stop: threading.Event, sentinel_pid: int, done: dict) -> None:
+    """A process that reached the store port but has no secret: bad-peer reports against both
+    stage-0 nodes, PIDs pointing at an unrelated process, stale heartbeats, a joiner's hello."""
+    import torch.distributed as dist
+
+    store = dist.TCPStore(info["host"], int(info["port"]), 1, is_master=False, wait_for_workers=False,
+                          timeout=timedelta(seconds=10))
+    j = int(store.add("nodes/next", 1)) - 1
+    store.set(f"join/hello/{j}", json.dumps({"t": time.time(), "pid": sentinel_pid}))
+    while not stop.is_set():
+        try:
+            for gen in range(3):
+                for r in range(2, 6):
+                    store.set(f"report/{gen}/{r}", json.dumps({"rank": r, "node": r % 2, "bad_peer": True,
+                                                               "cause": "forged", "t": time.time()}))
+            for r in range(6):
+                store.set(f"pid/{r}", str(sentinel_pid))
+                store.set(f"hb/{r}", "1.0:run")
+            done["writes"] = done.get("writes", 0) + 1
+        except Exception:  # noqa: BLE001 - the run ended and its store went away
+            return
+        time.sleep(0.05)
+
+
+@pytest.mark.slow
+def test_forged_store_writes_kill_nothing_and_are_logged(byte_data, tmp_path):
+    sched = Schedule(placement=[[0, 1], [2, 3], [4], [5]], memory=2, method="test", micro_batches=[
+        MicroBatch(k, k % 2, [(1, 2 + (k // 2) % 2), (2, 4), (3, 5)]) for k in range(4)])
+    cfg = build_config("tiny", overrides={"train": {"grad_clip": 0.0, "steps": 20, "warmup_steps": 1}})
+    run = tmp_path / "run"
+    iters = 8
+    job = Job(config=cfg.to_dict(), data_path=str(byte_data), run_dir=str(run),
+              phases=[Phase("p", sched.to_dict(), iterations=iters, save_weights=True)], timeout_s=15.0,
+              heartbeat_s=0.2, heartbeat_deadline_s=2.0, recover=True)
+    sentinel = _sentinel()
+    stop, done, out = threading.Event(), {}, {}
+    th = threading.Thread(target=lambda: out.setdefault("res", launch(job, timeout_s=240)), daemon=True)
+    th.start()
+    try:
+        deadline = time.time() + 60
+        while not (run / "join.json").exists() and time.time() < deadline:
+            time.sleep(0.02)
+        info = json.loads((run / "join.json").read_text())
+        forger = threading.Thread(target=_forge, args=(info, stop, sentinel.pid, done), daemon=True)
+        forger.start()
+        th.join(timeout=240)
+    finally:
+        stop.set()
+    assert "res" in out, "the launch did not finish"
+    assert done.get("writes", 0) > 3, "the forger never wrote"
+    assert sentinel.poll() is None, "an unrelated process was signalled"
+    sentinel.kill()
+    sentinel.wait()
+    rows = out["res"].phase_metrics("p")
+    assert [r["step"] for r in rows] == list(range(1, iters + 1)) and all(r["nodes"] == 6 for r in rows)
+    rec = run / "recoveries.jsonl"
+    assert not rec.exists() or rec.read_text().strip() == ""              # nobody fenced or banned
+    rejected = [json.loads(x) for x in (run / "rejected_writes.jsonl").read_text().splitlines()]
+    names = {r["forged"] for r in rejected}
+    assert {"report/0/2", "report/0/3", "hb/0", "hb/5"} <= names, names
+    assert all("does not verify" in r["why"] or "replayed" in r["why"] for r in rejected)
+    trained = [i for s in trained_samples(run / "phases" / "p").values() for i in s]
+    assert sorted(trained) == list(range(iters * 4 * cfg.train.micro_batch))
+    assert (run / "model.safetensors").is_file()
+    assert processes_of_run(run) == []
+
+
+@pytest.mark.slow
+def test_a_restarted_coordinator_never_signals_a_forged_pid(byte_data, tmp_path):
+    """restartable=True: the launcher is SIGKILLed, a process without the secret overwrites two
+    nodes' ``pid/<r>`` with an unrelated process's PID, then the replacement coordinator takes
+    over: it does not use those PIDs (logged), the unrelated process lives, and the run finishes."""
+    import os
+    import signal
+
+    import torch.distributed as dist
+
+    sched = Schedule(placement=[[0, 1], [2], [3], [4]], memory=2, method="test", micro_batches=[
+        MicroBatch(k, k % 2, [(1, 2), (2, 3), (3, 4)]) for k in range(4)])
+    cfg = build_config("tiny", overrides={"train": {"grad_clip": 0.0, "steps": 40, "warmup_steps": 1}})
+    run = tmp_path / "run"
+    iters = 10
+    job = Job(config=cfg.to_dict(), data_path=str(byte_data), run_dir=str(run),
+              phases=[Phase("p", sched.to_dict(), iterations=iters, save_weights=True)], timeout_s=15.0,
+              heartbeat_s=0.2, heartbeat_deadline_s=4.0, recover=True, restartable=True)
+    run.mkdir()
+    job.save(tmp_path / "job.json")
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    launcher = subprocess.Popen([sys.executable, "-c", "from skiptrain.runtime.job import Job; "
+                                 "from skiptrain.runtime.launcher import launch; "
+                                 f"launch(Job.load({str(tmp_path / 'job.json')!r}), timeout_s=300)"],
+                                env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    sentinel = _sentinel()
+    try:
+        deadline = time.time() + 120
+        while time.time() < deadline:
+            m = run / "metrics.jsonl"
+            if m.exists() and len(m.read_text().splitlines()) >= 2:
+                break
+            time.sleep(0.05)
+        os.kill(launcher.pid, signal.SIGKILL)
+        launcher.wait()
+        info = json.loads((run / "store.json").read_text())
+        forger = dist.TCPStore(info["host"], int(info["port"]), 1, is_master=False, wait_for_workers=False,
+                               timeout=timedelta(seconds=10))
+        for r in (2, 3):
+            forger.set(f"pid/{r}", str(sentinel.pid))
+        coord = subprocess.run([sys.executable, "-m", "skiptrain.runtime.coordinator", "--run", str(run)], env=env,
+                               capture_output=True, text=True, timeout=240)
+        assert coord.returncode == 0, coord.stderr[-2000:]
+        assert "ignored a write to pid/2" in coord.stderr and "node 2: no verified PID" in coord.stderr
+        assert sentinel.poll() is None, "an unrelated process was signalled"
+    finally:
+        sentinel.kill()
+        sentinel.wait()
+    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines() if x.strip()]
+    assert [r["step"] for r in rows] == list(range(1, iters + 1)) and rows[-1]["nodes"] == 5
+    assert (run / "model.safetensors").is_file()
+    time.sleep(0.5)
+    assert processes_of_run(run) == []
+
+
+def test_a_joiner_accepts_only_a_join_result_the_coordinator_signed():
+    from skiptrain.runtime.join import JoinRefused, node_join, read_result, set_result
+
+    forged = FakeStore({"join/nonce/7": "ab" * 32, "join/result/7": "ok"})   # written by a process without the secret
+    with pytest.raises(JoinRefused, match="refused by the coordinator"):
+        node_join(forged, 7, "s3cret", timeout_s=1.0)
+    real = FakeStore({"join/nonce/7": "ab" * 32})
+    set_result(real, 7, "s3cret", True)
+    node_join(real, 7, "s3cret", timeout_s=1.0)                               # admitted
+    assert read_result("s3cret", 7, real["join/result/7"]) == "ok"
+    assert read_result("s3cret", 8, real["join/result/7"]) is None           # not movable to another node
+    hello = open_signed(member_key("s3cret", 7), "join/hello/7", real["join/hello/7"])   # the joiner signs its PID
+    assert json.loads(hello)["pid"] == os.getpid()

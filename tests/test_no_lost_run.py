@@ -1,0 +1,205 @@
+"""No run is lost: a recovering swarm whose body stage has a single node keeps per-stage
+checkpoints by default, so losing that node still ends in a complete, loadable model; SIGTERM to
+the launcher stops every process it started and saves the newest complete set of stage checkpoints."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import processes_of_run
+from skiptrain.config import build_config
+from skiptrain.cli.launch import stage_ckpt_every
+from skiptrain.runtime.job import Job, Phase
+from skiptrain.runtime.launcher import launch
+from skiptrain.schedule.schedule import MicroBatch, Schedule
+from skiptrain.train.rundir import load_run
+
+REPO = Path(__file__).resolve().parents[1]
+PLACEMENT = [[0, 1], [2, 3], [4], [5]]          # the documented 2,2,1,1 layout
+
+
+def _sched() -> Schedule:
+    return Schedule(placement=[list(p) for p in PLACEMENT], memory=2, method="test", micro_batches=[
+        MicroBatch(k, k % 2, [(1, 2 + (k // 2) % 2), (2, 4), (3, 5)]) for k in range(4)])
+
+
+def _cfg():
+    return build_config("tiny", overrides={"train": {"grad_clip": 0.0, "steps": 20, "warmup_steps": 1}})
+
+
+def test_single_copy_stages_get_stage_checkpoints_by_default_under_recover():
+    rt = build_config("tiny", overrides=["runtime.recover=true"]).runtime
+    assert stage_ckpt_every(rt, PLACEMENT, 20) == 2 and stage_ckpt_every(rt, PLACEMENT, 3) == 1
+    assert stage_ckpt_every(rt, PLACEMENT, 1000) == 10
+    assert stage_ckpt_every(rt, [[0, 1], [2, 3], [4, 5]], 20) == 0          # every body stage replicated
+    rt.ckpt_every = 7
+    assert stage_ckpt_every(rt, PLACEMENT, 20) == 7                         # the user's choice stands
+    assert stage_ckpt_every(build_config("tiny").runtime, PLACEMENT, 20) == 0   # no recovery: no stage ckpts
+
+
+@pytest.mark.slow
+def test_losing_the_only_node_of_a_body_stage_still_ends_in_a_complete_model(byte_data, tmp_path):
+    cfg = _cfg()
+    rt = build_config("tiny", overrides=["runtime.recover=true"]).runtime
+    iters = 6
+    run = tmp_path / "run"
+    job = Job(config=cfg.to_dict(), data_path=str(byte_data), run_dir=str(run),
+              phases=[Phase("train", _sched().to_dict(), iterations=iters, save_weights=True)], timeout_s=15.0,
+              heartbeat_s=0.2, heartbeat_deadline_s=3.0, recover=True,
+              ckpt_every=stage_ckpt_every(rt, PLACEMENT, iters),
+              fault={"node": 4, "kind": "kill", "iteration": 3})             # sole node of stage 2
+    launch(job, timeout_s=240)
+    notes = json.loads((run / "lost_stages.json").read_text())
+    assert list(notes) == ["2"] and "checkpoint after iteration" in notes["2"]
+    from skiptrain.config import save_toml
+
+    save_toml(cfg, run / "config.toml")            # load_run needs the config (the swarm CLI writes it)
+    _, model, _ = load_run(run)                   # every layer present, checksum verified
+    assert model.num_parameters() > 0
+    assert processes_of_run(run) == []
+
+
+@pytest.mark.slow
+def test_sigterm_to_the_launcher_saves_the_stage_checkpoints_and_leaves_nothing_running(byte_data, tmp_path):
+    cfg = _cfg()
+    run = tmp_path / "run"
+    job = Job(config=cfg.to_dict(), data_path=str(byte_data), run_dir=str(run),
+              phases=[Phase("train", _sched().to_dict(), iterations=200, save_weights=True)], timeout_s=15.0,
+              heartbeat_s=0.2, heartbeat_deadline_s=4.0, recover=True, restartable=True, ckpt_every=1)
+    run.mkdir()
+    job.save(tmp_path / "job.json")
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    launcher = subprocess.Popen([sys.executable, "-c", "from skiptrain.runtime.job import Job; "
+                                 "from skiptrain.runtime.launcher import launch; "
+                                 f"launch(Job.load({str(tmp_path / 'job.json')!r}), timeout_s=300)"],
+                                env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 120
+    while time.time() < deadline:
+        roots = [run / "stage_ckpt" / "train" / f"stage{s}" for s in range(4)]
+        if all((r / "LATEST").exists() for r in roots):
+            break
+        time.sleep(0.1)
+    store_pid = json.loads((run / "store.json").read_text())["pid"]
+    os.kill(launcher.pid, signal.SIGTERM)
+    _, err = launcher.communicate(timeout=60)
+    assert launcher.returncode != 0
+    assert "[launch] interrupted:" in err and "holds every stage's checkpoint of iteration" in err, err[-2000:]
+    it = json.loads((run / "interrupted.json").read_text())["iteration"]
+    assert it >= 1
+    from skiptrain.checkpoint.weights import load_weights
+    from skiptrain.model.transformer import StagedLM
+
+    state = load_weights(run / "model.safetensors")
+    assert state.keys() == StagedLM(cfg.model, seed=0).state_dict().keys()
+    time.sleep(0.5)
+    assert processes_of_run(run) == []
+    assert not Path(f"/proc/{store_pid}").exists() or "Z" in Path(f"/proc/{store_pid}/stat").read_text().split()[2]
+
+
+@pytest.mark.slow
+def test_sigterm_to_single_process_training_writes_the_weights_and_resume_continues(byte_data, tmp_path):
+    from skiptrain.checkpoint import store
+    from skiptrain.checkpoint.weights import load_weights
+
+    run = tmp_path / "run"
+    args = ["--preset", "tiny", "--quiet", "--data", str(byte_data), "--out", str(run), "--set", "checkpoint.every=2",
+            "--set", "train.eval_every=0", "--set", "train.eval_batches=1"]
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    p = subprocess.Popen([sys.executable, "-m", "skiptrain.cli", "train", *args, "--steps", "100000"], env=env,
+                         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 120
+    while not (run / "checkpoints" / "LATEST").exists() and time.time() < deadline:
+        time.sleep(0.05)
+    p.send_signal(signal.SIGTERM)
+    _, err = p.communicate(timeout=60)
+    assert p.returncode == 130, err[-2000:]
+    assert "interrupted at step" in err and "model.safetensors holds its weights; --resume continues from" in err
+    assert "Traceback" not in err
+    assert load_weights(run / "model.safetensors")             # complete, checksummed
+    step = store.latest(run / "checkpoints").name
+    n = int(step.split("-")[1])
+    r = subprocess.run([sys.executable, "-m", "skiptrain.cli", "train", *args, "--steps", str(n + 1), "--resume"],
+                       env=env, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and f"at step {n}" in r.stdout, r.stderr[-2000:]
+
+
+def test_a_store_left_behind_exits_once_every_node_is_done_or_silent(tmp_path):
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from skiptrain.runtime.store import start
+
+    (tmp_path / "logs").mkdir()
+    proc, host, port = start(tmp_path, idle_exit_s=1.0)
+    try:
+        client = dist.TCPStore(host, port, 1, is_master=False, wait_for_workers=False, timeout=timedelta(seconds=10))
+        client.add("nodes/next", 2)
+        client.set("hb/0", f"{time.time()!r}:done")
+        t_end = time.time() + 3
+        while time.time() < t_end:                        # node 1 keeps beating: the store serves on
+            client.set("hb/1", f"{time.time()!r}:run")
+            time.sleep(0.2)
+        assert proc.poll() is None
+        proc.wait(timeout=10)                             # node 1 falls silent: the store exits by itself
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 0
+    assert "every node has been done or silent for 1 s" in (tmp_path / "logs" / "store.log").read_text()
+
+
+def _node_pid(run: Path, rank: int) -> int | None:
+    """PID of the node process of ``run`` started with RANK=rank (from /proc)."""
+    for pid in processes_of_run(run):
+        try:
+            env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if f"RANK={rank}".encode() in env and b"SKIPTRAIN_STORE_HOSTED=1" in env:
+            return pid
+    return None
+
+
+@pytest.mark.slow
+def test_kill_9_of_the_only_stage_2_node_in_a_2_2_1_1_swarm_still_gives_a_usable_run(byte_data, tmp_path):
+    """The documented layout through the CLI, --recover and no --ckpt-every: the sole stage-2 node
+    is SIGKILLed mid-run; the run finishes, writes run.json and a model that eval accepts."""
+    import threading
+
+    from skiptrain.cli import main
+
+    run = tmp_path / "run"
+    out: dict = {}
+    argv = ["train", "--preset", "tiny", "--quiet", "--data", str(byte_data), "--nodes", "6", "--steps", "14",
+            "--set", "runtime.stage_sizes=2,2,1,1", "--set", "runtime.recover=true", "--set", "runtime.timeout_s=15",
+            "--set", "runtime.heartbeat_deadline_s=3", "--set", "train.eval_batches=1", "--out", str(run)]
+    th = threading.Thread(target=lambda: out.setdefault("rc", main(argv)), daemon=True)
+    th.start()
+    deadline = time.time() + 180
+    victim = None
+    while time.time() < deadline and victim is None:
+        m = run / "metrics.jsonl"
+        if (run / "schedule.json").exists() and m.exists() and len(m.read_text().splitlines()) >= 3:
+            rank = json.loads((run / "schedule.json").read_text())["placement"][2][0]
+            victim = _node_pid(run, rank)
+        time.sleep(0.05)
+    assert victim is not None, "the stage-2 node was not found"
+    os.kill(victim, signal.SIGKILL)
+    th.join(timeout=300)
+    assert out.get("rc") == 0
+    summary = json.loads((run / "run.json").read_text())
+    assert summary["step"] == 14
+    notes = json.loads((run / "lost_stages.json").read_text())
+    assert list(notes) == ["2"] and "from its checkpoint" in notes["2"]
+    assert main(["eval", str(run), "--batches", "1"]) == 0
+    assert processes_of_run(run) == []

@@ -1,0 +1,145 @@
+"""Run directories: no run is overwritten by accident, LATEST fallbacks are loud, weights are checksummed."""
+
+import json
+import shutil
+
+import pytest
+
+from skiptrain.checkpoint import store
+from skiptrain.cli import main
+from skiptrain.checkpoint.weights import CHECKSUM_KEY, WEIGHTS, load_weights, save_weights_file
+
+TINY = ["--preset", "tiny", "--quiet", "--set", "train.eval_every=0", "--set", "train.eval_batches=1",
+        "--set", "checkpoint.every=1", "--set", "checkpoint.keep=5"]
+
+
+def one_line_error(capsys, argv, needle):
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and needle in err[0], err
+    return err[0]
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory, byte_data):
+    out = tmp_path_factory.mktemp("rundir") / "run"
+    assert main(["train", *TINY, "--data", str(byte_data), "--steps", "2", "--out", str(out)]) == 0
+    return out
+
+
+@pytest.fixture
+def run_copy(run, tmp_path):
+    return shutil.copytree(run, tmp_path / "run")
+
+
+def test_training_into_an_existing_run_is_refused_and_changes_nothing(run_copy, byte_data, capsys):
+    before = {p.name: p.read_bytes() for p in run_copy.iterdir() if p.is_file()}
+    ckpts = sorted(p.name for p in (run_copy / "checkpoints").iterdir())
+    one_line_error(capsys, ["train", *TINY, "--data", str(byte_data), "--steps", "3", "--out", str(run_copy)],
+                   "already holds a run (config.toml, model.safetensors, metrics.jsonl, run.json, checkpoints); "
+                   "continue it with --resume, replace it with --overwrite")
+    assert {p.name: p.read_bytes() for p in run_copy.iterdir() if p.is_file()} == before
+    assert sorted(p.name for p in (run_copy / "checkpoints").iterdir()) == ckpts
+
+
+def test_overwrite_replaces_the_run_and_resume_continues_it(run_copy, byte_data, capsys):
+    (run_copy / "notes.txt").write_text("mine")
+    assert main(["train", *TINY, "--data", str(byte_data), "--steps", "1", "--out", str(run_copy),
+                 "--overwrite"]) == 0
+    assert [s for s, _ in store.list_committed(run_copy / "checkpoints")] == [1]  # the old run's step 2 is gone
+    assert json.loads((run_copy / "run.json").read_text())["step"] == 1
+    assert (run_copy / "notes.txt").read_text() == "mine"  # not a run entry: kept
+    assert main(["train", *TINY, "--data", str(byte_data), "--steps", "2", "--out", str(run_copy),
+                 "--resume"]) == 0
+    assert "resumed from" in capsys.readouterr().out
+    assert json.loads((run_copy / "run.json").read_text())["step"] == 2
+
+
+@pytest.mark.parametrize("content,problem", [(b"", "is empty"), (b"step-99999999\n", "names 'step-99999999'"),
+                                             (b"\xff\xfe", "is unreadable")])
+def test_a_damaged_latest_is_a_loud_warning_naming_the_step_used(run_copy, capsys, content, problem):
+    root = run_copy / "checkpoints"
+    (root / "LATEST").write_bytes(content)
+    assert store.latest(root).name == "step-00000002"
+    err = capsys.readouterr().err
+    assert problem in err and "using the newest committed checkpoint step-00000002 (step 2) instead" in err
+    (root / "LATEST").write_text("step-00000001\n")
+    assert store.latest(root).name == "step-00000001" and capsys.readouterr().err == ""
+
+
+def test_resume_with_an_empty_latest_says_which_step_it_continues_from(run_copy, byte_data, capsys):
+    (run_copy / "checkpoints" / "LATEST").write_text("")
+    assert main(["train", *TINY, "--data", str(byte_data), "--steps", "3", "--out", str(run_copy),
+                 "--resume"]) == 0
+    cap = capsys.readouterr()
+    assert "LATEST is empty; using the newest committed checkpoint step-00000002 (step 2)" in cap.err
+    assert "at step 2" in cap.out
+
+
+def _flip_last_byte(path):
+    data = bytearray(path.read_bytes())
+    data[-1] ^= 0x01  # inside the last tensor's bytes; the header stays valid
+    path.write_bytes(bytes(data))
+
+
+def test_weights_carry_a_checksum_that_eval_and_generate_verify(run_copy, capsys):
+    state = load_weights(run_copy / WEIGHTS)  # verifies
+    assert state and capsys.readouterr().err == ""
+    _flip_last_byte(run_copy / WEIGHTS)
+    for argv in (["eval", str(run_copy), "--batches", "1"], ["generate", str(run_copy), "--tokens", "3"]):
+        one_line_error(capsys, argv, "model.safetensors fails its checksum")
+
+
+def test_export_writes_a_checksummed_file_from_verified_shards(run_copy, tmp_path, capsys):
+    from safetensors import safe_open
+
+    out = tmp_path / "exp"
+    assert main(["export", str(run_copy / "checkpoints"), "--format", "skiptrain", "--out", str(out)]) == 0
+    with safe_open(str(out / WEIGHTS), "pt") as f:
+        assert CHECKSUM_KEY in f.metadata()
+    assert load_weights(out / WEIGHTS).keys() == load_weights(run_copy / WEIGHTS).keys()
+    shard = next((run_copy / "checkpoints" / "step-00000002").glob("data-*.bin"))
+    _flip_last_byte(shard)
+    assert main(["export", str(run_copy / "checkpoints"), "--format", "skiptrain", "--out", str(tmp_path / "x")]) == 2
+    assert "checksum" in capsys.readouterr().err.lower()
+
+
+def test_weights_without_a_checksum_are_read_with_a_warning(tmp_path, capsys):
+    import torch
+    from safetensors.torch import save_file
+
+    save_file({"a": torch.ones(2)}, str(tmp_path / "w.safetensors"))
+    assert load_weights(tmp_path / "w.safetensors")["a"].sum() == 2
+    assert "carries no checksum" in capsys.readouterr().err
+    save_weights_file({"a": torch.ones(2), "e": torch.zeros(0)}, tmp_path / "v.safetensors")
+    assert load_weights(tmp_path / "v.safetensors")["e"].numel() == 0
+
+
+def test_a_full_disk_during_training_is_one_line_and_keeps_the_last_checkpoint(tmp_path, byte_data, capsys,
+                                                                               monkeypatch):
+    import os
+
+    real = store.write_file
+
+    def full_after_step_1(path, data, durable=True):
+        if str(path).endswith("metadata.json") and "step-00000001" not in str(path):
+            raise OSError(28, os.strerror(28), str(path))
+        return real(path, data, durable)
+
+    monkeypatch.setattr(store, "write_file", full_after_step_1)
+    out = tmp_path / "run"
+    err = one_line_error(capsys, ["train", *TINY, "--data", str(byte_data), "--steps", "3", "--out", str(out)],
+                         "failed: No space left on device")
+    assert f"the last committed checkpoint is {out / 'checkpoints' / 'step-00000001'}" in err
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["LATEST", "step-00000001"]
+    monkeypatch.undo()
+    assert main(["train", *TINY, "--data", str(byte_data), "--steps", "3", "--out", str(out), "--resume"]) == 0
+    assert "resumed from" in capsys.readouterr().out and json.loads((out / "run.json").read_text())["step"] == 3
+
+
+def test_non_finite_weights_are_refused(tmp_path):
+    import torch
+
+    save_weights_file({"a": torch.tensor([1.0, float("nan")])}, tmp_path / "w.safetensors")
+    with pytest.raises(Exception, match=r"holds non-finite weights \(a\): the run diverged; retrain with a lower"):
+        load_weights(tmp_path / "w.safetensors")
