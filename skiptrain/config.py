@@ -127,9 +127,9 @@ class TrainConfig:
 class DPConfig:
     """Data-parallel sync (skiptrain.dp): which strategy and its switches."""
     strategy: str = _f("allreduce", "sync strategy of a replica group",
-                       choices=("allreduce", "allreduce_bf16", "powersgd", "diloco", "demo"))
-    chunk: int = _f(64, "DeMo chunk edge (2-D chunks are chunk x chunk; 1-D chunks chunk elements)", min=1)
-    topk: int = _f(32, "DeMo coefficients kept per chunk", min=1)
+                       choices=("allreduce", "allreduce_bf16", "powersgd", "diloco", "demo", "sparseloco"))
+    chunk: int = _f(64, "DeMo, SparseLoCo: chunk edge (2-D chunks are chunk x chunk; 1-D chunks chunk elements)", min=1)
+    topk: int = _f(32, "DeMo, SparseLoCo: coefficients kept per chunk", min=1)
     beta: float = _f(0.999, "DeMo momentum decay", min=0.0, max=1.0)
     dct: bool = _f(True, "DeMo: DCT the chunks (false = top-k in parameter space)")
     step_rule: str = _f("sign", "DeMo update from the decoded momentum: sign (DeMo: p -= lr sign(d)), rms "
@@ -139,13 +139,16 @@ class DPConfig:
                         choices=("sign", "rms", "clip", "adam"))
     update_momentum: float = _f(0.0, "DeMo: momentum on the decoded (replica-identical) update, u = mu u + d, "
                                 "stepped on instead of d; no extra bytes (0 = off, DeMo)", min=0.0, max=0.999)
-    values: str = _f("fp32", "DeMo value encoding (sign1c: 1-bit signs, one bf16 scale per chunk)",
+    values: str = _f("fp32", "DeMo, SparseLoCo: value encoding (sign2: 2 bits; sign1c: 1-bit signs, one bf16 scale per chunk)",
                      choices=("fp32", "bf16", "sign1", "sign2", "sign1c"))
-    indices: str = _f("int64", "DeMo index encoding", choices=("int64", "u16", "u12"))
-    sync_every: int = _f(1, "H: iterations per sync (DeMo: momentum accumulation; DiLoCo: local steps)", min=1)
+    indices: str = _f("int64", "DeMo, SparseLoCo: index encoding", choices=("int64", "u16", "u12"))
+    sync_every: int = _f(1, "H: iterations per sync (DeMo: momentum accumulation; DiLoCo, SparseLoCo: local steps)",
+                         min=1)
+    ef_decay: float = _f(0.95, "SparseLoCo: decay of the error-feedback accumulator of pseudo-gradients", min=0.0,
+                         max=1.0)
     powersgd_rank: int = _f(4, "PowerSGD rank", min=1)
-    outer_lr: float = _f(0.7, "DiLoCo outer Nesterov learning rate", min=0.0)
-    outer_momentum: float = _f(0.9, "DiLoCo outer Nesterov momentum", min=0.0, max=1.0)
+    outer_lr: float = _f(0.7, "DiLoCo / SparseLoCo outer Nesterov learning rate", min=0.0)
+    outer_momentum: float = _f(0.9, "DiLoCo / SparseLoCo outer Nesterov momentum", min=0.0, max=1.0)
     check_every: int = _f(50, "compare parameter hashes across replicas every K steps (0 = never)", min=0)
     timeout_s: float = _f(60.0, "process-group timeout in seconds", min=1.0)
     link_up_mbps: float = _f(0.0, "emulated upload per node, Mbit/s (0 = unlimited)", min=0.0)

@@ -58,13 +58,13 @@ def test_demo_replicas_identical_with_an_idle_replica(data, tmp_path):
     assert any("val_loss" in r for r in rows)             # validated in the loop after the last step
 
 
-@pytest.mark.parametrize("strategy", ["allreduce_bf16", "powersgd", "diloco"])
+@pytest.mark.parametrize("strategy", ["allreduce_bf16", "powersgd", "diloco", "sparseloco"])
 def test_baselines_stay_identical(data, tmp_path, strategy):
     cfg = _cfg("train.steps=4", "train.micro_batch=2", "train.n_micro=3", f"dp.strategy={strategy}",
                "dp.sync_every=2", "dp.check_every=2")
     _, recs = _run(cfg, 2, data, tmp_path / "run")
     assert _identical(recs)
-    assert recs[0]["sync_summary"]["syncs"] == (2 if strategy == "diloco" else 4)
+    assert recs[0]["sync_summary"]["syncs"] == (2 if strategy in ("diloco", "sparseloco") else 4)
 
 
 @pytest.mark.parametrize("kind,words", [("payload_nan", "non-finite|scale"), ("payload_index", "out of range|duplicate")])

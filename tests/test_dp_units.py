@@ -455,3 +455,57 @@ def test_strategy_refuses_other_state():
     s = make_strategy(DPConfig(strategy="demo"), m.named_parameters(), None, TrainConfig())
     with pytest.raises(StrategyError, match="strategy"):
         s.load_state_dict({"strategy": "allreduce", "step": 0, "tensors": {}})
+
+
+def test_n1_sparseloco_lossless_is_diloco():
+    """Every coefficient sent exactly (fp32 values, k = chunk size) and no error-feedback decay:
+    SparseLoCo's outer step is DiLoCo's (same inner AdamW steps, same Nesterov outer step)."""
+    tc = TrainConfig(weight_decay=0.0, grad_clip=0.0)
+    ma, mb = _model(), _model()
+    common = dict(sync_every=2, outer_lr=0.7, outer_momentum=0.9, check_every=1)
+    sa = make_strategy(DPConfig(strategy="sparseloco", chunk=64, topk=64 * 64, values="fp32", indices="int64",
+                                dct=False, ef_decay=0.0, **common), ma.named_parameters(), None, tc)
+    sb = make_strategy(DPConfig(strategy="diloco", **common), mb.named_parameters(), None, tc)
+    step_a, step_b = _stepper(sa, ma, tc), _stepper(sb, mb, tc)
+    for it in range(6):
+        _grad(ma, it)
+        _grad(mb, it)
+        a, b = step_a(0.01, 1), step_b(0.01, 1)
+        assert a.synced == b.synced == (it % 2 == 1)
+        for (n, p), q in zip(ma.named_parameters(), mb.parameters()):
+            torch.testing.assert_close(p, q, atol=1e-6, rtol=0, msg=lambda m: f"{it} {n}: {m}")
+    assert all(float(e.abs().max()) < 1e-6 for e in sa.e.values())     # everything sent: no residual
+
+
+def test_n1_sparseloco_sends_a_sparse_2bit_payload_and_keeps_the_residual():
+    tc = TrainConfig(weight_decay=0.0, grad_clip=0.0)
+    m = _model()
+    dp = DPConfig(strategy="sparseloco", chunk=64, topk=4, values="sign2", indices="u12", sync_every=2,
+                  ef_decay=0.9, check_every=0)
+    s = make_strategy(dp, m.named_parameters(), None, tc)
+    step = _stepper(s, m, tc)
+    sent, pre = {}, {}
+    orig_encode, orig_exchange = s.layout.encode, s.sparse.exchange
+
+    def spy_encode(step_no, n, tensors):
+        sent.update(tensors)
+        return orig_encode(step_no, n, tensors)
+
+    def spy_exchange(acc, weight):
+        pre.update({n: t.clone() for n, t in acc.items()})
+        return orig_exchange(acc, weight)
+    s.layout.encode, s.sparse.exchange = spy_encode, spy_exchange
+    anchor = {n: p.detach().clone() for n, p in m.named_parameters()}
+    for it in range(2):
+        _grad(m, it)
+        st = step(0.01, 1)
+    assert st.synced and st.payload_bytes == s.payload_bytes
+    n_params = sum(p.numel() for p in m.parameters())
+    assert 4 * n_params / s.payload_bytes > 20                   # a small fraction of the fp32 bytes
+    for n, p in m.named_parameters():
+        idx, q = sent[n]
+        assert q.unique().numel() <= 4 or q.numel() <= 4          # one 2-bit code per value: 4 levels
+        sent_dense = torch.zeros_like(pre[n]).scatter_(1, idx, q)
+        assert torch.allclose(s.e[n], pre[n] - sent_dense, atol=1e-7)          # residual stays local
+        d = s.sparse.geo[n].inverse(sent_dense)                                 # N=1: the average is what was sent
+        assert torch.allclose(p.detach(), anchor[n] - 0.7 * (d + 0.9 * d), atol=1e-6)   # Nesterov from zero

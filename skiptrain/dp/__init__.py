@@ -16,12 +16,13 @@ from .demo import DeMoStrategy
 from .diloco import DiLoCoStrategy
 from .link import LinkModel
 from .powersgd import PowerSGDStrategy
+from .sparseloco import SparseLoCoStrategy
 from .strategy import StrategyError, SyncStats, SyncStrategy
 from .transport import Transport
 
 STRATEGIES: dict[str, type[SyncStrategy]] = {
     "allreduce": AllReduceStrategy, "allreduce_bf16": AllReduceStrategy, "powersgd": PowerSGDStrategy,
-    "diloco": DiLoCoStrategy, "demo": DeMoStrategy}
+    "diloco": DiLoCoStrategy, "demo": DeMoStrategy, "sparseloco": SparseLoCoStrategy}
 
 
 def make_strategy(dp_cfg, named_params: Iterable[tuple[str, torch.nn.Parameter]], group=None,

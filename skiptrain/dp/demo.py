@@ -36,9 +36,7 @@ from __future__ import annotations
 
 import torch
 
-from .dct import ChunkedDCT
-from .encoding import INDEX_LIMIT, quantize_values
-from .payload import PayloadLayout, TensorSpec
+from .sparse import SparseExchange
 from .strategy import StrategyError, SyncStrategy
 
 
@@ -52,27 +50,23 @@ class DeMoStrategy(SyncStrategy):
         self.step_rule = getattr(dp_cfg, "step_rule", "sign")
         if self.step_rule not in ("sign", "rms", "clip", "adam"):
             raise StrategyError(f"unknown dp.step_rule {self.step_rule!r}; choose sign, rms, clip or adam")
-        self.geo = {n: ChunkedDCT(p.shape, dp_cfg.chunk, dp_cfg.dct) for n, p in self.named}
-        self.k = {n: min(dp_cfg.topk, g.chunk_numel) for n, g in self.geo.items()}
-        for n, g in self.geo.items():
-            if g.chunk_numel > INDEX_LIMIT[dp_cfg.indices]:
-                raise StrategyError(f"tensor {n}: chunks of {g.chunk_numel} elements do not fit "
-                                    f"{dp_cfg.indices} indices; use a smaller dp.chunk or wider dp.indices")
-        self.layout = PayloadLayout(
-            [TensorSpec(n, tuple(p.shape), self.geo[n].n_chunks, self.geo[n].chunk_numel, self.k[n])
-             for n, p in self.named], dp_cfg.indices, dp_cfg.values)
-        self.m = {n: torch.zeros(g.n_chunks, g.chunk_numel) for n, g in self.geo.items()}
+        self.sparse = SparseExchange(self.named, dp_cfg, transport)
+        self.geo, self.k, self.layout = self.sparse.geo, self.sparse.k, self.sparse.layout
+        self.m = self.sparse.zeros()
         self.mu = float(getattr(dp_cfg, "update_momentum", 0.0))
         # momentum of the decoded update (dp.update_momentum > 0): identical on every replica
         self.u = {n: torch.zeros_like(p, dtype=torch.float32) for n, p in self.named} if self.mu else {}
         # step rule "adam": the decoded update, read as a gradient, goes to AdamW
         self.update_rule = "adamw" if self.step_rule == "adam" else "direction"
         self.n_since = 0        # micro-batches folded into m since the last sync
-        self.syncs = 0          # sync counter (payload header "step")
 
     @property
     def payload_bytes(self) -> int:
-        return self.layout.nbytes
+        return self.sparse.payload_bytes
+
+    @property
+    def syncs(self) -> int:
+        return self.sparse.syncs
 
     @torch.no_grad()
     def _exchange(self, grads: dict[str, torch.Tensor], n: int, lr: float):
@@ -85,44 +79,16 @@ class DeMoStrategy(SyncStrategy):
         self.n_since += n
         if self.step_count % self.H:
             return None, False, n
-        # ---- compress with error feedback
-        send = {}
-        for name, m in self.m.items():
-            idx = m.abs().topk(self.k[name], dim=1, sorted=False).indices
-            q = quantize_values(m.gather(1, idx), self.dp.values, self.k[name])
-            if self.n_since > 0:
-                m.scatter_(1, idx, m.gather(1, idx) - q)
-            send[name] = (idx, q)
-        payload = self.layout.encode(self.syncs, self.n_since, send)
-        # ---- exchange and validate everything before applying anything
-        bufs = self.tr.all_gather_bytes(payload)
-        decoded = [self.layout.decode(b, peer=r, expect_step=self.syncs) for r, b in enumerate(bufs)]
-        self.syncs += 1
+        # compress with error feedback, exchange, validate, then the weighted mean per coefficient
+        decoded = self.sparse.exchange(self.m, self.n_since)
         self.n_since = 0
-        weights = [float(w) for w, _ in decoded]
-        n_total = int(sum(weights))
-        if n_total == 0:
-            weights = [1.0] * len(decoded)
-        return self._decode(decoded, weights, lr), True, n_total
-
-    def _decode(self, decoded, weights: list[float], lr: float) -> dict[str, torch.Tensor]:
-        """Weighted mean over the senders of each coefficient, inverse DCT, the step rule."""
+        n_total = int(sum(w for w, _ in decoded))
         out = {}
-        for name, geo in self.geo.items():
-            acc = torch.zeros(geo.n_chunks, geo.chunk_numel)
-            wsum = torch.zeros(geo.n_chunks, geo.chunk_numel)
-            for w, (_, tensors) in zip(weights, decoded):
-                if w == 0:
-                    continue
-                idx, val = tensors[name]
-                acc.scatter_add_(1, idx, val * w)
-                wsum.scatter_add_(1, idx, torch.full(val.shape, w))
-            avg = torch.where(wsum > 0, acc / wsum.clamp_min(1e-30), torch.zeros(()))
-            upd = geo.inverse(avg)
+        for name, upd in self.sparse.average(decoded, by="senders").items():
             if self.mu:
                 upd = self.u[name].mul_(self.mu).add_(upd)
             out[name] = self._direction(upd, lr)
-        return out
+        return out, True, n_total
 
     def _direction(self, upd: torch.Tensor, lr: float) -> torch.Tensor:
         """What the optimizer applies, from the decoded momentum (``dp.step_rule``): a unit-scale
@@ -150,7 +116,7 @@ class DeMoStrategy(SyncStrategy):
 
     def load_state_dict(self, state: dict) -> None:
         super().load_state_dict(state)
-        self.syncs, self.n_since = int(state["syncs"]), int(state["n_since"])
+        self.sparse.syncs, self.n_since = int(state["syncs"]), int(state["n_since"])
         for n, m in self.m.items():
             src = state["tensors"][n]["momentum_coeffs"]
             if src.shape != m.shape:

@@ -1,0 +1,92 @@
+"""Sparse exchange with error feedback: the compression DeMo and SparseLoCo share.
+
+Each replica keeps, per parameter tensor, an accumulator in chunk space (:class:`ChunkedDCT`:
+chunks of ``dp.chunk`` elements per side, DCT-transformed when ``dp.dct``).  At a sync
+:meth:`SparseExchange.exchange`:
+
+1. keeps the ``dp.topk`` largest-magnitude coefficients of every chunk, quantised with the value
+   encoding ``dp.values``, and subtracts exactly what is sent from the accumulator (error
+   feedback: the residual, quantisation error included, stays local for the next sync);
+2. frames every tensor's indices and values as one fixed-size byte payload
+   (:mod:`skiptrain.dp.payload`) and all-gathers it: one collective per sync;
+3. validates every peer's payload before anything is used (:class:`~skiptrain.dp.payload.PayloadError`
+   names the peer).
+
+:meth:`SparseExchange.average` turns the gathered payloads back into dense tensors (inverse DCT,
+padding cropped): each coefficient averaged over the replicas that sent it, weighted by their
+micro-batch counts (``by="senders"``, DeMo), or summed over every replica and divided by the
+replica count (``by="replicas"``: an unbiased average of sparse pseudo-gradients, SparseLoCo).
+Every replica decodes the same payloads in the same rank order with the same operations, so the
+result is bit-identical on all of them.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .dct import ChunkedDCT
+from .encoding import INDEX_LIMIT, quantize_values
+from .payload import PayloadLayout, TensorSpec
+from .strategy import StrategyError
+
+
+class SparseExchange:
+    def __init__(self, named: list[tuple[str, torch.nn.Parameter]], dp_cfg, transport):
+        self.geo = {n: ChunkedDCT(p.shape, dp_cfg.chunk, dp_cfg.dct) for n, p in named}
+        self.k = {n: min(dp_cfg.topk, g.chunk_numel) for n, g in self.geo.items()}
+        for n, g in self.geo.items():
+            if g.chunk_numel > INDEX_LIMIT[dp_cfg.indices]:
+                raise StrategyError(f"tensor {n}: chunks of {g.chunk_numel} elements do not fit "
+                                    f"{dp_cfg.indices} indices; use a smaller dp.chunk or wider dp.indices")
+        self.layout = PayloadLayout(
+            [TensorSpec(n, tuple(p.shape), self.geo[n].n_chunks, self.geo[n].chunk_numel, self.k[n])
+             for n, p in named], dp_cfg.indices, dp_cfg.values)
+        self.values = dp_cfg.values
+        self.tr = transport
+        self.syncs = 0          # sync counter (payload header "step"; replicas are in lock-step)
+
+    @property
+    def payload_bytes(self) -> int:
+        return self.layout.nbytes
+
+    def zeros(self) -> dict[str, torch.Tensor]:
+        """A chunk-space accumulator of zeros per tensor."""
+        return {n: torch.zeros(g.n_chunks, g.chunk_numel) for n, g in self.geo.items()}
+
+    def exchange(self, acc: dict[str, torch.Tensor], weight: int) -> list[tuple[int, dict]]:
+        """Send the top-k of every chunk of ``acc`` (subtracting what is sent when ``weight`` > 0:
+        a replica that processed nothing keeps its residual); returns every replica's validated
+        ``(weight, {name: (indices, values)})`` in rank order."""
+        send = {}
+        for name, m in acc.items():
+            idx = m.abs().topk(self.k[name], dim=1, sorted=False).indices
+            q = quantize_values(m.gather(1, idx), self.values, self.k[name])
+            if weight > 0:
+                m.scatter_(1, idx, m.gather(1, idx) - q)
+            send[name] = (idx, q)
+        bufs = self.tr.all_gather_bytes(self.layout.encode(self.syncs, weight, send))
+        decoded = [self.layout.decode(b, peer=r, expect_step=self.syncs) for r, b in enumerate(bufs)]
+        self.syncs += 1
+        return decoded
+
+    def average(self, decoded: list[tuple[int, dict]], by: str = "senders") -> dict[str, torch.Tensor]:
+        """Dense tensors from the gathered payloads (see the module doc for ``by``)."""
+        weights = [float(w) for w, _ in decoded]
+        if by == "replicas" or sum(weights) == 0:
+            weights = [1.0] * len(decoded)
+        out = {}
+        for name, geo in self.geo.items():
+            acc = torch.zeros(geo.n_chunks, geo.chunk_numel)
+            wsum = torch.zeros(geo.n_chunks, geo.chunk_numel)
+            for w, (_, tensors) in zip(weights, decoded):
+                if w == 0:
+                    continue
+                idx, val = tensors[name]
+                acc.scatter_add_(1, idx, val * w)
+                wsum.scatter_add_(1, idx, torch.full(val.shape, w))
+            if by == "replicas":
+                avg = acc / len(decoded)
+            else:
+                avg = torch.where(wsum > 0, acc / wsum.clamp_min(1e-30), torch.zeros(()))
+            out[name] = geo.inverse(avg)
+        return out

@@ -1,0 +1,92 @@
+"""SparseLoCo: DiLoCo's local steps with a sparse, 2-bit, error-fed outer pseudo-gradient.
+
+Like :mod:`skiptrain.dp.diloco`, every iteration hands the replica's own mean gradient to the
+one optimizer path (AdamW: the inner step, no communication).  After that step, every
+``H = dp.sync_every`` iterations:
+
+* the pseudo-gradient ``delta = anchor - p`` (anchor: the parameters after the previous outer
+  step) is folded into a per-replica error-feedback accumulator in chunk space,
+  ``e = dp.ef_decay * e + C(delta)`` (:class:`~skiptrain.dp.dct.ChunkedDCT`, plain chunks unless
+  ``dp.dct``);
+* the top ``dp.topk`` coefficients of every chunk, quantised with ``dp.values`` (``sign2``: 2
+  bits each plus one scale), leave in one bucketed payload with packed indices (``dp.indices``)
+  and are subtracted from ``e`` (:class:`~skiptrain.dp.sparse.SparseExchange`);
+* the replicas' sparse contributions are averaged (summed, divided by the replica count), and an
+  outer Nesterov step is taken on that average: ``v = mu v + d``;
+  ``p = anchor - outer_lr (d + mu v)`` (``dp.outer_lr``, ``dp.outer_momentum``); ``anchor = p``.
+
+Parameters are bit-identical on every replica after each outer step (everyone decodes the same
+payloads the same way) and drift by design between them; consistency checks run on sync steps.
+Bytes per sync: the payload (see ``payload_bytes``), per iteration that over ``H``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .sparse import SparseExchange
+from .strategy import SyncStrategy
+
+
+class SparseLoCoStrategy(SyncStrategy):
+    name = "sparseloco"
+
+    def __init__(self, named_params, transport, dp_cfg, optim_cfg):
+        super().__init__(named_params, transport, dp_cfg, optim_cfg)
+        self.H, self.ef_decay = dp_cfg.sync_every, dp_cfg.ef_decay
+        self.sparse = SparseExchange(self.named, dp_cfg, transport)
+        self.layout = self.sparse.layout
+        self.e = self.sparse.zeros()
+        self.anchor = {n: p.detach().clone() for n, p in self.named}
+        self.v = {n: torch.zeros_like(p) for n, p in self.named}
+        self.n_since = 0
+
+    @property
+    def payload_bytes(self) -> int:
+        return self.sparse.payload_bytes
+
+    @torch.no_grad()
+    def _exchange(self, grads: dict[str, torch.Tensor], n: int, lr: float):
+        self.n_since += n
+        if n == 0:
+            return None, False, 0
+        for g in grads.values():
+            g.div_(n)
+        return grads, False, n
+
+    @torch.no_grad()
+    def _after_update(self, lr: float) -> int | None:
+        if self.step_count % self.H:
+            return None
+        geo = self.sparse.geo
+        for x, p in self.named:
+            self.e[x].mul_(self.ef_decay).add_(geo[x].forward((self.anchor[x] - p).float()))
+        decoded = self.sparse.exchange(self.e, max(self.n_since, 1))
+        total = int(sum(w for w, _ in decoded))
+        self.n_since = 0
+        mu, olr = self.dp.outer_momentum, self.dp.outer_lr
+        for x, d in self.sparse.average(decoded, by="replicas").items():
+            p = self.params[x]
+            self.v[x].mul_(mu).add_(d)
+            p.copy_(self.anchor[x] - olr * (d + mu * self.v[x]))
+            self.anchor[x].copy_(p)
+        return total
+
+    def state_tensor_names(self) -> list[str]:
+        return [n for n, _ in self.named]
+
+    def state_dict(self) -> dict:
+        st = super().state_dict()
+        st.update(syncs=self.sparse.syncs, n_since=self.n_since,
+                  tensors={x: {"error_feedback": self.e[x].clone(), "anchor": self.anchor[x].clone(),
+                               "outer_momentum": self.v[x].clone()} for x, _ in self.named})
+        return st
+
+    def load_state_dict(self, state: dict) -> None:
+        super().load_state_dict(state)
+        self.sparse.syncs, self.n_since = int(state["syncs"]), int(state["n_since"])
+        for x, _ in self.named:
+            t = state["tensors"][x]
+            self.e[x].copy_(t["error_feedback"])
+            self.anchor[x].copy_(t["anchor"])
+            self.v[x].copy_(t["outer_momentum"])
