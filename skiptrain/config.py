@@ -175,7 +175,7 @@ class CheckpointConfig:
 
 @dataclass
 class ElasticConfig:
-    """Elastic pipelining by freezing (skiptrain.elastic, issue 9); off unless ``enabled``."""
+    """Elastic pipelining by freezing (skiptrain.elastic); off unless ``enabled``."""
     enabled: bool = _f(False, "freeze converged bottom layers, repartition, cache the frozen prefix")
     alpha: float = _f(1 / 3, "geometric bound: frozen <= F + ceil(alpha * (freezable - F)) per window",
                       min=0.0, max=1.0)
@@ -209,7 +209,7 @@ class ElasticConfig:
 
 @dataclass
 class RuntimeConfig:
-    """Multi-process skip-pipeline runtime (skiptrain.runtime, issue 4); used when ``nodes > 0``."""
+    """Multi-process skip-pipeline runtime (skiptrain.runtime); used when ``nodes > 0``."""
     nodes: int = _f(0, "node processes on this machine (0 = the single-process trainer)", min=0, max=1024)
     stage_sizes: str = _f("", "nodes per stage, comma-separated, e.g. 3,2,2,2 (empty = by work)")
     method: str = _f("planner", "how routes are made", choices=("planner", "full_pipeline", "random_skip"))
@@ -225,7 +225,7 @@ class RuntimeConfig:
     timeout_s: float = _f(30.0, "peer / message / group timeout in seconds", min=0.5)
     heartbeat_s: float = _f(0.5, "heartbeat interval in seconds", min=0.05)
     plan_seed: int = _f(0, "seed of the planner and the random baselines")
-    recover: bool = _f(False, "survive failed nodes (issue 8): fence, re-plan, go on; nodes may join (--join)")
+    recover: bool = _f(False, "survive failed nodes: fence, re-plan, go on; nodes may join (--join)")
     heartbeat_deadline_s: float = _f(0.0, "recover: a node without heartbeat this long is hung (0 = timeout_s)",
                                      min=0.0)
     strikes: int = _f(1, "recover: rejected payloads (bad shape/dtype/non-finite) from a node before it is banned",

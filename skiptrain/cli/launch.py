@@ -231,7 +231,7 @@ def register(sub) -> None:
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--out", default=None, help="run directory (refused if it holds a run, unless --overwrite)")
     p.add_argument("--overwrite", action="store_true", help="replace the run already in --out")
-    g = p.add_argument_group("failures (issue 8; docs/failures.md)")
+    g = p.add_argument_group("failures (docs/failures.md)")
     g.add_argument("--recover", action="store_true",
                    help="survive killed, hung and bad nodes (config runtime.recover); nodes may join")
     g.add_argument("--heartbeat-deadline", type=float, default=None, metavar="S",

@@ -26,7 +26,7 @@ def cmd_train(args: argparse.Namespace) -> int:
                   overwrite=getattr(args, "overwrite", False))
     if getattr(args, "nodes", None) is not None:
         cfg.runtime.nodes = args.nodes
-    if cfg.runtime.nodes > 1:  # issue 4: the multi-process skip-pipeline runtime (skiptrain.runtime)
+    if cfg.runtime.nodes > 1:  # the multi-process skip-pipeline runtime (skiptrain.runtime)
         from .launch import train_swarm
 
         if getattr(args, "resume", None) is not None:
@@ -38,7 +38,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     check_fits_memory(cfg)
     if args.quiet:
         cfg.train.progress = False
-    if cfg.elastic.enabled:  # issue 9: elastic mode (freeze, repartition, cache)
+    if cfg.elastic.enabled:  # elastic mode (freeze, repartition, cache)
         from ..train.elastic_trainer import ElasticTrainer
         trainer = ElasticTrainer(cfg, args.out)
     else:
@@ -149,7 +149,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
-#: The embedded default run (issue 4): a local swarm of node processes on a real skip schedule:
+#: The embedded default run: a local swarm of node processes on a real skip schedule:
 #: 3 stage-0 nodes and 3 body stages with 2 replicas each, k=0.33, routes from the planner.
 DEMO_SWARM = ["runtime.nodes=9", "runtime.stage_sizes=3,2,2,2", "runtime.mb_per_originator=2",
               "runtime.method=planner", "train.skip_ratio=0.33", "train.steps=150", "train.warmup_steps=15",

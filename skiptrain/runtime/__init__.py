@@ -1,14 +1,19 @@
-"""skiptrain.runtime: the multi-process skip-pipeline runtime (issue 4).
+"""skiptrain.runtime: one runtime for every way of training.
 
 One module per job:
 
-* :mod:`.launcher` -- start N local node processes, watch them, stop all on any failure;
-* :mod:`.node` -- the node process (``python -m skiptrain.runtime.node``; torchrun-compatible);
+* :mod:`.step` -- THE optimizer step: per-stage sync, one global clip, one optimizer step;
 * :mod:`.executor` -- run one node's share of a :class:`~skiptrain.schedule.schedule.Schedule`:
-  task queues, memory credits, backward first;
-* :mod:`.transport` -- tagged point-to-point activations/gradients over gloo, header + payload;
+  task queues, memory credits, backward first (the one-process trainer runs on it too);
+* :mod:`.node` -- the node process (``python -m skiptrain.runtime.node``; torchrun-compatible);
+* :mod:`.transport` -- tagged point-to-point activations/gradients over gloo (header + payload,
+  per-link codecs), and the in-process transport between stages of one process;
 * :mod:`.wan` -- per-directed-link FIFO emulation of a topology, compute padding;
-* :mod:`.failure` -- heartbeats, error reports, exit codes, hooks for fault tolerance;
-* :mod:`.job` -- the JSON job (phases: schedule, cost model, emulation) and how to build one;
-* :mod:`.cli` -- ``skiptrain launch`` and ``skiptrain train --nodes N``.
+* :mod:`.evaluate` -- validation loss;
+* :mod:`.launcher`, :mod:`.outputs` -- start N local node processes, watch them, stop all on a
+  failure; merge what they leave;
+* :mod:`.coordinator`, :mod:`.recovery`, :mod:`.join`, :mod:`.membership`, :mod:`.store`,
+  :mod:`.drift` -- recovery mode: membership, re-planning, admission, signed membership writes;
+* :mod:`.failure` -- heartbeats, error reports, exit codes;
+* :mod:`.job` -- the JSON job (phases: schedule, cost model, emulation, config) and how to build one.
 """

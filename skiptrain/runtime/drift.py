@@ -1,4 +1,4 @@
-"""Drift re-planning (issue 8): measured compute and link times replace the static topology, and
+"""Drift re-planning: measured compute and link times replace the static topology, and
 the routes are re-planned when the measured iteration time drifts past a threshold.
 
 * **Measuring** (:class:`DriftMonitor`, every node, every committed iteration): the node's

@@ -1,6 +1,6 @@
 """Failure detection for the node processes: timeouts, heartbeats, clear errors, no orphans.
 
-Policy for now (issue 4): **fail fast and stop everything**.  Any node that cannot continue
+Default policy: **fail fast and stop everything**.  Any node that cannot continue
 raises :class:`NodeFailure` naming the node at fault; the launcher kills the remaining
 processes by PID and reports the root cause.  How a failure is noticed:
 
@@ -14,7 +14,7 @@ processes by PID and reports the root cause.  How a failure is noticed:
 * **lost store / launcher gone**: a heartbeat write that fails makes the node exit; children
   also get SIGKILL from the kernel when the launcher dies (``PR_SET_PDEATHSIG``).
 
-With ``job.recover`` (issue 8) the reaction is different: the launcher's coordinator
+With ``job.recover`` the reaction is different: the launcher's coordinator
 (:mod:`.coordinator`) fences the failed node and publishes a new membership generation, and the
 survivors re-form their groups and re-plan (:mod:`.recovery`; docs/failures.md).
 

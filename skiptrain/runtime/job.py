@@ -60,7 +60,7 @@ class Job:
     timeout_s: float = 30.0
     heartbeat_s: float = 0.5
     node_module: str = "skiptrain.runtime.node"   # what the launcher runs per node (tests: a fault-injecting wrapper)
-    recover: bool = False                     # survive failures (issue 8, see runtime/recovery.py)
+    recover: bool = False                     # survive failures (see runtime/recovery.py)
     heartbeat_deadline_s: float | None = None  # hung-peer deadline (default: timeout_s)
     takeover: bool = False                    # a node of a replicated stage takes over a stage left empty
     strikes: int = 1                          # rejected payloads from one sender before it is banned

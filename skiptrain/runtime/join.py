@@ -1,4 +1,4 @@
-"""Admission by challenge-response (issue 8, joining): a node proves it knows the run's join
+"""Admission by challenge-response (joining): a node proves it knows the run's join
 secret without sending it, before it may enter any process group.
 
 Protocol (over the rendezvous store, keys under ``join/``):

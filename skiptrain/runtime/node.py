@@ -884,7 +884,7 @@ class Node:
         done = ckstore.list_committed(root)
         return max(done) if done else None
 
-    # ---- joining (issue 8) ----------------------------------------------------------------------
+    # ---- joining ----------------------------------------------------------------------
 
     def _ack(self) -> None:
         """Tell the coordinator this node runs in its current generation (joins wait for it)."""

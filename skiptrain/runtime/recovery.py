@@ -1,4 +1,4 @@
-"""Recovery without a restart (issue 8): re-planning for the surviving nodes, the membership
+"""Recovery without a restart: re-planning for the surviving nodes, the membership
 protocol between the coordinator (the launcher) and the nodes, and payload checks on received
 tensors.
 

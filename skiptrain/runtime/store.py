@@ -1,4 +1,4 @@
-"""The rendezvous store in a process of its own, so the coordinator can be restarted (issue 8).
+"""The rendezvous store in a process of its own, so the coordinator can be restarted.
 
 ``python -m skiptrain.runtime.store --port-file PATH`` hosts a ``TCPStore`` listening on
 127.0.0.1 only (``--host`` names another single address; port chosen by the OS), writes ``{"host", "port", "pid"}`` to ``PATH`` and serves until the key
