@@ -30,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from skiptrain.config import build_config  # noqa: E402
 from skiptrain.data.dataset import TokenDataset  # noqa: E402
-from skiptrain.runtime.job import Job, data_parallel_phase  # noqa: E402
+from skiptrain.runtime.job import Job, data_parallel_phase, with_runtime  # noqa: E402
 from skiptrain.runtime.launcher import launch  # noqa: E402
 
 K8 = ["dp.strategy=demo", "dp.topk=8", "dp.indices=u12", "dp.values=sign1"]
@@ -91,8 +91,8 @@ def run_many(cfgs: list, nodes: int, data: str, timeout_s: float = 4 * 3600) -> 
 
     with tempfile.TemporaryDirectory(prefix="skiptrain-dp-bench-") as tmp:
         phases = [data_parallel_phase(c, f"m{i}", nodes) for i, c in enumerate(cfgs)]
-        job = Job(config=cfgs[0].to_dict(), data_path=str(data), run_dir=tmp, phases=phases,
-                  timeout_s=max(c.dp.timeout_s for c in cfgs))
+        job = Job(config=with_runtime(cfgs[0].to_dict(), timeout_s=max(c.dp.timeout_s for c in cfgs)),
+                  data_path=str(data), run_dir=tmp, phases=phases)
         res = launch(job, timeout_s=timeout_s, echo=False)
         out = []
         for i, ph in enumerate(phases):

@@ -33,7 +33,7 @@ from skiptrain.config import build_config  # noqa: E402
 from skiptrain.data.corpus import read_documents  # noqa: E402
 from skiptrain.data.dataset import write_dataset  # noqa: E402
 from tests.fault_node import faulty_job  # noqa: E402  (the test-only fault-injecting node)
-from skiptrain.runtime.job import Job, Phase  # noqa: E402
+from skiptrain.runtime.job import Job, Phase, with_runtime  # noqa: E402
 from skiptrain.runtime.launcher import launch  # noqa: E402
 from skiptrain.runtime.recovery import trained_samples  # noqa: E402
 from skiptrain.schedule.schedule import MicroBatch, Schedule  # noqa: E402
@@ -58,9 +58,10 @@ def schedule() -> Schedule:
 
 def run(data: Path, out: Path, faults, iterations: int, deadline_s: float) -> dict:
     cfg = build_config("tiny", overrides={"train": {"grad_clip": 0.0, "steps": 20, "warmup_steps": 1}})
-    job = Job(config=cfg.to_dict(), data_path=str(data), run_dir=str(out),
-              phases=[Phase("p", schedule().to_dict(), iterations=iterations)], timeout_s=15.0,
-              heartbeat_s=0.2, heartbeat_deadline_s=deadline_s, **(faulty_job(faults) if faults else {}), recover=True)
+    job = Job(config=with_runtime(cfg.to_dict(), timeout_s=15.0, heartbeat_s=0.2, heartbeat_deadline_s=deadline_s, recover=True),
+              data_path=str(data), run_dir=str(out),
+              phases=[Phase("p", schedule().to_dict(), iterations=iterations)],
+              **faulty_job(faults) if faults else {})
     t = time.time()
     res = launch(job, timeout_s=300)
     wall = time.time() - t

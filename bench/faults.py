@@ -59,7 +59,7 @@ from skiptrain.data.corpus import read_documents  # noqa: E402
 from skiptrain.data.dataset import TokenDataset, write_dataset  # noqa: E402
 from skiptrain.net.topology import load_topology  # noqa: E402
 from tests.fault_node import faulty_job  # noqa: E402  (the test-only fault-injecting node)
-from skiptrain.runtime.job import Job, build_cost, build_schedule, phase_for  # noqa: E402
+from skiptrain.runtime.job import Job, build_cost, build_schedule, phase_for, with_runtime  # noqa: E402
 from skiptrain.runtime.launcher import launch  # noqa: E402
 from skiptrain.runtime.recovery import trained_samples  # noqa: E402
 from skiptrain.runtime.wan import scale_topology  # noqa: E402
@@ -131,9 +131,8 @@ def _steps_done(run: Path) -> int:
 def run_once(cfg, topo, cost, sched, data: Path, run: Path, iterations: int, faults: list[dict],
              joins: dict | None, deadline_s: float) -> dict:
     phase = phase_for(cfg, sched, topo, cost, "train", iterations, save_weights=True)
-    job = Job(config=cfg.to_dict(), data_path=str(data), run_dir=str(run), phases=[phase],
-              timeout_s=cfg.runtime.timeout_s, heartbeat_s=0.25, heartbeat_deadline_s=deadline_s,
-              **(faulty_job(faults) if faults else {}), recover=True, ckpt_every=2, ckpt_max_age=8)
+    job = Job(config=with_runtime(cfg.to_dict(), timeout_s=cfg.runtime.timeout_s, heartbeat_s=0.25, heartbeat_deadline_s=deadline_s, recover=True, ckpt_every=2, ckpt_max_age=8),
+              data_path=str(data), run_dir=str(run), phases=[phase], **faulty_job(faults) if faults else {})
     out: dict = {}
 
     def go():

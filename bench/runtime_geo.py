@@ -43,7 +43,7 @@ sys.path.insert(0, str(ROOT))
 from skiptrain.config import build_config  # noqa: E402
 from skiptrain.data.corpus import read_documents  # noqa: E402
 from skiptrain.data.dataset import write_dataset  # noqa: E402
-from skiptrain.runtime.job import Job, build_cost, build_schedule, build_topology, phase_for  # noqa: E402
+from skiptrain.runtime.job import Job, build_cost, build_schedule, build_topology, phase_for, with_runtime  # noqa: E402
 from skiptrain.runtime.launcher import launch  # noqa: E402
 from skiptrain.schedule.gantt import draw_side_by_side  # noqa: E402
 from skiptrain.schedule.simulator import simulate  # noqa: E402
@@ -111,8 +111,8 @@ def main(argv=None) -> int:
     print(f"planner: {planner_s:.1f} s", flush=True)
     with tempfile.TemporaryDirectory(prefix="skiptrain-runtime-geo-") as tmp:
         data = make_data(Path(tmp) / "data")
-        job = Job(config=cfg.to_dict(), data_path=str(data), run_dir=args.keep or str(Path(tmp) / "run"),
-                  timeout_s=cfg.runtime.timeout_s, heartbeat_s=0.5,
+        job = Job(config=with_runtime(cfg.to_dict(), timeout_s=cfg.runtime.timeout_s, heartbeat_s=0.5),
+                  data_path=str(data), run_dir=args.keep or str(Path(tmp) / "run"),
                   phases=[phase_for(cfg, scheds[m], topo, costs[m], m, iters) for m in METHODS])
         res = launch(job, timeout_s=1800)
         measured = {m: [r["iteration_s"] for r in res.phase_metrics(m)] for m in METHODS}

@@ -11,7 +11,7 @@ from skiptrain.config import build_config
 from skiptrain.data.corpus import Document
 from skiptrain.data.dataset import write_dataset
 from skiptrain.runtime.failure import RuntimeFailure
-from skiptrain.runtime.job import Job, data_parallel_phase
+from skiptrain.runtime.job import Job, data_parallel_phase, with_runtime
 from skiptrain.runtime.launcher import launch
 
 pytestmark = pytest.mark.slow
@@ -32,7 +32,7 @@ def _cfg(*ov):
 
 def _run(cfg, nodes, data, run_dir, **job):
     """Launch one data-parallel phase; returns (metrics rows, node records)."""
-    j = Job(config=cfg.to_dict(), data_path=str(data), run_dir=str(run_dir), timeout_s=60,
+    j = Job(config=with_runtime(cfg.to_dict(), timeout_s=60), data_path=str(data), run_dir=str(run_dir),
             phases=[data_parallel_phase(cfg, "dp", nodes)], **job)
     res = launch(j, timeout_s=240)
     recs = [json.loads((run_dir / "phases" / "dp" / f"node{r}.json").read_text()) for r in range(nodes)]

@@ -23,7 +23,7 @@ from conftest import processes_of_run
 from skiptrain.config import build_config
 from skiptrain.runtime.failure import RuntimeFailure
 from skiptrain.runtime.join import respond, verify
-from skiptrain.runtime.job import Job, Phase
+from skiptrain.runtime.job import Job, Phase, with_runtime
 from skiptrain.runtime.launcher import launch
 from skiptrain.runtime.recovery import (BadPayload, RecoveryError, check_payload, checkfree_combine, replan,
                                         stage_tensors, trained_samples)
@@ -124,9 +124,9 @@ def test_join_challenge_response_needs_the_secret():
 
 def _job(byte_data, run_dir, faults, iterations, deadline_s=4.0):
     cfg = build_config("tiny", overrides={"train": {"grad_clip": 0.0, "steps": 20, "warmup_steps": 1}})
-    return Job(config=cfg.to_dict(), data_path=str(byte_data), run_dir=str(run_dir),
-               phases=[Phase("p", _schedule().to_dict(), iterations=iterations)], timeout_s=15.0,
-               heartbeat_s=0.2, heartbeat_deadline_s=deadline_s, **faulty_job(faults), recover=True)
+    return Job(config=with_runtime(cfg.to_dict(), timeout_s=15.0, heartbeat_s=0.2, heartbeat_deadline_s=deadline_s, recover=True),
+               data_path=str(byte_data), run_dir=str(run_dir),
+               phases=[Phase("p", _schedule().to_dict(), iterations=iterations)], **faulty_job(faults))
 
 
 def test_run_refuses_a_node_without_the_secret_and_survives_kill_originator_kill_hang_and_bad_peer(byte_data, tmp_path):
@@ -187,11 +187,10 @@ def test_a_replica_takes_over_a_lost_stage_with_checkfree_init(byte_data, tmp_pa
         MicroBatch(k, k % 2, [(1, 2 + (k // 2) % 2), (2, 4), (3, 5)]) for k in range(4)])
     cfg = build_config("tiny", overrides={"train": {"grad_clip": 0.0, "steps": 20, "warmup_steps": 1}})
     run = tmp_path / "run"
-    job = Job(config=cfg.to_dict(), data_path=str(byte_data), run_dir=str(run),
-              phases=[Phase("p", sched.to_dict(), iterations=3, cost=build_cost(cfg).to_dict(),
-                            topology=load_topology("cluster", 6).to_dict())], timeout_s=15.0, heartbeat_s=0.2,
-              heartbeat_deadline_s=4.0, **faulty_job({"node": 4, "kind": "kill", "iteration": 1}), recover=True,
-              takeover=True)
+    job = Job(config=with_runtime(cfg.to_dict(), timeout_s=15.0, heartbeat_s=0.2, heartbeat_deadline_s=4.0, recover=True, takeover=True),
+              data_path=str(byte_data), run_dir=str(run), phases=[Phase("p", sched.to_dict(), iterations=3, cost=build_cost(cfg).to_dict(),
+                            topology=load_topology("cluster", 6).to_dict())],
+              **faulty_job({"node": 4, "kind": "kill", "iteration": 1}))
     res = launch(job, timeout_s=180)
     rows = res.phase_metrics("p")
     assert [r["step"] for r in rows] == [1, 2, 3] and all(r["loss"] < 10 for r in rows)
@@ -215,10 +214,8 @@ def test_a_second_failure_during_recovery_is_survived_too(byte_data, tmp_path):
         MicroBatch(k, k % 2, [(1, 2 + (k // 2) % 2), (2, 4), (3, 5)]) for k in range(4)])
     cfg = build_config("tiny", overrides={"train": {"grad_clip": 0.0, "steps": 20, "warmup_steps": 1}})
     run = tmp_path / "run"
-    job = Job(config=cfg.to_dict(), data_path=str(byte_data), run_dir=str(run),
-              phases=[Phase("p", sched.to_dict(), iterations=3)], timeout_s=6.0, heartbeat_s=0.2,
-              heartbeat_deadline_s=4.0, recover=True,
-              **faulty_job([{"node": 4, "kind": "kill", "iteration": 1},
+    job = Job(config=with_runtime(cfg.to_dict(), timeout_s=6.0, heartbeat_s=0.2, heartbeat_deadline_s=4.0, recover=True),
+              data_path=str(byte_data), run_dir=str(run), phases=[Phase("p", sched.to_dict(), iterations=3)], **faulty_job([{"node": 4, "kind": "kill", "iteration": 1},
                      {"node": 2, "kind": "kill", "iteration": 1, "where": "recover"}]))
     res = launch(job, timeout_s=180)
     assert [r["step"] for r in res.phase_metrics("p")] == [1, 2, 3]
@@ -240,10 +237,9 @@ def test_a_bad_peer_is_banned_after_its_strikes_and_its_stage_restarts_from_the_
         MicroBatch(k, k % 2, [(1, 2 + (k // 2) % 2), (2, 4), (3, 5)]) for k in range(4)])
     cfg = build_config("tiny", overrides={"train": {"grad_clip": 0.0, "steps": 20, "warmup_steps": 1}})
     run = tmp_path / "run"
-    job = Job(config=cfg.to_dict(), data_path=str(byte_data), run_dir=str(run),
-              phases=[Phase("p", sched.to_dict(), iterations=4)], timeout_s=15.0, heartbeat_s=0.2,
-              heartbeat_deadline_s=4.0, **faulty_job({"node": 4, "kind": "nan", "iteration": 2}), recover=True,
-              takeover=True, strikes=2, ckpt_every=1, ckpt_max_age=3)
+    job = Job(config=with_runtime(cfg.to_dict(), timeout_s=15.0, heartbeat_s=0.2, heartbeat_deadline_s=4.0, recover=True, takeover=True, strikes=2, ckpt_every=1, ckpt_max_age=3),
+              data_path=str(byte_data), run_dir=str(run), phases=[Phase("p", sched.to_dict(), iterations=4)],
+              **faulty_job({"node": 4, "kind": "nan", "iteration": 2}))
     res = launch(job, timeout_s=180)
     assert [r["step"] for r in res.phase_metrics("p")] == [1, 2, 3, 4]
     rec = [json.loads(x) for x in (run / "recoveries.jsonl").read_text().splitlines()]
@@ -275,9 +271,9 @@ def test_a_killed_coordinator_is_replaced_without_losing_the_run(byte_data, tmp_
     cfg = build_config("tiny", overrides={"train": {"grad_clip": 0.0, "steps": 40, "warmup_steps": 1}})
     run = tmp_path / "run"
     iters = 16
-    job = Job(config=cfg.to_dict(), data_path=str(byte_data), run_dir=str(run),
-              phases=[Phase("p", sched.to_dict(), iterations=iters, save_weights=True)], timeout_s=15.0,
-              heartbeat_s=0.2, heartbeat_deadline_s=4.0, recover=True, restartable=True,
+    job = Job(config=with_runtime(cfg.to_dict(), timeout_s=15.0, heartbeat_s=0.2, heartbeat_deadline_s=4.0, recover=True, restartable=True),
+              data_path=str(byte_data), run_dir=str(run),
+              phases=[Phase("p", sched.to_dict(), iterations=iters, save_weights=True)],
               **faulty_job({"node": 1, "kind": "kill", "iteration": 12}))
     run.mkdir()
     job.save(tmp_path / "job.json")
@@ -326,10 +322,9 @@ def test_drift_replans_routes_away_from_a_node_that_slowed_down(byte_data, tmp_p
         MicroBatch(k, k % 2, [(1, 2 + k % 2), (2, 4), (3, 5)]) for k in range(4)])
     run = tmp_path / "run"
     iters = 8
-    job = Job(config=cfg.to_dict(), data_path=str(byte_data), run_dir=str(run),
-              phases=[Phase("p", sched.to_dict(), iterations=iters, cost=cost.to_dict(), topology=topo.to_dict(),
+    job = Job(config=with_runtime(cfg.to_dict(), timeout_s=15.0, heartbeat_s=0.2, heartbeat_deadline_s=6.0, recover=True, drift_threshold=0.5),
+              data_path=str(byte_data), run_dir=str(run), phases=[Phase("p", sched.to_dict(), iterations=iters, cost=cost.to_dict(), topology=topo.to_dict(),
                             emulate_compute=True)],
-              timeout_s=15.0, heartbeat_s=0.2, heartbeat_deadline_s=6.0, recover=True, drift_threshold=0.5,
               **faulty_job({"node": 3, "kind": "slow", "factor": 6.0, "iteration": 2}))
     res = launch(job, timeout_s=180)
     assert [r["step"] for r in res.phase_metrics("p")] == list(range(1, iters + 1))
@@ -353,8 +348,8 @@ def test_a_stage_lost_for_good_is_filled_from_its_checkpoint_in_the_merged_model
     from skiptrain.runtime.outputs import lost_stages_from_checkpoints
 
     cfg = build_config("tiny")
-    job = Job(config=cfg.to_dict(), data_path="-", run_dir=str(tmp_path),
-              phases=[Phase("train", _schedule().to_dict(), iterations=4)], recover=True)
+    job = Job(config=with_runtime(cfg.to_dict(), recover=True), data_path="-", run_dir=str(tmp_path),
+              phases=[Phase("train", _schedule().to_dict(), iterations=4)])
     m2 = StagedLM(cfg.model, stages=[2], seed=5)
     mgr = CheckpointManager(tmp_path / "stage_ckpt" / "train" / "stage2", keep=2)
     mgr.save(3, model_tensors(m2), state={"stage": 2}, blocking=True)
@@ -378,8 +373,8 @@ def test_restarting_a_coordinator_before_generation_0_is_a_clear_error(byte_data
     cfg = build_config("tiny")
     run = tmp_path / "run"
     (run / "logs").mkdir(parents=True)
-    job = Job(config=cfg.to_dict(), data_path=str(byte_data), run_dir=str(run),
-              phases=[Phase("p", sched.to_dict(), iterations=1)], timeout_s=15.0, recover=True, restartable=True)
+    job = Job(config=with_runtime(cfg.to_dict(), timeout_s=15.0, recover=True, restartable=True),
+              data_path=str(byte_data), run_dir=str(run), phases=[Phase("p", sched.to_dict(), iterations=1)])
     job.save(run / "job.json")
     (run / "join_secret").write_text("s" * 32)
     proc, _, _ = store.start(run)

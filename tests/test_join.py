@@ -20,7 +20,7 @@ import torch
 from conftest import processes_of_run
 from skiptrain.config import build_config
 from skiptrain.net.topology import load_topology
-from skiptrain.runtime.job import Job, Phase, build_cost
+from skiptrain.runtime.job import Job, Phase, build_cost, with_runtime
 from skiptrain.runtime.launcher import launch
 from skiptrain.runtime.recovery import (add_replica, choose_stage, pack_stage_state, replan, trained_samples,
                                         unpack_stage_state)
@@ -136,9 +136,9 @@ def test_a_node_joins_a_running_job_and_a_wrong_secret_is_refused(byte_data, tmp
     cfg = build_config("tiny", overrides={"train": {"grad_clip": 0.0, "steps": 40, "warmup_steps": 1}})
     run = tmp_path / "run"
     iters = 18                     # margin for the joiner's start-up (it joins at iteration 1-3 here)
-    job = Job(config=cfg.to_dict(), data_path=str(byte_data), run_dir=str(run),
-              phases=[Phase("p", _sched().to_dict(), iterations=iters, dump=True)], timeout_s=15.0,
-              heartbeat_s=0.2, heartbeat_deadline_s=4.0, recover=True)
+    job = Job(config=with_runtime(cfg.to_dict(), timeout_s=15.0, heartbeat_s=0.2, heartbeat_deadline_s=4.0, recover=True),
+              data_path=str(byte_data), run_dir=str(run),
+              phases=[Phase("p", _sched().to_dict(), iterations=iters, dump=True)])
     out: dict = {}
     th = threading.Thread(target=lambda: out.setdefault("res", launch(job, timeout_s=240)), daemon=True)
     th.start()

@@ -18,7 +18,7 @@ import pytest
 from conftest import processes_of_run
 from skiptrain.config import build_config
 from skiptrain.runtime.coordinator import verified_pid
-from skiptrain.runtime.job import Job, Phase
+from skiptrain.runtime.job import Job, Phase, with_runtime
 from skiptrain.runtime.launcher import launch
 from skiptrain.runtime.membership import (Verifier, host_store, member_key, open_signed, parse_heartbeat, sign,
                                           strip_tag)
@@ -119,9 +119,9 @@ def test_forged_store_writes_kill_nothing_and_are_logged(byte_data, tmp_path):
     cfg = build_config("tiny", overrides={"train": {"grad_clip": 0.0, "steps": 20, "warmup_steps": 1}})
     run = tmp_path / "run"
     iters = 8
-    job = Job(config=cfg.to_dict(), data_path=str(byte_data), run_dir=str(run),
-              phases=[Phase("p", sched.to_dict(), iterations=iters, save_weights=True)], timeout_s=15.0,
-              heartbeat_s=0.2, heartbeat_deadline_s=2.0, recover=True)
+    job = Job(config=with_runtime(cfg.to_dict(), timeout_s=15.0, heartbeat_s=0.2, heartbeat_deadline_s=2.0, recover=True),
+              data_path=str(byte_data), run_dir=str(run),
+              phases=[Phase("p", sched.to_dict(), iterations=iters, save_weights=True)])
     sentinel = _sentinel()
     stop, done, out = threading.Event(), {}, {}
     th = threading.Thread(target=lambda: out.setdefault("res", launch(job, timeout_s=240)), daemon=True)
@@ -170,9 +170,9 @@ def test_a_restarted_coordinator_never_signals_a_forged_pid(byte_data, tmp_path)
     cfg = build_config("tiny", overrides={"train": {"grad_clip": 0.0, "steps": 40, "warmup_steps": 1}})
     run = tmp_path / "run"
     iters = 10
-    job = Job(config=cfg.to_dict(), data_path=str(byte_data), run_dir=str(run),
-              phases=[Phase("p", sched.to_dict(), iterations=iters, save_weights=True)], timeout_s=15.0,
-              heartbeat_s=0.2, heartbeat_deadline_s=4.0, recover=True, restartable=True)
+    job = Job(config=with_runtime(cfg.to_dict(), timeout_s=15.0, heartbeat_s=0.2, heartbeat_deadline_s=4.0, recover=True, restartable=True),
+              data_path=str(byte_data), run_dir=str(run),
+              phases=[Phase("p", sched.to_dict(), iterations=iters, save_weights=True)])
     run.mkdir()
     job.save(tmp_path / "job.json")
     env = dict(os.environ, PYTHONPATH=str(REPO))

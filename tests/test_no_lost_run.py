@@ -17,7 +17,7 @@ import pytest
 from conftest import processes_of_run
 from skiptrain.config import build_config
 from skiptrain.cli.launch import stage_ckpt_every
-from skiptrain.runtime.job import Job, Phase
+from skiptrain.runtime.job import Job, Phase, with_runtime
 from skiptrain.runtime.launcher import launch
 from skiptrain.schedule.schedule import MicroBatch, Schedule
 from skiptrain.train.rundir import load_run
@@ -51,10 +51,9 @@ def test_losing_the_only_node_of_a_body_stage_still_ends_in_a_complete_model(byt
     rt = build_config("tiny", overrides=["runtime.recover=true"]).runtime
     iters = 6
     run = tmp_path / "run"
-    job = Job(config=cfg.to_dict(), data_path=str(byte_data), run_dir=str(run),
-              phases=[Phase("train", _sched().to_dict(), iterations=iters, save_weights=True)], timeout_s=15.0,
-              heartbeat_s=0.2, heartbeat_deadline_s=3.0, recover=True,
-              ckpt_every=stage_ckpt_every(rt, PLACEMENT, iters),
+    job = Job(config=with_runtime(cfg.to_dict(), timeout_s=15.0, heartbeat_s=0.2, heartbeat_deadline_s=3.0, recover=True, ckpt_every=stage_ckpt_every(rt, PLACEMENT, iters)),
+              data_path=str(byte_data), run_dir=str(run),
+              phases=[Phase("train", _sched().to_dict(), iterations=iters, save_weights=True)],
               fault={"node": 4, "kind": "kill", "iteration": 3})             # sole node of stage 2
     launch(job, timeout_s=240)
     notes = json.loads((run / "lost_stages.json").read_text())
@@ -71,9 +70,9 @@ def test_losing_the_only_node_of_a_body_stage_still_ends_in_a_complete_model(byt
 def test_sigterm_to_the_launcher_saves_the_stage_checkpoints_and_leaves_nothing_running(byte_data, tmp_path):
     cfg = _cfg()
     run = tmp_path / "run"
-    job = Job(config=cfg.to_dict(), data_path=str(byte_data), run_dir=str(run),
-              phases=[Phase("train", _sched().to_dict(), iterations=200, save_weights=True)], timeout_s=15.0,
-              heartbeat_s=0.2, heartbeat_deadline_s=4.0, recover=True, restartable=True, ckpt_every=1)
+    job = Job(config=with_runtime(cfg.to_dict(), timeout_s=15.0, heartbeat_s=0.2, heartbeat_deadline_s=4.0, recover=True, restartable=True, ckpt_every=1),
+              data_path=str(byte_data), run_dir=str(run),
+              phases=[Phase("train", _sched().to_dict(), iterations=200, save_weights=True)])
     run.mkdir()
     job.save(tmp_path / "job.json")
     env = dict(os.environ, PYTHONPATH=str(REPO))

@@ -14,7 +14,7 @@ from conftest import processes_of_run
 from skiptrain.config import build_config
 from skiptrain.runtime.executor import node_plan
 from skiptrain.runtime.failure import RuntimeFailure
-from skiptrain.runtime.job import Job, build_cost, build_schedule, build_topology, phase_for
+from skiptrain.runtime.job import Job, build_cost, build_schedule, build_topology, phase_for, with_runtime
 from skiptrain.runtime.launcher import launch
 from skiptrain.runtime.transport import ACT, GRAD, LocalTransport, TransportError, decode_header, encode_header
 from skiptrain.runtime.wan import LinkFifo
@@ -124,8 +124,8 @@ def swarm(byte_data, tmp_path_factory):
     cfg_k = _cfg(skip_ratio=0.5)
     skip = build_schedule(cfg_k, "planner", topo, cost)
     run_dir = tmp_path_factory.mktemp("swarm")
-    job = Job(config=cfg.to_dict(), data_path=str(byte_data), run_dir=str(run_dir), timeout_s=20,
-              phases=[phase_for(cfg, full, topo, cost, "full", EQUIV_ITERS, dump=True),
+    job = Job(config=with_runtime(cfg.to_dict(), timeout_s=20),
+              data_path=str(byte_data), run_dir=str(run_dir), phases=[phase_for(cfg, full, topo, cost, "full", EQUIV_ITERS, dump=True),
                       phase_for(cfg, skip, topo, cost, "skip", EQUIV_ITERS, dump=True),
                       phase_for(cfg, skip, topo, cost, "train", 8, dump=True)])
     job.config["train"]["lr"] = 3e-3
@@ -187,7 +187,8 @@ def test_demo_swarm_keeps_replicas_bit_identical(byte_data, tmp_path):
     topo = build_topology(cfg, 6)
     cost = build_cost(cfg, s_per_sample_layer=0.001)
     skip = build_schedule(cfg, "planner", topo, cost)
-    job = Job(config=cfg.to_dict(), data_path=str(byte_data), run_dir=str(tmp_path / "run"), timeout_s=20,
+    job = Job(config=with_runtime(cfg.to_dict(), timeout_s=20), data_path=str(byte_data),
+              run_dir=str(tmp_path / "run"),
               phases=[phase_for(cfg, skip, topo, cost, "demo", EQUIV_ITERS, dump=True)])
     launch(job, timeout_s=240)
     d = tmp_path / "run" / "phases" / "demo"
@@ -233,8 +234,8 @@ def test_failed_peer_stops_the_run_with_an_error_naming_it(byte_data, tmp_path, 
     cost = build_cost(cfg, s_per_sample_layer=0.001)
     sched = build_schedule(cfg, "full_pipeline", topo, cost)
     victim = sched.placement[2][0]
-    job = Job(config=cfg.to_dict(), data_path=str(byte_data), run_dir=str(tmp_path / "run"),
-              phases=[phase_for(cfg, sched, topo, cost, "p", 3)], timeout_s=4.0, heartbeat_s=0.25,
+    job = Job(config=with_runtime(cfg.to_dict(), timeout_s=4.0, heartbeat_s=0.25), data_path=str(byte_data),
+              run_dir=str(tmp_path / "run"), phases=[phase_for(cfg, sched, topo, cost, "p", 3)],
               **faulty_job({"node": victim, "kind": kind, "iteration": 1}))
     with pytest.raises(RuntimeFailure) as ei:
         launch(job, timeout_s=180)
@@ -258,7 +259,8 @@ def test_int8_hops_swarm_equals_the_one_node_runtime_with_the_same_codec(byte_da
     cost = build_cost(cfg, s_per_sample_layer=0.001)
     assert cost.act_codec == "int8" and cost.hop_codec(topo, 0, 2) == "int8"
     full = build_schedule(cfg, "full_pipeline", topo, cost)
-    job = Job(config=cfg.to_dict(), data_path=str(byte_data), run_dir=str(tmp_path / "run"), timeout_s=20,
+    job = Job(config=with_runtime(cfg.to_dict(), timeout_s=20), data_path=str(byte_data),
+              run_dir=str(tmp_path / "run"),
               phases=[phase_for(cfg, full, topo, cost, "q", EQUIV_ITERS, dump=True)])
     res = launch(job, timeout_s=240)
     ref_cfg = _cfg()

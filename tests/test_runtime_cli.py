@@ -28,7 +28,8 @@ def test_launch_with_recover_writes_stage_checkpoints_and_cleans_the_join_secret
                  "--set", "runtime.stage_sizes=2,1,1,1", "--steps", "2", "--recover", "--heartbeat-deadline", "8",
                  "--strikes", "2", "--ckpt-every", "1"]) == 0
     job = json.loads((out / "job.json").read_text())
-    assert job["recover"] and job["heartbeat_deadline_s"] == 8 and job["strikes"] == 2 and job["ckpt_every"] == 1
+    rt = job["config"]["runtime"]
+    assert rt["recover"] and rt["heartbeat_deadline_s"] == 8 and rt["strikes"] == 2 and rt["ckpt_every"] == 1
     for s in range(4):                                     # every stage's first replica wrote its weights
         assert (out / "stage_ckpt" / "train" / f"stage{s}" / "LATEST").read_text().strip() == "step-00000002"
     assert not (out / "join_secret").exists() and not (out / "join.json").exists()   # run over: no joining

@@ -69,12 +69,9 @@ def train_swarm(cfg, data: str, out: str, steps: int | None = None, echo: bool =
               f"node: per-stage checkpoints every {every} iterations, so a lost stage keeps its weights "
               "(--ckpt-every N to choose)", flush=True)
     rt.ckpt_every = every
-    job = Job(config=cfg.to_dict(), data_path=str(ds.path), run_dir=str(outp), timeout_s=rt.timeout_s,
-              heartbeat_s=rt.heartbeat_s,
-              phases=[phase_for(cfg, sched, topo, cost, "train", steps, save_weights=True)],
-              recover=rt.recover, heartbeat_deadline_s=rt.heartbeat_deadline_s or None, strikes=rt.strikes,
-              takeover=rt.takeover, ckpt_every=rt.ckpt_every, ckpt_max_age=rt.ckpt_max_age,
-              restartable=rt.recover and restartable, drift_threshold=rt.drift_threshold)
+    rt.restartable = rt.recover and restartable
+    job = Job(config=cfg.to_dict(), data_path=str(ds.path), run_dir=str(outp),
+              phases=[phase_for(cfg, sched, topo, cost, "train", steps, save_weights=True)])
     if rt.recover and echo:
         print(f"recovery on: hung-peer deadline {rt.heartbeat_deadline_s or rt.timeout_s:g} s, {rt.strikes} "
               f"strike(s) for bad peers, takeover {'on' if rt.takeover else 'off'}, stage checkpoints "

@@ -1,8 +1,8 @@
-"""The coordinator of a recovering run (``job.recover``): membership authority, no model state.
+"""The coordinator of a recovering run (``job.rt.recover``): membership authority, no model state.
 
 :func:`coordinate` replaces the launcher's fail-fast monitor.  It watches the node processes it
-started (exit status), their heartbeats (``hb/<r>``, deadline ``job.heartbeat_deadline_s`` or
-``job.timeout_s``) and the nodes' failure reports (``report/<gen>/<r>``; a report of a rejected
+started (exit status), their heartbeats (``hb/<r>``, deadline ``job.rt.heartbeat_deadline_s`` or
+``job.rt.timeout_s``) and the nodes' failure reports (``report/<gen>/<r>``; a report of a rejected
 payload names a *bad peer*).  On a detection it
 
 0. (at the start) admits the nodes by challenge-response (:mod:`skiptrain.runtime.join`):
@@ -19,7 +19,7 @@ hold a full model; here a node holds one stage of a pipeline whose routes cross 
 every membership change needs a global re-plan, not a per-replica-group quorum.  The
 coordinator's state (alive set, generation) is tiny and lives in the store; it holds no weights.
 By default the store lives in the launcher process (and nodes die with it); with
-``job.restartable`` it runs in a process of its own (:mod:`.store`), nodes are not tied to the
+``job.rt.restartable`` it runs in a process of its own (:mod:`.store`), nodes are not tied to the
 launcher, and ``python -m skiptrain.runtime.coordinator --run RUN_DIR`` (:func:`main`) replaces a
 coordinator that died: every piece of its state is in the store (generation records, node PIDs,
 strikes, joins under way).
@@ -139,8 +139,8 @@ def coordinate(job: Job, procs, store, world: int, t_start: float, timeout_s: fl
                run_dir: Path, join_secret: str, resume: bool = False) -> dict | None:
     from .join import admit
 
-    deadline = job.heartbeat_deadline_s or job.timeout_s
-    strikes_needed = max(1, int(getattr(job, "strikes", 1) or 1))
+    deadline = job.rt.heartbeat_deadline_s or job.rt.timeout_s
+    strikes_needed = max(1, int(job.rt.strikes or 1))
     gen = 0
     stage0 = set()
     for ph in job.phases:
@@ -157,7 +157,7 @@ def coordinate(job: Job, procs, store, world: int, t_start: float, timeout_s: fl
                      timeout_s, join_secret, resume=True)
     # admission: only nodes that answer the join challenge enter generation 0 (and any group)
     t_adm = time.time()
-    adm = admit(store, list(range(world)), join_secret, max(60.0, job.timeout_s),
+    adm = admit(store, list(range(world)), join_secret, max(60.0, job.rt.timeout_s),
                 alive=lambda n: procs[n].poll() is None)
     alive = {n for n, v in adm.items() if v == "ok"}
     for n, v in sorted(adm.items()):
@@ -199,7 +199,7 @@ def _loop(job, store, members, stage0, deadline, strikes_needed, log_path, fence
               f"{[members.ext[r] for r in sorted(alive)]}", file=sys.stderr, flush=True)
         _log(log_path, {"gen": gen, "node": None, "cause": "coordinator restarted", "restart": True,
                         "t_detect": time.time(), "alive": sorted(alive)})
-    next_hb = time.time() + job.heartbeat_s
+    next_hb = time.time() + job.rt.heartbeat_s
     while True:
         codes = {r: members.code(r) for r in alive}
         if all(codes[r] == 0 for r in alive):
@@ -213,7 +213,7 @@ def _loop(job, store, members, stage0, deadline, strikes_needed, log_path, fence
             if codes[r] not in (None, 0):
                 found[r] = (f"died ({describe_exit(codes[r])})", None)
         if now >= next_hb:
-            next_hb = now + job.heartbeat_s
+            next_hb = now + job.rt.heartbeat_s
             for r in sorted(alive - set(found)):
                 hb = None if codes[r] is not None else members.verifier.heartbeat(store, r)
                 if hb is None:                # absent, forged or replayed: no decision on it
@@ -319,7 +319,7 @@ class _Joins:
             if st["state"] == "challenged":
                 ok = check_response(self.store, j, st["nonce"], self.secret)
                 if ok is None:
-                    if now - st["t_hello"] > max(60.0, self.job.timeout_s):
+                    if now - st["t_hello"] > max(60.0, self.job.rt.timeout_s):
                         self._refuse(j, "refused: no challenge response in time", st)
                     continue
                 if not ok:
@@ -442,7 +442,7 @@ def main(argv: list[str] | None = None) -> int:
               "launch with restartable=True (--restartable)", file=sys.stderr)
         return 2
     store = dist.TCPStore(info["host"], int(info["port"]), 1, is_master=False, wait_for_workers=False,
-                          timeout=timedelta(seconds=max(job.timeout_s, 60.0)))
+                          timeout=timedelta(seconds=max(job.rt.timeout_s, 60.0)))
     t0 = time.time()
     try:
         failure = coordinate(job, [], store, job.world, t0, args.timeout, run_dir, secret, resume=True)

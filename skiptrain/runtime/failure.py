@@ -14,7 +14,7 @@ processes by PID and reports the root cause.  How a failure is noticed:
 * **lost store / launcher gone**: a heartbeat write that fails makes the node exit; children
   also get SIGKILL from the kernel when the launcher dies (``PR_SET_PDEATHSIG``).
 
-With ``job.recover`` the reaction is different: the launcher's coordinator
+With ``job.rt.recover`` the reaction is different: the launcher's coordinator
 (:mod:`.coordinator`) fences the failed node and publishes a new membership generation, and the
 survivors re-form their groups and re-plan (:mod:`.recovery`; docs/failures.md).
 

@@ -20,12 +20,14 @@ compute the same thing.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..config import Config, ConfigError
+from ..config import Config, ConfigError, RuntimeConfig, config_from_dict
 from ..net.topology import Topology, load_topology
 from ..schedule.baselines import data_parallel, full_pipeline, random_skip
 from ..schedule.cost import CostModel, layer_params, profile_s_per_sample_per_layer
@@ -57,19 +59,14 @@ class Job:
     data_path: str
     run_dir: str
     phases: list[Phase]
-    timeout_s: float = 30.0
-    heartbeat_s: float = 0.5
     node_module: str = "skiptrain.runtime.node"   # what the launcher runs per node (tests: a fault-injecting wrapper)
-    recover: bool = False                     # survive failures (see runtime/recovery.py)
-    heartbeat_deadline_s: float | None = None  # hung-peer deadline (default: timeout_s)
-    takeover: bool = False                    # a node of a replicated stage takes over a stage left empty
-    strikes: int = 1                          # rejected payloads from one sender before it is banned
-    ckpt_every: int = 0                       # recovery mode: per-stage weights checkpoint every N iterations
-    ckpt_max_age: int = 10                    # a stage checkpoint older than this (iterations): CheckFree instead
-    restartable: bool = False                 # recover: store in its own process; the coordinator can be restarted
-    drift_threshold: float = 0.0              # re-plan routes when measured / planned iteration time > 1 + this (0: off)
-    drift_alpha: float = 0.3                  # moving-average weight of the drift measurements
     meta: dict[str, Any] = field(default_factory=dict)
+
+    @functools.cached_property
+    def rt(self) -> RuntimeConfig:
+        """The job's runtime settings: the ``runtime`` section of its config, the one place they
+        live (timeouts, heartbeats, recovery, stage checkpoints, drift re-planning, ...)."""
+        return config_from_dict(self.config).runtime
 
     @property
     def world(self) -> int:
@@ -93,6 +90,17 @@ class Job:
     @classmethod
     def load(cls, path: str | Path) -> "Job":
         return cls.from_dict(json.loads(Path(path).read_text()))
+
+
+def with_runtime(config: dict[str, Any], **runtime: Any) -> dict[str, Any]:
+    """A copy of the config dict ``config`` with ``runtime`` fields replaced (checked by name)."""
+    out = {k: dict(v) for k, v in config.items()}
+    known = {f.name for f in dataclasses.fields(RuntimeConfig)}
+    bad = sorted(set(runtime) - known)
+    if bad:
+        raise ConfigError(f"unknown runtime setting(s) {bad}; see skiptrain.config.RuntimeConfig")
+    out.setdefault("runtime", {}).update(runtime)
+    return out
 
 
 def parse_sizes(text: str) -> list[int] | None:

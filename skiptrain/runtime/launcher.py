@@ -10,7 +10,7 @@ instead (see docs/runtime.md); this launcher only starts local processes.
 Failure semantics (the launcher is the authority on which node failed):
 
 * a node that exits non-zero or is killed by a signal, or whose heartbeat (``hb/<r>`` in the
-  store) is older than ``job.timeout_s``, or an overall ``timeout_s`` for the whole run, stops
+  store) is older than ``job.rt.timeout_s``, or an overall ``timeout_s`` for the whole run, stops
   the run: the launcher waits up to ``grace_s`` for the other nodes to exit on their own, then
   SIGKILLs the rest **by PID**, reaps every child, and raises
   :class:`~skiptrain.runtime.failure.RuntimeFailure` naming the node at fault (a process killed
@@ -71,7 +71,7 @@ def launch(job: Job, nodes: int | None = None, timeout_s: float = 3600.0, grace_
 
     SIGTERM (in the main thread) stops the launch like Ctrl-C: every node process and the store
     process are stopped, nothing is left running; then, when the run has per-stage checkpoints
-    (``job.ckpt_every``), the newest iteration every stage has is assembled into
+    (``job.rt.ckpt_every``), the newest iteration every stage has is assembled into
     ``model.safetensors`` (:func:`salvage_stage_checkpoints`) before ``KeyboardInterrupt`` goes up.
     """
     with sigterm_as_interrupt():
@@ -103,18 +103,18 @@ def _launch(job: Job, nodes: int | None, timeout_s: float, grace_s: float, echo:
     job_path = job.save(run_dir / "job.json")
     store_proc = None
     failure = err = None
-    if job.recover and job.restartable:
+    if job.rt.recover and job.rt.restartable:
         # the store in a process of its own: this launcher (the coordinator) may die and be
         # replaced (``python -m skiptrain.runtime.coordinator --run RUN_DIR``) without losing the run
         from .store import start as start_store
         store_proc, _, port = start_store(run_dir)
         store = dist.TCPStore("127.0.0.1", port, world, is_master=False, wait_for_workers=False,
-                              timeout=timedelta(seconds=max(job.timeout_s, 60.0)))
+                              timeout=timedelta(seconds=max(job.rt.timeout_s, 60.0)))
     else:
         from .membership import host_store
-        store, listening = host_store(world, max(job.timeout_s, 60.0))  # noqa: F841 - loopback only
+        store, listening = host_store(world, max(job.rt.timeout_s, 60.0))  # noqa: F841 - loopback only
     (run_dir / "join.json").unlink(missing_ok=True)
-    if job.recover:
+    if job.rt.recover:
         # nodes joining later (``--join HOST:PORT``) take ids from here on and read the job here
         store.add("nodes/next", world)
         store.set("job", json.dumps(job.to_dict()))
@@ -127,7 +127,7 @@ def _launch(job: Job, nodes: int | None, timeout_s: float, grace_s: float, echo:
     logs = []
     t_start = time.time()
     killed_by_us: set[int] = set()
-    if job.recover:
+    if job.rt.recover:
         from .join import SECRET_ENV, new_secret
         join_secret = join_secret or new_secret()        # recovery mode always admits by challenge
         base_env[SECRET_ENV] = join_secret
@@ -147,7 +147,7 @@ def _launch(job: Job, nodes: int | None, timeout_s: float, grace_s: float, echo:
                                           env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                           start_new_session=store_proc is not None))
         with SwarmProgress(run_dir / "metrics.jsonl", sum(ph.iterations for ph in job.phases), enabled=echo):
-            if job.recover:
+            if job.rt.recover:
                 from .coordinator import coordinate
                 failure = coordinate(job, procs, store, world, t_start, timeout_s, run_dir, join_secret)
             else:
@@ -212,14 +212,14 @@ def _monitor(job: Job, procs, store, world: int, t_start: float, timeout_s: floa
                 worst = {"kind": "hung", "node": r, "age": age, "t": now}
         return worst
 
-    next_hb = time.time() + job.heartbeat_s
+    next_hb = time.time() + job.rt.heartbeat_s
     while True:
         codes = [p.poll() for p in procs]
         bad = [(r, c) for r, c in enumerate(codes) if c not in (None, 0)]
         if bad:
             # a peer that timed out waiting on a hung node may exit first (gloo's timeout and the
             # heartbeat deadline are the same length): blame a node that has stopped heartbeating
-            hung = stalest(codes, time.time(), 0.5 * job.timeout_s)
+            hung = stalest(codes, time.time(), 0.5 * job.rt.timeout_s)
             return hung or {"kind": "exit", "node": bad[0][0], "code": bad[0][1], "t": time.time()}
         if all(c == 0 for c in codes):
             return None
@@ -227,8 +227,8 @@ def _monitor(job: Job, procs, store, world: int, t_start: float, timeout_s: floa
         if now - t_start > timeout_s:
             return {"kind": "timeout", "t": now}
         if now >= next_hb:
-            next_hb = now + job.heartbeat_s
-            hung = stalest(codes, now, job.timeout_s)
+            next_hb = now + job.rt.heartbeat_s
+            hung = stalest(codes, now, job.rt.timeout_s)
             if hung:
                 return hung
         time.sleep(0.05)
@@ -257,7 +257,7 @@ def _explain(job: Job, procs, failure: dict, run_dir: Path, store, killed_by_us:
     elif failure["kind"] == "hung":
         node = failure["node"]
         head = (f"{_describe(job, node)} stopped responding: no heartbeat for {failure['age']:.1f} s "
-                f"(timeout {job.timeout_s:g} s); stopped all nodes")
+                f"(timeout {job.rt.timeout_s:g} s); stopped all nodes")
     elif signalled:
         node = signalled[0]
         head = f"{_describe(job, node)} died ({describe_exit(procs[node].returncode)}); stopped all nodes"

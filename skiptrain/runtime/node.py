@@ -21,7 +21,7 @@ stats), ``parts/stage<s>.safetensors`` (``save_weights``), ``phases/<name>/dump/
 Failure semantics: any error, or a peer failure seen by the heartbeat, writes
 ``errors/node<r>.json`` naming the node at fault and exits the process at once (``os._exit``)
 with :data:`~.failure.EXIT_FAILED` / :data:`~.failure.EXIT_PEER_FAILED`; gloo waits are bounded
-by ``job.timeout_s``.  The launcher (or torchrun) then stops the other processes.
+by ``job.rt.timeout_s``.  The launcher (or torchrun) then stops the other processes.
 """
 
 from __future__ import annotations
@@ -112,7 +112,7 @@ class Node:
         hosted = os.environ.get("SKIPTRAIN_STORE_HOSTED") == "1" or \
             os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
         self.store = store or dist.TCPStore(addr, port, world, is_master=(rank == 0 and not hosted),
-                                            timeout=timedelta(seconds=max(job.timeout_s, 60.0)),
+                                            timeout=timedelta(seconds=max(job.rt.timeout_s, 60.0)),
                                             wait_for_workers=False)
         # membership: node ids never change; ranks are positions in the sorted alive list
         self.gen = 0
@@ -122,12 +122,12 @@ class Node:
         # one client are serialised, and a blocking get of the main thread (gloo rendezvous while
         # re-forming groups) must not stall the heartbeat
         self.hb_store = dist.TCPStore(addr, port, world, is_master=False,
-                                      timeout=timedelta(seconds=max(job.timeout_s, 60.0)),
+                                      timeout=timedelta(seconds=max(job.rt.timeout_s, 60.0)),
                                       wait_for_workers=False)
-        self.hb = Heartbeat(self.hb_store, rank, world, job.heartbeat_s, job.timeout_s,
-                            self._peer_failed_soft if job.recover else self._peer_failed,
+        self.hb = Heartbeat(self.hb_store, rank, world, job.rt.heartbeat_s, job.rt.timeout_s,
+                            self._peer_failed_soft if job.rt.recover else self._peer_failed,
                             describe=self.describe).start()
-        if job.recover:
+        if job.rt.recover:
             # admission by challenge-response before any process group; then generation 0's
             # alive set (the admitted nodes) decides the ranks
             from .join import JoinRefused, node_join, secret_from_env
@@ -135,12 +135,12 @@ class Node:
 
             set_member(self.store, rank, f"pid/{rank}", str(os.getpid()))  # signed: a restarted coordinator fences by PID
             secret = secret_from_env()
-            node_join(self.store, rank, secret, max(60.0, job.timeout_s))
+            node_join(self.store, rank, secret, max(60.0, job.rt.timeout_s))
             if store is not None:
                 # joining a running job: wait until the coordinator placed this node (a join
                 # generation, switched to by every node at its next iteration boundary)
                 from .join import wait_key
-                g = wait_key(self.store, f"join/assign/{rank}", max(600.0, job.timeout_s))
+                g = wait_key(self.store, f"join/assign/{rank}", max(600.0, job.rt.timeout_s))
                 if g is None:
                     raise JoinRefused(f"node {rank}: admitted but never placed by the coordinator", node=rank)
                 self.gen = int(g)
@@ -151,7 +151,7 @@ class Node:
                       f"{self.joining['stage']} ({(info.get('choice') or {}).get('rule')})", file=sys.stderr,
                       flush=True)
             else:
-                self.store.wait(["gen/0"], timedelta(seconds=max(60.0, job.timeout_s)))
+                self.store.wait(["gen/0"], timedelta(seconds=max(60.0, job.rt.timeout_s)))
             self.alive = read_generation(self.store, self.gen)["alive"]
             if rank not in self.alive:
                 raise JoinRefused(f"node {rank}: not admitted to generation {self.gen}", node=rank)
@@ -159,9 +159,9 @@ class Node:
             self.hb.membership.alive = set(self.alive)
         prefix = f"g{self.gen}/pg" if self.gen else "pg"
         dist.init_process_group("gloo", store=dist.PrefixStore(prefix, self.store), rank=self._rank[rank],
-                                world_size=len(self.alive), timeout=timedelta(seconds=job.timeout_s))
+                                world_size=len(self.alive), timeout=timedelta(seconds=job.rt.timeout_s))
         # a separate gloo context for pipeline messages, so collectives never share tags with them
-        self.p2p_group = dist.new_group(list(range(len(self.alive))), timeout=timedelta(seconds=job.timeout_s))
+        self.p2p_group = dist.new_group(list(range(len(self.alive))), timeout=timedelta(seconds=job.rt.timeout_s))
         self.hb.arm()
         self.ds = TokenDataset.open(job.data_path)
         self._use_config(None)
@@ -169,9 +169,9 @@ class Node:
         self.watch = None
         self._any_committed = False
         self._last_gnorm = 0.0       # this node's last pre-sync gradient norm (CheckFree weights)
-        if job.recover:
+        if job.rt.recover:
             from .recovery import GenerationWatch
-            self.watch = GenerationWatch(self.hb_store, job.heartbeat_s, self._membership_changed)
+            self.watch = GenerationWatch(self.hb_store, job.rt.heartbeat_s, self._membership_changed)
             self.watch.gen = self.gen
             self.watch.start()
             if self.joining is None:
@@ -211,7 +211,7 @@ class Node:
     def _regroup(self, gen: int, alive: list[int]) -> None:
         """Destroy every process group and re-create them over ``alive`` on the store prefix
         ``g<gen>/``.  Threads blocked in the old groups are abandoned (never joined)."""
-        timeout = timedelta(seconds=self.job.timeout_s)
+        timeout = timedelta(seconds=self.job.rt.timeout_s)
         from .recovery import abandon_process_groups
 
         abandon_process_groups()   # not destroy_process_group(): its shutdown() can block (see there)
@@ -298,12 +298,12 @@ class Node:
                         replan_pending=joining is not None)
         st.gb = len(st.order) * cfg.train.micro_batch
         st.ex = self._executor(st)
-        if self.job.drift_threshold > 0 and cost is not None and topo is not None:
+        if self.job.rt.drift_threshold > 0 and cost is not None and topo is not None:
             from .drift import DriftMonitor
-            st.drift = DriftMonitor(rank, topo.n, cost, topo, ph.bytes_scale, self.job.drift_alpha)
+            st.drift = DriftMonitor(rank, topo.n, cost, topo, ph.bytes_scale, self.job.rt.drift_alpha)
         if joining is not None:
             self._join_phase(st, joining)
-        elif self.job.recover:
+        elif self.job.rt.recover:
             self._publish_sched(sched, phase_idx)
         return st
 
@@ -328,7 +328,7 @@ class Node:
         self.tr.link = (LinkFifo.from_topology(topo, self.rank, ph.bytes_scale, cost.hop_overhead_s if cost else 0.0)
                         if ph.wan and topo is not None and self.rank < topo.n else None)
         self.tr.codec_of = self._codec_of(st)
-        return Executor(self.rank, self.tr, st.model, st.stage, cost, st.speed, st.padding, self.job.timeout_s,
+        return Executor(self.rank, self.tr, st.model, st.stage, cost, st.speed, st.padding, self.job.rt.timeout_s,
                         self.describe, check=self._check_payload)
 
     def _codec_of(self, st: "PhaseState"):
@@ -375,7 +375,7 @@ class Node:
 
         a.res = st.ex.run_iteration(st.it, st.sched, t0, batch_fn)
         self.hook(st.ph.name, st.it, "after_pipeline", st)
-        if self.job.recover:
+        if self.job.rt.recover:
             self._sync(dist.barrier)   # commit point: every node finished its pipeline tasks
         a.committed = True
         a.entry = {"events": [], "n_processed": a.res.n_processed, "t_end": 0.0, "samples": sorted(a.samples),
@@ -384,7 +384,7 @@ class Node:
         self._log_samples(st.out_dir, st.ph.name, st.it, a.samples)
         events = list(a.res.events) + self._step(st, a, t0)
         a.stepped = True
-        self.tr.wait_sent(self.job.timeout_s)
+        self.tr.wait_sent(self.job.rt.timeout_s)
         events += self.tr.take_events()
         a.entry["events"] = [e.to_dict() for e in events]
         a.entry["t_end"] = max((e.end for e in events), default=0.0)
@@ -488,7 +488,7 @@ class Node:
                    "overruns": int(g[:, 3].sum()), "overrun_s": round(float(g[:, 4].sum()), 4),
                    "max_in_flight": int(g[:, 5].max()), "payload_bytes": int(g[:, 6].max()),
                    "received_bytes": int(g[:, 7].max()), "comm_s": round(float(g[:, 8].max()), 6)}
-            if self.job.recover:
+            if self.job.rt.recover:
                 row.update(gen=self.gen, nodes=len(self.alive))
             with open(self.run_dir / "metrics.jsonl", "a") as metrics:
                 metrics.write(json.dumps(row) + "\n")
@@ -613,7 +613,7 @@ class Node:
         and this node's DP strategy on its stage's group, keeping ``old_strat``'s optimizer state."""
         from ..dp import make_strategy
 
-        timeout = timedelta(seconds=self.job.timeout_s)
+        timeout = timedelta(seconds=self.job.rt.timeout_s)
         groups = {s: dist.new_group(sorted(self._rank[n] for n in p), timeout=timeout)
                   for s, p in enumerate(sched.placement) if p}
         strat = None
@@ -672,7 +672,7 @@ class Node:
                     exclude: set[int] = frozenset()) -> dict:
         """Collective over every node: initialise stage ``s`` (no live replica) on ``taker`` into
         ``new``.  The taker looks for the latest per-stage checkpoint of ``s`` in this phase
-        (``job.ckpt_every``); if it is at most ``job.ckpt_max_age`` iterations old it is loaded,
+        (``job.rt.ckpt_every``); if it is at most ``job.rt.ckpt_max_age`` iterations old it is loaded,
         else CheckFree: the first replica of each adjacent body stage broadcasts its stage weights
         and last gradient norm, and the taker sets layer ``j`` to their gradient-norm-weighted
         average (a copy with one neighbour, the seed's init with none).  The decision goes to
@@ -686,7 +686,7 @@ class Node:
             ck = self._latest_stage_checkpoint(phase, s)
             if ck is not None:
                 dec[1] = it - ck[0]
-                dec[0] = 1.0 if it - ck[0] <= self.job.ckpt_max_age else 0.0
+                dec[0] = 1.0 if it - ck[0] <= self.job.rt.ckpt_max_age else 0.0
             else:
                 dec[1] = -1
         dist.broadcast(dec, self._rank[taker])
@@ -697,7 +697,7 @@ class Node:
             from ..checkpoint.manager import CheckpointManager
             CheckpointManager.restore(ck[1], new)
             return {"init": "checkpoint", "checkpoint": str(ck[1]), "checkpoint_age": age,
-                    "max_age": self.job.ckpt_max_age, "neighbours": [], "grad_norms": [], "coef": []}
+                    "max_age": self.job.rt.ckpt_max_age, "neighbours": [], "grad_norms": [], "coef": []}
         got = []
         for x in (s - 1, s + 1):
             if not (1 <= x < S and sched.placement[x]) or x in exclude:
@@ -730,10 +730,10 @@ class Node:
         else:
             init = "fresh (seed init: no neighbour stage with the same layer count)"
         if ck is None:
-            why = ("none: per-stage checkpoints are off (job.ckpt_every = 0)" if not self.job.ckpt_every
+            why = ("none: per-stage checkpoints are off (job.rt.ckpt_every = 0)" if not self.job.rt.ckpt_every
                    else "none written for this stage yet")
         else:
-            why = f"{ck[1]} is {age} iteration(s) old, more than ckpt_max_age = {self.job.ckpt_max_age}"
+            why = f"{ck[1]} is {age} iteration(s) old, more than ckpt_max_age = {self.job.rt.ckpt_max_age}"
         return {"init": init, "neighbours": [g[0] for g in got], "grad_norms": [g[2] for g in got], "coef": coef,
                 "checkpoint": why, "checkpoint_age": age}
 
@@ -752,14 +752,14 @@ class Node:
         if dist.get_rank() == 0:
             a = torch.stack(allst).numpy()
             it_s = float(a[:, 2].max())
-            alpha = self.job.drift_alpha
+            alpha = self.job.rt.drift_alpha
             state["ema"] = it_s if "ema" not in state else (1 - alpha) * state["ema"] + alpha * it_s
             if "ref" not in state:
                 state["ref"] = simulate(sched, topo, cost, contention=True, dp_sync=False, record=False).iteration_s
             state["n"] = state.get("n", 0) + 1
             full = sched.placement == Schedule.from_dict(ph.schedule).placement
             ratio = state["ema"] / state["ref"] if state["ref"] > 0 else 1.0
-            if full and state["n"] >= 2 and ratio > 1 + self.job.drift_threshold:
+            if full and state["n"] >= 2 and ratio > 1 + self.job.rt.drift_threshold:
                 mt, compute = self._measured_net(a, topo)
                 t = time.time()
                 new, cur_s, new_s = replan_routes(sched, mt, cost, self.cfg, time_limit_s=RECOVERY_PLAN_TIME_S)
@@ -857,10 +857,10 @@ class Node:
         return self.run_dir / "stage_ckpt" / phase / f"stage{s}"
 
     def _save_stage_checkpoint(self, phase: str, it: int, stage, model, sched) -> None:
-        """Every ``job.ckpt_every`` committed iterations the first replica of each stage writes
+        """Every ``job.rt.ckpt_every`` committed iterations the first replica of each stage writes
         the stage's weights (skiptrain checkpoint format, step = committed iterations of the
         phase) in the background; a taken-over or joined stage with no live replica starts from it."""
-        if not (self.job.recover and self.job.ckpt_every and model is not None) or (it + 1) % self.job.ckpt_every:
+        if not (self.job.rt.recover and self.job.rt.ckpt_every and model is not None) or (it + 1) % self.job.rt.ckpt_every:
             return
         if sched.placement[stage][0] != self.rank:
             return
@@ -888,13 +888,13 @@ class Node:
 
     def _ack(self) -> None:
         """Tell the coordinator this node runs in its current generation (joins wait for it)."""
-        if self.job.recover:
+        if self.job.rt.recover:
             self.store.set(f"ack/{self.gen}/{self.rank}", repr(time.time()))
 
     def _publish_sched(self, sched, phase_idx: int) -> None:
         """The lowest node of the generation tells the coordinator the schedule in force (it
         places joining nodes on it)."""
-        if self.job.recover and self.rank == min(self.alive):
+        if self.job.rt.recover and self.rank == min(self.alive):
             self.store.set("sched/cur", json.dumps({"gen": self.gen, "phase": phase_idx,
                                                     "schedule": sched.to_dict()}))
 
@@ -977,7 +977,7 @@ class Node:
     def _recoverable(self, e: BaseException) -> bool:
         from .recovery import RecoveryError
 
-        if not self.job.recover or isinstance(e, RecoveryError):
+        if not self.job.rt.recover or isinstance(e, RecoveryError):
             return False
         return isinstance(e, RuntimeError) and getattr(e, "node", None) != self.rank
 
@@ -1001,7 +1001,7 @@ class Node:
               f"{type(e).__name__}: {str(e).splitlines()[0][:200]}; abandoning the iteration", file=sys.stderr,
               flush=True)
         report_failure(self.store, self.gen, self.rank, suspect, str(e), bad_peer=isinstance(e, BadPayload))
-        gen = wait_generation(self.store, self.gen, 2 * self.job.timeout_s + (self.job.heartbeat_deadline_s or 0))
+        gen = wait_generation(self.store, self.gen, 2 * self.job.rt.timeout_s + (self.job.rt.heartbeat_deadline_s or 0))
         info = read_generation(self.store, gen)
         if self.rank not in info["alive"]:
             raise RecoveryError(f"node {self.rank}: fenced out of generation {gen} by the coordinator",
@@ -1014,7 +1014,7 @@ class Node:
         flag = torch.tensor([1 if committed else 0], dtype=torch.int64)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         self._any_committed = bool(flag.item())
-        new = replan(sched, self.alive, takeover=self.job.takeover)
+        new = replan(sched, self.alive, takeover=self.job.rt.takeover)
         print(f"skiptrain node {self.rank}: generation {gen}: alive {self.alive}, dead "
               f"{ {k: v[:80] for k, v in info['dead'].items()} }; placement {new.placement}", file=sys.stderr,
               flush=True)

@@ -97,7 +97,7 @@ def merge_outputs(job: Job, run_dir: Path) -> None:
         state = {}
         for p in parts:
             state.update(load_file(str(p)))
-        if job.recover:
+        if job.rt.recover:
             state.update(lost_stages_from_checkpoints(job, run_dir, {p.stem for p in parts}))
         save_weights_file(state, run_dir / "model.safetensors")
 

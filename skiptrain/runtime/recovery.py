@@ -5,10 +5,10 @@ tensors.
 Failure semantics (what survivors do, torchft style):
 
 * **Who decides.**  The coordinator (:func:`skiptrain.runtime.launcher.launch` with
-  ``job.recover``) is the only authority on membership.  It holds no model state: only the
+  ``job.rt.recover``) is the only authority on membership.  It holds no model state: only the
   rendezvous store, the child processes and the current generation.  It declares a node dead
   when the process exits or is killed, when its heartbeat is older than
-  ``job.heartbeat_deadline_s``, or when a node reports it as a *bad peer* (a payload rejected by
+  ``job.rt.heartbeat_deadline_s``, or when a node reports it as a *bad peer* (a payload rejected by
   :func:`check_payload`).  A dead node that is still running (hung, bad) is SIGKILLed by PID
   first (fencing: it can never come back with stale state, and every gloo connection to it
   resets, so survivors blocked on it fail within milliseconds instead of the group timeout).
