@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from conftest import processes_of_run
+from fault_node import faulty_job
 from skiptrain.config import build_config
 from skiptrain.cli.launch import stage_ckpt_every
 from skiptrain.runtime.job import Job, Phase, with_runtime
@@ -54,7 +55,7 @@ def test_losing_the_only_node_of_a_body_stage_still_ends_in_a_complete_model(byt
     job = Job(config=with_runtime(cfg.to_dict(), timeout_s=15.0, heartbeat_s=0.2, heartbeat_deadline_s=3.0, recover=True, ckpt_every=stage_ckpt_every(rt, PLACEMENT, iters)),
               data_path=str(byte_data), run_dir=str(run),
               phases=[Phase("train", _sched().to_dict(), iterations=iters, save_weights=True)],
-              fault={"node": 4, "kind": "kill", "iteration": 3})             # sole node of stage 2
+              **faulty_job({"node": 4, "kind": "kill", "iteration": 3}))     # sole node of stage 2
     launch(job, timeout_s=240)
     notes = json.loads((run / "lost_stages.json").read_text())
     assert list(notes) == ["2"] and "checkpoint after iteration" in notes["2"]
