@@ -117,6 +117,8 @@ class TrainConfig:
                         "master weights, gradients and optimizer state stay fp32)", choices=("fp32", "bf16"))
     device: str = _f("auto", "device of the model and batches: auto (cuda when available, else cpu), cpu "
                      "or cuda", choices=("auto", "cpu", "cuda"))
+    init_from: str = _f("", "a local Hugging Face LLaMA directory (config.json + safetensors) whose shapes and "
+                        "weights start the run (empty = random initialisation)")
 
 
 @dataclass

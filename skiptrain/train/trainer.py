@@ -26,6 +26,7 @@ from pathlib import Path
 
 import torch
 
+from ..checkpoint.hf_import import load_hf_weights, model_config_for_data
 from ..checkpoint.training import TrainerCheckpoints, restore_trainer
 from ..config import Config
 from ..data.dataset import TokenDataset
@@ -74,12 +75,16 @@ class Trainer:
         if t.threads:
             torch.set_num_threads(t.threads)
         self.ds = dataset or TokenDataset.open(cfg.data.path)
-        if cfg.model.vocab_size != self.ds.vocab_size:
+        if t.init_from:     # a pre-trained model decides the shapes
+            cfg.model = model_config_for_data(t.init_from, cfg.model, self.ds.vocab_size)
+        elif cfg.model.vocab_size != self.ds.vocab_size:
             cfg.model.vocab_size = self.ds.vocab_size  # the data set decides the vocabulary
         self.cfg = cfg.check()
         torch.manual_seed(t.seed)
         self.device = self.pick_device(t)
         self.model = StagedLM(cfg.model, seed=t.seed, device=self.device)
+        if t.init_from:
+            load_hf_weights(self.model, t.init_from)
         self.model.train()
         self.syncs = {s: make_strategy(cfg.dp, self.model.stage_named_parameters(s), None, t)
                       for s in range(cfg.model.n_stages)}
