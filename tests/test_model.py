@@ -6,7 +6,7 @@ import torch
 from skiptrain.config import build_config
 from skiptrain.errors import UserError
 from skiptrain.model import StagedLM, best_partition, partition_layers
-from skiptrain.model.memory import GiB, check_fits, estimate_stage_memory, stage_params
+from skiptrain.model.memory import GiB, check_fits, estimate_node_memory, estimate_stage_memory, stage_params
 from skiptrain.model.transformer import is_meta
 from skiptrain.optim import build_adamw
 
@@ -183,6 +183,9 @@ def test_memory_estimate_bf16_activations_and_refusal():
     assert bf16.activation_bytes < fp32.activation_bytes and bf16.param_bytes == fp32.param_bytes
     one = estimate_stage_memory(cfg, 2, micro_batch=2, in_flight=1, precision="bf16")
     assert bf16.activation_bytes == 3 * one.activation_bytes
+    node = estimate_node_memory(cfg, [1, 2], micro_batch=2, in_flight=3, precision="bf16")
+    assert node.total_bytes == bf16.total_bytes + estimate_stage_memory(cfg, 1, 2, 3, "bf16").total_bytes
+    assert node.describe().startswith("stages 1, 2: ")
     check_fits(bf16, 80 * GiB, "cuda:0")
     with pytest.raises(UserError, match=r"stage 2: .* does not fit cuda:0 \(2.00 GiB\); use more stages") as e:
         check_fits(bf16, 2 * GiB, "cuda:0")

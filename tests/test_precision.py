@@ -75,3 +75,8 @@ def test_bf16_trainer_runs_forward_and_backward_matmuls_in_bf16(byte_data):
             m.register_full_backward_hook(lambda mod, gi, go: grads.add(go[0].dtype))
     tr.train_step()
     assert seen == {torch.bfloat16} and grads == {torch.bfloat16}
+
+
+def test_trainer_refuses_a_model_that_cannot_fit_its_device(byte_data):
+    with pytest.raises(UserError, match=r"^stages 0, 1, 2, 3: .* does not fit cpu \(.* GiB\); use more stages"):
+        Trainer(cfg_for(byte_data, micro_batch=10**7))

@@ -37,7 +37,7 @@ class StageMemoryError(UserError):
 
 @dataclass(frozen=True)
 class MemoryEstimate:
-    stage: int
+    stages: tuple[int, ...]
     params: int             # parameter count of the stage
     param_bytes: int
     grad_bytes: int
@@ -52,7 +52,9 @@ class MemoryEstimate:
     def describe(self) -> str:
         """One line: the stage, its total and the parts in GiB."""
         g = lambda b: f"{b / GiB:.2f}"   # noqa: E731
-        return (f"stage {self.stage}: {self.params / 1e6:.1f}M parameters, about {g(self.total_bytes)} GiB "
+        where = (f"stage {self.stages[0]}" if len(self.stages) == 1
+                 else "stages " + ", ".join(str(s) for s in self.stages))
+        return (f"{where}: {self.params / 1e6:.1f}M parameters, about {g(self.total_bytes)} GiB "
                 f"(parameters {g(self.param_bytes)}, gradients {g(self.grad_bytes)}, optimizer "
                 f"{g(self.optimizer_bytes)}, activations {g(self.activation_bytes)} for {self.in_flight} "
                 f"micro-batches in flight)")
@@ -93,7 +95,19 @@ def estimate_stage_memory(cfg: ModelConfig, stage: int, micro_batch: int, in_fli
         act += in_flight * tokens * 4 * cfg.d_model                      # embedding outputs
         act += tokens * cfg.vocab_size * (DTYPE_BYTES[precision] + 4)    # one micro-batch's logits
     opt = 8 * n if optimizer == "adamw" else 0
-    return MemoryEstimate(stage, n, 4 * n, 4 * n, opt, act, in_flight)
+    return MemoryEstimate((stage,), n, 4 * n, 4 * n, opt, act, in_flight)
+
+
+def estimate_node_memory(cfg: ModelConfig, stages: list[int], micro_batch: int, in_flight: int,
+                         precision: str = "fp32", optimizer: str = "adamw",
+                         partition: Partition | None = None) -> MemoryEstimate:
+    """:func:`estimate_stage_memory` summed over the stages one process hosts (each micro-batch in
+    flight holds activations in every stage it passed)."""
+    parts = [estimate_stage_memory(cfg, s, micro_batch, in_flight, precision, optimizer, partition)
+             for s in stages]
+    return MemoryEstimate(tuple(stages), sum(e.params for e in parts), sum(e.param_bytes for e in parts),
+                          sum(e.grad_bytes for e in parts), sum(e.optimizer_bytes for e in parts),
+                          sum(e.activation_bytes for e in parts), in_flight)
 
 
 def device_memory_bytes(device: str | torch.device) -> int:

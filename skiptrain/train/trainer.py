@@ -35,6 +35,7 @@ from ..data.loader import SampleSource, ShardedLoader
 from ..dp import make_strategy
 from ..model import StagedLM
 from ..model.device import autocast, resolve_device, to_device
+from ..model.memory import check_fits, device_memory_bytes, estimate_node_memory
 from ..optim import build_optimizer, lr_at
 from ..runtime.executor import Executor
 from ..runtime.step import HostedStage, optimizer_step
@@ -82,6 +83,11 @@ class Trainer:
         self.cfg = cfg.check()
         torch.manual_seed(t.seed)
         self.device = self.pick_device(t)
+        # every stage here, every micro-batch of an iteration possibly in flight; AdamW's state
+        # counted (an upper bound for DeMo's stateless step); refused before anything is allocated
+        self.memory = estimate_node_memory(cfg.model, list(range(cfg.model.n_stages)), t.micro_batch,
+                                           t.n_micro, t.precision)
+        check_fits(self.memory, device_memory_bytes(self.device), str(self.device))
         self.model = StagedLM(cfg.model, seed=t.seed, device=self.device)
         if t.init_from:
             load_hf_weights(self.model, t.init_from)
@@ -155,6 +161,8 @@ class Trainer:
         log = MetricsLog(self.out / "metrics.jsonl", append=self.step > 0)
         baseline = unigram_loss(self.ds.tokens("train"), self.ds.tokens("val"), self.ds.vocab_size)
         bar = tqdm(total=steps, initial=self.step, disable=not t.progress, unit="it", dynamic_ncols=True)
+        if t.progress:
+            tqdm.write(f"memory on {self.device}: {self.memory.describe()}")
         t0, tokens_at_t0 = time.perf_counter(), self.step * self.tokens_per_step
         val_loss = float("nan")
         completed = False
@@ -189,6 +197,7 @@ class Trainer:
         summary = {"step": self.step, "tokens": self.step * self.tokens_per_step, "val_loss": val_loss,
                    "unigram_val_loss": baseline, "params": self.model.num_parameters(),
                    "partition": self.model.partition.to_list(), "data": str(self.ds.path),
+                   "memory_estimate_bytes": self.memory.total_bytes,
                    "seconds": round(time.perf_counter() - t0, 2)}
         write_summary(self.out, summary)
         return summary
