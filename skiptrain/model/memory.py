@@ -25,7 +25,7 @@ import torch
 
 from ..config import ModelConfig
 from ..errors import UserError
-from .partition import Partition, partition_layers
+from .partition import Partition, layer_bytes, partition_layers
 
 GiB = 1024 ** 3
 DTYPE_BYTES = {"fp32": 4, "bf16": 2}
@@ -60,16 +60,10 @@ class MemoryEstimate:
                 f"micro-batches in flight)")
 
 
-def layer_params(cfg: ModelConfig) -> int:
-    """Parameters of one transformer layer (four projections, SwiGLU, two norm weights)."""
-    d, kv, h = cfg.d_model, cfg.kv_heads * cfg.head_dim, cfg.hidden
-    return 2 * d * d + 2 * d * kv + 3 * d * h + 2 * d
-
-
 def stage_params(cfg: ModelConfig, stage: int, partition: Partition | None = None) -> int:
     """Parameters held by ``stage`` (stage 0: also embedding, final norm and head)."""
     part = partition or partition_layers(cfg)
-    n = len(part.layers(stage)) * layer_params(cfg)
+    n = len(part.layers(stage)) * layer_bytes(cfg, dtype_bytes=1)     # = parameters per layer
     if stage == 0:
         n += 2 * cfg.vocab_size * cfg.d_model + cfg.d_model
     return n
