@@ -57,7 +57,7 @@ class MemoryEstimate:
         return (f"{where}: {self.params / 1e6:.1f}M parameters, about {g(self.total_bytes)} GiB "
                 f"(parameters {g(self.param_bytes)}, gradients {g(self.grad_bytes)}, optimizer "
                 f"{g(self.optimizer_bytes)}, activations {g(self.activation_bytes)} for {self.in_flight} "
-                f"micro-batches in flight)")
+                f"micro-batch{'es' if self.in_flight != 1 else ''} in flight)")
 
 
 def stage_params(cfg: ModelConfig, stage: int, partition: Partition | None = None) -> int:

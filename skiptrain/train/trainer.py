@@ -83,11 +83,13 @@ class Trainer:
         self.cfg = cfg.check()
         torch.manual_seed(t.seed)
         self.device = self.pick_device(t)
-        # every stage here, every micro-batch of an iteration possibly in flight; AdamW's state
-        # counted (an upper bound for DeMo's stateless step); refused before anything is allocated
-        self.memory = estimate_node_memory(cfg.model, list(range(cfg.model.n_stages)), t.micro_batch,
-                                           t.n_micro, t.precision)
-        check_fits(self.memory, device_memory_bytes(self.device), str(self.device))
+        # every stage here; AdamW's state counted (an upper bound for DeMo's stateless step).
+        # The executor may hold up to every micro-batch of an iteration (the printed estimate);
+        # refused before anything is allocated when even one micro-batch in flight cannot fit.
+        stages = list(range(cfg.model.n_stages))
+        self.memory = estimate_node_memory(cfg.model, stages, t.micro_batch, t.n_micro, t.precision)
+        check_fits(estimate_node_memory(cfg.model, stages, t.micro_batch, 1, t.precision),
+                   device_memory_bytes(self.device), str(self.device))
         self.model = StagedLM(cfg.model, seed=t.seed, device=self.device)
         if t.init_from:
             load_hf_weights(self.model, t.init_from)
@@ -162,7 +164,7 @@ class Trainer:
         baseline = unigram_loss(self.ds.tokens("train"), self.ds.tokens("val"), self.ds.vocab_size)
         bar = tqdm(total=steps, initial=self.step, disable=not t.progress, unit="it", dynamic_ncols=True)
         if t.progress:
-            tqdm.write(f"memory on {self.device}: {self.memory.describe()}")
+            tqdm.write(f"memory on {self.device}, at most: {self.memory.describe()}")
         t0, tokens_at_t0 = time.perf_counter(), self.step * self.tokens_per_step
         val_loss = float("nan")
         completed = False
