@@ -6,9 +6,10 @@
 * gradients: fp32, one per parameter (they accumulate over the micro-batches of an iteration);
 * optimizer state: AdamW's two fp32 moments per parameter (``direction`` descent keeps none);
 * activations: what autograd keeps per layer for each of ``in_flight`` micro-batches (the
-  node's memory credits, ``runtime.memory``): per token, the two fp32 residual-stream inputs of
-  the norms plus, in the compute dtype, the normed inputs, q/k/v, the attention output and the
-  SwiGLU intermediates; stage 0 also holds one micro-batch's logits and their fp32 copy for the
+  node's memory credits, ``runtime.memory``): per token and layer, the tensors autograd saves
+  (:func:`activation_bytes_per_token_layer`, within 10% of the saved tensors measured on the
+  CPU, ``tests/test_model.py``); under bf16 also autocast's bf16 copies of the weights (once per
+  iteration); stage 0 also holds one micro-batch's logits and their fp32 log-softmax for the
   loss (the loss runs one micro-batch at a time).
 
 The activation part is an estimate of autograd's saved tensors (kernels' workspaces and the
@@ -70,10 +71,14 @@ def stage_params(cfg: ModelConfig, stage: int, partition: Partition | None = Non
 
 
 def activation_bytes_per_token_layer(cfg: ModelConfig, precision: str = "fp32") -> int:
-    """Bytes autograd keeps per token and layer (see the module doc)."""
+    """Bytes autograd keeps per token and layer (see the module doc): four fp32 tensors of the
+    residual stream's width (norm inputs and their statistics' operands), then in the compute
+    dtype the SwiGLU intermediates (gate, up, their product's operands: 4 x hidden), the linear
+    layers' inputs and q/k/v/attention outputs (5 x d_model in fp32; 8 x d_model under bf16
+    autocast, whose casts are separate tensors) and k/v (2 x kv width)."""
     a = DTYPE_BYTES[precision]
     d, kv, h = cfg.d_model, cfg.kv_heads * cfg.head_dim, cfg.hidden
-    return 4 * 2 * d + a * (2 * d + (d + 2 * kv) + d + 4 * h)
+    return 4 * 4 * d + a * (4 * h + (8 if a == 2 else 5) * d + 2 * kv)
 
 
 def estimate_stage_memory(cfg: ModelConfig, stage: int, micro_batch: int, in_flight: int,
@@ -85,6 +90,8 @@ def estimate_stage_memory(cfg: ModelConfig, stage: int, micro_batch: int, in_fli
     n = stage_params(cfg, stage, part)
     tokens = micro_batch * cfg.seq_len
     act = in_flight * tokens * len(part.layers(stage)) * activation_bytes_per_token_layer(cfg, precision)
+    if precision == "bf16":   # autocast's bf16 copies of the weights, held for the iteration
+        act += 2 * n
     if stage == 0:
         act += in_flight * tokens * 4 * cfg.d_model                      # embedding outputs
         act += tokens * cfg.vocab_size * (DTYPE_BYTES[precision] + 4)    # one micro-batch's logits
