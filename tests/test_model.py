@@ -191,7 +191,9 @@ def test_memory_estimate_bf16_activations_and_refusal():
     check_fits(bf16, 80 * GiB, "cuda:0")
     with pytest.raises(UserError, match=r"stage 2: .* does not fit cuda:0 \(2.00 GiB\); use more stages") as e:
         check_fits(bf16, 2 * GiB, "cuda:0")
-    assert "\n" not in str(e.value)
+    assert "\n" not in str(e.value) and "bf16" not in str(e.value).split("; ")[1]
+    with pytest.raises(UserError, match=r"smaller train.micro_batch or train.precision=bf16$"):
+        check_fits(fp32, 2 * GiB, "cuda:0")
 
 
 def saved_activation_bytes(m: StagedLM, stage: int, samples: int, precision: str) -> int:

@@ -45,6 +45,7 @@ class MemoryEstimate:
     optimizer_bytes: int
     activation_bytes: int
     in_flight: int
+    precision: str = "fp32"
 
     @property
     def total_bytes(self) -> int:
@@ -96,7 +97,7 @@ def estimate_stage_memory(cfg: ModelConfig, stage: int, micro_batch: int, in_fli
         act += in_flight * tokens * 4 * cfg.d_model                      # embedding outputs
         act += tokens * cfg.vocab_size * (DTYPE_BYTES[precision] + 4)    # one micro-batch's logits
     opt = 8 * n if optimizer == "adamw" else 0
-    return MemoryEstimate((stage,), n, 4 * n, 4 * n, opt, act, in_flight)
+    return MemoryEstimate((stage,), n, 4 * n, 4 * n, opt, act, in_flight, precision)
 
 
 def estimate_node_memory(cfg: ModelConfig, stages: list[int], micro_batch: int, in_flight: int,
@@ -108,7 +109,7 @@ def estimate_node_memory(cfg: ModelConfig, stages: list[int], micro_batch: int, 
              for s in stages]
     return MemoryEstimate(tuple(stages), sum(e.params for e in parts), sum(e.param_bytes for e in parts),
                           sum(e.grad_bytes for e in parts), sum(e.optimizer_bytes for e in parts),
-                          sum(e.activation_bytes for e in parts), in_flight)
+                          sum(e.activation_bytes for e in parts), in_flight, precision)
 
 
 def device_memory_bytes(device: str | torch.device) -> int:
@@ -126,5 +127,5 @@ def check_fits(est: MemoryEstimate, available_bytes: int, device: str) -> None:
     if est.total_bytes > available_bytes:
         raise StageMemoryError(
             f"{est.describe()} does not fit {device} ({available_bytes / GiB:.2f} GiB); use more stages "
-            "(model.n_stages), fewer micro-batches in flight (runtime.memory), a smaller train.micro_batch "
-            "or train.precision=bf16")
+            "(model.n_stages), fewer micro-batches in flight (runtime.memory) or a smaller train.micro_batch"
+            + (" or train.precision=bf16" if est.precision == "fp32" else ""))
