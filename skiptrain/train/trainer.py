@@ -28,11 +28,11 @@ import torch
 
 from ..checkpoint.hf_import import load_hf_weights, model_config_for_data
 from ..checkpoint.training import TrainerCheckpoints, restore_trainer
-from ..config import Config
+from ..config import Config, TrainConfig
 from ..data.dataset import TokenDataset
-from ..errors import UserError
 from ..data.loader import SampleSource, ShardedLoader
 from ..dp import make_strategy
+from ..errors import UserError
 from ..model import StagedLM
 from ..model.device import autocast, resolve_device, to_device
 from ..model.memory import check_fits, device_memory_bytes, estimate_node_memory
@@ -109,7 +109,8 @@ class Trainer:
         self.ckpt = (TrainerCheckpoints(self) if (self.out is not None or c.dir) and (c.every or c.final)
                      else None)
 
-    def pick_device(self, t) -> torch.device:
+    def pick_device(self, t: TrainConfig) -> torch.device:
+        """``train.device`` resolved; a loop that is not device-generic refuses cuda and bf16."""
         if self.device_generic:
             return resolve_device(t.device)
         if t.device == "cuda" or t.precision != "fp32":
