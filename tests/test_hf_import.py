@@ -55,7 +55,10 @@ def test_export_then_import_is_bit_exact_and_logits_match(exported):
 
 def test_a_node_imports_only_its_stage_into_a_materialized_meta_build(exported):
     cfg, model, hf_dir = exported
-    node = StagedLM(cfg.model, stages=[2], seed=5, device="meta").materialize("cpu")
+    node = StagedLM(cfg.model, stages=[2], seed=5, device="meta")
+    with pytest.raises(HFImportError, match="materialize"):
+        load_hf_weights(node, hf_dir)
+    node.materialize("cpu")
     load_hf_weights(node, hf_dir)
     ref = dict(model.named_parameters())
     assert {n for n, _ in node.named_parameters()} < set(ref)

@@ -25,6 +25,7 @@ from safetensors import safe_open
 
 from ..config import ModelConfig
 from ..errors import UserError
+from ..model.transformer import is_meta
 from .export import half_to_interleaved, hf_name
 
 
@@ -138,6 +139,8 @@ def read_hf_tensors(hf_dir: str | Path, cfg: ModelConfig, names: Iterable[str]) 
 def load_hf_weights(model: torch.nn.Module, hf_dir: str | Path) -> None:
     """Copy the weights of the HF model in ``hf_dir`` into ``model`` (a ``StagedLM`` holding any
     stages, on any device; values are cast to its parameters' dtype)."""
+    if is_meta(model):
+        raise HFImportError("the model is on the meta device; materialize() it before loading weights")
     named = dict(model.named_parameters())
     tensors = read_hf_tensors(hf_dir, model.cfg, named)
     for name, p in named.items():
