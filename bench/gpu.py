@@ -136,8 +136,9 @@ def measure(preset: str = "125m", device: str = "cuda", steps: int = 20, warmup:
 
 
 def print_table(res: dict, peak: float | None) -> None:
-    print(f"{res['preset']} ({res['params'] / 1e6:.0f}M parameters, {res['precision']}) on {res['device']} "
-          f"({res.get('gpu', '')}), {res['tokens_per_step']} tokens/step, {res['steps']} steps")
+    gpu = f" ({res['gpu']})" if res.get("gpu") else ""
+    print(f"{res['preset']} ({res['params'] / 1e6:.0f}M parameters, {res['precision']}) on {res['device']}{gpu}, "
+          f"{res['tokens_per_step']} tokens/step, {res['steps']} steps")
     print(f"{'loop':<30}{'tokens/s':>12}{'TFLOP/s':>10}{'MFU':>8}")
     for which, label in (("skiptrain", "skiptrain Trainer, 1 node"), ("plain", "plain PyTorch loop")):
         r = res[which]
