@@ -6,7 +6,7 @@ import torch
 from skiptrain.config import build_config
 from skiptrain.errors import UserError
 from skiptrain.model import StagedLM, best_partition, partition_layers
-from skiptrain.model.device import autocast
+from skiptrain.model.device import autocast, build_on_device
 from skiptrain.model.memory import GiB, check_fits, estimate_node_memory, estimate_stage_memory, stage_params
 from skiptrain.model.transformer import is_meta
 from skiptrain.optim import build_adamw
@@ -218,3 +218,13 @@ def test_activation_estimate_of_a_body_stage_matches_saved_tensors(precision):
     measured = saved_activation_bytes(m, 2, 4, precision)
     est = estimate_stage_memory(cfg, 2, micro_batch=4, in_flight=1, precision=precision)
     assert abs(est.activation_bytes - measured) <= 0.1 * measured
+
+
+def test_build_on_device_materialises_only_the_stages_and_refuses_what_cannot_fit():
+    cfg = tiny(n_layers=6, n_stages=4, stage0_layers=1)
+    model, est = build_on_device(cfg, [1, 3], 7, torch.device("cpu"), micro_batch=2, in_flight=2, precision="bf16")
+    ref = dict(StagedLM(cfg, seed=7).named_parameters())
+    assert model.stages == [1, 3] and not is_meta(model) and est.stages == (1, 3)
+    assert all(torch.equal(p, ref[n]) for n, p in model.named_parameters())
+    with pytest.raises(UserError, match="^stage 1: .* does not fit cpu"):
+        build_on_device(cfg, [1], 7, torch.device("cpu"), micro_batch=10**9, in_flight=1, precision="fp32")

@@ -9,6 +9,9 @@
   backward (the executor runs both inside one iteration).
 * :func:`to_device` moves a host batch to the device: through pinned memory with a
   non-blocking copy when the device is CUDA, unchanged on the CPU.
+* :func:`build_on_device` is how a process gets its stages: memory estimate, refusal when they
+  cannot fit the device, a build on the meta device (nothing allocated, no other stage ever
+  built) and the materialisation of just those stages on the device.
 """
 
 from __future__ import annotations
@@ -17,7 +20,11 @@ import contextlib
 
 import torch
 
+from ..config import ModelConfig
 from ..errors import UserError
+from .memory import MemoryEstimate, check_fits, device_memory_bytes, estimate_node_memory
+from .partition import Partition
+from .transformer import StagedLM
 
 PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -54,3 +61,15 @@ def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     if device.type == "cuda" and t.device.type == "cpu":
         return t.pin_memory().to(device, non_blocking=True)
     return t.to(device)
+
+
+def build_on_device(cfg: ModelConfig, stages: list[int], seed: int, device: torch.device, micro_batch: int,
+                    in_flight: int, precision: str, partition: Partition | None = None
+                    ) -> tuple[StagedLM, MemoryEstimate]:
+    """``stages`` of the model materialised on ``device`` (the values a CPU build holds) and their
+    memory estimate with ``in_flight`` micro-batches; refused (one line, before anything is
+    allocated) when the estimate exceeds the device's memory."""
+    est = estimate_node_memory(cfg, stages, micro_batch, in_flight, precision, partition=partition)
+    check_fits(est, device_memory_bytes(device), str(device))
+    model = StagedLM(cfg, stages=stages, partition=partition, seed=seed, device="meta")
+    return model.materialize(device), est

@@ -33,9 +33,8 @@ from ..data.dataset import TokenDataset
 from ..data.loader import SampleSource, ShardedLoader
 from ..dp import make_strategy
 from ..errors import UserError
-from ..model import StagedLM
-from ..model.device import autocast, resolve_device, to_device
-from ..model.memory import check_fits, device_memory_bytes, estimate_node_memory
+from ..model.device import autocast, build_on_device, resolve_device, to_device
+from ..model.memory import estimate_node_memory
 from ..optim import build_optimizer, lr_at
 from ..runtime.executor import Executor
 from ..runtime.step import HostedStage, optimizer_step
@@ -84,13 +83,11 @@ class Trainer:
         torch.manual_seed(t.seed)
         self.device = self.pick_device(t)
         # every stage here; AdamW's state counted (an upper bound for DeMo's stateless step).
-        # The executor may hold up to every micro-batch of an iteration (the printed estimate);
-        # refused before anything is allocated when even one micro-batch in flight cannot fit.
+        # Refused before anything is allocated when even one micro-batch in flight cannot fit;
+        # the executor may hold up to every micro-batch of an iteration (the printed estimate).
         stages = list(range(cfg.model.n_stages))
+        self.model, _ = build_on_device(cfg.model, stages, t.seed, self.device, t.micro_batch, 1, t.precision)
         self.memory = estimate_node_memory(cfg.model, stages, t.micro_batch, t.n_micro, t.precision)
-        check_fits(estimate_node_memory(cfg.model, stages, t.micro_batch, 1, t.precision),
-                   device_memory_bytes(self.device), str(self.device))
-        self.model = StagedLM(cfg.model, seed=t.seed, device=self.device)
         if t.init_from:
             load_hf_weights(self.model, t.init_from)
         self.model.train()
