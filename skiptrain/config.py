@@ -121,6 +121,12 @@ class TrainConfig:
     seed: int = _f(1234, "seed for initialisation, data order and routes")
     threads: int = _f(0, "torch intra-op threads (0 = leave torch's default)", min=0)
     progress: bool = _f(True, "show a progress bar")
+    precision: str = _f("fp32", "compute precision: fp32, or bf16 (autocast for forward and backward; "
+                        "master weights, gradients and optimizer state stay fp32)", choices=("fp32", "bf16"))
+    device: str = _f("auto", "device of the model and batches: auto (cuda when available, else cpu), cpu "
+                     "or cuda", choices=("auto", "cpu", "cuda"))
+    init_from: str = _f("", "a local Hugging Face LLaMA directory (config.json + safetensors) whose shapes and "
+                        "weights start the run (empty = random initialisation)")
 
 
 @dataclass
@@ -313,6 +319,28 @@ PRESETS: dict[str, dict[str, dict[str, Any]]] = {
                   "seq_len": 128, "n_stages": 4},
         "train": {"steps": 300, "micro_batch": 8, "n_micro": 4, "lr": 2e-3, "warmup_steps": 30,
                   "eval_every": 100, "eval_batches": 16},
+    },
+    # Real sizes in LLaMA shapes (32k vocabulary, untied head, SwiGLU, RoPE), for GPUs:
+    # 134M parameters (GPT-3 Small / OPT-125m width and depth).
+    "125m": {
+        "model": {"vocab_size": 32000, "d_model": 768, "n_layers": 12, "n_heads": 12, "n_kv_heads": 12,
+                  "ffn_hidden": 2048, "seq_len": 2048, "n_stages": 4},
+        "train": {"steps": 5000, "micro_batch": 8, "n_micro": 8, "lr": 6e-4, "warmup_steps": 200,
+                  "eval_every": 500, "eval_batches": 16, "precision": "bf16"},
+    },
+    # 372M parameters (GPT-3 Medium width and depth, LLaMA FFN).
+    "350m": {
+        "model": {"vocab_size": 32000, "d_model": 1024, "n_layers": 24, "n_heads": 16, "n_kv_heads": 16,
+                  "ffn_hidden": 2816, "seq_len": 2048, "n_stages": 6},
+        "train": {"steps": 5000, "micro_batch": 4, "n_micro": 16, "lr": 3e-4, "warmup_steps": 300,
+                  "eval_every": 500, "eval_batches": 16, "precision": "bf16"},
+    },
+    # 1.10B parameters (LLaMA 3.2 1B layer shapes: 16 layers, 32 heads, 8 key/value heads).
+    "1b": {
+        "model": {"vocab_size": 32000, "d_model": 2048, "n_layers": 16, "n_heads": 32, "n_kv_heads": 8,
+                  "ffn_hidden": 8192, "seq_len": 2048, "n_stages": 8},
+        "train": {"steps": 5000, "micro_batch": 2, "n_micro": 32, "lr": 2e-4, "warmup_steps": 500,
+                  "eval_every": 500, "eval_batches": 16, "precision": "bf16"},
     },
 }
 

@@ -57,6 +57,25 @@ def interleaved_to_half(w: torch.Tensor, n_heads: int) -> torch.Tensor:
     return w.view(n_heads, out_dim // n_heads // 2, 2, in_dim).transpose(1, 2).reshape(out_dim, in_dim)
 
 
+def half_to_interleaved(w: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """The inverse of :func:`interleaved_to_half` (HF rotate-half rows back to interleaved pairs)."""
+    out_dim, in_dim = w.shape
+    return w.view(n_heads, 2, out_dim // n_heads // 2, in_dim).transpose(1, 2).reshape(out_dim, in_dim)
+
+
+def skiptrain_name(hf: str) -> str:
+    """The inverse of :func:`hf_name`: a Hugging Face LLaMA tensor name in skiptrain's naming."""
+    for ours, theirs in _TOP_MAP.items():
+        if hf == theirs:
+            return ours
+    parts = hf.split(".", 3)
+    if len(parts) == 4 and parts[:2] == ["model", "layers"] and parts[2].isdigit():
+        for ours, theirs in _LAYER_MAP.items():
+            if parts[3] == theirs:
+                return f"layers.{parts[2]}.{ours}"
+    raise CheckpointError(f"tensor {hf!r} is not part of a LLaMA model skiptrain can hold")
+
+
 def hf_name(name: str) -> str:
     if name in _TOP_MAP:
         return _TOP_MAP[name]

@@ -15,6 +15,12 @@ so checkpoints, exports and data-parallel peers agree on names under any layout.
 that holds only some stages (a pipeline node) has the same parameter values as the corresponding
 slice of the full model because every parameter is initialised from its own seed, derived from
 the run seed and the parameter's global name.
+
+Devices.  ``StagedLM(cfg, stages=[s], device=...)`` allocates only stage ``s`` on ``device``.
+On ``device="meta"`` nothing is allocated and nothing initialised (shapes only: memory
+estimates, layout checks); :meth:`StagedLM.materialize` then allocates the stage on a real
+device and initialises it with exactly the values a CPU build would hold (every parameter is
+drawn on the CPU from its own generator and copied over).
 """
 
 from __future__ import annotations
@@ -127,36 +133,55 @@ def init_parameters(module: nn.Module, cfg: ModelConfig, seed: int) -> None:
             p.copy_(torch.randn(p.shape, generator=g, dtype=torch.float32) * std)
 
 
+def is_meta(module: nn.Module) -> bool:
+    """True when any parameter of ``module`` lives on the meta device (shapes only, no storage)."""
+    return any(p.is_meta for p in module.parameters())
+
+
 class StagedLM(nn.Module):
     """The decoder, or the part of it held by some stages.
 
     ``stages=None`` builds the whole model (every stage).  A pipeline node builds only its own
     stage(s), e.g. ``StagedLM(cfg, stages=[3])``; stage 0's module also owns the embedding, final
-    norm and head.
+    norm and head.  ``device="meta"`` builds shapes only (see the module doc and
+    :meth:`materialize`).
     """
 
     def __init__(self, cfg: ModelConfig, stages: Iterable[int] | None = None,
-                 partition: Partition | None = None, seed: int = 0):
+                 partition: Partition | None = None, seed: int = 0,
+                 device: str | torch.device = "cpu"):
         super().__init__()
         cfg.check()
-        self.cfg = cfg
+        self.cfg, self.seed = cfg, seed
         self.partition = partition or partition_layers(cfg)
         self.stages = sorted(set(range(cfg.n_stages) if stages is None else stages))
         for s in self.stages:
             if not 0 <= s < cfg.n_stages:
                 raise ValueError(f"stage {s} does not exist (model has {cfg.n_stages} stages)")
         self.layer_ids = [i for s in self.stages for i in self.partition.layers(s)]
-        if 0 in self.stages:
-            self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.d_model)
-        # ModuleDict keyed by the global layer index keeps names identical to the unsplit model.
-        self.layers = nn.ModuleDict({str(i): Block(cfg) for i in self.layer_ids})
-        if 0 in self.stages:
-            self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)
-            self.head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        device = torch.device(device)
+        with device:   # modules allocate (or, on meta, only describe) their tensors there
+            if 0 in self.stages:
+                self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.d_model)
+            # ModuleDict keyed by the global layer index keeps names identical to the unsplit model.
+            self.layers = nn.ModuleDict({str(i): Block(cfg) for i in self.layer_ids})
+            if 0 in self.stages:
+                self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+                self.head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         cos, sin = rope_tables(cfg.seq_len, cfg.head_dim, cfg.rope_theta)
-        self.register_buffer("rope_cos", cos, persistent=False)
-        self.register_buffer("rope_sin", sin, persistent=False)
-        init_parameters(self, cfg, seed)
+        self.register_buffer("rope_cos", cos.to(device), persistent=False)
+        self.register_buffer("rope_sin", sin.to(device), persistent=False)
+        if device.type != "meta":
+            init_parameters(self, cfg, seed)
+
+    def materialize(self, device: str | torch.device = "cpu") -> "StagedLM":
+        """Allocate a meta-built module on ``device`` and initialise it (same values as a CPU build)."""
+        device = torch.device(device)
+        self.to_empty(device=device)
+        cos, sin = rope_tables(self.cfg.seq_len, self.cfg.head_dim, self.cfg.rope_theta)
+        self.rope_cos, self.rope_sin = cos.to(device), sin.to(device)
+        init_parameters(self, self.cfg, self.seed)
+        return self
 
     # ---- the pieces a pipeline node runs -------------------------------------------------
 

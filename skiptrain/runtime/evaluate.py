@@ -19,11 +19,13 @@ def evaluate_sum(model: StagedLM, source: SampleSource, micro_batches: Iterable[
     was_training = model.training
     model.eval()
     total, count = 0.0, 0
+    device = next(model.parameters()).device
     for i in micro_batches:
         idx = list(range(i * micro_batch, min(source.n, (i + 1) * micro_batch)))
         if not idx:
             continue
         x, y = source.batch(idx)
+        x, y = x.to(device), y.to(device)
         _, loss = model(x, y, route=route)
         total += loss.item() * len(idx)
         count += len(idx)

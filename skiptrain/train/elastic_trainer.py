@@ -79,6 +79,8 @@ class ElasticCheckpoints(TrainerCheckpoints):
 class ElasticTrainer(Trainer):
     """The single-process trainer in elastic mode; see the module docstring."""
 
+    device_generic = False      # its own loop: CPU, fp32
+
     def __init__(self, cfg: Config, out: str | Path | None = None, dataset: TokenDataset | None = None):
         super().__init__(cfg, out, dataset)
         e, m = self.cfg.elastic, self.cfg.model

@@ -9,6 +9,11 @@ transport between them.  The update is the runtime's one optimizer step
 data-parallel group of one: each stage's gradient is the mean over the micro-batches that
 visited it, one global clip, one optimizer step.  So this trainer computes what a swarm of node
 processes computes on the same routes.
+
+Device and precision: the model lives on ``train.device`` (``auto``: CUDA when present) and
+each iteration's batch is moved there once; with ``train.precision=bf16`` the executor's
+iteration (every forward and backward) and validation run under bf16 autocast, while weights,
+gradients and AdamW state stay fp32 (:mod:`skiptrain.model.device`).
 """
 
 from __future__ import annotations
@@ -21,12 +26,15 @@ from pathlib import Path
 
 import torch
 
+from ..checkpoint.hf_import import load_hf_weights, model_config_for_data
 from ..checkpoint.training import TrainerCheckpoints, restore_trainer
-from ..config import Config
+from ..config import Config, TrainConfig
 from ..data.dataset import TokenDataset
 from ..data.loader import SampleSource, ShardedLoader
 from ..dp import make_strategy
-from ..model import StagedLM
+from ..errors import UserError
+from ..model.device import autocast, build_on_device, resolve_device, to_device
+from ..model.memory import estimate_node_memory
 from ..optim import build_optimizer, lr_at
 from ..runtime.executor import Executor
 from ..runtime.step import HostedStage, optimizer_step
@@ -58,16 +66,30 @@ def draw_routes(cfg: Config, rng: random.Random) -> list[list[int]]:
 class Trainer:
     """Trains ``cfg`` on the prepared data set ``cfg.data.path``, writing into ``out``."""
 
+    #: whether ``train_step`` honours train.device and train.precision (a subclass with its own
+    #: loop that does not sets False: it then runs on the CPU in fp32 and refuses anything else)
+    device_generic = True
+
     def __init__(self, cfg: Config, out: str | Path | None = None, dataset: TokenDataset | None = None):
         t = cfg.train
         if t.threads:
             torch.set_num_threads(t.threads)
         self.ds = dataset or TokenDataset.open(cfg.data.path)
-        if cfg.model.vocab_size != self.ds.vocab_size:
+        if t.init_from:     # a pre-trained model decides the shapes
+            cfg.model = model_config_for_data(t.init_from, cfg.model, self.ds.vocab_size)
+        elif cfg.model.vocab_size != self.ds.vocab_size:
             cfg.model.vocab_size = self.ds.vocab_size  # the data set decides the vocabulary
         self.cfg = cfg.check()
         torch.manual_seed(t.seed)
-        self.model = StagedLM(cfg.model, seed=t.seed)
+        self.device = self.pick_device(t)
+        # every stage here; AdamW's state counted (an upper bound for DeMo's stateless step).
+        # Refused before anything is allocated when even one micro-batch in flight cannot fit;
+        # the executor may hold up to every micro-batch of an iteration (the printed estimate).
+        stages = list(range(cfg.model.n_stages))
+        self.model, _ = build_on_device(cfg.model, stages, t.seed, self.device, t.micro_batch, 1, t.precision)
+        self.memory = estimate_node_memory(cfg.model, stages, t.micro_batch, t.n_micro, t.precision)
+        if t.init_from:
+            load_hf_weights(self.model, t.init_from)
         self.model.train()
         self.syncs = {s: make_strategy(cfg.dp, self.model.stage_named_parameters(s), None, t)
                       for s in range(cfg.model.n_stages)}
@@ -84,6 +106,15 @@ class Trainer:
         self.ckpt = (TrainerCheckpoints(self) if (self.out is not None or c.dir) and (c.every or c.final)
                      else None)
 
+    def pick_device(self, t: TrainConfig) -> torch.device:
+        """``train.device`` resolved; a loop that is not device-generic refuses cuda and bf16."""
+        if self.device_generic:
+            return resolve_device(t.device)
+        if t.device == "cuda" or t.precision != "fp32":
+            raise UserError(f"{type(self).__name__} runs on the CPU in fp32 only; "
+                            "set train.device=cpu (or auto) and train.precision=fp32")
+        return torch.device("cpu")
+
     def resume(self, path: str | Path | None = None) -> Path:
         """Continue from the latest checkpoint (or ``path``): weights, AdamW, step, data cursor, RNGs."""
         return restore_trainer(self, path)
@@ -98,6 +129,7 @@ class Trainer:
         every stage, an in-process transport between them), then the one optimizer step."""
         t, S = self.cfg.train, self.cfg.model.n_stages
         x, y = self.loader.next_batch()
+        x, y = to_device(x, self.device), to_device(y, self.device)
         routes = draw_routes(self.cfg, self.route_rng)
         self.opt.zero_grad(set_to_none=True)
         mb = t.micro_batch
@@ -105,7 +137,8 @@ class Trainer:
         def batch(i: int):
             return x[i * mb:(i + 1) * mb], y[i * mb:(i + 1) * mb]
 
-        res = self.executor.run_iteration(self.step, one_node(routes, S), time.time(), batch)
+        with autocast(self.device, t.precision):
+            res = self.executor.run_iteration(self.step, one_node(routes, S), time.time(), batch)
         lr = lr_at(self.step, t)
         visits = stage_visit_counts(routes, S)
         out = optimizer_step([HostedStage(s, sync, visits[s]) for s, sync in self.syncs.items()],
@@ -115,7 +148,8 @@ class Trainer:
 
     def validate(self, route=None) -> float:
         t = self.cfg.train
-        return evaluate(self.model, self.val_src, t.eval_batches, t.micro_batch, route=route)
+        with autocast(self.device, t.precision):
+            return evaluate(self.model, self.val_src, t.eval_batches, t.micro_batch, route=route)
 
     def fit(self, steps: int | None = None) -> dict:
         """Train until ``steps`` (default cfg.train.steps) iterations are done; returns the summary."""
@@ -127,6 +161,8 @@ class Trainer:
         log = MetricsLog(self.out / "metrics.jsonl", append=self.step > 0)
         baseline = unigram_loss(self.ds.tokens("train"), self.ds.tokens("val"), self.ds.vocab_size)
         bar = tqdm(total=steps, initial=self.step, disable=not t.progress, unit="it", dynamic_ncols=True)
+        if t.progress:
+            tqdm.write(f"memory on {self.device}, at most: {self.memory.describe()}")
         t0, tokens_at_t0 = time.perf_counter(), self.step * self.tokens_per_step
         val_loss = float("nan")
         completed = False
@@ -161,6 +197,7 @@ class Trainer:
         summary = {"step": self.step, "tokens": self.step * self.tokens_per_step, "val_loss": val_loss,
                    "unigram_val_loss": baseline, "params": self.model.num_parameters(),
                    "partition": self.model.partition.to_list(), "data": str(self.ds.path),
+                   "memory_estimate_bytes": self.memory.total_bytes,
                    "seconds": round(time.perf_counter() - t0, 2)}
         write_summary(self.out, summary)
         return summary

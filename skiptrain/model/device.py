@@ -1,0 +1,75 @@
+"""Where a process computes and in which precision: ``train.device`` and ``train.precision``.
+
+* :func:`resolve_device` turns ``auto | cpu | cuda`` into a ``torch.device``: ``auto`` is CUDA
+  when torch sees a GPU, else the CPU; a node process of a swarm passes its local rank and gets
+  ``cuda:LOCAL_RANK`` (modulo the GPUs it sees, so several nodes may share one GPU).
+* :func:`autocast` is the compute-precision context: ``fp32`` does nothing, ``bf16`` runs
+  matmuls and attention in bfloat16 (``torch.autocast``, on CPU and CUDA alike) while the
+  parameters, their gradients and the optimizer state stay fp32.  Enter it around forward *and*
+  backward (the executor runs both inside one iteration).
+* :func:`to_device` moves a host batch to the device: through pinned memory with a
+  non-blocking copy when the device is CUDA, unchanged on the CPU.
+* :func:`build_on_device` is how a process gets its stages: memory estimate, refusal when they
+  cannot fit the device, a build on the meta device (nothing allocated, no other stage ever
+  built) and the materialisation of just those stages on the device.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+from ..config import ModelConfig
+from ..errors import UserError
+from .memory import MemoryEstimate, check_fits, device_memory_bytes, estimate_node_memory
+from .partition import Partition
+from .transformer import StagedLM
+
+PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def resolve_device(name: str, local_rank: int = 0) -> torch.device:
+    """``auto | cpu | cuda`` (or an explicit ``cuda:N``) as a device; CUDA without a GPU is a UserError."""
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    if name == "cpu":
+        return torch.device("cpu")
+    if name.startswith("cuda"):
+        if not torch.cuda.is_available():
+            raise UserError(f"train.device={name} but this torch sees no CUDA device; "
+                            "use train.device=cpu or auto")
+        dev = torch.device(name)
+        index = dev.index if dev.index is not None else local_rank % torch.cuda.device_count()
+        return torch.device("cuda", index)
+    raise UserError(f"train.device={name!r} is not a device; choose auto, cpu or cuda")
+
+
+def autocast(device: torch.device, precision: str) -> contextlib.AbstractContextManager:
+    """The compute-precision context for forward and backward on ``device`` (see the module doc)."""
+    if precision not in PRECISIONS:
+        raise UserError(f"train.precision={precision!r} is not allowed; choose one of {', '.join(PRECISIONS)}")
+    if precision == "fp32":
+        return contextlib.nullcontext()
+    return torch.autocast(device_type=device.type, dtype=PRECISIONS[precision])
+
+
+def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``t`` (a host tensor) on ``device``: pinned and copied asynchronously for CUDA."""
+    if t.device == device:
+        return t
+    if device.type == "cuda" and t.device.type == "cpu":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
+
+
+def build_on_device(cfg: ModelConfig, stages: list[int], seed: int, device: torch.device, micro_batch: int,
+                    in_flight: int, precision: str, partition: Partition | None = None
+                    ) -> tuple[StagedLM, MemoryEstimate]:
+    """``stages`` of the model materialised on ``device`` (the values a CPU build holds) and their
+    memory estimate with ``in_flight`` micro-batches; refused (one line, before anything is
+    allocated) when the estimate exceeds the device's memory."""
+    est = estimate_node_memory(cfg, stages, micro_batch, in_flight, precision, partition=partition)
+    check_fits(est, device_memory_bytes(device), str(device))
+    model = StagedLM(cfg, stages=stages, partition=partition, seed=seed, device="meta")
+    return model.materialize(device), est
