@@ -52,12 +52,6 @@ class ModelConfig:
     norm_eps: float = _f(1e-5, "RMSNorm epsilon", min=0.0)
     init_std: float = _f(0.02, "standard deviation of the weight initialisation", min=0.0)
 
-    def approx_parameters(self) -> int:
-        """Parameters of the model (embedding, head, attention and SwiGLU weights; norms left out)."""
-        kv = self.kv_heads * self.head_dim
-        per_layer = 2 * self.d_model * self.d_model + 2 * self.d_model * kv + 3 * self.d_model * self.hidden
-        return 2 * self.vocab_size * self.d_model + self.n_layers * per_layer
-
     @property
     def kv_heads(self) -> int:
         return self.n_kv_heads or self.n_heads

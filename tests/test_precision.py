@@ -79,4 +79,4 @@ def test_bf16_trainer_runs_forward_and_backward_matmuls_in_bf16(byte_data):
 
 def test_trainer_refuses_a_model_that_cannot_fit_its_device(byte_data):
     with pytest.raises(UserError, match=r"^stages 0, 1, 2, 3: .* does not fit cpu \(.* GiB\); use more stages"):
-        Trainer(cfg_for(byte_data, micro_batch=10**7))
+        Trainer(cfg_for(byte_data, micro_batch=10**6))

@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import sys
 import time
 from pathlib import Path
@@ -70,17 +69,14 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 
 def check_fits_memory(cfg) -> None:
-    """Refuse a single-process run whose weights, gradients and AdamW moments alone (16 bytes a
-    parameter in float32) exceed this machine's memory: it could only swap or be killed."""
-    try:
-        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError, AttributeError):
-        return
-    params = cfg.model.approx_parameters()
-    if 16 * params > total:
-        raise UserError(f"the model has about {params / 1e9:.1f}B parameters: training it in one process needs about "
-                        f"{16 * params / 2**30:,.0f} GiB for weights, gradients and AdamW state, and this machine has "
-                        f"{total / 2**30:,.0f} GiB; choose a smaller model (model.d_model, model.n_layers)")
+    """Refuse, before the data set is even opened, a one-process run that cannot fit this
+    machine: the per-stage memory estimate (:mod:`skiptrain.model.memory`, the one the trainer
+    checks against its device) with one micro-batch in flight, against the machine's memory."""
+    from ..model.memory import check_fits, device_memory_bytes, estimate_node_memory
+
+    t = cfg.train
+    est = estimate_node_memory(cfg.model, list(range(cfg.model.n_stages)), t.micro_batch, 1, t.precision)
+    check_fits(est, device_memory_bytes("cpu"), "this machine")
 
 
 def _route_from_args(args, n_stages: int):
