@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from conftest import processes_of_run
 from fault_node import faulty_job
@@ -67,41 +68,110 @@ def test_losing_the_only_node_of_a_body_stage_still_ends_in_a_complete_model(byt
     assert processes_of_run(run) == []
 
 
+def _launch_in_a_process(tmp_path, job: Job) -> subprocess.Popen:
+    job.save(tmp_path / "job.json")
+    return subprocess.Popen([sys.executable, "-c", "from skiptrain.runtime.job import Job; "
+                             "from skiptrain.runtime.launcher import launch; "
+                             f"r = launch(Job.load({str(tmp_path / 'job.json')!r}), timeout_s=300); "
+                             "print('interrupted' if r.interrupted else 'finished')"],
+                            env=dict(os.environ, PYTHONPATH=str(REPO)), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+
+
+def _wait_for(cond, seconds: float = 120) -> None:
+    deadline = time.time() + seconds
+    while time.time() < deadline and not cond():
+        time.sleep(0.1)
+    assert cond()
+
+
 @pytest.mark.slow
-def test_sigterm_to_the_launcher_saves_the_stage_checkpoints_and_leaves_nothing_running(byte_data, tmp_path):
+def test_sigterm_to_the_launcher_stops_every_node_at_a_boundary_and_keeps_the_final_weights(byte_data, tmp_path):
+    """SIGTERM: the nodes agree at the next iteration boundary, every stage's first replica
+    writes its weights, the launch merges them (the fresh ones, not an older stage checkpoint)
+    and returns interrupted; the store process and every node are gone."""
     cfg = _cfg()
     run = tmp_path / "run"
-    job = Job(config=with_runtime(cfg.to_dict(), timeout_s=15.0, heartbeat_s=0.2, heartbeat_deadline_s=4.0, recover=True, restartable=True, ckpt_every=1),
+    job = Job(config=with_runtime(cfg.to_dict(), timeout_s=15.0, heartbeat_s=0.2, heartbeat_deadline_s=4.0,
+                                  recover=True, restartable=True, ckpt_every=50),
               data_path=str(byte_data), run_dir=str(run),
               phases=[Phase("train", _sched().to_dict(), iterations=200, save_weights=True)])
     run.mkdir()
-    job.save(tmp_path / "job.json")
-    env = dict(os.environ, PYTHONPATH=str(REPO))
-    launcher = subprocess.Popen([sys.executable, "-c", "from skiptrain.runtime.job import Job; "
-                                 "from skiptrain.runtime.launcher import launch; "
-                                 f"launch(Job.load({str(tmp_path / 'job.json')!r}), timeout_s=300)"],
-                                env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    deadline = time.time() + 120
-    while time.time() < deadline:
-        roots = [run / "stage_ckpt" / "train" / f"stage{s}" for s in range(4)]
-        if all((r / "LATEST").exists() for r in roots):
-            break
-        time.sleep(0.1)
+    launcher = _launch_in_a_process(tmp_path, job)
+    _wait_for(lambda: len((run / "metrics.jsonl").read_text().splitlines()) >= 2 if (run / "metrics.jsonl").exists()
+              else False)
     store_pid = json.loads((run / "store.json").read_text())["pid"]
     os.kill(launcher.pid, signal.SIGTERM)
-    _, err = launcher.communicate(timeout=60)
-    assert launcher.returncode != 0
-    assert "[launch] interrupted:" in err and "holds every stage's checkpoint of iteration" in err, err[-2000:]
-    it = json.loads((run / "interrupted.json").read_text())["iteration"]
-    assert it >= 1
+    out, err = launcher.communicate(timeout=90)
+    assert out.strip() == "interrupted", err[-2000:]
+    assert "[launch] stopping:" in err and "[launch] interrupted: every node stopped after iteration" in err
+    done = max(json.loads(x)["step"] for x in (run / "metrics.jsonl").read_text().splitlines() if '"loss"' in x)
+    assert 2 <= done < 200
+    assert f"holds iteration {done}" in err
+    assert not (run / "stage_ckpt" / "train" / "stage2" / "LATEST").exists()   # no checkpoint before 50: fresh weights
     from skiptrain.checkpoint.weights import load_weights
     from skiptrain.model.transformer import StagedLM
 
     state = load_weights(run / "model.safetensors")
-    assert state.keys() == StagedLM(cfg.model, seed=0).state_dict().keys()
+    init = StagedLM(cfg.model, seed=cfg.train.seed).state_dict()
+    assert state.keys() == init.keys() and not torch.equal(state["layers.2.attn.wq.weight"], init["layers.2.attn.wq.weight"])
     time.sleep(0.5)
     assert processes_of_run(run) == []
     assert not Path(f"/proc/{store_pid}").exists() or "Z" in Path(f"/proc/{store_pid}/stat").read_text().split()[2]
+
+
+@pytest.mark.slow
+def test_a_second_sigterm_stops_at_once_and_salvages_the_stage_checkpoints(byte_data, tmp_path):
+    cfg = _cfg()
+    run = tmp_path / "run"
+    job = Job(config=with_runtime(cfg.to_dict(), timeout_s=15.0, heartbeat_s=0.2, heartbeat_deadline_s=4.0,
+                                  recover=True, restartable=True, ckpt_every=1),
+              data_path=str(byte_data), run_dir=str(run),
+              phases=[Phase("train", _sched().to_dict(), iterations=200, save_weights=True)])
+    run.mkdir()
+    launcher = _launch_in_a_process(tmp_path, job)
+    _wait_for(lambda: all((run / "stage_ckpt" / "train" / f"stage{s}" / "LATEST").exists() for s in range(4)))
+    os.kill(launcher.pid, signal.SIGTERM)
+    time.sleep(0.05)
+    os.kill(launcher.pid, signal.SIGTERM)
+    _, err = launcher.communicate(timeout=60)
+    assert launcher.returncode != 0
+    assert "[launch] interrupted:" in err and "holds every stage's checkpoint of iteration" in err, err[-2000:]
+    assert json.loads((run / "interrupted.json").read_text())["iteration"] >= 1
+    from skiptrain.checkpoint.weights import load_weights
+    from skiptrain.model.transformer import StagedLM
+
+    assert load_weights(run / "model.safetensors").keys() == StagedLM(cfg.model, seed=0).state_dict().keys()
+    time.sleep(0.5)
+    assert processes_of_run(run) == []
+
+
+@pytest.mark.slow
+def test_ctrl_c_of_a_swarm_training_writes_a_final_checkpoint(byte_data, tmp_path):
+    """`skiptrain train --nodes 4` and SIGINT: exit 130 with one line naming the final checkpoint,
+    whose step is the iterations done and whose weights are the merged model's."""
+    out = tmp_path / "swarm"
+    p = subprocess.Popen([sys.executable, "-m", "skiptrain.cli", "train", "--preset", "tiny", "--data", str(byte_data),
+                          "--out", str(out), "--nodes", "4", "--steps", "300", "--set", "runtime.stage_sizes=1,1,1,1"],
+                         env=dict(os.environ, PYTHONPATH=str(REPO)), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         text=True)
+    _wait_for(lambda: (out / "metrics.jsonl").exists() and len((out / "metrics.jsonl").read_text().splitlines()) >= 2)
+    p.send_signal(signal.SIGINT)
+    _, err = p.communicate(timeout=120)
+    assert p.returncode == 130, err[-2000:]
+    summary = json.loads((out / "run.json").read_text())
+    assert summary["interrupted"] and 2 <= summary["step"] < 300
+    assert f"interrupted after iteration {summary['step']} of 300: final checkpoint" in err
+    from skiptrain.checkpoint.reader import CheckpointReader
+
+    latest = (out / "checkpoints" / "LATEST").read_text().strip()
+    assert latest == f"step-{summary['step']:08d}"
+    r = CheckpointReader(out / "checkpoints" / latest)
+    assert r.verify() > 0
+    _, model, _ = load_run(out)
+    got = r.read_many(["layers.1.attn.wq.weight"])["layers.1.attn.wq.weight"]
+    assert torch.equal(got, model.state_dict()["layers.1.attn.wq.weight"])
+    assert processes_of_run(out) == []
 
 
 @pytest.mark.slow

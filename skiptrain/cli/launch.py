@@ -23,8 +23,6 @@ from ..errors import UserError
 def train_swarm(cfg, data: str, out: str, steps: int | None = None, echo: bool = True,
                 restartable: bool = False) -> dict:
     """Plan, launch, collect: returns the run summary (also written to ``OUT/run.json``)."""
-    from ..data.dataset import TokenDataset
-    from ..model import StagedLM
     from ..schedule.gantt import draw_side_by_side
     from ..schedule.simulator import simulate
     from ..train.evaluate import unigram_loss
@@ -35,20 +33,7 @@ def train_swarm(cfg, data: str, out: str, steps: int | None = None, echo: bool =
     from ..runtime.launcher import launch
 
     rt = cfg.runtime
-    if cfg.elastic.enabled:
-        raise UserError("elastic.enabled=true: freezing runs in the single-process trainer, not in a swarm of "
-                        "node processes; set elastic.enabled=false, or train with --nodes 1")
-    if rt.nodes < cfg.model.n_stages:
-        raise UserError(f"runtime.nodes={rt.nodes} cannot serve {cfg.model.n_stages} stages; use --nodes >= "
-                        f"{cfg.model.n_stages} (or --nodes 1 for the single-process trainer)")
-    ds = TokenDataset.open(data)
-    cfg.model.vocab_size = ds.vocab_size
-    cfg.data.path = str(data)
-    cfg.check()
-    steps = cfg.train.steps if steps is None else steps
-    if steps < 1:
-        raise UserError(f"a swarm run needs at least one step (got {steps}); pass --steps N with N >= 1")
-    cfg.train.steps = steps
+    ds, steps = _checked_swarm_config(cfg, data, steps)
     t0 = time.time()
     topo = build_topology(cfg, rt.nodes)
     cost = build_cost(cfg)
@@ -87,6 +72,8 @@ def train_swarm(cfg, data: str, out: str, steps: int | None = None, echo: bool =
             print(f"skiptrain launch: warning: stage {s}: {note}", file=sys.stderr, flush=True)
     baseline = unigram_loss(ds.tokens("train"), ds.tokens("val"), ds.vocab_size)
     _, model, _ = load_run(outp)
+    if res.interrupted:                 # Ctrl-C / SIGTERM: every node wrote its stage at a boundary
+        _finish_interrupted(cfg, model, outp, len(rows), steps, mbs * cfg.train.micro_batch, str(ds.path), t0)
     ckpt_dir = _save_weights_checkpoint(cfg, model, outp, steps, mbs * cfg.train.micro_batch)
     from ..data.loader import SampleSource
 
@@ -131,6 +118,42 @@ def stage_ckpt_every(rt, placement: list[list[int]], steps: int) -> int:
     if not any(len(nodes) == 1 for nodes in placement[1:]):
         return 0
     return max(1, min(10, steps // 10))
+
+
+def _checked_swarm_config(cfg, data: str, steps: int | None):
+    """Refuse what a swarm does not run; the data set, and the steps to train."""
+    from ..data.dataset import TokenDataset
+
+    rt = cfg.runtime
+    if cfg.elastic.enabled:
+        raise UserError("elastic.enabled=true: freezing runs in the single-process trainer, not in a swarm of "
+                        "node processes; set elastic.enabled=false, or train with --nodes 1")
+    if rt.nodes < cfg.model.n_stages:
+        raise UserError(f"runtime.nodes={rt.nodes} cannot serve {cfg.model.n_stages} stages; use --nodes >= "
+                        f"{cfg.model.n_stages} (or --nodes 1 for the single-process trainer)")
+    ds = TokenDataset.open(data)
+    cfg.model.vocab_size = ds.vocab_size
+    cfg.data.path = str(data)
+    cfg.check()
+    steps = cfg.train.steps if steps is None else steps
+    if steps < 1:
+        raise UserError(f"a swarm run needs at least one step (got {steps}); pass --steps N with N >= 1")
+    cfg.train.steps = steps
+    return ds, steps
+
+
+def _finish_interrupted(cfg, model, outp: Path, done: int, steps: int, global_batch: int, data: str,
+                        t0: float) -> None:
+    """After a stop at an iteration boundary: the final checkpoint and run.json, one line, and
+    the interrupt goes on up (exit status 130)."""
+    from ..train.rundir import write_summary
+
+    ckpt_dir = _save_weights_checkpoint(cfg, model, outp, done, global_batch)
+    write_summary(outp, {"step": done, "nodes": cfg.runtime.nodes, "interrupted": True, "data": data,
+                         "params": model.num_parameters(), "seconds": round(time.time() - t0, 2)})
+    print(f"skiptrain launch: interrupted after iteration {done} of {steps}: final checkpoint {ckpt_dir}, "
+          f"weights in {outp / 'model.safetensors'}", file=sys.stderr, flush=True)
+    raise KeyboardInterrupt
 
 
 def _save_weights_checkpoint(cfg, model, outp: Path, step: int, global_batch: int) -> Path:

@@ -47,6 +47,7 @@ class LaunchResult:
     run_dir: Path
     wall_s: float
     metrics: list[dict] = field(default_factory=list)
+    interrupted: bool = False      # stopped early on Ctrl-C / SIGTERM (every node wrote its stage)
 
     def phase_metrics(self, phase: str) -> list[dict]:
         return [m for m in self.metrics if m.get("phase") == phase]
@@ -69,10 +70,14 @@ def launch(job: Job, nodes: int | None = None, timeout_s: float = 3600.0, grace_
            echo: bool = False, join_secret: str | None = None) -> LaunchResult:
     """Run ``job`` on ``nodes`` local processes (default: the schedules' node count); see module doc.
 
-    SIGTERM (in the main thread) stops the launch like Ctrl-C: every node process and the store
-    process are stopped, nothing is left running; then, when the run has per-stage checkpoints
-    (``job.rt.ckpt_every``), the newest iteration every stage has is assembled into
-    ``model.safetensors`` (:func:`salvage_stage_checkpoints`) before ``KeyboardInterrupt`` goes up.
+    Ctrl-C or SIGTERM (in the main thread) first asks the nodes to stop: they agree at the next
+    iteration boundary, the first replica of every stage writes its weights and they exit; the
+    outputs are merged into ``model.safetensors`` and the result says ``interrupted``.  A second
+    signal, or nodes that do not stop within ``2 * runtime.timeout_s + 10`` seconds, stops the
+    launch hard: every node process and the store process are killed, nothing is left running;
+    then, when the run has per-stage checkpoints (``runtime.ckpt_every``), the newest iteration
+    every stage has is assembled into ``model.safetensors`` (:func:`salvage_stage_checkpoints`)
+    before ``KeyboardInterrupt`` goes up.
     """
     with sigterm_as_interrupt():
         try:
@@ -118,26 +123,12 @@ def _launch(job: Job, nodes: int | None, timeout_s: float, grace_s: float, echo:
         # nodes joining later (``--join HOST:PORT``) take ids from here on and read the job here
         store.add("nodes/next", world)
         store.set("job", json.dumps(job.to_dict()))
-    repo_root = str(Path(__file__).resolve().parents[2])
-    base_env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(store.port), WORLD_SIZE=str(world),
-                    SKIPTRAIN_STORE_HOSTED="1", OMP_NUM_THREADS="1",
-                    SKIPTRAIN_DETACHED="1" if store_proc is not None else "0",
-                    PYTHONPATH=os.pathsep.join([repo_root, os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep))
+    base_env, join_secret = _node_env(job, run_dir, world, store.port, store_proc is not None, join_secret)
     procs: list[subprocess.Popen] = []
+    interrupted = False
     logs = []
     t_start = time.time()
     killed_by_us: set[int] = set()
-    if job.rt.recover:
-        from .join import SECRET_ENV, new_secret
-        join_secret = join_secret or new_secret()        # recovery mode always admits by challenge
-        base_env[SECRET_ENV] = join_secret
-        sf = run_dir / "join_secret"
-        sf.unlink(missing_ok=True)
-        fd = os.open(sf, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)   # readable by this user only
-        os.write(fd, join_secret.encode())
-        os.close(fd)
-        (run_dir / "join.json").write_text(json.dumps({"host": "127.0.0.1", "port": store.port,
-                                                       "secret_file": str(sf)}))
     try:
         for r in range(world):
             env = dict(base_env, RANK=str(r), LOCAL_RANK=str(r))
@@ -147,11 +138,15 @@ def _launch(job: Job, nodes: int | None, timeout_s: float, grace_s: float, echo:
                                           env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                           start_new_session=store_proc is not None))
         with SwarmProgress(run_dir / "metrics.jsonl", sum(ph.iterations for ph in job.phases), enabled=echo):
-            if job.rt.recover:
-                from .coordinator import coordinate
-                failure = coordinate(job, procs, store, world, t_start, timeout_s, run_dir, join_secret)
-            else:
-                failure = _monitor(job, procs, store, world, t_start, timeout_s)
+            try:
+                if job.rt.recover:
+                    from .coordinator import coordinate
+                    failure = coordinate(job, procs, store, world, t_start, timeout_s, run_dir, join_secret)
+                else:
+                    failure = _monitor(job, procs, store, world, t_start, timeout_s)
+            except KeyboardInterrupt:
+                interrupted = True
+                failure = _stop_at_boundary(job, procs, store)
         if failure is not None:
             grace_end = time.time() + grace_s
             while time.time() < grace_end and any(p.poll() is None for p in procs):
@@ -171,9 +166,54 @@ def _launch(job: Job, nodes: int | None, timeout_s: float, grace_s: float, echo:
         raise err
     merge_outputs(job, run_dir)
     metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
-    if echo:
+    if interrupted:
+        done = max((m["step"] for m in metrics if "loss" in m), default=0)
+        print(f"[launch] interrupted: every node stopped after iteration {done} and wrote its stage; "
+              f"{run_dir / 'model.safetensors'} holds iteration {done}", file=sys.stderr, flush=True)
+    elif echo:
         print(f"[launch] {world} nodes finished in {wall:.1f} s", flush=True)
-    return LaunchResult(run_dir, wall, metrics)
+    return LaunchResult(run_dir, wall, metrics, interrupted)
+
+
+def _stop_at_boundary(job: Job, procs, store) -> dict | None:
+    """Ask the nodes to stop at the next iteration boundary (``stop`` in the store) and wait for
+    them to exit; None when all did cleanly, else a failure description (the launch then stops
+    hard).  A second Ctrl-C while waiting goes up at once."""
+    from .node import STOP_KEY
+
+    print("[launch] stopping: every node ends at the next iteration boundary and writes its stage "
+          "(Ctrl-C again to stop at once)", file=sys.stderr, flush=True)
+    store.set(STOP_KEY, "1")
+    end = time.time() + 2 * job.rt.timeout_s + 10
+    while time.time() < end:
+        codes = [p.poll() for p in procs]
+        if all(c == 0 for c in codes):
+            return None
+        bad = [(r, c) for r, c in enumerate(codes) if c not in (None, 0)]
+        if bad:
+            return {"kind": "exit", "node": bad[0][0], "code": bad[0][1], "t": time.time()}
+        time.sleep(0.05)
+    return {"kind": "timeout", "t": time.time()}
+
+
+def _node_env(job: Job, run_dir: Path, world: int, port: int, detached: bool, join_secret: str | None):
+    """The node processes' environment; in recovery mode also the run's join secret (written to
+    ``RUN_DIR/join_secret``, mode 0600, and announced in ``join.json``).  Returns (env, secret)."""
+    repo_root = str(Path(__file__).resolve().parents[2])
+    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(world),
+               SKIPTRAIN_STORE_HOSTED="1", OMP_NUM_THREADS="1", SKIPTRAIN_DETACHED="1" if detached else "0",
+               PYTHONPATH=os.pathsep.join([repo_root, os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep))
+    if job.rt.recover:
+        from .join import SECRET_ENV, new_secret
+        join_secret = join_secret or new_secret()        # recovery mode always admits by challenge
+        env[SECRET_ENV] = join_secret
+        sf = run_dir / "join_secret"
+        sf.unlink(missing_ok=True)
+        fd = os.open(sf, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)   # readable by this user only
+        os.write(fd, join_secret.encode())
+        os.close(fd)
+        (run_dir / "join.json").write_text(json.dumps({"host": "127.0.0.1", "port": port, "secret_file": str(sf)}))
+    return env, join_secret
 
 
 def _stop_children(procs) -> set[int]:

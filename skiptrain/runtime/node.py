@@ -52,6 +52,13 @@ from .membership import set_member
 N_STATS = 9
 
 
+STOP_KEY = "stop"     # set by the launcher (Ctrl-C / SIGTERM): end at the next iteration boundary
+
+
+class StopRequested(Exception):
+    """Every node agreed, at an iteration boundary, that the launcher asked to stop."""
+
+
 @dataclass
 class PhaseState:
     """Everything one node holds while it runs a phase (what a layout change replaces)."""
@@ -99,13 +106,12 @@ RECOVERY_PLAN_TIME_S = 2.0
 
 class Node:
     def __init__(self, job: Job, rank: int, world: int, addr: str, port: int, store=None):
-        from ..config import config_from_dict
         from ..data.dataset import TokenDataset
-        from ..data.loader import SampleSource
         # ``store`` given: a node joining a running job (rank = the id it was handed, see main)
         self.joining: dict | None = None
         self._pre_join: tuple[int, object] | None = None   # (joiner, schedule before its join)
         self.job, self.rank, self.world = job, rank, world
+        self.stopped = False           # the launcher asked to stop; the phase ended early
         self.run_dir = Path(job.run_dir)
         self.err_path = self.run_dir / "errors" / f"node{rank}.json"
         self.stage_of: dict[int, int] = {}
@@ -249,6 +255,11 @@ class Node:
         try:
             while st.it < ph.iterations:
                 self._run_iteration(st)
+        except StopRequested:
+            self.stopped = True
+            st.record["stopped_at"] = st.it
+            print(f"skiptrain node {self.rank}: stop requested: ending after iteration {st.it} of phase "
+                  f"{ph.name}", file=sys.stderr, flush=True)
         finally:
             (st.out_dir / f"node{self.rank}.json").write_text(json.dumps(st.record))
         self._end_phase(st)
@@ -360,8 +371,12 @@ class Node:
         self.hook(st.ph.name, st.it, "start", st)
         if self.watch is not None:
             self._switch_to_joins(st, a)
-        # common start: everyone present, then rank 0's clock + a margin for the broadcast
-        self._sync(dist.barrier)
+        # common start: everyone present (and agreed whether the launcher asked to stop: then every
+        # node ends the phase here, writes its stage and exits), then rank 0's clock + a margin
+        stop = torch.tensor([1 if self.hb_store.check([STOP_KEY]) else 0], dtype=torch.int64)
+        self._sync(dist.all_reduce, stop, dist.ReduceOp.MAX)
+        if int(stop.item()):
+            raise StopRequested(f"node {self.rank}: the launcher asked to stop")
         tt = torch.tensor([time.time() + 0.2], dtype=torch.float64)
         self._sync(dist.broadcast, tt, 0)
         t0 = float(tt[0])
@@ -1136,6 +1151,8 @@ def main(argv: list[str] | None = None, node_class: type[Node] = Node) -> int:
             if node.joining is not None and i < node.joining["phase"]:
                 continue
             node.run_phase(ph, i)
+            if node.stopped:
+                break
         node.finish()
     except NodeFailure as e:
         from .join import EXIT_REFUSED, JoinRefused
