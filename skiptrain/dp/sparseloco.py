@@ -1,6 +1,6 @@
 """SparseLoCo: DiLoCo's local steps with a sparse, 2-bit, error-fed outer pseudo-gradient.
 
-Like :mod:`skiptrain.dp.diloco`, every iteration hands the replica's own mean gradient to the
+As in :mod:`skiptrain.dp.diloco` (its base class), every iteration hands the replica's own mean gradient to the
 one optimizer path (AdamW: the inner step, no communication).  After that step, every
 ``H = dp.sync_every`` iterations:
 
@@ -24,35 +24,25 @@ from __future__ import annotations
 
 import torch
 
+from .diloco import DiLoCoStrategy
 from .sparse import SparseExchange
-from .strategy import SyncStrategy
 
 
-class SparseLoCoStrategy(SyncStrategy):
+class SparseLoCoStrategy(DiLoCoStrategy):
+    """DiLoCo's local steps (inherited ``_exchange``) with a sparse, error-fed outer step."""
+
     name = "sparseloco"
 
     def __init__(self, named_params, transport, dp_cfg, optim_cfg):
         super().__init__(named_params, transport, dp_cfg, optim_cfg)
-        self.H, self.ef_decay = dp_cfg.sync_every, dp_cfg.ef_decay
+        self.ef_decay = dp_cfg.ef_decay
         self.sparse = SparseExchange(self.named, dp_cfg, transport)
         self.layout = self.sparse.layout
         self.e = self.sparse.zeros()
-        self.anchor = {n: p.detach().clone() for n, p in self.named}
-        self.v = {n: torch.zeros_like(p) for n, p in self.named}
-        self.n_since = 0
 
     @property
     def payload_bytes(self) -> int:
         return self.sparse.payload_bytes
-
-    @torch.no_grad()
-    def _exchange(self, grads: dict[str, torch.Tensor], n: int, lr: float):
-        self.n_since += n
-        if n == 0:
-            return None, False, 0
-        for g in grads.values():
-            g.div_(n)
-        return grads, False, n
 
     @torch.no_grad()
     def _after_update(self, lr: float) -> int | None:
@@ -72,21 +62,15 @@ class SparseLoCoStrategy(SyncStrategy):
             self.anchor[x].copy_(p)
         return total
 
-    def state_tensor_names(self) -> list[str]:
-        return [n for n, _ in self.named]
-
     def state_dict(self) -> dict:
         st = super().state_dict()
-        st.update(syncs=self.sparse.syncs, n_since=self.n_since,
-                  tensors={x: {"error_feedback": self.e[x].clone(), "anchor": self.anchor[x].clone(),
-                               "outer_momentum": self.v[x].clone()} for x, _ in self.named})
+        st["syncs"] = self.sparse.syncs
+        for x, _ in self.named:
+            st["tensors"][x]["error_feedback"] = self.e[x].clone()
         return st
 
     def load_state_dict(self, state: dict) -> None:
         super().load_state_dict(state)
-        self.sparse.syncs, self.n_since = int(state["syncs"]), int(state["n_since"])
+        self.sparse.syncs = int(state["syncs"])
         for x, _ in self.named:
-            t = state["tensors"][x]
-            self.e[x].copy_(t["error_feedback"])
-            self.anchor[x].copy_(t["anchor"])
-            self.v[x].copy_(t["outer_momentum"])
+            self.e[x].copy_(state["tensors"][x]["error_feedback"])

@@ -241,15 +241,19 @@ class StagedLM(nn.Module):
                  generator: torch.Generator | None = None) -> torch.Tensor:
         """Sample continuations of ``tokens`` (batch, t); the context is cropped to seq_len."""
         for _ in range(max_new_tokens):
-            ctx = tokens[:, -self.cfg.seq_len:]
-            logits = self(ctx, route=route)[:, -1, :].float()
-            if temperature <= 0:
-                nxt = logits.argmax(-1, keepdim=True)
-            else:
-                logits = logits / temperature
-                if top_k:
-                    kth = torch.topk(logits, min(top_k, logits.size(-1))).values[:, -1:]
-                    logits = logits.masked_fill(logits < kth, float("-inf"))
-                nxt = torch.multinomial(F.softmax(logits, -1), 1, generator=generator)
-            tokens = torch.cat([tokens, nxt], dim=1)
+            tokens = torch.cat([tokens, self.sample_next(tokens, temperature, top_k, route, generator)], dim=1)
         return tokens
+
+    @torch.no_grad()
+    def sample_next(self, tokens: torch.Tensor, temperature: float = 0.8, top_k: int | None = 50,
+                    route: Sequence[int] | None = None, generator: torch.Generator | None = None) -> torch.Tensor:
+        """The next token of every row of ``tokens`` (batch, t): greedy at temperature 0, else
+        sampled from the top ``top_k`` logits; (batch, 1)."""
+        logits = self(tokens[:, -self.cfg.seq_len:], route=route)[:, -1, :].float()
+        if temperature <= 0:
+            return logits.argmax(-1, keepdim=True)
+        logits = logits / temperature
+        if top_k:
+            kth = torch.topk(logits, min(top_k, logits.size(-1))).values[:, -1:]
+            logits = logits.masked_fill(logits < kth, float("-inf"))
+        return torch.multinomial(F.softmax(logits, -1), 1, generator=generator)

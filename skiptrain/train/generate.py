@@ -33,20 +33,10 @@ def sample_tokens(model, prompt: Sequence[int], max_new_tokens: int, temperature
     Samples the same tokens as ``StagedLM.generate`` with the same ``torch.Generator``.
     """
     import torch
-    import torch.nn.functional as F
 
     tokens = torch.tensor([list(prompt)], dtype=torch.long)
     for _ in range(max_new_tokens):
-        with torch.no_grad():
-            logits = model(tokens[:, -model.cfg.seq_len:], route=route)[:, -1, :].float()
-        if temperature <= 0:
-            nxt = logits.argmax(-1, keepdim=True)
-        else:
-            logits = logits / temperature
-            if top_k:
-                kth = torch.topk(logits, min(top_k, logits.size(-1))).values[:, -1:]
-                logits = logits.masked_fill(logits < kth, float("-inf"))
-            nxt = torch.multinomial(F.softmax(logits, -1), 1, generator=generator)
+        nxt = model.sample_next(tokens, temperature, top_k, route, generator)
         tokens = torch.cat([tokens, nxt], dim=1)
         yield int(nxt.item())
 
