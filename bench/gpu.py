@@ -64,12 +64,7 @@ def make_dataset(vocab_size: int):
 
 def build(preset: str, device: str, quick: bool, overrides: dict | None = None):
     """The skiptrain Trainer and a plain loop over the same config, data and device."""
-    import torch
-
     from skiptrain.config import build_config
-    from skiptrain.data.loader import SampleSource
-    from skiptrain.model import StagedLM
-    from skiptrain.model.device import autocast
     from skiptrain.train.trainer import Trainer
 
     train = {"eval_every": 0, "progress": False, "device": device, "skip_ratio": 0.0}
@@ -78,28 +73,10 @@ def build(preset: str, device: str, quick: bool, overrides: dict | None = None):
     cfg = build_config(preset, overrides={"train": train, **(overrides or {})})
     ds = make_dataset(cfg.model.vocab_size)
     trainer = Trainer(cfg, dataset=ds)
-    t, dev = cfg.train, trainer.device
-    model = StagedLM(cfg.model, seed=t.seed, device=dev)
-    decay = [p for p in model.parameters() if p.dim() >= 2]
-    other = [p for p in model.parameters() if p.dim() < 2]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": t.weight_decay},
-                             {"params": other, "weight_decay": 0.0}],
-                            lr=t.lr, betas=(t.beta1, t.beta2), fused=True)
-    src = SampleSource(ds.tokens("train"), cfg.model.seq_len, seed=t.seed)
-    B = t.micro_batch * t.n_micro
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from _plain_loop import plain_step
 
-    def plain_step(step: int) -> None:
-        x, y = src.batch(range(step * B, (step + 1) * B))
-        x, y = x.to(dev, non_blocking=True), y.to(dev, non_blocking=True)
-        opt.zero_grad(set_to_none=True)
-        with autocast(dev, t.precision):
-            for i in range(t.n_micro):
-                sl = slice(i * t.micro_batch, (i + 1) * t.micro_batch)
-                (model(x[sl], y[sl])[1] / t.n_micro).backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), t.grad_clip)
-        opt.step()
-
-    return trainer, plain_step
+    return trainer, plain_step(cfg, ds, trainer.device)
 
 
 def train_flops_per_token(cfg) -> float:

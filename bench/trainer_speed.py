@@ -37,8 +37,6 @@ def build_pair(data: str, threads: int, which: str = "both"):
 
     from skiptrain.config import build_config
     from skiptrain.data.dataset import TokenDataset
-    from skiptrain.data.loader import SampleSource
-    from skiptrain.model import StagedLM
     from skiptrain.train.trainer import Trainer
 
     torch.set_num_threads(threads)
@@ -49,29 +47,10 @@ def build_pair(data: str, threads: int, which: str = "both"):
     trainer = Trainer(cfg, dataset=ds) if which != "reference" else None
     if which == "skiptrain":
         return trainer, None
-    t = cfg.train
-    torch.manual_seed(t.seed)
-    model = StagedLM(cfg.model, seed=t.seed)
-    decay = [p for p in model.parameters() if p.dim() >= 2]
-    other = [p for p in model.parameters() if p.dim() < 2]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": t.weight_decay},
-                             {"params": other, "weight_decay": 0.0}],
-                            lr=t.lr, betas=(t.beta1, t.beta2), fused=True)
-    src = SampleSource(ds.tokens("train"), cfg.model.seq_len, seed=t.seed)
-    B = t.micro_batch * t.n_micro
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from _plain_loop import plain_step
 
-    def reference_step(step: int) -> None:
-        # The minimal loop a PyTorch user would write by hand.
-        x, y = src.batch(range(step * B, (step + 1) * B))
-        opt.zero_grad(set_to_none=True)
-        for i in range(t.n_micro):
-            sl = slice(i * t.micro_batch, (i + 1) * t.micro_batch)
-            loss = model(x[sl], y[sl])[1] / t.n_micro
-            loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), t.grad_clip)
-        opt.step()
-
-    return trainer, reference_step
+    return trainer, plain_step(cfg, ds)
 
 
 def trainer_step(trainer, log) -> None:

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -45,3 +49,29 @@ def processes_of_run(run_dir: Path) -> list[int]:
             except OSError:
                 pass
     return pids
+
+
+def launch_in_a_process(job_path: Path, capture: bool = False) -> subprocess.Popen:
+    """``skiptrain.runtime.launcher.launch`` of the saved job in a process of its own (so the test
+    can signal or kill the launcher); it prints ``interrupted`` or ``finished`` at the end.  With
+    ``capture`` stdout and stderr are pipes (read them with ``communicate``), else discarded."""
+    out = subprocess.PIPE if capture else subprocess.DEVNULL
+    return subprocess.Popen([sys.executable, "-c", "from skiptrain.runtime.job import Job; "
+                             "from skiptrain.runtime.launcher import launch; "
+                             f"r = launch(Job.load({str(job_path)!r}), timeout_s=300); "
+                             "print('interrupted' if r.interrupted else 'finished')"],
+                            env=dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1])),
+                            stdout=out, stderr=out, text=True)
+
+
+def wait_for(cond, seconds: float = 120) -> None:
+    """Poll ``cond()`` until it holds (asserts it does within ``seconds``)."""
+    deadline = time.time() + seconds
+    while time.time() < deadline and not cond():
+        time.sleep(0.05)
+    assert cond()
+
+
+def metrics_lines(run: Path) -> int:
+    m = run / "metrics.jsonl"
+    return len(m.read_text().splitlines()) if m.exists() else 0

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from fault_node import faulty_job
-from conftest import processes_of_run
+from conftest import launch_in_a_process, metrics_lines, processes_of_run, wait_for
 from skiptrain.config import build_config
 from skiptrain.runtime.failure import RuntimeFailure
 from skiptrain.runtime.join import respond, verify
@@ -276,20 +276,11 @@ def test_a_killed_coordinator_is_replaced_without_losing_the_run(byte_data, tmp_
               phases=[Phase("p", sched.to_dict(), iterations=iters, save_weights=True)],
               **faulty_job({"node": 1, "kind": "kill", "iteration": 12}))
     run.mkdir()
-    job.save(tmp_path / "job.json")
-    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1]))
-    launcher = subprocess.Popen([sys.executable, "-c", "import sys; from skiptrain.runtime.job import Job; "
-                                 "from skiptrain.runtime.launcher import launch; "
-                                 f"launch(Job.load({str(tmp_path / 'job.json')!r}), timeout_s=300)"],
-                                env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.time() + 120
-    while time.time() < deadline:
-        m = run / "metrics.jsonl"
-        if m.exists() and len(m.read_text().splitlines()) >= 2:
-            break
-        time.sleep(0.05)
+    launcher = launch_in_a_process(job.save(tmp_path / "job.json"))
+    wait_for(lambda: metrics_lines(run) >= 2)
     os.kill(launcher.pid, signal.SIGKILL)
     launcher.wait()
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1]))
     coord = subprocess.run([sys.executable, "-m", "skiptrain.runtime.coordinator", "--run", str(run)], env=env,
                            capture_output=True, text=True, timeout=240)
     assert coord.returncode == 0, coord.stderr[-2000:]

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import processes_of_run
+from conftest import launch_in_a_process, metrics_lines, processes_of_run, wait_for
 from skiptrain.config import build_config
 from skiptrain.runtime.coordinator import verified_pid
 from skiptrain.runtime.job import Job, Phase, with_runtime
@@ -174,20 +174,10 @@ def test_a_restarted_coordinator_never_signals_a_forged_pid(byte_data, tmp_path)
               data_path=str(byte_data), run_dir=str(run),
               phases=[Phase("p", sched.to_dict(), iterations=iters, save_weights=True)])
     run.mkdir()
-    job.save(tmp_path / "job.json")
-    env = dict(os.environ, PYTHONPATH=str(REPO))
-    launcher = subprocess.Popen([sys.executable, "-c", "from skiptrain.runtime.job import Job; "
-                                 "from skiptrain.runtime.launcher import launch; "
-                                 f"launch(Job.load({str(tmp_path / 'job.json')!r}), timeout_s=300)"],
-                                env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    launcher = launch_in_a_process(job.save(tmp_path / "job.json"))
     sentinel = _sentinel()
     try:
-        deadline = time.time() + 120
-        while time.time() < deadline:
-            m = run / "metrics.jsonl"
-            if m.exists() and len(m.read_text().splitlines()) >= 2:
-                break
-            time.sleep(0.05)
+        wait_for(lambda: metrics_lines(run) >= 2)
         os.kill(launcher.pid, signal.SIGKILL)
         launcher.wait()
         info = json.loads((run / "store.json").read_text())
@@ -195,6 +185,7 @@ def test_a_restarted_coordinator_never_signals_a_forged_pid(byte_data, tmp_path)
                                timeout=timedelta(seconds=10))
         for r in (2, 3):
             forger.set(f"pid/{r}", str(sentinel.pid))
+        env = dict(os.environ, PYTHONPATH=str(REPO))
         coord = subprocess.run([sys.executable, "-m", "skiptrain.runtime.coordinator", "--run", str(run)], env=env,
                                capture_output=True, text=True, timeout=240)
         assert coord.returncode == 0, coord.stderr[-2000:]

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import processes_of_run
+from conftest import launch_in_a_process, metrics_lines, processes_of_run, wait_for
 from fault_node import faulty_job
 from skiptrain.config import build_config
 from skiptrain.cli.launch import stage_ckpt_every
@@ -68,21 +68,11 @@ def test_losing_the_only_node_of_a_body_stage_still_ends_in_a_complete_model(byt
     assert processes_of_run(run) == []
 
 
-def _launch_in_a_process(tmp_path, job: Job) -> subprocess.Popen:
-    job.save(tmp_path / "job.json")
-    return subprocess.Popen([sys.executable, "-c", "from skiptrain.runtime.job import Job; "
-                             "from skiptrain.runtime.launcher import launch; "
-                             f"r = launch(Job.load({str(tmp_path / 'job.json')!r}), timeout_s=300); "
-                             "print('interrupted' if r.interrupted else 'finished')"],
-                            env=dict(os.environ, PYTHONPATH=str(REPO)), stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
-
-
-def _wait_for(cond, seconds: float = 120) -> None:
-    deadline = time.time() + seconds
-    while time.time() < deadline and not cond():
-        time.sleep(0.1)
-    assert cond()
+def _restartable_job(cfg, byte_data, run: Path, ckpt_every: int) -> Job:
+    return Job(config=with_runtime(cfg.to_dict(), timeout_s=15.0, heartbeat_s=0.2, heartbeat_deadline_s=4.0,
+                                   recover=True, restartable=True, ckpt_every=ckpt_every),
+               data_path=str(byte_data), run_dir=str(run),
+               phases=[Phase("train", _sched().to_dict(), iterations=200, save_weights=True)])
 
 
 @pytest.mark.slow
@@ -92,14 +82,10 @@ def test_sigterm_to_the_launcher_stops_every_node_at_a_boundary_and_keeps_the_fi
     and returns interrupted; the store process and every node are gone."""
     cfg = _cfg()
     run = tmp_path / "run"
-    job = Job(config=with_runtime(cfg.to_dict(), timeout_s=15.0, heartbeat_s=0.2, heartbeat_deadline_s=4.0,
-                                  recover=True, restartable=True, ckpt_every=50),
-              data_path=str(byte_data), run_dir=str(run),
-              phases=[Phase("train", _sched().to_dict(), iterations=200, save_weights=True)])
     run.mkdir()
-    launcher = _launch_in_a_process(tmp_path, job)
-    _wait_for(lambda: len((run / "metrics.jsonl").read_text().splitlines()) >= 2 if (run / "metrics.jsonl").exists()
-              else False)
+    launcher = launch_in_a_process(_restartable_job(cfg, byte_data, run, 50).save(tmp_path / "job.json"),
+                                   capture=True)
+    wait_for(lambda: metrics_lines(run) >= 2)
     store_pid = json.loads((run / "store.json").read_text())["pid"]
     os.kill(launcher.pid, signal.SIGTERM)
     out, err = launcher.communicate(timeout=90)
@@ -124,13 +110,10 @@ def test_sigterm_to_the_launcher_stops_every_node_at_a_boundary_and_keeps_the_fi
 def test_a_second_sigterm_stops_at_once_and_salvages_the_stage_checkpoints(byte_data, tmp_path):
     cfg = _cfg()
     run = tmp_path / "run"
-    job = Job(config=with_runtime(cfg.to_dict(), timeout_s=15.0, heartbeat_s=0.2, heartbeat_deadline_s=4.0,
-                                  recover=True, restartable=True, ckpt_every=1),
-              data_path=str(byte_data), run_dir=str(run),
-              phases=[Phase("train", _sched().to_dict(), iterations=200, save_weights=True)])
     run.mkdir()
-    launcher = _launch_in_a_process(tmp_path, job)
-    _wait_for(lambda: all((run / "stage_ckpt" / "train" / f"stage{s}" / "LATEST").exists() for s in range(4)))
+    launcher = launch_in_a_process(_restartable_job(cfg, byte_data, run, 1).save(tmp_path / "job.json"),
+                                   capture=True)
+    wait_for(lambda: all((run / "stage_ckpt" / "train" / f"stage{s}" / "LATEST").exists() for s in range(4)))
     os.kill(launcher.pid, signal.SIGTERM)
     time.sleep(0.05)
     os.kill(launcher.pid, signal.SIGTERM)
@@ -155,7 +138,7 @@ def test_ctrl_c_of_a_swarm_training_writes_a_final_checkpoint(byte_data, tmp_pat
                           "--out", str(out), "--nodes", "4", "--steps", "300", "--set", "runtime.stage_sizes=1,1,1,1"],
                          env=dict(os.environ, PYTHONPATH=str(REPO)), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                          text=True)
-    _wait_for(lambda: (out / "metrics.jsonl").exists() and len((out / "metrics.jsonl").read_text().splitlines()) >= 2)
+    wait_for(lambda: (out / "metrics.jsonl").exists() and len((out / "metrics.jsonl").read_text().splitlines()) >= 2)
     p.send_signal(signal.SIGINT)
     _, err = p.communicate(timeout=120)
     assert p.returncode == 130, err[-2000:]

@@ -450,6 +450,7 @@ class Node:
         """The one optimizer step (:func:`~skiptrain.runtime.step.optimizer_step`) for this node's
         stage; a node without a stage still takes part in the global clip's sum.  Returns the
         sync event for the timeline (if the stage has replicas)."""
+        from ..optim import squared_norm
         from ..schedule.timeline import Event
         from .step import HostedStage, optimizer_step
 
@@ -463,8 +464,7 @@ class Node:
                         "grads": {n: (p.grad.clone() if p.grad is not None else None)
                                   for n, p in model.named_parameters()}},
                        st.out_dir / f"grads_node{self.rank}.pt")
-        gsq = [(p.grad.double() ** 2).sum() for p in model.parameters() if p.grad is not None]
-        self._last_gnorm = float(torch.stack(gsq).sum().sqrt()) if gsq else 0.0
+        self._last_gnorm = squared_norm(p.grad for p in model.parameters()) ** 0.5   # CheckFree's weight
         ts = time.time()
         a.outcome = optimizer_step([HostedStage(stage, st.strat, a.res.n_processed, len(replicas))], st.opt, a.lr,
                                    self.cfg.train.grad_clip, self._sum_across)
