@@ -164,7 +164,8 @@ class DPConfig:
 
 @dataclass
 class CheckpointConfig:
-    """Periodic asynchronous checkpoints (skiptrain.checkpoint); resume with `train --resume`."""
+    """Periodic asynchronous checkpoints (skiptrain.checkpoint) of the trainer and of a swarm;
+    resume with `train --resume` / `launch --resume`."""
     every: int = _f(100, "save a checkpoint every N steps (0 = never)", min=0)
     keep: int = _f(3, "committed checkpoints kept; older ones are deleted", min=1)
     dir: str = _f("", "checkpoint root (empty = RUN_DIR/checkpoints)")
@@ -231,9 +232,8 @@ class RuntimeConfig:
     strikes: int = _f(1, "recover: rejected payloads (bad shape/dtype/non-finite) from a node before it is banned",
                       min=1)
     takeover: bool = _f(False, "recover: a replica of the most replicated body stage takes over a stage left empty")
-    ckpt_every: int = _f(0, "recover: per-stage weights checkpoint every N iterations (0 = off)", min=0)
-    ckpt_max_age: int = _f(10, "recover: a stage checkpoint at most this many iterations old initialises a "
-                           "taken-over stage (older: CheckFree from the neighbours)", min=0)
+    ckpt_max_age: int = _f(10, "recover: the job's checkpoint, when at most this many iterations old, "
+                           "initialises a stage left without replicas (older: CheckFree from the neighbours)", min=0)
     act_codec: str = _f("fp32", "encoding of activations and their gradients on slow links: fp32, int8 or int4 "
                         "(one scale per row); the one-process trainer applies it to every hop",
                         choices=("fp32", "int8", "int4"))

@@ -75,6 +75,7 @@ class CheckpointManager:
         self._plan: SavePlan | None = None
         self._snapshot_done: threading.Event | None = None
         self._hooked: dict[int, Any] = {}
+        self._cancel = threading.Event()
         self.last_stall_s = 0.0
         self.snapshot_wait_s = 0.0  # total time callers spent blocked in wait_snapshot()
         # perf_counter() marks of the latest save: start, snapshot_done, written, committed
@@ -166,6 +167,7 @@ class CheckpointManager:
                **(layout or {})}
         root, rank, ranks, keep, timeout = self.root, self.rank, self.ranks, self.keep, self.commit_timeout
         coordinator = self.is_coordinator
+        self._cancel = cancel = threading.Event()
         st = dict(state or {})
         if overlap:
             buffers = None
@@ -185,7 +187,7 @@ class CheckpointManager:
                 write_part(root, step, rank, plan, buffers, rank_state)
                 timings["written"] = time.perf_counter()
                 if coordinator:
-                    return commit(root, step, ranks, plan, st, lay, keep, timeout, timings)
+                    return commit(root, step, ranks, plan, st, lay, keep, timeout, timings, cancel)
             except OSError as e:
                 raise save_failed(root, step, e) from None
             return None
@@ -213,6 +215,17 @@ class CheckpointManager:
 
     def close(self) -> None:
         self.wait()
+
+    def abandon(self) -> str | None:
+        """Give up the running save if it cannot complete (a writer left the job): the
+        coordinator stops waiting for missing parts, the step stays uncommitted and the last
+        committed checkpoint stays ``LATEST``.  Returns the abandoned save's error, if any."""
+        self._cancel.set()
+        try:
+            self.writer.wait()
+        except CheckpointError as e:
+            return str(e)
+        return None
 
     # ---- loading --------------------------------------------------------------------------
 

@@ -94,8 +94,9 @@ def restore_trainer(trainer, path: str | Path | None = None) -> Path:
     st = reader.state
     trainer.step = reader.step
     trainer.loader.load_state_dict(st["data"])
-    decode_random(st["rng"]["routes"], trainer.route_rng)
-    torch.set_rng_state(decode_torch_rng(st["rng"]["torch"]))
+    if "rng" in st:             # (a swarm's checkpoint keeps RNG per node: the trainer's stays as seeded)
+        decode_random(st["rng"]["routes"], trainer.route_rng)
+        torch.set_rng_state(decode_torch_rng(st["rng"]["torch"]))
     if trainer.out is not None:
         truncate_metrics(Path(trainer.out) / "metrics.jsonl", trainer.step)
     return reader.path

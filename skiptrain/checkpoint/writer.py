@@ -106,12 +106,13 @@ def write_part(root: str | Path, step: int, rank: int, plan: SavePlan,
 
 def commit(root: str | Path, step: int, ranks: list[int], plan: SavePlan | None = None,
            state: dict[str, Any] | None = None, layout: dict[str, Any] | None = None,
-           keep: int = 0, timeout: float = 600.0, timings: dict[str, float] | None = None) -> Path:
+           keep: int = 0, timeout: float = 600.0, timings: dict[str, float] | None = None,
+           cancel: threading.Event | None = None) -> Path:
     """Coordinator: wait for every rank's part, write metadata, rename into place, update LATEST.
 
-    Raises CheckpointError if a part is missing after ``timeout`` seconds (a writer died: the
-    ``.tmp-`` directory stays uncommitted) or if the parts do not cover every tensor of ``plan``
-    exactly once.
+    Raises CheckpointError if a part is missing after ``timeout`` seconds or once ``cancel`` is
+    set (a writer died: the ``.tmp-`` directory stays uncommitted), or if the parts do not cover
+    every tensor of ``plan`` exactly once.
     """
     root = Path(root)
     tmp = root / tmp_dir_name(step)
@@ -124,6 +125,9 @@ def commit(root: str | Path, step: int, ranks: list[int], plan: SavePlan | None 
         missing = [r for r in ranks if r not in parts]
         if not missing:
             break
+        if cancel is not None and cancel.is_set():
+            raise CheckpointError(f"save of step {step}: abandoned while ranks {missing} had not finished "
+                                  f"writing; {tmp} stays uncommitted")
         if time.monotonic() > deadline:
             raise CheckpointError(f"save of step {step}: ranks {missing} did not finish writing within "
                                   f"{timeout:.0f} s; {tmp} stays uncommitted")

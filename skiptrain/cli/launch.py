@@ -21,8 +21,11 @@ from ..errors import UserError
 
 
 def train_swarm(cfg, data: str, out: str, steps: int | None = None, echo: bool = True,
-                restartable: bool = False) -> dict:
-    """Plan, launch, collect: returns the run summary (also written to ``OUT/run.json``)."""
+                restartable: bool = False, resume: str | None = None) -> dict:
+    """Plan, launch, collect: returns the run summary (also written to ``OUT/run.json``).
+
+    ``resume`` (a checkpoint directory or root; ``"latest"``: the run's own) continues the job
+    from that checkpoint under this config's layout, re-planned, with the exact data cursor."""
     from ..schedule.gantt import draw_side_by_side
     from ..schedule.simulator import simulate
     from ..train.evaluate import unigram_loss
@@ -34,6 +37,7 @@ def train_swarm(cfg, data: str, out: str, steps: int | None = None, echo: bool =
 
     rt = cfg.runtime
     ds, steps = _checked_swarm_config(cfg, data, steps)
+    start = _resume_point(cfg, out, resume, steps) if resume is not None else None
     t0 = time.time()
     topo = build_topology(cfg, rt.nodes)
     cost = build_cost(cfg)
@@ -48,23 +52,16 @@ def train_swarm(cfg, data: str, out: str, steps: int | None = None, echo: bool =
               f"(placement {sched.placement}), {mbs} micro-batches x {cfg.train.micro_batch} samples, "
               f"method {sched.method}, k={sched.skip_ratio}, m={sched.memory}, {steps} steps, "
               f"topology {topo.name}{' (emulated)' if rt.wan else ''} -> {out}", flush=True)
-    every = stage_ckpt_every(rt, sched.placement, steps)
-    if every != rt.ckpt_every and echo:
-        print(f"body stage(s) {[s for s, n in enumerate(sched.placement) if s and len(n) == 1]} have a single "
-              f"node: per-stage checkpoints every {every} iterations, so a lost stage keeps its weights "
-              "(--ckpt-every N to choose)", flush=True)
-    rt.ckpt_every = every
     rt.restartable = rt.recover and restartable
     job = Job(config=cfg.to_dict(), data_path=str(ds.path), run_dir=str(outp),
-              phases=[phase_for(cfg, sched, topo, cost, "train", steps, save_weights=True)])
+              phases=[phase_for(cfg, sched, topo, cost, "train", steps, save_weights=True)], resume=start)
+    if echo:
+        _describe_checkpoints(cfg, outp, steps, start)
     if rt.recover and echo:
         print(f"recovery on: hung-peer deadline {rt.heartbeat_deadline_s or rt.timeout_s:g} s, {rt.strikes} "
-              f"strike(s) for bad peers, takeover {'on' if rt.takeover else 'off'}, stage checkpoints "
-              f"{'every ' + str(rt.ckpt_every) + ' iterations' if rt.ckpt_every else 'off'}; nodes may join with "
-              f"`skiptrain launch --join HOST:PORT` (address and secret file: {outp / 'join.json'})", flush=True)
-    if echo and cfg.checkpoint.every and cfg.checkpoint.every < steps:
-        print(f"note: a swarm run writes one weights-only checkpoint at the end; checkpoint.every="
-              f"{cfg.checkpoint.every} applies to the single-process trainer (--nodes 1)", flush=True)
+              f"strike(s) for bad peers, takeover {'on' if rt.takeover else 'off'}; a stage left without replicas "
+              f"starts from a checkpoint at most {rt.ckpt_max_age} iterations old, else CheckFree; nodes may join "
+              f"with `skiptrain launch --join HOST:PORT` (address and secret file: {outp / 'join.json'})", flush=True)
     res = launch(job, timeout_s=max(3600.0, steps * 60.0), echo=echo)
     rows = res.phase_metrics("train")
     if (outp / "lost_stages.json").is_file():
@@ -72,9 +69,9 @@ def train_swarm(cfg, data: str, out: str, steps: int | None = None, echo: bool =
             print(f"skiptrain launch: warning: stage {s}: {note}", file=sys.stderr, flush=True)
     baseline = unigram_loss(ds.tokens("train"), ds.tokens("val"), ds.vocab_size)
     _, model, _ = load_run(outp)
-    if res.interrupted:                 # Ctrl-C / SIGTERM: every node wrote its stage at a boundary
-        _finish_interrupted(cfg, model, outp, len(rows), steps, mbs * cfg.train.micro_batch, str(ds.path), t0)
-    ckpt_dir = _save_weights_checkpoint(cfg, model, outp, steps, mbs * cfg.train.micro_batch)
+    done = max((r["step"] for r in rows), default=start["iteration"] if start else 0)
+    if res.interrupted:                 # Ctrl-C / SIGTERM: every node checkpointed at a boundary
+        _finish_interrupted(cfg, model, outp, done, steps, str(ds.path), t0)
     from ..data.loader import SampleSource
 
     val = evaluate(model, SampleSource(ds.tokens("val"), cfg.model.seq_len, shuffle=False),
@@ -85,12 +82,13 @@ def train_swarm(cfg, data: str, out: str, steps: int | None = None, echo: bool =
     plot_loss(outp / "metrics.jsonl", outp / "loss.png",
               title=f"skiptrain swarm: {rt.nodes} nodes, {model.num_parameters() / 1e6:.1f}M params, "
                     f"k={cfg.train.skip_ratio}", baseline=baseline)
-    last = len(rows) - 1
+    last = len(rows) - 1 if start is None else len(rows) - 1 - start["iteration"]
     sim = simulate(sched, topo, cost, contention=True, dp_sync=dp_sync)
     measured = res.timeline("train", last)
     draw_side_by_side(sim.timeline, measured, outp / "gantt.png",
                       titles=(f"simulated: {sim.iteration_s:.3f} s/iteration",
                               f"measured, iteration {last + 1}: {rows[-1]['iteration_s']:.3f} s"))
+    rows = [r for r in rows if start is None or r["step"] > start["iteration"]]
     it_s = [r["iteration_s"] for r in rows]
     summary = {"step": steps, "nodes": rt.nodes, "method": sched.method, "val_loss": val,
                "unigram_val_loss": baseline, "first_loss": rows[0]["loss"], "last_loss": rows[-1]["loss"],
@@ -106,18 +104,31 @@ def train_swarm(cfg, data: str, out: str, steps: int | None = None, echo: bool =
     return summary
 
 
-def stage_ckpt_every(rt, placement: list[list[int]], steps: int) -> int:
-    """Per-stage checkpoint interval of a swarm run.
+def _resume_point(cfg, out: str, resume: str, steps: int) -> dict:
+    """The checkpoint a resumed swarm starts from (``resume_point``), checked against ``steps``."""
+    from ..checkpoint import store
+    from ..runtime.job_checkpoint import resume_point
 
-    In recovery mode a body stage held by a single node is lost with that node; unless
-    ``runtime.ckpt_every`` is set, such a layout checkpoints every stage every
-    ``max(1, min(10, steps // 10))`` iterations, so a finished run still has every stage's weights.
-    """
-    if not rt.recover or rt.ckpt_every:
-        return rt.ckpt_every
-    if not any(len(nodes) == 1 for nodes in placement[1:]):
-        return 0
-    return max(1, min(10, steps // 10))
+    root = Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else Path(out) / "checkpoints"
+    src = root if resume == "latest" else Path(resume)
+    if resume == "latest" and store.latest(root) is None:
+        raise UserError(f"--resume: no committed checkpoint under {root}; train without --resume, or pass "
+                        "--resume PATH to a checkpoint")
+    start = resume_point(src)
+    if start["iteration"] >= steps:
+        raise UserError(f"--resume: the checkpoint {start['path']} is at iteration {start['iteration']}, the run "
+                        f"has {steps} steps; pass --steps N with N > {start['iteration']} to train further")
+    return start
+
+
+def _describe_checkpoints(cfg, outp: Path, steps: int, start: dict | None) -> None:
+    c = cfg.checkpoint
+    root = c.dir or outp / "checkpoints"
+    when = (f"every {c.every} iterations" if c.every and c.every < steps else "") + \
+        (" and at the end" if c.final else "")
+    print(f"checkpoints: {when.strip() or 'off'} in {root} (weights, optimizer and sync state of every stage; "
+          f"`skiptrain launch --resume --out {outp}` continues from the latest)"
+          + (f"; resuming from {start['path']} at iteration {start['iteration']}" if start else ""), flush=True)
 
 
 def _checked_swarm_config(cfg, data: str, steps: int | None):
@@ -142,41 +153,17 @@ def _checked_swarm_config(cfg, data: str, steps: int | None):
     return ds, steps
 
 
-def _finish_interrupted(cfg, model, outp: Path, done: int, steps: int, global_batch: int, data: str,
-                        t0: float) -> None:
-    """After a stop at an iteration boundary: the final checkpoint and run.json, one line, and
-    the interrupt goes on up (exit status 130)."""
+def _finish_interrupted(cfg, model, outp: Path, done: int, steps: int, data: str, t0: float) -> None:
+    """After a stop at an iteration boundary (the nodes checkpointed there): run.json, one line,
+    and the interrupt goes on up (exit status 130)."""
     from ..train.rundir import write_summary
 
-    ckpt_dir = _save_weights_checkpoint(cfg, model, outp, done, global_batch)
     write_summary(outp, {"step": done, "nodes": cfg.runtime.nodes, "interrupted": True, "data": data,
                          "params": model.num_parameters(), "seconds": round(time.time() - t0, 2)})
-    print(f"skiptrain launch: interrupted after iteration {done} of {steps}: final checkpoint {ckpt_dir}, "
-          f"weights in {outp / 'model.safetensors'}", file=sys.stderr, flush=True)
+    print(f"skiptrain launch: interrupted after iteration {done} of {steps}: weights in "
+          f"{outp / 'model.safetensors'}; `skiptrain launch --resume --out {outp}` continues from the checkpoint "
+          f"of iteration {done}", file=sys.stderr, flush=True)
     raise KeyboardInterrupt
-
-
-def _save_weights_checkpoint(cfg, model, outp: Path, step: int, global_batch: int) -> Path:
-    """Commit the merged stage weights as a skiptrain checkpoint (``OUT/checkpoints``).
-
-    It holds the model weights by global name, the config and the data cursor, so ``skiptrain
-    ckpt verify|inspect|reshard`` and ``skiptrain export`` work on a swarm run.  It does **not**
-    hold the stages' optimizer state yet, so it is not a ``--resume`` point (``state.contents``
-    says so).
-    """
-    from ..checkpoint.manager import CheckpointManager
-
-    mgr = CheckpointManager(outp / "checkpoints", keep=cfg.checkpoint.keep)
-    try:
-        mgr.save(step, {n: p.detach() for n, p in model.state_dict().items()},
-                 state={"step": step, "config": cfg.to_dict(),
-                        "data": {"cursor": step * global_batch, "global_batch": global_batch,
-                                 "seed": cfg.train.seed},
-                        "contents": "model weights only (swarm run): no optimizer state, not a --resume point"},
-                 blocking=True)
-        return mgr.wait()
-    finally:
-        mgr.close()
 
 
 def cmd_join(target: str, secret_file: str | None) -> int:
@@ -206,7 +193,8 @@ def cmd_launch(args: argparse.Namespace) -> int:
         return cmd_join(args.join, args.join_secret_file)
     if args.out is None:
         raise UserError("skiptrain launch needs --out RUN_DIR (or --join HOST:PORT to join a running job)")
-
+    if args.resume is not None and args.config is None and (Path(args.out) / "config.toml").is_file():
+        args.preset, args.config = None, str(Path(args.out) / "config.toml")   # the run's own config, then flags
     cfg = config_from_args(args, **{"data.path": args.data, "train.steps": args.steps,
                                     "train.skip_ratio": args.skip_ratio, "train.seed": args.seed,
                                     "runtime.nodes": args.nodes, "runtime.method": args.method,
@@ -217,17 +205,18 @@ def cmd_launch(args: argparse.Namespace) -> int:
         if getattr(args, flag):
             setattr(cfg.runtime, key, True)
     for flag, key in (("heartbeat_deadline", "heartbeat_deadline_s"), ("strikes", "strikes"),
-                      ("ckpt_every", "ckpt_every"), ("ckpt_max_age", "ckpt_max_age"),
-                      ("drift_threshold", "drift_threshold")):
+                      ("ckpt_max_age", "ckpt_max_age"), ("drift_threshold", "drift_threshold")):
         if getattr(args, flag) is not None:
             setattr(cfg.runtime, key, getattr(args, flag))
+    if args.ckpt_every is not None:
+        cfg.checkpoint.every = args.ckpt_every
     cfg.check()  # the flags above are checked like --set values
-    claim_run_dir(args.out, overwrite=args.overwrite)
+    claim_run_dir(args.out, resume=args.resume is not None, overwrite=args.overwrite)
     if cfg.runtime.takeover and not cfg.runtime.recover:
         raise UserError("--takeover needs --recover (a stage is only taken over by a run that survives failures)")
     if args.restartable and not cfg.runtime.recover:
         raise UserError("--restartable needs --recover (only a recovering run has a coordinator to restart)")
-    summary = train_swarm(cfg, cfg.data.path, args.out, echo=True, restartable=args.restartable)
+    summary = train_swarm(cfg, cfg.data.path, args.out, echo=True, restartable=args.restartable, resume=args.resume)
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(summary, indent=1))
@@ -251,6 +240,9 @@ def register(sub) -> None:
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--out", default=None, help="run directory (refused if it holds a run, unless --overwrite)")
     p.add_argument("--overwrite", action="store_true", help="replace the run already in --out")
+    p.add_argument("--resume", nargs="?", const="latest", default=None, metavar="CHECKPOINT",
+                   help="continue the run in --out from its latest checkpoint (or CHECKPOINT), under this launch's "
+                        "layout: node count, stage count and sizes may differ; its config.toml is the base config")
     g = p.add_argument_group("failures (docs/failures.md)")
     g.add_argument("--recover", action="store_true",
                    help="survive killed, hung and bad nodes (config runtime.recover); nodes may join")
@@ -259,9 +251,10 @@ def register(sub) -> None:
     g.add_argument("--strikes", type=int, default=None, help="bad payloads before a node is banned")
     g.add_argument("--takeover", action="store_true", help="a replica moves into a body stage left empty")
     g.add_argument("--ckpt-every", type=int, default=None, metavar="N",
-                   help="per-stage weights checkpoint every N iterations (recovery mode)")
+                   help="checkpoint the whole job every N iterations (config checkpoint.every)")
     g.add_argument("--ckpt-max-age", type=int, default=None, metavar="N",
-                   help="newest stage checkpoint used up to N iterations old, else CheckFree")
+                   help="a stage left without replicas starts from the job's checkpoint up to N iterations old, "
+                        "else CheckFree")
     g.add_argument("--drift-threshold", type=float, default=None, metavar="F",
                    help="re-plan routes on measured times when the iteration is F (e.g. 0.3) slower than planned")
     g.add_argument("--restartable", action="store_true",

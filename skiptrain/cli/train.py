@@ -28,11 +28,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     if cfg.runtime.nodes > 1:  # the multi-process skip-pipeline runtime (skiptrain.runtime)
         from .launch import train_swarm
 
-        if getattr(args, "resume", None) is not None:
-            raise UserError("--resume works with the single-process trainer only: swarm runs do not save "
-                            "optimizer state yet; drop --resume or train with --nodes 1")
-
-        train_swarm(cfg, cfg.data.path, args.out)
+        train_swarm(cfg, cfg.data.path, args.out, resume=getattr(args, "resume", None))
         return 0
     check_fits_memory(cfg)
     if args.quiet:

@@ -25,6 +25,7 @@ from .strategy import SyncStrategy
 
 class DiLoCoStrategy(SyncStrategy):
     name = "diloco"
+    replicas_drift = True
 
     def __init__(self, named_params, transport, dp_cfg, optim_cfg):
         super().__init__(named_params, transport, dp_cfg, optim_cfg)

@@ -78,6 +78,7 @@ class SyncStrategy:
     name = "base"
     update_rule = "adamw"     # the optimizer rule (skiptrain.optim.RULES) that consumes exchange()'s output
     clip_local = False        # True: the global clip scales the local gradients before the exchange
+    replicas_drift = False    # True: replicas' weights differ between syncs (checkpoints save each replica's)
 
     def __init__(self, named_params: Iterable[tuple[str, torch.nn.Parameter]], transport: Transport,
                  dp_cfg, optim_cfg):

@@ -61,6 +61,8 @@ class Job:
     phases: list[Phase]
     node_module: str = "skiptrain.runtime.node"   # what the launcher runs per node (tests: a fault-injecting wrapper)
     meta: dict[str, Any] = field(default_factory=dict)
+    # continue from a checkpoint: runtime.job_checkpoint.resume_point() {path, phase, iteration, cursor}
+    resume: dict[str, Any] | None = None
 
     @functools.cached_property
     def rt(self) -> RuntimeConfig:

@@ -38,7 +38,7 @@ from ..signals import sigterm_as_interrupt
 from .failure import RuntimeFailure, describe_exit
 from .job import Job
 from .membership import parse_heartbeat
-from .outputs import load_phase_timeline, merge_outputs, salvage_stage_checkpoints, stop_store
+from .outputs import load_phase_timeline, merge_outputs, salvage_checkpoint, stop_store
 from .progress import SwarmProgress
 
 
@@ -75,15 +75,17 @@ def launch(job: Job, nodes: int | None = None, timeout_s: float = 3600.0, grace_
     outputs are merged into ``model.safetensors`` and the result says ``interrupted``.  A second
     signal, or nodes that do not stop within ``2 * runtime.timeout_s + 10`` seconds, stops the
     launch hard: every node process and the store process are killed, nothing is left running;
-    then, when the run has per-stage checkpoints (``runtime.ckpt_every``), the newest iteration
-    every stage has is assembled into ``model.safetensors`` (:func:`salvage_stage_checkpoints`)
-    before ``KeyboardInterrupt`` goes up.
+    then the weights of the job's newest committed checkpoint go to ``model.safetensors``
+    (:func:`salvage_checkpoint`) before ``KeyboardInterrupt`` goes up.
+
+    ``job.resume`` continues a job from a checkpoint: the metrics and sample logs written after
+    it (by the run that was interrupted) are dropped, every node loads its part and goes on.
     """
     with sigterm_as_interrupt():
         try:
             return _launch(job, nodes, timeout_s, grace_s, echo, join_secret)
         except KeyboardInterrupt:
-            print(f"[launch] interrupted: {salvage_stage_checkpoints(job)}", file=sys.stderr, flush=True)
+            print(f"[launch] interrupted: {salvage_checkpoint(job)}", file=sys.stderr, flush=True)
             raise
 
 
@@ -95,16 +97,7 @@ def _launch(job: Job, nodes: int | None, timeout_s: float, grace_s: float, echo:
     if world < job.world:
         raise RuntimeFailure(f"the job's schedules use {job.world} nodes but only {world} were requested")
     run_dir = Path(job.run_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    if (run_dir / "recoveries.jsonl").exists():
-        (run_dir / "recoveries.jsonl").unlink()
-    for sub in ("errors", "phases", "parts", "stage_ckpt"):
-        d = run_dir / sub
-        if d.is_dir():
-            for f in sorted(d.rglob("*"), reverse=True):
-                f.unlink() if f.is_file() else f.rmdir()
-    (run_dir / "metrics.jsonl").write_text("")
-    (run_dir / "logs").mkdir(exist_ok=True)
+    prepare_outputs(job, run_dir)
     job_path = job.save(run_dir / "job.json")
     store_proc = None
     failure = err = None
@@ -173,6 +166,41 @@ def _launch(job: Job, nodes: int | None, timeout_s: float, grace_s: float, echo:
     elif echo:
         print(f"[launch] {world} nodes finished in {wall:.1f} s", flush=True)
     return LaunchResult(run_dir, wall, metrics, interrupted)
+
+
+def prepare_outputs(job: Job, run_dir: Path) -> None:
+    """Clear what an earlier launch into ``run_dir`` left; when resuming, keep its metrics and
+    sample logs up to the checkpoint."""
+    from ..checkpoint.training import truncate_metrics
+
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "recoveries.jsonl").unlink(missing_ok=True)
+    r = job.resume
+    keep = {}
+    if r:
+        for f in (run_dir / "phases").glob("*/samples_node*.jsonl"):
+            keep[f] = [line for line in f.read_text().splitlines() if _before(line, r["iteration"])]
+    for sub in ("errors", "phases", "parts"):
+        d = run_dir / sub
+        if d.is_dir():
+            for f in sorted(d.rglob("*"), reverse=True):
+                f.unlink() if f.is_file() else f.rmdir()
+    for f, lines in keep.items():
+        f.parent.mkdir(parents=True, exist_ok=True)
+        f.write_text("".join(line + "\n" for line in lines))
+    if r:
+        truncate_metrics(run_dir / "metrics.jsonl", int(r["iteration"]))
+    else:
+        (run_dir / "metrics.jsonl").write_text("")
+    (run_dir / "logs").mkdir(exist_ok=True)
+
+
+def _before(line: str, iteration: int) -> bool:
+    """Whether a sample-log line is of an iteration before ``iteration`` (torn lines: no)."""
+    try:
+        return int(json.loads(line)["iteration"]) < iteration
+    except (ValueError, KeyError, TypeError):
+        return False
 
 
 def _stop_at_boundary(job: Job, procs, store) -> dict | None:

@@ -309,14 +309,70 @@ class Node:
                         replan_pending=joining is not None)
         st.gb = len(st.order) * cfg.train.micro_batch
         st.ex = self._executor(st)
+        self._open_checkpoints(ph)
         if self.job.rt.drift_threshold > 0 and cost is not None and topo is not None:
             from .drift import DriftMonitor
             st.drift = DriftMonitor(rank, topo.n, cost, topo, ph.bytes_scale, self.job.rt.drift_alpha)
         if joining is not None:
             self._join_phase(st, joining)
-        elif self.job.rt.recover:
-            self._publish_sched(sched, phase_idx)
+        else:
+            if self.job.resume and self.job.resume["phase"] == phase_idx:
+                self._resume(st)
+            if self.job.rt.recover:
+                self._publish_sched(sched, phase_idx)
         return st
+
+    def _open_checkpoints(self, ph: Phase) -> None:
+        """This phase's job checkpoints (:mod:`.job_checkpoint`); the root must be writable here."""
+        from .job_checkpoint import JobCheckpointer, check_root_writable, checkpoint_root
+
+        root = checkpoint_root(self.job, ph.name)
+        c = self.cfg.checkpoint
+        if c.every or c.final or self.job.rt.recover:
+            check_root_writable(root, self.rank)
+        self.ckpt = JobCheckpointer(root, self.rank, c, self.job.rt.timeout_s, self._gather_bytes)
+
+    def _resume(self, st: "PhaseState") -> None:
+        """Continue the job from its checkpoint (``job.resume``): position, and this node's stage
+        state under the current layout."""
+        from .job_checkpoint import load_node_state, restore_rng
+
+        r = self.job.resume
+        st.it, st.cursor = int(r["iteration"]), int(r["cursor"])
+        if st.model is not None:
+            slot = st.sched.placement[st.stage].index(self.rank)
+            reader = load_node_state(r["path"], st.model, st.opt, st.strat, slot)
+            restore_rng(reader, self.rank, slot)
+        self.ckpt.saved_step = st.it
+        print(f"skiptrain node {self.rank}: resumed at iteration {st.it} (data cursor {st.cursor}) from {r['path']}",
+              file=sys.stderr, flush=True)
+
+    def _gather_bytes(self, b: bytes) -> list[tuple[int, bytes]]:
+        """All-gather one byte string from every live node: [(node, bytes)]."""
+        n = torch.tensor([len(b)], dtype=torch.int64)
+        lens = [torch.zeros(1, dtype=torch.int64) for _ in self.alive]
+        self._sync(dist.all_gather, lens, n)
+        m = max(1, max(int(x) for x in lens))
+        buf = torch.zeros(m, dtype=torch.uint8)
+        if b:
+            buf[:len(b)] = torch.frombuffer(bytearray(b), dtype=torch.uint8)
+        outs = [torch.empty(m, dtype=torch.uint8) for _ in self.alive]
+        self._sync(dist.all_gather, outs, buf)
+        return [(node, bytes(o[:int(k)].numpy())) for node, o, k in zip(self.alive, outs, lens)]
+
+    def _save_checkpoint(self, st: "PhaseState", done: int, cursor: int) -> None:
+        """The job's checkpoint after ``done`` iterations of the phase (every node calls this)."""
+        from .job_checkpoint import stage_state
+
+        tensors, node_state = {}, {}
+        if st.model is not None:
+            slot = st.sched.placement[st.stage].index(self.rank)
+            tensors, node_state = stage_state(st.model, st.opt, st.strat, slot)
+            node_state.update(node=self.rank, stage=st.stage)
+        position = {"phase": st.idx, "phase_name": st.ph.name, "iteration": done, "gen": self.gen,
+                    "data": {"cursor": cursor, "global_batch": st.gb, "seed": self.cfg.train.seed},
+                    "config": self.cfg.to_dict(), "placement": st.sched.placement}
+        self.ckpt.save(done, position, tensors, node_state, st.sched.placement)
 
     def _join_phase(self, st: "PhaseState", joining: dict) -> None:
         """A node joining a running job: its state from a live replica (or the stage's checkpoint
@@ -406,6 +462,8 @@ class Node:
         allst = self._gather_stats(st, a, events)
         self._after_gather(st, allst)
         self._maybe_evaluate(st)
+        if self.ckpt.due(st.it + 1, st.ph.iterations):
+            self._save_checkpoint(st, st.it + 1, st.cursor + st.gb)
 
     def _maybe_evaluate(self, st: "PhaseState") -> None:
         """Validation inside the loop, every ``train.eval_every`` iterations and after the last,
@@ -465,6 +523,7 @@ class Node:
                                   for n, p in model.named_parameters()}},
                        st.out_dir / f"grads_node{self.rank}.pt")
         self._last_gnorm = squared_norm(p.grad for p in model.parameters()) ** 0.5   # CheckFree's weight
+        self.ckpt.wait_snapshot()
         ts = time.time()
         a.outcome = optimizer_step([HostedStage(stage, st.strat, a.res.n_processed, len(replicas))], st.opt, a.lr,
                                    self.cfg.train.grad_clip, self._sum_across)
@@ -476,7 +535,6 @@ class Node:
         te = time.time()
         for p in model.parameters():
             p.grad = None
-        self._save_stage_checkpoint(ph.name, st.it, stage, model, st.sched)
         if len(replicas) > 1:
             return [Event(self.rank, "sync", None, stage, ts - t0, te - t0, stats.payload_bytes)]
         return []
@@ -563,6 +621,7 @@ class Node:
         self.stage_of = new_sched.stage_of()
         took = new_sched.meta.get("takeover") or {}
         was_moved = self.rank in took
+        rep = None
         if took:
             st.model, st.stage, rep = self._takeover(new_sched, took, st.model, st.stage, st.ph.name, st.it)
             if rep is not None:
@@ -572,6 +631,7 @@ class Node:
                                                  a.step_count)
         if was_moved:
             st.opt = self._optimizer(st.model, st.strat)
+            self._stage_from_checkpoint(rep, new_sched, st.stage, st.model, st.opt, st.strat)
         st.ex = self._executor(st)
         redone = self._settle(a.committed, a.stepped or was_moved, st.it, st.model, st.strat, st.opt, a.lr,
                               None if was_moved else a.res)
@@ -582,8 +642,12 @@ class Node:
         return redone
 
     def _end_phase(self, st: "PhaseState") -> None:
-        """Dumps (tests), the stage's weights (first replica), and the phase's groups torn down."""
+        """The final checkpoint (also when stopped early), dumps (tests), the stage's weights
+        (first replica), and the phase's groups torn down."""
         model, stage = st.model, st.stage
+        if self.stopped or self.cfg.checkpoint.final:
+            self._save_checkpoint(st, st.it, st.cursor)
+        self.ckpt.close()
         if st.strat is not None:
             from ..dp.consistency import param_hashes
 
@@ -686,8 +750,9 @@ class Node:
     def _init_stage(self, sched, s: int, taker: int, model, new, phase: str, it: int,
                     exclude: set[int] = frozenset()) -> dict:
         """Collective over every node: initialise stage ``s`` (no live replica) on ``taker`` into
-        ``new``.  The taker looks for the latest per-stage checkpoint of ``s`` in this phase
-        (``job.rt.ckpt_every``); if it is at most ``job.rt.ckpt_max_age`` iterations old it is loaded,
+        ``new``.  The taker looks at the job's latest checkpoint (:mod:`.job_checkpoint`); if it is
+        at most ``job.rt.ckpt_max_age`` iterations old, the stage's weights are loaded from it (the
+        caller loads its optimizer and sync state once they exist: :meth:`_stage_from_checkpoint`),
         else CheckFree: the first replica of each adjacent body stage broadcasts its stage weights
         and last gradient norm, and the taker sets layer ``j`` to their gradient-norm-weighted
         average (a copy with one neighbour, the seed's init with none).  The decision goes to
@@ -698,7 +763,7 @@ class Node:
         dec = torch.zeros(2, dtype=torch.float64)            # [use checkpoint, its age]
         ck = None
         if self.rank == taker:
-            ck = self._latest_stage_checkpoint(phase, s)
+            ck = self.ckpt.latest()
             if ck is not None:
                 dec[1] = it - ck[0]
                 dec[0] = 1.0 if it - ck[0] <= self.job.rt.ckpt_max_age else 0.0
@@ -709,8 +774,8 @@ class Node:
         if dec[0] > 0:
             if self.rank != taker:
                 return {}
-            from ..checkpoint.manager import CheckpointManager
-            CheckpointManager.restore(ck[1], new)
+            from .job_checkpoint import load_node_state
+            load_node_state(ck[1], new)
             return {"init": "checkpoint", "checkpoint": str(ck[1]), "checkpoint_age": age,
                     "max_age": self.job.rt.ckpt_max_age, "neighbours": [], "grad_norms": [], "coef": []}
         got = []
@@ -745,12 +810,21 @@ class Node:
         else:
             init = "fresh (seed init: no neighbour stage with the same layer count)"
         if ck is None:
-            why = ("none: per-stage checkpoints are off (job.rt.ckpt_every = 0)" if not self.job.rt.ckpt_every
-                   else "none written for this stage yet")
+            why = ("none: checkpoints are off (checkpoint.every = 0)" if not self.cfg.checkpoint.every
+                   else "none committed yet")
         else:
             why = f"{ck[1]} is {age} iteration(s) old, more than ckpt_max_age = {self.job.rt.ckpt_max_age}"
         return {"init": init, "neighbours": [g[0] for g in got], "grad_norms": [g[2] for g in got], "coef": coef,
                 "checkpoint": why, "checkpoint_age": age}
+
+    def _stage_from_checkpoint(self, rep: dict | None, sched, stage: int, model, opt, strat) -> None:
+        """A stage initialised from the job's checkpoint (:meth:`_init_stage`) also takes its
+        optimizer and sync state from it, once they exist on this node."""
+        if not rep or rep.get("init") != "checkpoint":
+            return
+        from .job_checkpoint import load_node_state
+
+        load_node_state(rep["checkpoint"], model, opt, strat, sched.placement[stage].index(self.rank))
 
     # ---- drift re-planning (runtime/drift.py) --------------------------------------------------
 
@@ -866,39 +940,6 @@ class Node:
         d = json.loads(bytes(buf.tolist()).decode())
         return Schedule.from_dict(d["schedule"]), d["last"]
 
-    # ---- per-stage checkpoints (recovery mode) ------------------------------------------------
-
-    def _stage_ckpt_root(self, phase: str, s: int) -> Path:
-        return self.run_dir / "stage_ckpt" / phase / f"stage{s}"
-
-    def _save_stage_checkpoint(self, phase: str, it: int, stage, model, sched) -> None:
-        """Every ``job.rt.ckpt_every`` committed iterations the first replica of each stage writes
-        the stage's weights (skiptrain checkpoint format, step = committed iterations of the
-        phase) in the background; a taken-over or joined stage with no live replica starts from it."""
-        if not (self.job.rt.recover and self.job.rt.ckpt_every and model is not None) or (it + 1) % self.job.rt.ckpt_every:
-            return
-        if sched.placement[stage][0] != self.rank:
-            return
-        from ..checkpoint.manager import CheckpointManager
-        from ..checkpoint.state import model_tensors
-
-        mgrs = self.__dict__.setdefault("_ckpt_mgrs", {})
-        key = (phase, stage)
-        if key not in mgrs:
-            mgrs[key] = CheckpointManager(self._stage_ckpt_root(phase, stage), keep=2)
-        mgrs[key].save(it + 1, model_tensors(model), state={"phase": phase, "stage": stage, "iteration": it + 1,
-                                                            "node": self.rank, "gen": self.gen})
-
-    def _latest_stage_checkpoint(self, phase: str, s: int):
-        """(committed iterations, path) of the newest committed checkpoint of stage ``s``, or None."""
-        root = self._stage_ckpt_root(phase, s)
-        if not root.is_dir():
-            return None
-        from ..checkpoint import store as ckstore
-
-        done = ckstore.list_committed(root)
-        return max(done) if done else None
-
     # ---- joining ----------------------------------------------------------------------
 
     def _ack(self) -> None:
@@ -962,6 +1003,7 @@ class Node:
                                        exclude=set(joins.values()))
                 if self.rank == j:
                     report = rep
+                    self._stage_from_checkpoint(rep, sched, s, model, opt, strat)
                 continue
             d = donors[0]
             if self.rank == d:
@@ -1044,6 +1086,7 @@ class Node:
         from .recovery import RecoveryError
 
         redone = False
+        self.ckpt.wait_snapshot()
         if model is not None:
             need = torch.tensor([0 if stepped else 1, 1 if stepped else 0], dtype=torch.int64)
             if self._any_committed:
@@ -1060,12 +1103,6 @@ class Node:
         return redone
 
     def finish(self) -> None:
-        for (phase, stage), mgr in self.__dict__.get("_ckpt_mgrs", {}).items():
-            try:                                     # the last background stage checkpoint lands on disk
-                mgr.close()
-            except Exception as e:  # noqa: BLE001   # a lost stage checkpoint is not a failed run
-                print(f"[node {self.rank}] stage {stage} checkpoint of phase {phase!r} in "
-                      f"{self._stage_ckpt_root(phase, stage)} failed to write: {e}", file=sys.stderr, flush=True)
         self.tr.close()
         dist.barrier()
         self.hb.finish()
@@ -1149,6 +1186,8 @@ def main(argv: list[str] | None = None, node_class: type[Node] = Node) -> int:
         node = node_class(job, rank, world, addr, port, store=store)
         for i, ph in enumerate(job.phases):
             if node.joining is not None and i < node.joining["phase"]:
+                continue
+            if job.resume and i < job.resume["phase"]:
                 continue
             node.run_phase(ph, i)
             if node.stopped:

@@ -1,10 +1,9 @@
 """What a job leaves behind, and its store's end: merged timelines and weights, salvage.
 
 * :func:`merge_outputs`: per-iteration timelines merged over the nodes, and the stages' weights
-  merged into ``model.safetensors`` (a stage lost for good filled from its newest per-stage
-  checkpoint, else its initial weights, noted in ``lost_stages.json``);
-* :func:`salvage_stage_checkpoints`: an interrupted job's model from the newest iteration every
-  stage has a committed checkpoint of;
+  merged into ``model.safetensors`` (a stage lost for good filled from the newest
+  job checkpoint, else its initial weights, noted in ``lost_stages.json``);
+* :func:`salvage_checkpoint`: an interrupted job's model from its newest committed checkpoint;
 * :func:`stop_store`: ask the rendezvous store process to exit, SIGKILL it if it does not.
 
 Used by the launcher and by a restarted coordinator alike.
@@ -34,30 +33,32 @@ def load_phase_timeline(run_dir: str | Path, phase: str, iteration: int) -> list
     events.sort(key=lambda e: (e.start, e.node))
     return events
 
-def salvage_stage_checkpoints(job: Job) -> str:
-    """Write ``model.safetensors`` from the newest iteration for which every stage of the last
-    phase has a committed per-stage checkpoint; returns what was done, for the user."""
+def latest_job_checkpoint(job: Job):
+    """A reader of the newest committed checkpoint of the job's last phase, or None."""
     from ..checkpoint import store as ckstore
     from ..checkpoint.reader import CheckpointReader
-    from ..checkpoint.weights import save_weights_file
+    from .job_checkpoint import checkpoint_root
 
+    path = ckstore.latest(checkpoint_root(job, job.phases[-1].name), warn=False)
+    return None if path is None else CheckpointReader(path)
+
+
+def salvage_checkpoint(job: Job) -> str:
+    """Write ``model.safetensors`` from the job's newest committed checkpoint; returns what was
+    done, for the user."""
+    from ..checkpoint.weights import save_weights_file
+    from .job_checkpoint import is_weight_name
+
+    reader = latest_job_checkpoint(job)
+    if reader is None:
+        return ("no checkpoint was committed, so no weights were saved (set --ckpt-every N to checkpoint "
+                "the job every N iterations)")
     run_dir = Path(job.run_dir)
-    ph = job.phases[-1]
-    S = len(Schedule.from_dict(ph.schedule).placement)
-    roots = [run_dir / "stage_ckpt" / ph.name / f"stage{s}" for s in range(S)]
-    done = [dict(ckstore.list_committed(r)) for r in roots]
-    common = set.intersection(*[set(d) for d in done])
-    if not common:
-        return ("no iteration has a checkpoint of every stage, so no weights were saved (set --ckpt-every N "
-                "to keep per-stage checkpoints)")
-    it = max(common)
-    state = {}
-    for d in done:
-        reader = CheckpointReader(d[it])
-        state.update(reader.read_many(reader.names()))
-    save_weights_file(state, run_dir / "model.safetensors")
-    (run_dir / "interrupted.json").write_text(json.dumps({"iteration": it, "phase": ph.name, "stages": S}) + "\n")
-    return f"{run_dir / 'model.safetensors'} holds every stage's checkpoint of iteration {it} of phase {ph.name!r}"
+    save_weights_file(reader.read_many(n for n in reader.names() if is_weight_name(n)), run_dir / "model.safetensors")
+    (run_dir / "interrupted.json").write_text(json.dumps({"iteration": reader.step, "checkpoint": str(reader.path)})
+                                              + "\n")
+    return (f"{run_dir / 'model.safetensors'} holds the weights of checkpoint {reader.path} (iteration "
+            f"{reader.step}); --resume continues from it")
 
 def stop_store(store_proc, store) -> None:
     """Ask the store process to exit (``store/stop``); SIGKILL it if it does not within 5 s."""
@@ -111,27 +112,24 @@ def _initial_stage_weights(job: Job, stage: int) -> dict:
 
 def lost_stages_from_checkpoints(job: Job, run_dir: Path, have: set[str]) -> dict:
     """Recovery mode: a stage that ended the run without a replica (lost for good, never taken
-    over) has no part; its newest per-stage checkpoint fills the merged model, else its initial
+    over) has no part; the job's newest checkpoint fills it in the merged model, else its initial
     weights do (so the run's model is complete and loads); ``RUN_DIR/lost_stages.json`` says which."""
-    from ..checkpoint import store as ckstore
-    from ..checkpoint.reader import CheckpointReader
-
     ph = job.phases[-1]
     S = len(Schedule.from_dict(ph.schedule).placement)
+    reader = None
     out, notes = {}, {}
     for s in range(S):
         if f"stage{s}" in have:
             continue
-        done = ckstore.list_committed(run_dir / "stage_ckpt" / ph.name / f"stage{s}")
-        if done:
-            step, path = max(done)
-            r = CheckpointReader(path)
-            out.update(r.read_many(r.names()))
-            notes[s] = f"no replica at the end; weights from its checkpoint after iteration {step} ({path})"
+        reader = reader or latest_job_checkpoint(job)
+        init = _initial_stage_weights(job, s)
+        if reader is not None and all(n in reader.meta.tensors for n in init):
+            out.update(reader.read_many(init))
+            notes[s] = f"no replica at the end; weights from the checkpoint after iteration {reader.step} ({reader.path})"
         else:
-            out.update(_initial_stage_weights(job, s))
+            out.update(init)
             notes[s] = ("no replica at the end and no checkpoint: its INITIAL (untrained) weights are in "
-                        "model.safetensors; keep per-stage checkpoints (--ckpt-every N) to avoid this")
+                        "model.safetensors; checkpoint the job (--ckpt-every N) to avoid this")
     if notes:
         (run_dir / "lost_stages.json").write_text(json.dumps({str(k): v for k, v in notes.items()}, indent=1))
     return out

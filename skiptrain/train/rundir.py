@@ -37,7 +37,7 @@ __all__ = ["RunError", "WeightsError", "claim_run_dir", "load_run", "load_weight
 
 #: What a run (single-process or swarm) writes into its directory; ``--overwrite`` removes these.
 RUN_ENTRIES = ("config.toml", "tokenizer.json", WEIGHTS, WEIGHTS + ".tmp", "metrics.jsonl", "loss.png",
-               "run.json", "checkpoints", "parts", "phases", "logs", "stage_ckpt", "recoveries.jsonl",
+               "run.json", "checkpoints", "parts", "phases", "logs", "recoveries.jsonl",
                "lost_stages.json", "join.json", "join_secret", "rejected_writes.jsonl", "job.json",
                "store.json", "errors", "interrupted.json", "schedule.json", "gantt.png", "elastic.jsonl",
                "elastic_cache")

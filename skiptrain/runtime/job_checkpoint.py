@@ -1,0 +1,270 @@
+"""Whole-job checkpoints of a swarm: what every node saves, how a step commits, how any layout
+resumes from it.
+
+Every ``checkpoint.every`` iterations, and when a phase ends (``checkpoint.final``), every node
+saves at the same iteration boundary:
+
+* **what**: its stage's weights, optimizer state and sync-strategy state by global name (naming
+  below); per node, JSON with its optimizer record, strategy scalars and torch RNG state; from the
+  lowest writer, the job's position: phase, iteration, exact data cursor, config and layout.
+* **how**: a :class:`~skiptrain.checkpoint.manager.CheckpointManager` with every stage-holding
+  node as a writer.  Replicas of a stage share the writing of its shared tensors by bytes (each
+  tensor is written once).  Each node copies its share into reused host buffers (with
+  ``checkpoint.overlap`` while the next iteration's forward and backward run; the copy always ends
+  before the next optimizer step), then writes and fsyncs it in the background.  The lowest writer
+  commits the step once every part is on disk: metadata written and fsynced, the step directory
+  renamed into place, then ``LATEST`` replaced atomically.  A crash at any moment leaves the
+  previous ``LATEST`` loadable.
+* **failures** (recovery mode): a save whose writer left the job is abandoned at the next save,
+  which plans over the new writers; while a stage has no replica at all, saves are skipped, so
+  every committed checkpoint holds the whole job.
+
+Names.  Replica slot 0 of a stage (the first node of ``placement[stage]``) writes the global names:
+``layers.3.attn.wq.weight``, ``optim.exp_avg.<param>``, ``sync.<key>.<param>``.  Slot ``j > 0``
+writes its per-replica tensors as ``replica<j>.<name>``: the sync strategy's state always (DeMo's
+momentum and error feedback differ between replicas), its weights and optimizer state too when
+the strategy lets replicas drift between syncs (DiLoCo, SparseLoCo).  The global names alone are
+a whole model and optimizer, which is what ``skiptrain train --resume`` on one node,
+``skiptrain export`` and ``skiptrain ckpt`` read.
+
+Resume (:func:`load_node_state`): a node of any layout (other node count, stage count, stage
+sizes or partition) reads only its own tensors, byte ranges verified by their checksums.  Replica
+slot ``j`` takes saved slot ``j mod n`` of each per-replica tensor (``n`` saved replicas of it).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import zlib
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from ..checkpoint.format import CheckpointError
+from ..checkpoint.manager import CheckpointManager, optimizer_record
+from ..checkpoint.plan import TensorSpec
+from ..checkpoint.reader import CheckpointReader, dtype_name
+from ..checkpoint.state import (decode_torch_rng, encode_torch_rng, load_optimizer, model_tensors,
+                                optimizer_tensors, split_optim_name)
+
+SYNC_PREFIX = "sync."
+REPLICA_PREFIX = "replica"
+CONTENTS = "swarm: every stage's weights, optimizer and sync state; a --resume point for any layout"
+
+
+def replica_name(slot: int, name: str) -> str:
+    """The checkpoint name of replica ``slot``'s copy of the per-replica tensor ``name``."""
+    return name if slot == 0 else f"{REPLICA_PREFIX}{slot}.{name}"
+
+
+def is_weight_name(name: str) -> bool:
+    """Whether ``name`` is a model tensor (not optimizer, sync or per-replica state)."""
+    return not name.startswith(("optim.", SYNC_PREFIX, REPLICA_PREFIX))
+
+
+def sync_tensors(strat) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """A sync strategy's state as (``sync.<key>.<param>`` tensors, JSON scalars)."""
+    if strat is None:
+        return {}, {}
+    sd = dict(strat.state_dict())
+    tensors = sd.pop("tensors", {}) or {}
+    return {f"{SYNC_PREFIX}{k}.{p}": t for p, ts in tensors.items() for k, t in ts.items()}, sd
+
+
+def load_sync(strat, tensors: dict[str, torch.Tensor], scalars: dict[str, Any]) -> None:
+    """Load :func:`sync_tensors`'s output (plain ``sync.`` names) into ``strat``."""
+    by_param: dict[str, dict[str, torch.Tensor]] = {}
+    for name, t in tensors.items():
+        key, _, param = name[len(SYNC_PREFIX):].partition(".")
+        by_param.setdefault(param, {})[key] = t
+    strat.load_state_dict({**scalars, "tensors": by_param})
+
+
+def stage_state(model, opt, strat, slot: int) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """This node's tensors by checkpoint name (live storage, not copies; see the module doc),
+    and its JSON: optimizer record, strategy scalars, torch RNG."""
+    drift = bool(getattr(strat, "replicas_drift", False))
+    shared = model_tensors(model)
+    record: dict[str, Any] = {}
+    if opt is not None:
+        opt_t, record = optimizer_tensors(model.named_parameters(), opt)
+        shared.update(opt_t)
+    out = {replica_name(slot, n) if drift else n: t for n, t in shared.items()}
+    sync, scalars = sync_tensors(strat)
+    out.update({replica_name(slot, n): t for n, t in sync.items()})
+    return out, {"optimizer": record, "strategy": scalars, "slot": slot,
+                 "rng": encode_torch_rng(torch.get_rng_state())}
+
+
+def checkpoint_root(job, phase_name: str) -> Path:
+    """``checkpoint.dir`` (default ``RUN_DIR/checkpoints``), one sub-directory per phase when the
+    job has several."""
+    from ..config import config_from_dict
+
+    d = config_from_dict(job.config).checkpoint.dir
+    root = Path(d) if d else Path(job.run_dir) / "checkpoints"
+    return root / phase_name if len(job.phases) > 1 else root
+
+
+def check_root_writable(root: Path, node: int) -> None:
+    """Refuse, with one line, a checkpoint root this node cannot create or write."""
+    probe = root / f".probe-node{node}-{os.getpid()}"
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        try:
+            os.write(fd, b"ok")
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        probe.unlink()
+    except OSError as e:
+        raise CheckpointError(f"node {node} cannot write the checkpoint root {root}: {e.strerror}; give every node "
+                              "a directory it can write (checkpoint.dir: local disk for a local swarm, a shared "
+                              "filesystem across hosts)") from None
+
+
+class JobCheckpointer:
+    """One node's side of the job's checkpoints (see the module doc).
+
+    ``gather(bytes) -> [(node, bytes)]`` is the node's all-gather over the live nodes; every
+    node (with a stage or not) calls :meth:`save` at the same iteration boundaries."""
+
+    def __init__(self, root: Path, node: int, cfg, timeout_s: float,
+                 gather: Callable[[bytes], list[tuple[int, bytes]]]):
+        self.root, self.node, self.cfg = Path(root), node, cfg
+        self.timeout_s = timeout_s
+        self.gather = gather
+        self.mgr: CheckpointManager | None = None
+        self._writers: tuple[int, ...] = ()
+        self._digests: list[tuple[int, bytes]] | None = None
+        self._specs: list[TensorSpec] = []
+        self._holders: dict[str, list[int]] = {}
+        self.saved_step = -1
+        self.stall_s = 0.0
+        self.skipped: list[int] = []
+
+    def due(self, iteration: int, n_iterations: int) -> bool:
+        """Whether the boundary after ``iteration`` (1-based) saves."""
+        every = self.cfg.every
+        return bool((every and iteration % every == 0) or (iteration == n_iterations and self.cfg.final))
+
+    def save(self, iteration: int, position: dict[str, Any], tensors: dict[str, torch.Tensor],
+             node_state: dict[str, Any], placement: list[list[int]]) -> float:
+        """Save the job at ``iteration`` (all nodes call this together); returns the seconds this
+        node was blocked.  ``position`` is the job's JSON (phase, cursor, config, layout)."""
+        if iteration == self.saved_step:
+            return 0.0
+        writers = tuple(sorted({n for p in placement for n in p}))
+        if any(not p for p in placement):
+            self.skipped.append(iteration)
+            return 0.0
+        if writers != self._writers and self.mgr is not None:
+            err = self.mgr.abandon()   # a writer left: its pending step cannot commit
+            if err:
+                print(f"skiptrain node {self.node}: {err}", file=sys.stderr, flush=True)
+        self._plan(tensors, writers)
+        if self.node not in writers:
+            return 0.0
+        if self.mgr is None or writers != self._writers:
+            self.mgr = CheckpointManager(self.root, keep=self.cfg.keep, rank=self.node, ranks=list(writers),
+                                         commit_timeout=self.timeout_s, clean=True)
+            self._writers = writers
+        stall = self.mgr.save(iteration, tensors, {**position, "step": iteration, "contents": CONTENTS},
+                              specs=self._specs, holders=self._holders, rank_state=node_state,
+                              layout={"placement": placement}, overlap=self.cfg.overlap)
+        self.saved_step = iteration
+        self.stall_s += stall
+        return stall
+
+    def _plan(self, tensors: dict[str, torch.Tensor], writers: tuple[int, ...]) -> None:
+        """Every node's tensor specs, gathered again only when some node's changed."""
+        desc = json.dumps([[n, dtype_name(t.dtype), list(t.shape)] for n, t in sorted(tensors.items())]).encode()
+        digest = zlib.crc32(desc).to_bytes(4, "little") + bytes(str(writers), "ascii")
+        digests = self.gather(digest)
+        if digests == self._digests:
+            return
+        specs: dict[str, TensorSpec] = {}
+        holders: dict[str, list[int]] = {}
+        for node, blob in self.gather(desc):
+            for name, dt, shape in json.loads(blob.decode()):
+                specs[name] = TensorSpec(name, dt, tuple(shape))
+                holders.setdefault(name, []).append(node)
+        self._specs, self._holders, self._digests = list(specs.values()), holders, digests
+
+    def wait_snapshot(self) -> None:
+        """Before anything saved changes in place (the optimizer step): the snapshot is taken."""
+        if self.mgr is not None:
+            self.stall_s += self.mgr.wait_snapshot()
+
+    def latest(self) -> tuple[int, Path] | None:
+        """(iteration, path) of the newest committed checkpoint, or None."""
+        from ..checkpoint import store
+
+        p = store.latest(self.root, warn=False)
+        return None if p is None else (CheckpointReader(p).step, p)
+
+    def close(self) -> None:
+        """Wait for the last save to be on disk (its error, if any, goes up)."""
+        if self.mgr is not None:
+            self.mgr.close()
+
+
+def _saved_slot(names: set[str], name: str, slot: int) -> str:
+    """The checkpoint name replica ``slot`` loads ``name`` from: saved slot ``slot mod n``."""
+    n = 1
+    while replica_name(n, name) in names:
+        n += 1
+    return replica_name(slot % n, name)
+
+
+def load_node_state(path: str | Path, model, opt=None, strat=None, slot: int = 0) -> CheckpointReader:
+    """Load this node's stage (any layout) from the checkpoint at ``path``: weights, and when
+    given, optimizer and sync-strategy state; only its tensors are read, checksums verified.
+    A strategy of another kind than the saved one starts from its initial state."""
+    reader = CheckpointReader(path)
+    names = set(reader.meta.tensors)
+    live = model_tensors(model)
+    reader.read_into({_saved_slot(names, n, slot): t for n, t in live.items()})
+    params = {n for n, _ in model.named_parameters()}
+    if opt is not None:
+        wanted = {}
+        for n in names:
+            kp = split_optim_name(n)
+            if kp is not None and kp[1] in params:
+                wanted[_saved_slot(names, n, slot)] = n
+        got = reader.read_many(wanted)
+        load_optimizer(opt, model.named_parameters(), {wanted[k]: t for k, t in got.items()},
+                       optimizer_record(reader.state))
+    ranks = reader.state.get("ranks", {})
+    if strat is not None:
+        scalars = next((r["strategy"] for r in ranks.values() if (r.get("strategy") or {}).get("strategy") == strat.name),
+                       None)
+        own = [n for n in names if n.startswith(SYNC_PREFIX) and n.partition(".")[2].partition(".")[2] in params]
+        if scalars is not None and own:
+            got = reader.read_many(_saved_slot(names, n, slot) for n in own)
+            load_sync(strat, {n: got[_saved_slot(names, n, slot)] for n in own}, scalars)
+    return reader
+
+
+def restore_rng(reader: CheckpointReader, node: int, slot: int) -> None:
+    """Put back torch's RNG state of ``node`` when it saved the same replica slot."""
+    r = reader.state.get("ranks", {}).get(str(node))
+    if r and r.get("slot") == slot and r.get("rng"):
+        torch.set_rng_state(decode_torch_rng(r["rng"]))
+
+
+def resume_point(path: str | Path) -> dict[str, Any]:
+    """Where a job resumes from checkpoint ``path`` (a step directory or a root: its ``LATEST``):
+    ``{"path", "phase", "iteration", "cursor"}``; accepts the single-process trainer's checkpoints."""
+    reader = CheckpointReader(path)
+    st = reader.state
+    data = st.get("data") or {}
+    if "cursor" not in data:
+        raise CheckpointError(f"checkpoint {reader.path} holds no data cursor (it is not a training checkpoint); "
+                              "resume from a checkpoint written by `skiptrain train` or `skiptrain launch`")
+    return {"path": str(reader.path), "phase": int(st.get("phase", 0)), "iteration": int(st.get("iteration", reader.step)),
+            "cursor": int(data["cursor"])}
