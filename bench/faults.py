@@ -86,7 +86,8 @@ def setup(args, data: Path):
         "runtime": {"nodes": 12, "stage_sizes": SIZES, "topology": "geo12", "wan": True, "emulate_compute": True,
                     "time_scale": tau, "bytes_scale": 64, "hop_overhead_s": 0.35 * tau,
                     "s_per_sample_layer": PAPER_S_PER_SAMPLE_LAYER * tau, "memory": 3, "mb_per_originator": 2,
-                    "plan_seed": 0, "timeout_s": 20.0}})
+                    "plan_seed": 0, "timeout_s": 20.0},
+        "checkpoint": {"every": 2}})
     cfg.model.vocab_size = TokenDataset.open(data).vocab_size
     topo13 = scale_topology(load_topology("geo12", 13), tau)      # node 12: the joining node's slot
     topo12 = topo13.subset(list(range(12)))
@@ -131,7 +132,7 @@ def _steps_done(run: Path) -> int:
 def run_once(cfg, topo, cost, sched, data: Path, run: Path, iterations: int, faults: list[dict],
              joins: dict | None, deadline_s: float) -> dict:
     phase = phase_for(cfg, sched, topo, cost, "train", iterations, save_weights=True)
-    job = Job(config=with_runtime(cfg.to_dict(), timeout_s=cfg.runtime.timeout_s, heartbeat_s=0.25, heartbeat_deadline_s=deadline_s, recover=True, ckpt_every=2, ckpt_max_age=8),
+    job = Job(config=with_runtime(cfg.to_dict(), timeout_s=cfg.runtime.timeout_s, heartbeat_s=0.25, heartbeat_deadline_s=deadline_s, recover=True, ckpt_max_age=8),
               data_path=str(data), run_dir=str(run), phases=[phase], **faulty_job(faults) if faults else {})
     out: dict = {}
 

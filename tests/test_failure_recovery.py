@@ -229,15 +229,16 @@ def test_a_second_failure_during_recovery_is_survived_too(byte_data, tmp_path):
 
 
 def test_a_bad_peer_is_banned_after_its_strikes_and_its_stage_restarts_from_the_checkpoint(byte_data, tmp_path):
-    """Stages 2/2/1/1, strikes = 2, per-stage checkpoints every iteration: the sole stage-2 node
-    sends NaN activations from iteration 2; the first rejection is a strike (the iteration is re-run
-    with the same nodes), the second bans it; node 3 takes stage 2 over from the stage's latest
-    checkpoint (young enough), not CheckFree."""
+    """Stages 2/2/1/1, strikes = 2, job checkpoints every iteration: the sole stage-2 node sends
+    NaN activations from iteration 2; the first rejection is a strike (the iteration is re-run with
+    the same nodes), the second bans it; node 3 takes stage 2 over from the job's latest checkpoint
+    (young enough: weights, optimizer and sync state), not CheckFree."""
     sched = Schedule(placement=[[0, 1], [2, 3], [4], [5]], memory=2, method="test", micro_batches=[
         MicroBatch(k, k % 2, [(1, 2 + (k // 2) % 2), (2, 4), (3, 5)]) for k in range(4)])
-    cfg = build_config("tiny", overrides={"train": {"grad_clip": 0.0, "steps": 20, "warmup_steps": 1}})
+    cfg = build_config("tiny", overrides={"train": {"grad_clip": 0.0, "steps": 20, "warmup_steps": 1},
+                                          "checkpoint": {"every": 1}})
     run = tmp_path / "run"
-    job = Job(config=with_runtime(cfg.to_dict(), timeout_s=15.0, heartbeat_s=0.2, heartbeat_deadline_s=4.0, recover=True, takeover=True, strikes=2, ckpt_every=1, ckpt_max_age=3),
+    job = Job(config=with_runtime(cfg.to_dict(), timeout_s=15.0, heartbeat_s=0.2, heartbeat_deadline_s=4.0, recover=True, takeover=True, strikes=2, ckpt_max_age=3),
               data_path=str(byte_data), run_dir=str(run), phases=[Phase("p", sched.to_dict(), iterations=4)],
               **faulty_job({"node": 4, "kind": "nan", "iteration": 2}))
     res = launch(job, timeout_s=180)
@@ -249,7 +250,8 @@ def test_a_bad_peer_is_banned_after_its_strikes_and_its_stage_restarts_from_the_
     n3 = json.loads((run / "phases" / "p" / "node3.json").read_text())
     (tk,) = n3["takeovers"]
     assert tk["stage"] == 2 and tk["init"] == "checkpoint" and tk["checkpoint_age"] == 0
-    assert "stage2" in tk["checkpoint"] and n3["stage"] == 2
+    assert tk["restored"] == ["weights", "optimizer", "sync"]
+    assert "step-00000002" in tk["checkpoint"] and n3["stage"] == 2
     trained = [i for s in trained_samples(run / "phases" / "p").values() for i in s]
     assert sorted(trained) == list(range(4 * 4 * cfg.train.micro_batch))
     assert processes_of_run(run) == []
@@ -332,7 +334,7 @@ def test_drift_replans_routes_away_from_a_node_that_slowed_down(byte_data, tmp_p
     assert processes_of_run(run) == []
 
 
-def test_a_stage_lost_for_good_is_filled_from_its_checkpoint_in_the_merged_model(tmp_path):
+def test_a_stage_lost_for_good_is_filled_from_the_job_checkpoint_in_the_merged_model(tmp_path):
     from skiptrain.checkpoint.manager import CheckpointManager
     from skiptrain.checkpoint.state import model_tensors
     from skiptrain.model.transformer import StagedLM
@@ -342,7 +344,7 @@ def test_a_stage_lost_for_good_is_filled_from_its_checkpoint_in_the_merged_model
     job = Job(config=with_runtime(cfg.to_dict(), recover=True), data_path="-", run_dir=str(tmp_path),
               phases=[Phase("train", _schedule().to_dict(), iterations=4)])
     m2 = StagedLM(cfg.model, stages=[2], seed=5)
-    mgr = CheckpointManager(tmp_path / "stage_ckpt" / "train" / "stage2", keep=2)
+    mgr = CheckpointManager(tmp_path / "checkpoints", keep=2)
     mgr.save(3, model_tensors(m2), state={"stage": 2}, blocking=True)
     mgr.close()
     got = lost_stages_from_checkpoints(job, tmp_path, {"stage0", "stage1"})

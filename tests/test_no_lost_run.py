@@ -18,7 +18,6 @@ import torch
 from conftest import launch_in_a_process, metrics_lines, processes_of_run, wait_for
 from fault_node import faulty_job
 from skiptrain.config import build_config
-from skiptrain.cli.launch import stage_ckpt_every
 from skiptrain.runtime.job import Job, Phase, with_runtime
 from skiptrain.runtime.launcher import launch
 from skiptrain.schedule.schedule import MicroBatch, Schedule
@@ -33,27 +32,29 @@ def _sched() -> Schedule:
         MicroBatch(k, k % 2, [(1, 2 + (k // 2) % 2), (2, 4), (3, 5)]) for k in range(4)])
 
 
-def _cfg():
-    return build_config("tiny", overrides={"train": {"grad_clip": 0.0, "steps": 20, "warmup_steps": 1}})
+def _cfg(every: int = 100):
+    return build_config("tiny", overrides={"train": {"grad_clip": 0.0, "steps": 20, "warmup_steps": 1},
+                                          "checkpoint": {"every": every}})
 
 
-def test_single_copy_stages_get_stage_checkpoints_by_default_under_recover():
-    rt = build_config("tiny", overrides=["runtime.recover=true"]).runtime
-    assert stage_ckpt_every(rt, PLACEMENT, 20) == 2 and stage_ckpt_every(rt, PLACEMENT, 3) == 1
-    assert stage_ckpt_every(rt, PLACEMENT, 1000) == 10
-    assert stage_ckpt_every(rt, [[0, 1], [2, 3], [4, 5]], 20) == 0          # every body stage replicated
-    rt.ckpt_every = 7
-    assert stage_ckpt_every(rt, PLACEMENT, 20) == 7                         # the user's choice stands
-    assert stage_ckpt_every(build_config("tiny").runtime, PLACEMENT, 20) == 0   # no recovery: no stage ckpts
+def test_single_copy_stages_are_checkpointed_often_under_recover():
+    from skiptrain.cli.launch import ckpt_every_for
+
+    cfg = build_config("tiny", overrides=["runtime.recover=true"])
+    assert ckpt_every_for(cfg, PLACEMENT, 20) == 2 and ckpt_every_for(cfg, PLACEMENT, 3) == 1
+    assert ckpt_every_for(cfg, PLACEMENT, 1000) == 10
+    assert ckpt_every_for(cfg, [[0, 1], [2, 3], [4, 5]], 20) == 100          # every body stage replicated
+    cfg.checkpoint.every = 1
+    assert ckpt_every_for(cfg, PLACEMENT, 20) == 1                            # a shorter interval stands
+    assert ckpt_every_for(build_config("tiny"), PLACEMENT, 20) == 100         # no recovery: as configured
 
 
 @pytest.mark.slow
 def test_losing_the_only_node_of_a_body_stage_still_ends_in_a_complete_model(byte_data, tmp_path):
-    cfg = _cfg()
-    rt = build_config("tiny", overrides=["runtime.recover=true"]).runtime
+    cfg = _cfg(every=2)
     iters = 6
     run = tmp_path / "run"
-    job = Job(config=with_runtime(cfg.to_dict(), timeout_s=15.0, heartbeat_s=0.2, heartbeat_deadline_s=3.0, recover=True, ckpt_every=stage_ckpt_every(rt, PLACEMENT, iters)),
+    job = Job(config=with_runtime(cfg.to_dict(), timeout_s=15.0, heartbeat_s=0.2, heartbeat_deadline_s=3.0, recover=True),
               data_path=str(byte_data), run_dir=str(run),
               phases=[Phase("train", _sched().to_dict(), iterations=iters, save_weights=True)],
               **faulty_job({"node": 4, "kind": "kill", "iteration": 3}))     # sole node of stage 2
@@ -68,22 +69,22 @@ def test_losing_the_only_node_of_a_body_stage_still_ends_in_a_complete_model(byt
     assert processes_of_run(run) == []
 
 
-def _restartable_job(cfg, byte_data, run: Path, ckpt_every: int) -> Job:
+def _restartable_job(cfg, byte_data, run: Path) -> Job:
     return Job(config=with_runtime(cfg.to_dict(), timeout_s=15.0, heartbeat_s=0.2, heartbeat_deadline_s=4.0,
-                                   recover=True, restartable=True, ckpt_every=ckpt_every),
+                                   recover=True, restartable=True),
                data_path=str(byte_data), run_dir=str(run),
                phases=[Phase("train", _sched().to_dict(), iterations=200, save_weights=True)])
 
 
 @pytest.mark.slow
 def test_sigterm_to_the_launcher_stops_every_node_at_a_boundary_and_keeps_the_final_weights(byte_data, tmp_path):
-    """SIGTERM: the nodes agree at the next iteration boundary, every stage's first replica
-    writes its weights, the launch merges them (the fresh ones, not an older stage checkpoint)
-    and returns interrupted; the store process and every node are gone."""
-    cfg = _cfg()
+    """SIGTERM: the nodes agree at the next iteration boundary, checkpoint the job there, every
+    stage's first replica writes its weights, the launch merges them and returns interrupted; the
+    store process and every node are gone."""
+    cfg = _cfg(every=50)
     run = tmp_path / "run"
     run.mkdir()
-    launcher = launch_in_a_process(_restartable_job(cfg, byte_data, run, 50).save(tmp_path / "job.json"),
+    launcher = launch_in_a_process(_restartable_job(cfg, byte_data, run).save(tmp_path / "job.json"),
                                    capture=True)
     wait_for(lambda: metrics_lines(run) >= 2)
     store_pid = json.loads((run / "store.json").read_text())["pid"]
@@ -94,7 +95,7 @@ def test_sigterm_to_the_launcher_stops_every_node_at_a_boundary_and_keeps_the_fi
     done = max(json.loads(x)["step"] for x in (run / "metrics.jsonl").read_text().splitlines() if '"loss"' in x)
     assert 2 <= done < 200
     assert f"holds iteration {done}" in err
-    assert not (run / "stage_ckpt" / "train" / "stage2" / "LATEST").exists()   # no checkpoint before 50: fresh weights
+    assert (run / "checkpoints" / "LATEST").read_text().strip() == f"step-{done:08d}"   # the resume point
     from skiptrain.checkpoint.weights import load_weights
     from skiptrain.model.transformer import StagedLM
 
@@ -107,19 +108,19 @@ def test_sigterm_to_the_launcher_stops_every_node_at_a_boundary_and_keeps_the_fi
 
 
 @pytest.mark.slow
-def test_a_second_sigterm_stops_at_once_and_salvages_the_stage_checkpoints(byte_data, tmp_path):
-    cfg = _cfg()
+def test_a_second_sigterm_stops_at_once_and_salvages_the_job_checkpoint(byte_data, tmp_path):
+    cfg = _cfg(every=1)
     run = tmp_path / "run"
     run.mkdir()
-    launcher = launch_in_a_process(_restartable_job(cfg, byte_data, run, 1).save(tmp_path / "job.json"),
+    launcher = launch_in_a_process(_restartable_job(cfg, byte_data, run).save(tmp_path / "job.json"),
                                    capture=True)
-    wait_for(lambda: all((run / "stage_ckpt" / "train" / f"stage{s}" / "LATEST").exists() for s in range(4)))
+    wait_for(lambda: (run / "checkpoints" / "LATEST").exists())
     os.kill(launcher.pid, signal.SIGTERM)
     time.sleep(0.05)
     os.kill(launcher.pid, signal.SIGTERM)
     _, err = launcher.communicate(timeout=60)
     assert launcher.returncode != 0
-    assert "[launch] interrupted:" in err and "holds every stage's checkpoint of iteration" in err, err[-2000:]
+    assert "[launch] interrupted:" in err and "holds the weights of checkpoint" in err, err[-2000:]
     assert json.loads((run / "interrupted.json").read_text())["iteration"] >= 1
     from skiptrain.checkpoint.weights import load_weights
     from skiptrain.model.transformer import StagedLM
@@ -131,8 +132,8 @@ def test_a_second_sigterm_stops_at_once_and_salvages_the_stage_checkpoints(byte_
 
 @pytest.mark.slow
 def test_ctrl_c_of_a_swarm_training_writes_a_final_checkpoint(byte_data, tmp_path):
-    """`skiptrain train --nodes 4` and SIGINT: exit 130 with one line naming the final checkpoint,
-    whose step is the iterations done and whose weights are the merged model's."""
+    """`skiptrain train --nodes 4` and SIGINT: exit 130 with one line naming the resume point, a
+    checkpoint whose step is the iterations done and whose weights are the merged model's."""
     out = tmp_path / "swarm"
     p = subprocess.Popen([sys.executable, "-m", "skiptrain.cli", "train", "--preset", "tiny", "--data", str(byte_data),
                           "--out", str(out), "--nodes", "4", "--steps", "300", "--set", "runtime.stage_sizes=1,1,1,1"],
@@ -144,13 +145,14 @@ def test_ctrl_c_of_a_swarm_training_writes_a_final_checkpoint(byte_data, tmp_pat
     assert p.returncode == 130, err[-2000:]
     summary = json.loads((out / "run.json").read_text())
     assert summary["interrupted"] and 2 <= summary["step"] < 300
-    assert f"interrupted after iteration {summary['step']} of 300: final checkpoint" in err
+    assert f"interrupted after iteration {summary['step']} of 300" in err
+    assert f"continues from the checkpoint of iteration {summary['step']}" in err
     from skiptrain.checkpoint.reader import CheckpointReader
 
     latest = (out / "checkpoints" / "LATEST").read_text().strip()
     assert latest == f"step-{summary['step']:08d}"
     r = CheckpointReader(out / "checkpoints" / latest)
-    assert r.verify() > 0
+    assert r.verify() > 0 and r.names("optim.exp_avg.")            # a resume point: optimizer state too
     _, model, _ = load_run(out)
     got = r.read_many(["layers.1.attn.wq.weight"])["layers.1.attn.wq.weight"]
     assert torch.equal(got, model.state_dict()["layers.1.attn.wq.weight"])
@@ -253,6 +255,6 @@ def test_kill_9_of_the_only_stage_2_node_in_a_2_2_1_1_swarm_still_gives_a_usable
     summary = json.loads((run / "run.json").read_text())
     assert summary["step"] == 14
     notes = json.loads((run / "lost_stages.json").read_text())
-    assert list(notes) == ["2"] and "from its checkpoint" in notes["2"]
+    assert list(notes) == ["2"] and "from the checkpoint after iteration" in notes["2"]
     assert main(["eval", str(run), "--batches", "1"]) == 0
     assert processes_of_run(run) == []

@@ -22,16 +22,17 @@ def test_launch_swarm_leaves_a_complete_run_directory(byte_data, tmp_path):
     assert json.loads((tmp_path / "e.json").read_text())["val_loss"] > 0
 
 
-def test_launch_with_recover_writes_stage_checkpoints_and_cleans_the_join_secret(byte_data, tmp_path):
+def test_launch_with_recover_checkpoints_the_job_and_cleans_the_join_secret(byte_data, tmp_path):
     out = tmp_path / "swarm"
     assert main(["launch", "--preset", "tiny", "--data", str(byte_data), "--out", str(out), "--nodes", "5",
                  "--set", "runtime.stage_sizes=2,1,1,1", "--steps", "2", "--recover", "--heartbeat-deadline", "8",
                  "--strikes", "2", "--ckpt-every", "1"]) == 0
     job = json.loads((out / "job.json").read_text())
     rt = job["config"]["runtime"]
-    assert rt["recover"] and rt["heartbeat_deadline_s"] == 8 and rt["strikes"] == 2 and rt["ckpt_every"] == 1
-    for s in range(4):                                     # every stage's first replica wrote its weights
-        assert (out / "stage_ckpt" / "train" / f"stage{s}" / "LATEST").read_text().strip() == "step-00000002"
+    assert rt["recover"] and rt["heartbeat_deadline_s"] == 8 and rt["strikes"] == 2
+    assert job["config"]["checkpoint"]["every"] == 1
+    assert (out / "checkpoints" / "LATEST").read_text().strip() == "step-00000002"
+    assert {p.name for p in (out / "checkpoints").glob("step-*")} == {"step-00000001", "step-00000002"}
     assert not (out / "join_secret").exists() and not (out / "join.json").exists()   # run over: no joining
     assert json.loads((out / "run.json").read_text())["step"] == 2
 

@@ -53,6 +53,11 @@ def train_swarm(cfg, data: str, out: str, steps: int | None = None, echo: bool =
               f"method {sched.method}, k={sched.skip_ratio}, m={sched.memory}, {steps} steps, "
               f"topology {topo.name}{' (emulated)' if rt.wan else ''} -> {out}", flush=True)
     rt.restartable = rt.recover and restartable
+    every = ckpt_every_for(cfg, sched.placement, steps)
+    if every != cfg.checkpoint.every and echo:
+        print(f"body stage(s) {[s for s, n in enumerate(sched.placement) if s and len(n) == 1]} have a single "
+              f"node: checkpoints every {every} iterations, so a lost stage keeps its progress", flush=True)
+    cfg.checkpoint.every = every
     job = Job(config=cfg.to_dict(), data_path=str(ds.path), run_dir=str(outp),
               phases=[phase_for(cfg, sched, topo, cost, "train", steps, save_weights=True)], resume=start)
     if echo:
@@ -102,6 +107,17 @@ def train_swarm(cfg, data: str, out: str, steps: int | None = None, echo: bool =
               f"{summary['median_iteration_s']:.3f} s (simulated {sim.iteration_s:.3f} s), "
               f"{summary['seconds']:.0f} s; run directory: {out}", flush=True)
     return summary
+
+
+def ckpt_every_for(cfg, placement: list[list[int]], steps: int) -> int:
+    """A swarm's checkpoint interval: ``checkpoint.every``, at most ``max(1, min(10, steps // 10))``
+    in recovery mode when a body stage is held by a single node (a lost stage then restarts from a
+    recent checkpoint, not from CheckFree)."""
+    every = cfg.checkpoint.every
+    if not cfg.runtime.recover or not any(len(nodes) == 1 for nodes in placement[1:]):
+        return every
+    cap = max(1, min(10, steps // 10))
+    return cap if not every or every > cap else every
 
 
 def _resume_point(cfg, out: str, resume: str, steps: int) -> dict:

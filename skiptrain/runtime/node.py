@@ -825,6 +825,7 @@ class Node:
         from .job_checkpoint import load_node_state
 
         load_node_state(rep["checkpoint"], model, opt, strat, sched.placement[stage].index(self.rank))
+        rep["restored"] = ["weights"] + (["optimizer"] if opt is not None else []) + (["sync"] if strat is not None else [])
 
     # ---- drift re-planning (runtime/drift.py) --------------------------------------------------
 
