@@ -20,9 +20,13 @@ AdamW state) with the same state in one run:
   state is being written in the background, divided by the idle step time (the cost of doing the
   I/O on a thread of the training process).
 
+Swarm figures (``bench/_swarm_checkpoint.py``): the per-iteration slowdown of a 9-node swarm that
+checkpoints the whole job every iteration against the same swarm not saving, and a crash loop of
+whole-job SIGKILLs during saves, each resumed from ``LATEST`` (which must load and verify).
+
 Everything is written to a temporary directory that is deleted at the end.
 
-    python bench/checkpoint.py [--quick] [--json PATH] [--reps N] [--dir DIR]
+    python bench/checkpoint.py [--quick] [--json PATH] [--reps N] [--dir DIR] [--trials N]
 """
 
 from __future__ import annotations
@@ -210,12 +214,35 @@ def loop_slowdown(big: dict, work: Path) -> float:
     return statistics.median(busy_times) / idle if busy_times else float("nan")
 
 
+def swarm_figures(args, work: Path) -> dict:
+    """The swarm's stall and crash-loop figures (``bench/_swarm_checkpoint.py``)."""
+    from _swarm_checkpoint import crash_loop, swarm_stall
+
+    from skiptrain.data.corpus import read_documents
+    from skiptrain.data.dataset import write_dataset
+
+    texts = Path(__file__).resolve().parents[1] / "tests" / "data"
+    data = work / "data"
+    write_dataset(data, read_documents([str(texts / "hamlet_excerpt.txt"), str(texts / "macbeth_excerpt.txt")]),
+                  read_documents([str(texts / "milton_excerpt.txt")]), tokenizer="byte", val_fraction=0.1,
+                  source="test excerpts")
+    iters = args.swarm_iterations or (10 if args.quick else 30)
+    print("[bench] swarm stall ...", flush=True)
+    out = swarm_stall(data, work, iters, 1 if args.quick else 2)
+    trials = args.trials if args.trials is not None else (3 if args.quick else 30)
+    print("[bench] crash loop ...", flush=True)
+    out.update(crash_loop(data, work, trials))
+    return out
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="the small model only")
     ap.add_argument("--json", metavar="PATH", help="write the results as JSON")
     ap.add_argument("--reps", type=int, default=3, help="saves per method (median reported)")
     ap.add_argument("--dir", default=None, help="parent of the temporary directory (default: system temp)")
+    ap.add_argument("--trials", type=int, default=None, help="whole-job kills in the crash loop (default 30; quick 3)")
+    ap.add_argument("--swarm-iterations", type=int, default=None, help="iterations per stall run (default 30; quick 10)")
     args = ap.parse_args(argv)
     torch.manual_seed(0)
     work = Path(tempfile.mkdtemp(prefix="skiptrain-ckpt-bench-", dir=args.dir))
@@ -226,6 +253,7 @@ def main(argv=None) -> int:
             print(f"[bench] {kind} ...", flush=True)
             results.append(bench_model(kind, args.reps, work))
         slow = loop_slowdown(results[-1], work)
+        swarm = swarm_figures(args, work)
     finally:
         for r in results:
             r.pop("_keep", None)
@@ -254,7 +282,16 @@ def main(argv=None) -> int:
           f"(target <= 10%), {main_r['skiptrain_stall_s'] / main_r['dcp_async_s']:.2f}x DCP async_save "
           f"(target <= 1); save = {main_r['save_GBps'] / main_r['disk_write_GBps']:.0%} of disk (target >= 80%); "
           f"small-model step time while the background writer runs: {slow:.2f}x idle")
-    out = {"stall_s": {"skiptrain": main_r["skiptrain_stall_s"], "torch_save": main_r["torch_save_s"],
+    print(f"\nswarm ({swarm['nodes']} nodes, checkpoint every iteration vs none, {swarm['reps']} run(s) each of "
+          f"{swarm['iterations']} iterations): period {swarm['period_save_s']:.4f} s vs {swarm['period_none_s']:.4f} s "
+          f"= {swarm['swarm_stall_fraction']:+.1%} per iteration (target <= +5%)")
+    print(f"crash loop: {swarm['crash_resumes_ok']}/{swarm['crash_trials']} whole-job SIGKILLs resumed from a LATEST "
+          f"that loads and verifies ({swarm['killed_during_save']} killed while a save was being written); after the "
+          f"last resume the job ran to iteration {swarm['final_iteration']}: {swarm['samples_lost']} samples lost, "
+          f"{swarm['samples_repeated']} repeated")
+    out = {"swarm_stall_fraction": swarm["swarm_stall_fraction"], "crash_trials": swarm["crash_trials"],
+           "crash_resumes_ok": swarm["crash_resumes_ok"], "swarm": swarm,
+           "stall_s": {"skiptrain": main_r["skiptrain_stall_s"], "torch_save": main_r["torch_save_s"],
                        "dcp_async": main_r["dcp_async_s"],
                        "skiptrain_blocking_snapshot": main_r["skiptrain_blocking_stall_s"],
                        "skiptrain_first_save": main_r["skiptrain_first_stall_s"]},

@@ -450,7 +450,7 @@ class Node:
             self._sync(dist.barrier)   # commit point: every node finished its pipeline tasks
         a.committed = True
         a.entry = {"events": [], "n_processed": a.res.n_processed, "t_end": 0.0, "samples": sorted(a.samples),
-                   "gen": self.gen}
+                   "gen": self.gen, "t0": t0}
         st.record["iterations"].append(a.entry)
         self._log_samples(st.out_dir, st.ph.name, st.it, a.samples)
         events = list(a.res.events) + self._step(st, a, t0)
@@ -463,7 +463,9 @@ class Node:
         self._after_gather(st, allst)
         self._maybe_evaluate(st)
         if self.ckpt.due(st.it + 1, st.ph.iterations):
+            t = time.perf_counter()
             self._save_checkpoint(st, st.it + 1, st.cursor + st.gb)
+            a.entry["ckpt_s"] = time.perf_counter() - t
 
     def _maybe_evaluate(self, st: "PhaseState") -> None:
         """Validation inside the loop, every ``train.eval_every`` iterations and after the last,
