@@ -162,17 +162,19 @@ class JobCheckpointer:
         if any(not p for p in placement):
             self.skipped.append(iteration)
             return 0.0
-        if writers != self._writers and self.mgr is not None:
+        new_writers = writers != self._writers          # the same on every node
+        if new_writers and self.mgr is not None:
             err = self.mgr.abandon()   # a writer left: its pending step cannot commit
             if err:
                 print(f"skiptrain node {self.node}: {err}", file=sys.stderr, flush=True)
-        self._plan(tensors, writers)
+        self._plan(tensors, writers, new_writers)
+        self._writers = writers
         if self.node not in writers:
+            self.mgr = None
             return 0.0
-        if self.mgr is None or writers != self._writers:
+        if self.mgr is None or new_writers:
             self.mgr = CheckpointManager(self.root, keep=self.cfg.keep, rank=self.node, ranks=list(writers),
-                                         commit_timeout=self.timeout_s, clean=True)
-            self._writers = writers
+                                         commit_timeout=max(600.0, self.timeout_s), clean=False)
         stall = self.mgr.save(iteration, tensors, {**position, "step": iteration, "contents": CONTENTS},
                               specs=self._specs, holders=self._holders, rank_state=node_state,
                               layout={"placement": placement}, overlap=self.cfg.overlap)
@@ -180,12 +182,18 @@ class JobCheckpointer:
         self.stall_s += stall
         return stall
 
-    def _plan(self, tensors: dict[str, torch.Tensor], writers: tuple[int, ...]) -> None:
-        """Every node's tensor specs, gathered again only when some node's changed."""
+    def _plan(self, tensors: dict[str, torch.Tensor], writers: tuple[int, ...], new_writers: bool) -> None:
+        """Every node's tensor specs, gathered again only when some node's changed.  With new
+        writers, the lowest one removes what unfinished saves left, between two all-gathers: no
+        node is writing then (each waited for its own last save before the first)."""
         desc = json.dumps([[n, dtype_name(t.dtype), list(t.shape)] for n, t in sorted(tensors.items())]).encode()
         digest = zlib.crc32(desc).to_bytes(4, "little") + bytes(str(writers), "ascii")
         digests = self.gather(digest)
-        if digests == self._digests:
+        if new_writers and self.node == writers[0]:
+            from ..checkpoint import store
+
+            store.clean_stale(self.root)
+        if digests == self._digests and not new_writers:
             return
         specs: dict[str, TensorSpec] = {}
         holders: dict[str, list[int]] = {}
