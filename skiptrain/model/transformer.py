@@ -212,7 +212,7 @@ class StagedLM(nn.Module):
         Returns logits, or ``(logits, loss)`` when ``targets`` is given.
         """
         h = self.embed(tokens)
-        for s in (range(1, self.cfg.n_stages) if route is None else route):
+        for s in (range(1, self.partition.n_stages) if route is None else route):
             if s == 0:
                 raise ValueError("stage 0 is implicit at both ends of a route; list body stages only")
             h = self.run_stage(s, h)
