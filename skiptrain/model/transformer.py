@@ -191,7 +191,11 @@ class StagedLM(nn.Module):
 
     def run_stage(self, stage: int, h: torch.Tensor) -> torch.Tensor:
         """Apply one stage's layers to the residual stream ``h`` (batch, seq, d_model)."""
-        for i in self.partition.layers(stage):
+        return self.run_layers(h, self.partition.layers(stage))
+
+    def run_layers(self, h: torch.Tensor, layer_ids: Iterable[int]) -> torch.Tensor:
+        """Apply layers ``layer_ids`` (global indices, in order) to the residual stream ``h``."""
+        for i in layer_ids:
             h = self.layers[str(i)](h, self.rope_cos, self.rope_sin)
         return h
 

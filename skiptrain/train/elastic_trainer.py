@@ -3,10 +3,8 @@
 :class:`ElasticTrainer` is :class:`skiptrain.train.trainer.Trainer` -- the same loop, executor and
 optimizer step -- plus, every ``elastic.check_every`` steps, the freeze rule (:mod:`.freeze`; its
 guard gets the validation loss of every window and, as its clock, the learning rate summed over
-the steps so far, in units of the peak rate, which resumption recomputes from the step).  When
-the frozen count changes, a *transition* computes the new layout, and the trainer applies it
-(:meth:`Trainer.reconfigure <skiptrain.train.trainer.Trainer.reconfigure>`) at the iteration
-boundary:
+the steps so far in units of the peak rate).  When the frozen count changes, a *transition*
+plans the new layout and the trainer applies it (``Trainer.reconfigure``) before the next step:
 
 1. the activation cache (:mod:`.cache`) is measured and switched on when cheaper, and its
    entries are validated (an undo drops entries deeper than the new prefix); when the whole
@@ -14,27 +12,18 @@ boundary:
    the prefix again and AutoPipe plans without it in device memory;
 2. AutoPipe (:mod:`.repartition`) repartitions the active layers and shrinks the stage count,
    costing the frozen prefix by the share the cache is expected to save (:func:`.cache.expected_hit`);
-3. AutoDP (:mod:`.replicas`) assigns the ``elastic.nodes`` emulated nodes to the new stages and
-   the layout-change core plans the state transfers by name
-   (:func:`skiptrain.layout.transfer.transfer_plan`); the largest receiver's message is packed and
-   unpacked for real in the one wire format (that CPU cost is part of the measured transition
-   time; the wire time is the runtime's);
-4. the new :class:`~skiptrain.elastic.repartition.ElasticLayout` (partition + frozen depth) is
-   applied: frozen layers (and the embedding, with the first of them) get no backward and no
-   update (their optimizer state is kept for an undo), each stage of the new partition with
-   trainable parameters gets its sync, and the executor runs the new stages.
+3. AutoDP (:mod:`.replicas`) assigns the ``elastic.nodes`` emulated nodes to the new stages,
+   :func:`skiptrain.layout.transfer.transfer_plan` bills the moves by name, and the largest
+   receiver's message is packed and unpacked for real (the wire time is the runtime's);
+4. the new layout is applied: frozen layers (and the embedding, with the first of them) get no
+   backward and no update (their optimizer state is kept for an undo), and each iteration starts
+   stage 0 from the frozen prefix's output, computed without autograd (from the cache when on).
 
-Each iteration then starts stage 0 of every micro-batch from the frozen prefix's output, computed
-without autograd (from the cache when on), and runs the rest along the routes over the new body
-stages (skipping over them when ``train.skip_ratio > 0`` and more than one body stage is left).
 The global batch, the data cursor and the learning-rate schedule (a function of the step) are
-untouched by transitions, so no sample is repeated or skipped.
-
-Checkpoints carry, under ``state["freeze"]``: the frozen count, the whole rule state (window
-sums, previous norms, guard), the layout history, the transitions and the cache position (its
-directory, depth and counters); ``resume`` restores all of it, applies the layout in force and
-revalidates the cache (and, when that layout was planned with a prefilled cache that has since
-lost entries, prefills it again: ``resume_prefill``), so a resumed run continues exactly as the
+untouched by transitions, so no sample is repeated or skipped.  Checkpoints carry, under
+``state["freeze"]``, the rule state, the layout history, the transitions and the cache position;
+``resume`` restores them, applies the layout in force and revalidates the cache (refilling a
+prefilled one that lost entries: ``resume_prefill``), so a resumed run continues exactly as the
 uninterrupted one.  Decisions go to ``RUN_DIR/elastic.jsonl``.
 """
 
@@ -145,7 +134,7 @@ class ElasticTrainer(Trainer):
         """Stage 0's forward: its layers after the frozen prefix, on the prefix's output."""
         if self.frozen == 0:
             return self.model.embed(h)
-        return self.runner.run_layers(h, self.frozen, self.layout.partition.layers(0).stop)
+        return self.model.run_layers(h, range(self.frozen, self.layout.partition.layers(0).stop))
 
     def observe(self, updates: dict[str, torch.Tensor]) -> None:
         """Per active layer, the norm of its stage-averaged gradient, to the freeze rule."""
@@ -196,7 +185,7 @@ class ElasticTrainer(Trainer):
             self._guard_rows = (key, [self.runner.compute(x) for x, _ in batches])
         total, n = 0.0, 0
         for h, (_, y) in zip(self._guard_rows[1], batches):
-            h = self.runner.run_layers(h, F, self.cfg.model.n_layers)
+            h = m.run_layers(h, range(F, self.cfg.model.n_layers))
             total += m.loss(m.logits(h), y).item() * len(y)
             n += len(y)
         m.train(was_training)

@@ -10,11 +10,9 @@ data-parallel group of one: each stage's gradient is the mean over the micro-bat
 visited it, one global clip, one optimizer step.  So this trainer computes what a swarm of node
 processes computes on the same routes.
 
-Layout changes.  The trainer trains under a :class:`~skiptrain.layout.Layout`: the partition of
-layers into stages and the frozen depth.  :meth:`Trainer.reconfigure` applies a new one at an
-iteration boundary; elastic mode (:mod:`skiptrain.train.elastic_trainer`) does so at every
-freeze or undo, and its hooks (:meth:`Trainer.routes`, :meth:`Trainer.stage0_inputs`,
-:meth:`Trainer.observe`) feed the same step the frozen prefix's output and the freeze rule.
+Layout changes.  The trainer trains under a :class:`~skiptrain.layout.Layout` (the partition
+of layers into stages, the frozen depth); :meth:`Trainer.reconfigure` applies a new one between
+iterations.  Elastic mode (:mod:`.elastic_trainer`) does so at every freeze or undo.
 
 Device and precision: the model lives on ``train.device`` (``auto``: CUDA when present) and
 each iteration's batch is moved there once; with ``train.precision=bf16`` the executor's
