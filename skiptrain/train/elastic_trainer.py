@@ -119,6 +119,8 @@ class ElasticTrainer(Trainer):
     # ---- the trainer's step, with a frozen prefix -----------------------------------------
 
     def routes(self) -> list[list[int]]:
+        """Routes over the layout's body stages; skipping (``train.skip_ratio``) needs two or more
+        of them once the pipeline has shrunk."""
         S, t = self.layout.n_stages, self.cfg.train
         if S == self.start_stages:
             return super().routes()
