@@ -1,4 +1,4 @@
-"""Elastic pipelining by freezing (issue 9): real runs on this machine + the simulator at 16 devices.
+"""Elastic pipelining by freezing: real runs on this machine + the simulator at 16 devices.
 
 Both halves compute *time to a target validation loss* (the baseline's final loss x 1.01) at an
 equal token budget for (a) the best static configuration of a sweep (stages x replicas x
@@ -134,7 +134,7 @@ def real_runs(args) -> dict:
     prev = (0, 0, 0)
     for step in range(1, steps + 1):
         for n, tr in trainers.items():
-            frozen[n].append(getattr(tr, "frozen", 0))
+            frozen[n].append(tr.frozen)
             if n == "elastic":
                 cached_now = el_tr.runner.enabled
             c0 = time.thread_time()

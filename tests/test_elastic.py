@@ -1,4 +1,4 @@
-"""Elastic pipelining by freezing (issue 9): freeze rule, AutoPipe, AutoDP transfers, AutoCache."""
+"""Elastic pipelining by freezing: freeze rule, AutoPipe, AutoDP transfers, AutoCache."""
 
 from __future__ import annotations
 

@@ -52,6 +52,7 @@ def test_transitions_cache_and_sample_order(byte_data, tmp_path):
     assert all(sum(l.counts) == 5 and l.counts[0] >= l.frozen for l in tr.layouts)
     assert all(l.replicas * l.n_stages <= 8 for l in tr.layouts)
     assert tr.layouts[-1].n_stages < tr.layouts[0].n_stages and tr.layouts[-1].replicas > 1
+    assert tr.model.partition.to_list() == tr.layouts[-1].counts   # the trainer runs the layout in force
     # frozen layers did not change after they froze: every cache entry (written with the
     # weights of its time, fingerprinted) is still valid at the end
     st = tr.cache.stats()
@@ -66,6 +67,7 @@ def test_transitions_cache_and_sample_order(byte_data, tmp_path):
     assert _losses(tmp_path / "on") == _losses(tmp_path / "off")
     for (n, a), (_, b) in zip(tr.model.named_parameters(), off.model.named_parameters()):
         assert torch.equal(a, b), n
+    assert all(set(r) <= set(range(1, tr.layouts[-1].n_stages)) for r in tr.train_step().routes)
 
 
 def test_resume_after_a_transition_reproduces_the_run(byte_data, tmp_path):
@@ -240,3 +242,17 @@ def test_guard_keeps_the_frozen_prefix_of_its_windows_and_equals_evaluate(byte_d
     tr.runner.set_frozen(tr.frozen)
     ref2 = evaluate(tr.model, tr.val_src, e.guard_batches, t.micro_batch)
     assert tr._guard_val() == ref2 != ref
+
+
+def test_before_any_freeze_the_elastic_trainer_is_the_trainer_bit_for_bit(byte_data, tmp_path):
+    from skiptrain.train.trainer import Trainer
+    cfg = _cfg(byte_data, steps=8, every=0)
+    cfg.elastic.start_window = 100              # windows close (rule, guard) but nothing freezes
+    el = ElasticTrainer(cfg, tmp_path / "el")
+    plain = Trainer(_cfg(byte_data, steps=8, every=0), tmp_path / "plain")
+    for _ in range(8):
+        a, b = el.train_step(), plain.train_step()
+        assert (a.loss, a.grad_norm, a.routes) == (b.loss, b.grad_norm, b.routes)
+    assert el.frozen == 0 and len(el.rule.history) == 2
+    for (n, p), (_, q) in zip(el.model.named_parameters(), plain.model.named_parameters()):
+        assert torch.equal(p, q), n

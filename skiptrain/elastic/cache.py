@@ -166,16 +166,9 @@ class PrefixRunner:
         self.fps = prefix_fingerprints(self.model, frozen) if frozen > 0 else {}
         return self.cache.validate(self.fps, frozen) if self.cache is not None else 0
 
-    def run_layers(self, h: torch.Tensor, start: int, stop: int) -> torch.Tensor:
-        """Layers ``start .. stop-1`` of the model on the residual stream ``h``."""
-        m = self.model
-        for i in range(start, stop):
-            h = m.layers[str(i)](h, m.rope_cos, m.rope_sin)
-        return h
-
     @torch.no_grad()
     def compute(self, tokens: torch.Tensor) -> torch.Tensor:
-        return self.run_layers(self.model.tok_emb(tokens), 0, self.frozen)
+        return self.model.run_layers(self.model.tok_emb(tokens), range(self.frozen))
 
     @torch.no_grad()
     def __call__(self, tokens: torch.Tensor, windows: Sequence[int]) -> torch.Tensor:
@@ -204,7 +197,7 @@ class PrefixRunner:
             if f is not None and f[1] < F:
                 by_depth.setdefault(f[1], []).append((i, f[0]))
         for depth, items in sorted(by_depth.items()):  # incremental extension
-            h = self.run_layers(c.read([s for _, s in items]), depth, F)
+            h = self.model.run_layers(c.read([s for _, s in items]), range(depth, F))
             if out is not None:
                 out[[i for i, _ in items]] = h
             for (i, _), row in zip(items, h):

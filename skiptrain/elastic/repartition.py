@@ -34,7 +34,7 @@ count, replicas per stage, micro-batches and node placement.  It is JSON for che
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 from ..config import ModelConfig

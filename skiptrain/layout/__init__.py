@@ -31,6 +31,14 @@ def tensor_stage(name: str, partition) -> int:
     return 0
 
 
+def is_frozen(name: str, frozen: int) -> bool:
+    """Whether parameter ``name`` is frozen at depth ``frozen``: layers ``0..frozen-1``, and the
+    token embedding with the first of them."""
+    if name.startswith("layers."):
+        return int(name.split(".", 2)[1]) < frozen
+    return frozen > 0 and name.startswith("tok_emb.")
+
+
 def holders(names: Iterable[str], partition, placement: Sequence[Sequence[int]]) -> dict[str, list[int]]:
     """tensor name -> the nodes holding it, from ``placement[stage] = [nodes]``."""
     return {n: list(placement[tensor_stage(n, partition)]) for n in names}
@@ -67,4 +75,4 @@ class Layout:
         return node_tensors(names, self.partition, self.placement)
 
 
-__all__ = ["Layout", "holders", "node_tensors", "tensor_stage"]
+__all__ = ["Layout", "holders", "is_frozen", "node_tensors", "tensor_stage"]

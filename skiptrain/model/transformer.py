@@ -191,7 +191,11 @@ class StagedLM(nn.Module):
 
     def run_stage(self, stage: int, h: torch.Tensor) -> torch.Tensor:
         """Apply one stage's layers to the residual stream ``h`` (batch, seq, d_model)."""
-        for i in self.partition.layers(stage):
+        return self.run_layers(h, self.partition.layers(stage))
+
+    def run_layers(self, h: torch.Tensor, layer_ids: Iterable[int]) -> torch.Tensor:
+        """Apply layers ``layer_ids`` (global indices, in order) to the residual stream ``h``."""
+        for i in layer_ids:
             h = self.layers[str(i)](h, self.rope_cos, self.rope_sin)
         return h
 
@@ -212,7 +216,7 @@ class StagedLM(nn.Module):
         Returns logits, or ``(logits, loss)`` when ``targets`` is given.
         """
         h = self.embed(tokens)
-        for s in (range(1, self.cfg.n_stages) if route is None else route):
+        for s in (range(1, self.partition.n_stages) if route is None else route):
             if s == 0:
                 raise ValueError("stage 0 is implicit at both ends of a route; list body stages only")
             h = self.run_stage(s, h)

@@ -10,7 +10,8 @@ at a time, with the simulator's rules (see :mod:`skiptrain.schedule.simulator`):
   next one becoming eligible when the previous one's forward starts.
 
 Tasks.  Originator, position 0: ``fwd`` = embedding + stage 0's layers on the micro-batch's
-samples (autograd graph kept), activations to the first hop; ``loss`` = final norm + head +
+samples (autograd graph kept; with a frozen prefix, ``embed`` runs stage 0's trainable layers
+on the prefix's output), activations to the first hop; ``loss`` = final norm + head +
 cross-entropy + its backward when the activations come back, gradient to the last hop;
 ``bwd`` = backward through stage 0's layers and the embedding.  Body hop at position ``p``:
 ``fwd`` = the stage's layers on the received activations (kept with their graph), ``bwd`` =
@@ -201,13 +202,15 @@ class Executor:
     """Runs iterations for one node.  ``model`` holds this node's stage (a
     :class:`~skiptrain.model.transformer.StagedLM` built with ``stages=[stage]``); ``cost`` gives
     the emulated task durations when ``padding.enabled``; ``describe(node)`` names nodes in
-    errors."""
+    errors; ``embed`` (default ``model.embed``) maps a micro-batch's inputs to stage 0's output."""
 
     def __init__(self, rank: int, transport: P2PTransport, model=None, stage: int | None = None,
                  cost=None, speed: float = 1.0, padding: ComputePadding | None = None,
                  timeout_s: float = 30.0, describe: Callable[[int], str] = lambda n: f"node {n}",
-                 check: Callable[[Message], None] | None = None):
+                 check: Callable[[Message], None] | None = None,
+                 embed: Callable[[torch.Tensor], torch.Tensor] | None = None):
         self.rank, self.tr, self.model, self.stage = rank, transport, model, stage
+        self.embed = embed
         self.check = check              # payload check (raises NodeFailure naming the sender)
         self.cost, self.speed = cost, speed
         self.padding = padding or ComputePadding(False)
@@ -273,7 +276,7 @@ class Executor:
         local: tuple | None = None
         if kind == FWD and pos == 0:
             x, y = batch_fn(mb.id)
-            h = m.embed(x)
+            h = (self.embed or m.embed)(x)
             state[(j, 0)] = (h, y)
             if v > 0:
                 out_msgs.append((path[1], ACT, 1, h.detach()))
@@ -298,7 +301,8 @@ class Executor:
         else:  # BWD
             a, b = state.pop((j, pos))
             if pos == 0:
-                a.backward(tensor)           # a = stage-0 output h, b = targets
+                if a.requires_grad:          # a = stage-0 output h (none trainable: frozen), b = targets
+                    a.backward(tensor)
             else:
                 b.backward(tensor)           # a = received input (leaf), b = this stage's output
                 out_msgs.append((path[pos - 1], GRAD, pos - 1, a.grad))

@@ -1,34 +1,30 @@
-"""Elastic mode of the single-process trainer: freeze, repartition, replicas, cache, checkpoints.
+"""Elastic mode of the trainer: freezing as a layout change, with the cache and checkpoints.
 
-:class:`ElasticTrainer` is :class:`skiptrain.train.trainer.Trainer` plus, every
-``elastic.check_every`` steps, the freeze rule (:mod:`.freeze`; its guard gets the validation
-loss of every window and, as its clock, the learning rate summed over the steps so far, in
-units of the peak rate, which resumption recomputes from the step).  When the frozen count changes
-a *transition* runs:
+:class:`ElasticTrainer` is :class:`skiptrain.train.trainer.Trainer` -- the same loop, executor and
+optimizer step -- plus, every ``elastic.check_every`` steps, the freeze rule (:mod:`.freeze`; its
+guard gets the validation loss of every window and, as its clock, the learning rate summed over
+the steps so far in units of the peak rate).  When the frozen count changes, a *transition*
+plans the new layout and the trainer applies it (``Trainer.reconfigure``) before the next step:
 
-1. frozen layers (and the embedding, with the first of them) stop requiring gradients, so they
-   get no backward and AdamW leaves them untouched (their optimizer state is kept for an undo);
-2. the activation cache (:mod:`.cache`) is measured and switched on when cheaper, and its
+1. the activation cache (:mod:`.cache`) is measured and switched on when cheaper, and its
    entries are validated (an undo drops entries deeper than the new prefix); when the whole
    training split fits it is prefilled to the new depth (``elastic.prefill``), so no step runs
    the prefix again and AutoPipe plans without it in device memory;
-3. AutoPipe (:mod:`.repartition`) repartitions the active layers and shrinks the stage count,
+2. AutoPipe (:mod:`.repartition`) repartitions the active layers and shrinks the stage count,
    costing the frozen prefix by the share the cache is expected to save (:func:`.cache.expected_hit`);
-4. AutoDP (:mod:`.replicas`) assigns the ``elastic.nodes`` emulated nodes to the new stages and
-   plans the state transfers; the largest receiver's message is packed and unpacked for real
-   (that CPU cost is part of the measured transition time; the wire time is the runtime's).
+3. AutoDP (:mod:`.replicas`) assigns the ``elastic.nodes`` emulated nodes to the new stages,
+   :func:`skiptrain.layout.transfer.transfer_plan` bills the moves by name, and the largest
+   receiver's message is packed and unpacked for real (the wire time is the runtime's);
+4. the new layout is applied: frozen layers (and the embedding, with the first of them) get no
+   backward and no update (their optimizer state is kept for an undo), and each iteration starts
+   stage 0 from the frozen prefix's output, computed without autograd (from the cache when on).
 
-Training then runs the frozen prefix without autograd (from the cache when on), the active
-layers of stage 0, and the body stages of the new layout along the routes (skipping over the
-new body stages when ``train.skip_ratio > 0``), with per-stage gradient averaging over the new
-stages.  The global batch, the data cursor and the learning-rate schedule (a function of the
-step) are untouched by transitions, so no sample is repeated or skipped.
-
-Checkpoints carry, under ``state["freeze"]``: the frozen count, the whole rule state (window
-sums, previous norms, guard), the layout history, the transitions and the cache position (its
-directory, depth and counters); ``resume`` restores all of it and revalidates the cache (and,
-when the layout in force was planned with a prefilled cache that has since lost entries,
-prefills it again: ``resume_prefill``), so a resumed run continues exactly as the uninterrupted one.  Decisions go to ``RUN_DIR/elastic.jsonl``.
+The global batch, the data cursor and the learning-rate schedule (a function of the step) are
+untouched by transitions, so no sample is repeated or skipped.  Checkpoints carry, under
+``state["freeze"]``, the rule state, the layout history, the transitions and the cache position;
+``resume`` restores them, applies the layout in force and revalidates the cache (refilling a
+prefilled one that lost entries: ``resume_prefill``), so a resumed run continues exactly as the
+uninterrupted one.  Decisions go to ``RUN_DIR/elastic.jsonl``.
 """
 
 from __future__ import annotations
@@ -43,31 +39,29 @@ import torch
 
 from ..checkpoint.reader import CheckpointReader
 from ..checkpoint.training import TrainerCheckpoints, truncate_metrics, trainer_state
+from ..checkpoint.wire import pack_state, state_sizes, unpack_tensors
 from ..config import Config
 from ..data.dataset import TokenDataset
-from ..model.partition import Partition
-from ..schedule.routes import balanced_routes, full_route, stage_visit_counts
-from ..dp import make_strategy
-from ..optim import lr_at
-from ..runtime.step import HostedStage, optimizer_step
-from ..runtime.evaluate import evaluate
-from .trainer import StepResult, Trainer, draw_routes
 from ..elastic.cache import ActivationCache, PrefixRunner, at_depth, expected_hit, measure, worth_it
 from ..elastic.freeze import FreezeRule
 from ..elastic.repartition import ElasticLayout, autopipe_for
-from ..checkpoint.wire import pack_state, state_sizes, unpack_tensors
 from ..elastic.replicas import assign_nodes
-from ..layout import Layout
+from ..layout import is_frozen
 from ..layout.transfer import transfer_plan
+from ..model.partition import Partition
+from ..optim import lr_at
+from ..runtime.evaluate import evaluate
+from ..schedule.routes import balanced_routes, full_route
+from .trainer import StepResult, Trainer
 
 
 class ElasticCheckpoints(TrainerCheckpoints):
     """The trainer's checkpoints with the elastic state in ``state["freeze"]``."""
 
     def save(self, trainer) -> float:
-        state = trainer_state(trainer)
+        state, lay = trainer_state(trainer), trainer.layout
+        state["placement"] = {"stages": {str(s): [0] for s in range(lay.n_stages)}, "partition": lay.counts}
         state["freeze"] = trainer.elastic_state()
-        lay = trainer.layout
         stall = self.manager.save_training(trainer.step, trainer.model, trainer.opt, state,
                                            layout={"n_stages": lay.n_stages, "replicas": lay.replicas,
                                                    "partition": lay.counts, "frozen": lay.frozen},
@@ -77,9 +71,9 @@ class ElasticCheckpoints(TrainerCheckpoints):
 
 
 class ElasticTrainer(Trainer):
-    """The single-process trainer in elastic mode; see the module docstring."""
+    """The trainer in elastic mode; see the module docstring."""
 
-    device_generic = False      # its own loop: CPU, fp32
+    device_generic = False      # the activation cache and its fingerprints live on the CPU, in fp32
 
     def __init__(self, cfg: Config, out: str | Path | None = None, dataset: TokenDataset | None = None):
         super().__init__(cfg, out, dataset)
@@ -91,7 +85,9 @@ class ElasticTrainer(Trainer):
         if R < 1:
             raise ValueError(f"elastic.nodes={self.n_nodes} cannot serve {m.n_stages} stages")
         self.layouts = [ElasticLayout.of(0, self.model.partition.to_list(), R, self.cfg.train.n_micro,
-                               [[s * R + r for r in range(R)] for s in range(m.n_stages)], False, 0)]
+                                         [[s * R + r for r in range(R)] for s in range(m.n_stages)], False, 0)]
+        self.reconfigure(self.layouts[0])
+        self.executor.embed = self._stage0
         self.transitions: list[dict[str, Any]] = []
         self.guard_s = 0.0
         self.guard_cpu_s = 0.0
@@ -102,41 +98,9 @@ class ElasticTrainer(Trainer):
         self.runner = PrefixRunner(self.model)
         self.runner.enabled = False
         self.resume_prefill: dict[str, Any] | None = None   # a prefill redone when resuming
-        self._stage_params()
         if self.ckpt is not None:
             self.ckpt.manager.close()
             self.ckpt = ElasticCheckpoints(self)
-        self._log = None
-
-    # ---- layout bookkeeping ---------------------------------------------------------------
-
-    @property
-    def layout(self) -> ElasticLayout:
-        return self.layouts[-1]
-
-    @property
-    def frozen(self) -> int:
-        return self.rule.frozen
-
-    def _stage_params(self) -> None:
-        """Trainable parameters per stage of the current layout (stage 0: embedding, head, norm)."""
-        part, F = self.layout.partition, self.frozen
-        named = dict(self.model.named_parameters())
-        self.syncs = {}
-        for s in range(part.n_stages):
-            pre = tuple(f"layers.{i}." for i in part.layers(s) if i >= F)
-            if s == 0:
-                pre += ("norm.", "head.") + (() if F > 0 else ("tok_emb.",))
-            mine = [(n, p) for n, p in named.items() if pre and n.startswith(pre)]
-            if mine:
-                self.syncs[s] = make_strategy(self.cfg.dp, mine, None, self.cfg.train)
-
-    def _apply_frozen(self) -> None:
-        F = self.frozen
-        self.model.tok_emb.weight.requires_grad_(F == 0)
-        for l, block in self.model.layers.items():
-            for p in block.parameters():
-                p.requires_grad_(int(l) >= F)
 
     def _open_cache(self) -> ActivationCache:
         if self.cache is None:
@@ -152,52 +116,29 @@ class ElasticTrainer(Trainer):
             self.runner.cache = self.cache
         return self.cache
 
-    # ---- one step -------------------------------------------------------------------------
+    # ---- the trainer's step, with a frozen prefix -----------------------------------------
 
-    def _routes(self) -> list[list[int]]:
+    def routes(self) -> list[list[int]]:
+        """Routes over the layout's body stages; skipping (``train.skip_ratio``) needs two or more
+        of them once the pipeline has shrunk."""
         S, t = self.layout.n_stages, self.cfg.train
-        if S == self.cfg.model.n_stages:
-            return draw_routes(self.cfg, self.route_rng)
+        if S == self.start_stages:
+            return super().routes()
         if t.skip_ratio <= 0 or S <= 2:
             return [full_route(S) for _ in range(t.n_micro)]
         return balanced_routes(S, t.skip_ratio, t.n_micro, self.route_rng, t.max_swaps)
 
-    def _forward(self, x: torch.Tensor, y: torch.Tensor, h0: torch.Tensor | None, route: list[int]):
-        m, part, F = self.model, self.layout.partition, self.frozen
-        h = m.tok_emb(x) if h0 is None else h0
-        for i in part.layers(0):
-            if i >= F:
-                h = m.layers[str(i)](h, m.rope_cos, m.rope_sin)
-        for s in route:
-            for i in part.layers(s):
-                h = m.layers[str(i)](h, m.rope_cos, m.rope_sin)
-        return m.loss(m.logits(h), y)
+    def stage0_inputs(self, x: torch.Tensor, indices: list[int]) -> torch.Tensor:
+        """The frozen prefix's output (no autograd; from the cache when on), or the tokens."""
+        return self.runner(x, [self.train_src.window(g) for g in indices]) if self.frozen > 0 else x
 
-    def train_step(self) -> StepResult:
-        t = self.cfg.train
-        idx = self.loader.indices()
-        x, y = self.loader.next_batch()
-        routes = self._routes()
-        F = self.frozen
-        h0 = self.runner(x, [self.train_src.window(g) for g in idx]) if F > 0 else None
-        self.opt.zero_grad(set_to_none=True)
-        total = 0.0
-        for i, route in enumerate(routes):
-            sl = slice(i * t.micro_batch, (i + 1) * t.micro_batch)
-            loss = self._forward(x[sl], y[sl], None if h0 is None else h0[sl], route)
-            loss.backward()
-            total += loss.item()
-        visits = stage_visit_counts(routes, self.layout.n_stages)
-        lr = lr_at(self.step, t)
-        out = optimizer_step([HostedStage(s, sync, visits[s]) for s, sync in self.syncs.items()], self.opt, lr,
-                             t.grad_clip, inspect=self._observe_layer_norms)
-        gnorm = out.grad_norm
-        self.step += 1
-        if self.rule.window_done(self.step):
-            self._window()
-        return StepResult(total / len(routes), lr, gnorm, routes)
+    def _stage0(self, h: torch.Tensor) -> torch.Tensor:
+        """Stage 0's forward: its layers after the frozen prefix, on the prefix's output."""
+        if self.frozen == 0:
+            return self.model.embed(h)
+        return self.model.run_layers(h, range(self.frozen, self.layout.partition.layers(0).stop))
 
-    def _observe_layer_norms(self, updates: dict[str, torch.Tensor]) -> None:
+    def observe(self, updates: dict[str, torch.Tensor]) -> None:
         """Per active layer, the norm of its stage-averaged gradient, to the freeze rule."""
         sq: dict[int, float] = {}
         for n, g in updates.items():
@@ -205,6 +146,13 @@ class ElasticTrainer(Trainer):
                 layer = int(n.split(".", 2)[1])
                 sq[layer] = sq.get(layer, 0.0) + float(torch.linalg.vector_norm(g)) ** 2
         self.rule.observe({l: v ** 0.5 for l, v in sorted(sq.items()) if l >= self.frozen})
+
+    def train_step(self) -> StepResult:
+        """The trainer's iteration; at the end of a window, the freeze rule and any transition."""
+        r = super().train_step()
+        if self.rule.window_done(self.step):
+            self._window()
+        return r
 
     # ---- windows and transitions ----------------------------------------------------------
 
@@ -239,7 +187,7 @@ class ElasticTrainer(Trainer):
             self._guard_rows = (key, [self.runner.compute(x) for x, _ in batches])
         total, n = 0.0, 0
         for h, (_, y) in zip(self._guard_rows[1], batches):
-            h = self.runner.run_layers(h, F, self.cfg.model.n_layers)
+            h = m.run_layers(h, range(F, self.cfg.model.n_layers))
             total += m.loss(m.logits(h), y).item() * len(y)
             n += len(y)
         m.train(was_training)
@@ -270,28 +218,44 @@ class ElasticTrainer(Trainer):
         rec.update(seconds=round(wall, 6), cpu_s=round(cpu, 6))
         return rec, wall, cpu
 
+    def _cache_decision(self, F: int, visits_left: float, rec: dict[str, Any]) -> bool:
+        """Whether the frozen prefix at depth ``F`` is served from the activation cache."""
+        e, t = self.cfg.elastic, self.cfg.train
+        if F == 0 or e.cache == "off":
+            return False
+        cache = self._open_cache()
+        if e.cache == "on":
+            return True
+        if self._cache_meas is None:  # measured once, at the first freeze; other depths scale
+            probe_tokens, _ = self.train_src.batch(list(range(min(t.micro_batch, self.train_src.n))))
+            self._cache_meas = measure(self.model, F, probe_tokens, cache.dir)
+        meas = at_depth(self._cache_meas, F)
+        rec["cache_measure"] = {**{k: round(v, 7) for k, v in meas.items()}, "visits_left": round(visits_left, 3)}
+        return worth_it(meas, visits_left) and cache.capacity > 0
+
+    def _transfer_bill(self, old: ElasticLayout, new: ElasticLayout, sizes: dict[str, int]) -> dict[str, Any]:
+        """The layout change's moves by name; the largest receiver's message packed and unpacked."""
+        plan = transfer_plan(sizes, old, new)
+        pack_s = 0.0
+        if plan:
+            biggest: dict[int, list[str]] = {}
+            for tr in plan:
+                biggest.setdefault(tr.dst, []).extend(tr.names)
+            names = max(biggest.values(), key=lambda ns: sum(sizes[n] for n in ns))
+            t1 = time.perf_counter()
+            unpack_tensors(pack_state(self.model, self.opt, names, {"step": self.step, "data": self.loader.state_dict()}))
+            pack_s = time.perf_counter() - t1
+        return {"transfer_bytes": sum(tr.nbytes for tr in plan), "transfer_messages": len(plan),
+                "pack_unpack_s": round(pack_s, 6)}
+
     def _transition(self) -> dict[str, Any]:
-        """Apply the rule's new frozen count: freeze/unfreeze, cache, AutoPipe, AutoDP."""
+        """The layout for the rule's new frozen count (cache, AutoPipe, AutoDP), then applied."""
         t0, c0 = time.perf_counter(), time.thread_time()
-        e, m, t = self.cfg.elastic, self.cfg.model, self.cfg.train
-        F, old = self.frozen, self.layout
-        self._apply_frozen()
+        e, t = self.cfg.elastic, self.cfg.train
+        F, old = self.rule.frozen, self.layout
         rec: dict[str, Any] = {"step": self.step, "frozen_before": old.frozen, "frozen_after": F}
         visits_left = max(0, t.steps - self.step) * t.micro_batch * t.n_micro / self.train_src.n
-        cached = False
-        if F > 0 and e.cache != "off":
-            cache = self._open_cache()
-            if e.cache == "on":
-                cached = True
-            else:
-                if self._cache_meas is None:  # measured once, at the first freeze; other depths scale
-                    probe_tokens, _ = self.train_src.batch(list(range(min(t.micro_batch, self.train_src.n))))
-                    self._cache_meas = measure(self.model, F, probe_tokens, cache.dir)
-                meas = at_depth(self._cache_meas, F)
-                cached = worth_it(meas, visits_left) and cache.capacity > 0
-                rec["cache_measure"] = {**{k: round(v, 7) for k, v in meas.items()},
-                                        "visits_left": round(visits_left, 3)}
-        self.runner.enabled = cached
+        cached = self.runner.enabled = self._cache_decision(F, visits_left, rec)
         rec["cache_dropped"] = self.runner.set_frozen(F)
         prefill_cpu = prefill_wall = 0.0
         # an undo within the last prefill_after_undo windows: freezing is unsettled, and the next
@@ -305,31 +269,17 @@ class ElasticTrainer(Trainer):
         # AutoPipe costs the prefix by the share of it the cache will really save
         hit = expected_hit(self.cache, F, visits_left) if cached else 0.0
         rec["expected_hit"] = round(hit, 4)
-        counts, evidence = autopipe_for(m, F, self.start_stages, old.n_stages, hit, self.n_nodes,
+        counts, evidence = autopipe_for(self.cfg.model, F, self.start_stages, old.n_stages, hit, self.n_nodes,
                                          t.micro_batch * t.n_micro, t.n_micro,
                                          prefix_cached=cached and self.runner.complete())
-        new_part = Partition(tuple(counts))
-        frozen_names = [n for n, p in self.model.named_parameters() if not p.requires_grad]
-        sizes = state_sizes(self.model, self.opt, frozen_names)
-        placement = assign_nodes(sizes, old.partition, old.placement, new_part, self.n_nodes)
-        plan = transfer_plan(sizes, old, Layout(new_part, placement))
-        pack_s = 0.0
-        if plan:
-            biggest: dict[int, list[str]] = {}
-            for tr in plan:
-                biggest.setdefault(tr.dst, []).extend(tr.names)
-            names = max(biggest.values(), key=lambda ns: sum(sizes[n] for n in ns))
-            t1 = time.perf_counter()
-            blob = pack_state(self.model, self.opt, names, {"step": self.step, "data": self.loader.state_dict()})
-            unpack_tensors(blob)
-            pack_s = time.perf_counter() - t1
+        sizes = state_sizes(self.model, self.opt, [n for n, _ in self.model.named_parameters() if is_frozen(n, F)])
+        placement = assign_nodes(sizes, old.partition, old.placement, Partition(tuple(counts)), self.n_nodes)
         new = ElasticLayout.of(F, counts, len(placement[0]), old.n_micro, placement, cached, self.step)
-        self.layouts.append(new)
-        self._stage_params()
         rec.update(stages_before=old.n_stages, stages_after=new.n_stages, replicas_after=new.replicas,
                    counts=counts, placement=placement, cached=cached, autopipe=evidence,
-                   transfer_bytes=sum(tr.nbytes for tr in plan), transfer_messages=len(plan),
-                   pack_unpack_s=round(pack_s, 6))
+                   **self._transfer_bill(old, new, sizes))
+        self.layouts.append(new)
+        self.reconfigure(new)
         # the transition's own cost; a prefill is the first epoch's prefix work, reported apart
         rec["seconds"] = round(time.perf_counter() - t0 - prefill_wall, 6)   # wall
         rec["cpu_s"] = round(time.thread_time() - c0 - prefill_cpu, 6)   # this thread's CPU (not inflated by load)
@@ -352,7 +302,7 @@ class ElasticTrainer(Trainer):
         self.transitions = list(st.get("transitions", []))
         self.guard_s = float(st.get("guard_s", 0.0))
         self.guard_cpu_s = float(st.get("guard_cpu_s", 0.0))
-        self._apply_frozen()
+        self.reconfigure(self.layouts[-1])
         cst = st.get("cache") or {}
         if cst.get("dir") and self.cfg.elastic.cache != "off":
             if not self.cfg.elastic.cache_dir and self.out is None:
@@ -370,7 +320,6 @@ class ElasticTrainer(Trainer):
             # entries since the checkpoint (a later, deeper freeze rewrote them, or the cache
             # directory is new), so bring it back to the checkpoint's depth before any step
             self.resume_prefill = self._prefill()[0]
-        self._stage_params()
 
     def resume(self, path: str | Path | None = None) -> Path:
         p = super().resume(path)

@@ -10,6 +10,10 @@ data-parallel group of one: each stage's gradient is the mean over the micro-bat
 visited it, one global clip, one optimizer step.  So this trainer computes what a swarm of node
 processes computes on the same routes.
 
+Layout changes.  The trainer trains under a :class:`~skiptrain.layout.Layout` (the partition
+of layers into stages, the frozen depth); :meth:`Trainer.reconfigure` applies a new one between
+iterations.  Elastic mode (:mod:`.elastic_trainer`) does so at every freeze or undo.
+
 Device and precision: the model lives on ``train.device`` (``auto``: CUDA when present) and
 each iteration's batch is moved there once; with ``train.precision=bf16`` the executor's
 iteration (every forward and backward) and validation run under bf16 autocast, while weights,
@@ -33,6 +37,7 @@ from ..data.dataset import TokenDataset
 from ..data.loader import SampleSource, ShardedLoader
 from ..dp import make_strategy
 from ..errors import UserError
+from ..layout import Layout, is_frozen
 from ..model.device import autocast, build_on_device, resolve_device, to_device
 from ..model.memory import estimate_node_memory
 from ..optim import build_optimizer, lr_at
@@ -66,8 +71,8 @@ def draw_routes(cfg: Config, rng: random.Random) -> list[list[int]]:
 class Trainer:
     """Trains ``cfg`` on the prepared data set ``cfg.data.path``, writing into ``out``."""
 
-    #: whether ``train_step`` honours train.device and train.precision (a subclass with its own
-    #: loop that does not sets False: it then runs on the CPU in fp32 and refuses anything else)
+    #: whether the trainer honours train.device and train.precision (a subclass whose state
+    #: lives on the CPU sets False: it then runs on the CPU in fp32 and refuses anything else)
     device_generic = True
 
     def __init__(self, cfg: Config, out: str | Path | None = None, dataset: TokenDataset | None = None):
@@ -91,10 +96,9 @@ class Trainer:
         if t.init_from:
             load_hf_weights(self.model, t.init_from)
         self.model.train()
-        self.syncs = {s: make_strategy(cfg.dp, self.model.stage_named_parameters(s), None, t)
-                      for s in range(cfg.model.n_stages)}
-        self.opt = build_optimizer(self.model.named_parameters(), t, self.syncs[0].update_rule)
         self.executor = Executor(0, LocalTransport(0, cfg.runtime.act_codec), self.model)
+        self.reconfigure(Layout(self.model.partition, [[0] for _ in stages]))
+        self.opt = build_optimizer(self.model.named_parameters(), t, self.syncs[0].update_rule)
         self.train_src = SampleSource(self.ds.tokens("train"), cfg.model.seq_len, seed=t.seed)
         self.val_src = SampleSource(self.ds.tokens("val"), cfg.model.seq_len, shuffle=False)
         self.loader = ShardedLoader(self.train_src, t.micro_batch * t.n_micro)
@@ -115,6 +119,24 @@ class Trainer:
                             "set train.device=cpu (or auto) and train.precision=fp32")
         return torch.device("cpu")
 
+    def reconfigure(self, layout: Layout) -> None:
+        """Train under ``layout`` from the next iteration on (its placement aside: this one node
+        hosts every stage).  The model runs the partition's stages; parameters frozen at
+        ``layout.frozen`` (:func:`skiptrain.layout.is_frozen`) stop requiring gradients, so they
+        get no backward and no update (their optimizer state is kept); each stage with trainable
+        parameters gets its data-parallel sync."""
+        self.layout, m = layout, self.model
+        m.partition = layout.partition
+        for n, p in m.named_parameters():
+            p.requires_grad_(not is_frozen(n, layout.frozen))
+        named = {s: [(n, p) for n, p in m.stage_named_parameters(s) if p.requires_grad]
+                 for s in range(layout.n_stages)}
+        self.syncs = {s: make_strategy(self.cfg.dp, ps, None, self.cfg.train) for s, ps in named.items() if ps}
+
+    @property
+    def frozen(self) -> int:
+        return self.layout.frozen
+
     def resume(self, path: str | Path | None = None) -> Path:
         """Continue from the latest checkpoint (or ``path``): weights, AdamW, step, data cursor, RNGs."""
         return restore_trainer(self, path)
@@ -124,13 +146,26 @@ class Trainer:
         t = self.cfg.train
         return t.micro_batch * t.n_micro * self.cfg.model.seq_len
 
+    def routes(self) -> list[list[int]]:
+        """The body-stage routes of this iteration's micro-batches."""
+        return draw_routes(self.cfg, self.route_rng)
+
+    def stage0_inputs(self, x: torch.Tensor, indices: list[int]) -> torch.Tensor:
+        """What stage 0 starts each micro-batch from: the tokens ``x`` of the global samples
+        ``indices`` (elastic mode: the frozen prefix's output)."""
+        return x
+
+    def observe(self, updates: dict[str, torch.Tensor]) -> None:
+        """Sees the synced, not yet clipped update of every trainable parameter by name."""
+
     def train_step(self) -> StepResult:
         """One iteration: the executor runs every micro-batch along its route (one node hosting
         every stage, an in-process transport between them), then the one optimizer step."""
-        t, S = self.cfg.train, self.cfg.model.n_stages
+        t, S = self.cfg.train, self.layout.n_stages
+        indices = self.loader.indices()
         x, y = self.loader.next_batch()
-        x, y = to_device(x, self.device), to_device(y, self.device)
-        routes = draw_routes(self.cfg, self.route_rng)
+        x, y = self.stage0_inputs(to_device(x, self.device), indices), to_device(y, self.device)
+        routes = self.routes()
         self.opt.zero_grad(set_to_none=True)
         mb = t.micro_batch
 
@@ -142,7 +177,7 @@ class Trainer:
         lr = lr_at(self.step, t)
         visits = stage_visit_counts(routes, S)
         out = optimizer_step([HostedStage(s, sync, visits[s]) for s, sync in self.syncs.items()],
-                             self.opt, lr, t.grad_clip)
+                             self.opt, lr, t.grad_clip, inspect=self.observe)
         self.step += 1
         return StepResult(res.loss_sum / max(res.n_loss, 1), lr, out.grad_norm, routes)
 
