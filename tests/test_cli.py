@@ -66,7 +66,7 @@ def test_generate(trained, capsys):
     (["train", "--preset", "tiny", "--set", "model.d_modle=3", "--out", "/tmp/x"], "did you mean 'd_model'"),
     (["prepare", "--text", "/nonexistent.txt", "--out", "/tmp/x"], "does not exist"),
     (["eval", "/nonexistent/run"], "is not a run directory"),
-    (["train", "--preset", "tiny", "--nodes", "6", "--resume", "--out", "/tmp/x"], "--resume works with the single-process trainer only"),
+    (["train", "--preset", "tiny", "--nodes", "6", "--resume", "--out", "/tmp/x-none"], "--resume: no committed checkpoint under"),
 ])
 def test_errors_are_one_line_with_a_fix(args, needle):
     r = run_cli(*args)
