@@ -130,7 +130,8 @@ def _launch(job: Job, nodes: int | None, timeout_s: float, grace_s: float, echo:
             procs.append(subprocess.Popen([sys.executable, "-m", job.node_module, "--job", str(job_path)],
                                           env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                           start_new_session=store_proc is not None))
-        with SwarmProgress(run_dir / "metrics.jsonl", sum(ph.iterations for ph in job.phases), enabled=echo):
+        with SwarmProgress(run_dir / "metrics.jsonl", sum(ph.iterations for ph in job.phases), enabled=echo,
+                           initial=job.resume["iteration"] if job.resume else 0):
             try:
                 if job.rt.recover:
                     from .coordinator import coordinate

@@ -16,9 +16,12 @@ from pathlib import Path
 
 class SwarmProgress:
     def __init__(self, metrics_path: str | Path, total_steps: int, poll_s: float = 0.5,
-                 enabled: bool = True):
+                 enabled: bool = True, initial: int = 0):
+        """``initial``: iterations already done (a resumed job): the bar starts there and
+        follows only the lines written from now on."""
         self.path = Path(metrics_path)
         self.total = total_steps
+        self.initial = initial
         self.poll_s = poll_s
         self.enabled = enabled
         self.done = 0  # iterations seen so far
@@ -41,8 +44,13 @@ class SwarmProgress:
     def _run(self) -> None:
         from tqdm import tqdm
 
-        bar = tqdm(total=self.total, unit="it", dynamic_ncols=True, desc="swarm")
+        bar = tqdm(total=self.total, initial=self.initial, unit="it", dynamic_ncols=True, desc="swarm")
         offset, t0, tokens0 = 0, time.time(), None
+        if self.initial:
+            try:
+                offset = self.path.stat().st_size
+            except OSError:
+                pass
         try:
             while not self._stop.is_set():
                 self._stop.wait(self.poll_s)
