@@ -130,16 +130,17 @@ def check_root_writable(root: Path, node: int) -> None:
 class JobCheckpointer:
     """One node's side of the job's checkpoints (see the module doc).
 
-    ``gather(bytes) -> [(node, bytes)]`` is the node's all-gather over the live nodes; every
-    node (with a stage or not) calls :meth:`save` at the same iteration boundaries."""
+    ``gather(bytes, size=None) -> [(node, bytes)]`` is the node's all-gather over the live nodes
+    (``size``: every node sends that many bytes); every node (with a stage or not) calls
+    :meth:`save` at the same iteration boundaries."""
 
     def __init__(self, root: Path, node: int, cfg, timeout_s: float,
-                 gather: Callable[[bytes], list[tuple[int, bytes]]]):
+                 gather: Callable[..., list[tuple[int, bytes]]]):
         self.root, self.node, self.cfg = Path(root), node, cfg
         self.timeout_s = timeout_s
         self.gather = gather
         self.mgr: CheckpointManager | None = None
-        self._writers: tuple[int, ...] = ()
+        self._writers: tuple = ()
         self._digests: list[tuple[int, bytes]] | None = None
         self._specs: list[TensorSpec] = []
         self._holders: dict[str, list[int]] = {}
@@ -153,26 +154,26 @@ class JobCheckpointer:
         return bool((every and iteration % every == 0) or (iteration == n_iterations and self.cfg.final))
 
     def save(self, iteration: int, position: dict[str, Any], tensors: dict[str, torch.Tensor],
-             node_state: dict[str, Any], placement: list[list[int]]) -> float:
-        """Save the job at ``iteration`` (all nodes call this together); returns the seconds this
-        node was blocked.  ``position`` is the job's JSON (phase, cursor, config, layout)."""
+             node_state: dict[str, Any], placement: list[list[int]], gen: int = 0) -> float:
+        """Save the job at ``iteration`` (all nodes of membership generation ``gen`` call this
+        together); returns the seconds this node was blocked.  ``position`` is the job's JSON
+        (phase, cursor, config, layout).  In a new generation the writers start afresh: a save
+        of the previous one that some writer never finished is abandoned."""
         if iteration == self.saved_step:
             return 0.0
         writers = tuple(sorted({n for p in placement for n in p}))
         if any(not p for p in placement):
             self.skipped.append(iteration)
             return 0.0
-        new_writers = writers != self._writers          # the same on every node
-        if new_writers and self.mgr is not None:
-            err = self.mgr.abandon()   # a writer left: its pending step cannot commit
-            if err:
-                print(f"skiptrain node {self.node}: {err}", file=sys.stderr, flush=True)
+        new_writers = (writers, gen) != self._writers          # the same on every node
+        if new_writers:
+            self._hand_over(writers)
         self._plan(tensors, writers, new_writers)
-        self._writers = writers
+        self._writers = (writers, gen)
         if self.node not in writers:
             self.mgr = None
             return 0.0
-        if self.mgr is None or new_writers:
+        if self.mgr is None:
             self.mgr = CheckpointManager(self.root, keep=self.cfg.keep, rank=self.node, ranks=list(writers),
                                          commit_timeout=max(600.0, self.timeout_s), clean=False)
         stall = self.mgr.save(iteration, tensors, {**position, "step": iteration, "contents": CONTENTS},
@@ -182,17 +183,31 @@ class JobCheckpointer:
         self.stall_s += stall
         return stall
 
-    def _plan(self, tensors: dict[str, torch.Tensor], writers: tuple[int, ...], new_writers: bool) -> None:
-        """Every node's tensor specs, gathered again only when some node's changed.  With new
-        writers, the lowest one removes what unfinished saves left, between two all-gathers: no
-        node is writing then (each waited for its own last save before the first)."""
-        desc = json.dumps([[n, dtype_name(t.dtype), list(t.shape)] for n, t in sorted(tensors.items())]).encode()
-        digest = zlib.crc32(desc).to_bytes(4, "little") + bytes(str(writers), "ascii")
-        digests = self.gather(digest)
-        if new_writers and self.node == writers[0]:
+    def _hand_over(self, writers: tuple[int, ...]) -> None:
+        """New writers (or a new generation): finish or abandon the last save, then the lowest new
+        writer removes what unfinished saves left.  Three steps, each after an all-gather: the
+        writers finish their parts; the old committer commits (every part a live writer will
+        ever write is there) or gives up on a writer that left; the directory is cleaned while no
+        node writes (the caller's next all-gather ends it)."""
+        mgr, self.mgr = self.mgr, None
+        committer = mgr is not None and mgr.is_coordinator
+        for step in ("parts", "commit"):
+            if mgr is not None and committer == (step == "commit"):
+                err = mgr.abandon()
+                if err:
+                    print(f"skiptrain node {self.node}: {err}", file=sys.stderr, flush=True)
+            self.gather(b"", 1)
+        if self.node == writers[0]:
             from ..checkpoint import store
 
             store.clean_stale(self.root)
+
+    def _plan(self, tensors: dict[str, torch.Tensor], writers: tuple[int, ...], new_writers: bool) -> None:
+        """Every node's tensor specs, gathered again only when some node's changed (always with
+        new writers: that all-gather also ends :meth:`_hand_over`'s cleaning)."""
+        desc = json.dumps([[n, dtype_name(t.dtype), list(t.shape)] for n, t in sorted(tensors.items())]).encode()
+        digest = zlib.crc32(desc).to_bytes(4, "little") + zlib.crc32(str(writers).encode()).to_bytes(4, "little")
+        digests = self.gather(digest, 8)
         if digests == self._digests and not new_writers:
             return
         specs: dict[str, TensorSpec] = {}

@@ -347,11 +347,15 @@ class Node:
         print(f"skiptrain node {self.rank}: resumed at iteration {st.it} (data cursor {st.cursor}) from {r['path']}",
               file=sys.stderr, flush=True)
 
-    def _gather_bytes(self, b: bytes) -> list[tuple[int, bytes]]:
-        """All-gather one byte string from every live node: [(node, bytes)]."""
-        n = torch.tensor([len(b)], dtype=torch.int64)
-        lens = [torch.zeros(1, dtype=torch.int64) for _ in self.alive]
-        self._sync(dist.all_gather, lens, n)
+    def _gather_bytes(self, b: bytes, size: int | None = None) -> list[tuple[int, bytes]]:
+        """All-gather one byte string from every live node: [(node, bytes)].  With ``size`` every
+        node sends exactly that many bytes (one collective instead of two)."""
+        if size is None:
+            n = torch.tensor([len(b)], dtype=torch.int64)
+            lens = [torch.zeros(1, dtype=torch.int64) for _ in self.alive]
+            self._sync(dist.all_gather, lens, n)
+        else:
+            lens = [torch.tensor([size])] * len(self.alive)
         m = max(1, max(int(x) for x in lens))
         buf = torch.zeros(m, dtype=torch.uint8)
         if b:
@@ -372,7 +376,7 @@ class Node:
         position = {"phase": st.idx, "phase_name": st.ph.name, "iteration": done, "gen": self.gen,
                     "data": {"cursor": cursor, "global_batch": st.gb, "seed": self.cfg.train.seed},
                     "config": self.cfg.to_dict(), "placement": st.sched.placement}
-        self.ckpt.save(done, position, tensors, node_state, st.sched.placement)
+        self.ckpt.save(done, position, tensors, node_state, st.sched.placement, self.gen)
 
     def _join_phase(self, st: "PhaseState", joining: dict) -> None:
         """A node joining a running job: its state from a live replica (or the stage's checkpoint
