@@ -242,25 +242,40 @@ def main(argv=None) -> int:
     ap.add_argument("--reps", type=int, default=3, help="saves per method (median reported)")
     ap.add_argument("--dir", default=None, help="parent of the temporary directory (default: system temp)")
     ap.add_argument("--trials", type=int, default=None, help="whole-job kills in the crash loop (default 30; quick 3)")
+    ap.add_argument("--part", choices=("all", "process", "swarm"), default="all",
+                    help="only the single-process figures, or only the swarm's (default: both)")
     ap.add_argument("--swarm-iterations", type=int, default=None, help="iterations per stall run (default 30; quick 10)")
     args = ap.parse_args(argv)
     torch.manual_seed(0)
     work = Path(tempfile.mkdtemp(prefix="skiptrain-ckpt-bench-", dir=args.dir))
-    results = []
+    results, out = [], {}
     try:
-        kinds = ["small"] if args.quick else ["small", "1GiB"]
-        for kind in kinds:
-            print(f"[bench] {kind} ...", flush=True)
-            results.append(bench_model(kind, args.reps, work))
-        slow = loop_slowdown(results[-1], work)
-        swarm = swarm_figures(args, work)
+        if args.part != "swarm":
+            kinds = ["small"] if args.quick else ["small", "1GiB"]
+            for kind in kinds:
+                print(f"[bench] {kind} ...", flush=True)
+                results.append(bench_model(kind, args.reps, work))
+            slow = loop_slowdown(results[-1], work)
+        if args.part != "process":
+            swarm = swarm_figures(args, work)
     finally:
         for r in results:
             r.pop("_keep", None)
         shutil.rmtree(work, ignore_errors=True)
+    if args.part != "swarm":
+        out.update(report_process(results, slow, args.reps))
+    if args.part != "process":
+        out.update(report_swarm(swarm))
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(out, indent=1))
+    return 0
 
+
+def report_process(results: list[dict], slow: float, reps: int) -> dict:
+    """Print the single-process table; the JSON of it."""
     print(f"\ncheckpoint bench: {torch.get_num_threads()} torch threads, python {sys.version.split()[0]}, "
-          f"torch {torch.__version__}; stall = seconds the training loop is blocked per save (median of {args.reps})")
+          f"torch {torch.__version__}; stall = seconds the training loop is blocked per save (median of {reps})")
     hdr = (f"{'model':>6} {'params':>8} {'state':>8} | {'skiptrain':>9} {'blocking':>8} {'(1st)':>6} "
            f"{'torch.save':>10} {'DCP async':>9} | {'save GB/s':>9} {'load GB/s':>9} {'disk GB/s':>9} "
            f"{'save/disk':>9} | {'fwd+bwd':>7}")
@@ -274,14 +289,22 @@ def main(argv=None) -> int:
     print("skiptrain = overlapped snapshot (trainer default: copy runs during the next forward/backward, the loop "
           "waits only at optimizer.step); blocking = save() returns after the copy; (1st) = first save, buffers "
           "allocated and paged in")
-    main_r = results[-1]
-    print(f"\n{main_r['model']}: blocking-snapshot stall = "
-          f"{main_r['skiptrain_blocking_stall_s'] / main_r['torch_save_s']:.1%} of torch.save, "
-          f"{main_r['skiptrain_blocking_stall_s'] / main_r['dcp_async_s']:.2f}x DCP async_save")
-    print(f"{main_r['model']}: stall = {main_r['skiptrain_stall_s'] / main_r['torch_save_s']:.1%} of torch.save "
-          f"(target <= 10%), {main_r['skiptrain_stall_s'] / main_r['dcp_async_s']:.2f}x DCP async_save "
-          f"(target <= 1); save = {main_r['save_GBps'] / main_r['disk_write_GBps']:.0%} of disk (target >= 80%); "
+    m = results[-1]
+    print(f"\n{m['model']}: blocking-snapshot stall = {m['skiptrain_blocking_stall_s'] / m['torch_save_s']:.1%} of "
+          f"torch.save, {m['skiptrain_blocking_stall_s'] / m['dcp_async_s']:.2f}x DCP async_save")
+    print(f"{m['model']}: stall = {m['skiptrain_stall_s'] / m['torch_save_s']:.1%} of torch.save "
+          f"(target <= 10%), {m['skiptrain_stall_s'] / m['dcp_async_s']:.2f}x DCP async_save "
+          f"(target <= 1); save = {m['save_GBps'] / m['disk_write_GBps']:.0%} of disk (target >= 80%); "
           f"small-model step time while the background writer runs: {slow:.2f}x idle")
+    return {"stall_s": {"skiptrain": m["skiptrain_stall_s"], "torch_save": m["torch_save_s"],
+                        "dcp_async": m["dcp_async_s"], "skiptrain_blocking_snapshot": m["skiptrain_blocking_stall_s"],
+                        "skiptrain_first_save": m["skiptrain_first_stall_s"]},
+            "save_GBps": m["save_GBps"], "load_GBps": m["load_GBps"], "disk_write_GBps": m["disk_write_GBps"],
+            "model": m["model"], "loop_slowdown_during_write": slow, "per_model": results, "reps": reps}
+
+
+def report_swarm(swarm: dict) -> dict:
+    """Print the swarm's figures; the JSON of them."""
     print(f"\nswarm ({swarm['nodes']} nodes, checkpoint every iteration vs none, {swarm['reps']} run(s) each of "
           f"{swarm['iterations']} iterations): period {swarm['period_save_s']:.4f} s vs {swarm['period_none_s']:.4f} s "
           f"= {swarm['swarm_stall_fraction']:+.1%} per iteration (target <= +5%)")
@@ -289,19 +312,8 @@ def main(argv=None) -> int:
           f"that loads and verifies ({swarm['killed_during_save']} killed while a save was being written); after the "
           f"last resume the job ran to iteration {swarm['final_iteration']}: {swarm['samples_lost']} samples lost, "
           f"{swarm['samples_repeated']} repeated")
-    out = {"swarm_stall_fraction": swarm["swarm_stall_fraction"], "crash_trials": swarm["crash_trials"],
-           "crash_resumes_ok": swarm["crash_resumes_ok"], "swarm": swarm,
-           "stall_s": {"skiptrain": main_r["skiptrain_stall_s"], "torch_save": main_r["torch_save_s"],
-                       "dcp_async": main_r["dcp_async_s"],
-                       "skiptrain_blocking_snapshot": main_r["skiptrain_blocking_stall_s"],
-                       "skiptrain_first_save": main_r["skiptrain_first_stall_s"]},
-           "save_GBps": main_r["save_GBps"], "load_GBps": main_r["load_GBps"],
-           "disk_write_GBps": main_r["disk_write_GBps"], "model": main_r["model"],
-           "loop_slowdown_during_write": slow, "per_model": results, "reps": args.reps}
-    if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(out, indent=1))
-    return 0
+    return {"swarm_stall_fraction": swarm["swarm_stall_fraction"], "crash_trials": swarm["crash_trials"],
+            "crash_resumes_ok": swarm["crash_resumes_ok"], "swarm": swarm}
 
 
 if __name__ == "__main__":

@@ -141,7 +141,7 @@ class JobCheckpointer:
         self.gather = gather
         self.mgr: CheckpointManager | None = None
         self._writers: tuple = ()
-        self._digests: list[tuple[int, bytes]] | None = None
+        self._digests: list[tuple[int, int]] | None = None
         self._specs: list[TensorSpec] = []
         self._holders: dict[str, list[int]] = {}
         self.saved_step = -1
@@ -153,12 +153,21 @@ class JobCheckpointer:
         every = self.cfg.every
         return bool((every and iteration % every == 0) or (iteration == n_iterations and self.cfg.final))
 
+    @staticmethod
+    def digest(tensors: dict[str, torch.Tensor], placement: list[list[int]]) -> int:
+        """A 32-bit digest of this node's tensor specs and the writers: when every node's is as
+        at the last save, the save plan stands."""
+        writers = sorted({n for p in placement for n in p})
+        return zlib.crc32(_describe(tensors) + str(writers).encode())
+
     def save(self, iteration: int, position: dict[str, Any], tensors: dict[str, torch.Tensor],
-             node_state: dict[str, Any], placement: list[list[int]], gen: int = 0) -> float:
+             node_state: dict[str, Any], placement: list[list[int]], gen: int = 0,
+             digests: list[tuple[int, int]] | None = None) -> float:
         """Save the job at ``iteration`` (all nodes of membership generation ``gen`` call this
         together); returns the seconds this node was blocked.  ``position`` is the job's JSON
-        (phase, cursor, config, layout).  In a new generation the writers start afresh: a save
-        of the previous one that some writer never finished is abandoned."""
+        (phase, cursor, config, layout).  ``digests``: every node's :meth:`digest`, when the
+        caller gathered them already (else one all-gather here).  In a new generation the writers
+        start afresh: a save of the previous one that some writer never finished is abandoned."""
         if iteration == self.saved_step:
             return 0.0
         writers = tuple(sorted({n for p in placement for n in p}))
@@ -168,7 +177,7 @@ class JobCheckpointer:
         new_writers = (writers, gen) != self._writers          # the same on every node
         if new_writers:
             self._hand_over(writers)
-        self._plan(tensors, writers, new_writers)
+        self._plan(tensors, placement, new_writers, digests)
         self._writers = (writers, gen)
         if self.node not in writers:
             self.mgr = None
@@ -202,12 +211,14 @@ class JobCheckpointer:
 
             store.clean_stale(self.root)
 
-    def _plan(self, tensors: dict[str, torch.Tensor], writers: tuple[int, ...], new_writers: bool) -> None:
+    def _plan(self, tensors: dict[str, torch.Tensor], placement: list[list[int]], new_writers: bool,
+              digests: list[tuple[int, int]] | None) -> None:
         """Every node's tensor specs, gathered again only when some node's changed (always with
         new writers: that all-gather also ends :meth:`_hand_over`'s cleaning)."""
-        desc = json.dumps([[n, dtype_name(t.dtype), list(t.shape)] for n, t in sorted(tensors.items())]).encode()
-        digest = zlib.crc32(desc).to_bytes(4, "little") + zlib.crc32(str(writers).encode()).to_bytes(4, "little")
-        digests = self.gather(digest, 8)
+        desc = _describe(tensors)
+        if digests is None:
+            mine = self.digest(tensors, placement).to_bytes(4, "little")
+            digests = [(n, int.from_bytes(b, "little")) for n, b in self.gather(mine, 4)]
         if digests == self._digests and not new_writers:
             return
         specs: dict[str, TensorSpec] = {}
@@ -234,6 +245,10 @@ class JobCheckpointer:
         """Wait for the last save to be on disk (its error, if any, goes up)."""
         if self.mgr is not None:
             self.mgr.close()
+
+
+def _describe(tensors: dict[str, torch.Tensor]) -> bytes:
+    return json.dumps([[n, dtype_name(t.dtype), list(t.shape)] for n, t in sorted(tensors.items())]).encode()
 
 
 def _saved_slot(names: set[str], name: str, slot: int) -> str:

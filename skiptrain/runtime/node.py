@@ -364,8 +364,8 @@ class Node:
         self._sync(dist.all_gather, outs, buf)
         return [(node, bytes(o[:int(k)].numpy())) for node, o, k in zip(self.alive, outs, lens)]
 
-    def _save_checkpoint(self, st: "PhaseState", done: int, cursor: int) -> None:
-        """The job's checkpoint after ``done`` iterations of the phase (every node calls this)."""
+    def _checkpoint_state(self, st: "PhaseState") -> tuple:
+        """(tensors, node JSON, placement, digest) this node saves (:mod:`.job_checkpoint`)."""
         from .job_checkpoint import stage_state
 
         tensors, node_state = {}, {}
@@ -373,10 +373,17 @@ class Node:
             slot = st.sched.placement[st.stage].index(self.rank)
             tensors, node_state = stage_state(st.model, st.opt, st.strat, slot)
             node_state.update(node=self.rank, stage=st.stage)
+        return tensors, node_state, st.sched.placement, self.ckpt.digest(tensors, st.sched.placement)
+
+    def _save_checkpoint(self, st: "PhaseState", done: int, cursor: int, snap: tuple | None = None,
+                         digests: list | None = None) -> None:
+        """The job's checkpoint after ``done`` iterations of the phase (every node calls this);
+        ``digests``: every node's, from the stats gather (else gathered here)."""
+        tensors, node_state, placement, _ = snap or self._checkpoint_state(st)
         position = {"phase": st.idx, "phase_name": st.ph.name, "iteration": done, "gen": self.gen,
                     "data": {"cursor": cursor, "global_batch": st.gb, "seed": self.cfg.train.seed},
-                    "config": self.cfg.to_dict(), "placement": st.sched.placement}
-        self.ckpt.save(done, position, tensors, node_state, st.sched.placement, self.gen)
+                    "config": self.cfg.to_dict(), "placement": placement}
+        self.ckpt.save(done, position, tensors, node_state, placement, self.gen, digests)
 
     def _join_phase(self, st: "PhaseState", joining: dict) -> None:
         """A node joining a running job: its state from a live replica (or the stage's checkpoint
@@ -463,12 +470,17 @@ class Node:
         events += self.tr.take_events()
         a.entry["events"] = [e.to_dict() for e in events]
         a.entry["t_end"] = max((e.end for e in events), default=0.0)
-        allst = self._gather_stats(st, a, events)
+        # a checkpoint at this boundary: every node's save-plan digest rides on the stats gather
+        snap = self._checkpoint_state(st) if self.ckpt.due(st.it + 1, st.ph.iterations) else None
+        allst = self._gather_stats(st, a, events, snap[3] if snap else 0)
+        placement = [list(p) for p in st.sched.placement]
         self._after_gather(st, allst)
         self._maybe_evaluate(st)
-        if self.ckpt.due(st.it + 1, st.ph.iterations):
+        if snap is not None:
             t = time.perf_counter()
-            self._save_checkpoint(st, st.it + 1, st.cursor + st.gb)
+            same = st.sched.placement == placement
+            self._save_checkpoint(st, st.it + 1, st.cursor + st.gb, snap,
+                                  [(n, int(x[-2])) for n, x in zip(self.alive, allst)] if same else None)
             a.entry["ckpt_s"] = time.perf_counter() - t
 
     def _maybe_evaluate(self, st: "PhaseState") -> None:
@@ -545,8 +557,9 @@ class Node:
             return [Event(self.rank, "sync", None, stage, ts - t0, te - t0, stats.payload_bytes)]
         return []
 
-    def _gather_stats(self, st: "PhaseState", a: "Attempt", events: list) -> list:
-        """All-gather every node's iteration statistics; rank 0 appends the metrics line."""
+    def _gather_stats(self, st: "PhaseState", a: "Attempt", events: list, ckpt_digest: int = 0) -> list:
+        """All-gather every node's iteration statistics (the last two columns: the checkpoint
+        digest, the re-plan flag); rank 0 appends the metrics line."""
         res = a.res
         sync = a.entry.get("sync") or {}
         stats = torch.tensor([res.loss_sum, res.n_loss, a.entry["t_end"], st.padding.overruns, st.padding.overrun_s,
@@ -554,7 +567,8 @@ class Node:
                               sync.get("comm_s", 0.0)], dtype=torch.float64)
         if st.drift is not None:
             stats = torch.cat([stats, st.drift.observe(events)])
-        stats = torch.cat([stats, torch.tensor([1.0 if st.replan_pending else 0.0], dtype=torch.float64)])
+        stats = torch.cat([stats, torch.tensor([float(ckpt_digest), 1.0 if st.replan_pending else 0.0],
+                                               dtype=torch.float64)])
         allst = [torch.empty_like(stats) for _ in range(len(self.alive))]
         self._sync(dist.all_gather, allst, stats)
         if dist.get_rank() == 0:
