@@ -156,3 +156,65 @@ def test_the_swarm_freezes_shrinks_and_trains_what_the_single_process_trainer_tr
     ref = {n: p.detach() for n, p in t.model.named_parameters()}
     worst = max((final[n] - ref[n]).abs().max().item() for n in ref)
     assert worst < 1e-4, f"swarm and single-process trainer differ by {worst:.3g}"
+
+
+@pytest.mark.slow
+def test_a_checkpoint_after_a_transition_resumes_into_the_transitioned_layout(byte_data, tmp_path):
+    """The checkpoint after iteration 6 holds the 3-stage layout of the first freeze and the
+    second freeze still pending: a job resumed from it rebuilds that layout, applies the pending
+    transition at its first iteration and ends with the uninterrupted run's weights, losses,
+    decisions and final layout."""
+    iters = 8
+    ref = tmp_path / "ref"
+    res = launch(_job(_cfg(), byte_data, ref, iterations=iters), timeout_s=300)
+    ckpt = shutil.copytree(ref / "checkpoints" / "step-00000006", tmp_path / "saved" / "step-00000006")
+    saved = CheckpointReader(ckpt).state["elastic"]
+    assert saved["frozen"] == 1 and saved["pending"] == 2 and len(saved["counts"]) < 4
+    start = resume_point(ckpt)
+    assert start["iteration"] == 6 and start["cursor"] == 6 * GB
+    run = tmp_path / "run"
+    res2 = launch(_job(_cfg(), byte_data, run, iterations=iters, resume=start), timeout_s=300)
+    ref_loss = {r["step"]: r["loss"] for r in res.phase_metrics("p")}
+    assert [(r["step"], r["loss"]) for r in res2.phase_metrics("p")] == [(s, ref_loss[s]) for s in (7, 8)]
+    a, b = load_weights(ref / "model.safetensors"), load_weights(run / "model.safetensors")
+    assert a.keys() == b.keys()
+    worst = max((a[k] - b[k]).abs().max().item() for k in a)
+    assert worst <= 1e-6, f"resumed run differs from the uninterrupted one by {worst:.3g}"
+    tr_ref = [r for r in _log(ref) if r.get("action") == "transition"]
+    tr_run = [r for r in _log(run) if r.get("action") == "transition"]
+    assert [(t["step"], t["frozen_after"], t["placement"]) for t in tr_run] == \
+        [(t["step"], t["frozen_after"], t["placement"]) for t in tr_ref if t["step"] >= 6]
+    stages = {r: s for r, (s, _) in _node_params(ref).items()}
+    assert {r: s for r, (s, _) in _node_params(run).items()} == stages
+
+
+@pytest.mark.slow
+def test_a_node_killed_mid_transition_is_recovered_and_training_goes_on(byte_data, tmp_path):
+    """Recovery mode: a replica of a body stage is SIGKILLed inside the first transition (after
+    the plan, before its messages): the survivors abandon the transition, re-form without it,
+    plan the transition again over the five of them and train to the end; every sample is
+    trained once and the replicas of every final stage are bit-identical."""
+    from fault_node import faulty_job
+
+    cfg = _cfg(runtime={"recover": True, "heartbeat_s": 0.2, "heartbeat_deadline_s": 4.0})
+    probe = _job(cfg, byte_data, tmp_path / "probe")
+    victim = max(probe.phases[0].schedule["placement"][1])
+    run = tmp_path / "run"
+    res = launch(_job(cfg, byte_data, run, **faulty_job({"node": victim, "kind": "kill", "iteration": 4,
+                                                         "where": "transition"})), timeout_s=300)
+    rows = res.phase_metrics("p")
+    assert [r["step"] for r in rows] == list(range(1, ITERS + 1)) and rows[-1]["nodes"] == 5
+    rec = [json.loads(x) for x in (run / "recoveries.jsonl").read_text().splitlines()]
+    assert [r["node"] for r in rec] == [victim] and "died" in rec[0]["cause"]
+    tr = [r for r in _log(run) if r.get("action") == "transition"]
+    assert [(t["frozen_after"], t["step"]) for t in tr] == [(1, 4), (2, 6)]
+    assert all(victim not in p for t in tr for p in t["placement"])
+    per_it = trained_samples(run / "phases" / "p")
+    assert sorted(per_it) == list(range(ITERS))
+    assert sorted(i for s in per_it.values() for i in s) == list(range(ITERS * GB))
+    by_stage: dict[int, list[dict]] = {}
+    for r, (s, p) in _node_params(run).items():
+        if s is not None and r != victim:
+            by_stage.setdefault(s, []).append(p)
+    for s, reps in by_stage.items():
+        assert all(torch.equal(p[k], reps[0][k]) for p in reps[1:] for k in p), f"stage {s} replicas differ"
