@@ -218,3 +218,8 @@ def test_a_node_killed_mid_transition_is_recovered_and_training_goes_on(byte_dat
             by_stage.setdefault(s, []).append(p)
     for s, reps in by_stage.items():
         assert all(torch.equal(p[k], reps[0][k]) for p in reps[1:] for k in p), f"stage {s} replicas differ"
+    # the merged model is the trained one (no stage of the start layout counts as lost)
+    merged = load_weights(run / "model.safetensors")
+    trained = {k: v for reps in by_stage.values() for k, v in reps[0].items()}
+    assert merged.keys() == trained.keys() and all(torch.equal(merged[k], trained[k]) for k in merged)
+    assert not (run / "lost_stages.json").exists()
