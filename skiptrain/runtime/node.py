@@ -1194,6 +1194,11 @@ def main(argv: list[str] | None = None, node_class: type[Node] = Node) -> int:
             print(f"skiptrain node: cannot join {args.join}: {e}", file=sys.stderr)
             return 2
         world = job.world
+        from ..config import config_from_dict
+        if config_from_dict(job.config).elastic.enabled:
+            print(f"skiptrain node: cannot join {args.join}: the job freezes layers (elastic.enabled) and a node "
+                  "joining it would not hold the freeze rule's state", file=sys.stderr)
+            return 2
     else:
         try:
             rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
