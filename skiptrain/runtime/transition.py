@@ -26,6 +26,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import random
+import threading
 from typing import Any, Callable
 
 import torch
@@ -119,12 +120,26 @@ def stage_sizes(model, opt, strat) -> dict[str, int]:
 
 
 def wait_all(works: list, abort: Callable[[], None]) -> None:
-    """Wait for point-to-point ``works`` (gloo's send/recv works complete only in ``wait``: a
-    dead peer closes its connection and the wait raises; a silent one hits the group's
-    timeout); ``abort()`` first raises when the node must give up anyway."""
-    abort()
-    for w in works:
-        w.wait()
+    """Wait for point-to-point ``works``; ``abort()`` raises when the node must give up (a new
+    membership generation).  gloo's send and recv works complete only inside ``wait``, and a
+    send to a dead peer can block there until the group's timeout, so the waits run in a
+    helper thread, abandoned (as the old groups are) when ``abort`` raises."""
+    errors: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            for w in works:
+                w.wait()
+        except BaseException as e:  # noqa: BLE001 - raised below, in the caller's thread
+            errors.append(e)
+
+    t = threading.Thread(target=run, name="skiptrain-p2p-wait", daemon=True)
+    t.start()
+    while t.is_alive():
+        abort()
+        t.join(0.002)
+    if errors:
+        raise errors[0]
 
 
 def move_state(me: int, plan: list[Transfer], rank_of: dict[int, int], model, opt, strat,
