@@ -68,7 +68,7 @@ def train_swarm(cfg, data: str, out: str, steps: int | None = None, echo: bool =
               f"starts from a checkpoint at most {rt.ckpt_max_age} iterations old, else CheckFree; nodes may join "
               f"with `skiptrain launch --join HOST:PORT` (address and secret file: {outp / 'join.json'})", flush=True)
     res = launch(job, timeout_s=max(3600.0, steps * 60.0), echo=echo)
-    rows = res.phase_metrics("train")
+    rows = [r for r in res.phase_metrics("train") if "loss" in r]   # (not the in-loop validation lines)
     if (outp / "lost_stages.json").is_file():
         for s, note in json.loads((outp / "lost_stages.json").read_text()).items():
             print(f"skiptrain launch: warning: stage {s}: {note}", file=sys.stderr, flush=True)
@@ -152,9 +152,9 @@ def _checked_swarm_config(cfg, data: str, steps: int | None):
     from ..data.dataset import TokenDataset
 
     rt = cfg.runtime
-    if cfg.elastic.enabled:
-        raise UserError("elastic.enabled=true: freezing runs in the single-process trainer, not in a swarm of "
-                        "node processes; set elastic.enabled=false, or train with --nodes 1")
+    if cfg.elastic.enabled and cfg.elastic.cache == "on":
+        raise UserError("elastic.cache=on: a swarm recomputes the frozen prefix on its stage-0 nodes (no activation "
+                        "cache there); set elastic.cache=off (or auto), or train with --nodes 1")
     if rt.nodes < cfg.model.n_stages:
         raise UserError(f"runtime.nodes={rt.nodes} cannot serve {cfg.model.n_stages} stages; use --nodes >= "
                         f"{cfg.model.n_stages} (or --nodes 1 for the single-process trainer)")

@@ -21,10 +21,11 @@ from typing import Any, Iterable, Sequence
 def tensor_stage(name: str, partition) -> int:
     """The pipeline stage holding tensor ``name`` under ``partition`` (a model.partition.Partition).
 
-    Optimizer state (``optim.<key>.<param>``) lives with its parameter; ``layers.{i}.*`` with the
+    Optimizer and sync-strategy state (``optim.<key>.<param>``, ``sync.<key>.<param>``) lives
+    with its parameter; ``layers.{i}.*`` with the
     stage holding layer i; everything else (embedding, final norm, head, RNG, ...) on stage 0.
     """
-    if name.startswith("optim."):
+    if name.startswith(("optim.", "sync.")):
         name = name.split(".", 2)[2]
     if name.startswith("layers."):
         return partition.stage_of_layer(int(name.split(".", 2)[1]))

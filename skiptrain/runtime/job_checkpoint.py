@@ -179,8 +179,9 @@ class JobCheckpointer:
             self._hand_over(writers)
         self._plan(tensors, placement, new_writers, digests)
         self._writers = (writers, gen)
-        if self.node not in writers:
+        if self.node not in writers:      # (a node without a stage: freed by a freeze, or idle)
             self.mgr = None
+            self.saved_step = iteration
             return 0.0
         if self.mgr is None:
             self.mgr = CheckpointManager(self.root, keep=self.cfg.keep, rank=self.node, ranks=list(writers),

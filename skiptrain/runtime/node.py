@@ -84,6 +84,7 @@ class PhaseState:
     cursor: int = 0
     drift: Any = None
     drift_state: dict = field(default_factory=dict)
+    elastic: Any = None      # runtime.freezing.SwarmFreezing when elastic.enabled
 
 
 @dataclass
@@ -310,6 +311,9 @@ class Node:
         st.gb = len(st.order) * cfg.train.micro_batch
         st.ex = self._executor(st)
         self._open_checkpoints(ph)
+        if cfg.elastic.enabled:
+            from .freezing import SwarmFreezing
+            st.elastic = SwarmFreezing(self, st)    # a resumed job: the layout the checkpoint was in
         if self.job.rt.drift_threshold > 0 and cost is not None and topo is not None:
             from .drift import DriftMonitor
             st.drift = DriftMonitor(rank, topo.n, cost, topo, ph.bytes_scale, self.job.rt.drift_alpha)
@@ -383,6 +387,8 @@ class Node:
         position = {"phase": st.idx, "phase_name": st.ph.name, "iteration": done, "gen": self.gen,
                     "data": {"cursor": cursor, "global_batch": st.gb, "seed": self.cfg.train.seed},
                     "config": self.cfg.to_dict(), "placement": placement}
+        if st.elastic is not None:
+            position["elastic"] = st.elastic.state_dict()
         self.ckpt.save(done, position, tensors, node_state, placement, self.gen, digests)
 
     def _join_phase(self, st: "PhaseState", joining: dict) -> None:
@@ -407,7 +413,8 @@ class Node:
                         if ph.wan and topo is not None and self.rank < topo.n else None)
         self.tr.codec_of = self._codec_of(st)
         return Executor(self.rank, self.tr, st.model, st.stage, cost, st.speed, st.padding, self.job.rt.timeout_s,
-                        self.describe, check=self._check_payload)
+                        self.describe, check=self._check_payload,
+                        embed=st.elastic.embed if st.elastic is not None else None)
 
     def _codec_of(self, st: "PhaseState"):
         """The activation encoding of each of this node's outgoing links (the cost model's choice)."""
@@ -438,6 +445,8 @@ class Node:
         self.hook(st.ph.name, st.it, "start", st)
         if self.watch is not None:
             self._switch_to_joins(st, a)
+        if st.elastic is not None:
+            st.elastic.apply_pending()      # a freeze transition decided at the last boundary
         # common start: everyone present (and agreed whether the launcher asked to stop: then every
         # node ends the phase here, writes its stage and exits), then rank 0's clock + a margin
         stop = torch.tensor([1 if self.hb_store.check([STOP_KEY]) else 0], dtype=torch.int64)
@@ -453,6 +462,8 @@ class Node:
         def batch_fn(mb_id: int):
             i = st.order[mb_id]
             a.samples.extend(range(c + i * mbsz, c + (i + 1) * mbsz))
+            if st.elastic is not None:
+                return st.elastic.batch(self.src, range(c + i * mbsz, c + (i + 1) * mbsz))
             return self.src.batch(range(c + i * mbsz, c + (i + 1) * mbsz))
 
         a.res = st.ex.run_iteration(st.it, st.sched, t0, batch_fn)
@@ -475,6 +486,8 @@ class Node:
         allst = self._gather_stats(st, a, events, snap[3] if snap else 0)
         placement = [list(p) for p in st.sched.placement]
         self._after_gather(st, allst)
+        if st.elastic is not None:
+            st.elastic.after_iteration()    # the freeze rule's evidence and, at a window's end, its decision
         self._maybe_evaluate(st)
         if snap is not None:
             t = time.perf_counter()
@@ -544,7 +557,8 @@ class Node:
         self.ckpt.wait_snapshot()
         ts = time.time()
         a.outcome = optimizer_step([HostedStage(stage, st.strat, a.res.n_processed, len(replicas))], st.opt, a.lr,
-                                   self.cfg.train.grad_clip, self._sum_across)
+                                   self.cfg.train.grad_clip, self._sum_across,
+                                   inspect=st.elastic.observe if st.elastic is not None else None)
         stats = a.outcome.stats[stage]
         a.entry["sync"] = {"payload": stats.payload_bytes, "received": stats.received_bytes,
                            "comm_s": round(stats.comm_s, 6), "synced": stats.synced, "n_total": stats.n_total}
@@ -716,8 +730,9 @@ class Node:
         groups = {s: dist.new_group(sorted(self._rank[n] for n in p), timeout=timeout)
                   for s, p in enumerate(sched.placement) if p}
         strat = None
-        if model is not None:
-            strat = make_strategy(self.cfg.dp, model.named_parameters(), groups[stage], self.cfg.train)
+        if model is not None:   # over the parameters that train (frozen ones have no gradient to sync)
+            strat = make_strategy(self.cfg.dp, [(n, p) for n, p in model.named_parameters() if p.requires_grad],
+                                  groups[stage], self.cfg.train)
             if old_strat is not None:
                 sd = old_strat.state_dict()
                 if step_count is not None:
@@ -1193,6 +1208,11 @@ def main(argv: list[str] | None = None, node_class: type[Node] = Node) -> int:
             print(f"skiptrain node: cannot join {args.join}: {e}", file=sys.stderr)
             return 2
         world = job.world
+        from ..config import config_from_dict
+        if config_from_dict(job.config).elastic.enabled:
+            print(f"skiptrain node: cannot join {args.join}: the job freezes layers (elastic.enabled) and a node "
+                  "joining it would not hold the freeze rule's state", file=sys.stderr)
+            return 2
     else:
         try:
             rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])

@@ -99,7 +99,7 @@ def merge_outputs(job: Job, run_dir: Path) -> None:
         for p in parts:
             state.update(load_file(str(p)))
         if job.rt.recover:
-            state.update(lost_stages_from_checkpoints(job, run_dir, {p.stem for p in parts}))
+            state.update(lost_stages_from_checkpoints(job, run_dir, {p.stem for p in parts}, set(state)))
         save_weights_file(state, run_dir / "model.safetensors")
 
 def _initial_stage_weights(job: Job, stage: int) -> dict:
@@ -110,10 +110,12 @@ def _initial_stage_weights(job: Job, stage: int) -> dict:
     cfg = config_from_dict(job.config)
     return {n: t.detach() for n, t in StagedLM(cfg.model, stages=[stage], seed=cfg.train.seed).state_dict().items()}
 
-def lost_stages_from_checkpoints(job: Job, run_dir: Path, have: set[str]) -> dict:
+def lost_stages_from_checkpoints(job: Job, run_dir: Path, have: set[str], names: set[str] = frozenset()) -> dict:
     """Recovery mode: a stage that ended the run without a replica (lost for good, never taken
     over) has no part; the job's newest checkpoint fills it in the merged model, else its initial
-    weights do (so the run's model is complete and loads); ``RUN_DIR/lost_stages.json`` says which."""
+    weights do (so the run's model is complete and loads); ``RUN_DIR/lost_stages.json`` says which.
+    A stage of the phase's schedule whose tensors are all among ``names`` (the parts' tensors:
+    freeze transitions repartitioned the layers) is not lost."""
     ph = job.phases[-1]
     S = len(Schedule.from_dict(ph.schedule).placement)
     reader = None
@@ -121,8 +123,10 @@ def lost_stages_from_checkpoints(job: Job, run_dir: Path, have: set[str]) -> dic
     for s in range(S):
         if f"stage{s}" in have:
             continue
-        reader = reader or latest_job_checkpoint(job)
         init = _initial_stage_weights(job, s)
+        if all(n in names for n in init):     # its tensors ended on other stages (a freeze repartitioned)
+            continue
+        reader = reader or latest_job_checkpoint(job)
         if reader is not None and all(n in reader.meta.tensors for n in init):
             out.update(reader.read_many(init))
             notes[s] = f"no replica at the end; weights from the checkpoint after iteration {reader.step} ({reader.path})"

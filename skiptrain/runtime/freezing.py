@@ -1,0 +1,319 @@
+"""Elastic freezing in the swarm: the freeze rule, its guard and the transitions, on every node
+process at iteration boundaries (``elastic.enabled`` in a job's config).
+
+Every node holds a :class:`SwarmFreezing` next to its phase state and feeds the same inputs to
+its own :class:`~skiptrain.elastic.freeze.FreezeRule`, so every node takes the same decisions
+without exchanging them:
+
+* **gradient signal**: after each optimizer step, the first replica of each stage reports the
+  squared norm of its layers' synced update (what the single-process trainer's rule reads);
+  one all-reduce per iteration gives every node every active layer's norm;
+* **guard**: at the end of a window the rule may ask for the validation loss; the stage-0 nodes
+  (the originators) run it, ``elastic.guard_batches`` fixed validation micro-batches dealt over
+  them, each sent forward along the full route of the layout in force (forward only); the loss
+  sums are all-reduced, so every node sees the same value;
+* **transition**: a changed frozen depth is applied at the start of the next iteration, before
+  any of its work: AutoPipe + AutoDP plan the layout on the nodes alive
+  (:func:`~.transition.plan_layout`), the layout-change core plans the moves by name and the
+  nodes exchange them point to point (:func:`~.transition.move_state`), each node builds its
+  new stage, a barrier commits, and only then does every node switch (groups, sync strategy,
+  schedule, executor).  A failure before the commit leaves every survivor in the old layout;
+  recovery re-forms the swarm and the next attempt of the iteration plans the transition again
+  over the survivors.  The micro-batch ids and the global batch are kept, so no sample is
+  repeated or skipped; the routes of the new layout are re-planned by the planner when the
+  phase has a topology and cost model and skipping is on.
+* the originators start each micro-batch from the frozen prefix's output (no autograd), and
+  stage 0's forward runs only its layers after the prefix.
+
+Checkpoints carry the rule state, the layout history, the schedule in force and a transition
+still pending (``position["elastic"]``); a resumed job rebuilds the layout in force before it
+loads the saved state.  Decisions and transitions go to ``RUN_DIR/elastic.jsonl`` (lowest node).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ..checkpoint.reader import CheckpointReader
+from ..checkpoint.training import truncate_metrics
+from ..elastic.cache import PrefixRunner
+from ..elastic.freeze import FreezeRule
+from ..elastic.repartition import ElasticLayout
+from ..layout.transfer import transfer_plan
+from ..model.partition import Partition, partition_layers
+from ..optim import build_optimizer, lr_at
+from ..schedule.schedule import Schedule
+from .failure import NodeFailure
+from .job_checkpoint import load_sync
+from .transition import (build_stage, freeze_parameters, gather_state, layout_cost, layout_schedule, move_state,
+                         plan_layout, stage_names, stage_sizes, sync_state, wait_all)
+
+GUARD_TAG = 13
+# the planner's budget when it re-plans the routes of a new layout (simulator calls; no time cap,
+# so every run plans the same routes)
+ROUTE_EVALS = 200
+
+
+class SwarmFreezing:
+    """One node's side of elastic freezing in the swarm (see the module docstring)."""
+
+    def __init__(self, node, st):
+        cfg = node.cfg
+        self.node, self.st, self.cfg = node, st, cfg
+        L = cfg.model.n_layers
+        self.rule = FreezeRule.from_config(L, cfg.elastic, cfg.train.warmup_steps)
+        self.frozen = 0
+        self.counts = partition_layers(cfg.model).to_list()
+        self.start_stages = len(st.sched.placement)
+        self.base_cost = st.cost
+        pl = st.sched.placement
+        self.layouts = [ElasticLayout.of(0, self.counts, min(len(p) for p in pl), len(st.order), pl).to_dict()]
+        self.transitions: list[dict[str, Any]] = []
+        self.pending: int | None = None
+        self.sq = torch.zeros(2 * L, dtype=torch.float64)     # per layer: squared norm, reported
+        self.runner: PrefixRunner | None = None
+        self.guard_s = 0.0
+        if node.job.resume and node.job.resume["phase"] == st.idx:
+            self._resume(node.job.resume["path"])
+
+    # ---- the step's inputs -----------------------------------------------------------------
+
+    def embed(self, h: torch.Tensor) -> torch.Tensor:
+        """Stage 0's forward: the embedding and its layers, or after a freeze its layers after
+        the frozen prefix, on the prefix's output."""
+        m = self.st.model
+        if self.frozen == 0:
+            return m.embed(h)
+        return m.run_layers(h, range(self.frozen, m.partition.layers(0).stop))
+
+    def batch(self, src, indices) -> tuple[torch.Tensor, torch.Tensor]:
+        """(stage 0's input, targets) of global samples ``indices``: the tokens, or the frozen
+        prefix's output computed without autograd."""
+        x, y = src.batch(indices)
+        if self.frozen == 0:
+            return x, y
+        return self.runner(x, [src.window(g) for g in indices]), y
+
+    def observe(self, updates: dict[str, torch.Tensor]) -> None:
+        """The optimizer step's synced updates: per layer, their squared norm (first replica)."""
+        st, L = self.st, self.cfg.model.n_layers
+        if st.stage is None or st.sched.placement[st.stage].index(self.node.rank) != 0:
+            return
+        for n, g in updates.items():
+            if n.startswith("layers."):
+                layer = int(n.split(".", 2)[1])
+                self.sq[layer] += float(torch.linalg.vector_norm(g)) ** 2
+                self.sq[L + layer] = 1.0
+
+    # ---- the rule at iteration boundaries -------------------------------------------------
+
+    def after_iteration(self) -> None:
+        """Every node, after iteration ``st.it``: the layers' norms to the rule; at a window's
+        end, the rule's decision (a changed depth becomes the pending transition)."""
+        st, node, t, L = self.st, self.node, self.cfg.train, self.cfg.model.n_layers
+        sq, self.sq = self.sq, torch.zeros_like(self.sq)
+        node._sync(dist.all_reduce, sq)
+        self.rule.observe({l: float(sq[l]) ** 0.5 for l in range(self.frozen, L) if sq[L + l] > 0})
+        step = st.it + 1
+        if not self.rule.window_done(step):
+            return
+        clock = sum(lr_at(s, t) for s in range(step)) / t.lr
+        d = self.rule.decide(step, val_loss=self.guard_loss if self.cfg.elastic.guard else None, clock=clock)
+        if d.frozen_after != self.frozen:
+            self.pending = d.frozen_after
+        self._log(d.to_dict())
+
+    def guard_loss(self) -> float:
+        """The validation loss of the guard's micro-batches, every node taking part: batch ``b``
+        starts on stage-0 node ``b mod R0`` and visits replica ``b mod R_s`` of each body stage."""
+        t0 = time.perf_counter()
+        st, node, cfg = self.st, self.node, self.cfg
+        mb, m = cfg.train.micro_batch, st.model
+        n = min(cfg.elastic.guard_batches * mb, node.val_src.n)
+        pl = st.sched.placement
+        S = len(pl)
+        total = torch.zeros(2, dtype=torch.float64)
+        for b, a in enumerate(range(0, n, mb)):
+            rows = min(n, a + mb) - a
+            path = [pl[s][b % len(pl[s])] for s in range(S)]
+            if node.rank not in path:
+                continue
+            i = path.index(node.rank)
+            shape = (rows, cfg.model.seq_len, cfg.model.d_model)
+            with torch.no_grad():
+                if i == 0:
+                    x, y = node.val_src.batch(range(a, a + rows))
+                    h = m.embed(x)
+                else:
+                    h = m.run_stage(i, self._recv(shape, path[i - 1]))
+                if S > 1:
+                    self._send(h, path[(i + 1) % S])
+                if i == 0:
+                    h = self._recv(shape, path[-1]) if S > 1 else h
+                    total += torch.tensor([m.loss(m.logits(h), y).item() * rows, rows], dtype=torch.float64)
+        node._sync(dist.all_reduce, total)
+        self.guard_s += time.perf_counter() - t0
+        return float(total[0] / total[1])
+
+    def _send(self, h: torch.Tensor, dst: int) -> None:
+        wait_all([dist.isend(h.contiguous(), self.node._rank[dst], tag=GUARD_TAG)], self._abort)
+
+    def _recv(self, shape, src: int) -> torch.Tensor:
+        h = torch.empty(shape)
+        wait_all([dist.irecv(h, self.node._rank[src], tag=GUARD_TAG)], self._abort)
+        return h
+
+    def _abort(self) -> None:
+        w = self.node.watch
+        if w is not None and w.newer():
+            raise NodeFailure(f"node {self.node.rank}: membership changed during a freeze transition or guard "
+                              "check; abandoning the iteration", node=None)
+
+    def _log(self, rec: dict[str, Any]) -> None:
+        if self.node.rank == min(self.node.alive):
+            with open(Path(self.node.run_dir) / "elastic.jsonl", "a") as f:
+                f.write(json.dumps(rec) + "\n")
+
+    # ---- transitions ----------------------------------------------------------------------
+
+    def apply_pending(self) -> None:
+        """At the start of an iteration, before any work: the pending transition, if any."""
+        if self.pending is None:
+            return
+        if self.pending != self.frozen:
+            self._transition(self.pending)
+        self.pending = None
+
+    def _transition(self, F: int) -> None:
+        """Every node: plan the layout for ``F`` frozen layers, move the state, commit, switch."""
+        st, node, cfg = self.st, self.node, self.cfg
+        t0 = time.perf_counter()
+        pl = st.sched.placement
+        if any(not p for p in pl):
+            self._log({"step": st.it, "action": "transition_skipped", "frozen": F,
+                       "reason": f"placement {pl}: a stage has no node, so its state cannot move"})
+            return
+        sizes: dict[str, int] = {}
+        for _, blob in node._gather_bytes(json.dumps(stage_sizes(st.model, st.opt, st.strat)).encode()):
+            sizes.update(json.loads(blob.decode()))
+        new, evidence = plan_layout(cfg.model, F, self.counts, pl, list(node.alive), sizes, self.start_stages,
+                                    st.gb, len(st.order), st.it)
+        old = ElasticLayout.of(self.frozen, self.counts, 1, len(st.order), pl)
+        plan = transfer_plan(sizes, old, new)
+        node.hook(st.ph.name, st.it, "transition", st)
+        blobs = move_state(node.rank, plan, node._rank, st.model, st.opt, st.strat, self._abort)
+        stage = {n: s for s, p in enumerate(new.placement) for n in p}.get(node.rank)
+        tensors, record, scalars = gather_state(st.model, st.opt, st.strat, blobs,
+                                                stage_names(sizes, new.partition, stage))
+        model = opt = None
+        if stage is not None:
+            rule = st.strat.update_rule if st.strat is not None else "adamw"
+            model, opt = build_stage(cfg, stage, new.partition, F, tensors, record, rule)
+        node._sync(dist.barrier)                # commit: every node holds its new stage
+        moved_s = time.perf_counter() - t0
+        cost = layout_cost(self.base_cost, cfg.model, new.counts, F)
+        sched = self._routes(layout_schedule(new.placement, sorted(st.order), cfg.train.skip_ratio,
+                                             cfg.train.max_swaps, st.sched.memory, cfg.train.seed + st.it), cost)
+        self._switch(sched, stage, model, opt, cost, F, new.counts, tensors, scalars)
+        rec = {"step": st.it, "action": "transition", "frozen_before": old.frozen, "frozen_after": F,
+               "stages_before": old.n_stages, "stages_after": new.n_stages, "counts": new.counts,
+               "placement": new.placement, "transfer_bytes": sum(t.nbytes for t in plan),
+               "transfer_messages": len(plan), "move_s": round(moved_s, 6), "autopipe": evidence,
+               "routes": sched.method, "seconds": round(time.perf_counter() - t0, 6)}
+        self.layouts.append({**new.to_dict(), "step": st.it})
+        self.transitions.append(rec)
+        st.record.setdefault("transitions", []).append({k: v for k, v in rec.items() if k != "autopipe"})
+        self._log(rec)
+        print(f"skiptrain node {node.rank}: iteration {st.it}: {old.frozen} -> {F} frozen layers; stages "
+              f"{old.counts} -> {new.counts}, placement {new.placement}; "
+              f"{len(plan)} messages, {rec['transfer_bytes']} bytes, {rec['seconds']:.3f} s", file=sys.stderr,
+              flush=True)
+
+    def _routes(self, sched: Schedule, cost) -> Schedule:
+        """The planner's routes for ``sched``'s placement (lowest node plans, every node gets them)
+        when skipping is on and the phase has a topology and cost model; else ``sched``."""
+        st, node = self.st, self.node
+        if sched.skip_ratio <= 0 or st.topo is None or cost is None:
+            return sched
+        adopted = None
+        if dist.get_rank() == 0:
+            from .drift import replan_routes
+            try:
+                new, cur, ns = replan_routes(sched, st.topo, cost, self.cfg, max_evals=ROUTE_EVALS)
+            except Exception as e:  # noqa: BLE001 - the constructed routes stay in force
+                new, cur, ns = None, None, None
+                print(f"skiptrain node {node.rank}: route planning for the new layout failed: {e}", file=sys.stderr,
+                      flush=True)
+            if new is not None:
+                adopted = new, {"trigger": "freeze", "simulated_current_s": cur, "simulated_new_s": ns}
+        new, _ = node._broadcast_schedule(adopted)
+        return new if new is not None else sched
+
+    def _switch(self, sched: Schedule, stage, model, opt, cost, F: int, counts: list[int],
+                tensors: dict[str, torch.Tensor] | None, scalars: dict[str, Any] | None) -> None:
+        """Every node switches to the new layout together (groups are a collective)."""
+        st, node = self.st, self.node
+        groups, strat = node._stage_groups(sched, stage, model, None)
+        if strat is not None and scalars:
+            load_sync(strat, sync_state(tensors or {}, strat), scalars)
+        st.sched, st.stage, st.model, st.opt, st.strat, st.groups = sched, stage, model, opt, strat, groups
+        st.cost = cost
+        node.stage_of = sched.stage_of()
+        st.record["stage"] = stage
+        self.frozen, self.counts = F, list(counts)
+        self.runner = None
+        if model is not None and stage == 0 and F > 0:
+            self.runner = PrefixRunner(model)
+            self.runner.set_frozen(F)
+        st.ex = node._executor(st)
+        node._publish_sched(sched, st.idx)
+
+    # ---- checkpoints ----------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        """What a job checkpoint carries (``position["elastic"]``)."""
+        return {"frozen": self.frozen, "counts": self.counts, "pending": self.pending,
+                "rule": self.rule.state_dict(), "layouts": self.layouts, "transitions": self.transitions,
+                "schedule": self.st.sched.to_dict(), "guard_s": self.guard_s}
+
+    def _resume(self, path: str) -> None:
+        """Before the node loads its state from checkpoint ``path``: the rule, the layout
+        history, and the layout in force then (this node's stage built for it, empty)."""
+        saved = CheckpointReader(path).state.get("elastic")
+        if not saved:
+            return
+        st, node = self.st, self.node
+        self.rule.load_state_dict(saved["rule"])
+        self.layouts, self.transitions = list(saved["layouts"]), list(saved["transitions"])
+        self.pending, self.guard_s = saved.get("pending"), float(saved.get("guard_s", 0.0))
+        if node.rank == min(node.alive):
+            truncate_metrics(Path(node.run_dir) / "elastic.jsonl", int(node.job.resume["iteration"]))
+        F, counts = int(saved["frozen"]), list(saved["counts"])
+        if F == self.frozen and counts == self.counts:
+            return
+        sched = Schedule.from_dict(saved["schedule"])
+        if sorted(sched.nodes()) != sorted(st.sched.nodes()):
+            raise NodeFailure(f"node {node.rank}: the checkpoint's layout {sched.placement} (after freeze "
+                              f"transitions) needs the nodes {sched.nodes()}; this job has {st.sched.nodes()}",
+                              node=None)
+        stage = sched.stage_of().get(node.rank)
+        model = opt = None
+        if stage is not None:
+            from ..model.transformer import StagedLM
+
+            torch.manual_seed(self.cfg.train.seed)
+            model = StagedLM(self.cfg.model, stages=[stage], partition=Partition(tuple(counts)),
+                             seed=self.cfg.train.seed)
+            model.train()
+            opt = build_optimizer(model.named_parameters(), self.cfg.train,
+                                  st.strat.update_rule if st.strat is not None else "adamw")
+            freeze_parameters(model, F)
+        cost = layout_cost(self.base_cost, self.cfg.model, counts, F)
+        self._switch(sched, stage, model, opt, cost, F, counts, None, None)

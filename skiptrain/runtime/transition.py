@@ -1,0 +1,239 @@
+"""Freeze transitions across node processes: the new layout, its schedule and cost model, and the
+training state moved between the nodes by name.
+
+A transition turns the layout in force (partition, placement, frozen depth) into the one the
+freeze rule's new depth asks for, on the nodes alive now:
+
+* :func:`plan_layout`: AutoPipe (:func:`skiptrain.elastic.repartition.autopipe_for`) repartitions
+  the active layers over the stage count it picks; AutoDP
+  (:func:`skiptrain.elastic.replicas.assign_nodes`) gives the freed nodes to the remaining
+  stages as replicas, keeping each node on the bytes it holds where it can;
+* :func:`layout_schedule`: the micro-batches of the iteration (same ids, so the same samples)
+  over the new placement: dealt over the stage-0 nodes, routes through the new body stages
+  (skipping, as in the single-process trainer, needs three or more stages); the caller may let
+  the planner re-plan the routes; :func:`layout_cost`: the cost model of the new layout (a
+  frozen layer costs its forward only, nothing when served from the cache);
+* :func:`move_state`: every message of :func:`skiptrain.layout.transfer.transfer_plan` between
+  node processes, point to point, in the one wire format
+  (:func:`skiptrain.checkpoint.wire.pack_state`): parameters, optimizer state and sync-strategy
+  state by global name;
+* :func:`build_stage`: the node's stage under the new partition from the tensors it held and
+  received (frozen parameters stop requiring gradients; their optimizer state is kept).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import random
+import threading
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+
+from ..checkpoint.state import load_optimizer, model_tensors, split_optim_name
+from ..checkpoint.wire import pack_state, unpack_tensors
+from ..elastic.repartition import ElasticLayout, autopipe_for
+from ..elastic.replicas import assign_nodes
+from ..layout import is_frozen, tensor_stage
+from ..layout.transfer import Transfer
+from ..model.partition import Partition
+from ..schedule.cost import layer_params
+from ..schedule.routes import balanced_routes, full_route
+from ..schedule.schedule import MicroBatch, Schedule
+from .job_checkpoint import stage_state, sync_tensors
+
+LEN_TAG, BLOB_TAG = 11, 12
+
+
+def plan_layout(model_cfg, frozen: int, counts: list[int], placement: list[list[int]], alive: list[int],
+                sizes: dict[str, int], start_stages: int, global_batch: int, n_micro: int, step: int,
+                hit: float = 0.0, prefix_cached: bool = False) -> tuple[ElasticLayout, dict[str, Any]]:
+    """The layout for ``frozen`` frozen layers on the nodes ``alive`` (node ids), from the one in
+    force (``counts``, ``placement``); returns it and AutoPipe's evidence."""
+    new_counts, evidence = autopipe_for(model_cfg, frozen, start_stages, len(placement), hit, len(alive),
+                                        global_batch, n_micro, prefix_cached=prefix_cached)
+    pos = {n: i for i, n in enumerate(alive)}
+    old_pos = [[pos[n] for n in p if n in pos] for p in placement]
+    new_pos = assign_nodes(sizes, Partition(tuple(counts)), old_pos, Partition(tuple(new_counts)), len(alive))
+    new_pl = [[alive[i] for i in p] for p in new_pos]
+    return ElasticLayout.of(frozen, new_counts, len(new_pl[0]), n_micro, new_pl, prefix_cached, step), evidence
+
+
+def layout_schedule(placement: list[list[int]], ids: list[int], skip_ratio: float, max_swaps: int, memory: int,
+                    seed: int) -> Schedule:
+    """One iteration over ``placement``: micro-batch ``ids`` (sorted) dealt round-robin over the
+    stage-0 nodes, each on a route through the body stages (full routes with fewer than three
+    stages or no skipping, else balanced skip routes drawn from ``seed``), each hop on the
+    least-loaded replica of its stage not yet on the route (ties: lowest id)."""
+    S, ids = len(placement), sorted(ids)
+    if skip_ratio <= 0 or S <= 2:
+        routes = [full_route(S) for _ in ids]
+    else:
+        routes = balanced_routes(S, skip_ratio, len(ids), random.Random(seed), max_swaps)
+    load = {n: 0 for p in placement for n in p}
+    mbs = []
+    for j, (i, route) in enumerate(zip(ids, routes)):
+        o = placement[0][j % len(placement[0])]
+        load[o] += 1
+        hops, used = [], {o}
+        for s in route:
+            cands = [n for n in placement[s] if n not in used] or list(placement[s])
+            n = min(cands, key=lambda x: (load[x], x))
+            load[n] += 1
+            used.add(n)
+            hops.append((s, n))
+        mbs.append(MicroBatch(i, o, hops, 0.0))
+    per_orig = math.ceil(len(ids) / len(placement[0]))
+    return Schedule(placement=[list(p) for p in placement], micro_batches=mbs,
+                    memory=max(1, min(memory, per_orig) if S == 1 else memory),
+                    skip_ratio=skip_ratio if S > 2 else 0.0, max_swaps=max_swaps, method="elastic",
+                    meta={"elastic": True})
+
+
+def layout_cost(cost, model_cfg, counts: list[int], frozen: int, hit: float = 0.0):
+    """``cost`` for the layout ``counts`` with ``frozen`` frozen layers: a stage's compute in
+    active-layer units (a frozen layer's forward only, scaled by the cache's miss fraction), its
+    parameters those that still train (the embedding freezes with the first layer)."""
+    if cost is None:
+        return None
+    per_layer = layer_params(model_cfg.d_model, model_cfg.hidden, model_cfg.kv_heads * model_cfg.head_dim)
+    eff, params, start = [], [], 0
+    for s, c in enumerate(counts):
+        nf = max(0, min(c, frozen - start))
+        eff.append((c - nf) + nf * (1.0 - hit) / (1.0 + cost.backward_factor))
+        p = (c - nf) * per_layer
+        if s == 0:
+            p += model_cfg.vocab_size * model_cfg.d_model * (1 if frozen else 2) + model_cfg.d_model
+        params.append(p)
+        start += c
+    return dataclasses.replace(cost, layers_per_stage=eff, params_per_stage=params)
+
+
+def stage_sizes(model, opt, strat) -> dict[str, int]:
+    """Bytes of every tensor this node holds by global name (weights, optimizer, sync state)."""
+    if model is None:
+        return {}
+    tensors, _ = stage_state(model, opt, strat, 0)
+    return {n: t.numel() * t.element_size() for n, t in tensors.items()}
+
+
+def wait_all(works: list, abort: Callable[[], None]) -> None:
+    """Wait for point-to-point ``works``; ``abort()`` raises when the node must give up (a new
+    membership generation).  gloo's send and recv works complete only inside ``wait``, and a
+    send to a dead peer can block there until the group's timeout, so the waits run in a
+    helper thread, abandoned (as the old groups are) when ``abort`` raises."""
+    errors: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            for w in works:
+                w.wait()
+        except BaseException as e:  # noqa: BLE001 - raised below, in the caller's thread
+            errors.append(e)
+
+    t = threading.Thread(target=run, name="skiptrain-p2p-wait", daemon=True)
+    t.start()
+    while t.is_alive():
+        abort()
+        t.join(0.002)
+    if errors:
+        raise errors[0]
+
+
+def move_state(me: int, plan: list[Transfer], rank_of: dict[int, int], model, opt, strat,
+               abort: Callable[[], None]) -> list[bytes]:
+    """Send this node's messages of ``plan`` and receive its own (two rounds: lengths, then
+    the messages); returns the received messages (:func:`pack_state` frames)."""
+    sends = [t for t in plan if t.src == me]
+    recvs = [t for t in plan if t.dst == me]
+    blobs = {}
+    if sends:
+        extra, scalars = sync_tensors(strat)
+        for t in sends:
+            blobs[t.dst] = pack_state(model, opt, t.names, {"strategy": scalars}, extra)
+    lens = {t.src: torch.zeros(1, dtype=torch.int64) for t in recvs}
+    works = [dist.isend(torch.tensor([len(blobs[t.dst])], dtype=torch.int64), rank_of[t.dst], tag=LEN_TAG)
+             for t in sends]
+    works += [dist.irecv(lens[t.src], rank_of[t.src], tag=LEN_TAG) for t in recvs]
+    wait_all(works, abort)
+    bufs = {t.src: torch.empty(int(lens[t.src][0]), dtype=torch.uint8) for t in recvs}
+    works = [dist.isend(torch.frombuffer(bytearray(blobs[t.dst]), dtype=torch.uint8), rank_of[t.dst], tag=BLOB_TAG)
+             for t in sends]
+    works += [dist.irecv(bufs[t.src], rank_of[t.src], tag=BLOB_TAG) for t in recvs]
+    wait_all(works, abort)
+    return [bufs[t.src].numpy().tobytes() for t in recvs]
+
+
+def gather_state(model, opt, strat, blobs: list[bytes], wanted: set[str]
+                 ) -> tuple[dict[str, torch.Tensor], dict[str, Any], dict[str, Any] | None]:
+    """The tensors named ``wanted`` from this node's own stage and the received messages, the
+    optimizer record merged by parameter name, and the sync strategy's scalars."""
+    tensors: dict[str, torch.Tensor] = {}
+    record: dict[str, Any] = {"param_groups": [], "scalars": {}}
+    scalars = None
+    if model is not None:
+        own, js = stage_state(model, opt, strat, 0)
+        tensors.update({n: t.detach().clone() for n, t in own.items() if n in wanted})
+        _merge_record(record, js["optimizer"])
+        scalars = js["strategy"] or None
+    for blob in blobs:
+        got, rec, st = unpack_tensors(blob)
+        tensors.update({n: t for n, t in got.items() if n in wanted})
+        _merge_record(record, rec)
+        scalars = scalars or st.get("strategy")
+    return tensors, record, scalars
+
+
+def _merge_record(into: dict[str, Any], rec: dict[str, Any] | None) -> None:
+    if not rec:
+        return
+    into.setdefault("class", rec.get("class"))
+    into["param_groups"] += rec.get("param_groups", [])
+    into["scalars"].update(rec.get("scalars", {}))
+
+
+def stage_names(sizes: dict[str, int], partition: Partition, stage: int | None) -> set[str]:
+    """The global names a node of ``stage`` holds under ``partition``."""
+    if stage is None:
+        return set()
+    return {n for n in sizes if tensor_stage(n, partition) == stage}
+
+
+def build_stage(cfg, stage: int, partition: Partition, frozen: int, tensors: dict[str, torch.Tensor],
+                record: dict[str, Any], rule: str, warm_up: Callable | None = None):
+    """(model, optimizer) of ``stage`` under ``partition`` loaded from ``tensors`` by name; the
+    optimizer covers every parameter (frozen ones keep their state for an undo) and frozen
+    parameters then stop requiring gradients."""
+    from ..model.transformer import StagedLM
+    from ..optim import build_optimizer
+
+    torch.manual_seed(cfg.train.seed)
+    model = StagedLM(cfg.model, stages=[stage], partition=partition, seed=cfg.train.seed)
+    model.train()
+    with torch.no_grad():
+        for n, t in model_tensors(model).items():
+            if n not in tensors:
+                raise ValueError(f"stage {stage} of partition {partition.to_list()}: no node sent {n}")
+            t.copy_(tensors[n])
+    if warm_up is not None:
+        warm_up(model, stage, cfg)
+    opt = build_optimizer(model.named_parameters(), cfg.train, rule)
+    params = {n for n, _ in model.named_parameters()}
+    load_optimizer(opt, model.named_parameters(),
+                   {n: t for n, t in tensors.items() if (k := split_optim_name(n)) and k[1] in params}, record)
+    freeze_parameters(model, frozen)
+    return model, opt
+
+
+def freeze_parameters(model, frozen: int) -> None:
+    """Parameters frozen at depth ``frozen`` stop requiring gradients; the others require them."""
+    for n, p in model.named_parameters():
+        p.requires_grad_(not is_frozen(n, frozen))
+
+
+def sync_state(tensors: dict[str, torch.Tensor], strat) -> dict[str, torch.Tensor]:
+    """The ``sync.<key>.<param>`` tensors among ``tensors`` for ``strat``'s parameters."""
+    own = {n for n, _ in strat.named}
+    return {n: t for n, t in tensors.items() if n.startswith("sync.") and n.split(".", 2)[2] in own}

@@ -1,0 +1,225 @@
+"""Elastic freezing in a swarm of node processes: the rule decides for the whole swarm, the
+pipeline shrinks across processes, state moves between them by name, checkpoints resume into
+the transitioned layout, and a node killed mid-transition is recovered like any failure."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from skiptrain.checkpoint.reader import CheckpointReader
+from skiptrain.checkpoint.weights import load_weights
+from skiptrain.config import build_config
+from skiptrain.data.dataset import TokenDataset
+from skiptrain.elastic.repartition import ElasticLayout
+from skiptrain.layout.transfer import transfer_plan
+from skiptrain.runtime.job import Job, build_cost, build_schedule, build_topology, phase_for
+from skiptrain.runtime.job_checkpoint import resume_point
+from skiptrain.runtime.launcher import launch
+from skiptrain.runtime.recovery import trained_samples
+from skiptrain.runtime.transition import layout_cost, layout_schedule, plan_layout
+
+ITERS = 10
+GB = 4 * 8          # 2 originators x 2 micro-batches x micro_batch 8
+
+# windows of 2 steps; every layer "stable" (tol 100), alpha 1/2 of the 2 freezable layers: the
+# rule freezes layer 0 after step 4 and layer 1 after step 6; the guard measures every window
+# (reference points from step 2) and never undoes (guard_tol 1.0)
+ELASTIC = {"enabled": True, "check_every": 2, "tol": 100.0, "stable_windows": 1, "start_window": 2,
+           "alpha": 0.5, "min_active": 2, "guard": True, "guard_tol": 1.0, "guard_batches": 2, "cache": "off"}
+
+
+def _cfg(runtime: dict | None = None, **train):
+    return build_config("tiny", overrides={
+        "model": {"n_stages": 4},
+        "runtime": {"nodes": 6, "stage_sizes": "2,2,1,1", "mb_per_originator": 2, "timeout_s": 20, **(runtime or {})},
+        "train": {"steps": ITERS, "warmup_steps": 1, "grad_clip": 1.0, **train},
+        "checkpoint": {"every": 2, "keep": 10}, "elastic": ELASTIC})
+
+
+def _job(cfg, data: Path, run: Path, iterations: int = ITERS, resume: dict | None = None, **kw) -> Job:
+    cfg.model.vocab_size = TokenDataset.open(data).vocab_size
+    topo = build_topology(cfg, cfg.runtime.nodes)
+    cost = build_cost(cfg, s_per_sample_layer=0.001)
+    sched = build_schedule(cfg, "full_pipeline", topo, cost)
+    return Job(config=cfg.to_dict(), data_path=str(data), run_dir=str(run),
+               phases=[phase_for(cfg, sched, topo, cost, "p", iterations, save_weights=True, dump=True)],
+               resume=resume, **kw)
+
+
+def _log(run: Path) -> list[dict]:
+    return [json.loads(x) for x in (run / "elastic.jsonl").read_text().splitlines()]
+
+
+def _node_params(run: Path) -> dict[int, tuple[int, dict]]:
+    out = {}
+    for f in sorted((run / "phases" / "p").glob("params_node*.pt")):
+        r = int(f.stem.removeprefix("params_node"))
+        rec = json.loads((run / "phases" / "p" / f"node{r}.json").read_text())
+        out[r] = (rec["stage"], torch.load(f))
+    return out
+
+
+# ---- units ------------------------------------------------------------------------------------
+
+def test_a_shrinking_layout_keeps_every_node_busy_and_moves_only_what_is_missing():
+    cfg = _cfg()
+    pl = [[0, 1], [2, 3], [4], [5]]
+    sizes = {f"layers.{i}.w": 100 for i in range(4)} | {f"optim.exp_avg.layers.{i}.w": 100 for i in range(4)} | \
+        {"tok_emb.weight": 1000, "head.weight": 1000, "sync.m.layers.3.w": 10}
+    new, ev = plan_layout(cfg.model, 2, [1, 1, 1, 1], pl, list(range(6)), sizes, 4, GB, 4, 6)
+    assert new.frozen == 2 and sum(new.counts) == 4 and new.counts[0] >= 2 and ev["tried"]
+    assert sorted(n for p in new.placement for n in p) == list(range(6 // new.n_stages * new.n_stages))
+    old = ElasticLayout.of(0, [1, 1, 1, 1], 1, 4, pl)
+    held = old.node_tensors(sizes)
+    plan = transfer_plan(sizes, old, new)
+    assert plan and all(not set(t.names) & held[t.dst] for t in plan)   # only what the receiver lacks
+    # survivors only: a dead node gets no stage
+    new2, _ = plan_layout(cfg.model, 2, [1, 1, 1, 1], [[0], [2, 3], [4], [5]], [0, 2, 3, 4, 5], sizes, 4, GB, 4, 6)
+    assert 1 not in {n for p in new2.placement for n in p}
+
+
+def test_the_new_schedule_keeps_the_micro_batches_and_routes_through_the_new_stages():
+    s = layout_schedule([[0, 1, 2], [3, 4, 5]], [3, 0, 2, 1], 0.5, 2, 3, seed=1)
+    assert sorted(m.id for m in s.micro_batches) == [0, 1, 2, 3]
+    assert [m.originator for m in s.micro_batches] == [0, 1, 2, 0]
+    assert all(m.stages == [1] for m in s.micro_batches) and s.skip_ratio == 0.0
+    s.validate(claims=("placement", "originators", "stage0_ends", "no_repeat"))
+    s4 = layout_schedule([[0, 1], [2], [3], [4, 5]], list(range(8)), 0.34, 2, 3, seed=1)
+    s4.validate(claims=("placement", "originators", "stage0_ends", "no_repeat", "balanced", "skip_count"))
+    one = layout_schedule([list(range(6))], list(range(4)), 0.0, 2, 3, seed=1)
+    assert [m.route for m in one.micro_batches] == [[]] * 4 and one.memory == 1
+
+
+def test_the_layout_cost_charges_frozen_layers_their_forward_only():
+    cfg = _cfg()
+    cfg.model.vocab_size = 256
+    cost = build_cost(cfg, s_per_sample_layer=0.001)
+    c = layout_cost(cost, cfg.model, [3, 1], 2)
+    assert c.layers_per_stage == pytest.approx([1 + 2 / 2.5, 1]) and len(c.params_per_stage) == 2
+    assert layout_cost(cost, cfg.model, [3, 1], 2, hit=1.0).layers_per_stage == [1, 1]
+
+
+# ---- the swarm -------------------------------------------------------------------------------
+
+@pytest.mark.slow
+def test_the_swarm_freezes_shrinks_and_trains_what_the_single_process_trainer_trains(byte_data, tmp_path):
+    """6 node processes (2/2/1/1, k=0): the rule freezes 1 then 2 layers; the pipeline shrinks
+    across processes; replicas of every final stage are bit-identical; every sample trained
+    once; frozen weights never change after their freeze; and the swarm ends where the
+    single-process elastic trainer (same rule, same data) ends."""
+    run = tmp_path / "run"
+    res = launch(_job(_cfg(), byte_data, run), timeout_s=300)
+    rows = res.phase_metrics("p")
+    assert [r["step"] for r in rows] == list(range(1, ITERS + 1))
+    log = _log(run)
+    tr = [r for r in log if r.get("action") == "transition"]
+    assert [(t["frozen_before"], t["frozen_after"], t["step"]) for t in tr] == [(0, 1, 4), (1, 2, 6)]
+    assert tr[0]["transfer_messages"] > 0 and tr[0]["transfer_bytes"] > 0 and tr[0]["stages_after"] < 4
+    decisions = [r for r in log if "window" in r]
+    assert all(r["val_loss"] is not None for r in decisions)          # the originators' guard ran
+    # replicas bit-identical after the transitions
+    params = _node_params(run)
+    by_stage: dict[int, list[dict]] = {}
+    for r, (s, p) in params.items():
+        if s is not None:
+            by_stage.setdefault(s, []).append(p)
+    assert len(by_stage) == tr[-1]["stages_after"] and max(len(v) for v in by_stage.values()) >= 2
+    for s, reps in by_stage.items():
+        for p in reps[1:]:
+            assert p.keys() == reps[0].keys()
+            assert all(torch.equal(p[k], reps[0][k]) for k in p), f"stage {s} replicas differ"
+    # no sample repeated or skipped across the transitions
+    per_it = trained_samples(run / "phases" / "p")
+    assert sorted(per_it) == list(range(ITERS))
+    assert sorted(i for s in per_it.values() for i in s) == list(range(ITERS * GB))
+    # the frozen prefix stopped changing at its freeze (checkpoint at the boundary after step 4)
+    at4 = CheckpointReader(run / "checkpoints" / "step-00000004")
+    final = load_weights(run / "model.safetensors")
+    saved = at4.read_many([n for n in final if n.startswith(("layers.0.", "tok_emb."))])
+    assert len(saved) > 2 and all(torch.equal(final[n], t) for n, t in saved.items())
+    # the single-process elastic trainer, same rule and data, 6 emulated nodes, 4 micro-batches
+    from skiptrain.train.elastic_trainer import ElasticTrainer
+
+    cfg = _cfg(n_micro=4)
+    cfg.elastic.nodes = 6
+    cfg.checkpoint.every = 0
+    cfg.checkpoint.final = False
+    t = ElasticTrainer(cfg, None, dataset=TokenDataset.open(byte_data))
+    for _ in range(ITERS):
+        t.train_step()
+    assert [(x["frozen_before"], x["frozen_after"], x["step"]) for x in t.transitions] == [(0, 1, 4), (1, 2, 6)]
+    ref = {n: p.detach() for n, p in t.model.named_parameters()}
+    worst = max((final[n] - ref[n]).abs().max().item() for n in ref)
+    assert worst < 1e-4, f"swarm and single-process trainer differ by {worst:.3g}"
+
+
+@pytest.mark.slow
+def test_a_checkpoint_after_a_transition_resumes_into_the_transitioned_layout(byte_data, tmp_path):
+    """The checkpoint after iteration 6 holds the 3-stage layout of the first freeze and the
+    second freeze still pending: a job resumed from it rebuilds that layout, applies the pending
+    transition at its first iteration and ends with the uninterrupted run's weights, losses,
+    decisions and final layout."""
+    iters = 8
+    ref = tmp_path / "ref"
+    res = launch(_job(_cfg(), byte_data, ref, iterations=iters), timeout_s=300)
+    ckpt = shutil.copytree(ref / "checkpoints" / "step-00000006", tmp_path / "saved" / "step-00000006")
+    saved = CheckpointReader(ckpt).state["elastic"]
+    assert saved["frozen"] == 1 and saved["pending"] == 2 and len(saved["counts"]) < 4
+    start = resume_point(ckpt)
+    assert start["iteration"] == 6 and start["cursor"] == 6 * GB
+    run = tmp_path / "run"
+    res2 = launch(_job(_cfg(), byte_data, run, iterations=iters, resume=start), timeout_s=300)
+    ref_loss = {r["step"]: r["loss"] for r in res.phase_metrics("p")}
+    assert [(r["step"], r["loss"]) for r in res2.phase_metrics("p")] == [(s, ref_loss[s]) for s in (7, 8)]
+    a, b = load_weights(ref / "model.safetensors"), load_weights(run / "model.safetensors")
+    assert a.keys() == b.keys()
+    worst = max((a[k] - b[k]).abs().max().item() for k in a)
+    assert worst <= 1e-6, f"resumed run differs from the uninterrupted one by {worst:.3g}"
+    tr_ref = [r for r in _log(ref) if r.get("action") == "transition"]
+    tr_run = [r for r in _log(run) if r.get("action") == "transition"]
+    assert [(t["step"], t["frozen_after"], t["placement"]) for t in tr_run] == \
+        [(t["step"], t["frozen_after"], t["placement"]) for t in tr_ref if t["step"] >= 6]
+    stages = {r: s for r, (s, _) in _node_params(ref).items()}
+    assert {r: s for r, (s, _) in _node_params(run).items()} == stages
+
+
+@pytest.mark.slow
+def test_a_node_killed_mid_transition_is_recovered_and_training_goes_on(byte_data, tmp_path):
+    """Recovery mode: a replica of a body stage is SIGKILLed inside the first transition (after
+    the plan, before its messages): the survivors abandon the transition, re-form without it,
+    plan the transition again over the five of them and train to the end; every sample is
+    trained once and the replicas of every final stage are bit-identical."""
+    from fault_node import faulty_job
+
+    cfg = _cfg(runtime={"recover": True, "heartbeat_s": 0.2, "heartbeat_deadline_s": 4.0})
+    probe = _job(cfg, byte_data, tmp_path / "probe")
+    victim = max(probe.phases[0].schedule["placement"][1])
+    run = tmp_path / "run"
+    res = launch(_job(cfg, byte_data, run, **faulty_job({"node": victim, "kind": "kill", "iteration": 4,
+                                                         "where": "transition"})), timeout_s=300)
+    rows = res.phase_metrics("p")
+    assert [r["step"] for r in rows] == list(range(1, ITERS + 1)) and rows[-1]["nodes"] == 5
+    rec = [json.loads(x) for x in (run / "recoveries.jsonl").read_text().splitlines()]
+    assert [r["node"] for r in rec] == [victim] and "died" in rec[0]["cause"]
+    tr = [r for r in _log(run) if r.get("action") == "transition"]
+    assert [(t["frozen_after"], t["step"]) for t in tr] == [(1, 4), (2, 6)]
+    assert all(victim not in p for t in tr for p in t["placement"])
+    per_it = trained_samples(run / "phases" / "p")
+    assert sorted(per_it) == list(range(ITERS))
+    assert sorted(i for s in per_it.values() for i in s) == list(range(ITERS * GB))
+    by_stage: dict[int, list[dict]] = {}
+    for r, (s, p) in _node_params(run).items():
+        if s is not None and r != victim:
+            by_stage.setdefault(s, []).append(p)
+    for s, reps in by_stage.items():
+        assert all(torch.equal(p[k], reps[0][k]) for p in reps[1:] for k in p), f"stage {s} replicas differ"
+    # the merged model is the trained one (no stage of the start layout counts as lost)
+    merged = load_weights(run / "model.safetensors")
+    trained = {k: v for reps in by_stage.values() for k, v in reps[0].items()}
+    assert merged.keys() == trained.keys() and all(torch.equal(merged[k], trained[k]) for k in merged)
+    assert not (run / "lost_stages.json").exists()
