@@ -228,7 +228,7 @@ def swarm_figures(args, work: Path) -> dict:
                   source="test excerpts")
     iters = args.swarm_iterations or (10 if args.quick else 30)
     print("[bench] swarm stall ...", flush=True)
-    out = swarm_stall(data, work, iters, 1 if args.quick else 2)
+    out = swarm_stall(data, work, iters, 1 if args.quick else 3)
     trials = args.trials if args.trials is not None else (3 if args.quick else 30)
     print("[bench] crash loop ...", flush=True)
     out.update(crash_loop(data, work, trials))
