@@ -24,8 +24,10 @@ protocol), so a writer can run in a light child process.
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
+import queue
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -193,40 +195,55 @@ class BackgroundWriter:
     :meth:`start` refuses to start while a job runs (the caller waits first: saves never overlap,
     and the snapshot buffers a job reads must not be overwritten).  An exception raised by a job
     is kept and re-raised by the next :meth:`wait` (or :meth:`start`), so failures are never lost.
+    One worker thread serves every job (started with the first): handing a job over costs no
+    thread start, which on a busy machine can take milliseconds of the caller's time.  At
+    interpreter exit a job in flight is finished first.
     """
 
     def __init__(self) -> None:
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
+        self._done: threading.Event | None = None
         self._error: BaseException | None = None
         self.last_seconds = 0.0
         self.last_result: Any = None
 
     @property
     def busy(self) -> bool:
-        return self._thread is not None and self._thread.is_alive()
+        return self._done is not None and not self._done.is_set()
 
     def start(self, fn: Callable[[], Any]) -> None:
         if self.busy:
             raise RuntimeError("a checkpoint save is still running; call wait() first")
         self._raise()
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._serve, name="ckpt-writer", daemon=True)
+            self._thread.start()
+            atexit.register(self._drain)
+        self._done = threading.Event()
+        self._jobs.put((fn, self._done))
 
-        def run() -> None:
+    def _serve(self) -> None:
+        while True:
+            fn, done = self._jobs.get()
             t0 = time.perf_counter()
             try:
                 self.last_result = fn()
             except BaseException as e:  # noqa: BLE001 - re-raised in the caller's thread
                 self._error = e
             self.last_seconds = time.perf_counter() - t0
-
-        self._thread = threading.Thread(target=run, name="ckpt-writer", daemon=False)
-        self._thread.start()
+            done.set()
 
     def wait(self) -> Any:
-        if self._thread is not None:
-            self._thread.join()
-            self._thread = None
+        if self._done is not None:
+            self._done.wait()
+            self._done = None
         self._raise()
         return self.last_result
+
+    def _drain(self) -> None:
+        if self._done is not None:
+            self._done.wait()
 
     def _raise(self) -> None:
         if self._error is not None:
