@@ -13,7 +13,7 @@ method (16 samples a step, one micro-batch per replica); only the sync strategy 
   and with the consumer links emulated (real sleeps computed from the real bytes); the emulated
   link seconds per step of that run are added to the measured seconds of every step of the
   training runs, so a run's clock is ``sum of its measured step seconds + steps x link seconds
-  per step``.  The ``--best`` method also makes a ``--long-steps`` run (same seeds).  The time to
+  per step``.  The ``--best`` method also makes a ``--long-steps`` run (600 steps, same seeds).  The time to
   AdamW's final loss is the clock at the first validation point at or below AdamW's final
   validation loss (mean over seeds, longest equal-steps length); AdamW's own is its run's clock.
   The shaped run checks the clock: its measured extra seconds vs the emulated link seconds.
@@ -62,7 +62,20 @@ METHODS = {
     "sparseloco_h5_k40_ef1": SL + ["dp.sync_every=5", "dp.topk=40", "dp.outer_lr=1", "dp.outer_momentum=0.5",
                                    "dp.ef_decay=1.0"],
     "sparseloco_h5_k40_nesterov": SL + ["dp.sync_every=5", "dp.topk=40"],  # outer lr 0.7, momentum 0.9
+    "sparseloco_h5_k40_sign1c": SL + ["dp.sync_every=5", "dp.topk=40", "dp.outer_lr=1", "dp.outer_momentum=0.5",
+                                      "dp.values=sign1c"],
+    "sparseloco_h5_k40_nodct": SL + ["dp.sync_every=5", "dp.topk=40", "dp.outer_lr=1", "dp.outer_momentum=0.5",
+                                     "dp.dct=false"],
+    "sparseloco_h5_k40_lr4e-3": SL + ["dp.sync_every=5", "dp.topk=40", "dp.outer_lr=1", "dp.outer_momentum=0.5",
+                                      "train.lr=4e-3"],
+    "sparseloco_h5_c32_k10": SL + ["dp.sync_every=5", "dp.chunk=32", "dp.topk=10", "dp.outer_lr=1",
+                                   "dp.outer_momentum=0.5"],
+    "sparseloco_h5_k40_mom0": SL + ["dp.sync_every=5", "dp.topk=40", "dp.outer_lr=1", "dp.outer_momentum=0"],
+    "sparseloco_h5_k40_ef0.9": SL + ["dp.sync_every=5", "dp.topk=40", "dp.outer_lr=1", "dp.outer_momentum=0.5",
+                                     "dp.ef_decay=0.9"],
     "sparseloco_h10_k80": SL + ["dp.sync_every=10", "dp.topk=80"],
+    "sparseloco_h10_k80_olr1.5": SL + ["dp.sync_every=10", "dp.topk=80", "dp.outer_lr=1.5", "dp.outer_momentum=0.5"],
+    "sparseloco_h2_k16_olr1.5": SL + ["dp.sync_every=2", "dp.topk=16", "dp.outer_lr=1.5", "dp.outer_momentum=0.5"],
     "sparseloco_h2_k16": SL + ["dp.sync_every=2", "dp.topk=16", "dp.outer_lr=1", "dp.outer_momentum=0.5"],
     "sparseloco_h1_k8": SL + ["dp.sync_every=1", "dp.topk=8", "dp.outer_lr=1", "dp.outer_momentum=0"],
     # DeMo variants measured on the 4-replica, 8.0M-parameter setting (docs/dp.md; run with --methods)
@@ -73,6 +86,13 @@ METHODS = {
     "demo_k32_sign1_u12": ["dp.strategy=demo", "dp.topk=32", "dp.indices=u12", "dp.values=sign1"],
     "demo_k8_sign1_u12_lr4e-3": K8 + ["train.lr=4e-3"],
     "demo_k8_sign1_u12_adam": K8 + ["dp.step_rule=adam"],
+    "demo_k8_sign1c_u12_lr4e-3": K8C + ["train.lr=4e-3"],
+    "demo_k8_sign1c_u12_lr3e-3_wu2": K8C + ["train.lr=3e-3", "train.warmup_steps=2"],
+    "demo_k8_sign1c_u12_clip": K8C + ["dp.step_rule=clip"],
+    "demo_k8_sign1_u12_lr1e-3": K8 + ["train.lr=1e-3"],
+    "demo_k8_sign1_u12_lr8e-3": K8 + ["train.lr=8e-3"],
+    "demo_k8_sign1c_u12_adam": K8C + ["dp.step_rule=adam"],
+    "diloco_h5": ["dp.strategy=diloco", "dp.sync_every=5", "dp.outer_lr=0.7", "dp.outer_momentum=0.9"],
 }
 DEFAULT_METHODS = ["adamw_allreduce", "diloco_h10", "demo_k8_sign1_u12"]  # + --best
 REF = "adamw_allreduce"
@@ -268,7 +288,7 @@ def parse_args(argv):
     ap.add_argument("--full-model", action="store_true", help="the `small` preset's model as is (8.0M parameters)")
     ap.add_argument("--steps", default=None, help="equal-steps lengths, comma list (default 60,240; quick 10,20)")
     ap.add_argument("--long-steps", type=int, default=None,
-                    help="steps of a long run of the --best method, every seed (default 0 = none)")
+                    help="steps of a long run of the --best method, every seed (default 600; quick 40; 0 = none)")
     ap.add_argument("--micro-batch", type=int, default=None, help="samples per micro-batch (default 16 / nodes)")
     ap.add_argument("--seeds", type=int, default=None, help="seeds for AdamW and --best (default 3, quick 1)")
     ap.add_argument("--methods", default=None, help=f"comma list of {list(METHODS)} (default: {DEFAULT_METHODS} + --best)")
@@ -279,7 +299,8 @@ def parse_args(argv):
     ap.add_argument("--plot", default=None, help="loss-vs-seconds PNG (default: next to --json)")
     args = ap.parse_args(argv)
     args.lengths = sorted(int(x) for x in (args.steps or ("10,20" if args.quick else "60,240")).split(",") if x)
-    args.long_steps = args.long_steps or 0
+    if args.long_steps is None:
+        args.long_steps = 40 if args.quick else 600
     return args
 
 
