@@ -151,11 +151,17 @@ class DPConfig:
     outer_momentum: float = _f(0.9, "DiLoCo / SparseLoCo outer Nesterov momentum", min=0.0, max=1.0)
     check_every: int = _f(50, "compare parameter hashes across replicas every K steps (0 = never)", min=0)
     timeout_s: float = _f(60.0, "process-group timeout in seconds", min=1.0)
+    link: str = _f("", "emulated link preset per node (skiptrain.dp.link.LINK_PRESETS): consumer = 10 Mbit/s up, "
+                   "100 Mbit/s down, 25 ms; empty = the link_up_mbps / link_down_mbps / link_latency_ms fields",
+                   choices=("", "consumer"))
     link_up_mbps: float = _f(0.0, "emulated upload per node, Mbit/s (0 = unlimited)", min=0.0)
     link_down_mbps: float = _f(0.0, "emulated download per node, Mbit/s (0 = unlimited)", min=0.0)
     link_latency_ms: float = _f(0.0, "emulated one-way latency per message, ms", min=0.0)
 
     def check(self) -> None:
+        if self.link and (self.link_up_mbps or self.link_down_mbps or self.link_latency_ms):
+            raise ConfigError(f"dp.link={self.link!r} is a preset; leave dp.link_up_mbps, dp.link_down_mbps and "
+                              "dp.link_latency_ms at 0, or set dp.link='' to give the links by those fields")
         limit = {"int64": 2**63, "u16": 2**16, "u12": 2**12}[self.indices]
         if self.chunk * self.chunk > limit:
             raise ConfigError(f"dp.chunk={self.chunk} gives {self.chunk ** 2}-element chunks, too many for "

@@ -15,7 +15,7 @@ from skiptrain.dp.accountant import ByteAccountant
 from skiptrain.dp.dct import ChunkedDCT, dct_matrix
 from skiptrain.dp.encoding import (INDEX_ENCODINGS, INDEX_LIMIT, VALUE_ENCODINGS, decode_indices, decode_values,
                                    encode_indices, encode_values, index_nbytes, value_nbytes)
-from skiptrain.dp.link import LinkModel
+from skiptrain.dp.link import LINK_PRESETS, LinkModel
 from skiptrain.dp.payload import PayloadError, PayloadLayout, TensorSpec
 from skiptrain.dp import StrategyError, make_strategy
 from skiptrain.optim import build_optimizer
@@ -232,6 +232,27 @@ def test_link_model_and_accountant():
     s = acc.summary()
     assert s["payload_bytes_per_step"] == 50 and s["payload_bytes_per_sync"] == 100
     assert s["received_bytes_per_step"] == 150 and s["ratio_payload_vs_fp32"] == 80
+
+
+def test_consumer_link_preset():
+    cfg = build_config("tiny", overrides=["dp.link=consumer"])
+    link = LinkModel.from_config(cfg.dp)
+    assert link == LinkModel(up_mbps=10, down_mbps=100, latency_ms=25)
+    # 8 nodes, 1 MB each: 7 rounds of 25 ms + 1 MB at 10 Mbit/s (the upload binds)
+    assert math.isclose(link.all_gather_s(1_000_000, 8), 7 * (0.025 + 0.8))
+    assert make_strategy(cfg.dp, _model().named_parameters()).tr.link == link
+    # without the preset the explicit fields apply; combining both is refused
+    assert LinkModel.from_config(build_config("tiny", overrides=["dp.link_up_mbps=5"]).dp) == LinkModel(5, 0, 0)
+    with pytest.raises(ConfigError, match="dp.link"):
+        build_config("tiny", overrides=["dp.link=consumer", "dp.link_latency_ms=10"])
+    with pytest.raises(ConfigError, match="dp.link"):
+        build_config("tiny", overrides=["dp.link=dialup"])
+
+
+def test_link_presets_match_config_choices():
+    import dataclasses
+    (f,) = [f for f in dataclasses.fields(DPConfig) if f.name == "link"]
+    assert set(f.metadata["choices"]) == {""} | set(LINK_PRESETS)
 
 
 # ---- strategies in a group of one ----------------------------------------------------------------

@@ -14,7 +14,7 @@ from .accountant import ByteAccountant
 from .allreduce import AllReduceStrategy
 from .demo import DeMoStrategy
 from .diloco import DiLoCoStrategy
-from .link import LinkModel
+from .link import LINK_PRESETS, LinkModel
 from .powersgd import PowerSGDStrategy
 from .sparseloco import SparseLoCoStrategy
 from .strategy import StrategyError, SyncStats, SyncStrategy
@@ -32,17 +32,18 @@ def make_strategy(dp_cfg, named_params: Iterable[tuple[str, torch.nn.Parameter]]
     ``dp_cfg`` is a :class:`skiptrain.config.DPConfig`; ``optimizer_cfg`` a
     :class:`skiptrain.config.TrainConfig` (default: its defaults).  ``group`` is any initialised
     gloo process group (None: the default group, or a group of one when torch.distributed is not
-    initialised).  ``link`` overrides the link emulation of ``dp_cfg`` (``link_up_mbps`` etc.).
+    initialised).  ``link`` overrides the link emulation of ``dp_cfg`` (``dp.link`` or
+    ``link_up_mbps`` etc., :meth:`LinkModel.from_config`).
     """
     from ..config import TrainConfig
 
     if dp_cfg.strategy not in STRATEGIES:
         raise StrategyError(f"unknown dp.strategy {dp_cfg.strategy!r}; choose one of {sorted(STRATEGIES)}")
     if link is None:
-        link = LinkModel(dp_cfg.link_up_mbps, dp_cfg.link_down_mbps, dp_cfg.link_latency_ms)
+        link = LinkModel.from_config(dp_cfg)
     tr = Transport(group, link, ByteAccountant(1))
     tr.acct.world = tr.world
     return STRATEGIES[dp_cfg.strategy](named_params, tr, dp_cfg, optimizer_cfg or TrainConfig())
 
 
-__all__ = ["STRATEGIES", "StrategyError", "SyncStats", "SyncStrategy", "make_strategy"]
+__all__ = ["LINK_PRESETS", "STRATEGIES", "LinkModel", "StrategyError", "SyncStats", "SyncStrategy", "make_strategy"]

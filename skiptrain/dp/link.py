@@ -16,6 +16,11 @@ The delay is wall-clock time added on top of the real loopback transfer (so it i
 pessimistic).  Every node computes the same delay, so nodes stay in step.  This is a model of
 one shared access link per node, not per-link FIFO queues; the pipeline transport emulates
 those separately.
+
+Named presets (:data:`LINK_PRESETS`, chosen with ``dp.link``; empty = the ``dp.link_up_mbps`` /
+``dp.link_down_mbps`` / ``dp.link_latency_ms`` fields):
+
+* ``consumer``: a home internet line, 10 Mbit/s up, 100 Mbit/s down, 25 ms one-way latency.
 """
 
 from __future__ import annotations
@@ -47,3 +52,16 @@ class LinkModel:
         if world <= 1 or not self.enabled:
             return 0.0
         return 2 * (world - 1) * (self.latency_ms / 1e3 + self._xfer_s(nbytes / world))
+
+    @classmethod
+    def from_config(cls, dp_cfg) -> "LinkModel":
+        """The links of ``dp_cfg``: the preset ``dp.link`` if set, else the ``link_*`` fields."""
+        if dp_cfg.link:
+            return LINK_PRESETS[dp_cfg.link]
+        return cls(dp_cfg.link_up_mbps, dp_cfg.link_down_mbps, dp_cfg.link_latency_ms)
+
+
+#: named per-node links (``dp.link``); the config's choices for ``dp.link`` are these names
+LINK_PRESETS: dict[str, LinkModel] = {
+    "consumer": LinkModel(up_mbps=10.0, down_mbps=100.0, latency_ms=25.0),
+}
