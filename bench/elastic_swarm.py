@@ -18,7 +18,8 @@ is a real gloo all-reduce, not in the simulator's prediction.
 Figures (per seed): the whole run at equal tokens (wall clock of each phase, every overhead in
 it: start barriers, stats gathers, guard validation, transitions), the final training loss
 (mean of the last window) of elastic / static, time to the target (static's final x 1.01, on the
-window-mean training loss), the transitions' fraction of the elastic wall clock, and the measured
+window-mean training loss, from
+the first iteration it stays there), the transitions' fraction of the elastic wall clock, and the measured
 iteration times next to the simulator's for the same layouts (``simulate`` of each layout's
 schedule and cost model, summed over the iterations it was in force; the transitions' wire time
 by ``topo.transfer_s`` of their messages).
@@ -130,7 +131,9 @@ def figures(cfg, cost, topo, sched, rows: dict, walls: dict, log: list[dict], la
     wall = {p: walls[p][-1][1] - walls[p][0][0] for p in walls}
     elapsed = {p: [e - walls[p][0][0] for _, e in walls[p]] for p in walls}
     target = loss["static"][-1] * 1.01
-    hit = {p: next((i for i, v in enumerate(loss[p]) if v <= target), None) for p in loss}
+    # the first iteration from which the window mean stays at or below the target (fine-tuning
+    # losses start near it: the first crossing alone is noise)
+    hit = {p: next((i for i in range(len(v)) if max(v[i:]) <= target), None) for p, v in loss.items()}
     ttt = {p: (elapsed[p][hit[p]] if hit[p] is not None else None) for p in loss}
     trans = [t for t in log if t.get("action") == "transition"]
     trans_s = sum(t["seconds"] for t in trans)
@@ -180,6 +183,7 @@ def figures(cfg, cost, topo, sched, rows: dict, walls: dict, log: list[dict], la
         "decisions": [{k: d.get(k) for k in ("step", "action", "frozen_before", "frozen_after", "val_loss", "reason")}
                       for d in log if d.get("action") not in (None, "transition")],
         "overruns": {p: rows[p][-1]["overruns"] for p in rows},
+        "elapsed_s": {p: [r(x) for x in v] for p, v in elapsed.items()},
         "losses": {p: [x["loss"] for x in rows[p]] for p in rows},
     }
 
