@@ -59,6 +59,7 @@ from skiptrain.elastic.costs import (N_DEV, Scale, elastic_times, iteration, pap
 from skiptrain.train.elastic_trainer import ElasticTrainer  # noqa: E402
 from skiptrain.optim import build_adamw  # noqa: E402
 from skiptrain.train.trainer import Trainer  # noqa: E402
+from bench.elastic_swarm import print_swarm, swarm_half  # noqa: E402
 
 
 # ---------------------------------------------------------------------------------------------
@@ -168,7 +169,7 @@ def real_runs(args) -> dict:
             "transition_s": round(sum(t["cpu_s"] for t in el_tr.transitions), 4),
             "prefill_s": round(sum(t.get("prefill", {}).get("cpu_s", 0.0) for t in el_tr.transitions), 4),
             "cache": el_tr.cache.stats() if el_tr.cache else None, "prefix_hits": hits,
-            "step_s": step_s, "frozen": frozen, "costs": costs, "model": first.cfg.model}
+            "step_s": step_s, "frozen": frozen, "costs": costs, "model": first.cfg.model, "init": init}
 
 
 def pretrain(args, tmp: Path) -> tuple[dict, float]:
@@ -402,8 +403,18 @@ def main(argv=None) -> int:
                     help="steps between per-node cost profiles (the least of them is used; 0 = one at the end)")
     ap.add_argument("--eval-batches", type=int, default=8,
                     help="validation micro-batches (of 4 windows) per point of the loss curves that set the target")
+    ap.add_argument("--swarm-iterations", type=int, default=None,
+                    help="iterations per phase of the 16-process swarm runs (0 = no swarm half)")
+    ap.add_argument("--swarm-seeds", default="1234,3,7", help="seeds of the swarm runs (--quick: --seed only)")
+    ap.add_argument("--swarm-check-every", type=int, default=None, help="the swarm's freeze-rule window (iterations)")
+    ap.add_argument("--swarm-warmup", type=int, default=None, help="the swarm's learning-rate warm-up (iterations)")
+    ap.add_argument("--swarm-spl", type=float, default=0.05,
+                    help="emulated seconds per sample per layer forward in the swarm (compute is padded to it)")
+    ap.add_argument("--swarm-timeout", type=float, default=1800.0)
+    ap.add_argument("--swarm-keep", default="", help="keep the swarm's run directories under this path")
     args = ap.parse_args(argv)
-    for k, quick, full in [("steps", 80, 400), ("pretrain", 50, 400), ("check_every", 10, 10),
+    for k, quick, full in [("swarm_iterations", 30, 60), ("swarm_check_every", 3, 5), ("swarm_warmup", 3, 5),
+                           ("steps", 80, 400), ("pretrain", 50, 400), ("check_every", 10, 10),
                            ("eval_every", 10, 10), ("lr", 1e-3, 1e-3), ("warmup", 10, 20)]:
         if getattr(args, k) is None:
             setattr(args, k, quick if args.quick else full)
@@ -504,6 +515,11 @@ def main(argv=None) -> int:
         print(f"  {k:<16} {v:.4f}: steps {a['steps_baseline']} / {a['steps_elastic']}: "
               f"{a['speedup_vs_best_static']}x, {b['speedup_vs_best_static']}x")
     ev, pv = em["variants"]["all"], paper["variants"]["all"]
+    swarm = None
+    if args.swarm_iterations:
+        seeds = [args.seed] if args.quick else [int(x) for x in args.swarm_seeds.split(",")]
+        swarm = swarm_half(args, em["best_static"], seeds, args.swarm_iterations, real["init"])
+        print_swarm(swarm)
     result = {
         "speedup_vs_best_static": ev["speedup_vs_best_static"],
         "speedup_vs_best_static_sim": pv["speedup_vs_best_static"],
@@ -537,7 +553,7 @@ def main(argv=None) -> int:
                  "cache": real["cache"], "curves": c, "windows": real["windows"], "epochs": real["epochs"],
                  "params": real["params"], "costs": real["costs"], "overlap": overlap,
                  "guard_s": real["guard_s"], "transition_s": real["transition_s"], "prefill_s": real["prefill_s"]},
-        "emulated": em, "sim": paper,
+        "emulated": em, "sim": paper, "swarm": swarm,
         "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
         "bench_seconds": round(time.time() - t_start, 1),
     }

@@ -293,6 +293,9 @@ class Node:
         if stage is not None:
             torch.manual_seed(cfg.train.seed)
             model = StagedLM(cfg.model, stages=[stage], seed=cfg.train.seed)
+            if self.job.meta.get("init_weights"):     # a pre-trained start (tensors by global name)
+                init = torch.load(self.job.meta["init_weights"], weights_only=True)
+                model.load_state_dict({k: v for k, v in init.items() if k in model.state_dict()})
             model.train()
             _warm_up(model, stage, cfg)
         groups, strat = self._stage_groups(sched, stage, model, None)

@@ -1,0 +1,254 @@
+"""The swarm half of ``bench/elastic.py``: the best static configuration of the sweep against
+elastic freezing, on 16 real node processes (``skiptrain.runtime.launcher.launch``).
+
+One launch per seed, two phases on the same processes (each restarts from the same initial
+weights and data, so both train the same samples in the same order): ``static`` (the best
+static layout: S stages x R replicas, M micro-batches per replica) and ``elastic`` (the same
+start, ``elastic.enabled``: the freeze rule decides for the whole swarm, AutoPipe/AutoDP
+transitions move state between the processes by name; no activation cache in a swarm, so the
+stage-0 nodes recompute the frozen prefix, forward only, each micro-batch).
+
+Compute is padded to the cost model (``runtime.emulate_compute``: every forward/backward task
+sleeps up to ``s_per_sample_layer`` x samples x its stage's layers, a frozen layer costing its
+forward only), so the iteration time follows the cost model and not this 2-core machine.  The
+network is PipeTransformer's 2 machines x 8 (``costs.sim_topology``), not link-emulated (the
+hops are local sockets; the simulator sees 25 Gbit/s between machines); the data-parallel sync
+is a real gloo all-reduce, not in the simulator's prediction.
+
+Figures (per seed): the whole run at equal tokens (wall clock of each phase, every overhead in
+it: start barriers, stats gathers, guard validation, transitions), the final training loss
+(mean of the last window) of elastic / static, time to the target (static's final x 1.01, on the
+window-mean training loss, from
+the first iteration it stays there), the transitions' fraction of the elastic wall clock, and the measured
+iteration times next to the simulator's for the same layouts (``simulate`` of each layout's
+schedule and cost model, summed over the iterations it was in force; the transitions' wire time
+by ``topo.transfer_s`` of their messages).
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+from skiptrain.config import build_config
+from skiptrain.elastic.costs import N_DEV, sim_topology
+from skiptrain.runtime.job import Job, Phase, build_cost, with_runtime
+from skiptrain.runtime.launcher import launch
+from skiptrain.runtime.transition import layout_cost, layout_schedule
+from skiptrain.schedule.baselines import full_pipeline
+from skiptrain.schedule.simulator import simulate
+
+GLOBAL_BATCH = 16
+
+
+def swarm_config(args, best: dict, seed: int, iterations: int):
+    """The job's config: the real half's model, the best static layout's micro-batching."""
+    S, R, M = best["stages"], best["replicas"], best["n_micro"]
+    mb = max(1, GLOBAL_BATCH // (R * M))
+    return build_config(overrides={
+        "data": {"path": args.data},
+        "model": {"d_model": 128, "n_layers": 8, "n_heads": 4, "n_kv_heads": 2, "seq_len": 64,
+                  "n_stages": S, "stage0_layers": -1},
+        "train": {"steps": iterations, "micro_batch": mb, "lr": args.lr, "warmup_steps": args.swarm_warmup,
+                  "eval_every": 0, "seed": seed, "grad_clip": 1.0, "skip_ratio": 0.0},
+        "runtime": {"nodes": N_DEV, "emulate_compute": True, "wan": False, "mb_per_originator": M,
+                    "s_per_sample_layer": args.swarm_spl, "hop_overhead_s": 0.0, "memory": S,
+                    "timeout_s": 120.0},
+        "checkpoint": {"every": 0, "final": False}})
+
+
+def elastic_settings(args) -> dict:
+    return {"enabled": True, "alpha": args.alpha, "check_every": args.swarm_check_every, "tol": args.tol,
+            "min_active": 2, "start_window": args.start_window, "stable_windows": args.stable_windows,
+            "guard": True, "guard_tol": args.guard_tol, "guard_confirm": args.guard_confirm, "guard_ref": 4,
+            "guard_min_ref": args.guard_min_ref, "guard_batches": 4, "cache": "off"}
+
+
+def run_seed(args, best: dict, seed: int, iterations: int, init: str | None = None) -> dict:
+    """One launch (static, then elastic) at ``seed``; the figures of that seed."""
+    cfg = swarm_config(args, best, seed, iterations)
+    from skiptrain.data.dataset import TokenDataset
+    cfg.model.vocab_size = TokenDataset.open(args.data).vocab_size
+    S, R, M = best["stages"], best["replicas"], best["n_micro"]
+    topo = sim_topology()
+    cost = build_cost(cfg, dp_mode="none")
+    placement = [[s * R + i for i in range(R)] for s in range(S)]
+    sched = full_pipeline(topo, cost, [R] * S, R * M, S, dp_sync=False, placement=placement)
+    common = dict(schedule=sched.to_dict(), iterations=iterations, cost=cost.to_dict(), topology=topo.to_dict(),
+                  wan=False, emulate_compute=True)
+    phases = [Phase(name="static", **common),
+              Phase(name="elastic", config={"elastic": elastic_settings(args)}, **common)]
+    with tempfile.TemporaryDirectory(prefix="bench-elastic-swarm-") as tmp:
+        run = Path(args.swarm_keep) / f"seed{seed}" if args.swarm_keep else Path(tmp) / "run"
+        job = Job(config=with_runtime(cfg.to_dict(), heartbeat_s=0.5), data_path=args.data, run_dir=str(run),
+                  phases=phases, meta={"init_weights": init} if init else {})
+        t0 = time.time()
+        res = launch(job, timeout_s=args.swarm_timeout)
+        launch_s = time.time() - t0
+        walls = {p: phase_clock(run, p) for p in ("static", "elastic")}
+        log = [json.loads(x) for x in (run / "elastic.jsonl").read_text().splitlines()] \
+            if (run / "elastic.jsonl").is_file() else []
+    rows = {p: res.phase_metrics(p) for p in ("static", "elastic")}
+    return figures(cfg, cost, topo, sched, rows, walls, log, launch_s, args.swarm_check_every)
+
+
+def phase_clock(run: Path, phase: str) -> list[tuple[float, float]]:
+    """Per iteration (start, end) on the wall clock (the lowest node's record: every node shares
+    the start of an iteration; its end is the latest task's end, the gathered ``iteration_s``)."""
+    rec = json.loads(min((run / "phases" / phase).glob("node*.json"),
+                         key=lambda f: int(f.stem.removeprefix("node"))).read_text())
+    return [(it["t0"], it["t0"] + it["t_end"]) for it in rec["iterations"]]
+
+
+def window_mean(losses: list[float], w: int) -> list[float]:
+    return [statistics.fmean(losses[max(0, i + 1 - w):i + 1]) for i in range(len(losses))]
+
+
+def layouts_in_force(cfg, cost, sched, log: list[dict], n_it: int) -> list[tuple]:
+    """Per iteration: (frozen, counts, placement, schedule, cost model) of the layout in force."""
+    transitions = {t["step"]: t for t in log if t.get("action") == "transition"}
+    from skiptrain.model.partition import partition_layers
+    cur = (0, partition_layers(cfg.model).to_list(), sched.placement, sched, cost)
+    ids = sorted(mb.id for mb in sched.micro_batches)
+    out = []
+    for it in range(n_it):
+        t = transitions.get(it)
+        if t is not None:
+            c = layout_cost(cost, cfg.model, t["counts"], t["frozen_after"])
+            s = layout_schedule(t["placement"], ids, 0.0, 0, sched.memory, cfg.train.seed + it)
+            cur = (t["frozen_after"], t["counts"], t["placement"], s, c)
+        out.append(cur)
+    return out
+
+
+def figures(cfg, cost, topo, sched, rows: dict, walls: dict, log: list[dict], launch_s: float, w: int) -> dict:
+    """The seed's figures from the two phases' metrics, clocks and the elastic decision log."""
+    n_it = len(rows["static"])
+    loss = {p: window_mean([r["loss"] for r in rows[p]], w) for p in rows}
+    wall = {p: walls[p][-1][1] - walls[p][0][0] for p in walls}
+    elapsed = {p: [e - walls[p][0][0] for _, e in walls[p]] for p in walls}
+    target = loss["static"][-1] * 1.01
+    # the first iteration from which the window mean stays at or below the target (fine-tuning
+    # losses start near it: the first crossing alone is noise)
+    hit = {p: next((i for i in range(len(v)) if max(v[i:]) <= target), None) for p, v in loss.items()}
+    ttt = {p: (elapsed[p][hit[p]] if hit[p] is not None else None) for p in loss}
+    trans = [t for t in log if t.get("action") == "transition"]
+    trans_s = sum(t["seconds"] for t in trans)
+    sim_cache: dict[int, float] = {}
+
+    def sim(s, c) -> float:
+        k = id(s)
+        if k not in sim_cache:
+            sim_cache[k] = simulate(s, topo, c, contention=True, dp_sync=False, record=False).iteration_s
+        return sim_cache[k]
+
+    static_sim = sim(sched, cost)
+    el = layouts_in_force(cfg, cost, sched, log, n_it)
+    per_layout: dict[str, dict] = {}
+    for i, (F, counts, pl, s, c) in enumerate(el):
+        key = f"F={F} {len(counts)}x{min(len(p) for p in pl)}"
+        d = per_layout.setdefault(key, {"frozen": F, "counts": counts, "iterations": 0, "measured_s": [],
+                                        "simulated_s": sim(s, c)})
+        d["iterations"] += 1
+        d["measured_s"].append(rows["elastic"][i]["iteration_s"])
+    for d in per_layout.values():
+        d["measured_s"] = round(statistics.median(d["measured_s"]), 4)
+        d["ratio"] = round(d["measured_s"] / d["simulated_s"], 3)
+    meas_it = {p: sum(r["iteration_s"] for r in rows[p]) for p in rows}
+    sim_it = {"static": static_sim * n_it, "elastic": sum(sim(s, c) for *_, s, c in el)}
+    wire = sum(transfer_wire_s(t, topo) for t in trans)
+    r = lambda x: round(x, 4) if x is not None else None  # noqa: E731
+    return {
+        "iterations": n_it, "launch_s": round(launch_s, 1),
+        "wall_s": {p: r(v) for p, v in wall.items()},
+        "whole_run_speedup": r(wall["static"] / wall["elastic"]),
+        "final_train_loss": {p: r(v[-1]) for p, v in loss.items()},
+        "final_loss_ratio": r(loss["elastic"][-1] / loss["static"][-1]),
+        "target_train_loss": r(target), "iterations_to_target": hit, "time_to_target_s": {p: r(v) for p, v in ttt.items()},
+        "time_to_target_speedup": r(ttt["static"] / ttt["elastic"]) if ttt["elastic"] else None,
+        "transitions": [{k: t[k] for k in ("step", "frozen_before", "frozen_after", "counts", "placement",
+                                           "transfer_bytes", "transfer_messages", "move_s", "seconds")} for t in trans],
+        "transition_s": r(trans_s), "transition_fraction": r(trans_s / wall["elastic"]),
+        "transition_wire_sim_s": r(wire),
+        "iteration_s_measured": {p: r(v) for p, v in meas_it.items()},
+        "iteration_s_simulated": {p: r(v) for p, v in sim_it.items()},
+        "measured_vs_sim": {p: r(meas_it[p] / sim_it[p]) for p in rows},
+        "elastic_measured_vs_sim_with_transitions": r((meas_it["elastic"] + trans_s) / (sim_it["elastic"] + wire)),
+        "static_iteration_s": {"measured_median": r(statistics.median(x["iteration_s"] for x in rows["static"])),
+                               "simulated": r(static_sim)},
+        "elastic_layouts": per_layout,
+        "decisions": [{k: d.get(k) for k in ("step", "action", "frozen_before", "frozen_after", "val_loss", "reason")}
+                      for d in log if d.get("action") not in (None, "transition")],
+        "overruns": {p: rows[p][-1]["overruns"] for p in rows},
+        "elapsed_s": {p: [r(x) for x in v] for p, v in elapsed.items()},
+        "losses": {p: [x["loss"] for x in rows[p]] for p in rows},
+    }
+
+
+def transfer_wire_s(t: dict, topo) -> float:
+    """The simulator's wire time of a transition: its bytes over the slowest link it can use
+    (receivers in parallel; a lower bound close to the truth at these sizes)."""
+    return max((topo.transfer_s(0, n, t["transfer_bytes"] / max(1, t["transfer_messages"]))
+                for p in t["placement"] for n in p if n), default=0.0)
+
+
+MEAN_KEYS = ("whole_run_speedup", "final_loss_ratio", "time_to_target_speedup", "transition_fraction")
+
+
+def swarm_half(args, best: dict, seeds: list[int], iterations: int, init_state: dict | None = None) -> dict:
+    """The swarm runs at ``seeds`` from ``init_state`` (the real half's pre-trained weights;
+    None: from scratch); per seed and mean."""
+    import torch
+    init = None
+    if init_state is not None:
+        init = str(Path(tempfile.mkdtemp(prefix="bench-elastic-init-")) / "init.pt")
+        torch.save(init_state, init)
+    out = {"pretrained": init is not None, "best_static": {k: best[k] for k in ("stages", "replicas", "n_micro")}, "iterations": iterations,
+           "s_per_sample_layer": args.swarm_spl, "check_every": args.swarm_check_every, "seeds": {}}
+    for seed in seeds:
+        print(f"  swarm seed {seed}: 16 node processes, {iterations} iterations x 2 phases ...", flush=True)
+        out["seeds"][str(seed)] = run_seed(args, best, seed, iterations, init)
+    per = list(out["seeds"].values())
+    mean = {}
+    for k in MEAN_KEYS:
+        vals = [p[k] for p in per if p[k] is not None]
+        mean[k] = round(statistics.fmean(vals), 4) if vals else None
+    for p in ("static", "elastic"):
+        mean[f"measured_vs_sim_{p}"] = round(statistics.fmean(x["measured_vs_sim"][p] for x in per), 4)
+    out["mean"] = mean
+    return out
+
+
+def print_swarm(sw: dict) -> None:
+    b = sw["best_static"]
+    print(f"\nSWARM, 16 node processes (this machine; compute padded to the cost model, "
+          f"{sw['s_per_sample_layer']:g} s per sample-layer; best static S={b['stages']} R={b['replicas']} "
+          f"M={b['n_micro']}; {sw['iterations']} iterations per phase, windows of {sw['check_every']})")
+    seeds = list(sw["seeds"])
+    head = f"{'figure':<44}" + "".join(f"{'seed ' + s:>12}" for s in seeds) + f"{'mean':>10}"
+    print(head + "\n" + "-" * len(head))
+
+    def row(name, fn, mean=None, fmt="{:.3f}"):
+        vals = [fn(sw["seeds"][s]) for s in seeds]
+        cells = "".join(f"{(fmt.format(v) if v is not None else '-'):>12}" for v in vals)
+        m = sw["mean"].get(mean) if mean else None
+        print(f"{name:<44}{cells}{(fmt.format(m) if m is not None else ''):>10}")
+
+    row("whole run at equal tokens (x static)", lambda x: x["whole_run_speedup"], "whole_run_speedup", "{:.2f}x")
+    row("wall s static / elastic", lambda x: f"{x['wall_s']['static']:.1f}/{x['wall_s']['elastic']:.1f}", fmt="{}")
+    row("final train loss (elastic / static)", lambda x: x["final_loss_ratio"], "final_loss_ratio", "{:.4f}")
+    row("time to target (x static)", lambda x: x["time_to_target_speedup"], "time_to_target_speedup", "{:.2f}x")
+    row("transitions / elastic wall", lambda x: x["transition_fraction"], "transition_fraction", "{:.4f}")
+    row("iterations measured / simulated: static", lambda x: x["measured_vs_sim"]["static"],
+        "measured_vs_sim_static")
+    row("iterations measured / simulated: elastic", lambda x: x["measured_vs_sim"]["elastic"],
+        "measured_vs_sim_elastic")
+    row("freeze transitions (iteration: F)", lambda x: ",".join(f"{t['step']}:{t['frozen_after']}"
+                                                               for t in x["transitions"]) or "none", fmt="{}")
+    for s in seeds:
+        print(f"  seed {s} layouts (median measured / simulated s per iteration): " + "; ".join(
+            f"{k} x{v['iterations']}: {v['measured_s']:.3f}/{v['simulated_s']:.3f}"
+            for k, v in sw["seeds"][s]["elastic_layouts"].items()))
