@@ -36,8 +36,8 @@ def train_swarm(cfg, data: str, out: str, steps: int | None = None, echo: bool =
     from ..runtime.launcher import launch
 
     rt = cfg.runtime
+    start = _resume_point(cfg, out, resume, cfg.train.steps if steps is None else steps) if resume else None
     ds, steps = _checked_swarm_config(cfg, data, steps)
-    start = _resume_point(cfg, out, resume, steps) if resume is not None else None
     t0 = time.time()
     topo = build_topology(cfg, rt.nodes)
     cost = build_cost(cfg)
