@@ -284,8 +284,9 @@ def load_node_state(path: str | Path, model, opt=None, strat=None, slot: int = 0
                        None)
         own = [n for n in names if n.startswith(SYNC_PREFIX) and n.partition(".")[2].partition(".")[2] in params]
         if scalars is not None and own:
-            got = reader.read_many(_saved_slot(names, n, slot) for n in own)
-            load_sync(strat, {n: got[_saved_slot(names, n, slot)] for n in own}, scalars)
+            src = {n: _saved_slot(names, n, slot) for n in own}
+            got = reader.read_many(src.values())
+            load_sync(strat, {n: got[k] for n, k in src.items()}, scalars)
     return reader
 
 

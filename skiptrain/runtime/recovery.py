@@ -411,19 +411,17 @@ def choose_stage(schedule: Schedule, node: int, original: Schedule | None = None
                   "simulated_before_s": None if base is None else round(base, 6)}
 
 
-SYNC_PREFIX = "sync."
-
-
 def pack_stage_state(model, strat, opt=None, info: dict | None = None) -> bytes:
     """A stage's weights, DP strategy state and optimizer state in the one wire format of state by
     name (:func:`skiptrain.checkpoint.wire.pack_state`), to send to a joining node: strategy
-    tensors are named ``sync.{key}.{param}``, its scalars and ``info`` travel in the JSON."""
+    tensors are named as checkpoints name them (``sync.{key}.{param}``,
+    :func:`~.job_checkpoint.sync_tensors`); its scalars and ``info`` travel in the JSON."""
     from ..checkpoint.wire import pack_state
+    from .job_checkpoint import sync_tensors
 
-    sd = dict(strat.state_dict()) if strat is not None else None
-    tensors = (sd.pop("tensors", {}) or {}) if sd is not None else {}
-    extra = {f"{SYNC_PREFIX}{k}.{pn}": t for pn, ts in tensors.items() for k, t in ts.items()}
-    return pack_state(model, opt, None, {"strategy": sd, "info": info or {}}, extra)
+    extra, scalars = sync_tensors(strat)
+    return pack_state(model, opt, None, {"strategy": scalars if strat is not None else None, "info": info or {}},
+                      extra)
 
 
 def unpack_stage_state(blob: bytes, model, strat, opt=None) -> dict:
@@ -431,6 +429,7 @@ def unpack_stage_state(blob: bytes, model, strat, opt=None) -> dict:
     stage); returns the sender's ``info``.  Raises ``ValueError`` naming a tensor that does not fit."""
     from ..checkpoint.state import load_optimizer, split_optim_name
     from ..checkpoint.wire import unpack_tensors
+    from .job_checkpoint import SYNC_PREFIX, load_sync
 
     tensors, record, state = unpack_tensors(blob)
     own = model.state_dict()
@@ -443,12 +442,7 @@ def unpack_stage_state(blob: bytes, model, strat, opt=None) -> dict:
         for name, t in own.items():
             t.copy_(tensors[name])
     if strat is not None and state.get("strategy") is not None:
-        sync: dict[str, dict[str, torch.Tensor]] = {}
-        for name, t in tensors.items():
-            if name.startswith(SYNC_PREFIX):
-                key, _, param = name[len(SYNC_PREFIX):].partition(".")
-                sync.setdefault(param, {})[key] = t
-        strat.load_state_dict({**state["strategy"], "tensors": sync})
+        load_sync(strat, {n: t for n, t in tensors.items() if n.startswith(SYNC_PREFIX)}, state["strategy"])
     if opt is not None and record:
         load_optimizer(opt, model.named_parameters(), {n: t for n, t in tensors.items() if split_optim_name(n)},
                        record)
