@@ -41,9 +41,11 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from skiptrain.net.topology import geo12, random_topology  # noqa: E402
+from skiptrain.net.topology import Topology, geo12, random_topology  # noqa: E402
 from skiptrain.schedule.actcodec import measure_codec_s  # noqa: E402
 from skiptrain.schedule.compare import METHODS, PUBLISHED_METHODS, compare, format_table  # noqa: E402
 from skiptrain.schedule.cost import CostModel, published_cost, reference_cost  # noqa: E402
@@ -148,6 +150,15 @@ def compression(seed: int) -> dict:
             print(f"  {key:<15} {name:<20} full_pipeline {t['full_pipeline']:6.1f}  planner {t['planner']:6.1f}  "
                   f"x fp32 bytes/hop {cost.activation_bytes / slow:5.2f}  planner bytes "
                   f"{cmp.results['planner'].bytes_pipeline / 2 ** 30:6.2f} GiB")
+        # the floor of any activation encoding: every hop's bytes free (latency and the per-hop
+        # overhead stay), the planner re-planned for it
+        free = Topology(topo.nodes, topo.latency_s, np.full((topo.n, topo.n), 1e30), name=f"{topo.name}-free-bytes")
+        t = compare(free, mk(), PlanConfig(**REF_KW, seed=seed), contention=False, dp_sync=False,
+                    methods=("full_pipeline", "planner")).iteration_s()
+        fp = out[key]["fp32"]["planner"]
+        out[key]["free_bytes"] = {**t, "planner_x_fp32": t["planner"] / fp}
+        print(f"  {key:<15} {'bytes free (floor)':<20} full_pipeline {t['full_pipeline']:6.1f}  planner "
+              f"{t['planner']:6.1f}  planner {t['planner'] / fp:.3f}x the fp32 planner (what this planner reaches with free bytes)")
     out["codec_s_measured"] = codec_s
     return out
 
