@@ -130,6 +130,12 @@ def test_a_second_sigterm_stops_at_once_and_salvages_the_job_checkpoint(byte_dat
     assert processes_of_run(run) == []
 
 
+def _default_sigint() -> None:
+    """In the child: Ctrl-C's default action, even when the tests run as a background job (a
+    shell starts those with SIGINT ignored, and Python then keeps ignoring it)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 @pytest.mark.slow
 def test_ctrl_c_of_a_swarm_training_writes_a_final_checkpoint(byte_data, tmp_path):
     """`skiptrain train --nodes 4` and SIGINT: exit 130 with one line naming the resume point, a
@@ -138,7 +144,7 @@ def test_ctrl_c_of_a_swarm_training_writes_a_final_checkpoint(byte_data, tmp_pat
     p = subprocess.Popen([sys.executable, "-m", "skiptrain.cli", "train", "--preset", "tiny", "--data", str(byte_data),
                           "--out", str(out), "--nodes", "4", "--steps", "300", "--set", "runtime.stage_sizes=1,1,1,1"],
                          env=dict(os.environ, PYTHONPATH=str(REPO)), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                         text=True)
+                         text=True, preexec_fn=_default_sigint)
     wait_for(lambda: (out / "metrics.jsonl").exists() and len((out / "metrics.jsonl").read_text().splitlines()) >= 2)
     p.send_signal(signal.SIGINT)
     _, err = p.communicate(timeout=120)
