@@ -1,8 +1,9 @@
-"""Issue 8, joining a running job: a node started with ``--join HOST:PORT`` passes the HMAC
-challenge, is placed on the stage where it shortens the iteration most, receives weights and
-optimizer state from a live replica over the wire and starts at an iteration boundary; a process
-with a wrong secret is refused and never enters a process group.  Units: ``add_replica``,
-``choose_stage``, the state packing."""
+"""Joining a running job: a node started with ``--join HOST:PORT`` passes the HMAC challenge, is
+placed on the stage where it shortens the iteration most, receives weights, optimizer and sync
+state from the live replicas over the wire (moves planned by the layout-change core) and starts at
+an iteration boundary; a process with a wrong secret is refused and never enters a process group.
+Units: ``add_replica``, ``choose_stage``, ``join_transfers``, the state by name from several
+senders."""
 
 from __future__ import annotations
 
@@ -22,8 +23,7 @@ from skiptrain.config import build_config
 from skiptrain.net.topology import load_topology
 from skiptrain.runtime.job import Job, Phase, build_cost, with_runtime
 from skiptrain.runtime.launcher import launch
-from skiptrain.runtime.recovery import (add_replica, choose_stage, pack_stage_state, replan, trained_samples,
-                                        unpack_stage_state)
+from skiptrain.runtime.recovery import add_replica, choose_stage, join_transfers, replan, trained_samples
 from skiptrain.schedule.schedule import MicroBatch, Schedule
 
 REPO = Path(__file__).resolve().parents[1]
@@ -91,11 +91,34 @@ def test_garbled_join_input_is_refused_not_a_crash_and_claimed_pids_are_never_da
     assert not pid_running(-1) and not pid_running(0) and not pid_running(1)
 
 
-def test_stage_state_round_trips_without_pickle():
+def test_join_transfers_spread_over_live_replicas_and_keep_one_source_when_replicas_drift():
+    from skiptrain.model.partition import Partition
+
+    part = Partition((1, 1, 1))
+    sizes = {f"layers.1.w{i}": 100 for i in range(6)} | {"optim.exp_avg.layers.1.w0": 100, "tok_emb.weight": 50,
+                                                          "layers.2.w": 10}
+    placement = [[0], [1, 2, 7], [3, 8]]              # 7 joins stage 1 (two live replicas), 8 stage 2
+    plan = join_transfers(sizes, part, placement, {7: 1, 8: 2})
+    to7 = [t for t in plan if t.dst == 7]
+    assert sorted(t.src for t in to7) == [1, 2]                       # the bytes spread over both
+    assert sorted(n for t in to7 for n in t.names) == sorted(n for n in sizes if n.startswith(("layers.1", "optim")))
+    assert abs(to7[0].nbytes - to7[1].nbytes) <= 100
+    assert [(t.src, t.names) for t in plan if t.dst == 8] == [(3, ["layers.2.w"])]
+    assert {t.dst for t in plan} == {7, 8}                            # live replicas receive nothing
+    drift = join_transfers(sizes, part, placement, {7: 1, 8: 2}, drift=True)
+    assert sorted(t.src for t in drift if t.dst == 7) == [1]
+    # a joiner on a stage with no live replica is left to the caller (checkpoint or CheckFree)
+    assert join_transfers(sizes, part, [[0], [1], [9]], {9: 2}) == []
+
+
+def test_stage_state_from_several_senders_loads_by_name_without_pickle():
+    from skiptrain.checkpoint.wire import pack_state
     from skiptrain.dp import make_strategy
     from skiptrain.model.transformer import StagedLM
     from skiptrain.optim import build_optimizer
+    from skiptrain.runtime.job_checkpoint import load_stage_state, stage_state, sync_tensors
     from skiptrain.runtime.step import HostedStage, optimizer_step
+    from skiptrain.runtime.transition import gather_state
 
     cfg = build_config("tiny", overrides={"dp": {"strategy": "diloco", "sync_every": 2}})
     a, b = StagedLM(cfg.model, stages=[2], seed=1), StagedLM(cfg.model, stages=[2], seed=2)
@@ -106,8 +129,12 @@ def test_stage_state_round_trips_without_pickle():
     optimizer_step([HostedStage(2, sa, 1)], oa, 1e-3, 1.0)
     sb = make_strategy(cfg.dp, b.named_parameters(), None, cfg.train)
     ob = build_optimizer(b.named_parameters(), cfg.train, sb.update_rule)
-    blob = pack_stage_state(a, sa, oa, {"x": 1})
-    assert unpack_stage_state(blob, b, sb, ob) == {"x": 1}
+    names = sorted(stage_state(a, oa, sa, 0)[0])
+    extra, scalars = sync_tensors(sa)
+    halves = [pack_state(a, oa, names[k::2], {"strategy": scalars}, extra) for k in (0, 1)]   # two senders
+    tensors, record, got_scalars = gather_state(None, None, None, halves, set(names))
+    assert sorted(tensors) == names
+    load_stage_state(b, ob, sb, tensors, record, got_scalars)
     assert all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters()))
     assert sb.step_count == sa.step_count == 1
     ta, tb = sa.state_dict()["tensors"], sb.state_dict()["tensors"]
@@ -119,6 +146,9 @@ def test_stage_state_round_trips_without_pickle():
     oa.step()
     ob.step()
     assert all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters()))
+    weight = next(n for n, _ in b.named_parameters())
+    with pytest.raises(ValueError, match=f"lacks weight {weight}"):
+        load_stage_state(b, ob, sb, {n: t for n, t in tensors.items() if n != weight}, record, got_scalars)
 
 
 # ---- multi-process ------------------------------------------------------------------------------
@@ -168,7 +198,7 @@ def test_a_node_joins_a_running_job_and_a_wrong_secret_is_refused(byte_data, tmp
     assert [r["step"] for r in rows] == list(range(1, iters + 1))
     nj = json.loads((run / "phases" / "p" / f"node{j}.json").read_text())
     it_j = nj["joined"]["iteration"]
-    assert nj["stage"] == 1 and nj["joined"]["from_node"] == 2 and 0 <= it_j < iters
+    assert nj["stage"] == 1 and nj["joined"]["from_nodes"] == [2] and 0 <= it_j < iters
     assert [r["nodes"] for r in rows] == [5] * it_j + [6] * (iters - it_j)     # from the boundary on
     assert len(nj["iterations"]) == iters - nj["joined"]["iteration"]
     assert all(e["n_processed"] > 0 for e in nj["iterations"])     # it took hops of stage 1

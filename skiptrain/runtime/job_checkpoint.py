@@ -99,6 +99,27 @@ def stage_state(model, opt, strat, slot: int) -> tuple[dict[str, torch.Tensor], 
                  "rng": encode_torch_rng(torch.get_rng_state())}
 
 
+def load_stage_state(model, opt, strat, tensors: dict[str, torch.Tensor], record: dict[str, Any] | None,
+                     scalars: dict[str, Any] | None) -> None:
+    """Load what :func:`stage_state` names at slot 0 (parameters, ``optim.*``, ``sync.*``; from
+    any mix of senders) into this node's stage.  Raises ``ValueError`` naming a weight that is
+    missing or does not fit."""
+    own = model_tensors(model)
+    for name, t in own.items():
+        got = tensors.get(name)
+        if got is None or tuple(got.shape) != tuple(t.shape):
+            raise ValueError(f"received state lacks weight {name} {tuple(t.shape)} of this stage"
+                             if got is None else f"received weight {name} {tuple(got.shape)} does not fit this stage")
+    with torch.no_grad():
+        for name, t in own.items():
+            t.copy_(tensors[name])
+    if strat is not None and scalars:
+        load_sync(strat, {n: t for n, t in tensors.items() if n.startswith(SYNC_PREFIX)}, scalars)
+    if opt is not None and record and record.get("param_groups"):
+        load_optimizer(opt, model.named_parameters(), {n: t for n, t in tensors.items() if split_optim_name(n)},
+                       record)
+
+
 def checkpoint_root(job, phase_name: str) -> Path:
     """``checkpoint.dir`` (default ``RUN_DIR/checkpoints``), one sub-directory per phase when the
     job has several."""

@@ -1024,43 +1024,44 @@ class Node:
     def _join_transfer(self, sched, joins: dict[int, int], model, strat, opt, ph, phase_idx: int, it: int,
                        cursor: int):
         """Collective over the new generation: rank 0 (the lowest existing node) broadcasts where
-        the run is (phase, iteration, data cursor); then each joining node gets its stage's
-        weights and optimizer/DP state point-to-point from the stage's first live replica
-        (:func:`~skiptrain.runtime.recovery.pack_stage_state`: the one wire format of state by
-        name, no pickle), or, for a stage with no replica, initialises it by
-        :meth:`_init_stage` (checkpoint or CheckFree).  Returns (resume info, report on a joiner)."""
-        from .recovery import pack_stage_state, unpack_stage_state
+        the run is (phase, iteration, data cursor); every node shares the byte sizes of its
+        stage's state by name; then the layout-change core plans the moves
+        (:func:`~skiptrain.runtime.recovery.join_transfers`: each tensor from the least-loaded live
+        replica) and they travel point to point in the one wire format (weights, optimizer and
+        sync state by name, :func:`~skiptrain.runtime.transition.move_state`).  A joiner on a
+        stage with no live replica initialises it by :meth:`_init_stage` (checkpoint or CheckFree).
+        Returns (resume info, report on a joiner)."""
+        from .job_checkpoint import load_stage_state
+        from .recovery import join_transfers
+        from .transition import gather_state, move_state, stage_sizes
 
         pos = torch.tensor([phase_idx, it, cursor], dtype=torch.int64)
         dist.broadcast(pos, 0)
         resume = {"phase": int(pos[0]), "it": int(pos[1]), "cursor": int(pos[2])}
         report = None
+        sizes: dict[str, int] = {}
+        mine = stage_sizes(model, opt, strat) if self.rank not in joins else {}
+        for _, blob in self._gather_bytes(json.dumps(mine).encode()):
+            sizes.update(json.loads(blob.decode()))
         for j, s in sorted(joins.items()):
-            donors = [n for n in sched.placement[s] if n not in joins]
-            if not donors:
-                rep = self._init_stage(sched, s, j, model, model if self.rank == j else None, ph.name, resume["it"],
-                                       exclude=set(joins.values()))
-                if self.rank == j:
-                    report = rep
-                    self._stage_from_checkpoint(rep, sched, s, model, opt, strat)
+            if any(n not in joins for n in sched.placement[s]):
                 continue
-            d = donors[0]
-            if self.rank == d:
-                blob = pack_stage_state(model, strat, opt, {"from": d, "gen": self.gen, "iteration": it,
-                                                            "last_gnorm": self._last_gnorm})
-                dist.send(torch.tensor([len(blob)], dtype=torch.int64), self._rank[j])
-                dist.send(torch.frombuffer(bytearray(blob), dtype=torch.uint8), self._rank[j])
-            elif self.rank == j:
-                t = time.time()
-                n = torch.zeros(1, dtype=torch.int64)
-                dist.recv(n, self._rank[d])
-                buf = torch.empty(int(n[0]), dtype=torch.uint8)
-                dist.recv(buf, self._rank[d])
-                info = unpack_stage_state(buf.numpy().tobytes(), model, strat, opt)
-                self._last_gnorm = float(info.get("last_gnorm", 0.0))
-                report = {"init": f"state of node {d} (live replica): weights, optimizer and sync state",
-                          "from_node": d, "bytes": int(n[0]), "recv_s": time.time() - t,
-                          "optimizer_step": strat.step_count if strat is not None else None}
+            rep = self._init_stage(sched, s, j, model, model if self.rank == j else None, ph.name, resume["it"],
+                                   exclude=set(joins.values()))
+            if self.rank == j:
+                report = rep
+                self._stage_from_checkpoint(rep, sched, s, model, opt, strat)
+        plan = join_transfers(sizes, model.partition, sched.placement, joins,
+                              drift=bool(getattr(strat, "replicas_drift", False)))
+        t = time.time()
+        blobs = move_state(self.rank, plan, self._rank, model, opt, strat, lambda: None)
+        if self.rank in joins and blobs:
+            tensors, record, scalars = gather_state(None, None, None, blobs, set(sizes))
+            load_stage_state(model, opt, strat, tensors, record, scalars)
+            mine = [tr for tr in plan if tr.dst == self.rank]
+            report = {"init": "state of the live replica(s): weights, optimizer and sync state",
+                      "from_nodes": sorted(tr.src for tr in mine), "bytes": sum(tr.nbytes for tr in mine),
+                      "recv_s": time.time() - t, "optimizer_step": strat.step_count if strat is not None else None}
         return resume, report
 
     def _log_samples(self, out_dir: Path, phase: str, it: int, samples: list[int]) -> None:

@@ -411,42 +411,22 @@ def choose_stage(schedule: Schedule, node: int, original: Schedule | None = None
                   "simulated_before_s": None if base is None else round(base, 6)}
 
 
-def pack_stage_state(model, strat, opt=None, info: dict | None = None) -> bytes:
-    """A stage's weights, DP strategy state and optimizer state in the one wire format of state by
-    name (:func:`skiptrain.checkpoint.wire.pack_state`), to send to a joining node: strategy
-    tensors are named as checkpoints name them (``sync.{key}.{param}``,
-    :func:`~.job_checkpoint.sync_tensors`); its scalars and ``info`` travel in the JSON."""
-    from ..checkpoint.wire import pack_state
-    from .job_checkpoint import sync_tensors
+def join_transfers(sizes: dict[str, int], partition, placement: list[list[int]], joins: dict[int, int],
+                   drift: bool = False) -> list:
+    """The messages that give joining nodes (``joins``: node -> stage, already in ``placement``)
+    their stage's state, planned by the layout-change core
+    (:func:`skiptrain.layout.transfer.transfer_plan`): each tensor from the least-loaded live
+    replica, so the sends spread over a stage's replicas.  With ``drift`` (replicas differ
+    between syncs: DiLoCo, SparseLoCo) every tensor of a stage comes from its first live replica,
+    so a joiner becomes a copy of one replica.  Stages with no live replica are left out (the
+    caller initialises them another way)."""
+    from ..layout import Layout
+    from ..layout.transfer import transfer_plan
 
-    extra, scalars = sync_tensors(strat)
-    return pack_state(model, opt, None, {"strategy": scalars if strat is not None else None, "info": info or {}},
-                      extra)
-
-
-def unpack_stage_state(blob: bytes, model, strat, opt=None) -> dict:
-    """Load what :func:`pack_stage_state` produced into ``model``, ``strat`` and ``opt`` (same
-    stage); returns the sender's ``info``.  Raises ``ValueError`` naming a tensor that does not fit."""
-    from ..checkpoint.state import load_optimizer, split_optim_name
-    from ..checkpoint.wire import unpack_tensors
-    from .job_checkpoint import SYNC_PREFIX, load_sync
-
-    tensors, record, state = unpack_tensors(blob)
-    own = model.state_dict()
-    for name, t in own.items():
-        got = tensors.get(name)
-        if got is None or tuple(got.shape) != tuple(t.shape):
-            raise ValueError(f"received state lacks weight {name} {tuple(t.shape)} of this stage"
-                             if got is None else f"received weight {name} {tuple(got.shape)} does not fit this stage")
-    with torch.no_grad():
-        for name, t in own.items():
-            t.copy_(tensors[name])
-    if strat is not None and state.get("strategy") is not None:
-        load_sync(strat, {n: t for n, t in tensors.items() if n.startswith(SYNC_PREFIX)}, state["strategy"])
-    if opt is not None and record:
-        load_optimizer(opt, model.named_parameters(), {n: t for n, t in tensors.items() if split_optim_name(n)},
-                       record)
-    return state.get("info", {})
+    live = [[n for n in p if n not in joins] for p in placement]
+    old = [p[:1] if drift else p for p in live]
+    new = [[n for n in p if n in joins] if live[s] else [] for s, p in enumerate(placement)]
+    return transfer_plan(sizes, Layout(partition, old), Layout(partition, new))
 
 
 def record_kind(store, gen: int) -> str:
