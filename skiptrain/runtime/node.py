@@ -456,11 +456,15 @@ class Node:
                         embed=st.elastic.embed if st.elastic is not None else None)
 
     def _codec_of(self, st: "PhaseState"):
-        """The activation encoding of each of this node's outgoing links (the cost model's choice)."""
+        """The activation encoding of each of this node's outgoing links (the cost model's choice;
+        without one, or to a node outside its topology: the precision's plain encoding)."""
+        from ..schedule.actcodec import plain_codec
+
         cost, topo, me = st.cost, st.topo, self.rank
-        if cost is None or topo is None or cost.act_codec == "fp32" or me >= topo.n:
-            return lambda dst: "fp32"
-        return lambda dst: cost.hop_codec(topo, me, dst) if dst < topo.n else "fp32"
+        plain = plain_codec(self.cfg.train.precision)
+        if cost is None or topo is None or me >= topo.n:
+            return lambda dst: plain
+        return lambda dst: cost.hop_codec(topo, me, dst) if dst < topo.n else plain
 
     def _run_iteration(self, st: "PhaseState") -> None:
         """One attempt at iteration ``st.it``; on a recoverable failure, recover and advance past
