@@ -226,6 +226,8 @@ class P2PTransport:
             self._expect.put(n)
 
     def _recv_loop(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)     # this thread's copies and decodes: on the node's GPU
         while True:
             n = self._expect.get()
             if n is None:
