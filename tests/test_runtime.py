@@ -311,3 +311,7 @@ def test_bf16_swarm_equals_the_one_node_runtime_in_bf16_and_lowers_the_loss(byte
                          for e in sends)
     losses = [r["loss"] for r in res.phase_metrics("train")]
     assert len(losses) == 8 and losses[-1] < losses[0] - 0.3, losses
+    for s, nodes in enumerate(full.placement):        # each node printed its stage's memory estimate
+        for n in nodes:
+            log = (tmp_path / "run" / "logs" / f"node{n}.log").read_text()
+            assert f"skiptrain node {n}: cpu, bf16: stage {s}: " in log and " GiB (parameters " in log, log[-500:]
