@@ -88,3 +88,18 @@ def test_every_strategy_keeps_its_state_on_the_parameters_device(strategy):
     elif strategy == "powersgd":     # its buffers are built, then the count is read: a meta tensor has no value
         with pytest.raises(RuntimeError, match="cannot be called on meta tensors"):
             s.exchange(grads, 2, 1e-3)
+
+
+def test_bf16_messages_name_their_codec_and_arrive_as_float32():
+    from skiptrain.runtime.transport import (ACT, GRAD, LocalTransport, decode_header, decode_payload, encode_header,
+                                             encode_payload, payload_buffer)
+
+    assert decode_header(encode_header(GRAD, 1, 2, 0, (2, 4, 8), "bf16")) == (GRAD, 1, 2, 0, (2, 4, 8), "bf16")
+    x = torch.randn(2, 4, 8)
+    wire = encode_payload(x, "bf16")
+    assert wire.numel() == payload_buffer((2, 4, 8), "bf16").numel() == 2 * x.numel()
+    got = decode_payload(wire, "bf16", (2, 4, 8))
+    assert got.dtype == torch.float32 and torch.equal(got, x.to(torch.bfloat16).float())
+    tr = LocalTransport(0, "bf16")
+    tr.send(0, ACT, 3, 1, x)
+    assert torch.equal(tr.inbox.get_nowait().tensor, got)
