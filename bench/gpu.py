@@ -15,10 +15,16 @@ MFU = model FLOPs per second / the GPU's peak dense bf16 FLOPs.  Model FLOPs per
 per layer plus the head), the usual 6N-plus-attention count.  The peak comes from a table of known
 GPUs (``--peak-tflops`` for others; without it MFU is not printed).
 
-The 4-node swarm sharing one GPU is listed but not measured: node processes
-(skiptrain/runtime/node.py) do not yet place their stage on a device, so a swarm runs on the CPU.
+Then the same preset as a 4-node swarm sharing that one GPU: four node processes on this machine
+(``skiptrain.runtime.launcher``), one per stage (1/1/1/1, the full pipeline, k = 0), every node on
+``cuda:0`` (``runtime.devices``), bf16 autocast, bf16 activations and gradients between the nodes
+through pinned host buffers over gloo on loopback.  Its tokens/s are the global batch over the
+median iteration time rank 0 records (common start to the last event: pipeline, transfers,
+replica-free optimizer step), and, lower, over the median period between iteration starts (which
+adds the swarm's per-iteration start barrier and stats gather).  Four processes time-share the
+GPU, so this shows what a swarm's machinery costs on one device, not a speed-up.
 
-    python bench/gpu.py [--quick] [--json PATH] [--peak-tflops T]
+    python bench/gpu.py [--quick] [--json PATH] [--peak-tflops T] [--no-swarm]
 """
 
 from __future__ import annotations
@@ -36,7 +42,7 @@ sys.path.insert(0, str(ROOT))
 
 PEAK_BF16_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "L40S": 362.0, "L4": 121.0, "A10": 125.0,
                     "RTX 4090": 165.0, "RTX 3090": 71.0}
-SWARM_NOTE = "not measured: node processes do not place their stage on a device yet"
+SWARM_NODES = 4
 
 
 def peak_tflops(name: str, given: float | None) -> float | None:
@@ -57,9 +63,10 @@ def make_dataset(vocab_size: int):
     data = ROOT / "tests" / "data"
     write_dataset(out, read_documents([str(data / "hamlet_excerpt.txt"), str(data / "macbeth_excerpt.txt")]),
                   None, tokenizer="byte", val_fraction=0.1, source="test excerpts")
-    ds = TokenDataset.open(out)
-    ds.manifest = {**ds.manifest, "tokenizer": {**ds.manifest["tokenizer"], "vocab_size": vocab_size}}
-    return ds
+    manifest = json.loads((out / "manifest.json").read_text())
+    manifest["tokenizer"]["vocab_size"] = vocab_size       # on disk too: a swarm's nodes open it
+    (out / "manifest.json").write_text(json.dumps(manifest))
+    return TokenDataset.open(out)
 
 
 def build(preset: str, device: str, quick: bool, overrides: dict | None = None):
@@ -112,6 +119,45 @@ def measure(preset: str = "125m", device: str = "cuda", steps: int = 20, warmup:
     return out
 
 
+def measure_swarm(preset: str = "125m", device: str = "cuda", iterations: int = 12, warmup: int = 2,
+                  quick: bool = False, overrides: dict | None = None) -> dict:
+    """A 4-node swarm (one stage each) with every node on ``device``: median iteration time and
+    period, tokens/s and model FLOPs/s (see the module doc)."""
+    from skiptrain.config import build_config
+    from skiptrain.runtime.job import Job, build_cost, build_schedule, build_topology, phase_for
+    from skiptrain.runtime.launcher import launch
+
+    train = {"eval_every": 0, "progress": False, "device": "cpu" if device == "cpu" else "cuda", "skip_ratio": 0.0,
+             "steps": warmup + iterations}
+    if quick:
+        train.update(micro_batch=4)
+    sections = {"train": train, "model": {"n_stages": SWARM_NODES},
+                "runtime": {"nodes": SWARM_NODES, "stage_sizes": ",".join(["1"] * SWARM_NODES),
+                            "mb_per_originator": 2 if quick else 8, "timeout_s": 120,
+                            "devices": ",".join([device] * SWARM_NODES)}}
+    for name, values in (overrides or {}).items():
+        sections[name] = {**sections.get(name, {}), **values}
+    cfg = build_config(preset, overrides=sections)
+    ds = make_dataset(cfg.model.vocab_size)
+    cfg.model.vocab_size = ds.vocab_size
+    topo = build_topology(cfg, SWARM_NODES)
+    cost = build_cost(cfg, s_per_sample_layer=0.001)
+    sched = build_schedule(cfg, "full_pipeline", topo, cost)
+    run = Path(tempfile.mkdtemp(prefix="bench_gpu_swarm_"))
+    res = launch(Job(config=cfg.to_dict(), data_path=str(ds.path), run_dir=str(run),
+                     phases=[phase_for(cfg, sched, topo, cost, "swarm", warmup + iterations)]), timeout_s=1800)
+    rows = res.phase_metrics("swarm")[warmup:]
+    t0 = [it["t0"] for it in json.loads((run / "phases" / "swarm" / "node0.json").read_text())["iterations"]]
+    tokens = len(sched.micro_batches) * cfg.train.micro_batch * cfg.model.seq_len
+    it_s = statistics.median(r["iteration_s"] for r in rows)
+    period = statistics.median(b - a for a, b in zip(t0[warmup:], t0[warmup + 1:]))
+    flops = train_flops_per_token(cfg.model)
+    return {"nodes": SWARM_NODES, "devices": cfg.runtime.devices, "tokens_per_iteration": tokens,
+            "iterations": len(rows), "median_iteration_s": it_s, "median_period_s": period,
+            "tok_s": tokens / it_s, "model_tflops": tokens / it_s * flops / 1e12, "tok_s_period": tokens / period,
+            "loss_first": rows[0]["loss"], "loss_last": rows[-1]["loss"]}
+
+
 def print_table(res: dict, peak: float | None) -> None:
     gpu = f" ({res['gpu']})" if res.get("gpu") else ""
     print(f"{res['preset']} ({res['params'] / 1e6:.0f}M parameters, {res['precision']}) on {res['device']}{gpu}, "
@@ -121,7 +167,13 @@ def print_table(res: dict, peak: float | None) -> None:
         r = res[which]
         mfu = f"{r['model_tflops'] / peak * 100:.1f}%" if peak else "n/a"
         print(f"{label:<30}{r['tok_s']:>12.0f}{r['model_tflops']:>10.1f}{mfu:>8}")
-    print(f"{'4-node swarm, one GPU':<30}  {SWARM_NOTE}")
+    sw = res.get("swarm")
+    if sw is None:
+        print(f"{'4-node swarm, one GPU':<30}  not measured (--no-swarm)")
+    else:
+        mfu = f"{sw['model_tflops'] / peak * 100:.1f}%" if peak else "n/a"
+        print(f"{'4-node swarm, one GPU':<30}{sw['tok_s']:>12.0f}{sw['model_tflops']:>10.1f}{mfu:>8}"
+              f"   ({sw['tokens_per_iteration']} tokens/iteration; {sw['tok_s_period']:.0f} tokens/s with the start barrier)")
     print(f"skiptrain overhead (median of paired step-time ratios - 1): {res['overhead'] * 100:+.1f}%")
 
 
@@ -132,6 +184,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=None, help="measured steps per loop (default 20, quick 5)")
     ap.add_argument("--peak-tflops", type=float, default=None,
                     help="the GPU's peak dense bf16 TFLOP/s, for GPUs not in the built-in table")
+    ap.add_argument("--no-swarm", action="store_true", help="skip the 4-node swarm sharing the GPU")
     args = ap.parse_args(argv)
     import torch
 
@@ -146,7 +199,8 @@ def main(argv: list[str] | None = None) -> int:
     peak = peak_tflops(res["gpu"], args.peak_tflops)
     for which in ("skiptrain", "plain"):
         res[which]["mfu"] = res[which]["model_tflops"] / peak if peak else None
-    res["swarm_4_nodes_one_gpu"] = SWARM_NOTE
+    if not args.no_swarm:
+        res["swarm"] = measure_swarm("125m", "cuda:0", iterations=steps, quick=args.quick)
     print_table(res, peak)
     if args.json:
         Path(args.json).write_text(json.dumps({"cuda": True, "measured": True, **res}, indent=1) + "\n")

@@ -150,6 +150,8 @@ class DPConfig:
     outer_lr: float = _f(0.7, "DiLoCo / SparseLoCo outer Nesterov learning rate", min=0.0)
     outer_momentum: float = _f(0.9, "DiLoCo / SparseLoCo outer Nesterov momentum", min=0.0, max=1.0)
     check_every: int = _f(50, "compare parameter hashes across replicas every K steps (0 = never)", min=0)
+    backend: str = _f("gloo", "process-group backend of a swarm's replica sync: gloo (any device, any network) "
+                      "or nccl (replicas on CUDA devices, e.g. inside one datacenter)", choices=("gloo", "nccl"))
     timeout_s: float = _f(60.0, "process-group timeout in seconds", min=1.0)
     link: str = _f("", "emulated link preset per node (skiptrain.dp.link.LINK_PRESETS): consumer = 10 Mbit/s up, "
                    "100 Mbit/s down, 25 ms; empty = the link_up_mbps / link_down_mbps / link_latency_ms fields",
@@ -240,16 +242,36 @@ class RuntimeConfig:
     takeover: bool = _f(False, "recover: a replica of the most replicated body stage takes over a stage left empty")
     ckpt_max_age: int = _f(10, "recover: the job's checkpoint, when at most this many iterations old, "
                            "initialises a stage left without replicas (older: CheckFree from the neighbours)", min=0)
-    act_codec: str = _f("fp32", "encoding of activations and their gradients on slow links: fp32, int8 or int4 "
-                        "(one scale per row); the one-process trainer applies it to every hop",
-                        choices=("fp32", "int8", "int4"))
-    act_fast_GBps: float = _f(1.0, "links at least this fast (GiB/s, in the emulated topology) carry fp32",
-                              min=0.0)
+    act_codec: str = _f("fp32", "encoding of activations and their gradients on slow links: fp32, bf16, int8 or "
+                        "int4 (one scale per row); other links carry the compute precision's (fp32, or bf16 "
+                        "under train.precision=bf16), as does every link when this is fp32; the one-process "
+                        "trainer applies it to every hop", choices=("fp32", "bf16", "int8", "int4"))
+    act_fast_GBps: float = _f(1.0, "links at least this fast (GiB/s, in the emulated topology) carry the compute "
+                              "precision's encoding (fp32 or bf16)", min=0.0)
     restartable: bool = _f(False, "recover: the store in a process of its own, so a dead coordinator can be "
                            "replaced (`python -m skiptrain.runtime.coordinator --run RUN_DIR`)")
     drift_alpha: float = _f(0.3, "moving-average weight of the drift measurements", min=0.0, max=1.0)
     drift_threshold: float = _f(0.0, "re-plan the routes on measured compute/link times when the measured "
                                 "iteration time exceeds the planned one by this fraction (0 = off)", min=0.0)
+    devices: str = _f("", "device of each node, comma-separated, one per node (cpu, cuda, cuda:N, auto), e.g. "
+                      "cuda:0,cuda:0,cuda:1,cpu; empty = train.device, with cuda meaning cuda:LOCAL_RANK modulo "
+                      "the GPUs a node sees")
+
+    def check(self) -> None:
+        devs = node_devices(self.devices)
+        if devs and self.nodes and len(devs) != self.nodes:
+            raise ConfigError(f"runtime.devices lists {len(devs)} device(s) for runtime.nodes={self.nodes}; "
+                              "list one device per node, or leave it empty to use train.device")
+
+
+def node_devices(text: str) -> list[str]:
+    """``runtime.devices`` as a list (empty: none given); each entry auto, cpu, cuda or cuda:N."""
+    devs = [d.strip() for d in text.split(",")] if text.strip() else []
+    for d in devs:
+        if d not in ("auto", "cpu", "cuda") and not (d.startswith("cuda:") and d[5:].isdigit()):
+            raise ConfigError(f"runtime.devices entry {d!r} is not a device; use auto, cpu, cuda or cuda:N "
+                              "(e.g. cuda:0,cuda:1)")
+    return devs
 
 
 def skip_count(skip_ratio: float, n_stages: int) -> int:

@@ -100,3 +100,40 @@ def test_decode_rejects_a_wrong_length():
 
 def test_measure_codec_s_is_a_positive_time():
     assert 0 < measure_codec_s("int8", 16, 32, repeats=1) < 5
+
+
+def test_bf16_round_trip_halves_the_bytes_and_keeps_non_finite_values():
+    x = torch.randn(4, 16, 64) * 3.0
+    x[1, 2, 5], x[3, 0, 0] = math.nan, -math.inf
+    buf = encode(x, "bf16")
+    assert buf.dtype == torch.uint8 and buf.numel() == encoded_bytes("bf16", 64, 64) == 2 * x.numel()
+    assert 2 * buf.numel() == encode(x, "fp32").numel()
+    y = decode(buf, "bf16", tuple(x.shape))
+    assert y.dtype == torch.float32 and y.shape == x.shape
+    finite = torch.isfinite(x)
+    assert torch.equal(y[finite], x.to(torch.bfloat16).float()[finite])
+    assert bool(((y - x).abs()[finite] <= x.abs()[finite] * 2 ** -8).all())     # bf16: 8 significant bits
+    assert math.isnan(y[1, 2, 5]) and y[3, 0, 0] == -math.inf
+    with pytest.raises(ValueError):
+        decode(buf[:-2], "bf16", tuple(x.shape))
+
+
+def test_links_carry_the_precisions_encoding_unless_a_stronger_codec_is_chosen():
+    from skiptrain.net.topology import Node, Topology
+    from skiptrain.schedule.actcodec import plain_codec, slow_link_codec
+    from skiptrain.schedule.cost import CostModel
+
+    assert plain_codec("fp32") == "fp32" and plain_codec("bf16") == "bf16"
+    assert slow_link_codec("fp32", "bf16") == "bf16" and slow_link_codec("int8", "bf16") == "int8"
+    assert slow_link_codec("bf16", "fp32") == "bf16" and slow_link_codec("fp32", "fp32") == "fp32"
+    with pytest.raises(ValueError, match="precision"):
+        plain_codec("fp16")
+    fast, slow = 10 * 2 ** 30, 2 ** 20
+    topo = Topology([Node(0, "a"), Node(1, "b")], [[0, 0], [0, 0]], [[fast, slow], [fast, fast]])
+    kw = dict(d_model=64, tokens_per_sample=32, samples=4, layers_per_stage=[1, 1])
+    fp32_bytes = 4 * 4 * 32 * 64          # fp32: samples x tokens x d_model x 4 bytes
+    for act_codec, plain, want_slow, want_fast in (("fp32", "bf16", "bf16", "bf16"), ("int8", "bf16", "int8", "bf16"),
+                                                   ("fp32", "fp32", "fp32", "fp32"), ("int4", "fp32", "int4", "fp32")):
+        c = CostModel(act_codec=act_codec, act_plain=plain, **kw)
+        assert (c.hop_codec(topo, 0, 1), c.hop_codec(topo, 1, 0)) == (want_slow, want_fast)
+        assert c.hop_bytes(topo, 1, 0) == (fp32_bytes if plain == "fp32" else fp32_bytes // 2)

@@ -277,3 +277,41 @@ def test_int8_hops_swarm_equals_the_one_node_runtime_with_the_same_codec(byte_da
     sends = [e for e in res.timeline("q", 0) if e.kind == "send"]
     assert sends and all(e.bytes == encoded_bytes("int8", rows, cfg.model.d_model) for e in sends)
     assert all(e.bytes * 3.7 < rows * cfg.model.d_model * 4 for e in sends)    # d=64: 64 + 4 scale bytes a row
+
+
+def test_bf16_swarm_equals_the_one_node_runtime_in_bf16_and_lowers_the_loss(byte_data, tmp_path):
+    """train.precision=bf16 on the 2/2/1/1 swarm: every node runs its forwards and backwards
+    under bf16 autocast with fp32 weights and AdamW state, and every hop carries bf16 (half the
+    bytes of fp32).  The one-process trainer in bf16 (which passes every hop through the same
+    bf16 encoding) ends 3 iterations with the same parameters, to the fp32 equivalence's 1e-5:
+    the nodes compute the same bf16 operations on the same values, so only the summation order
+    of the replica sync differs, as in fp32.  A further phase of 8 iterations lowers the loss."""
+    cfg = _cfg(precision="bf16", lr=3e-3)
+    topo = build_topology(cfg, 6)
+    cost = build_cost(cfg, s_per_sample_layer=0.001)
+    assert cost.act_plain == "bf16" and cost.hop_codec(topo, 0, 2) == "bf16"
+    full = build_schedule(cfg, "full_pipeline", topo, cost)
+    job = Job(config=with_runtime(cfg.to_dict(), timeout_s=20), data_path=str(byte_data),
+              run_dir=str(tmp_path / "run"),
+              phases=[phase_for(cfg, full, topo, cost, "eq", EQUIV_ITERS, dump=True),
+                      phase_for(cfg, full, topo, cost, "train", 8)])
+    res = launch(job, timeout_s=240)
+    ref, _ = _reference(_cfg(precision="bf16", lr=3e-3), byte_data, full)
+    fp32, _ = _reference(_cfg(lr=3e-3), byte_data, full)
+    got = _dist_params(tmp_path / "run", "eq", full)
+    assert all(v.dtype == torch.float32 for v in got.values())                   # fp32 master weights
+    assert max(float((ref[n] - fp32[n]).abs().max()) for n in ref) > 1e-4         # bf16 changed training
+    for n in ref:
+        torch.testing.assert_close(got[n], ref[n], atol=1e-5, rtol=0, msg=lambda m: f"{n}: {m}")
+    from skiptrain.schedule.actcodec import encoded_bytes
+
+    rows = cfg.train.micro_batch * cfg.model.seq_len
+    sends = [e for e in res.timeline("eq", 0) if e.kind == "send"]
+    assert sends and all(2 * e.bytes == rows * cfg.model.d_model * 4 == 2 * encoded_bytes("bf16", rows, 64)
+                         for e in sends)
+    losses = [r["loss"] for r in res.phase_metrics("train")]
+    assert len(losses) == 8 and losses[-1] < losses[0] - 0.3, losses
+    for s, nodes in enumerate(full.placement):        # each node printed its stage's memory estimate
+        for n in nodes:
+            log = (tmp_path / "run" / "logs" / f"node{n}.log").read_text()
+            assert f"skiptrain node {n}: cpu, bf16: stage {s}: " in log and " GiB (parameters " in log, log[-500:]

@@ -47,7 +47,7 @@ def pack_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, 
     wanted = sorted(tensors) if names is None else sorted(names)
     metas, chunks, off = [], [], 0
     for n in wanted:
-        t = tensors[n].detach().contiguous()
+        t = tensors[n].detach().cpu().contiguous()     # the bytes of a device tensor, from the host
         b = bytes(byte_view(t))
         metas.append({"name": n, "dtype": dtype_name(t.dtype), "shape": list(t.shape), "offset": off,
                       "nbytes": len(b)})

@@ -33,7 +33,9 @@ def make_strategy(dp_cfg, named_params: Iterable[tuple[str, torch.nn.Parameter]]
     :class:`skiptrain.config.TrainConfig` (default: its defaults).  ``group`` is any initialised
     gloo process group (None: the default group, or a group of one when torch.distributed is not
     initialised).  ``link`` overrides the link emulation of ``dp_cfg`` (``dp.link`` or
-    ``link_up_mbps`` etc., :meth:`LinkModel.from_config`).
+    ``link_up_mbps`` etc., :meth:`LinkModel.from_config`).  The strategy's state lives on the
+    parameters' device; collectives run there with ``dp.backend=nccl`` (``group`` an NCCL group),
+    on the host with gloo.
     """
     from ..config import TrainConfig
 
@@ -41,7 +43,10 @@ def make_strategy(dp_cfg, named_params: Iterable[tuple[str, torch.nn.Parameter]]
         raise StrategyError(f"unknown dp.strategy {dp_cfg.strategy!r}; choose one of {sorted(STRATEGIES)}")
     if link is None:
         link = LinkModel.from_config(dp_cfg)
-    tr = Transport(group, link, ByteAccountant(1))
+    named_params = list(named_params)
+    on_params = next((p.device for _, p in named_params), torch.device("cpu"))
+    comm = on_params if getattr(dp_cfg, "backend", "gloo") == "nccl" else torch.device("cpu")
+    tr = Transport(group, link, ByteAccountant(1), comm)
     tr.acct.world = tr.world
     return STRATEGIES[dp_cfg.strategy](named_params, tr, dp_cfg, optimizer_cfg or TrainConfig())
 

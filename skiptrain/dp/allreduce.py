@@ -27,7 +27,7 @@ class AllReduceStrategy(SyncStrategy):
         if self.world == 1:
             total = n
         else:
-            flat = torch.cat([g.reshape(-1) for g in grads.values()] + [torch.tensor([float(n)])]).to(self.dtype)
+            flat = torch.cat([g.reshape(-1) for g in grads.values()] + [torch.tensor([float(n)], device=self.device)]).to(self.dtype)
             self.tr.all_reduce_sum(flat)
             flat = flat.float()
             total = int(round(float(flat[-1])))

@@ -37,7 +37,8 @@ def _ceil_to(x: int, m: int) -> int:
 class ChunkedDCT:
     """The chunk geometry of one parameter shape, and its forward/inverse transform."""
 
-    def __init__(self, shape: tuple[int, ...] | torch.Size, chunk: int, use_dct: bool = True):
+    def __init__(self, shape: tuple[int, ...] | torch.Size, chunk: int, use_dct: bool = True,
+                 device: torch.device | str = "cpu"):
         if chunk < 1:
             raise ValueError(f"chunk size must be >= 1, got {chunk}")
         self.shape = tuple(int(s) for s in shape)
@@ -54,7 +55,7 @@ class ChunkedDCT:
         self.n_chunks = self.nr * self.nc
         self.chunk_numel = self.er * self.ec
         if use_dct:
-            self._dr, self._dc = dct_matrix(self.er), dct_matrix(self.ec)
+            self._dr, self._dc = dct_matrix(self.er).to(device), dct_matrix(self.ec).to(device)
 
     @property
     def padded(self) -> bool:

@@ -48,7 +48,7 @@ class DiLoCoStrategy(SyncStrategy):
         if self.step_count % self.H:
             return None
         w = float(self.n_since)
-        flat = torch.cat([(self.anchor[x] - p).reshape(-1) * w for x, p in self.named] + [torch.tensor([w])])
+        flat = torch.cat([(self.anchor[x] - p).reshape(-1) * w for x, p in self.named] + [torch.tensor([w], device=self.device)])
         self.tr.all_reduce_sum(flat)
         total = float(flat[-1])
         self.n_since = 0

@@ -52,7 +52,7 @@ def index_nbytes(n: int, enc: str) -> int:
 
 def encode_indices(idx: torch.Tensor, enc: str) -> np.ndarray:
     """Flat non-negative indices -> bytes.  Raises ValueError if one does not fit ``enc``."""
-    a = idx.reshape(-1).to(torch.int64).numpy()
+    a = idx.reshape(-1).to(torch.int64).cpu().numpy()
     if a.size and (a.min() < 0 or a.max() >= INDEX_LIMIT[enc]):
         raise ValueError(f"index out of range for {enc}: [{a.min()}, {a.max()}]")
     if enc == "int64":
@@ -147,7 +147,7 @@ def _from_bf16_bits(b: np.ndarray) -> np.ndarray:
 
 
 def encode_values(v: torch.Tensor, enc: str, group: int | None = None) -> np.ndarray:
-    v = v.detach().reshape(-1).float()
+    v = v.detach().reshape(-1).float().cpu()      # the payload is built on the host
     if enc == "fp32":
         return v.numpy().astype("<f4").view(np.uint8)
     if enc == "bf16":

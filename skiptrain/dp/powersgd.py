@@ -39,8 +39,8 @@ class PowerSGDStrategy(SyncStrategy):
                 rank = min(r, rows, cols)
                 if rank * (rows + cols) < rows * cols:
                     self.low_rank[n] = rank
-                    self.q[n] = torch.randn(cols, rank, generator=gen)
-                    self.err[n] = torch.zeros(rows, cols)
+                    self.q[n] = torch.randn(cols, rank, generator=gen).to(self.device)   # same draw on any device
+                    self.err[n] = torch.zeros(rows, cols, device=self.device)
 
     @torch.no_grad()
     def _exchange(self, grads: dict[str, torch.Tensor], n: int, lr: float):
@@ -48,7 +48,7 @@ class PowerSGDStrategy(SyncStrategy):
         ps = {name: m @ self.q[name] for name, m in mats.items()}
         dense = [name for name in grads if name not in self.low_rank]
         buf1 = torch.cat([ps[x].reshape(-1) for x in ps] + [grads[x].reshape(-1) for x in dense]
-                         + [torch.tensor([float(n)])])
+                         + [torch.tensor([float(n)], device=self.device)])
         self.tr.all_reduce_sum(buf1)
         total = int(round(float(buf1[-1])))
         off = 0
@@ -59,7 +59,7 @@ class PowerSGDStrategy(SyncStrategy):
             grads[name].copy_(buf1[off: off + grads[name].numel()].view_as(grads[name]))
             off += grads[name].numel()
         qs = {name: mats[name].T @ ps[name] for name in mats}
-        buf2 = torch.cat([qs[x].reshape(-1) for x in qs]) if qs else torch.zeros(0)
+        buf2 = torch.cat([qs[x].reshape(-1) for x in qs]) if qs else torch.zeros(0, device=self.device)
         if qs:
             self.tr.all_reduce_sum(buf2)
         off = 0
@@ -88,5 +88,5 @@ class PowerSGDStrategy(SyncStrategy):
     def load_state_dict(self, state: dict) -> None:
         super().load_state_dict(state)
         for name in self.low_rank:
-            self.q[name] = state["tensors"][name]["powersgd_q"].clone()
-            self.err[name] = state["tensors"][name]["powersgd_error"].clone()
+            self.q[name] = state["tensors"][name]["powersgd_q"].to(self.device, copy=True)
+            self.err[name] = state["tensors"][name]["powersgd_error"].to(self.device, copy=True)

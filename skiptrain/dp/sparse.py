@@ -17,7 +17,8 @@ padding cropped): each coefficient averaged over the replicas that sent it, weig
 micro-batch counts (``by="senders"``, DeMo), or summed over every replica and divided by the
 replica count (``by="replicas"``: an unbiased average of sparse pseudo-gradients, SparseLoCo).
 Every replica decodes the same payloads in the same rank order with the same operations, so the
-result is bit-identical on all of them.
+result is bit-identical on all of them.  Accumulators, transforms and averages live on the
+parameters' device; only the payload bytes pass through the host.
 """
 
 from __future__ import annotations
@@ -32,7 +33,8 @@ from .strategy import StrategyError
 
 class SparseExchange:
     def __init__(self, named: list[tuple[str, torch.nn.Parameter]], dp_cfg, transport):
-        self.geo = {n: ChunkedDCT(p.shape, dp_cfg.chunk, dp_cfg.dct) for n, p in named}
+        self.device = named[0][1].device
+        self.geo = {n: ChunkedDCT(p.shape, dp_cfg.chunk, dp_cfg.dct, self.device) for n, p in named}
         self.k = {n: min(dp_cfg.topk, g.chunk_numel) for n, g in self.geo.items()}
         for n, g in self.geo.items():
             if g.chunk_numel > INDEX_LIMIT[dp_cfg.indices]:
@@ -51,7 +53,7 @@ class SparseExchange:
 
     def zeros(self) -> dict[str, torch.Tensor]:
         """A chunk-space accumulator of zeros per tensor."""
-        return {n: torch.zeros(g.n_chunks, g.chunk_numel) for n, g in self.geo.items()}
+        return {n: torch.zeros(g.n_chunks, g.chunk_numel, device=self.device) for n, g in self.geo.items()}
 
     def exchange(self, acc: dict[str, torch.Tensor], weight: int) -> list[tuple[int, dict]]:
         """Send the top-k of every chunk of ``acc`` (subtracting what is sent when ``weight`` > 0:
@@ -60,7 +62,7 @@ class SparseExchange:
         send = {}
         for name, m in acc.items():
             idx = m.abs().topk(self.k[name], dim=1, sorted=False).indices
-            q = quantize_values(m.gather(1, idx), self.values, self.k[name])
+            q = quantize_values(m.gather(1, idx), self.values, self.k[name]).to(m.device)
             if weight > 0:
                 m.scatter_(1, idx, m.gather(1, idx) - q)
             send[name] = (idx, q)
@@ -76,17 +78,17 @@ class SparseExchange:
             weights = [1.0] * len(decoded)
         out = {}
         for name, geo in self.geo.items():
-            acc = torch.zeros(geo.n_chunks, geo.chunk_numel)
-            wsum = torch.zeros(geo.n_chunks, geo.chunk_numel)
+            acc = torch.zeros(geo.n_chunks, geo.chunk_numel, device=self.device)
+            wsum = torch.zeros(geo.n_chunks, geo.chunk_numel, device=self.device)
             for w, (_, tensors) in zip(weights, decoded):
                 if w == 0:
                     continue
-                idx, val = tensors[name]
+                idx, val = (t.to(self.device) for t in tensors[name])
                 acc.scatter_add_(1, idx, val * w)
-                wsum.scatter_add_(1, idx, torch.full(val.shape, w))
+                wsum.scatter_add_(1, idx, torch.full(val.shape, w, device=self.device))
             if by == "replicas":
                 avg = acc / len(decoded)
             else:
-                avg = torch.where(wsum > 0, acc / wsum.clamp_min(1e-30), torch.zeros(()))
+                avg = torch.where(wsum > 0, acc / wsum.clamp_min(1e-30), torch.zeros((), device=self.device))
             out[name] = geo.inverse(avg)
         return out

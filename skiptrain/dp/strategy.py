@@ -86,6 +86,7 @@ class SyncStrategy:
         if not self.named:
             raise StrategyError("a sync strategy needs at least one trainable parameter")
         self.params = dict(self.named)
+        self.device = self.named[0][1].device     # where every state tensor of the strategy lives
         self.tr = transport
         self.dp, self.opt = dp_cfg, optim_cfg
         self.n_params = sum(p.numel() for _, p in self.named)

@@ -5,6 +5,10 @@ included; ``group=None`` with no initialised default group means a group of one)
 records what this node sent and received in an :class:`~skiptrain.dp.accountant.ByteAccountant`
 and, when a :class:`~skiptrain.dp.link.LinkModel` is set, sleeps for the modelled transfer time.
 
+Device: a collective runs on ``device``, the device of the group's backend (the CPU for gloo, the
+replica's GPU for NCCL, ``dp.backend``); a tensor elsewhere is copied there for the collective
+and the result copied back into it, so strategies hand in tensors on their parameters' device.
+
 Failure semantics: a dead peer makes gloo raise within the group's timeout (set it short, e.g.
 ``timedelta(seconds=60)`` in ``init_process_group``); the error propagates to the caller
 unchanged.  Nothing here retries.
@@ -24,8 +28,9 @@ from .link import LinkModel
 
 class Transport:
     def __init__(self, group=None, link: LinkModel | None = None,
-                 accountant: ByteAccountant | None = None):
+                 accountant: ByteAccountant | None = None, device: torch.device | None = None):
         self.group = group
+        self.device = device or torch.device("cpu")
         self.distributed = dist.is_available() and dist.is_initialized()
         if self.distributed:
             self.world = dist.get_world_size(group)
@@ -51,12 +56,12 @@ class Transport:
         if self.world == 1:
             return [buf.copy()]
         t0 = time.perf_counter()
-        t = torch.from_numpy(buf)
+        t = torch.from_numpy(buf).to(self.device)
         out = [torch.empty_like(t) for _ in range(self.world)]
         dist.all_gather(out, t, group=self.group)
         self._delay(self.link.all_gather_s(buf.size, self.world))
         self.comm_s += time.perf_counter() - t0
-        return [o.numpy() for o in out]
+        return [o.cpu().numpy() for o in out]
 
     def all_reduce_sum(self, t: torch.Tensor) -> torch.Tensor:
         """Sum a tensor over the group in place (in its own dtype) and return it."""
@@ -64,7 +69,10 @@ class Transport:
         self.acct.add_all_reduce(nbytes)
         if self.world > 1:
             t0 = time.perf_counter()
-            dist.all_reduce(t, op=dist.ReduceOp.SUM, group=self.group)
+            on = t.to(self.device)            # t itself when it is on the backend's device
+            dist.all_reduce(on, op=dist.ReduceOp.SUM, group=self.group)
+            if on is not t:
+                t.copy_(on)
             self._delay(self.link.all_reduce_s(nbytes, self.world))
             self.comm_s += time.perf_counter() - t0
         return t
@@ -76,8 +84,10 @@ class Transport:
         if self.world == 1:
             return [t.clone()]
         t0 = time.perf_counter()
-        out = [torch.empty_like(t) for _ in range(self.world)]
-        dist.all_gather(out, t.contiguous(), group=self.group)
+        on = t.contiguous().to(self.device)
+        out = [torch.empty_like(on) for _ in range(self.world)]
+        dist.all_gather(out, on, group=self.group)
+        out = [o.to(t.device) for o in out]
         if account:
             self._delay(self.link.all_gather_s(t.numel() * t.element_size(), self.world))
             self.comm_s += time.perf_counter() - t0

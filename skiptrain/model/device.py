@@ -8,7 +8,9 @@
   parameters, their gradients and the optimizer state stay fp32.  Enter it around forward *and*
   backward (the executor runs both inside one iteration).
 * :func:`to_device` moves a host batch to the device: through pinned memory with a
-  non-blocking copy when the device is CUDA, unchanged on the CPU.
+  non-blocking copy when the device is CUDA, unchanged on the CPU; :func:`to_host_async` is the
+  other way (a pinned host buffer filled by a non-blocking copy, and the CUDA event to wait on
+  before the host reads it).
 * :func:`build_on_device` is how a process gets its stages: memory estimate, refusal when they
   cannot fit the device, a build on the meta device (nothing allocated, no other stage ever
   built) and the materialisation of just those stages on the device.
@@ -29,20 +31,34 @@ from .transformer import StagedLM
 PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
-def resolve_device(name: str, local_rank: int = 0) -> torch.device:
-    """``auto | cpu | cuda`` (or an explicit ``cuda:N``) as a device; CUDA without a GPU is a UserError."""
+def resolve_device(name: str, local_rank: int = 0, setting: str = "train.device") -> torch.device:
+    """``auto | cpu | cuda`` (or an explicit ``cuda:N``) as a device; ``cuda`` is
+    ``cuda:local_rank`` modulo the GPUs torch sees.  CUDA without a GPU, or a GPU index this torch
+    does not see, is a UserError naming ``setting``."""
     if name == "auto":
         name = "cuda" if torch.cuda.is_available() else "cpu"
     if name == "cpu":
         return torch.device("cpu")
-    if name.startswith("cuda"):
+    if name == "cuda" or (name.startswith("cuda:") and name[5:].isdigit()):
         if not torch.cuda.is_available():
-            raise UserError(f"train.device={name} but this torch sees no CUDA device; "
-                            "use train.device=cpu or auto")
-        dev = torch.device(name)
-        index = dev.index if dev.index is not None else local_rank % torch.cuda.device_count()
-        return torch.device("cuda", index)
-    raise UserError(f"train.device={name!r} is not a device; choose auto, cpu or cuda")
+            raise UserError(f"{setting}={name} but this torch sees no CUDA device; "
+                            f"use {setting}=cpu or auto")
+        dev, count = torch.device(name), torch.cuda.device_count()
+        if dev.index is not None and dev.index >= count:
+            raise UserError(f"{setting}={name} but this torch sees {count} CUDA device(s) (cuda:0..cuda:{count - 1}); "
+                            "use one of those, or cuda for cuda:LOCAL_RANK")
+        return torch.device("cuda", dev.index if dev.index is not None else local_rank % count)
+    raise UserError(f"{setting}={name!r} is not a device; choose auto, cpu, cuda or cuda:N")
+
+
+def node_device(train_device: str, devices: list[str], node: int, local_rank: int) -> torch.device:
+    """The device of swarm node ``node``: its entry of ``runtime.devices`` (parsed by
+    :func:`skiptrain.config.node_devices`) when the list has one, else ``train.device`` with
+    ``cuda`` meaning ``cuda:local_rank`` (modulo the GPUs the process sees, so several nodes may
+    share one GPU; a node joining beyond the list also takes this)."""
+    if node < len(devices):
+        return resolve_device(devices[node], local_rank, f"runtime.devices (node {node})")
+    return resolve_device(train_device, local_rank)
 
 
 def autocast(device: torch.device, precision: str) -> contextlib.AbstractContextManager:
@@ -61,6 +77,20 @@ def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     if device.type == "cuda" and t.device.type == "cpu":
         return t.pin_memory().to(device, non_blocking=True)
     return t.to(device)
+
+
+def to_host_async(t: torch.Tensor) -> tuple[torch.Tensor, "torch.cuda.Event | None"]:
+    """``t`` copied into host memory without waiting: for a CUDA tensor a pinned buffer filled by
+    a non-blocking copy on the current stream, and the event recorded after it (synchronise on it
+    before reading the buffer, e.g. in a sender thread, so the copy overlaps the next compute);
+    a host tensor is returned as it is, with no event."""
+    if t.device.type != "cuda":
+        return t, None
+    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    host.copy_(t, non_blocking=True)
+    done = torch.cuda.Event()
+    done.record()
+    return host, done
 
 
 def build_on_device(cfg: ModelConfig, stages: list[int], seed: int, device: torch.device, micro_batch: int,

@@ -29,6 +29,7 @@ from typing import Any
 
 from ..config import Config, ConfigError, RuntimeConfig, config_from_dict
 from ..net.topology import Topology, load_topology
+from ..schedule.actcodec import plain_codec
 from ..schedule.baselines import data_parallel, full_pipeline, random_skip
 from ..schedule.cost import CostModel, layer_params, profile_s_per_sample_per_layer
 from ..schedule.placement import stage_sizes as sizes_by_work
@@ -133,7 +134,8 @@ def build_cost(cfg: Config, s_per_sample_layer: float | None = None, dp_mode: st
                      dtype_bytes=4 * rt.bytes_scale, layers_per_stage=layers, s_per_sample_per_layer=spl,
                      hop_overhead_s=rt.hop_overhead_s, params_per_stage=params,
                      grad_dtype_bytes=4 * rt.bytes_scale, dp_mode=dp_mode, act_codec=rt.act_codec,
-                     act_fast_GBps=rt.act_fast_GBps, byte_scale=float(rt.bytes_scale))
+                     act_fast_GBps=rt.act_fast_GBps, byte_scale=float(rt.bytes_scale),
+                     act_plain=plain_codec(cfg.train.precision))
 
 
 def build_topology(cfg: Config, n_nodes: int) -> Topology:

@@ -7,9 +7,18 @@ Joins the run through the standard torch.distributed environment (``MASTER_ADDR`
 agent when ``TORCHELASTIC_USE_AGENT_STORE=True``, hosts the store).  Rank ``r`` is node ``r`` of
 every schedule.
 
-Per phase of the job (:mod:`skiptrain.runtime.job`): build only this node's stage
-(:class:`~skiptrain.model.transformer.StagedLM` with ``stages=[s]``), a gloo group per stage for
-the data-parallel sync (strategy from ``cfg.dp`` via :func:`skiptrain.dp.strategy.make_strategy`),
+Device and precision: each node computes on one device (:meth:`Node.pick_device`: its entry of
+``runtime.devices``, else ``train.device`` with ``cuda`` meaning ``cuda:LOCAL_RANK`` modulo the
+GPUs it sees, so several nodes may share one GPU) and under ``train.precision`` (bf16 autocast
+around every forward and backward, fp32 weights, gradients and optimizer state); its messages
+cross gloo through pinned host buffers (:mod:`.transport`).
+
+Per phase of the job (:mod:`skiptrain.runtime.job`): build only this node's stage on its device
+(:func:`~skiptrain.model.device.build_on_device`: memory estimate printed, refusal of a stage
+that cannot fit, meta build, materialisation; ``train.init_from`` loads the stage's tensors
+only), a process group per stage for
+the data-parallel sync (strategy from ``cfg.dp`` via :func:`skiptrain.dp.strategy.make_strategy`;
+gloo, or NCCL with ``dp.backend=nccl``),
 then per iteration: a common start time, the executor (:mod:`.executor`), one sync + optimizer
 step weighted by the micro-batches this node processed, and the timeline.  Rank 0 appends the
 iteration's loss and measured time to ``RUN_DIR/metrics.jsonl``.
@@ -172,6 +181,7 @@ class Node:
         self.hb.arm()
         self.ds = TokenDataset.open(job.data_path)
         self._use_config(None)
+        self.device = self.pick_device()
         self.tr = self.make_transport()
         self.watch = None
         self._any_committed = False
@@ -192,16 +202,45 @@ class Node:
         self.cfg = config_from_dict(self.job.config)
         if phase_config:
             apply_dict(self.cfg, phase_config, "phase config")
-        self.cfg.model.vocab_size = self.ds.vocab_size
+        if self.cfg.train.init_from:     # a pre-trained model decides the shapes
+            from ..checkpoint.hf_import import model_config_for_data
+            self.cfg.model = model_config_for_data(self.cfg.train.init_from, self.cfg.model, self.ds.vocab_size)
+        else:
+            self.cfg.model.vocab_size = self.ds.vocab_size
         self.src = SampleSource(self.ds.tokens("train"), self.cfg.model.seq_len, seed=self.cfg.train.seed)
         self.val_src = SampleSource(self.ds.tokens("val"), self.cfg.model.seq_len, shuffle=False)
+
+    def pick_device(self) -> torch.device:
+        """This node's device (:func:`device_of_node`), made current when it is a GPU."""
+        dev = device_of_node(self.cfg, self.rank, int(os.environ.get("LOCAL_RANK", self.rank)))
+        if dev.type == "cuda":
+            torch.cuda.set_device(dev)
+        return dev
 
     def make_transport(self):
         from .transport import P2PTransport
 
         tr = P2PTransport(self.rank, self.p2p_group, stage_of=lambda n: self.stage_of.get(n, -1),
-                          rank_of=self._rank.__getitem__, node_of=self.alive.__getitem__)
+                          rank_of=self._rank.__getitem__, node_of=self.alive.__getitem__, device=self.device)
         return tr
+
+    def build_stage(self, stage: int, in_flight: int):
+        """Stage ``stage`` of the model on this node's device, in training mode (the seed's
+        values, or ``train.init_from``'s tensors of that stage): the memory estimate with
+        ``in_flight`` micro-batches printed, refused in one line when it cannot fit."""
+        from ..model.device import build_on_device
+
+        cfg = self.cfg
+        torch.manual_seed(cfg.train.seed)
+        model, est = build_on_device(cfg.model, [stage], cfg.train.seed, self.device, cfg.train.micro_batch,
+                                     in_flight, cfg.train.precision)
+        print(f"skiptrain node {self.rank}: {self.device}, {cfg.train.precision}: {est.describe()}",
+              file=sys.stderr, flush=True)
+        if cfg.train.init_from:
+            from ..checkpoint.hf_import import load_hf_weights
+            load_hf_weights(model, cfg.train.init_from)
+        model.train()
+        return model
 
     def _peer_failed_soft(self, node: int, reason: str) -> None:
         """Recovery mode: the coordinator decides membership; only a lost store stops the node."""
@@ -268,7 +307,6 @@ class Node:
     def _begin_phase(self, ph: Phase, phase_idx: int) -> "PhaseState":
         """Build this node's stage, groups, strategy, optimizer and executor for ``ph``; a node
         joining a running job also takes its state and position from a live replica here."""
-        from ..model.transformer import StagedLM
         from ..net.topology import Topology
         from ..schedule.cost import CostModel
         from ..schedule.schedule import Schedule
@@ -291,13 +329,11 @@ class Node:
         topo = Topology.from_dict(ph.topology) if ph.topology else None
         model = None
         if stage is not None:
-            torch.manual_seed(cfg.train.seed)
-            model = StagedLM(cfg.model, stages=[stage], seed=cfg.train.seed)
+            model = self.build_stage(stage, sched.memory)
             if self.job.meta.get("init_weights"):     # a pre-trained start (tensors by global name)
                 init = torch.load(self.job.meta["init_weights"], weights_only=True)
                 model.load_state_dict({k: v for k, v in init.items() if k in model.state_dict()})
-            model.train()
-            _warm_up(model, stage, cfg)
+            _warm_up(model, stage, cfg, self.device)
         groups, strat = self._stage_groups(sched, stage, model, None)
         out_dir = self.run_dir / "phases" / ph.name
         out_dir.mkdir(parents=True, exist_ok=True)
@@ -420,11 +456,15 @@ class Node:
                         embed=st.elastic.embed if st.elastic is not None else None)
 
     def _codec_of(self, st: "PhaseState"):
-        """The activation encoding of each of this node's outgoing links (the cost model's choice)."""
+        """The activation encoding of each of this node's outgoing links (the cost model's choice;
+        without one, or to a node outside its topology: the precision's plain encoding)."""
+        from ..schedule.actcodec import plain_codec
+
         cost, topo, me = st.cost, st.topo, self.rank
-        if cost is None or topo is None or cost.act_codec == "fp32" or me >= topo.n:
-            return lambda dst: "fp32"
-        return lambda dst: cost.hop_codec(topo, me, dst) if dst < topo.n else "fp32"
+        plain = plain_codec(self.cfg.train.precision)
+        if cost is None or topo is None or me >= topo.n:
+            return lambda dst: plain
+        return lambda dst: cost.hop_codec(topo, me, dst) if dst < topo.n else plain
 
     def _run_iteration(self, st: "PhaseState") -> None:
         """One attempt at iteration ``st.it``; on a recoverable failure, recover and advance past
@@ -445,6 +485,8 @@ class Node:
 
     def _iterate(self, st: "PhaseState", a: "Attempt") -> None:
         """Switch to a pending join, start together, execute the schedule, commit, step, gather."""
+        from ..model.device import autocast, to_device
+
         self.hook(st.ph.name, st.it, "start", st)
         if self.watch is not None:
             self._switch_to_joins(st, a)
@@ -466,10 +508,13 @@ class Node:
             i = st.order[mb_id]
             a.samples.extend(range(c + i * mbsz, c + (i + 1) * mbsz))
             if st.elastic is not None:
-                return st.elastic.batch(self.src, range(c + i * mbsz, c + (i + 1) * mbsz))
-            return self.src.batch(range(c + i * mbsz, c + (i + 1) * mbsz))
+                x, y = st.elastic.batch(self.src, range(c + i * mbsz, c + (i + 1) * mbsz))
+            else:
+                x, y = self.src.batch(range(c + i * mbsz, c + (i + 1) * mbsz))
+            return to_device(x, self.device), to_device(y, self.device)
 
-        a.res = st.ex.run_iteration(st.it, st.sched, t0, batch_fn)
+        with autocast(self.device, self.cfg.train.precision):     # every forward and backward
+            a.res = st.ex.run_iteration(st.it, st.sched, t0, batch_fn)
         self.hook(st.ph.name, st.it, "after_pipeline", st)
         if self.job.rt.recover:
             self._sync(dist.barrier)   # commit point: every node finished its pipeline tasks
@@ -512,8 +557,11 @@ class Node:
 
         me, world = self._rank[self.rank], len(self.alive)
         mine = range(me, t.eval_batches, world) if st.model is not None else range(0)
-        tot = torch.tensor(evaluate_sum(st.model, self.val_src, mine, t.micro_batch) if mine else [0.0, 0.0],
-                           dtype=torch.float64)
+        from ..model.device import autocast
+
+        with autocast(self.device, t.precision):
+            part = evaluate_sum(st.model, self.val_src, mine, t.micro_batch) if mine else [0.0, 0.0]
+        tot = torch.tensor(part, dtype=torch.float64)
         self._sync(dist.all_reduce, tot)
         if dist.get_rank() == 0:
             row = {"phase": st.ph.name, "step": n_it, "tokens": n_it * st.gb * self.cfg.model.seq_len,
@@ -553,7 +601,7 @@ class Node:
         replicas = st.sched.placement[stage]
         if ph.dump and st.it == 0:
             torch.save({"n": a.res.n_processed, "stage": stage,
-                        "grads": {n: (p.grad.clone() if p.grad is not None else None)
+                        "grads": {n: (p.grad.detach().cpu().clone() if p.grad is not None else None)
                                   for n, p in model.named_parameters()}},
                        st.out_dir / f"grads_node{self.rank}.pt")
         self._last_gnorm = squared_norm(p.grad for p in model.parameters()) ** 0.5   # CheckFree's weight
@@ -694,14 +742,14 @@ class Node:
             (st.out_dir / f"node{self.rank}.json").write_text(json.dumps(st.record))
         if model is not None:
             if st.ph.dump:
-                torch.save({n: p.detach().clone() for n, p in model.named_parameters()},
+                torch.save({n: p.detach().cpu().clone() for n, p in model.named_parameters()},
                            st.out_dir / f"params_node{self.rank}.pt")
             if st.ph.save_weights and self.rank == st.sched.placement[stage][0]:
                 from safetensors.torch import save_file
 
                 parts = self.run_dir / "parts"
                 parts.mkdir(parents=True, exist_ok=True)
-                save_file({n: p.detach().contiguous() for n, p in model.state_dict().items()},
+                save_file({n: p.detach().cpu().contiguous() for n, p in model.state_dict().items()},
                           str(parts / f"stage{stage}.safetensors"))
         dist.barrier()
         for g in st.groups.values():
@@ -725,12 +773,13 @@ class Node:
         return float(t[0])
 
     def _stage_groups(self, sched, stage, model, old_strat, step_count: int | None = None):
-        """One gloo group per stage with replicas (every rank creates every group, same order),
-        and this node's DP strategy on its stage's group, keeping ``old_strat``'s optimizer state."""
+        """One group per stage with replicas (every rank creates every group, same order; backend
+        ``dp.backend``: gloo, or NCCL between CUDA devices), and this node's DP strategy on its
+        stage's group, keeping ``old_strat``'s optimizer state."""
         from ..dp import make_strategy
 
         timeout = timedelta(seconds=self.job.rt.timeout_s)
-        groups = {s: dist.new_group(sorted(self._rank[n] for n in p), timeout=timeout)
+        groups = {s: dist.new_group(sorted(self._rank[n] for n in p), timeout=timeout, backend=self.cfg.dp.backend)
                   for s, p in enumerate(sched.placement) if p}
         strat = None
         if model is not None:   # over the parameters that train (frozen ones have no gradient to sync)
@@ -763,21 +812,17 @@ class Node:
         """Every survivor takes part in initialising each taken-over stage (:meth:`_init_stage`:
         the stage's checkpoint when young enough, else CheckFree from the neighbours); the
         taking-over node builds the stage.  Returns (model, stage, report or None)."""
-        from ..model.transformer import StagedLM
-
         cfg = self.cfg
         report = None
         targets = {v[1] for v in took.values()}
         for n_t, (old, s) in sorted(took.items()):
             new = None
             if self.rank == n_t:
-                torch.manual_seed(cfg.train.seed)
-                new = StagedLM(cfg.model, stages=[s], seed=cfg.train.seed)
-                new.train()
+                new = self.build_stage(s, sched.memory)
             rep = self._init_stage(sched, s, n_t, model, new, phase, it, exclude=targets)
             if self.rank != n_t:
                 continue
-            _warm_up(new, s, cfg)
+            _warm_up(new, s, cfg, self.device)
             report = {"gen": self.gen, "stage": s, "from_stage": old, **rep}
             print(f"skiptrain node {self.rank}: takes over stage {s} (was stage {old}); init {rep['init']}, "
                   f"neighbours {rep['neighbours']} weights {[round(c, 3) for c in rep['coef']]}", file=sys.stderr,
@@ -824,7 +869,7 @@ class Node:
             hdr = torch.zeros(2, dtype=torch.float64)
             flat = None
             if self.rank == src:
-                flat = torch.cat([p.detach().reshape(-1) for _, _, p in stage_tensors(model, x)])
+                flat = torch.cat([p.detach().reshape(-1) for _, _, p in stage_tensors(model, x)]).cpu()   # gloo: host
                 hdr = torch.tensor([flat.numel(), self._last_gnorm], dtype=torch.float64)
             dist.broadcast(hdr, self._rank[src])
             buf = flat if self.rank == src else torch.empty(int(hdr[0]))
@@ -1128,7 +1173,8 @@ class Node:
         redone = False
         self.ckpt.wait_snapshot()
         if model is not None:
-            need = torch.tensor([0 if stepped else 1, 1 if stepped else 0], dtype=torch.int64)
+            need = torch.tensor([0 if stepped else 1, 1 if stepped else 0], dtype=torch.int64,
+                                device=strat.tr.device)      # the stage group's backend device
             if self._any_committed:
                 dist.all_reduce(need, op=dist.ReduceOp.MAX, group=strat.tr.group)
                 if need[0] and need[1]:
@@ -1148,20 +1194,43 @@ class Node:
         self.hb.finish()
 
 
-def _warm_up(model, stage: int, cfg) -> None:
-    """One throw-away forward and backward of this node's pieces (first calls of torch kernels
-    and the autograd engine are slow), so the timed iterations measure the steady state."""
+def device_of_node(cfg, node: int, local_rank: int) -> torch.device:
+    """The device swarm node ``node`` computes on (``runtime.devices``, else ``train.device``
+    with ``cuda`` = ``cuda:local_rank`` modulo the visible GPUs); refused in one line: a device
+    this process does not have, ``dp.backend=nccl`` off CUDA, elastic freezing off the CPU."""
+    from ..config import node_devices
+    from ..errors import UserError
+    from ..model.device import node_device
+
+    dev = node_device(cfg.train.device, node_devices(cfg.runtime.devices), node, local_rank)
+    if cfg.dp.backend == "nccl" and dev.type != "cuda":
+        raise UserError(f"dp.backend=nccl needs every replica on a CUDA device, but node {node} computes "
+                        f"on {dev}; set dp.backend=gloo, or give the node a GPU (train.device, runtime.devices)")
+    if cfg.elastic.enabled and dev.type != "cpu":
+        raise UserError(f"elastic.enabled: a swarm's freeze transitions move stages through host memory and run "
+                        f"on the CPU only, but node {node} would compute on {dev}; set train.device=cpu "
+                        "(and runtime.devices empty) or elastic.enabled=false")
+    return dev
+
+
+def _warm_up(model, stage: int, cfg, device: torch.device) -> None:
+    """One throw-away forward and backward of this node's pieces on its device and in its
+    precision (first calls of torch kernels and the autograd engine are slow), so the timed
+    iterations measure the steady state."""
+    from ..model.device import autocast
+
     shape = (cfg.train.micro_batch, cfg.model.seq_len)
-    if stage == 0:
-        x = torch.zeros(shape, dtype=torch.long)
-        h = model.embed(x)
-        leaf = h.detach().requires_grad_(True)
-        model.loss(model.logits(leaf), x).backward()
-        h.backward(leaf.grad)
-    else:
-        h = torch.zeros(*shape, cfg.model.d_model, requires_grad=True)
-        out = model.run_stage(stage, h)
-        out.backward(torch.ones_like(out))   # a non-scalar backward, as in the pipeline (first one: slow)
+    with autocast(device, cfg.train.precision):
+        if stage == 0:
+            x = torch.zeros(shape, dtype=torch.long, device=device)
+            h = model.embed(x)
+            leaf = h.detach().requires_grad_(True)
+            model.loss(model.logits(leaf), x).backward()
+            h.backward(leaf.grad)
+        else:
+            h = torch.zeros(*shape, cfg.model.d_model, requires_grad=True, device=device)
+            out = model.run_stage(stage, h)
+            out.backward(torch.ones_like(out))   # a non-scalar backward, as in the pipeline (first one: slow)
     for p in model.parameters():
         p.grad = None
 

@@ -5,9 +5,16 @@ Wire format: every message is two gloo sends on the pair ``src -> dst``:
 1. a **header**: an int64 tensor of :data:`HEADER_LEN` values ``[kind, iteration, mb, pos,
    codec, ndim, d0, d1, d2, d3]`` sent with tag :data:`TAG_HEADER`;
 2. the **payload**, tag :data:`TAG_PAYLOAD`: a contiguous float32 tensor of that shape, or, when
-   the link's codec (``codec_of(dst)``: int8 / int4 with one scale per row,
+   the link's codec (``codec_of(dst)``: bf16, or int8 / int4 with one scale per row,
    :mod:`skiptrain.schedule.actcodec`) is not fp32, the encoded uint8 buffer, which the
    receiver decodes back to a float32 tensor of that shape before anything else sees it.
+
+Device: gloo sends host tensors.  With a CUDA ``device`` an outgoing tensor is encoded on the
+device (a bf16 or int8 payload crosses PCIe at its wire size), copied into a pinned host buffer
+by a non-blocking copy, and the sender thread waits for that copy's CUDA event before the gloo
+send, so :meth:`P2PTransport.send` returns at once and the copy overlaps the next compute; a
+received payload is copied to the device the same way (pinned, non-blocking) and decoded there.
+On the CPU nothing is staged.
 
 The receiver posts ``irecv(src=None, tag=TAG_HEADER)`` (gloo's receive-from-any-source), learns
 the sender from the completed work, then receives the payload from exactly that sender.  Gloo
@@ -38,6 +45,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
+from ..model.device import to_device, to_host_async
 from ..schedule import actcodec
 from ..schedule.timeline import Event
 from .wan import LinkFifo
@@ -113,8 +121,9 @@ class P2PTransport:
     def __init__(self, rank: int, group=None, link: LinkFifo | None = None,
                  stage_of: Callable[[int], int] | None = None,
                  rank_of: Callable[[int], int] | None = None, node_of: Callable[[int], int] | None = None,
-                 codec_of: Callable[[int], str] | None = None):
+                 codec_of: Callable[[int], str] | None = None, device: torch.device | None = None):
         self.rank = rank
+        self.device = device or torch.device("cpu")     # where received tensors are handed over
         self.codec_of = codec_of or (lambda dst: "fp32")   # the encoding of messages to ``dst``
         # node id <-> rank in the current process group (they differ after a recovery re-formed
         # the groups over the survivors; identity otherwise)
@@ -163,7 +172,7 @@ class P2PTransport:
         if self._closed:
             raise TransportError("transport is closed")
         codec = self.codec_of(dst)
-        payload = encode_payload(tensor, codec)
+        payload, copied = to_host_async(encode_payload(tensor, codec))
         nbytes = payload.numel() * payload.element_size()
         now = time.time()
         if self.link is not None:
@@ -179,7 +188,7 @@ class P2PTransport:
             th.start()
         with self._cond:
             self._pending += 1
-        self._senders[dst][0].put((start, deliver, hdr, payload, mb, self.t0))
+        self._senders[dst][0].put((start, deliver, hdr, payload, mb, self.t0, copied))
         self.bytes_sent += nbytes
 
     def _send_loop(self, dst: int, q: queue.Queue) -> None:
@@ -187,11 +196,13 @@ class P2PTransport:
             item = q.get()
             if item is None:
                 return
-            start, deliver, hdr, payload, mb, t0 = item
+            start, deliver, hdr, payload, mb, t0, copied = item
             delay = deliver - time.time()
             if delay > 0:
                 time.sleep(delay)
             try:
+                if copied is not None:
+                    copied.synchronize()     # the device-to-host copy into the pinned buffer is done
                 r = self.rank_of(dst)
                 dist.send(hdr, r, group=self.group, tag=TAG_HEADER)
                 dist.send(payload, r, group=self.group, tag=TAG_PAYLOAD)
@@ -215,6 +226,8 @@ class P2PTransport:
             self._expect.put(n)
 
     def _recv_loop(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)     # this thread's copies and decodes: on the node's GPU
         while True:
             n = self._expect.get()
             if n is None:
@@ -233,7 +246,7 @@ class P2PTransport:
                     buf = payload_buffer(shape, codec)
                     dist.recv(buf, src_rank, group=self.group, tag=TAG_PAYLOAD)
                     nbytes = buf.numel() * buf.element_size()
-                    payload = decode_payload(buf, codec, shape)
+                    payload = decode_payload(to_device(buf, self.device), codec, shape)
                 except Exception as e:  # noqa: BLE001
                     who = f"node {src}" if src is not None else "any peer"
                     self.inbox.put(TransportError(

@@ -1,9 +1,12 @@
-"""Activation (and activation-gradient) encodings for pipeline hops: fp32, int8, int4.
+"""Activation (and activation-gradient) encodings for pipeline hops: fp32, bf16, int8, int4.
 
 A hop carries a float tensor of shape ``(..., cols)``; its ``rows`` are all leading dimensions
 flattened (samples x tokens for activations).  Encodings, symmetric with one fp32 scale per row:
 
 * ``"fp32"``: the values as little-endian float32 (``4 * rows * cols`` bytes);
+* ``"bf16"``: the values rounded to bfloat16 (round to nearest even), little-endian
+  (``2 * rows * cols`` bytes, no scale): what a link carries when ``train.precision=bf16`` and
+  no stronger encoding is chosen (:func:`plain_codec`);
 * ``"int8"``: ``scale = max|row| / 127``, ``q = round(x / scale)`` in -127..127, one byte each;
 * ``"int4"``: ``scale = max|row| / 7``, ``q`` in -7..7, two values per byte (element ``2i`` in
   the low nibble, ``2i + 1`` in the high nibble, two's complement; an odd ``cols`` pads the last
@@ -12,12 +15,13 @@ flattened (samples x tokens for activations).  Encodings, symmetric with one fp3
 The encoded buffer is one flat ``uint8`` tensor: ``rows`` fp32 scales, then the codes, row by
 row.  Its length is :func:`encoded_bytes`, which the cost model, the simulator and the planner
 use per hop.  Shape and codec travel outside the buffer (the transport's message header).
-Decoding gives ``q * scale`` exactly (so every element is within ``scale / 2`` of the input);
-a row holding NaN or infinity decodes to NaN, so payload checks on the decoded tensor still
+Decoding gives the bf16 values as float32, or ``q * scale`` exactly (so every element is within ``scale / 2`` of the input);
+a row holding NaN or infinity decodes to NaN (bf16 keeps each value's NaN or infinity), so payload checks on the decoded tensor still
 catch bad senders.  A zero row has scale 0 and decodes to zeros.
 
 Which links compress is the cost model's choice (:meth:`CostModel.hop_codec`): only links
-slower than a bandwidth threshold pay the quantisation error.  torch is imported only by the
+slower than a bandwidth threshold pay the quantisation error; the others carry the plain
+encoding of the compute precision (fp32, or bf16 under ``train.precision=bf16``).  torch is imported only by the
 functions that touch tensors, so the planner can count bytes without it.
 """
 
@@ -29,9 +33,10 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     import torch
 
-CODECS = ("fp32", "int8", "int4")
+CODECS = ("fp32", "int8", "int4", "bf16")      # the index is the codec's number in a message header
 QMAX = {"int8": 127, "int4": 7}
 SCALE_BYTES = 4
+PLAIN = {"fp32": "fp32", "bf16": "bf16"}        # train.precision -> its uncompressed wire encoding
 
 
 def check_codec(codec: str) -> None:
@@ -39,11 +44,33 @@ def check_codec(codec: str) -> None:
         raise ValueError(f"activation codec {codec!r} is not one of {CODECS}")
 
 
+def plain_codec(precision: str) -> str:
+    """The encoding of a link that does not quantise, for compute precision ``precision``:
+    fp32 for ``fp32``, bf16 for ``bf16`` (autocast computes in bf16 already, so the wire halves
+    its bytes without a scale)."""
+    if precision not in PLAIN:
+        raise ValueError(f"precision {precision!r} is not one of {tuple(PLAIN)}")
+    return PLAIN[precision]
+
+
+def slow_link_codec(act_codec: str, plain: str) -> str:
+    """What a compressing link carries: ``act_codec`` (``runtime.act_codec``), or ``plain`` (the
+    precision's own encoding) when ``act_codec`` is fp32: a link never carries more bytes than
+    the compute precision needs."""
+    check_codec(act_codec)
+    return plain if act_codec == "fp32" else act_codec
+
+
+def quantizes(codec: str) -> bool:
+    """Whether ``codec`` quantises with a per-row scale (int8, int4): the ones that cost encode time."""
+    return codec in QMAX
+
+
 def row_bytes(codec: str, cols: int) -> int:
     """Encoded bytes of one row of ``cols`` values (scale included)."""
     check_codec(codec)
-    if codec == "fp32":
-        return 4 * cols
+    if codec in PLAIN:
+        return (4 if codec == "fp32" else 2) * cols
     if codec == "int8":
         return SCALE_BYTES + cols
     return SCALE_BYTES + (cols + 1) // 2
@@ -98,6 +125,8 @@ def encode(x: torch.Tensor, codec: str) -> torch.Tensor:
     x2d = x.detach().reshape(-1, cols).to(torch.float32).contiguous()
     if codec == "fp32":
         return x2d.reshape(-1).view(torch.uint8).clone()
+    if codec == "bf16":
+        return x2d.reshape(-1).to(torch.bfloat16).view(torch.uint8)
     q, scale = quantize(x2d, codec)
     codes = q.view(torch.uint8) if codec == "int8" else pack_int4(q)
     return torch.cat((scale.contiguous().view(torch.uint8), codes.reshape(-1)))
@@ -115,6 +144,8 @@ def decode(buf: torch.Tensor, codec: str, shape: tuple[int, ...]) -> torch.Tenso
                          f"shape {tuple(shape)} ({encoded_bytes(codec, rows, cols)} bytes)")
     if codec == "fp32":
         return buf.clone().view(torch.float32).reshape(shape)
+    if codec == "bf16":
+        return buf.clone().view(torch.bfloat16).to(torch.float32).reshape(shape)
     scale = buf[:rows * SCALE_BYTES].clone().view(torch.float32)
     codes = buf[rows * SCALE_BYTES:].reshape(rows, -1)
     q = codes.view(torch.int8) if codec == "int8" else unpack_int4(codes, cols)

@@ -15,8 +15,9 @@ Semantics (the simulator, the planner and the benches all use these and only the
 * Activation compression: on links slower than ``act_fast_GBps`` the hop carries
   ``act_codec`` (``"int8"`` or ``"int4"`` with one fp32 scale per row of ``d_model`` values,
   :mod:`skiptrain.schedule.actcodec`) instead of fp32, forward and backward alike, and pays
-  ``act_codec_s`` per message for encoding and decoding; faster links stay fp32
-  (:meth:`CostModel.hop_bytes`, :meth:`CostModel.hop_codec`).
+  ``act_codec_s`` per message for encoding and decoding (bf16: no scale, no encode time); faster
+  links carry ``act_plain``, the compute precision's plain encoding (fp32, or bf16 under
+  ``train.precision=bf16``: half the bytes) (:meth:`CostModel.hop_bytes`, :meth:`CostModel.hop_codec`).
 * Data-parallel sync of stage ``s`` after the last backward: ``dp_mode="dense"`` is a ring
   all-reduce of ``params(s) * grad_dtype_bytes`` bytes over the stage's replicas
   (``2 (n-1)`` steps of ``bytes / n`` per ring link); ``"compressed"`` is a ring all-gather of a
@@ -42,7 +43,7 @@ from typing import Any, Sequence
 
 from ..errors import UserError
 from ..net.topology import Topology
-from .actcodec import CODECS, encoded_bytes
+from .actcodec import CODECS, PLAIN, encoded_bytes, quantizes, slow_link_codec
 
 DP_MODES = ("dense", "compressed", "none")
 #: a link whose hop takes more than this many times the median hop is unusable for routes
@@ -76,8 +77,9 @@ class CostModel:
     dp_mode: str = "dense"
     compressed_payload_bytes: int = 0
     act_codec: str = "fp32"         # encoding of activations/gradients on slow links
-    act_fast_GBps: float = 1.0      # links at least this fast (GB = 2^30 B/s) always carry fp32
-    act_codec_s: float = 0.0        # encode + decode seconds per compressed message
+    act_fast_GBps: float = 1.0      # links at least this fast (GB = 2^30 B/s) always carry act_plain
+    act_codec_s: float = 0.0        # encode + decode seconds per quantised message
+    act_plain: str = "fp32"         # encoding of the other links (the compute precision's: fp32 or bf16)
     byte_scale: float = 1.0         # emulated bytes per encoded byte (the runtime's bytes_scale)
 
     def __post_init__(self) -> None:
@@ -85,6 +87,8 @@ class CostModel:
             raise CostError(f"dp_mode {self.dp_mode!r} is not one of {DP_MODES}")
         if self.act_codec not in CODECS:
             raise CostError(f"act_codec {self.act_codec!r} is not one of {CODECS}")
+        if self.act_plain not in PLAIN:
+            raise CostError(f"act_plain {self.act_plain!r} is not one of {tuple(PLAIN)}")
         if self.act_codec_s < 0 or not self.act_fast_GBps >= 0:
             raise CostError("act_codec_s and act_fast_GBps must be >= 0")
         self._hop_tables: dict[tuple, tuple[Topology, list[list[int]], list[list[float]]]] = {}
@@ -119,10 +123,11 @@ class CostModel:
 
     def hop_codec(self, topo: Topology, a: int, b: int) -> str:
         """Encoding of messages ``a -> b``: ``act_codec`` on links slower than ``act_fast_GBps``,
-        fp32 (uncompressed) on the others."""
-        if self.act_codec == "fp32" or topo.bandwidth_Bps[a][b] >= self.act_fast_GBps * 2 ** 30:
-            return "fp32"
-        return self.act_codec
+        ``act_plain`` (fp32, or bf16 under bf16 compute) on the others, and everywhere when
+        ``act_codec`` is fp32 (never wider than the compute precision's own encoding)."""
+        if topo.bandwidth_Bps[a][b] >= self.act_fast_GBps * 2 ** 30:
+            return self.act_plain
+        return slow_link_codec(self.act_codec, self.act_plain)
 
     def hop_bytes(self, topo: Topology, a: int, b: int) -> int:
         """Bytes of one activation (or gradient) message ``a -> b`` as encoded on that link
@@ -136,20 +141,20 @@ class CostModel:
         """Uncontended time of one activation (or gradient) message ``a -> b``: latency, the
         encoded bytes over the bandwidth, the per-message overhead and, when compressed,
         ``act_codec_s``."""
-        extra = self.act_codec_s if self.hop_codec(topo, a, b) != "fp32" else 0.0
+        extra = self.act_codec_s if quantizes(self.hop_codec(topo, a, b)) else 0.0
         return topo.transfer_s(a, b, self.hop_bytes(topo, a, b)) + self.hop_overhead_s + extra
 
     def hop_table(self, topo: Topology) -> tuple[list[list[int]], list[list[float]]]:
         """Per directed link: (message bytes, fixed seconds = overhead + codec time), cached per
         topology object and hop settings (the simulator reads it on every call)."""
         key = (id(topo), self.activation_bytes, self.samples * self.tokens_per_sample, self.d_model,
-               self.act_codec, self.act_fast_GBps, self.act_codec_s, self.hop_overhead_s)
+               self.act_codec, self.act_fast_GBps, self.act_codec_s, self.hop_overhead_s, self.act_plain)
         hit = self._hop_tables.get(key)
         if hit is not None and hit[0] is topo:
             return hit[1], hit[2]
         n = topo.n
         nbytes = [[self.hop_bytes(topo, a, b) if a != b else 0 for b in range(n)] for a in range(n)]
-        fixed = [[self.hop_overhead_s + (self.act_codec_s if a != b and self.hop_codec(topo, a, b) != "fp32" else 0.0)
+        fixed = [[self.hop_overhead_s + (self.act_codec_s if a != b and quantizes(self.hop_codec(topo, a, b)) else 0.0)
                   for b in range(n)] for a in range(n)]
         if len(self._hop_tables) >= 8:
             self._hop_tables.clear()

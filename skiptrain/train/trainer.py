@@ -17,7 +17,9 @@ iterations.  Elastic mode (:mod:`.elastic_trainer`) does so at every freeze or u
 Device and precision: the model lives on ``train.device`` (``auto``: CUDA when present) and
 each iteration's batch is moved there once; with ``train.precision=bf16`` the executor's
 iteration (every forward and backward) and validation run under bf16 autocast, while weights,
-gradients and AdamW state stay fp32 (:mod:`skiptrain.model.device`).
+gradients and AdamW state stay fp32 (:mod:`skiptrain.model.device`); every hop between stages
+carries what a swarm's slow link carries (``runtime.act_codec``, else bf16 under bf16 compute:
+:func:`skiptrain.schedule.actcodec.slow_link_codec`), so the one process is the swarm's reference.
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ from ..optim import build_optimizer, lr_at
 from ..runtime.executor import Executor
 from ..runtime.step import HostedStage, optimizer_step
 from ..runtime.transport import LocalTransport
+from ..schedule.actcodec import plain_codec, slow_link_codec
 from ..schedule.baselines import one_node
 from ..schedule.routes import balanced_routes, full_route, stage_visit_counts
 from ..runtime.evaluate import evaluate
@@ -96,7 +99,8 @@ class Trainer:
         if t.init_from:
             load_hf_weights(self.model, t.init_from)
         self.model.train()
-        self.executor = Executor(0, LocalTransport(0, cfg.runtime.act_codec), self.model)
+        hop = slow_link_codec(cfg.runtime.act_codec, plain_codec(t.precision))   # every hop as a swarm's slow link
+        self.executor = Executor(0, LocalTransport(0, hop), self.model)
         self.reconfigure(Layout(self.model.partition, [[0] for _ in stages]))
         self.opt = build_optimizer(self.model.named_parameters(), t, self.syncs[0].update_rule)
         self.train_src = SampleSource(self.ds.tokens("train"), cfg.model.seq_len, seed=t.seed)
