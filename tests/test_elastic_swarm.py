@@ -21,7 +21,7 @@ from skiptrain.runtime.job import Job, build_cost, build_schedule, build_topolog
 from skiptrain.runtime.job_checkpoint import resume_point
 from skiptrain.runtime.launcher import launch
 from skiptrain.runtime.recovery import trained_samples
-from skiptrain.runtime.transition import layout_cost, layout_schedule, plan_layout
+from skiptrain.runtime.transition import deal_originators, layout_cost, layout_schedule, plan_layout
 
 ITERS = 10
 GB = 4 * 8          # 2 originators x 2 micro-batches x micro_batch 8
@@ -91,6 +91,11 @@ def test_the_new_schedule_keeps_the_micro_batches_and_routes_through_the_new_sta
     s.validate(claims=("placement", "originators", "stage0_ends", "no_repeat"))
     s4 = layout_schedule([[0, 1], [2], [3], [4, 5]], list(range(8)), 0.34, 2, 3, seed=1)
     s4.validate(claims=("placement", "originators", "stage0_ends", "no_repeat", "balanced", "skip_count"))
+    # after a layout change the originators keep their micro-batches (so their cached windows)
+    # as far as an even deal allows
+    kept = layout_schedule([[0, 2, 4], [1, 3, 5]], list(range(4)), 0.0, 2, 3, seed=1, keep={0: 2, 1: 4, 2: 2, 3: 4})
+    assert [m.originator for m in kept.micro_batches] == [2, 4, 0, 4]
+    assert deal_originators([0, 1], list(range(6)), {i: 7 for i in range(6)}) == {0: 0, 1: 1, 2: 0, 3: 1, 4: 0, 5: 1}
     one = layout_schedule([list(range(6))], list(range(4)), 0.0, 2, 3, seed=1)
     assert [m.route for m in one.micro_batches] == [[]] * 4 and one.memory == 1
 
@@ -223,3 +228,58 @@ def test_a_node_killed_mid_transition_is_recovered_and_training_goes_on(byte_dat
     trained = {k: v for reps in by_stage.values() for k, v in reps[0].items()}
     assert merged.keys() == trained.keys() and all(torch.equal(merged[k], trained[k]) for k in merged)
     assert not (run / "lost_stages.json").exists()
+
+
+@pytest.mark.slow
+def test_the_swarm_serves_the_frozen_prefix_from_prefilled_caches(byte_data, tmp_path):
+    """``elastic.cache=on`` in the swarm: at each freeze the originators prefill their share of
+    the windows (data parallel, each only the windows it will start), so after the prefill every
+    lookup hits; the run trains what the single-process trainer with the cache on trains (same
+    decisions; weights within 1e-4: the swarm averages the replicas' gradients, the single
+    process sums the whole batch, a float-order difference), replicas bit-identical, every sample
+    once."""
+    cfg = _cfg()
+    cfg.elastic.cache = "on"
+    run = tmp_path / "run"
+    launch(_job(cfg, byte_data, run), timeout_s=300)
+    log = _log(run)
+    tr = [r for r in log if r.get("action") == "transition"]
+    assert [(t["frozen_after"], t["step"], t["prefix_cached"]) for t in tr] == [(1, 4, True), (2, 6, True)]
+    pre = [r for r in log if r.get("action") == "prefill"]
+    assert [(p["step"], p["frozen"]) for p in pre] == [(4, 1), (6, 2)]
+    # the first prefill computes each originator's windows of iterations 4..9 (one layer each);
+    # the second extends what an originator already holds and computes the windows it newly starts
+    assert pre[0]["rows"] == pre[0]["layer_rows"] == (ITERS - 4) * GB
+    # (originators keep their micro-batches where an even deal allows: 3 of 4 here)
+    assert pre[1]["rows"] == (ITERS - 6) * GB and pre[1]["layer_rows"] == pre[1]["rows"] + (ITERS - 6) * GB // 4
+    caches = {}
+    for f in (run / "phases" / "p").glob("node*.json"):
+        rec = json.loads(f.read_text())
+        if "cache" in rec:
+            caches[rec["rank"]] = rec["cache"]
+    assert caches and all(c["misses"] == 0 and c["extended"] == 0 for c in caches.values())
+    assert sum(c["hits"] for c in caches.values()) == (ITERS - 4) * GB     # every frozen-prefix lookup hit
+    per_it = trained_samples(run / "phases" / "p")
+    assert sorted(i for s in per_it.values() for i in s) == list(range(ITERS * GB))
+    by_stage: dict[int, list[dict]] = {}
+    for r, (s, p) in _node_params(run).items():
+        if s is not None:
+            by_stage.setdefault(s, []).append(p)
+    for s, reps in by_stage.items():
+        assert all(torch.equal(p[k], reps[0][k]) for p in reps[1:] for k in p), f"stage {s} replicas differ"
+    from skiptrain.train.elastic_trainer import ElasticTrainer
+
+    ref_cfg = _cfg(n_micro=4)
+    ref_cfg.elastic.cache = "on"
+    ref_cfg.elastic.nodes = 6
+    ref_cfg.checkpoint.every = 0
+    ref_cfg.checkpoint.final = False
+    ref_cfg.elastic.cache_dir = str(tmp_path / "ref_cache")
+    t = ElasticTrainer(ref_cfg, None, dataset=TokenDataset.open(byte_data))
+    for _ in range(ITERS):
+        t.train_step()
+    assert [(x["frozen_after"], x["step"], x["cached"]) for x in t.transitions] == [(1, 4, True), (2, 6, True)]
+    final = load_weights(run / "model.safetensors")
+    ref = {n: p.detach() for n, p in t.model.named_parameters()}
+    worst = max((final[n] - ref[n]).abs().max().item() for n in ref)
+    assert worst < 1e-4, f"swarm and single-process trainer (both cached) differ by {worst:.3g}"
