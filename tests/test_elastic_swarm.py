@@ -283,3 +283,17 @@ def test_the_swarm_serves_the_frozen_prefix_from_prefilled_caches(byte_data, tmp
     ref = {n: p.detach() for n, p in t.model.named_parameters()}
     worst = max((final[n] - ref[n]).abs().max().item() for n in ref)
     assert worst < 1e-4, f"swarm and single-process trainer (both cached) differ by {worst:.3g}"
+
+
+@pytest.mark.slow
+def test_drift_re_planning_goes_on_after_a_transition(byte_data, tmp_path):
+    """With drift re-planning on, the monitor follows each freeze transition (the new layout's
+    placement and cost model): rank 0 still checks the measured iteration time against the
+    simulated one after the pipeline has shrunk (a threshold of ~0 makes every check re-plan)."""
+    run = tmp_path / "run"
+    launch(_job(_cfg(runtime={"drift_threshold": 1e-9}), byte_data, run), timeout_s=300)
+    tr = [r for r in _log(run) if r.get("action") == "transition"]
+    assert [t["step"] for t in tr] == [4, 6]
+    checks = [int(x.split("iteration ", 1)[1].split(":", 1)[0])
+              for x in (run / "logs" / "node0.log").read_text().splitlines() if "re-planned routes" in x]
+    assert any(i > 6 for i in checks), f"drift checks at iterations {checks}: none after the last transition"

@@ -347,8 +347,12 @@ class SwarmFreezing:
         groups, strat = node._stage_groups(sched, stage, model, None)
         if strat is not None and scalars:
             load_sync(strat, sync_state(tensors or {}, strat), scalars)
+        node._drop_groups(st.groups)
         st.sched, st.stage, st.model, st.opt, st.strat, st.groups = sched, stage, model, opt, strat, groups
         st.cost = cost
+        if st.drift is not None:    # drift re-planning goes on, measured against the new layout
+            st.drift.cost = cost
+            st.drift_state = {"home": [list(p) for p in sched.placement]}
         node.stage_of = sched.stage_of()
         st.record["stage"] = stage
         self.frozen, self.counts = F, list(counts)
