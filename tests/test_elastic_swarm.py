@@ -164,21 +164,25 @@ def test_the_swarm_freezes_shrinks_and_trains_what_the_single_process_trainer_tr
 
 
 @pytest.mark.slow
-def test_a_checkpoint_after_a_transition_resumes_into_the_transitioned_layout(byte_data, tmp_path):
+@pytest.mark.parametrize("cache", ["off", "on"])
+def test_a_checkpoint_after_a_transition_resumes_into_the_transitioned_layout(byte_data, tmp_path, cache):
     """The checkpoint after iteration 6 holds the 3-stage layout of the first freeze and the
     second freeze still pending: a job resumed from it rebuilds that layout, applies the pending
     transition at its first iteration and ends with the uninterrupted run's weights, losses,
-    decisions and final layout."""
+    decisions and final layout.  With the activation cache on, the resumed job's originators
+    (a new run directory: empty caches) prefill their share before their first step."""
     iters = 8
     ref = tmp_path / "ref"
-    res = launch(_job(_cfg(), byte_data, ref, iterations=iters), timeout_s=300)
+    cfg = _cfg()
+    cfg.elastic.cache = cache
+    res = launch(_job(cfg, byte_data, ref, iterations=iters), timeout_s=300)
     ckpt = shutil.copytree(ref / "checkpoints" / "step-00000006", tmp_path / "saved" / "step-00000006")
     saved = CheckpointReader(ckpt).state["elastic"]
     assert saved["frozen"] == 1 and saved["pending"] == 2 and len(saved["counts"]) < 4
     start = resume_point(ckpt)
     assert start["iteration"] == 6 and start["cursor"] == 6 * GB
     run = tmp_path / "run"
-    res2 = launch(_job(_cfg(), byte_data, run, iterations=iters, resume=start), timeout_s=300)
+    res2 = launch(_job(cfg, byte_data, run, iterations=iters, resume=start), timeout_s=300)
     ref_loss = {r["step"]: r["loss"] for r in res.phase_metrics("p")}
     assert [(r["step"], r["loss"]) for r in res2.phase_metrics("p")] == [(s, ref_loss[s]) for s in (7, 8)]
     a, b = load_weights(ref / "model.safetensors"), load_weights(run / "model.safetensors")
@@ -191,6 +195,9 @@ def test_a_checkpoint_after_a_transition_resumes_into_the_transitioned_layout(by
         [(t["step"], t["frozen_after"], t["placement"]) for t in tr_ref if t["step"] >= 6]
     stages = {r: s for r, (s, _) in _node_params(ref).items()}
     assert {r: s for r, (s, _) in _node_params(run).items()} == stages
+    if cache == "on":
+        pre = [(r["step"], r["frozen"]) for r in _log(run) if r.get("action") == "prefill"]
+        assert pre == [(6, 2)] and saved["prefix_cached"]
 
 
 @pytest.mark.slow
