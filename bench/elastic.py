@@ -53,7 +53,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from skiptrain.config import build_config  # noqa: E402
-from skiptrain.data.dataset import TokenDataset  # noqa: E402
+from skiptrain.data.dataset import TokenDataset, write_splits  # noqa: E402
 from skiptrain.elastic.costs import (N_DEV, Scale, elastic_times, iteration, paper_scale, prefill_seconds,  # noqa: E402
                                      sim_topology, small_scale, sweep)
 from skiptrain.train.elastic_trainer import ElasticTrainer  # noqa: E402
@@ -404,20 +404,30 @@ def main(argv=None) -> int:
     ap.add_argument("--eval-batches", type=int, default=8,
                     help="validation micro-batches (of 4 windows) per point of the loss curves that set the target")
     ap.add_argument("--swarm-iterations", type=int, default=None,
-                    help="iterations per phase of the 16-process swarm runs (0 = no swarm half)")
+                    help="iterations per phase of the 16-process swarm runs (default: --steps, the real half's "
+                         "budget, so the rule sees as many windows; 0 = no swarm half)")
     ap.add_argument("--swarm-seeds", default="1234,3,7", help="seeds of the swarm runs (--quick: --seed only)")
-    ap.add_argument("--swarm-check-every", type=int, default=None, help="the swarm's freeze-rule window (iterations)")
-    ap.add_argument("--swarm-warmup", type=int, default=None, help="the swarm's learning-rate warm-up (iterations)")
+    ap.add_argument("--swarm-check-every", type=int, default=None, help="the swarm's freeze-rule window (iterations; default: --check-every)")
+    ap.add_argument("--swarm-warmup", type=int, default=None, help="the swarm's learning-rate warm-up (iterations; default: --warmup)")
     ap.add_argument("--swarm-spl", type=float, default=0.05,
                     help="emulated seconds per sample per layer forward in the swarm (compute is padded to it)")
-    ap.add_argument("--swarm-timeout", type=float, default=1800.0)
+    ap.add_argument("--swarm-timeout", type=float, default=None, help="seconds per launch (default: 10 per iteration)")
+    ap.add_argument("--swarm-cache", choices=("on", "off"), default="on",
+                    help="the swarm's activation cache (on: the originators prefill it at each freeze)")
     ap.add_argument("--swarm-keep", default="", help="keep the swarm's run directories under this path")
     args = ap.parse_args(argv)
-    for k, quick, full in [("swarm_iterations", 30, 60), ("swarm_check_every", 3, 5), ("swarm_warmup", 3, 5),
-                           ("steps", 80, 400), ("pretrain", 50, 400), ("check_every", 10, 10),
+    for k, quick, full in [("steps", 80, 400), ("pretrain", 50, 400), ("check_every", 10, 10),
                            ("eval_every", 10, 10), ("lr", 1e-3, 1e-3), ("warmup", 10, 20)]:
         if getattr(args, k) is None:
             setattr(args, k, quick if args.quick else full)
+    # the swarm runs the real half's budget and rule windows: with fewer, shorter windows the
+    # gradient-norm changes the rule reads are noisier and fewer layers freeze, later
+    for k, like in (("swarm_iterations", args.steps), ("swarm_check_every", args.check_every),
+                    ("swarm_warmup", args.warmup)):
+        if getattr(args, k) is None:
+            setattr(args, k, like)
+    if args.swarm_timeout is None:
+        args.swarm_timeout = max(600.0, 10.0 * args.swarm_iterations)
     if args.data and not (Path(args.data) / "manifest.json").is_file():
         raise SystemExit(f"--data {args.data}: no prepared data set there (run `skiptrain prepare` first)")
     t_start = time.time()
@@ -518,7 +528,12 @@ def main(argv=None) -> int:
     swarm = None
     if args.swarm_iterations:
         seeds = [args.seed] if args.quick else [int(x) for x in args.swarm_seeds.split(",")]
-        swarm = swarm_half(args, em["best_static"], seeds, args.swarm_iterations, real["init"])
+        # the real half's fine-tuning windows (and validation text), as a data set the node processes open
+        ft = subset(args.data, 0, args.windows, 64, args.finetune)
+        with tempfile.TemporaryDirectory(prefix="bench-elastic-data-") as tmp:
+            data = write_splits(tmp, ft, {"train": ft.tokens("train"), "val": ft.tokens("val")},
+                                f"{args.windows} fine-tuning windows of {args.data} ({args.finetune})")
+            swarm = swarm_half(args, em["best_static"], seeds, args.swarm_iterations, str(data.path), real["init"])
         print_swarm(swarm)
     result = {
         "speedup_vs_best_static": ev["speedup_vs_best_static"],

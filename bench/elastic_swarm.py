@@ -5,8 +5,9 @@ One launch per seed, two phases on the same processes (each restarts from the sa
 weights and data, so both train the same samples in the same order): ``static`` (the best
 static layout: S stages x R replicas, M micro-batches per replica) and ``elastic`` (the same
 start, ``elastic.enabled``: the freeze rule decides for the whole swarm, AutoPipe/AutoDP
-transitions move state between the processes by name; no activation cache in a swarm, so the
-stage-0 nodes recompute the frozen prefix, forward only, each micro-batch).
+transitions move state between the processes by name; with ``--swarm-cache on`` (the default)
+the stage-0 nodes prefill their activation caches at each freeze, data parallel, and serve the
+frozen prefix from them; ``off``: they recompute it, forward only, each micro-batch).
 
 Compute is padded to the cost model (``runtime.emulate_compute``: every forward/backward task
 sleeps up to ``s_per_sample_layer`` x samples x its stage's layers, a frozen layer costing its
@@ -19,7 +20,8 @@ Figures (per seed): the whole run at equal tokens (wall clock of each phase, eve
 it: start barriers, stats gathers, guard validation, transitions), the final training loss
 (mean of the last window) of elastic / static, time to the target (static's final x 1.01, on the
 window-mean training loss, from
-the first iteration it stays there), the transitions' fraction of the elastic wall clock, and the measured
+the first iteration it stays there), the transitions' fraction of the elastic wall clock (the
+cache prefills apart: they are the prefix's forward work of the rest of the run, done at once), and the measured
 iteration times next to the simulator's for the same layouts (``simulate`` of each layout's
 schedule and cost model, summed over the iterations it was in force; the transitions' wire time
 by ``topo.transfer_s`` of their messages).
@@ -44,12 +46,12 @@ from skiptrain.schedule.simulator import simulate
 GLOBAL_BATCH = 16
 
 
-def swarm_config(args, best: dict, seed: int, iterations: int):
+def swarm_config(args, best: dict, seed: int, iterations: int, data: str):
     """The job's config: the real half's model, the best static layout's micro-batching."""
     S, R, M = best["stages"], best["replicas"], best["n_micro"]
     mb = max(1, GLOBAL_BATCH // (R * M))
     return build_config(overrides={
-        "data": {"path": args.data},
+        "data": {"path": data},
         "model": {"d_model": 128, "n_layers": 8, "n_heads": 4, "n_kv_heads": 2, "seq_len": 64,
                   "n_stages": S, "stage0_layers": -1},
         "train": {"steps": iterations, "micro_batch": mb, "lr": args.lr, "warmup_steps": args.swarm_warmup,
@@ -64,14 +66,14 @@ def elastic_settings(args) -> dict:
     return {"enabled": True, "alpha": args.alpha, "check_every": args.swarm_check_every, "tol": args.tol,
             "min_active": 2, "start_window": args.start_window, "stable_windows": args.stable_windows,
             "guard": True, "guard_tol": args.guard_tol, "guard_confirm": args.guard_confirm, "guard_ref": 4,
-            "guard_min_ref": args.guard_min_ref, "guard_batches": 4, "cache": "off"}
+            "guard_min_ref": args.guard_min_ref, "guard_batches": 4, "cache": args.swarm_cache}
 
 
-def run_seed(args, best: dict, seed: int, iterations: int, init: str | None = None) -> dict:
+def run_seed(args, best: dict, seed: int, iterations: int, data: str, init: str | None = None) -> dict:
     """One launch (static, then elastic) at ``seed``; the figures of that seed."""
-    cfg = swarm_config(args, best, seed, iterations)
+    cfg = swarm_config(args, best, seed, iterations, data)
     from skiptrain.data.dataset import TokenDataset
-    cfg.model.vocab_size = TokenDataset.open(args.data).vocab_size
+    cfg.model.vocab_size = TokenDataset.open(data).vocab_size
     S, R, M = best["stages"], best["replicas"], best["n_micro"]
     topo = sim_topology()
     cost = build_cost(cfg, dp_mode="none")
@@ -83,7 +85,7 @@ def run_seed(args, best: dict, seed: int, iterations: int, init: str | None = No
               Phase(name="elastic", config={"elastic": elastic_settings(args)}, **common)]
     with tempfile.TemporaryDirectory(prefix="bench-elastic-swarm-") as tmp:
         run = Path(args.swarm_keep) / f"seed{seed}" if args.swarm_keep else Path(tmp) / "run"
-        job = Job(config=with_runtime(cfg.to_dict(), heartbeat_s=0.5), data_path=args.data, run_dir=str(run),
+        job = Job(config=with_runtime(cfg.to_dict(), heartbeat_s=0.5), data_path=data, run_dir=str(run),
                   phases=phases, meta={"init_weights": init} if init else {})
         t0 = time.time()
         res = launch(job, timeout_s=args.swarm_timeout)
@@ -117,7 +119,7 @@ def layouts_in_force(cfg, cost, sched, log: list[dict], n_it: int) -> list[tuple
     for it in range(n_it):
         t = transitions.get(it)
         if t is not None:
-            c = layout_cost(cost, cfg.model, t["counts"], t["frozen_after"])
+            c = layout_cost(cost, cfg.model, t["counts"], t["frozen_after"], hit=1.0 if t.get("prefix_cached") else 0.0)
             s = layout_schedule(t["placement"], ids, 0.0, 0, sched.memory, cfg.train.seed + it)
             cur = (t["frozen_after"], t["counts"], t["placement"], s, c)
         out.append(cur)
@@ -137,6 +139,8 @@ def figures(cfg, cost, topo, sched, rows: dict, walls: dict, log: list[dict], la
     ttt = {p: (elapsed[p][hit[p]] if hit[p] is not None else None) for p in loss}
     trans = [t for t in log if t.get("action") == "transition"]
     trans_s = sum(t["seconds"] for t in trans)
+    pre = [t for t in log if t.get("action") == "prefill"]
+    prefill_s = sum(t["seconds"] for t in pre)
     sim_cache: dict[int, float] = {}
 
     def sim(s, c) -> float:
@@ -173,6 +177,8 @@ def figures(cfg, cost, topo, sched, rows: dict, walls: dict, log: list[dict], la
                                            "transfer_bytes", "transfer_messages", "move_s", "seconds")} for t in trans],
         "transition_s": r(trans_s), "transition_fraction": r(trans_s / wall["elastic"]),
         "transition_wire_sim_s": r(wire),
+        "prefills": [{k: t[k] for k in ("step", "frozen", "rows", "layer_rows", "seconds")} for t in pre],
+        "prefill_s": r(prefill_s), "prefill_fraction": r(prefill_s / wall["elastic"]),
         "iteration_s_measured": {p: r(v) for p, v in meas_it.items()},
         "iteration_s_simulated": {p: r(v) for p, v in sim_it.items()},
         "measured_vs_sim": {p: r(meas_it[p] / sim_it[p]) for p in rows},
@@ -195,22 +201,26 @@ def transfer_wire_s(t: dict, topo) -> float:
                 for p in t["placement"] for n in p if n), default=0.0)
 
 
-MEAN_KEYS = ("whole_run_speedup", "final_loss_ratio", "time_to_target_speedup", "transition_fraction")
+MEAN_KEYS = ("whole_run_speedup", "final_loss_ratio", "time_to_target_speedup", "transition_fraction",
+             "prefill_fraction")
 
 
-def swarm_half(args, best: dict, seeds: list[int], iterations: int, init_state: dict | None = None) -> dict:
-    """The swarm runs at ``seeds`` from ``init_state`` (the real half's pre-trained weights;
-    None: from scratch); per seed and mean."""
+def swarm_half(args, best: dict, seeds: list[int], iterations: int, data: str,
+               init_state: dict | None = None) -> dict:
+    """The swarm runs at ``seeds`` on the prepared data set at ``data`` (the real half's
+    fine-tuning windows) from ``init_state`` (the real half's pre-trained weights; None: from
+    scratch); per seed and mean."""
     import torch
     init = None
     if init_state is not None:
         init = str(Path(tempfile.mkdtemp(prefix="bench-elastic-init-")) / "init.pt")
         torch.save(init_state, init)
     out = {"pretrained": init is not None, "best_static": {k: best[k] for k in ("stages", "replicas", "n_micro")}, "iterations": iterations,
-           "s_per_sample_layer": args.swarm_spl, "check_every": args.swarm_check_every, "seeds": {}}
+           "s_per_sample_layer": args.swarm_spl, "check_every": args.swarm_check_every, "cache": args.swarm_cache,
+           "seeds": {}}
     for seed in seeds:
         print(f"  swarm seed {seed}: 16 node processes, {iterations} iterations x 2 phases ...", flush=True)
-        out["seeds"][str(seed)] = run_seed(args, best, seed, iterations, init)
+        out["seeds"][str(seed)] = run_seed(args, best, seed, iterations, data, init)
     per = list(out["seeds"].values())
     mean = {}
     for k in MEAN_KEYS:
@@ -226,7 +236,8 @@ def print_swarm(sw: dict) -> None:
     b = sw["best_static"]
     print(f"\nSWARM, 16 node processes (this machine; compute padded to the cost model, "
           f"{sw['s_per_sample_layer']:g} s per sample-layer; best static S={b['stages']} R={b['replicas']} "
-          f"M={b['n_micro']}; {sw['iterations']} iterations per phase, windows of {sw['check_every']})")
+          f"M={b['n_micro']}; {sw['iterations']} iterations per phase, windows of {sw['check_every']}; "
+          f"activation cache {sw['cache']})")
     seeds = list(sw["seeds"])
     head = f"{'figure':<44}" + "".join(f"{'seed ' + s:>12}" for s in seeds) + f"{'mean':>10}"
     print(head + "\n" + "-" * len(head))
@@ -242,6 +253,7 @@ def print_swarm(sw: dict) -> None:
     row("final train loss (elastic / static)", lambda x: x["final_loss_ratio"], "final_loss_ratio", "{:.4f}")
     row("time to target (x static)", lambda x: x["time_to_target_speedup"], "time_to_target_speedup", "{:.2f}x")
     row("transitions / elastic wall", lambda x: x["transition_fraction"], "transition_fraction", "{:.4f}")
+    row("cache prefills / elastic wall", lambda x: x["prefill_fraction"], "prefill_fraction", "{:.4f}")
     row("iterations measured / simulated: static", lambda x: x["measured_vs_sim"]["static"],
         "measured_vs_sim_static")
     row("iterations measured / simulated: elastic", lambda x: x["measured_vs_sim"]["elastic"],

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from skiptrain.data.corpus import read_documents
-from skiptrain.data.dataset import TokenDataset, split_document, write_dataset
+from skiptrain.data.dataset import TokenDataset, split_document, write_dataset, write_splits
 from skiptrain.data.loader import SampleSource, ShardedLoader, shard_indices
 from skiptrain.data.tokenizer import BPETokenizer, ByteTokenizer
 from skiptrain.errors import DataError
@@ -145,3 +145,13 @@ def test_an_empty_validation_split_is_a_clear_error(tmp_path, byte_data):
     ds = TokenDataset.open(d)
     with pytest.raises(DataError, match=r"the 'val' split of data set .* is empty \(0 tokens\); re-run"):
         ds.tokens("val")
+
+
+def test_a_derived_data_set_holds_its_splits_with_the_base_tokenizer(bpe_data, tmp_path):
+    base = TokenDataset.open(bpe_data)
+    train = np.asarray(base.tokens("train"))[100:100 + 33 * 8 + 1]
+    d = write_splits(tmp_path / "cut", base, {"train": train, "val": base.tokens("val")}, "a cut")
+    assert np.array_equal(d.tokens("train"), train) and np.array_equal(d.tokens("val"), base.tokens("val"))
+    assert d.vocab_size == base.vocab_size and d.tokenizer.encode("to be or not") == base.tokenizer.encode("to be or not")
+    assert not d.has_split("ood") and d.manifest["source"] == "a cut"
+    assert SampleSource(d.tokens("train"), 32, seed=1).n == 8

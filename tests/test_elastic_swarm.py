@@ -21,7 +21,7 @@ from skiptrain.runtime.job import Job, build_cost, build_schedule, build_topolog
 from skiptrain.runtime.job_checkpoint import resume_point
 from skiptrain.runtime.launcher import launch
 from skiptrain.runtime.recovery import trained_samples
-from skiptrain.runtime.transition import layout_cost, layout_schedule, plan_layout
+from skiptrain.runtime.transition import deal_originators, layout_cost, layout_schedule, plan_layout
 
 ITERS = 10
 GB = 4 * 8          # 2 originators x 2 micro-batches x micro_batch 8
@@ -91,6 +91,11 @@ def test_the_new_schedule_keeps_the_micro_batches_and_routes_through_the_new_sta
     s.validate(claims=("placement", "originators", "stage0_ends", "no_repeat"))
     s4 = layout_schedule([[0, 1], [2], [3], [4, 5]], list(range(8)), 0.34, 2, 3, seed=1)
     s4.validate(claims=("placement", "originators", "stage0_ends", "no_repeat", "balanced", "skip_count"))
+    # after a layout change the originators keep their micro-batches (so their cached windows)
+    # as far as an even deal allows
+    kept = layout_schedule([[0, 2, 4], [1, 3, 5]], list(range(4)), 0.0, 2, 3, seed=1, keep={0: 2, 1: 4, 2: 2, 3: 4})
+    assert [m.originator for m in kept.micro_batches] == [2, 4, 0, 4]
+    assert deal_originators([0, 1], list(range(6)), {i: 7 for i in range(6)}) == {0: 0, 1: 1, 2: 0, 3: 1, 4: 0, 5: 1}
     one = layout_schedule([list(range(6))], list(range(4)), 0.0, 2, 3, seed=1)
     assert [m.route for m in one.micro_batches] == [[]] * 4 and one.memory == 1
 
@@ -159,21 +164,25 @@ def test_the_swarm_freezes_shrinks_and_trains_what_the_single_process_trainer_tr
 
 
 @pytest.mark.slow
-def test_a_checkpoint_after_a_transition_resumes_into_the_transitioned_layout(byte_data, tmp_path):
+@pytest.mark.parametrize("cache", ["off", "on"])
+def test_a_checkpoint_after_a_transition_resumes_into_the_transitioned_layout(byte_data, tmp_path, cache):
     """The checkpoint after iteration 6 holds the 3-stage layout of the first freeze and the
     second freeze still pending: a job resumed from it rebuilds that layout, applies the pending
     transition at its first iteration and ends with the uninterrupted run's weights, losses,
-    decisions and final layout."""
+    decisions and final layout.  With the activation cache on, the resumed job's originators
+    (a new run directory: empty caches) prefill their share before their first step."""
     iters = 8
     ref = tmp_path / "ref"
-    res = launch(_job(_cfg(), byte_data, ref, iterations=iters), timeout_s=300)
+    cfg = _cfg()
+    cfg.elastic.cache = cache
+    res = launch(_job(cfg, byte_data, ref, iterations=iters), timeout_s=300)
     ckpt = shutil.copytree(ref / "checkpoints" / "step-00000006", tmp_path / "saved" / "step-00000006")
     saved = CheckpointReader(ckpt).state["elastic"]
     assert saved["frozen"] == 1 and saved["pending"] == 2 and len(saved["counts"]) < 4
     start = resume_point(ckpt)
     assert start["iteration"] == 6 and start["cursor"] == 6 * GB
     run = tmp_path / "run"
-    res2 = launch(_job(_cfg(), byte_data, run, iterations=iters, resume=start), timeout_s=300)
+    res2 = launch(_job(cfg, byte_data, run, iterations=iters, resume=start), timeout_s=300)
     ref_loss = {r["step"]: r["loss"] for r in res.phase_metrics("p")}
     assert [(r["step"], r["loss"]) for r in res2.phase_metrics("p")] == [(s, ref_loss[s]) for s in (7, 8)]
     a, b = load_weights(ref / "model.safetensors"), load_weights(run / "model.safetensors")
@@ -186,6 +195,9 @@ def test_a_checkpoint_after_a_transition_resumes_into_the_transitioned_layout(by
         [(t["step"], t["frozen_after"], t["placement"]) for t in tr_ref if t["step"] >= 6]
     stages = {r: s for r, (s, _) in _node_params(ref).items()}
     assert {r: s for r, (s, _) in _node_params(run).items()} == stages
+    if cache == "on":
+        pre = [(r["step"], r["frozen"]) for r in _log(run) if r.get("action") == "prefill"]
+        assert pre == [(6, 2)] and saved["prefix_cached"]
 
 
 @pytest.mark.slow
@@ -223,3 +235,72 @@ def test_a_node_killed_mid_transition_is_recovered_and_training_goes_on(byte_dat
     trained = {k: v for reps in by_stage.values() for k, v in reps[0].items()}
     assert merged.keys() == trained.keys() and all(torch.equal(merged[k], trained[k]) for k in merged)
     assert not (run / "lost_stages.json").exists()
+
+
+@pytest.mark.slow
+def test_the_swarm_serves_the_frozen_prefix_from_prefilled_caches(byte_data, tmp_path):
+    """``elastic.cache=on`` in the swarm: at each freeze the originators prefill their share of
+    the windows (data parallel, each only the windows it will start), so after the prefill every
+    lookup hits; the run trains what the single-process trainer with the cache on trains (same
+    decisions; weights within 1e-4: the swarm averages the replicas' gradients, the single
+    process sums the whole batch, a float-order difference), replicas bit-identical, every sample
+    once."""
+    cfg = _cfg()
+    cfg.elastic.cache = "on"
+    run = tmp_path / "run"
+    launch(_job(cfg, byte_data, run), timeout_s=300)
+    log = _log(run)
+    tr = [r for r in log if r.get("action") == "transition"]
+    assert [(t["frozen_after"], t["step"], t["prefix_cached"]) for t in tr] == [(1, 4, True), (2, 6, True)]
+    pre = [r for r in log if r.get("action") == "prefill"]
+    assert [(p["step"], p["frozen"]) for p in pre] == [(4, 1), (6, 2)]
+    # the first prefill computes each originator's windows of iterations 4..9 (one layer each);
+    # the second extends what an originator already holds and computes the windows it newly starts
+    assert pre[0]["rows"] == pre[0]["layer_rows"] == (ITERS - 4) * GB
+    # (originators keep their micro-batches where an even deal allows: 3 of 4 here)
+    assert pre[1]["rows"] == (ITERS - 6) * GB and pre[1]["layer_rows"] == pre[1]["rows"] + (ITERS - 6) * GB // 4
+    caches = {}
+    for f in (run / "phases" / "p").glob("node*.json"):
+        rec = json.loads(f.read_text())
+        if "cache" in rec:
+            caches[rec["rank"]] = rec["cache"]
+    assert caches and all(c["misses"] == 0 and c["extended"] == 0 for c in caches.values())
+    assert sum(c["hits"] for c in caches.values()) == (ITERS - 4) * GB     # every frozen-prefix lookup hit
+    per_it = trained_samples(run / "phases" / "p")
+    assert sorted(i for s in per_it.values() for i in s) == list(range(ITERS * GB))
+    by_stage: dict[int, list[dict]] = {}
+    for r, (s, p) in _node_params(run).items():
+        if s is not None:
+            by_stage.setdefault(s, []).append(p)
+    for s, reps in by_stage.items():
+        assert all(torch.equal(p[k], reps[0][k]) for p in reps[1:] for k in p), f"stage {s} replicas differ"
+    from skiptrain.train.elastic_trainer import ElasticTrainer
+
+    ref_cfg = _cfg(n_micro=4)
+    ref_cfg.elastic.cache = "on"
+    ref_cfg.elastic.nodes = 6
+    ref_cfg.checkpoint.every = 0
+    ref_cfg.checkpoint.final = False
+    ref_cfg.elastic.cache_dir = str(tmp_path / "ref_cache")
+    t = ElasticTrainer(ref_cfg, None, dataset=TokenDataset.open(byte_data))
+    for _ in range(ITERS):
+        t.train_step()
+    assert [(x["frozen_after"], x["step"], x["cached"]) for x in t.transitions] == [(1, 4, True), (2, 6, True)]
+    final = load_weights(run / "model.safetensors")
+    ref = {n: p.detach() for n, p in t.model.named_parameters()}
+    worst = max((final[n] - ref[n]).abs().max().item() for n in ref)
+    assert worst < 1e-4, f"swarm and single-process trainer (both cached) differ by {worst:.3g}"
+
+
+@pytest.mark.slow
+def test_drift_re_planning_goes_on_after_a_transition(byte_data, tmp_path):
+    """With drift re-planning on, the monitor follows each freeze transition (the new layout's
+    placement and cost model): rank 0 still checks the measured iteration time against the
+    simulated one after the pipeline has shrunk (a threshold of ~0 makes every check re-plan)."""
+    run = tmp_path / "run"
+    launch(_job(_cfg(runtime={"drift_threshold": 1e-9}), byte_data, run), timeout_s=300)
+    tr = [r for r in _log(run) if r.get("action") == "transition"]
+    assert [t["step"] for t in tr] == [4, 6]
+    checks = [int(x.split("iteration ", 1)[1].split(":", 1)[0])
+              for x in (run / "logs" / "node0.log").read_text().splitlines() if "re-planned routes" in x]
+    assert any(i > 6 for i in checks), f"drift checks at iterations {checks}: none after the last transition"

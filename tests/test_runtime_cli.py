@@ -49,13 +49,3 @@ def test_launch_failure_flags_give_clear_errors(byte_data, tmp_path, capsys, mon
     assert "expected HOST:PORT" in capsys.readouterr().err
 
 
-def test_a_swarm_refuses_settings_it_does_not_honour(byte_data, tmp_path, capsys):
-    """The activation cache of elastic freezing runs in the single-process trainer only: a swarm
-    says so instead of silently training without it, and nothing is written."""
-    out = tmp_path / "swarm"
-    assert main(["train", "--preset", "tiny", "--data", str(byte_data), "--out", str(out), "--nodes", "6",
-                 "--set", "runtime.stage_sizes=2,2,1,1", "--set", "elastic.enabled=true", "--set", "elastic.cache=on",
-                 "--steps", "2"]) == 2
-    err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "elastic.cache=on" in err[0] and "--nodes 1" in err[0]
-    assert not out.exists()

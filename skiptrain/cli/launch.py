@@ -152,9 +152,6 @@ def _checked_swarm_config(cfg, data: str, steps: int | None):
     from ..data.dataset import TokenDataset
 
     rt = cfg.runtime
-    if cfg.elastic.enabled and cfg.elastic.cache == "on":
-        raise UserError("elastic.cache=on: a swarm recomputes the frozen prefix on its stage-0 nodes (no activation "
-                        "cache there); set elastic.cache=off (or auto), or train with --nodes 1")
     if rt.nodes < cfg.model.n_stages:
         raise UserError(f"runtime.nodes={rt.nodes} cannot serve {cfg.model.n_stages} stages; use --nodes >= "
                         f"{cfg.model.n_stages} (or --nodes 1 for the single-process trainer)")

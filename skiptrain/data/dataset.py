@@ -15,6 +15,7 @@ text is in both.  Out-of-distribution documents (``ood.bin``) are never trained 
 from __future__ import annotations
 
 import json
+import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -76,10 +77,7 @@ def write_dataset(out: str | Path, docs: list[Document], ood_docs: list[Document
     arrays = {"train": _encode_docs(tok, train_texts, sep), "val": _encode_docs(tok, val_texts, sep)}
     if ood_docs:
         arrays["ood"] = _encode_docs(tok, [d.text for d in ood_docs], sep)
-    for name, arr in arrays.items():
-        tmp = out / f"{name}.bin.tmp"
-        arr.tofile(tmp)
-        tmp.replace(out / f"{name}.bin")
+    _write_token_files(out, arrays)
     manifest = {
         "format_version": FORMAT_VERSION,
         "created_by": f"skiptrain {__version__}",
@@ -96,6 +94,29 @@ def write_dataset(out: str | Path, docs: list[Document], ood_docs: list[Document
     }
     (out / MANIFEST).write_text(json.dumps(manifest, indent=1))
     return manifest
+
+
+def _write_token_files(out: Path, arrays: dict[str, np.ndarray]) -> None:
+    for name, arr in arrays.items():
+        tmp = out / f"{name}.bin.tmp"
+        arr.tofile(tmp)
+        tmp.replace(out / f"{name}.bin")
+
+
+def write_splits(out: str | Path, base: "TokenDataset", arrays: dict[str, np.ndarray], source: str) -> "TokenDataset":
+    """A prepared data directory holding ``arrays`` (split name -> token ids) with ``base``'s
+    tokenizer: a data set derived from ``base`` (say, its training split cut to a window range)
+    that node processes open by path like any other.  Returns it opened."""
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    arrays = {k: np.asarray(v, dtype=base.manifest["dtype"]) for k, v in arrays.items()}
+    _write_token_files(out, arrays)
+    if (base.path / BPETokenizer.FILE).is_file():
+        shutil.copyfile(base.path / BPETokenizer.FILE, out / BPETokenizer.FILE)
+    manifest = {**base.manifest, "created_unix": int(time.time()), "source": source,
+                "tokens": {k: int(v.size) for k, v in arrays.items()}}
+    (out / MANIFEST).write_text(json.dumps(manifest, indent=1))
+    return TokenDataset.open(out)
 
 
 @dataclass

@@ -221,8 +221,10 @@ class PrefixRunner:
         return n
 
     @torch.no_grad()
-    def prefill(self, tokens_of: Callable[[list[int]], torch.Tensor], batch: int) -> dict[str, Any]:
-        """Bring every window of the training split to the current depth, ``batch`` windows at a time.
+    def prefill(self, tokens_of: Callable[[list[int]], torch.Tensor], batch: int,
+                windows: Sequence[int] | None = None) -> dict[str, Any]:
+        """Bring every window of the training split (or just ``windows``: an originator's share in
+        a swarm) to the current depth, ``batch`` windows at a time.
 
         Run at a freeze when the whole split fits the cache: the prefix then never runs inside a
         training step again (every lookup hits), and a prefix whose every output is cached need
@@ -238,10 +240,11 @@ class PrefixRunner:
         if c.capacity < c.n_windows:
             raise ValueError(f"prefill needs room for all {c.n_windows} windows; the cache holds {c.capacity} "
                              "(raise elastic.cache_mb)")
+        todo = list(range(c.n_windows)) if windows is None else list(dict.fromkeys(int(w) for w in windows))
         t0 = time.perf_counter()
         rows = layer_rows = 0
-        for a in range(0, c.n_windows, batch):
-            n = self._fill(None, list(range(a, min(c.n_windows, a + batch))), None, tokens_of)
+        for a in range(0, len(todo), batch):
+            n = self._fill(None, todo[a:a + batch], None, tokens_of)
             rows += n["extended"] + n["misses"]
             layer_rows += n["layer_rows"]
         c.prefilled += rows

@@ -16,7 +16,9 @@ the routes are re-planned when the measured iteration time drifts past a thresho
   the current one on the measured topology.  Rank 0 broadcasts it; every node switches at the
   next iteration.  After a re-plan the reference becomes the new schedule's simulated time on
   the measured topology.
-* **Limits**: drift re-planning only while the phase's full placement is in force (after a
+* **Limits**: drift re-planning only while the phase's full placement, or the layout of the
+  last freeze transition (``runtime.freezing``: the monitor then measures against the new
+  layout's cost model), is in force (after a
   failure the repair of :func:`~skiptrain.runtime.recovery.replan` is followed once by a
   post-recovery :func:`replan_routes` of the survivors, ``Node._recovery_replan``); only with a
   topology and cost model in the phase; the re-plan (about 1 s of planner time on rank 0 for 12

@@ -43,7 +43,7 @@ import torch.distributed as dist
 
 from ..checkpoint.reader import CheckpointReader
 from ..checkpoint.training import truncate_metrics
-from ..elastic.cache import PrefixRunner
+from ..elastic.cache import ActivationCache, PrefixRunner
 from ..elastic.freeze import FreezeRule
 from ..elastic.repartition import ElasticLayout
 from ..layout.transfer import transfer_plan
@@ -79,6 +79,9 @@ class SwarmFreezing:
         self.pending: int | None = None
         self.sq = torch.zeros(2 * L, dtype=torch.float64)     # per layer: squared norm, reported
         self.runner: PrefixRunner | None = None
+        self.cache: ActivationCache | None = None
+        self.prefix_cached = False      # the layout in force was planned with every prefix output cached
+        self.prefix_due = False         # the prefix runner still needs its depth (and the prefill) set
         self.guard_s = 0.0
         if node.job.resume and node.job.resume["phase"] == st.idx:
             self._resume(node.job.resume["path"])
@@ -118,6 +121,8 @@ class SwarmFreezing:
         """Every node, after iteration ``st.it``: the layers' norms to the rule; at a window's
         end, the rule's decision (a changed depth becomes the pending transition)."""
         st, node, t, L = self.st, self.node, self.cfg.train, self.cfg.model.n_layers
+        if self.cache is not None:
+            st.record["cache"] = self.cache.stats()
         sq, self.sq = self.sq, torch.zeros_like(self.sq)
         node._sync(dist.all_reduce, sq)
         self.rule.observe({l: float(sq[l]) ** 0.5 for l in range(self.frozen, L) if sq[L + l] > 0})
@@ -185,11 +190,84 @@ class SwarmFreezing:
 
     def apply_pending(self) -> None:
         """At the start of an iteration, before any work: the pending transition, if any."""
-        if self.pending is None:
-            return
-        if self.pending != self.frozen:
-            self._transition(self.pending)
-        self.pending = None
+        if self.pending is not None:
+            if self.pending != self.frozen:
+                self._transition(self.pending)
+            self.pending = None
+        if self.prefix_due:
+            self._prepare_prefix()
+
+    # ---- the activation cache -------------------------------------------------------------
+
+    def _cache_on(self, F: int) -> bool:
+        """Whether the stage-0 nodes serve the frozen prefix from the activation cache: with
+        ``elastic.cache=on`` (``auto`` recomputes: its measurement would differ between nodes)."""
+        return F > 0 and self.cfg.elastic.cache == "on"
+
+    def _will_prefill(self, F: int, step: int) -> bool:
+        """Every node's same answer: does the layout for ``F`` frozen layers start with each
+        originator's windows prefilled (cache on, ``elastic.prefill``, room for the whole split,
+        and no guard undo in the last ``prefill_after_undo`` windows: an undo discards it)?"""
+        e, m = self.cfg.elastic, self.cfg.model
+        if not (self._cache_on(F) and e.prefill):
+            return False
+        if int(e.cache_mb * 2**20) // (m.seq_len * m.d_model * 4) < self.node.src.n:
+            return False
+        return not any(d["action"] == "undo" and d["step"] > step - e.prefill_after_undo * e.check_every
+                       for d in self.rule.history)
+
+    def _open_cache(self) -> ActivationCache:
+        """This originator's cache (``elastic.cache_dir`` or ``RUN_DIR/elastic_cache``, one
+        directory per node), keyed by training window like the single-process trainer's."""
+        if self.cache is None:
+            e, m, node = self.cfg.elastic, self.cfg.model, self.node
+            root = Path(e.cache_dir) if e.cache_dir else Path(node.run_dir) / "elastic_cache"
+            self.cache = ActivationCache(root / f"node{node.rank}", node.src.n, m.seq_len, m.d_model,
+                                         int(e.cache_mb * 2**20))
+        return self.cache
+
+    def share(self) -> list[int]:
+        """The training windows this node starts micro-batches of, from this iteration to the end
+        of the phase, under the schedule in force (in first-visit order, each once)."""
+        st, node, mbsz = self.st, self.node, self.cfg.train.micro_batch
+        mine = sorted(st.order[mb.id] for mb in st.sched.micro_batches if mb.originator == node.rank)
+        out: dict[int, None] = {}
+        for it in range(st.it, st.ph.iterations):
+            c = st.cursor + (it - st.it) * st.gb
+            for i in mine:
+                out.update((node.src.window(g), None) for g in range(c + i * mbsz, c + (i + 1) * mbsz))
+        return list(out)
+
+    def _prepare_prefix(self) -> None:
+        """Every node, before the first iteration of a layout with a frozen prefix (the weights are
+        loaded by then): the originators fingerprint the prefix (dropping stale cache entries) and,
+        when the layout was planned with the prefix cached, prefill their share of the windows --
+        data parallel over the originators, forward only, padded to the cost model like any compute
+        task; the counts and the slowest originator's time are all-reduced and logged."""
+        st, node = self.st, self.node
+        t0 = time.time()
+        done = torch.zeros(4, dtype=torch.float64)          # rows, layer rows, dropped, (max) seconds
+        if self.runner is not None:
+            done[2] = self.runner.set_frozen(self.frozen)
+            if self.prefix_cached:
+                t = self.cfg.train
+                rec = self.runner.prefill(lambda ws: node.src.window_batch(ws)[0], t.micro_batch * len(st.order),
+                                          self.share())
+                done[0], done[1] = rec["rows"], rec["layer_rows"]
+                cost = self.base_cost
+                if cost is not None:
+                    st.padding.pad(t0, float(done[1]) * cost.s_per_sample_per_layer / st.speed)
+                self.cache.flush()
+        done[3] = time.time() - t0
+        if self.prefix_cached:
+            mx = done[3:].clone()
+            node._sync(dist.all_reduce, done)
+            node._sync(dist.all_reduce, mx, dist.ReduceOp.MAX)
+            rec = {"step": st.it, "action": "prefill", "frozen": self.frozen, "rows": int(done[0]),
+                   "layer_rows": int(done[1]), "dropped": int(done[2]), "seconds": round(float(mx[0]), 6)}
+            st.record.setdefault("prefills", []).append(rec)
+            self._log(rec)
+        self.prefix_due = False
 
     def _transition(self, F: int) -> None:
         """Every node: plan the layout for ``F`` frozen layers, move the state, commit, switch."""
@@ -203,8 +281,9 @@ class SwarmFreezing:
         sizes: dict[str, int] = {}
         for _, blob in node._gather_bytes(json.dumps(stage_sizes(st.model, st.opt, st.strat)).encode()):
             sizes.update(json.loads(blob.decode()))
+        cached = self._will_prefill(F, st.it)
         new, evidence = plan_layout(cfg.model, F, self.counts, pl, list(node.alive), sizes, self.start_stages,
-                                    st.gb, len(st.order), st.it)
+                                    st.gb, len(st.order), st.it, hit=1.0 if cached else 0.0, prefix_cached=cached)
         old = ElasticLayout.of(self.frozen, self.counts, 1, len(st.order), pl)
         plan = transfer_plan(sizes, old, new)
         node.hook(st.ph.name, st.it, "transition", st)
@@ -218,13 +297,15 @@ class SwarmFreezing:
             model, opt = build_stage(cfg, stage, new.partition, F, tensors, record, rule)
         node._sync(dist.barrier)                # commit: every node holds its new stage
         moved_s = time.perf_counter() - t0
-        cost = layout_cost(self.base_cost, cfg.model, new.counts, F)
+        cost = layout_cost(self.base_cost, cfg.model, new.counts, F, hit=1.0 if cached else 0.0)
+        keep = {mb.id: mb.originator for mb in st.sched.micro_batches}   # originators keep their windows
         sched = self._routes(layout_schedule(new.placement, sorted(st.order), cfg.train.skip_ratio,
-                                             cfg.train.max_swaps, st.sched.memory, cfg.train.seed + st.it), cost)
-        self._switch(sched, stage, model, opt, cost, F, new.counts, tensors, scalars)
+                                             cfg.train.max_swaps, st.sched.memory, cfg.train.seed + st.it, keep),
+                             cost)
+        self._switch(sched, stage, model, opt, cost, F, new.counts, tensors, scalars, cached)
         rec = {"step": st.it, "action": "transition", "frozen_before": old.frozen, "frozen_after": F,
                "stages_before": old.n_stages, "stages_after": new.n_stages, "counts": new.counts,
-               "placement": new.placement, "transfer_bytes": sum(t.nbytes for t in plan),
+               "placement": new.placement, "prefix_cached": cached, "transfer_bytes": sum(t.nbytes for t in plan),
                "transfer_messages": len(plan), "move_s": round(moved_s, 6), "autopipe": evidence,
                "routes": sched.method, "seconds": round(time.perf_counter() - t0, 6)}
         self.layouts.append({**new.to_dict(), "step": st.it})
@@ -257,21 +338,29 @@ class SwarmFreezing:
         return new if new is not None else sched
 
     def _switch(self, sched: Schedule, stage, model, opt, cost, F: int, counts: list[int],
-                tensors: dict[str, torch.Tensor] | None, scalars: dict[str, Any] | None) -> None:
-        """Every node switches to the new layout together (groups are a collective)."""
+                tensors: dict[str, torch.Tensor] | None, scalars: dict[str, Any] | None,
+                prefix_cached: bool) -> None:
+        """Every node switches to the new layout together (groups are a collective).  The stage-0
+        nodes get a prefix runner (through this node's activation cache when it is on); its depth
+        and any prefill are set before the next iteration (:meth:`_prepare_prefix`)."""
         st, node = self.st, self.node
         groups, strat = node._stage_groups(sched, stage, model, None)
         if strat is not None and scalars:
             load_sync(strat, sync_state(tensors or {}, strat), scalars)
+        node._drop_groups(st.groups)
         st.sched, st.stage, st.model, st.opt, st.strat, st.groups = sched, stage, model, opt, strat, groups
         st.cost = cost
+        if st.drift is not None:    # drift re-planning goes on, measured against the new layout
+            st.drift.cost = cost
+            st.drift_state = {"home": [list(p) for p in sched.placement]}
         node.stage_of = sched.stage_of()
         st.record["stage"] = stage
         self.frozen, self.counts = F, list(counts)
         self.runner = None
+        self.prefix_cached = prefix_cached
         if model is not None and stage == 0 and F > 0:
-            self.runner = PrefixRunner(model)
-            self.runner.set_frozen(F)
+            self.runner = PrefixRunner(model, self._open_cache() if self._cache_on(F) else None)
+        self.prefix_due = F > 0
         st.ex = node._executor(st)
         node._publish_sched(sched, st.idx)
 
@@ -281,7 +370,8 @@ class SwarmFreezing:
         """What a job checkpoint carries (``position["elastic"]``)."""
         return {"frozen": self.frozen, "counts": self.counts, "pending": self.pending,
                 "rule": self.rule.state_dict(), "layouts": self.layouts, "transitions": self.transitions,
-                "schedule": self.st.sched.to_dict(), "guard_s": self.guard_s}
+                "schedule": self.st.sched.to_dict(), "guard_s": self.guard_s,
+                "prefix_cached": self.prefix_cached}
 
     def _resume(self, path: str) -> None:
         """Before the node loads its state from checkpoint ``path``: the rule, the layout
@@ -315,5 +405,6 @@ class SwarmFreezing:
             opt = build_optimizer(model.named_parameters(), self.cfg.train,
                                   st.strat.update_rule if st.strat is not None else "adamw")
             freeze_parameters(model, F)
-        cost = layout_cost(self.base_cost, self.cfg.model, counts, F)
-        self._switch(sched, stage, model, opt, cost, F, counts, None, None)
+        cached = bool(saved.get("prefix_cached"))
+        cost = layout_cost(self.base_cost, self.cfg.model, counts, F, hit=1.0 if cached else 0.0)
+        self._switch(sched, stage, model, opt, cost, F, counts, None, None, cached)

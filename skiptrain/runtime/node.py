@@ -350,12 +350,12 @@ class Node:
         st.gb = len(st.order) * cfg.train.micro_batch
         st.ex = self._executor(st)
         self._open_checkpoints(ph)
-        if cfg.elastic.enabled:
-            from .freezing import SwarmFreezing
-            st.elastic = SwarmFreezing(self, st)    # a resumed job: the layout the checkpoint was in
         if self.job.rt.drift_threshold > 0 and cost is not None and topo is not None:
             from .drift import DriftMonitor
             st.drift = DriftMonitor(rank, topo.n, cost, topo, ph.bytes_scale, self.job.rt.drift_alpha)
+        if cfg.elastic.enabled:
+            from .freezing import SwarmFreezing
+            st.elastic = SwarmFreezing(self, st)    # a resumed job: the layout the checkpoint was in
         if joining is not None:
             self._join_phase(st, joining)
         else:
@@ -752,7 +752,12 @@ class Node:
                 save_file({n: p.detach().cpu().contiguous() for n, p in model.state_dict().items()},
                           str(parts / f"stage{stage}.safetensors"))
         dist.barrier()
-        for g in st.groups.values():
+        self._drop_groups(st.groups)
+
+    def _drop_groups(self, groups: dict) -> None:
+        """Destroy the stage groups ``groups`` this node is a member of (no work pending on them:
+        after the phase's last barrier, or a layout switch's commit)."""
+        for g in groups.values():
             if g is not None and g != dist.GroupMember.NON_GROUP_MEMBER:
                 dist.destroy_process_group(g)
 
@@ -930,7 +935,8 @@ class Node:
             if "ref" not in state:
                 state["ref"] = simulate(sched, topo, cost, contention=True, dp_sync=False, record=False).iteration_s
             state["n"] = state.get("n", 0) + 1
-            full = sched.placement == Schedule.from_dict(ph.schedule).placement
+            # the placement drift re-plans for: the phase's, or the last freeze transition's
+            full = sched.placement == (state.get("home") or Schedule.from_dict(ph.schedule).placement)
             ratio = state["ema"] / state["ref"] if state["ref"] > 0 else 1.0
             if full and state["n"] >= 2 and ratio > 1 + self.job.rt.drift_threshold:
                 mt, compute = self._measured_net(a, topo)

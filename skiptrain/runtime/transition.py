@@ -61,21 +61,45 @@ def plan_layout(model_cfg, frozen: int, counts: list[int], placement: list[list[
     return ElasticLayout.of(frozen, new_counts, len(new_pl[0]), n_micro, new_pl, prefix_cached, step), evidence
 
 
+def deal_originators(stage0: list[int], ids: list[int], keep: dict[int, int] | None = None) -> dict[int, int]:
+    """Micro-batch ``ids`` (sorted) over the stage-0 nodes, as evenly as they divide: without
+    ``keep``, round-robin; with ``keep`` (micro-batch -> its originator before a layout change),
+    each stage-0 node first keeps up to ``len(ids) // len(stage0)`` of its micro-batches (their
+    samples are the windows its activation cache holds), then the rest go to the least-loaded
+    node (ties: its previous originator, then placement order)."""
+    keep = keep or {}
+    count = {n: 0 for n in stage0}
+    out: dict[int, int] = {}
+    for i in ids:
+        o = keep.get(i)
+        if o in count and count[o] < len(ids) // len(stage0):
+            out[i] = o
+            count[o] += 1
+    for i in ids:
+        if i not in out:
+            o = min(stage0, key=lambda n: (count[n], n != keep.get(i), stage0.index(n)))
+            out[i] = o
+            count[o] += 1
+    return out
+
+
 def layout_schedule(placement: list[list[int]], ids: list[int], skip_ratio: float, max_swaps: int, memory: int,
-                    seed: int) -> Schedule:
-    """One iteration over ``placement``: micro-batch ``ids`` (sorted) dealt round-robin over the
-    stage-0 nodes, each on a route through the body stages (full routes with fewer than three
-    stages or no skipping, else balanced skip routes drawn from ``seed``), each hop on the
-    least-loaded replica of its stage not yet on the route (ties: lowest id)."""
+                    seed: int, keep: dict[int, int] | None = None) -> Schedule:
+    """One iteration over ``placement``: micro-batch ``ids`` (sorted) dealt over the stage-0 nodes
+    (:func:`deal_originators`, keeping ``keep``'s originators where it can), each on a route
+    through the body stages (full routes with fewer than three stages or no skipping, else
+    balanced skip routes drawn from ``seed``), each hop on the least-loaded replica of its stage
+    not yet on the route (ties: lowest id)."""
     S, ids = len(placement), sorted(ids)
     if skip_ratio <= 0 or S <= 2:
         routes = [full_route(S) for _ in ids]
     else:
         routes = balanced_routes(S, skip_ratio, len(ids), random.Random(seed), max_swaps)
     load = {n: 0 for p in placement for n in p}
+    origin = deal_originators(list(placement[0]), ids, keep)
     mbs = []
-    for j, (i, route) in enumerate(zip(ids, routes)):
-        o = placement[0][j % len(placement[0])]
+    for i, route in zip(ids, routes):
+        o = origin[i]
         load[o] += 1
         hops, used = [], {o}
         for s in route:
