@@ -53,7 +53,7 @@ from ..schedule.schedule import Schedule
 from .failure import NodeFailure
 from .job_checkpoint import load_sync
 from .transition import (build_stage, freeze_parameters, gather_state, layout_cost, layout_schedule, move_state,
-                         plan_layout, stage_names, stage_sizes, sync_state, wait_all)
+                         plan_layout, reseat, stage_names, stage_sizes, sync_state, wait_all)
 
 GUARD_TAG = 13
 # the planner's budget when it re-plans the routes of a new layout (simulator calls; no time cap,
@@ -273,7 +273,7 @@ class SwarmFreezing:
             self.runner = PrefixRunner(model)
             self.runner.set_frozen(F)
         st.ex = node._executor(st)
-        node._publish_sched(sched, st.idx)
+        node._publish_sched(sched, st.idx, cost)
 
     # ---- checkpoints ----------------------------------------------------------------------
 
@@ -290,19 +290,21 @@ class SwarmFreezing:
         if not saved:
             return
         st, node = self.st, self.node
-        self.rule.load_state_dict(saved["rule"])
-        self.layouts, self.transitions = list(saved["layouts"]), list(saved["transitions"])
-        self.pending, self.guard_s = saved.get("pending"), float(saved.get("guard_s", 0.0))
+        self._load_rule(saved)
         if node.rank == min(node.alive):
             truncate_metrics(Path(node.run_dir) / "elastic.jsonl", int(node.job.resume["iteration"]))
         F, counts = int(saved["frozen"]), list(saved["counts"])
         if F == self.frozen and counts == self.counts:
             return
         sched = Schedule.from_dict(saved["schedule"])
+        cost = layout_cost(self.base_cost, self.cfg.model, counts, F)
         if sorted(sched.nodes()) != sorted(st.sched.nodes()):
-            raise NodeFailure(f"node {node.rank}: the checkpoint's layout {sched.placement} (after freeze "
-                              f"transitions) needs the nodes {sched.nodes()}; this job has {st.sched.nodes()}",
-                              node=None)
+            # saved by other nodes (some failed or joined since the job started): the same
+            # stages on this job's nodes, routes planned again
+            c = self.cfg
+            placement = reseat(sched.placement, sorted(st.sched.nodes()))
+            sched = self._routes(layout_schedule(placement, sorted(st.order), c.train.skip_ratio, c.train.max_swaps,
+                                                 st.sched.memory, c.train.seed + int(node.job.resume["iteration"])), cost)
         stage = sched.stage_of().get(node.rank)
         model = opt = None
         if stage is not None:
@@ -315,5 +317,22 @@ class SwarmFreezing:
             opt = build_optimizer(model.named_parameters(), self.cfg.train,
                                   st.strat.update_rule if st.strat is not None else "adamw")
             freeze_parameters(model, F)
-        cost = layout_cost(self.base_cost, self.cfg.model, counts, F)
         self._switch(sched, stage, model, opt, cost, F, counts, None, None)
+
+    def _load_rule(self, saved: dict[str, Any]) -> None:
+        """The rule's state, the layout history and a pending transition from ``state_dict()``."""
+        self.rule.load_state_dict(saved["rule"])
+        self.layouts, self.transitions = list(saved["layouts"]), list(saved["transitions"])
+        self.pending, self.guard_s = saved.get("pending"), float(saved.get("guard_s", 0.0))
+
+    def adopt(self, saved: dict[str, Any]) -> None:
+        """A node joining the job: the rule's state and the layout in force, ``state_dict()`` of
+        a live node (this node's stage was built for that partition and frozen depth)."""
+        st = self.st
+        self._load_rule(saved)
+        self.frozen, self.counts = int(saved["frozen"]), list(saved["counts"])
+        st.cost = layout_cost(self.base_cost, self.cfg.model, self.counts, self.frozen)
+        if st.model is not None and st.stage == 0 and self.frozen > 0:
+            self.runner = PrefixRunner(st.model)
+            self.runner.set_frozen(self.frozen)
+        st.ex = self.node._executor(st)
