@@ -52,6 +52,7 @@ sys.path.insert(0, str(ROOT))
 
 from bench._events import kill_job, launch_process, spawn_joiner, steps_done, validation_loss  # noqa: E402
 from skiptrain.checkpoint import store as ckstore  # noqa: E402
+from skiptrain.checkpoint.training import truncate_metrics  # noqa: E402
 from skiptrain.checkpoint.reader import CheckpointReader  # noqa: E402
 from skiptrain.config import build_config  # noqa: E402
 from skiptrain.data.dataset import TokenDataset  # noqa: E402
@@ -73,15 +74,16 @@ def settings(args) -> dict:
         return {"nodes": 8, "model": {"d_model": 64, "n_layers": 4, "n_heads": 4, "n_kv_heads": 2, "seq_len": 64,
                                       "n_stages": 4, "stage0_layers": 1},
                 "iterations": args.iterations or 12, "ckpt_every": args.ckpt_every or 2, "check_every": 2,
-                "mb_per_originator": 2}
+                "mb_per_originator": 2, "time_scale": args.time_scale or 1 / 16}
+    # (the `small` model's real compute, 16 processes on a few cores, must stay under the padding)
     return {"nodes": args.nodes or 16, "model": {"n_stages": 4},
-            "iterations": args.iterations or 60, "ckpt_every": args.ckpt_every or 5, "check_every": 5,
-            "mb_per_originator": 2}
+            "iterations": args.iterations or 40, "ckpt_every": args.ckpt_every or 5, "check_every": 5,
+            "mb_per_originator": 2, "time_scale": args.time_scale or 1 / 6}
 
 
 def configs(args, s: dict, vocab: int):
     """(baseline config, flagship config) over the same emulated network and data."""
-    tau = args.time_scale
+    tau = s["time_scale"]
     m = s["model"]
     probe = build_config(args.preset, overrides={"model": {**m, "vocab_size": vocab}})
     act = probe.train.micro_batch * probe.model.seq_len * probe.model.d_model * 4
@@ -208,6 +210,7 @@ def run_flagship(cfg, topo, data: Path, run: Path, quick: bool) -> dict:
     rp = resume_point(root)
     events.append({"kind": "whole job SIGKILLed", "after_iteration": done, "t": t_kill,
                    "resumed_from_iteration": rp["iteration"], "iterations_redone": done - rp["iteration"]})
+    truncate_metrics(run / "metrics.jsonl", rp["iteration"])   # (as the resumed launch will: no stale times)
     clock.restart(rp["iteration"])
     job.resume, job.node_module, job.meta = rp, "skiptrain.runtime.node", {}
     t_res = time.time()
@@ -362,7 +365,7 @@ def summarize(args, cfg_b, cfg_f, base: dict, flag: dict, curve, run: Path) -> d
         "stage_sizes": {"baseline": [len(p) for p in base["schedule"].placement],
                         "flagship": [len(p) for p in flag["schedule"].placement]},
         "times": {"baseline": base["times"], "flagship": flag["times"]},
-        "quick": args.quick, "nodes": cfg_f.runtime.nodes, "time_scale": args.time_scale,
+        "quick": args.quick, "nodes": cfg_f.runtime.nodes, "time_scale": cfg_f.runtime.time_scale,
     }
 
 
@@ -402,9 +405,9 @@ def main(argv=None) -> int:
     ap.add_argument("--preset", default="small")
     ap.add_argument("--nodes", type=int, default=None)
     ap.add_argument("--iterations", type=int, default=None, help="the baseline's iterations")
-    ap.add_argument("--extra", type=float, default=1.5, help="flagship iterations / baseline iterations")
+    ap.add_argument("--extra", type=float, default=2.0, help="flagship iterations / baseline iterations")
     ap.add_argument("--ckpt-every", type=int, default=None)
-    ap.add_argument("--time-scale", type=float, default=1 / 16)
+    ap.add_argument("--time-scale", type=float, default=None, help="emulated / geo12 seconds (1/16 quick, 1/6 full)")
     ap.add_argument("--keep", default=None, help="keep the run directories here")
     args = ap.parse_args(argv)
     t_all = time.time()

@@ -313,3 +313,15 @@ def test_a_freezing_demo_job_saved_after_a_failure_resumes_on_all_its_nodes(byte
     assert stages[victim] is not None          # the node left over trains as a replica
     per_it = trained_samples(run / "phases" / "p")
     assert sorted(i for s in per_it.values() for i in s) == list(range(ITERS * GB))
+
+
+def test_a_resumed_freezing_job_keeps_the_decisions_before_its_checkpoint_and_drops_the_transitions_at_it(tmp_path):
+    from skiptrain.checkpoint.training import truncate_metrics
+    from skiptrain.runtime.freezing import log_position
+
+    log = tmp_path / "elastic.jsonl"
+    rows = [{"step": 6, "action": "freeze"}, {"step": 6, "action": "transition"}, {"step": 8, "action": "freeze"},
+            {"step": 8, "action": "transition"}, {"step": 8, "action": "transition_skipped"}, {"step": 10}]
+    log.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    truncate_metrics(log, 8, log_position)
+    assert [json.loads(x) for x in log.read_text().splitlines()] == rows[:3]

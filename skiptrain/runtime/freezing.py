@@ -61,6 +61,13 @@ GUARD_TAG = 13
 ROUTE_EVALS = 200
 
 
+def log_position(row: dict[str, Any]) -> float:
+    """Where a line of ``elastic.jsonl`` falls against a checkpoint's step (iterations done): a
+    decision's step counts the iterations done; a transition's is the iteration it starts, so
+    one at the checkpoint's step came after the checkpoint (a resumed job applies it again)."""
+    return row.get("step", 0) + (0.5 if str(row.get("action", "")).startswith("transition") else 0.0)
+
+
 class SwarmFreezing:
     """One node's side of elastic freezing in the swarm (see the module docstring)."""
 
@@ -292,7 +299,7 @@ class SwarmFreezing:
         st, node = self.st, self.node
         self._load_rule(saved)
         if node.rank == min(node.alive):
-            truncate_metrics(Path(node.run_dir) / "elastic.jsonl", int(node.job.resume["iteration"]))
+            truncate_metrics(Path(node.run_dir) / "elastic.jsonl", int(node.job.resume["iteration"]), log_position)
         F, counts = int(saved["frozen"]), list(saved["counts"])
         if F == self.frozen and counts == self.counts:
             return
