@@ -542,3 +542,19 @@ def test_ring_links_delay_each_round_by_the_slowest_ring_link_for_the_scaled_byt
     # all-reduce of 3000 B: 4 rounds of a 1000-byte piece
     assert ring.all_reduce_s(3000, 3) == pytest.approx(4 * slowest)
     assert ring.all_gather_s(1000, 1) == 0.0 and not RingLinks().enabled
+
+
+def test_the_freeze_rule_sees_mean_gradients_not_the_signs_of_a_direction_strategy():
+    """DeMo's update is a sign direction, the same norm for a layer that still learns and one
+    that has converged: what ``inspect`` gets for such a stage is the replica's mean gradient."""
+    cfg = build_config("tiny", overrides={"dp": {"strategy": "demo", "topk": 4}})
+    model = _model()
+    strat = make_strategy(cfg.dp, model.named_parameters(), None, cfg.train)
+    opt = build_optimizer(model.named_parameters(), cfg.train, strat.update_rule)
+    grads = {n: torch.randn_like(p) * (i + 1) for i, (n, p) in enumerate(model.named_parameters())}
+    for n, p in model.named_parameters():
+        p.grad = grads[n].clone()
+    seen = {}
+    optimizer_step([HostedStage(0, strat, 2)], opt, 1e-3, 1.0, inspect=seen.update)
+    assert strat.update_rule == "direction" and seen.keys() == grads.keys()
+    assert all(torch.allclose(seen[n], grads[n] / 2) for n in grads)
