@@ -200,12 +200,11 @@ def demo_summary(run: Path) -> list[str]:
     out = [f"  skip routes:   {len(body)} micro-batches, each through {min(body)}-{max(body)} of {S - 1} body stages "
            f"(k={sched.skip_ratio}), planned by {sched.method} for {cfg.runtime.topology}'s links"]
     topo, cost = build_topology(cfg, cfg.runtime.nodes), build_cost(cfg, s_per_sample_layer=1.0)
-    rows = max(1, cost.activation_bytes // (4 * cfg.model.d_model))
+    rows, d = cfg.train.micro_batch * cfg.model.seq_len, cfg.model.d_model
     hops = [(a, b) for m in sched.micro_batches for a, b in zip([m.originator] + m.nodes, m.nodes + [m.originator])]
     slow = [h for h in hops if cost.hop_codec(topo, *h) != "fp32"]
-    fp32 = 2 * len(hops) * cost.activation_bytes // cfg.runtime.bytes_scale
-    sent = fp32 - 2 * len(slow) * (cost.activation_bytes // cfg.runtime.bytes_scale
-                                   - encoded_bytes(cfg.runtime.act_codec, rows, cfg.model.d_model))
+    fp32 = 2 * len(hops) * rows * d * 4           # activations forward, their gradients backward
+    sent = fp32 - 2 * len(slow) * (rows * d * 4 - encoded_bytes(cfg.runtime.act_codec, rows, d))
     out.append(f"  activations:   {len(slow)} of {len(hops)} hops per iteration on slow links carry "
                f"{cfg.runtime.act_codec}: {sent / 2**20:.1f} MiB instead of {fp32 / 2**20:.1f} MiB "
                f"(activations and gradients)")
