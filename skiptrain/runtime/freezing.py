@@ -334,7 +334,8 @@ class SwarmFreezing:
 
     def adopt(self, saved: dict[str, Any]) -> None:
         """A node joining the job: the rule's state and the layout in force, ``state_dict()`` of
-        a live node (this node's stage was built for that partition and frozen depth)."""
+        a live node (this node's stage was built for that partition and frozen depth; the caller
+        builds the executor after this)."""
         st = self.st
         self._load_rule(saved)
         self.frozen, self.counts = int(saved["frozen"]), list(saved["counts"])
@@ -342,4 +343,3 @@ class SwarmFreezing:
         if st.model is not None and st.stage == 0 and self.frozen > 0:
             self.runner = PrefixRunner(st.model)
             self.runner.set_frozen(self.frozen)
-        st.ex = self.node._executor(st)

@@ -331,6 +331,7 @@ class Node:
             st.elastic = SwarmFreezing(self, st)    # a resumed job: the layout the checkpoint was in
             if frozen is not None:
                 st.elastic.adopt(frozen)
+            st.ex = self._executor(st)   # stage 0 starts from the frozen prefix's output (resumed, joined)
         if self.job.rt.drift_threshold > 0 and cost is not None and topo is not None:
             from .drift import DriftMonitor
             st.drift = DriftMonitor(rank, topo.n, cost, topo, ph.bytes_scale, self.job.rt.drift_alpha)
