@@ -31,12 +31,14 @@ def launch_process(job_path: Path, log: Path | None = None) -> subprocess.Popen:
 
 
 def node_pids(run: Path) -> list[int]:
-    """PIDs of the processes whose command line names ``run`` (the launch's nodes)."""
+    """PIDs of the node processes of the launch into ``run``: an argument of their command line
+    is ``run``'s job file (``--job RUN/job.json``); never this process."""
+    job = str(Path(run) / "job.json").encode()
     pids = []
     for p in Path("/proc").iterdir():
-        if p.name.isdigit():
+        if p.name.isdigit() and int(p.name) != os.getpid():
             try:
-                if str(run).encode() in (p / "cmdline").read_bytes():
+                if job in (p / "cmdline").read_bytes().split(b"\0"):
                     pids.append(int(p.name))
             except OSError:
                 pass
