@@ -26,6 +26,8 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 
+from bench._events import kill_job, launch_process  # noqa: E402
+
 
 def _job(data: Path, run: Path, nodes: int, sizes: str, iterations: int, every: int, resume=None):
     from skiptrain.config import build_config
@@ -69,39 +71,6 @@ def swarm_stall(data: Path, work: Path, iterations: int, reps: int) -> dict:
             "swarm_stall_fraction": save / none - 1}
 
 
-def _launch_process(job_path: Path) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-c", "from skiptrain.runtime.job import Job; "
-                             "from skiptrain.runtime.launcher import launch; "
-                             f"launch(Job.load({str(job_path)!r}), timeout_s=3600)"],
-                            env=dict(os.environ, PYTHONPATH=str(REPO)), stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL, start_new_session=True)
-
-
-def _node_pids(run: Path) -> list[int]:
-    pids = []
-    for p in Path("/proc").iterdir():
-        if p.name.isdigit():
-            try:
-                if str(run).encode() in (p / "cmdline").read_bytes():
-                    pids.append(int(p.name))
-            except OSError:
-                pass
-    return pids
-
-
-def _kill_job(proc: subprocess.Popen, run: Path) -> None:
-    """SIGKILL the launcher and every node of ``run`` (all processes this bench started)."""
-    for pid in [proc.pid] + _node_pids(run):
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-    proc.wait(timeout=30)
-    end = time.time() + 30
-    while _node_pids(run) and time.time() < end:
-        time.sleep(0.05)
-
-
 def _wait_for_save(root: Path, after: int, limit_s: float) -> bool:
     """Poll until a save past step ``after`` is being written; False if none within the limit."""
     from skiptrain.checkpoint import store
@@ -129,12 +98,12 @@ def crash_loop(data: Path, work: Path, trials: int, seed: int = 0) -> dict:
     run.mkdir(parents=True)
     ok, during_save, start, steps = 0, 0, None, []
     for trial in range(trials):
-        proc = _launch_process(_job(data, run, 6, "2,2,1,1", total, 1, start).save(work / "crash-job.json"))
+        proc = launch_process(_job(data, run, 6, "2,2,1,1", total, 1, start).save(work / "crash-job.json"))
         after = start["iteration"] if start else 0
         hit = _wait_for_save(root, after + rng.randint(0, 2), 300)
         time.sleep(rng.uniform(0.0, 0.01))
         during_save += hit and any(root.glob(".tmp-step-*"))
-        _kill_job(proc, run)
+        kill_job(proc, run)
         try:
             reader = CheckpointReader(root)
             reader.verify()

@@ -59,6 +59,7 @@ from skiptrain.data.corpus import read_documents  # noqa: E402
 from skiptrain.data.dataset import TokenDataset, write_dataset  # noqa: E402
 from skiptrain.net.topology import load_topology  # noqa: E402
 from tests.fault_node import faulty_job  # noqa: E402  (the test-only fault-injecting node)
+from bench._events import spawn_joiner, steps_done, validation_loss  # noqa: E402
 from skiptrain.runtime.job import Job, build_cost, build_schedule, phase_for, with_runtime  # noqa: E402
 from skiptrain.runtime.launcher import launch  # noqa: E402
 from skiptrain.runtime.recovery import trained_samples  # noqa: E402
@@ -112,23 +113,6 @@ def script(sched, quick: bool, iteration_s: float) -> tuple[list[dict], dict]:
     return events, {"join_after": its[3] + 1, "intruder_after": its[3] + 3}
 
 
-def _spawn_joiner(run: Path, secret: str, name: str) -> subprocess.Popen:
-    info = json.loads((run / "join.json").read_text())
-    env = dict(os.environ, SKIPTRAIN_JOIN_SECRET=secret, OMP_NUM_THREADS="1",
-               PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep))
-    log = open(run / "logs" / f"{name}.log", "wb")
-    return subprocess.Popen([sys.executable, "-m", "skiptrain.runtime.node", "--join",
-                             f"{info['host']}:{info['port']}"], env=env, stdout=log, stderr=subprocess.STDOUT,
-                            stdin=subprocess.DEVNULL)
-
-
-def _steps_done(run: Path) -> int:
-    try:
-        return sum(1 for line in (run / "metrics.jsonl").read_text().splitlines() if line.strip())
-    except OSError:
-        return 0
-
-
 def run_once(cfg, topo, cost, sched, data: Path, run: Path, iterations: int, faults: list[dict],
              joins: dict | None, deadline_s: float) -> dict:
     phase = phase_for(cfg, sched, topo, cost, "train", iterations, save_weights=True)
@@ -148,12 +132,12 @@ def run_once(cfg, topo, cost, sched, data: Path, run: Path, iterations: int, fau
     spawned: dict[str, subprocess.Popen] = {}
     while th.is_alive():
         if joins:
-            done = _steps_done(run)
+            done = steps_done(run)
             if "joiner" not in spawned and done >= joins["join_after"] and (run / "join_secret").exists():
-                spawned["joiner"] = _spawn_joiner(run, (run / "join_secret").read_text(), "joiner")
+                spawned["joiner"] = spawn_joiner(run, (run / "join_secret").read_text(), "joiner")
                 spawned["joiner"].t_spawn = time.time()
             if "intruder" not in spawned and done >= joins["intruder_after"] and (run / "join.json").exists():
-                spawned["intruder"] = _spawn_joiner(run, "a-wrong-secret", "intruder")
+                spawned["intruder"] = spawn_joiner(run, "a-wrong-secret", "intruder")
         th.join(timeout=0.1)
     for p in spawned.values():
         try:
@@ -164,22 +148,6 @@ def run_once(cfg, topo, cost, sched, data: Path, run: Path, iterations: int, fau
     if "err" in out:
         raise out["err"]
     return {"res": out["res"], "wall_s": time.time() - t0, "spawned": {k: p.returncode for k, p in spawned.items()}}
-
-
-def validation_loss(cfg, data: Path, run: Path) -> float:
-    from safetensors.torch import load_file
-
-    from skiptrain.data.loader import SampleSource
-    from skiptrain.model.transformer import StagedLM
-    from skiptrain.runtime.evaluate import evaluate
-
-    ds = TokenDataset.open(data)
-    model = StagedLM(cfg.model, seed=cfg.train.seed)
-    missing = model.load_state_dict(load_file(str(run / "model.safetensors")), strict=False).missing_keys
-    if missing:
-        raise RuntimeError(f"the merged model lacks {len(missing)} tensors (e.g. {missing[:2]}): a stage was lost for good")
-    return evaluate(model, SampleSource(ds.tokens("val"), cfg.model.seq_len, shuffle=False),
-                    cfg.train.eval_batches, cfg.train.micro_batch)
 
 
 def analyse(run: Path, events: list[dict], gb: int, iterations: int) -> list[dict]:

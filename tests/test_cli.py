@@ -136,3 +136,24 @@ def test_prepare_into_an_unwritable_place_is_a_clear_error(capsys, tmp_path):
     (tmp_path / "f").write_text("")
     one_line_error(capsys, ["prepare", "--text", *TRAIN_TEXTS, "--tokenizer", "byte", "--out", str(tmp_path / "f" / "d")],
                    "cannot write the data directory")
+
+
+def test_the_demo_summary_says_what_each_idea_did(tmp_path):
+    """The demo's closing lines, read from a swarm run directory: routes, activation bytes on
+    slow links, layers frozen, checkpoints."""
+    from skiptrain.cli.train import DEMO_SWARM, demo_summary
+    from skiptrain.config import build_config, save_toml
+    from skiptrain.runtime.job import build_cost, build_schedule, build_topology
+
+    cfg = build_config("small", overrides=DEMO_SWARM)
+    save_toml(cfg, tmp_path / "config.toml")
+    topo = build_topology(cfg, cfg.runtime.nodes)
+    build_schedule(cfg, "planner", topo, build_cost(cfg, s_per_sample_layer=0.01), dp_sync=False) \
+        .save(tmp_path / "schedule.json")
+    (tmp_path / "elastic.jsonl").write_text(
+        '{"step": 20, "action": "transition", "frozen_before": 0, "frozen_after": 2, "counts": [3, 2, 3]}\n')
+    lines = demo_summary(tmp_path)
+    assert "k=0.33" in lines[0] and "geo12" in lines[0]
+    assert "carry int8" in lines[1] and not lines[1].startswith("  activations:   0 of")
+    assert "iteration 20: 0 -> 2 layers frozen" in lines[2]
+    assert "0 kept" in lines[3]

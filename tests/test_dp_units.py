@@ -530,3 +530,31 @@ def test_n1_sparseloco_sends_a_sparse_2bit_payload_and_keeps_the_residual():
         assert torch.allclose(s.e[n], pre[n] - sent_dense, atol=1e-7)          # residual stays local
         d = s.sparse.geo[n].inverse(sent_dense)                                 # N=1: the average is what was sent
         assert torch.allclose(p.detach(), anchor[n] - 0.7 * (d + 0.9 * d), atol=1e-6)   # Nesterov from zero
+
+
+def test_ring_links_delay_each_round_by_the_slowest_ring_link_for_the_scaled_bytes():
+    from skiptrain.dp.link import RingLinks
+
+    ring = RingLinks(latency_s=(0.01, 0.02, 0.005), s_per_byte=(1e-6, 1e-7, 2e-6), byte_scale=4.0)
+    # all-gather of 1000 B per node over 3: 2 rounds, each the slowest of lat + 4000 B x s/B
+    slowest = max(0.01 + 4000 * 1e-6, 0.02 + 4000 * 1e-7, 0.005 + 4000 * 2e-6)
+    assert ring.all_gather_s(1000, 3) == pytest.approx(2 * slowest)
+    # all-reduce of 3000 B: 4 rounds of a 1000-byte piece
+    assert ring.all_reduce_s(3000, 3) == pytest.approx(4 * slowest)
+    assert ring.all_gather_s(1000, 1) == 0.0 and not RingLinks().enabled
+
+
+def test_the_freeze_rule_sees_mean_gradients_not_the_signs_of_a_direction_strategy():
+    """DeMo's update is a sign direction, the same norm for a layer that still learns and one
+    that has converged: what ``inspect`` gets for such a stage is the replica's mean gradient."""
+    cfg = build_config("tiny", overrides={"dp": {"strategy": "demo", "topk": 4}})
+    model = _model()
+    strat = make_strategy(cfg.dp, model.named_parameters(), None, cfg.train)
+    opt = build_optimizer(model.named_parameters(), cfg.train, strat.update_rule)
+    grads = {n: torch.randn_like(p) * (i + 1) for i, (n, p) in enumerate(model.named_parameters())}
+    for n, p in model.named_parameters():
+        p.grad = grads[n].clone()
+    seen = {}
+    optimizer_step([HostedStage(0, strat, 2)], opt, 1e-3, 1.0, inspect=seen.update)
+    assert strat.update_rule == "direction" and seen.keys() == grads.keys()
+    assert all(torch.allclose(seen[n], grads[n] / 2) for n in grads)

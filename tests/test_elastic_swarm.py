@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import json
 import shutil
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -304,3 +306,104 @@ def test_drift_re_planning_goes_on_after_a_transition(byte_data, tmp_path):
     checks = [int(x.split("iteration ", 1)[1].split(":", 1)[0])
               for x in (run / "logs" / "node0.log").read_text().splitlines() if "re-planned routes" in x]
     assert any(i > 6 for i in checks), f"drift checks at iterations {checks}: none after the last transition"
+
+
+def test_a_layout_saved_by_other_nodes_is_reseated_on_the_nodes_of_the_resumed_job():
+    from skiptrain.runtime.transition import reseat
+
+    # node 3 failed and node 6 joined before the save; the resumed job has nodes 0..5
+    assert reseat([[0, 1, 6], [2, 4], [5]], list(range(6))) == [[0, 1, 3], [2, 4], [5]]
+    # fewer nodes than places: the layout shrinks where a node is gone
+    assert reseat([[0, 7], [1], [2]], [0, 1, 2]) == [[0], [1], [2]]
+    # nodes left over join the stage with the fewest replicas
+    assert reseat([[0, 1], [2]], [0, 1, 2, 3, 4]) == [[0, 1, 4], [2, 3]]
+    with pytest.raises(ValueError, match="none of the nodes"):
+        reseat([[0], [9]], [0])
+
+
+@pytest.mark.slow
+def test_a_node_joins_a_freezing_job_after_its_transitions_and_trains_the_frozen_layout(byte_data, tmp_path):
+    """Recovery mode, DeMo: after both freezes (iterations 4 and 6) a node joins with
+    ``--join``: it gets the rule's state and the layout in force from the lowest node, builds its
+    stage for that partition and frozen depth, takes a live replica's state and trains; its
+    stage's replicas end bit-identical, every sample is trained once."""
+    from test_join import _joiner
+
+    iters = 24
+    cfg = _cfg(runtime={"recover": True, "heartbeat_s": 0.2, "heartbeat_deadline_s": 4.0},
+               steps=iters)
+    cfg.dp.strategy = "demo"
+    run = tmp_path / "run"
+    job = _job(cfg, byte_data, run, iterations=iters)
+    out: dict = {}
+    th = threading.Thread(target=lambda: out.setdefault("res", launch(job, timeout_s=300)), daemon=True)
+    th.start()
+    deadline = time.time() + 120
+    while time.time() < deadline and th.is_alive() and not any(
+            r.get("action") == "transition" and r["frozen_after"] == 2 for r in _log_or_empty(run)):
+        time.sleep(0.05)
+    info = json.loads((run / "join.json").read_text())
+    joiner = _joiner(run, info, Path(info["secret_file"]).read_text(), "joiner")
+    th.join(timeout=300)
+    joiner.wait(timeout=30)
+    assert "res" in out, "the launch did not finish"
+    assert joiner.returncode == 0, (run / "logs" / "joiner.log").read_text()[-2000:]
+    rec = [json.loads(x) for x in (run / "recoveries.jsonl").read_text().splitlines()]
+    joined = [r for r in rec if r.get("join") and not r.get("refused")]
+    assert len(joined) == 1, rec
+    j = joined[0]["node"]
+    nj = json.loads((run / "phases" / "p" / f"node{j}.json").read_text())
+    assert nj["joined"]["iteration"] > 6 and nj["stage"] is not None
+    assert all(e["n_processed"] > 0 for e in nj["iterations"])
+    params = _node_params(run)
+    mates = [r for r, (s, _) in params.items() if s == nj["stage"] and r != j]
+    assert mates and all(torch.equal(params[j][1][k], params[mates[0]][1][k]) for k in params[j][1])
+    per_it = trained_samples(run / "phases" / "p")
+    assert sorted(i for s in per_it.values() for i in s) == list(range(iters * GB))
+
+
+def _log_or_empty(run: Path) -> list[dict]:
+    try:
+        return _log(run)
+    except (OSError, ValueError):
+        return []
+
+
+@pytest.mark.slow
+def test_a_freezing_demo_job_saved_after_a_failure_resumes_on_all_its_nodes(byte_data, tmp_path):
+    """Recovery mode, DeMo: a body replica is SIGKILLed after both freezes; the checkpoint after
+    it holds a layout without that node.  The job resumed from it with all six nodes seats the
+    saved layout on them (the node left over becomes a replica), trains to the end, and no
+    sample is lost or repeated over both launches."""
+    from fault_node import faulty_job
+
+    cfg = _cfg(runtime={"recover": True, "heartbeat_s": 0.2, "heartbeat_deadline_s": 4.0})
+    cfg.dp.strategy = "demo"
+    probe = _job(cfg, byte_data, tmp_path / "probe")
+    victim = max(probe.phases[0].schedule["placement"][1])
+    run = tmp_path / "run"
+    launch(_job(cfg, byte_data, run, iterations=8, **faulty_job({"node": victim, "kind": "kill", "iteration": 7})),
+           timeout_s=300)
+    saved = CheckpointReader(run / "checkpoints" / "step-00000008").state
+    assert saved["elastic"]["frozen"] == 2 and victim not in {n for p in saved["placement"] for n in p}
+    start = resume_point(run / "checkpoints" / "step-00000008")
+    res = launch(_job(cfg, byte_data, run, iterations=ITERS, resume=start), timeout_s=300)
+    rows = res.phase_metrics("p")
+    assert [r["step"] for r in rows] == list(range(1, ITERS + 1))     # (1-8: the first launch's, kept)
+    assert [r["nodes"] for r in rows[8:]] == [6, 6]
+    stages = {r: s for r, (s, _) in _node_params(run).items()}
+    assert stages[victim] is not None          # the node left over trains as a replica
+    per_it = trained_samples(run / "phases" / "p")
+    assert sorted(i for s in per_it.values() for i in s) == list(range(ITERS * GB))
+
+
+def test_a_resumed_freezing_job_keeps_the_decisions_before_its_checkpoint_and_drops_the_transitions_at_it(tmp_path):
+    from skiptrain.checkpoint.training import truncate_metrics
+    from skiptrain.runtime.freezing import log_position
+
+    log = tmp_path / "elastic.jsonl"
+    rows = [{"step": 6, "action": "freeze"}, {"step": 6, "action": "transition"}, {"step": 8, "action": "freeze"},
+            {"step": 8, "action": "transition"}, {"step": 8, "action": "transition_skipped"}, {"step": 10}]
+    log.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    truncate_metrics(log, 8, log_position)
+    assert [json.loads(x) for x in log.read_text().splitlines()] == rows[:3]

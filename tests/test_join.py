@@ -209,3 +209,17 @@ def test_a_node_joins_a_running_job_and_a_wrong_secret_is_refused(byte_data, tmp
     trained = [i for s in trained_samples(run / "phases" / "p").values() for i in s]
     assert sorted(trained) == list(range(iters * 4 * cfg.train.micro_batch))
     assert processes_of_run(run) == []
+
+
+def test_a_node_joining_a_schedule_of_one_stage_becomes_a_data_parallel_replica():
+    one = Schedule(placement=[[0, 1]], memory=2, method="test",
+                   micro_batches=[MicroBatch(k, k % 2, []) for k in range(6)])
+    stage, choice = choose_stage(one, 2)
+    assert stage == 0 and choice["candidates"] == [0]
+    new = add_replica(one, 2, 0)
+    assert new.placement == [[0, 1, 2]]
+    per = {n: sorted(m.id for m in new.micro_batches if m.originator == n) for n in (0, 1, 2)}
+    assert sorted(len(v) for v in per.values()) == [2, 2, 2]
+    assert sorted(i for v in per.values() for i in v) == list(range(6))     # the same samples, once each
+    with pytest.raises(ValueError, match="stage 0 of a schedule of one stage"):
+        add_replica(_sched(), 5, 0)

@@ -102,14 +102,16 @@ def restore_trainer(trainer, path: str | Path | None = None) -> Path:
     return reader.path
 
 
-def truncate_metrics(path: Path, step: int) -> None:
-    """Drop metric lines logged after ``step`` (by the run that was interrupted), atomically."""
+def truncate_metrics(path: Path, step: int, position=None) -> None:
+    """Drop metric lines logged after ``step`` (by the run that was interrupted), atomically;
+    ``position(row)``: where a line falls against ``step`` (default: its ``step``)."""
     if not path.is_file():
         return
     keep = []
     for line in path.read_text().splitlines():
         try:
-            if json.loads(line).get("step", 0) > step:
+            row = json.loads(line)
+            if (position(row) if position else row.get("step", 0)) > step:
                 continue
         except ValueError:
             continue  # a torn last line from a killed run

@@ -141,11 +141,15 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
-#: The embedded default run: a local swarm of node processes on a real skip schedule:
-#: 3 stage-0 nodes and 3 body stages with 2 replicas each, k=0.33, routes from the planner.
+#: The embedded default run: a local swarm of node processes with every idea on: 3 stage-0 nodes
+#: and 3 body stages with 2 replicas each, skip routes (k=0.33) planned for geo12's links, int8
+#: activations on its slow links, DeMo between replicas, elastic freezing, job checkpoints.
 DEMO_SWARM = ["runtime.nodes=9", "runtime.stage_sizes=3,2,2,2", "runtime.mb_per_originator=2",
-              "runtime.method=planner", "train.skip_ratio=0.33", "train.steps=150", "train.warmup_steps=15",
-              "runtime.timeout_s=60"]
+              "runtime.method=planner", "runtime.topology=geo12", "runtime.act_codec=int8",
+              "train.skip_ratio=0.33", "train.steps=150", "train.warmup_steps=15", "runtime.timeout_s=60",
+              "dp.strategy=demo", "dp.topk=8", "dp.values=sign1", "dp.indices=u12",
+              "elastic.enabled=true", "elastic.cache=off", "elastic.check_every=10",
+              "checkpoint.every=25"]
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
@@ -168,12 +172,59 @@ def cmd_demo(args: argparse.Namespace) -> int:
                                     data=str(data), steps=args.steps, skip_ratio=None, seed=None,
                                     out=args.out, quiet=False, nodes=nodes, overwrite=True)
     cmd_train(train_args)
+    if nodes is None or nodes > 1:
+        print("\n[demo] what each idea did:\n" + "\n".join(demo_summary(Path(args.out))), flush=True)
     print("\n[demo] a sample from the trained model:\n", flush=True)
     cmd_generate(argparse.Namespace(run_dir=args.out, prompt="ROMEO.\n", tokens=120, temperature=0.8,
                                     seed=0, drop_stages=None, drop_fraction=0.0))
     print(f"\n[demo] finished in {time.time() - t0:.0f} s. Run directory: {args.out} "
           "(metrics.jsonl, loss.png, model.safetensors, config.toml)")
     return 0
+
+
+def demo_summary(run: Path) -> list[str]:
+    """One line per idea of a swarm run in ``run``: the routes, the bytes the compressions saved,
+    the layers frozen, the checkpoints written."""
+    import json
+
+    from ..checkpoint import store as ckstore
+    from ..config import build_config
+    from ..runtime.job import build_cost, build_topology
+    from ..schedule.actcodec import encoded_bytes
+    from ..schedule.schedule import Schedule
+
+    cfg = build_config(toml_path=run / "config.toml")
+    sched = Schedule.load(run / "schedule.json")
+    S = len(sched.placement)
+    body = [len(m.route) for m in sched.micro_batches]
+    out = [f"  skip routes:   {len(body)} micro-batches, each through {min(body)}-{max(body)} of {S - 1} body stages "
+           f"(k={sched.skip_ratio}), planned by {sched.method} for {cfg.runtime.topology}'s links"]
+    topo, cost = build_topology(cfg, cfg.runtime.nodes), build_cost(cfg, s_per_sample_layer=1.0)
+    rows, d = cfg.train.micro_batch * cfg.model.seq_len, cfg.model.d_model
+    hops = [(a, b) for m in sched.micro_batches for a, b in zip([m.originator] + m.nodes, m.nodes + [m.originator])]
+    slow = [h for h in hops if cost.hop_codec(topo, *h) != "fp32"]
+    fp32 = 2 * len(hops) * rows * d * 4           # activations forward, their gradients backward
+    sent = fp32 - 2 * len(slow) * (rows * d * 4 - encoded_bytes(cfg.runtime.act_codec, rows, d))
+    out.append(f"  activations:   {len(slow)} of {len(hops)} hops per iteration on slow links carry "
+               f"{cfg.runtime.act_codec}: {sent / 2**20:.1f} MiB instead of {fp32 / 2**20:.1f} MiB "
+               f"(activations and gradients)")
+    sync = [json.loads(f.read_text()).get("sync_summary") for f in (run / "phases" / "train").glob("node*.json")]
+    sync = [x for x in sync if x]
+    if sync:
+        pay = sum(x["payload_bytes_per_step"] for x in sync)
+        dense = sum(x["dense_fp32_payload_bytes"] for x in sync)
+        out.append(f"  data parallel: {cfg.dp.strategy} sent {pay / 2**10:.1f} KiB per iteration over all replicas, "
+                   f"a dense fp32 all-reduce {dense / 2**20:.1f} MiB ({dense / max(pay, 1):.0f}x fewer bytes)")
+    log = run / "elastic.jsonl"
+    trans = [json.loads(x) for x in log.read_text().splitlines()] if log.is_file() else []
+    trans = [t for t in trans if t.get("action") == "transition"]
+    out.append("  freezing:      " + ("; ".join(f"iteration {t['step']}: {t['frozen_before']} -> {t['frozen_after']} "
+                                              f"layers frozen, stages {t['counts']}" for t in trans)
+                                   or "no layer froze"))
+    ckpts = ckstore.list_committed(run / "checkpoints")
+    out.append(f"  checkpoints:   {len(ckpts)} kept under {run / 'checkpoints'} (iterations "
+               f"{[s for s, _ in ckpts]}); resume with `skiptrain train --resume --out {run}`")
+    return out
 
 
 def _add_drop_args(p: argparse.ArgumentParser) -> None:

@@ -14,7 +14,7 @@ from .accountant import ByteAccountant
 from .allreduce import AllReduceStrategy
 from .demo import DeMoStrategy
 from .diloco import DiLoCoStrategy
-from .link import LINK_PRESETS, LinkModel
+from .link import LINK_PRESETS, LinkModel, RingLinks
 from .powersgd import PowerSGDStrategy
 from .sparseloco import SparseLoCoStrategy
 from .strategy import StrategyError, SyncStats, SyncStrategy
@@ -26,7 +26,7 @@ STRATEGIES: dict[str, type[SyncStrategy]] = {
 
 
 def make_strategy(dp_cfg, named_params: Iterable[tuple[str, torch.nn.Parameter]], group=None,
-                  optimizer_cfg=None, link: LinkModel | None = None) -> SyncStrategy:
+                  optimizer_cfg=None, link: LinkModel | RingLinks | None = None) -> SyncStrategy:
     """Build the strategy ``dp_cfg.strategy`` for ``named_params`` replicated over ``group``.
 
     ``dp_cfg`` is a :class:`skiptrain.config.DPConfig`; ``optimizer_cfg`` a
@@ -51,4 +51,4 @@ def make_strategy(dp_cfg, named_params: Iterable[tuple[str, torch.nn.Parameter]]
     return STRATEGIES[dp_cfg.strategy](named_params, tr, dp_cfg, optimizer_cfg or TrainConfig())
 
 
-__all__ = ["LINK_PRESETS", "STRATEGIES", "LinkModel", "StrategyError", "SyncStats", "SyncStrategy", "make_strategy"]
+__all__ = ["LINK_PRESETS", "STRATEGIES", "LinkModel", "RingLinks", "StrategyError", "SyncStats", "SyncStrategy", "make_strategy"]

@@ -17,6 +17,11 @@ pessimistic).  Every node computes the same delay, so nodes stay in step.  This 
 one shared access link per node, not per-link FIFO queues; the pipeline transport emulates
 those separately.
 
+:class:`RingLinks` is the same delay over a ring of point-to-point links of a topology (a
+stage's replicas on geo links): every round moves its piece over every ring link at once and
+lasts as long as the slowest (latency + bytes / bandwidth); bytes count ``byte_scale`` times
+(the emulated bytes per real byte of the topology's emulation).
+
 Named presets (:data:`LINK_PRESETS`, chosen with ``dp.link``; empty = the ``dp.link_up_mbps`` /
 ``dp.link_down_mbps`` / ``dp.link_latency_ms`` fields):
 
@@ -59,6 +64,32 @@ class LinkModel:
         if dp_cfg.link:
             return LINK_PRESETS[dp_cfg.link]
         return cls(dp_cfg.link_up_mbps, dp_cfg.link_down_mbps, dp_cfg.link_latency_ms)
+
+
+@dataclass(frozen=True)
+class RingLinks:
+    """The ring links of a group: per ring link (member ``i`` to member ``i + 1``) its latency in
+    seconds and seconds per byte; ``byte_scale`` emulated bytes per real byte."""
+    latency_s: tuple[float, ...] = ()
+    s_per_byte: tuple[float, ...] = ()
+    byte_scale: float = 1.0
+
+    @property
+    def enabled(self) -> bool:
+        return len(self.latency_s) > 1
+
+    def _round_s(self, nbytes: float) -> float:
+        return max(lat + nbytes * self.byte_scale * spb for lat, spb in zip(self.latency_s, self.s_per_byte))
+
+    def all_gather_s(self, nbytes_per_node: int, world: int) -> float:
+        if world <= 1 or not self.enabled:
+            return 0.0
+        return (world - 1) * self._round_s(nbytes_per_node)
+
+    def all_reduce_s(self, nbytes: int, world: int) -> float:
+        if world <= 1 or not self.enabled:
+            return 0.0
+        return 2 * (world - 1) * self._round_s(nbytes / world)
 
 
 #: named per-node links (``dp.link``); the config's choices for ``dp.link`` are these names

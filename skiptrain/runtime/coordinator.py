@@ -362,7 +362,8 @@ class _Joins:
         ph = self.job.phases[0]
         sched = Schedule.from_dict(cur["schedule"])
         topo = Topology.from_dict(ph.topology) if ph.topology else None
-        cost = CostModel.from_dict(ph.cost) if ph.cost else None
+        # the cost model of the layout in force (freezing changes it), else the phase's
+        cost = CostModel.from_dict(cur["cost"]) if cur.get("cost") else CostModel.from_dict(ph.cost) if ph.cost else None
         stage, choice = choose_stage(sched, j, Schedule.from_dict(ph.schedule), topo, cost)
         new = add_replica(sched, j, stage, Schedule.from_dict(ph.schedule))
         st = self.pending[j]

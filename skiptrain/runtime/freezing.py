@@ -53,12 +53,19 @@ from ..schedule.schedule import Schedule
 from .failure import NodeFailure
 from .job_checkpoint import load_sync
 from .transition import (build_stage, freeze_parameters, gather_state, layout_cost, layout_schedule, move_state,
-                         plan_layout, stage_names, stage_sizes, sync_state, wait_all)
+                         plan_layout, reseat, stage_names, stage_sizes, sync_state, wait_all)
 
 GUARD_TAG = 13
 # the planner's budget when it re-plans the routes of a new layout (simulator calls; no time cap,
 # so every run plans the same routes)
 ROUTE_EVALS = 200
+
+
+def log_position(row: dict[str, Any]) -> float:
+    """Where a line of ``elastic.jsonl`` falls against a checkpoint's step (iterations done): a
+    decision's step counts the iterations done; a transition's is the iteration it starts, so
+    one at the checkpoint's step came after the checkpoint (a resumed job applies it again)."""
+    return row.get("step", 0) + (0.5 if str(row.get("action", "")).startswith("transition") else 0.0)
 
 
 class SwarmFreezing:
@@ -362,7 +369,7 @@ class SwarmFreezing:
             self.runner = PrefixRunner(model, self._open_cache() if self._cache_on(F) else None)
         self.prefix_due = F > 0
         st.ex = node._executor(st)
-        node._publish_sched(sched, st.idx)
+        node._publish_sched(sched, st.idx, cost)
 
     # ---- checkpoints ----------------------------------------------------------------------
 
@@ -380,19 +387,22 @@ class SwarmFreezing:
         if not saved:
             return
         st, node = self.st, self.node
-        self.rule.load_state_dict(saved["rule"])
-        self.layouts, self.transitions = list(saved["layouts"]), list(saved["transitions"])
-        self.pending, self.guard_s = saved.get("pending"), float(saved.get("guard_s", 0.0))
+        self._load_rule(saved)
         if node.rank == min(node.alive):
-            truncate_metrics(Path(node.run_dir) / "elastic.jsonl", int(node.job.resume["iteration"]))
+            truncate_metrics(Path(node.run_dir) / "elastic.jsonl", int(node.job.resume["iteration"]), log_position)
         F, counts = int(saved["frozen"]), list(saved["counts"])
         if F == self.frozen and counts == self.counts:
             return
         sched = Schedule.from_dict(saved["schedule"])
+        cached = bool(saved.get("prefix_cached"))
+        cost = layout_cost(self.base_cost, self.cfg.model, counts, F, hit=1.0 if cached else 0.0)
         if sorted(sched.nodes()) != sorted(st.sched.nodes()):
-            raise NodeFailure(f"node {node.rank}: the checkpoint's layout {sched.placement} (after freeze "
-                              f"transitions) needs the nodes {sched.nodes()}; this job has {st.sched.nodes()}",
-                              node=None)
+            # saved by other nodes (some failed or joined since the job started): the same
+            # stages on this job's nodes, routes planned again
+            c = self.cfg
+            placement = reseat(sched.placement, sorted(st.sched.nodes()))
+            sched = self._routes(layout_schedule(placement, sorted(st.order), c.train.skip_ratio, c.train.max_swaps,
+                                                 st.sched.memory, c.train.seed + int(node.job.resume["iteration"])), cost)
         stage = sched.stage_of().get(node.rank)
         model = opt = None
         if stage is not None:
@@ -405,6 +415,26 @@ class SwarmFreezing:
             opt = build_optimizer(model.named_parameters(), self.cfg.train,
                                   st.strat.update_rule if st.strat is not None else "adamw")
             freeze_parameters(model, F)
-        cached = bool(saved.get("prefix_cached"))
-        cost = layout_cost(self.base_cost, self.cfg.model, counts, F, hit=1.0 if cached else 0.0)
         self._switch(sched, stage, model, opt, cost, F, counts, None, None, cached)
+
+    def _load_rule(self, saved: dict[str, Any]) -> None:
+        """The rule's state, the layout history and a pending transition from ``state_dict()``."""
+        self.rule.load_state_dict(saved["rule"])
+        self.layouts, self.transitions = list(saved["layouts"]), list(saved["transitions"])
+        self.pending, self.guard_s = saved.get("pending"), float(saved.get("guard_s", 0.0))
+
+    def adopt(self, saved: dict[str, Any]) -> None:
+        """A node joining the job: the rule's state and the layout in force, ``state_dict()`` of
+        a live node (this node's stage was built for that partition and frozen depth; the caller
+        builds the executor after this).  A joiner on stage 0 recomputes the frozen prefix (its
+        state arrives after this, so it has no prefix to fingerprint yet); from the next layout
+        change on it serves the prefix like every originator."""
+        st = self.st
+        self._load_rule(saved)
+        self.frozen, self.counts = int(saved["frozen"]), list(saved["counts"])
+        self.prefix_cached = bool(saved.get("prefix_cached"))
+        st.cost = layout_cost(self.base_cost, self.cfg.model, self.counts, self.frozen,
+                              hit=1.0 if self.prefix_cached else 0.0)
+        if st.model is not None and st.stage == 0 and self.frozen > 0:
+            self.runner = PrefixRunner(st.model)
+            self.runner.set_frozen(self.frozen)

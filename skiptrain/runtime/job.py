@@ -48,7 +48,7 @@ class Phase:
     wan: bool = False                         # emulate links of ``topology``
     bytes_scale: float = 1.0
     emulate_compute: bool = False
-    emulate_sync: bool = False
+    emulate_sync: bool = False               # replica groups' collectives delayed as on ``topology``'s links
     dump: bool = False                        # write parameters and pre-sync gradients (tests)
     save_weights: bool = False                # first replica of each stage writes its tensors
     config: dict[str, Any] | None = None      # {section: {key: value}} over the job's config for this phase

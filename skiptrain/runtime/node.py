@@ -224,16 +224,17 @@ class Node:
                           rank_of=self._rank.__getitem__, node_of=self.alive.__getitem__, device=self.device)
         return tr
 
-    def build_stage(self, stage: int, in_flight: int):
-        """Stage ``stage`` of the model on this node's device, in training mode (the seed's
-        values, or ``train.init_from``'s tensors of that stage): the memory estimate with
-        ``in_flight`` micro-batches printed, refused in one line when it cannot fit."""
+    def build_stage(self, stage: int, in_flight: int, partition=None):
+        """Stage ``stage`` of the model (under ``partition``, default the configured one) on this
+        node's device, in training mode (the seed's values, or ``train.init_from``'s tensors of
+        that stage): the memory estimate with ``in_flight`` micro-batches printed, refused in one
+        line when it cannot fit."""
         from ..model.device import build_on_device
 
         cfg = self.cfg
         torch.manual_seed(cfg.train.seed)
         model, est = build_on_device(cfg.model, [stage], cfg.train.seed, self.device, cfg.train.micro_batch,
-                                     in_flight, cfg.train.precision)
+                                     in_flight, cfg.train.precision, partition)
         print(f"skiptrain node {self.rank}: {self.device}, {cfg.train.precision}: {est.describe()}",
               file=sys.stderr, flush=True)
         if cfg.train.init_from:
@@ -327,13 +328,24 @@ class Node:
         stage = self.stage_of.get(rank)
         cost = CostModel.from_dict(ph.cost) if ph.cost else None
         topo = Topology.from_dict(ph.topology) if ph.topology else None
+        # joining a freezing job: the freeze rule's state and the layout in force (partition,
+        # frozen depth) from the lowest node, before this node builds its stage
+        frozen = self._broadcast_json(None) if joining is not None and cfg.elastic.enabled else None
         model = None
         if stage is not None:
-            model = self.build_stage(stage, sched.memory)
+            from ..model.partition import Partition
+
+            model = self.build_stage(stage, sched.memory, Partition(tuple(frozen["counts"])) if frozen else None)
             if self.job.meta.get("init_weights"):     # a pre-trained start (tensors by global name)
                 init = torch.load(self.job.meta["init_weights"], weights_only=True)
                 model.load_state_dict({k: v for k, v in init.items() if k in model.state_dict()})
             _warm_up(model, stage, cfg, self.device)
+            if frozen:
+                from .transition import freeze_parameters
+                freeze_parameters(model, int(frozen["frozen"]))
+        # the stage's data-parallel collectives delayed as on the topology's links (every strategy's
+        # real bytes, each replica group a ring: :class:`skiptrain.dp.link.RingLinks`)
+        self.sync_topo = (topo, ph.bytes_scale) if ph.emulate_sync and topo is not None else None
         groups, strat = self._stage_groups(sched, stage, model, None)
         out_dir = self.run_dir / "phases" / ph.name
         out_dir.mkdir(parents=True, exist_ok=True)
@@ -356,13 +368,16 @@ class Node:
         if cfg.elastic.enabled:
             from .freezing import SwarmFreezing
             st.elastic = SwarmFreezing(self, st)    # a resumed job: the layout the checkpoint was in
+            if frozen is not None:
+                st.elastic.adopt(frozen)
+            st.ex = self._executor(st)   # stage 0 starts from the frozen prefix's output (resumed, joined)
         if joining is not None:
             self._join_phase(st, joining)
         else:
             if self.job.resume and self.job.resume["phase"] == phase_idx:
                 self._resume(st)
             if self.job.rt.recover:
-                self._publish_sched(sched, phase_idx)
+                self._publish_sched(st.sched, phase_idx, st.cost)   # (a resumed freezing job: its layout)
         return st
 
     def _open_checkpoints(self, ph: Phase) -> None:
@@ -580,7 +595,7 @@ class Node:
                 return
             st.sched, st.groups, st.strat = self._apply_join(int(flag.item()), st.sched, st.model, st.stage,
                                                              st.strat, st.opt, st.ph, st.idx, st.it, st.cursor,
-                                                             a.step_count)
+                                                             a.step_count, st.elastic)
             st.record.setdefault("joins", []).append({"gen": self.gen, "iteration": st.it,
                                                       "placement": st.sched.placement})
             st.replan_pending = True
@@ -613,8 +628,6 @@ class Node:
         stats = a.outcome.stats[stage]
         a.entry["sync"] = {"payload": stats.payload_bytes, "received": stats.received_bytes,
                            "comm_s": round(stats.comm_s, 6), "synced": stats.synced, "n_total": stats.n_total}
-        if ph.emulate_sync and st.cost is not None and st.topo is not None:
-            time.sleep(st.cost.dp_sync_s(st.topo, replicas, stage))
         te = time.time()
         for p in model.parameters():
             p.grad = None
@@ -671,7 +684,7 @@ class Node:
             st.sched = new_sched
             self.stage_of = st.sched.stage_of()
             st.ex = self._executor(st)
-            self._publish_sched(st.sched, st.idx)
+            self._publish_sched(st.sched, st.idx, st.cost)
 
     def _recover_iteration(self, st: "PhaseState", a: "Attempt", e: BaseException) -> None:
         """Recover from ``e`` (a peer failed or misbehaved): report, re-form over the survivors,
@@ -722,7 +735,7 @@ class Node:
                               None if was_moved else a.res)
         st.sched = new_sched
         self._ack()
-        self._publish_sched(st.sched, st.idx)
+        self._publish_sched(st.sched, st.idx, st.cost)
         st.replan_pending = True
         return redone
 
@@ -789,13 +802,30 @@ class Node:
         strat = None
         if model is not None:   # over the parameters that train (frozen ones have no gradient to sync)
             strat = make_strategy(self.cfg.dp, [(n, p) for n, p in model.named_parameters() if p.requires_grad],
-                                  groups[stage], self.cfg.train)
+                                  groups[stage], self.cfg.train, link=self._sync_link(sched.placement[stage]))
             if old_strat is not None:
                 sd = old_strat.state_dict()
                 if step_count is not None:
                     sd["step"] = step_count
                 strat.load_state_dict(sd)
         return groups, strat
+
+    def _sync_link(self, replicas: list[int]):
+        """The emulated links of a replica group's collectives (``Phase.emulate_sync``): the ring
+        over ``replicas`` on the phase's topology; None (the ``dp`` config's links) otherwise."""
+        topo_scale = getattr(self, "sync_topo", None)
+        if topo_scale is None or len(replicas) < 2:
+            return None
+        from ..dp.link import RingLinks
+        from ..schedule.cost import ring_order
+
+        topo, scale = topo_scale
+        if max(replicas) >= topo.n:
+            return None
+        ring = ring_order(topo, sorted(replicas))
+        pairs = [(ring[i], ring[(i + 1) % len(ring)]) for i in range(len(ring))]
+        return RingLinks(tuple(float(topo.latency_s[a][b]) for a, b in pairs),
+                         tuple(1.0 / float(topo.bandwidth_Bps[a][b]) for a, b in pairs), float(scale))
 
     def _sync(self, fn, *args) -> None:
         """Run the collective ``fn(*args)``.  In recovery mode it runs asynchronously and the wait
@@ -1016,19 +1046,24 @@ class Node:
         (schedule or None, record or None) everywhere."""
         from ..schedule.schedule import Schedule
 
+        d = self._broadcast_json({"schedule": adopted[0].to_dict(), "last": adopted[1]} if adopted else None)
+        return (Schedule.from_dict(d["schedule"]), d["last"]) if d else (None, None)
+
+    def _broadcast_json(self, obj):
+        """Rank 0's JSON-able ``obj`` (or None) to every node of the group; returns it everywhere
+        (what the other ranks pass is ignored)."""
         hdr = torch.zeros(2, dtype=torch.int64)
         payload = b""
-        if dist.get_rank() == 0 and adopted is not None:
-            payload = json.dumps({"schedule": adopted[0].to_dict(), "last": adopted[1]}).encode()
+        if dist.get_rank() == 0 and obj is not None:
+            payload = json.dumps(obj).encode()
             hdr[0], hdr[1] = 1, len(payload)
         self._sync(dist.broadcast, hdr, 0)
         if not hdr[0]:
-            return None, None
+            return None
         buf = torch.frombuffer(bytearray(payload), dtype=torch.uint8) if payload else \
             torch.empty(int(hdr[1]), dtype=torch.uint8)
         self._sync(dist.broadcast, buf, 0)
-        d = json.loads(bytes(buf.tolist()).decode())
-        return Schedule.from_dict(d["schedule"]), d["last"]
+        return json.loads(bytes(buf.tolist()).decode())
 
     # ---- joining ----------------------------------------------------------------------
 
@@ -1037,18 +1072,22 @@ class Node:
         if self.job.rt.recover:
             self.store.set(f"ack/{self.gen}/{self.rank}", repr(time.time()))
 
-    def _publish_sched(self, sched, phase_idx: int) -> None:
-        """The lowest node of the generation tells the coordinator the schedule in force (it
-        places joining nodes on it)."""
+    def _publish_sched(self, sched, phase_idx: int, cost=None) -> None:
+        """The lowest node of the generation tells the coordinator the schedule in force and,
+        when given, the cost model of its layout (it places joining nodes on them)."""
         if self.job.rt.recover and self.rank == min(self.alive):
-            self.store.set("sched/cur", json.dumps({"gen": self.gen, "phase": phase_idx,
-                                                    "schedule": sched.to_dict()}))
+            cur = {"gen": self.gen, "phase": phase_idx, "schedule": sched.to_dict()}
+            if cost is not None:
+                cur["cost"] = cost.to_dict()
+            self.store.set("sched/cur", json.dumps(cur))
 
     def _apply_join(self, target: int, sched, model, stage, strat, opt, ph, phase_idx: int, it: int, cursor: int,
-                    step_count: int):
+                    step_count: int, elastic=None):
         """At an iteration boundary, every node switches to join generation ``target``: re-forms
-        the groups with the joining node(s), takes the coordinator's schedule, rebuilds its stage
-        group keeping its optimizer state, and takes part in the joiner's state transfer.
+        the groups with the joining node(s), (in a freezing job: the lowest node sends the freeze
+        rule's state and the layout in force, ``elastic.state_dict()``), takes the coordinator's
+        schedule, rebuilds its stage group keeping its optimizer state, and takes part in the
+        joiner's state transfer.
         Returns (schedule, groups, strategy); on failure the caller keeps the old ones."""
         from ..schedule.schedule import Schedule
         from .recovery import read_generation
@@ -1061,12 +1100,14 @@ class Node:
         new = Schedule.from_dict(recs[-1]["schedule"])
         t = time.time()
         self._regroup(target, recs[-1]["alive"])
+        if elastic is not None:
+            self._broadcast_json(elastic.state_dict())
         self.stage_of = new.stage_of()
         groups, strat2 = self._stage_groups(new, stage, model, strat, step_count)
         self._join_transfer(new, joins, model, strat2, opt, ph, phase_idx, it, cursor)
         self._pre_join = (max(joins), sched)
         self._ack()
-        self._publish_sched(new, phase_idx)
+        self._publish_sched(new, phase_idx, elastic.st.cost if elastic is not None else None)
         print(f"skiptrain node {self.rank}: generation {target}: node(s) {sorted(joins)} joined "
               f"(stages {sorted(set(joins.values()))}); placement {new.placement}; {time.time() - t:.3f} s",
               file=sys.stderr, flush=True)
@@ -1082,6 +1123,7 @@ class Node:
         sync state by name, :func:`~skiptrain.runtime.transition.move_state`).  A joiner on a
         stage with no live replica initialises it by :meth:`_init_stage` (checkpoint or CheckFree).
         Returns (resume info, report on a joiner)."""
+        from ..model.partition import partition_layers
         from .job_checkpoint import load_stage_state
         from .recovery import join_transfers
         from .transition import gather_state, move_state, stage_sizes
@@ -1102,8 +1144,9 @@ class Node:
             if self.rank == j:
                 report = rep
                 self._stage_from_checkpoint(rep, sched, s, model, opt, strat)
-        plan = join_transfers(sizes, model.partition, sched.placement, joins,
-                              drift=bool(getattr(strat, "replicas_drift", False)))
+        # (a node with no stage is in no message of the plan, whatever partition it assumes)
+        part = model.partition if model is not None else partition_layers(self.cfg.model)
+        plan = join_transfers(sizes, part, sched.placement, joins, drift=bool(getattr(strat, "replicas_drift", False)))
         t = time.time()
         blobs = move_state(self.rank, plan, self._rank, model, opt, strat, lambda: None)
         if self.rank in joins and blobs:
@@ -1287,11 +1330,6 @@ def main(argv: list[str] | None = None, node_class: type[Node] = Node) -> int:
             print(f"skiptrain node: cannot join {args.join}: {e}", file=sys.stderr)
             return 2
         world = job.world
-        from ..config import config_from_dict
-        if config_from_dict(job.config).elastic.enabled:
-            print(f"skiptrain node: cannot join {args.join}: the job freezes layers (elastic.enabled) and a node "
-                  "joining it would not hold the freeze rule's state", file=sys.stderr)
-            return 2
     else:
         try:
             rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])

@@ -335,14 +335,32 @@ def add_replica(schedule: Schedule, node: int, stage: int, original: Schedule | 
       route that visited it in ``original`` (the phase's schedule; every route when ``None``),
       at the position that keeps ``original``'s visit order, on ``node``.
 
-    Micro-batch ids and originators never change (same samples).  Deterministic."""
-    if not 1 <= stage < len(schedule.placement):
-        raise ValueError(f"a joining node takes a body stage (1..{len(schedule.placement) - 1}), not {stage}")
+    * ``stage`` 0 of a schedule of one stage (plain data parallelism, e.g. after freezing shrank
+      the pipeline): micro-batches move, last first, from the originator with the most to
+      ``node``, which originates them, until the counts differ by at most one.
+
+    Micro-batch ids never change (same samples), nor do originators of a pipeline.  Deterministic."""
+    S = len(schedule.placement)
+    if not (1 <= stage < S or (stage == 0 and S == 1)):
+        raise ValueError(f"a joining node takes a body stage (1..{S - 1}), or stage 0 of a schedule of one stage; "
+                         f"not stage {stage} of {S}")
     if node in schedule.stage_of():
         raise ValueError(f"node {node} is already in the schedule")
     placement = [list(p) for p in schedule.placement]
     mbs = [MicroBatch(m.id, m.originator, list(m.route), m.start_s) for m in schedule.micro_batches]
-    if placement[stage]:
+    if stage == 0:
+        load = Counter({n: 0 for n in placement[0]})
+        load.update(m.originator for m in mbs)
+        load[node] = 0
+        while True:
+            top = max(placement[0], key=lambda x: (load[x], -x))
+            if load[top] - load[node] <= 1:
+                break
+            i = max(i for i, m in enumerate(mbs) if m.originator == top)
+            mbs[i] = MicroBatch(mbs[i].id, node, mbs[i].route, mbs[i].start_s)
+            load[top] -= 1
+            load[node] += 1
+    elif placement[stage]:
         load = Counter({n: 0 for n in placement[stage]})
         for m in mbs:
             for s, n in m.route:
@@ -379,7 +397,8 @@ def add_replica(schedule: Schedule, node: int, stage: int, original: Schedule | 
 def choose_stage(schedule: Schedule, node: int, original: Schedule | None = None, topo=None,
                  cost=None) -> tuple[int, dict]:
     """Where a joining ``node`` shortens the iteration most: a body stage with no replica left
-    first (the routes skip it today), else the body stage whose extra replica gives the lowest
+    first (the routes skip it today), else (stage 0 when it is the only stage) the body stage
+    whose extra replica gives the lowest
     simulated iteration time (:func:`~skiptrain.schedule.simulator.simulate` with the phase's
     topology and cost model, link contention on, no DP sync, like the runtime's planning).
     Without a topology covering ``node`` (or a cost model) the stage with the most forward hops
@@ -388,9 +407,7 @@ def choose_stage(schedule: Schedule, node: int, original: Schedule | None = None
 
     S = len(schedule.placement)
     empty = [s for s in range(1, S) if not schedule.placement[s]]
-    pool = empty or list(range(1, S))
-    if not pool:
-        raise ValueError("the schedule has no body stage for a joining node")
+    pool = empty or list(range(1, S)) or [0]     # one stage: one more data-parallel replica
     scores: dict[int, float] = {}
     rule = "empty stage" if empty else "simulated iteration time"
     if topo is not None and cost is not None and node < topo.n:

@@ -72,9 +72,16 @@ def optimizer_step(hosted: list[HostedStage], optimizer: torch.optim.Optimizer, 
     Every process of a swarm must call it once per iteration (``sum_across`` is a collective),
     also one that hosts no stage (``hosted`` empty): it then only takes part in the sum.
     ``inspect`` sees the synced, not yet clipped updates of every hosted stage by name (the
-    freeze rule reads per-layer gradient norms there).
+    freeze rule reads per-layer gradient norms there); for a strategy whose update is a
+    direction (DeMo: signs of equal norm whatever the layer's state) the replica's own mean
+    gradients, not clipped.
     """
     local = [(h, h.sync.local_grads()) for h in hosted]
+    # a direction (DeMo's signs) says nothing about how fast a layer still learns: ``inspect``
+    # sees this replica's mean gradients of such a stage instead (copies: the exchange may
+    # modify the gradients)
+    evidence = {n: t / max(h.n_processed, 1) for h, g in local if inspect is not None
+                and h.sync.update_rule == "direction" for n, t in g.items()}
     pre = any(h.sync.clip_local for h in hosted)
     coef, norm = 1.0, 0.0
     if pre:                     # clip the local mean gradients (the sums scale alike)
@@ -86,7 +93,7 @@ def optimizer_step(hosted: list[HostedStage], optimizer: torch.optim.Optimizer, 
             _scale(g, coef)
     updates = [(h, h.sync.exchange(g, h.n_processed, lr)) for h, g in local]
     if inspect is not None:
-        inspect({n: t for _, u in updates if u for n, t in u.items()})
+        inspect({**{n: t for _, u in updates if u for n, t in u.items()}, **evidence})
     if not pre:
         norm = sum_across(_local_norm_sq(updates)) ** 0.5
         coef = clip_coefficient(norm ** 2, max_norm)

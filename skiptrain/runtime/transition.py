@@ -116,6 +116,23 @@ def layout_schedule(placement: list[list[int]], ids: list[int], skip_ratio: floa
                     meta={"elastic": True})
 
 
+def reseat(placement: list[list[int]], nodes: list[int]) -> list[list[int]]:
+    """The layout ``placement`` on the nodes ``nodes`` (a job resumed on other nodes than those
+    that saved it): a saved node that is here keeps its place; the place of one that is gone goes
+    to the lowest node not placed yet; nodes left over become replicas of the stage with the
+    fewest (ties: the lowest stage).  A stage left without a node is an error."""
+    here = set(nodes)
+    spare = sorted(here - {n for p in placement for n in p})
+    out = []
+    for p in placement:
+        out.append([n if n in here else spare.pop(0) for n in p if n in here or spare])
+    if any(not p for p in out):
+        raise ValueError(f"the layout {placement} has a stage none of the nodes {sorted(nodes)} can hold")
+    for n in spare:
+        min(out, key=len).append(n)
+    return [sorted(p) for p in out]
+
+
 def layout_cost(cost, model_cfg, counts: list[int], frozen: int, hit: float = 0.0):
     """``cost`` for the layout ``counts`` with ``frozen`` frozen layers: a stage's compute in
     active-layer units (a frozen layer's forward only, scaled by the cache's miss fraction), its
