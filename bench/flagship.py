@@ -141,6 +141,16 @@ class Clock:
         """A resumed launch redoes the iterations after its checkpoint: forget their times."""
         self.times = {k: v for k, v in self.times.items() if k <= from_step}
 
+    def follow(self, proc, what: str, logs: str) -> None:
+        """Sample this run's clock until the launch ``proc`` ends; a failed launch ends the bench
+        with one line naming ``what`` failed and where its ``logs`` are."""
+        while proc.poll() is None:
+            self.poll()
+            time.sleep(0.05)
+        self.poll()
+        if proc.returncode != 0:
+            raise SystemExit(f"{what} failed (exit {proc.returncode}); see {logs}")
+
 
 def run_baseline(cfg, topo, data: Path, run: Path) -> dict:
     cost = build_cost(cfg)
@@ -150,13 +160,8 @@ def run_baseline(cfg, topo, data: Path, run: Path) -> dict:
     job = Job(config=cfg.to_dict(), data_path=str(data), run_dir=str(run), phases=[phase])
     t0 = time.time()
     clock = Clock(run, t0)
-    proc = launch_process(job.save(run.parent / "baseline-job.json"), run.parent / "baseline-launch.log")
-    while proc.poll() is None:
-        clock.poll()
-        time.sleep(0.05)
-    clock.poll()
-    if proc.returncode != 0:
-        raise SystemExit(f"baseline launch failed (exit {proc.returncode}); see {run.parent / 'baseline-launch.log'}")
+    log = run.parent / "baseline-launch.log"
+    clock.follow(launch_process(job.save(run.parent / "baseline-job.json"), log), "baseline launch", str(log))
     return {"wall_s": time.time() - t0, "times": clock.times, "metrics": read_metrics(run),
             "val_loss": validation_loss(cfg, data, run), "schedule": sched}
 
@@ -214,14 +219,9 @@ def run_flagship(cfg, topo, data: Path, run: Path, quick: bool) -> dict:
     clock.restart(rp["iteration"])
     job.resume, job.node_module, job.meta = rp, "skiptrain.runtime.node", {}
     t_res = time.time()
-    proc = launch_process(job.save(run.parent / "flagship-job-resume.json"), run.parent / "flagship-launch2.log")
-    while proc.poll() is None:
-        clock.poll()
-        time.sleep(0.05)
-    clock.poll()
-    if proc.returncode != 0:
-        raise SystemExit(f"resumed flagship launch failed (exit {proc.returncode}); see "
-                         f"{run.parent / 'flagship-launch2.log'} and {run / 'logs'}")
+    log = run.parent / "flagship-launch2.log"
+    clock.follow(launch_process(job.save(run.parent / "flagship-job-resume.json"), log), "resumed flagship launch",
+                 f"{log} and {run / 'logs'}")
     first = clock.times.get(rp["iteration"] + 1)
     events[-1]["back_to_work_s"] = round(first - t_kill, 2) if first is not None else None
     return {"wall_s": time.time() - t0, "times": clock.times, "metrics": read_metrics(run), "events": events,
