@@ -360,7 +360,6 @@ class Node:
                         # gather makes them agree (a column of the gathered stats)
                         replan_pending=joining is not None)
         st.gb = len(st.order) * cfg.train.micro_batch
-        st.ex = self._executor(st)
         self._open_checkpoints(ph)
         if self.job.rt.drift_threshold > 0 and cost is not None and topo is not None:
             from .drift import DriftMonitor
@@ -370,7 +369,7 @@ class Node:
             st.elastic = SwarmFreezing(self, st)    # a resumed job: the layout the checkpoint was in
             if frozen is not None:
                 st.elastic.adopt(frozen)
-            st.ex = self._executor(st)   # stage 0 starts from the frozen prefix's output (resumed, joined)
+        st.ex = self._executor(st)   # (after the freezing state: stage 0 may start from the frozen prefix)
         if joining is not None:
             self._join_phase(st, joining)
         else:
