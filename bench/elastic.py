@@ -104,9 +104,14 @@ def real_config(args, steps: int, elastic: dict | None):
 
 
 def real_runs(args) -> dict:
+    """The baseline, freeze-only and elastic trainers side by side, in a temporary directory."""
     torch.set_num_threads(1)
+    with tempfile.TemporaryDirectory(prefix="bench-elastic-") as tmp:
+        return real_runs_in(args, Path(tmp))
+
+
+def real_runs_in(args, tmp: Path) -> dict:
     steps = args.steps
-    tmp = Path(tempfile.mkdtemp(prefix="bench-elastic-"))
     init = None
     pre_s = 0.0
     if args.pretrain:

@@ -211,10 +211,16 @@ def swarm_half(args, best: dict, seeds: list[int], iterations: int, data: str,
     fine-tuning windows) from ``init_state`` (the real half's pre-trained weights; None: from
     scratch); per seed and mean."""
     import torch
-    init = None
-    if init_state is not None:
-        init = str(Path(tempfile.mkdtemp(prefix="bench-elastic-init-")) / "init.pt")
-        torch.save(init_state, init)
+    with tempfile.TemporaryDirectory(prefix="bench-elastic-init-") as tmp:
+        init = None
+        if init_state is not None:
+            init = str(Path(tmp) / "init.pt")
+            torch.save(init_state, init)
+        return seeds_and_mean(args, best, seeds, iterations, data, init)
+
+
+def seeds_and_mean(args, best: dict, seeds: list[int], iterations: int, data: str, init: str | None) -> dict:
+    """Every seed's figures (from the pre-trained state at ``init``, if any) and their mean."""
     out = {"pretrained": init is not None, "best_static": {k: best[k] for k in ("stages", "replicas", "n_micro")}, "iterations": iterations,
            "s_per_sample_layer": args.swarm_spl, "check_every": args.swarm_check_every, "cache": args.swarm_cache,
            "seeds": {}}

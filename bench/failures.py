@@ -89,14 +89,9 @@ def run(data: Path, out: Path, faults, iterations: int, deadline_s: float) -> di
             "samples_repeated": repeated, "losses": [m["loss"] for m in res.metrics]}
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--quick", action="store_true", help="one launch with all four faults")
-    ap.add_argument("--json", type=Path, help="write the results here")
-    ap.add_argument("--deadline", type=float, default=2.0, help="heartbeat deadline (s) for hung peers")
-    args = ap.parse_args()
-    torch.set_num_threads(1)
-    root = Path(tempfile.mkdtemp(prefix="bench_failures_"))
+def run_all(args, root: Path) -> tuple[dict, dict]:
+    """The launches (one with every fault when quick, else one per fault and one without) under
+    ``root``; their results and each faulty node's label."""
     T = Path(__file__).resolve().parents[1] / "tests" / "data"
     data = root / "data"
     write_dataset(data, read_documents([str(T / "hamlet_excerpt.txt"), str(T / "macbeth_excerpt.txt")]),
@@ -113,6 +108,18 @@ def main() -> int:
         for i, (name, f) in enumerate(FAULTS.items()):
             results["runs"][name] = run(data, root / f"f{i}", [dict(f, iteration=1)], 4, args.deadline)
             labels[f["node"]] = name
+    return results, labels
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--quick", action="store_true", help="one launch with all four faults")
+    ap.add_argument("--json", type=Path, help="write the results here")
+    ap.add_argument("--deadline", type=float, default=2.0, help="heartbeat deadline (s) for hung peers")
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    with tempfile.TemporaryDirectory(prefix="bench_failures_") as tmp:
+        results, labels = run_all(args, Path(tmp))
     print(f"{'fault':52s} {'detect s':>9s} {'recover s (med/max)':>20s} {'attempts lost':>13s} "
           f"{'samples lost/rep':>16s}")
     normal = []

@@ -44,7 +44,6 @@ import os
 import signal
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from pathlib import Path
@@ -60,6 +59,7 @@ from skiptrain.data.dataset import TokenDataset, write_dataset  # noqa: E402
 from skiptrain.net.topology import load_topology  # noqa: E402
 from tests.fault_node import faulty_job  # noqa: E402  (the test-only fault-injecting node)
 from bench._events import spawn_joiner, steps_done, validation_loss  # noqa: E402
+from bench._workdir import work_dir  # noqa: E402
 from skiptrain.runtime.job import Job, build_cost, build_schedule, phase_for, with_runtime  # noqa: E402
 from skiptrain.runtime.launcher import launch  # noqa: E402
 from skiptrain.runtime.recovery import trained_samples  # noqa: E402
@@ -223,8 +223,12 @@ def main() -> int:
     args = ap.parse_args()
     args.iterations = args.iterations or (14 if args.quick else 24)
     torch.set_num_threads(1)
-    root = args.keep or Path(tempfile.mkdtemp(prefix="bench_faults_"))
-    root.mkdir(parents=True, exist_ok=True)
+    with work_dir(args.keep, "bench_faults_") as root:
+        return run(args, root)
+
+
+def run(args, root: Path) -> int:
+    """The bench's two runs under ``root``, the table and the JSON."""
     data = make_data(root)
     cfg, topo, cost, sched, sim_s = setup(args, data)
     events, joins = script(sched, args.quick, sim_s)
@@ -252,7 +256,7 @@ def main() -> int:
            "iteration_s_events": its_ev, "steps_completed": len(fr["res"].metrics),
            "nodes_per_iteration": [m.get("nodes") for m in fr["res"].metrics],
            "heartbeat_deadline_s": args.deadline, "time_scale": args.time_scale,
-           "wall_s": round(time.time() - t, 1), "run_dir": str(root)}
+           "wall_s": round(time.time() - t, 1), "run_dir": str(args.keep) if args.keep else None}
     print(f"\n{'event':40s} {'detect s':>9s} {'recover s':>10s} {'iters lost':>10s} {'samples lost/rep':>16s}")
     for r in rows:
         d = "-" if r["detect_s"] is None else f"{r['detect_s']:.3f}"

@@ -43,7 +43,6 @@ import platform
 import shutil
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -51,6 +50,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench._events import kill_job, launch_process, spawn_joiner, steps_done, validation_loss  # noqa: E402
+from bench._workdir import work_dir  # noqa: E402
 from skiptrain.checkpoint import store as ckstore  # noqa: E402
 from skiptrain.checkpoint.training import truncate_metrics  # noqa: E402
 from skiptrain.checkpoint.reader import CheckpointReader  # noqa: E402
@@ -395,6 +395,25 @@ def print_table(out: dict) -> None:
     print(f"checkpoints (val loss): {[(i, round(v, 3)) for i, v in out['flagship_val_curve']]}")
 
 
+def run_both(args, s: dict, cfg_b, cfg_f, topo, data: Path, work: Path) -> dict:
+    """The baseline and the flagship under ``work``, the flagship's checkpoint curve, the figures
+    and the pictures."""
+    print(f"machine: {platform.machine()}, Python {platform.python_version()}; {s['nodes']} node processes (+1 "
+          f"joining), model {cfg_b.model.d_model}x{cfg_b.model.n_layers} in {cfg_b.model.n_stages} stages, "
+          f"baseline {cfg_b.train.steps} / flagship {cfg_f.train.steps} iterations; runs in "
+          f"{work if args.keep else 'a temporary directory (--keep PATH keeps them)'}", flush=True)
+    base = run_baseline(cfg_b, topo, data, work / "baseline")
+    print(f"baseline: {base['wall_s']:.0f} s, validation loss {base['val_loss']:.4f}", flush=True)
+    flag = run_flagship(cfg_f, topo, data, work / "flagship", args.quick)
+    curve = checkpoint_curve(cfg_f, data, flag["root"])
+    out = summarize(args, cfg_b, cfg_f, base, flag, curve, work / "flagship")
+    if args.gantt:
+        out["gantt"] = gantt(Path(args.gantt), cfg_f, flag, topo, work / "flagship")
+    if args.png:
+        plot(Path(args.png), base, flag, curve, out["events"], base["val_loss"])
+    return out
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--json", default=None)
@@ -420,20 +439,8 @@ def main(argv=None) -> int:
         raise SystemExit(f"no prepared data set at {data}: run `skiptrain prepare` (or `make demo`) first")
     cfg_b, cfg_f = configs(args, s, TokenDataset.open(data).vocab_size)
     topo = network(cfg_b, s["nodes"])
-    work = Path(args.keep) if args.keep else Path(tempfile.mkdtemp(prefix="skiptrain-flagship-"))
-    work.mkdir(parents=True, exist_ok=True)
-    print(f"machine: {platform.machine()}, Python {platform.python_version()}; {s['nodes']} node processes (+1 "
-          f"joining), model {cfg_b.model.d_model}x{cfg_b.model.n_layers} in {cfg_b.model.n_stages} stages, "
-          f"baseline {cfg_b.train.steps} / flagship {cfg_f.train.steps} iterations; runs in {work}", flush=True)
-    base = run_baseline(cfg_b, topo, data, work / "baseline")
-    print(f"baseline: {base['wall_s']:.0f} s, validation loss {base['val_loss']:.4f}", flush=True)
-    flag = run_flagship(cfg_f, topo, data, work / "flagship", args.quick)
-    curve = checkpoint_curve(cfg_f, data, flag["root"])
-    out = summarize(args, cfg_b, cfg_f, base, flag, curve, work / "flagship")
-    if args.gantt:
-        out["gantt"] = gantt(Path(args.gantt), cfg_f, flag, topo, work / "flagship")
-    if args.png:
-        plot(Path(args.png), base, flag, curve, out["events"], base["val_loss"])
+    with work_dir(args.keep, "skiptrain-flagship-") as work:
+        out = run_both(args, s, cfg_b, cfg_f, topo, data, work)
     print_table(out)
     out["bench_s"] = round(time.time() - t_all, 1)
     print(f"total {out['bench_s']:.0f} s")

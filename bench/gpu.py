@@ -54,12 +54,12 @@ def peak_tflops(name: str, given: float | None) -> float | None:
     return None
 
 
-def make_dataset(vocab_size: int):
-    """The test excerpts as byte tokens, presented to the model as ids of ``vocab_size`` ids."""
+def make_dataset(vocab_size: int, out: Path):
+    """The test excerpts as byte tokens, presented to the model as ids of ``vocab_size`` ids,
+    written under ``out``."""
     from skiptrain.data.corpus import read_documents
     from skiptrain.data.dataset import TokenDataset, write_dataset
 
-    out = Path(tempfile.mkdtemp(prefix="bench_gpu_"))
     data = ROOT / "tests" / "data"
     write_dataset(out, read_documents([str(data / "hamlet_excerpt.txt"), str(data / "macbeth_excerpt.txt")]),
                   None, tokenizer="byte", val_fraction=0.1, source="test excerpts")
@@ -69,8 +69,9 @@ def make_dataset(vocab_size: int):
     return TokenDataset.open(out)
 
 
-def build(preset: str, device: str, quick: bool, overrides: dict | None = None):
-    """The skiptrain Trainer and a plain loop over the same config, data and device."""
+def build(preset: str, device: str, quick: bool, overrides: dict | None, tmp: Path):
+    """The skiptrain Trainer and a plain loop over the same config, data (written under ``tmp``)
+    and device."""
     from skiptrain.config import build_config
     from skiptrain.train.trainer import Trainer
 
@@ -78,7 +79,7 @@ def build(preset: str, device: str, quick: bool, overrides: dict | None = None):
     if quick:
         train.update(micro_batch=4, n_micro=2)
     cfg = build_config(preset, overrides={"train": train, **(overrides or {})})
-    ds = make_dataset(cfg.model.vocab_size)
+    ds = make_dataset(cfg.model.vocab_size, tmp)
     trainer = Trainer(cfg, dataset=ds)
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     from _plain_loop import plain_step
@@ -97,7 +98,12 @@ def measure(preset: str = "125m", device: str = "cuda", steps: int = 20, warmup:
     """Median step time of both loops, interleaved; tokens/s and model FLOPs/s of each."""
     import torch
 
-    trainer, plain_step = build(preset, device, quick, overrides)
+    with tempfile.TemporaryDirectory(prefix="bench_gpu_") as tmp:
+        return timed(*build(preset, device, quick, overrides, Path(tmp)), torch, steps, warmup, preset)
+
+
+def timed(trainer, plain_step, torch, steps: int, warmup: int, preset: str) -> dict:
+    """Both loops' step times, interleaved, and what they give per second."""
     sync = torch.cuda.synchronize if trainer.device.type == "cuda" else (lambda: None)
     times: dict[str, list[float]] = {"skiptrain": [], "plain": []}
     for i in range(warmup + steps):
@@ -138,16 +144,17 @@ def measure_swarm(preset: str = "125m", device: str = "cuda", iterations: int = 
     for name, values in (overrides or {}).items():
         sections[name] = {**sections.get(name, {}), **values}
     cfg = build_config(preset, overrides=sections)
-    ds = make_dataset(cfg.model.vocab_size)
-    cfg.model.vocab_size = ds.vocab_size
-    topo = build_topology(cfg, SWARM_NODES)
-    cost = build_cost(cfg, s_per_sample_layer=0.001)
-    sched = build_schedule(cfg, "full_pipeline", topo, cost)
-    run = Path(tempfile.mkdtemp(prefix="bench_gpu_swarm_"))
-    res = launch(Job(config=cfg.to_dict(), data_path=str(ds.path), run_dir=str(run),
-                     phases=[phase_for(cfg, sched, topo, cost, "swarm", warmup + iterations)]), timeout_s=1800)
-    rows = res.phase_metrics("swarm")[warmup:]
-    t0 = [it["t0"] for it in json.loads((run / "phases" / "swarm" / "node0.json").read_text())["iterations"]]
+    with tempfile.TemporaryDirectory(prefix="bench_gpu_swarm_") as tmp:
+        ds = make_dataset(cfg.model.vocab_size, Path(tmp) / "data")
+        cfg.model.vocab_size = ds.vocab_size
+        topo = build_topology(cfg, SWARM_NODES)
+        cost = build_cost(cfg, s_per_sample_layer=0.001)
+        sched = build_schedule(cfg, "full_pipeline", topo, cost)
+        run = Path(tmp) / "run"
+        res = launch(Job(config=cfg.to_dict(), data_path=str(ds.path), run_dir=str(run),
+                         phases=[phase_for(cfg, sched, topo, cost, "swarm", warmup + iterations)]), timeout_s=1800)
+        rows = res.phase_metrics("swarm")[warmup:]
+        t0 = [it["t0"] for it in json.loads((run / "phases" / "swarm" / "node0.json").read_text())["iterations"]]
     tokens = len(sched.micro_batches) * cfg.train.micro_batch * cfg.model.seq_len
     it_s = statistics.median(r["iteration_s"] for r in rows)
     period = statistics.median(b - a for a, b in zip(t0[warmup:], t0[warmup + 1:]))
