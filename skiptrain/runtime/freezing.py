@@ -406,12 +406,7 @@ class SwarmFreezing:
         stage = sched.stage_of().get(node.rank)
         model = opt = None
         if stage is not None:
-            from ..model.transformer import StagedLM
-
-            torch.manual_seed(self.cfg.train.seed)
-            model = StagedLM(self.cfg.model, stages=[stage], partition=Partition(tuple(counts)),
-                             seed=self.cfg.train.seed)
-            model.train()
+            model = node.build_stage(stage, st.sched.memory, Partition(tuple(counts)))
             opt = build_optimizer(model.named_parameters(), self.cfg.train,
                                   st.strat.update_rule if st.strat is not None else "adamw")
             freeze_parameters(model, F)
