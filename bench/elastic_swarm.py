@@ -93,7 +93,7 @@ def run_seed(args, best: dict, seed: int, iterations: int, data: str, init: str 
         walls = {p: phase_clock(run, p) for p in ("static", "elastic")}
         log = [json.loads(x) for x in (run / "elastic.jsonl").read_text().splitlines()] \
             if (run / "elastic.jsonl").is_file() else []
-    rows = {p: res.phase_metrics(p) for p in ("static", "elastic")}
+    rows = {p: res.phase_iterations(p) for p in ("static", "elastic")}
     return figures(cfg, cost, topo, sched, rows, walls, log, launch_s, args.swarm_check_every)
 
 

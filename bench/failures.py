@@ -84,9 +84,9 @@ def run(data: Path, out: Path, faults, iterations: int, deadline_s: float) -> di
                      "recover_max_s": max(rs) if rs else None,
                      "attempts_abandoned": int(any(not x["committed"] for x in survivors)),
                      "gen": r["gen"]})
-    its = [m["iteration_s"] for m in res.metrics]
-    return {"wall_s": wall, "faults": rows, "iteration_s": its, "samples_lost": lost,
-            "samples_repeated": repeated, "losses": [m["loss"] for m in res.metrics]}
+    done = res.phase_iterations("p")
+    return {"wall_s": wall, "faults": rows, "iteration_s": [m["iteration_s"] for m in done], "samples_lost": lost,
+            "samples_repeated": repeated, "losses": [m["loss"] for m in done]}
 
 
 def run_all(args, root: Path) -> tuple[dict, dict]:

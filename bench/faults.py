@@ -247,14 +247,15 @@ def run(args, root: Path) -> int:
     fr = run_once(cfg, topo, cost, sched, data, root / "events", args.iterations, faults, joins, args.deadline)
     loss = validation_loss(cfg, data, root / "events")
     rows = analyse(root / "events", events, gb, args.iterations)
-    its_base = [m["iteration_s"] for m in base["res"].metrics]
-    its_ev = [m["iteration_s"] for m in fr["res"].metrics]
+    done_base, done = base["res"].phase_iterations("train"), fr["res"].phase_iterations("train")
+    its_base = [m["iteration_s"] for m in done_base]
+    its_ev = [m["iteration_s"] for m in done]
     out = {"events": rows, "final_loss_ratio": loss / base_loss, "final_val_loss": loss,
            "final_val_loss_no_events": base_loss, "quick": args.quick, "iterations": args.iterations,
            "nodes": 12, "stage_sizes": [len(p) for p in sched.placement], "simulated_iteration_s": sim_s,
            "median_iteration_s_no_events": sorted(its_base)[len(its_base) // 2],
-           "iteration_s_events": its_ev, "steps_completed": len(fr["res"].metrics),
-           "nodes_per_iteration": [m.get("nodes") for m in fr["res"].metrics],
+           "iteration_s_events": its_ev, "steps_completed": len(done),
+           "nodes_per_iteration": [m.get("nodes") for m in done],
            "heartbeat_deadline_s": args.deadline, "time_scale": args.time_scale,
            "wall_s": round(time.time() - t, 1), "run_dir": str(args.keep) if args.keep else None}
     print(f"\n{'event':40s} {'detect s':>9s} {'recover s':>10s} {'iters lost':>10s} {'samples lost/rep':>16s}")
@@ -268,7 +269,7 @@ def run(args, root: Path) -> int:
     print(f"join: node {j.get('nodes')} -> stage {j.get('stage')} ({(j.get('choice') or {}).get('rule')}), "
           f"at iteration {j.get('joined_at_iteration')}, init: {j.get('init')}")
     print(f"final validation loss {loss:.4f} vs {base_loss:.4f} without events: ratio {loss / base_loss:.4f} "
-          f"(target within 2%); {len(fr['res'].metrics)}/{args.iterations} iterations; nodes per iteration "
+          f"(target within 2%); {len(done)}/{args.iterations} iterations; nodes per iteration "
           f"{out['nodes_per_iteration']}; median iteration {out['median_iteration_s_no_events']:.3f} s without "
           f"events (simulated {sim_s:.3f} s); wall {out['wall_s']:.0f} s")
     if args.json:

@@ -153,7 +153,7 @@ def measure_swarm(preset: str = "125m", device: str = "cuda", iterations: int = 
         run = Path(tmp) / "run"
         res = launch(Job(config=cfg.to_dict(), data_path=str(ds.path), run_dir=str(run),
                          phases=[phase_for(cfg, sched, topo, cost, "swarm", warmup + iterations)]), timeout_s=1800)
-        rows = res.phase_metrics("swarm")[warmup:]
+        rows = res.phase_iterations("swarm")[warmup:]
         t0 = [it["t0"] for it in json.loads((run / "phases" / "swarm" / "node0.json").read_text())["iterations"]]
     tokens = len(sched.micro_batches) * cfg.train.micro_batch * cfg.model.seq_len
     it_s = statistics.median(r["iteration_s"] for r in rows)

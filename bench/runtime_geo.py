@@ -115,9 +115,9 @@ def main(argv=None) -> int:
                   data_path=str(data), run_dir=args.keep or str(Path(tmp) / "run"),
                   phases=[phase_for(cfg, scheds[m], topo, costs[m], m, iters) for m in METHODS])
         res = launch(job, timeout_s=1800)
-        measured = {m: [r["iteration_s"] for r in res.phase_metrics(m)] for m in METHODS}
+        measured = {m: [r["iteration_s"] for r in res.phase_iterations(m)] for m in METHODS}
         overruns = {m: max(r["overruns"] for r in res.phase_metrics(m)) for m in METHODS}  # cumulative per phase
-        losses = {m: [r["loss"] for r in res.phase_metrics(m)] for m in METHODS}
+        losses = {m: [r["loss"] for r in res.phase_iterations(m)] for m in METHODS}
         timeline = res.timeline("planner", iters - 1)
         if args.gantt:
             Path(args.gantt).parent.mkdir(parents=True, exist_ok=True)

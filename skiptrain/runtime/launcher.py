@@ -50,7 +50,13 @@ class LaunchResult:
     interrupted: bool = False      # stopped early on Ctrl-C / SIGTERM (every node wrote its stage)
 
     def phase_metrics(self, phase: str) -> list[dict]:
+        """Every metrics line of ``phase``: its iterations and its validation points."""
         return [m for m in self.metrics if m.get("phase") == phase]
+
+    def phase_iterations(self, phase: str) -> list[dict]:
+        """The lines of ``phase``'s training iterations (loss, timing, bytes), without its
+        validation points (``val_loss`` lines, written where a stage holds the whole model)."""
+        return [m for m in self.phase_metrics(phase) if "loss" in m]
 
     def timeline(self, phase: str, iteration: int) -> list[Event]:
         return load_phase_timeline(self.run_dir, phase, iteration)
