@@ -81,8 +81,8 @@ def run_seed(args, best: dict, seed: int, iterations: int, data: str, init: str 
     sched = full_pipeline(topo, cost, [R] * S, R * M, S, dp_sync=False, placement=placement)
     common = dict(schedule=sched.to_dict(), iterations=iterations, cost=cost.to_dict(), topology=topo.to_dict(),
                   wan=False, emulate_compute=True)
-    phases = [Phase(name="static", **common),
-              Phase(name="elastic", config={"elastic": elastic_settings(args)}, **common)]
+    phases = [Phase(name="static", dump=True, **common),
+              Phase(name="elastic", config={"elastic": elastic_settings(args)}, dump=True, **common)]
     with tempfile.TemporaryDirectory(prefix="bench-elastic-swarm-") as tmp:
         run = Path(args.swarm_keep) / f"seed{seed}" if args.swarm_keep else Path(tmp) / "run"
         job = Job(config=with_runtime(cfg.to_dict(), heartbeat_s=0.5), data_path=data, run_dir=str(run),
@@ -93,8 +93,29 @@ def run_seed(args, best: dict, seed: int, iterations: int, data: str, init: str 
         walls = {p: phase_clock(run, p) for p in ("static", "elastic")}
         log = [json.loads(x) for x in (run / "elastic.jsonl").read_text().splitlines()] \
             if (run / "elastic.jsonl").is_file() else []
+        val = {p: final_val_loss(cfg, data, run / "phases" / p, args.eval_batches) for p in ("static", "elastic")}
     rows = {p: res.phase_iterations(p) for p in ("static", "elastic")}
-    return figures(cfg, cost, topo, sched, rows, walls, log, launch_s, args.swarm_check_every)
+    out = figures(cfg, cost, topo, sched, rows, walls, log, launch_s, args.swarm_check_every)
+    out["final_val_loss"] = {p: round(v, 5) for p, v in val.items()}
+    out["final_val_loss_ratio"] = round(val["elastic"] / val["static"], 5)
+    return out
+
+
+def final_val_loss(cfg, data: str, phase_dir: Path, eval_batches: int) -> float:
+    """Validation loss of a phase's final model (every node's dumped parameters by global name,
+    replicas identical) on ``eval_batches`` fixed micro-batches of 4 windows, as the real half
+    validates."""
+    import dataclasses
+
+    import torch
+
+    from bench._events import validation_loss
+
+    tensors: dict = {}
+    for f in sorted(phase_dir.glob("params_node*.pt")):
+        tensors.update(torch.load(f, weights_only=True))
+    ev = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, micro_batch=4, eval_batches=eval_batches))
+    return validation_loss(ev, Path(data), tensors)
 
 
 def phase_clock(run: Path, phase: str) -> list[tuple[float, float]]:
@@ -201,8 +222,8 @@ def transfer_wire_s(t: dict, topo) -> float:
                 for p in t["placement"] for n in p if n), default=0.0)
 
 
-MEAN_KEYS = ("whole_run_speedup", "final_loss_ratio", "time_to_target_speedup", "transition_fraction",
-             "prefill_fraction")
+MEAN_KEYS = ("whole_run_speedup", "final_loss_ratio", "final_val_loss_ratio", "time_to_target_speedup",
+             "transition_fraction", "prefill_fraction")
 
 
 def swarm_half(args, best: dict, seeds: list[int], iterations: int, data: str,
@@ -256,8 +277,10 @@ def print_swarm(sw: dict) -> None:
 
     row("whole run at equal tokens (x static)", lambda x: x["whole_run_speedup"], "whole_run_speedup", "{:.2f}x")
     row("wall s static / elastic", lambda x: f"{x['wall_s']['static']:.1f}/{x['wall_s']['elastic']:.1f}", fmt="{}")
-    row("final train loss (elastic / static)", lambda x: x["final_loss_ratio"], "final_loss_ratio", "{:.4f}")
-    row("time to target (x static)", lambda x: x["time_to_target_speedup"], "time_to_target_speedup", "{:.2f}x")
+    row("final val loss (elastic / static)", lambda x: x["final_val_loss_ratio"], "final_val_loss_ratio", "{:.4f}")
+    row("final train loss (elastic / static)", lambda x: x["final_loss_ratio"], "final_loss_ratio",
+        "{:.4f}")
+    row("time to target, train loss (x static)", lambda x: x["time_to_target_speedup"], "time_to_target_speedup", "{:.2f}x")
     row("transitions / elastic wall", lambda x: x["transition_fraction"], "transition_fraction", "{:.4f}")
     row("cache prefills / elastic wall", lambda x: x["prefill_fraction"], "prefill_fraction", "{:.4f}")
     row("iterations measured / simulated: static", lambda x: x["measured_vs_sim"]["static"],
