@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import json
 import sys
 from pathlib import Path
 
@@ -107,7 +108,8 @@ def bounds(topo, cost: CostModel, placement: list[list[int]]) -> dict[int, tuple
     return out
 
 
-def report(topo, cost: CostModel, sched, name: str) -> tuple[float, float]:
+def report(topo, cost: CostModel, sched, name: str) -> tuple[float, float, float]:
+    """Print one schedule's row; (iteration s, largest alone estimate, largest bound)."""
     res = simulate(sched, topo, cost, contention=False, dp_sync=False, record=False)
     b = bounds(topo, cost, sched.placement)
     fin: dict[int, float] = {}
@@ -122,20 +124,30 @@ def report(topo, cost: CostModel, sched, name: str) -> tuple[float, float]:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--seeds", type=int, default=8, help="planner seeds 0..N-1")
+    ap.add_argument("--seeds", type=int, default=None, help="planner seeds 0..N-1 (default 8; --quick 2)")
     ap.add_argument("--cost", choices=("bench", "published", "both"), default="both")
+    ap.add_argument("--quick", action="store_true", help="two planner seeds")
+    ap.add_argument("--json", metavar="PATH", help="write every figure as JSON")
     args = ap.parse_args(argv)
+    n = args.seeds or (2 if args.quick else 8)
     topo = geo12(20)
     costs = {"bench": reference_cost, "published": published_cost}
+    out: dict = {"seeds": n}
     for key in (("bench", "published") if args.cost == "both" else (args.cost,)):
         cost = costs[key]()
         print(f"== {key} cost, simplified model")
-        report(topo, cost, skippipe_ca(), "skippipe_published")
+        pub = report(topo, cost, skippipe_ca(), "skippipe_published")
         rows = [report(topo, cost, plan(topo, cost, PlanConfig(**REF_KW, seed=sd)), f"planner seed {sd}")
-                for sd in range(args.seeds)]
-        print(f"  planner over {args.seeds} seeds: mean {sum(r[0] for r in rows) / len(rows):.1f} s; above the "
+                for sd in range(n)]
+        print(f"  planner over {n} seeds: mean {sum(r[0] for r in rows) / len(rows):.1f} s; above the "
               f"alone estimate by {min(r[0] - r[1] for r in rows):.1f}-{max(r[0] - r[1] for r in rows):.1f} s, "
               f"above the bound by {min(r[0] - r[2] for r in rows):.1f}-{max(r[0] - r[2] for r in rows):.1f} s")
+        keys = ("iteration_s", "alone_s", "bound_s")
+        out[f"{key}_cost"] = {"skippipe_published": dict(zip(keys, pub)),
+                              "planner": [dict(zip(keys, r)) for r in rows]}
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(out, indent=1) + "\n")
     return 0
 
 
