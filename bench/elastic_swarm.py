@@ -278,8 +278,7 @@ def print_swarm(sw: dict) -> None:
     row("whole run at equal tokens (x static)", lambda x: x["whole_run_speedup"], "whole_run_speedup", "{:.2f}x")
     row("wall s static / elastic", lambda x: f"{x['wall_s']['static']:.1f}/{x['wall_s']['elastic']:.1f}", fmt="{}")
     row("final val loss (elastic / static)", lambda x: x["final_val_loss_ratio"], "final_val_loss_ratio", "{:.4f}")
-    row("final train loss (elastic / static)", lambda x: x["final_loss_ratio"], "final_loss_ratio",
-        "{:.4f}")
+    row("final train loss (elastic / static)", lambda x: x["final_loss_ratio"], "final_loss_ratio", "{:.4f}")
     row("time to target, train loss (x static)", lambda x: x["time_to_target_speedup"], "time_to_target_speedup", "{:.2f}x")
     row("transitions / elastic wall", lambda x: x["transition_fraction"], "transition_fraction", "{:.4f}")
     row("cache prefills / elastic wall", lambda x: x["prefill_fraction"], "prefill_fraction", "{:.4f}")

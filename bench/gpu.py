@@ -96,14 +96,14 @@ def train_flops_per_token(cfg) -> float:
 def measure(preset: str = "125m", device: str = "cuda", steps: int = 20, warmup: int = 3, quick: bool = False,
             overrides: dict | None = None) -> dict:
     """Median step time of both loops, interleaved; tokens/s and model FLOPs/s of each."""
+    with tempfile.TemporaryDirectory(prefix="bench_gpu_") as tmp:
+        return timed(*build(preset, device, quick, overrides, Path(tmp)), steps, warmup, preset)
+
+
+def timed(trainer, plain_step, steps: int, warmup: int, preset: str) -> dict:
+    """Both loops' step times, interleaved, and what they give per second."""
     import torch
 
-    with tempfile.TemporaryDirectory(prefix="bench_gpu_") as tmp:
-        return timed(*build(preset, device, quick, overrides, Path(tmp)), torch, steps, warmup, preset)
-
-
-def timed(trainer, plain_step, torch, steps: int, warmup: int, preset: str) -> dict:
-    """Both loops' step times, interleaved, and what they give per second."""
     sync = torch.cuda.synchronize if trainer.device.type == "cuda" else (lambda: None)
     times: dict[str, list[float]] = {"skiptrain": [], "plain": []}
     for i in range(warmup + steps):
