@@ -221,6 +221,9 @@ class RuntimeConfig:
     """Multi-process skip-pipeline runtime (skiptrain.runtime); used when ``nodes > 0``."""
     nodes: int = _f(0, "node processes on this machine (0 = the single-process trainer)", min=0, max=1024)
     stage_sizes: str = _f("", "nodes per stage, comma-separated, e.g. 3,2,2,2 (empty = by work)")
+    node_stages: str = _f("", "the stages of each node, comma-separated, one entry per node, '+' joining the "
+                          "stages of a node that serves several (one large device), e.g. 0,0,1+2,1+2,3 "
+                          "(empty = placed by the planner or by stage_sizes)")
     method: str = _f("planner", "how routes are made", choices=("planner", "full_pipeline", "random_skip"))
     memory: int = _f(3, "micro-batches in flight per node (memory credits)", min=1)
     mb_per_originator: int = _f(2, "micro-batches per stage-0 node per iteration", min=1)
@@ -262,6 +265,46 @@ class RuntimeConfig:
         if devs and self.nodes and len(devs) != self.nodes:
             raise ConfigError(f"runtime.devices lists {len(devs)} device(s) for runtime.nodes={self.nodes}; "
                               "list one device per node, or leave it empty to use train.device")
+
+
+def node_stage_lists(text: str) -> list[list[int]]:
+    """``runtime.node_stages`` as the stages of each node (empty: not given); syntax only."""
+    out = []
+    for entry in (e.strip() for e in text.split(",")) if text.strip() else ():
+        try:
+            stages = [int(x) for x in entry.split("+")]
+        except ValueError:
+            raise ConfigError(f"runtime.node_stages entry {entry!r} is not a stage or '+'-joined stages; write "
+                              "one entry per node, e.g. 0,0,1+2,1+2,3") from None
+        if len(set(stages)) != len(stages) or min(stages) < 0:
+            raise ConfigError(f"runtime.node_stages entry {entry!r} lists a stage twice or a negative stage; "
+                              "list each stage of a node once, e.g. 1+2")
+        out.append(sorted(stages))
+    return out
+
+
+def node_stage_placement(text: str, n_stages: int) -> list[list[int]] | None:
+    """The placement ``runtime.node_stages`` gives (node ids of each stage, ascending; None when
+    not given), checked: every stage exists and has a node, and a node serving several stages
+    holds the same replica position in each (its checkpoint slot)."""
+    per_node = node_stage_lists(text)
+    if not per_node:
+        return None
+    bad = sorted({s for ss in per_node for s in ss if s >= n_stages})
+    if bad:
+        raise ConfigError(f"runtime.node_stages names stage(s) {bad}, but model.n_stages={n_stages}; use stages "
+                          f"0..{n_stages - 1}")
+    placement = [[n for n, ss in enumerate(per_node) if s in ss] for s in range(n_stages)]
+    empty = [s for s, p in enumerate(placement) if not p]
+    if empty:
+        raise ConfigError(f"runtime.node_stages gives stage(s) {empty} no node; list each stage on at least one node")
+    for n, ss in enumerate(per_node):
+        slots = {placement[s].index(n) for s in ss}
+        if len(slots) > 1:
+            raise ConfigError(f"runtime.node_stages: node {n} is replica {sorted(slots)} of its stages {ss}; a node "
+                              "serving several stages must hold the same position among each stage's nodes "
+                              "(list the nodes that share stages in the same order, e.g. 0,1+2,1+2,3)")
+    return placement
 
 
 def node_devices(text: str) -> list[str]:
@@ -310,7 +353,31 @@ class Config:
             if hasattr(section, "check"):
                 section.check()
         self._check_skip_ratio()
+        self._check_node_stages()
         return self
+
+    def _check_node_stages(self) -> None:
+        """``runtime.node_stages`` against the other settings (one-line refusals naming the fix)."""
+        rt = self.runtime
+        placement = node_stage_placement(rt.node_stages, self.model.n_stages)
+        if placement is None:
+            return
+        n = len(node_stage_lists(rt.node_stages))
+        if rt.nodes and n != rt.nodes:
+            raise ConfigError(f"runtime.node_stages lists {n} node(s) for runtime.nodes={rt.nodes}; give one entry "
+                              "per node")
+        if rt.stage_sizes.strip():
+            raise ConfigError("runtime.node_stages and runtime.stage_sizes both place the nodes; set only one")
+        if sum(len(p) for p in placement) == n:
+            return
+        several = {"runtime.recover": rt.recover, "elastic.enabled": self.elastic.enabled,
+                   "runtime.drift_threshold": rt.drift_threshold > 0, "runtime.method=planner": rt.method == "planner"}
+        on = [k for k, v in several.items() if v]
+        if on:
+            fix = ("set runtime.method=full_pipeline or random_skip" if on[0] == "runtime.method=planner"
+                   else f"turn {on[0].split('=')[0]} off")
+            raise ConfigError(f"runtime.node_stages has a node serving several stages, which {on[0]} does not "
+                              f"handle (it moves and plans one stage per node); {fix}, or give each node one stage")
 
     def _check_skip_ratio(self) -> None:
         """Every route must visit at least one body stage (:func:`skip_count`)."""

@@ -315,3 +315,82 @@ def test_bf16_swarm_equals_the_one_node_runtime_in_bf16_and_lowers_the_loss(byte
         for n in nodes:
             log = (tmp_path / "run" / "logs" / f"node{n}.log").read_text()
             assert f"skiptrain node {n}: cpu, bf16: stage {s}: " in log and " GiB (parameters " in log, log[-500:]
+
+
+# ---- a node serving several stages ------------------------------------------------------------
+
+def _cfg_shared(**train):
+    """The tiny model on 5 nodes, two of them serving stages 1 and 2 together (one large device
+    each): stage 0 on nodes 0 and 1, stages 1+2 on nodes 2 and 3, stage 3 on node 4."""
+    return build_config("tiny", overrides={
+        "runtime": {"nodes": 5, "node_stages": "0,0,1+2,1+2,3", "method": "random_skip", "mb_per_originator": 2,
+                    "timeout_s": 20},
+        "train": {"steps": 10, "warmup_steps": 2, **train}, "checkpoint": {"final": True}})
+
+
+@pytest.fixture(scope="module")
+def shared(byte_data, tmp_path_factory):
+    """One launch, two phases on the shared placement: the full pipeline (k=0) and random skip
+    routes (k=0.25), 3 iterations each, parameters dumped, a final checkpoint."""
+    cfg = _cfg_shared()
+    topo = build_topology(cfg, 5)
+    cost = build_cost(cfg, s_per_sample_layer=0.001)
+    full = build_schedule(cfg, "full_pipeline", topo, cost)
+    skip = build_schedule(_cfg_shared(skip_ratio=0.25), "random_skip", topo, cost)
+    run_dir = tmp_path_factory.mktemp("shared")
+    job = Job(config=with_runtime(cfg.to_dict(), timeout_s=20), data_path=str(byte_data), run_dir=str(run_dir),
+              phases=[phase_for(cfg, full, topo, cost, "full", EQUIV_ITERS, dump=True),
+                      phase_for(cfg, skip, topo, cost, "skip", EQUIV_ITERS, dump=True, config={"train": {"skip_ratio": 0.25}})])
+    res = launch(job, timeout_s=240)
+    return {"res": res, "full": full, "skip": skip, "data": byte_data, "dir": Path(run_dir)}
+
+
+def test_a_node_serving_two_stages_equals_the_one_node_runtime(shared):
+    """k=0 and skip routes: the swarm whose nodes 2 and 3 each serve stages 1 and 2 (hops between
+    them stay on the node, one sync strategy per stage, one optimizer) ends where the one-process
+    runtime does, at the default clip."""
+    full, skip = shared["full"], shared["skip"]
+    assert full.placement == [[0, 1], [2, 3], [2, 3], [4]] and full.hosts_several()
+    assert any(m.nodes[:2] == [m.nodes[0]] * 2 for m in full.micro_batches)        # a hop inside a node
+    assert any(len(m.route) < 3 for m in skip.micro_batches)
+    for name, sched, cfg in (("full", full, _cfg_shared()), ("skip", skip, _cfg_shared(skip_ratio=0.25))):
+        ref, _ = _reference(cfg, shared["data"], sched)
+        got = _dist_params(shared["dir"], name, sched)
+        assert set(got) == set(ref)
+        for n in ref:
+            torch.testing.assert_close(got[n], ref[n], atol=1e-5, rtol=0, msg=lambda m: f"{name} {n}: {m}")
+        for nodes in sched.placement:
+            a, b = (torch.load(shared["dir"] / "phases" / name / f"params_node{x}.pt") for x in (nodes + nodes)[:2])
+            assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_a_node_serving_two_stages_checkpoints_both(shared):
+    """The final checkpoint holds every stage once; its weights are the dumped ones."""
+    from skiptrain.checkpoint import store
+    from skiptrain.model import StagedLM
+    from skiptrain.runtime.job_checkpoint import load_node_state
+
+    cfg = _cfg_shared()
+    model = StagedLM(cfg.model, seed=cfg.train.seed)
+    ckpt = store.latest(shared["dir"] / "checkpoints" / "skip")
+    load_node_state(ckpt, model)
+    got = _dist_params(shared["dir"], "skip", shared["skip"])
+    for n, p in model.named_parameters():
+        assert torch.equal(p.detach(), got[n]), n
+
+
+def test_node_stages_refusals_name_the_conflict():
+    from skiptrain.config import ConfigError
+
+    def cfg(**rt):
+        return build_config("tiny", overrides={"runtime": {"nodes": 3, **rt}})
+
+    assert cfg(node_stages="0,1+2,3", method="full_pipeline").runtime.node_stages
+    for rt, msg in (({"node_stages": "0,1+2,3"}, "method=planner"),
+                    ({"node_stages": "0,1+2,3", "method": "random_skip", "recover": True}, "turn runtime.recover off"),
+                    ({"node_stages": "0,1+2", "method": "random_skip"}, r"stage\(s\) \[3\] no node"),
+                    ({"node_stages": "0,1+2,3,4", "method": "random_skip"}, "model.n_stages=4"),
+                    ({"node_stages": "0,1+2,3", "stage_sizes": "1,1,1", "method": "random_skip"}, "set only one"),
+                    ({"nodes": 5, "node_stages": "0,1,1+2,2,3", "method": "random_skip"}, "same position")):
+        with pytest.raises(ConfigError, match=msg):
+            cfg(**rt)

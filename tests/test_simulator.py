@@ -139,3 +139,42 @@ def test_compressed_hops_only_on_slow_links():
     wire8 = 2 * 2048 / (2 * GiB) + 4 * (8 * 68 / (0.1 * GiB) + 0.25)
     assert r8.iteration_s == pytest.approx(comp + wire8)
     assert {e.bytes for e in r8.timeline if e.kind == "send"} == {2048, 8 * 68}
+
+
+def test_a_node_serving_two_stages_runs_both_without_a_link_between_them():
+    # node 1 serves stages 1 and 2: fwd0 1 | hop 2.6 | fwd1 1 | fwd2 1 (no hop) | hop 2.6 | loss .25
+    # | hop 2.6 | bwd2 1.5 | bwd1 1.5 | hop 2.6 | bwd0 1.5
+    s = Schedule([[0], [1], [1]], [MicroBatch(0, 0, [(1, 1), (2, 1)])], memory=1)
+    s.validate(("placement", "originators", "stage0_ends", "no_repeat", "memory"), n_nodes=2)
+    r = simulate(s, topo(2), cost(3, overhead=0.1))
+    assert r.iteration_s == pytest.approx(1 + 2.6 + 1 + 1 + 2.6 + 0.25 + 2.6 + 1.5 + 1.5 + 2.6 + 1.5)
+    assert r.bytes_pipeline == 4 * 2
+    assert r.node_busy_s == {0: pytest.approx(2.75), 1: pytest.approx(5.0)}
+    kinds = [(e.node, e.kind, e.stage) for e in r.timeline if e.kind in ("fwd", "bwd", "loss")]
+    assert kinds == [(0, "fwd", 0), (1, "fwd", 1), (1, "fwd", 2), (0, "loss", 0), (1, "bwd", 2),
+                     (1, "bwd", 1), (0, "bwd", 0)]
+
+
+def test_a_micro_batch_takes_one_credit_on_a_node_whatever_stages_it_visits_there():
+    # one credit per node: with per-visit credits node 1 could never start stage 2 of micro-batch
+    # 0 while holding its stage 1 (a deadlock); per micro-batch it runs both, then micro-batch 1
+    two = Schedule([[0], [1], [1]], [MicroBatch(0, 0, [(1, 1), (2, 1)]), MicroBatch(1, 0, [(1, 1), (2, 1)])],
+                   memory=1)
+    assert two.credit_free() == {(0, 2), (1, 2)}
+    one = Schedule([[0], [1], [1]], [MicroBatch(0, 0, [(1, 1), (2, 1)])], memory=1)
+    r = simulate(two, topo(2), cost(3))
+    assert r.iteration_s == pytest.approx(2 * simulate(one, topo(2), cost(3)).iteration_s)
+    assert max(r.max_in_flight.values()) == 1
+
+
+def test_placement_may_share_a_node_between_stages_but_not_list_it_twice_in_one():
+    ok = Schedule([[0], [1, 2], [1, 2], [3]], [MicroBatch(0, 0, [(1, 2), (2, 2), (3, 3)])], memory=1)
+    ok.validate(n_nodes=4)
+    assert ok.stages_of() == {0: [0], 1: [1, 2], 2: [1, 2], 3: [3]}
+    assert ok.stage_of() == {0: 0, 1: 1, 2: 1, 3: 3} and ok.hosts_several()
+    from skiptrain.schedule.schedule import ScheduleError
+
+    with pytest.raises(ScheduleError, match="listed more than once"):
+        Schedule([[0], [1, 1]], [], memory=1).validate(n_nodes=2)
+    with pytest.raises(ScheduleError, match=r"node 1 serves stage\(s\) \[1, 2\]"):
+        Schedule([[0], [1], [1], [2]], [MicroBatch(0, 0, [(3, 1)])], memory=1).validate(("placement",), n_nodes=3)

@@ -152,9 +152,10 @@ def _checked_swarm_config(cfg, data: str, steps: int | None):
     from ..data.dataset import TokenDataset
 
     rt = cfg.runtime
-    if rt.nodes < cfg.model.n_stages:
+    if rt.nodes < cfg.model.n_stages and not rt.node_stages.strip():
         raise UserError(f"runtime.nodes={rt.nodes} cannot serve {cfg.model.n_stages} stages; use --nodes >= "
-                        f"{cfg.model.n_stages} (or --nodes 1 for the single-process trainer)")
+                        f"{cfg.model.n_stages}, give a node several stages with runtime.node_stages (e.g. 0,1+2,3), "
+                        "or use --nodes 1 for the single-process trainer")
     ds = TokenDataset.open(data)
     cfg.model.vocab_size = ds.vocab_size
     cfg.data.path = str(data)

@@ -4,8 +4,9 @@ at a time, with the simulator's rules (see :mod:`skiptrain.schedule.simulator`):
 * one compute task at a time; ready tasks wait in two classes, backward (``bwd`` and ``loss``)
   and forward; policy ``1f1b`` runs backward first, ``gpipe`` forward first; each class is
   first come, first served (ties by micro-batch order);
-* memory credits: a forward starts only while fewer than ``schedule.memory`` micro-batches are
-  held; the credit returns when that micro-batch's backward on this node ends;
+* memory credits: a micro-batch's first forward on this node starts only while fewer than
+  ``schedule.memory`` micro-batches are held; the credit returns when its last backward on this
+  node ends (a node serving several stages holds a micro-batch once, whatever stages it visits);
 * an originator injects its micro-batches in schedule order, each not before ``start_s``, the
   next one becoming eligible when the previous one's forward starts.
 
@@ -17,7 +18,9 @@ cross-entropy + its backward when the activations come back, gradient to the las
 ``fwd`` = the stage's layers on the received activations (kept with their graph), ``bwd`` =
 backward with the received gradient, the input's gradient to the previous hop.  Parameter
 gradients accumulate (a sum over the micro-batches this node processed), which is what the
-data-parallel sync strategies expect.
+data-parallel sync strategies expect.  A node serving several stages runs each hop at the
+stage the route names there; a message between two of its stages goes through its own
+transport without a wire.
 
 Every message a node will receive in an iteration follows from the schedule, so the executor
 announces their number to the transport up front and knows at any time what it still waits for;
@@ -58,10 +61,16 @@ class NodePlan:
     incoming: dict[tuple[int, int, int], int] = field(default_factory=dict)  # (kind, j, pos) -> src
     paths: list[list[int]] = field(default_factory=list)
     stages: list[list[int]] = field(default_factory=list)
+    free: set[tuple[int, int]] = field(default_factory=set)   # (j, pos) taking no memory credit
 
     @property
     def n_incoming(self) -> int:
         return len(self.incoming)
+
+    @property
+    def n_wire(self) -> int:
+        """Incoming messages from other nodes (not from this node's own other stages)."""
+        return sum(src != self.rank for src in self.incoming.values())
 
 
 def node_plan(schedule: Schedule, rank: int) -> NodePlan:
@@ -86,7 +95,7 @@ def node_plan(schedule: Schedule, rank: int) -> NodePlan:
         if v > 0 and path[0] == rank:
             incoming[(ACT, j, v + 1)] = path[v]
             incoming[(GRAD, j, 0)] = path[1]
-    return NodePlan(rank, stage, inject, n_tasks, incoming, paths, stages)
+    return NodePlan(rank, stage, inject, n_tasks, incoming, paths, stages, schedule.credit_free())
 
 
 @dataclass
@@ -94,6 +103,7 @@ class IterationResult:
     loss_sum: float = 0.0
     n_loss: int = 0
     n_processed: int = 0            # backward passes on this node (the DP weight)
+    processed: dict[int, int] = field(default_factory=dict)   # backward passes per stage
     events: list[Event] = field(default_factory=list)
     max_in_flight: int = 0
 
@@ -158,7 +168,7 @@ class _Run:
         if self.inj_at is not None and now >= self.inj_at:
             self.push(FWD, self.plan.inject[self.inj_ptr], 0, self.inj_at - self.t0, None)
             self.inj_at = None
-        can_fwd = bool(self.lo) and self.credits > 0
+        can_fwd = bool(self.lo) and (self.credits > 0 or (self.lo[0][1], self.lo[0][4]) in self.plan.free)
         if self.fwd_first:
             return self.lo if can_fwd else (self.hi or None)
         return self.hi if self.hi else (self.lo if can_fwd else None)
@@ -178,38 +188,42 @@ class _Run:
             if self.inj_at is None and time.time() - self.last_progress >= ex.timeout_s:
                 raise ex.timeout_error(self.waiting, self.plan, self.mbs) from None
 
-    def done(self, kind: int, pos: int) -> None:
-        """Bookkeeping after a task: credits, the next injection, the DP weight."""
+    def done(self, kind: int, j: int, pos: int) -> None:
+        """Bookkeeping after a task: credits, the next injection, the DP weights."""
         self.remaining -= 1
         self.last_progress = time.time()
         res = self.res
+        credit = (j, pos) not in self.plan.free
         if kind == FWD:
-            self.credits -= 1
-            self.held += 1
-            res.max_in_flight = max(res.max_in_flight, self.held)
+            if credit:
+                self.credits -= 1
+                self.held += 1
+                res.max_in_flight = max(res.max_in_flight, self.held)
             if pos == 0:
                 self.inj_ptr += 1
                 if self.inj_ptr < len(self.plan.inject):
                     self.inj_at = max(res.events[-1].start + self.t0,
                                       self.t0 + self.mbs[self.plan.inject[self.inj_ptr]].start_s)
         elif kind == BWD:
-            self.credits += 1
-            self.held -= 1
+            if credit:
+                self.credits += 1
+                self.held -= 1
             res.n_processed += 1
+            stage = self.plan.stages[j][pos]
+            res.processed[stage] = res.processed.get(stage, 0) + 1
 
 
 class Executor:
-    """Runs iterations for one node.  ``model`` holds this node's stage (a
-    :class:`~skiptrain.model.transformer.StagedLM` built with ``stages=[stage]``); ``cost`` gives
+    """Runs iterations for one node.  ``model`` holds this node's stages (a
+    :class:`~skiptrain.model.transformer.StagedLM` built with those ``stages``); ``cost`` gives
     the emulated task durations when ``padding.enabled``; ``describe(node)`` names nodes in
     errors; ``embed`` (default ``model.embed``) maps a micro-batch's inputs to stage 0's output."""
 
-    def __init__(self, rank: int, transport: P2PTransport, model=None, stage: int | None = None,
-                 cost=None, speed: float = 1.0, padding: ComputePadding | None = None,
+    def __init__(self, rank: int, transport: P2PTransport, model=None, cost=None, speed: float = 1.0, padding: ComputePadding | None = None,
                  timeout_s: float = 30.0, describe: Callable[[int], str] = lambda n: f"node {n}",
                  check: Callable[[Message], None] | None = None,
                  embed: Callable[[torch.Tensor], torch.Tensor] | None = None):
-        self.rank, self.tr, self.model, self.stage = rank, transport, model, stage
+        self.rank, self.tr, self.model = rank, transport, model
         self.embed = embed
         self.check = check              # payload check (raises NodeFailure naming the sender)
         self.cost, self.speed = cost, speed
@@ -238,7 +252,7 @@ class Executor:
         run = _Run(self, iteration, schedule, t0)
         if run.plan.n_tasks == 0:
             return run.res
-        self.tr.expect(run.plan.n_incoming)
+        self.tr.expect(run.plan.n_wire)
         while run.remaining:
             run.drain()
             q = run.pick(time.time())
@@ -249,7 +263,7 @@ class Executor:
             follow = self._run(kind, j, pos, tensor, run.plan, run.mbs, run.state, run.res, t0, batch_fn)
             if follow is not None:
                 run.push(*follow)
-            run.done(kind, pos)
+            run.done(kind, j, pos)
         return run.res
 
     def timeout_error(self, waiting: dict, plan: NodePlan, mbs) -> NodeFailure:

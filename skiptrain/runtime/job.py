@@ -27,7 +27,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..config import Config, ConfigError, RuntimeConfig, config_from_dict
+from ..config import Config, ConfigError, RuntimeConfig, config_from_dict, node_stage_lists, node_stage_placement
 from ..net.topology import Topology, load_topology
 from ..schedule.actcodec import plain_codec
 from ..schedule.baselines import data_parallel, full_pipeline, random_skip
@@ -150,9 +150,16 @@ def build_schedule(cfg: Config, method: str, topo: Topology, cost: CostModel,
     """One iteration's schedule for ``method`` (planner, full_pipeline, random_skip) on ``topo``.
 
     The skip methods use ``train.skip_ratio`` and ``train.max_swaps``; random skipping reuses
-    ``placement`` (normally the planner's) when given.  The full pipeline processes the same
+    ``placement`` (normally the planner's) when given.  ``runtime.node_stages``, when set, is the
+    placement of every method.  The full pipeline processes the same
     global batch (``mb_per_originator`` x the skip placement's stage-0 nodes) on fixed lanes."""
     rt, S = cfg.runtime, cfg.model.n_stages
+    fixed = node_stage_placement(rt.node_stages, S)      # the user's placement, when given
+    if fixed is not None:
+        if len(node_stage_lists(rt.node_stages)) != topo.n:
+            raise ConfigError(f"runtime.node_stages lists {len(node_stage_lists(rt.node_stages))} node(s) for "
+                              f"{topo.n} node(s); give one entry per node")
+        placement = fixed
     sizes = parse_sizes(rt.stage_sizes)
     if sizes is not None and (len(sizes) != S or sum(sizes) != topo.n):
         raise ConfigError(f"runtime.stage_sizes={rt.stage_sizes!r} must list {S} stage sizes summing to "
@@ -163,11 +170,12 @@ def build_schedule(cfg: Config, method: str, topo: Topology, cost: CostModel,
                     contention=contention, dp_sync=dp_sync, placement=placement)
     if method == "planner":
         return plan(topo, cost, pc)
-    skip_sizes = sizes or sizes_by_work(topo.n, S, k, cost)
+    skip_sizes = [len(p) for p in fixed] if fixed else sizes or sizes_by_work(topo.n, S, k, cost)
     n_micro = skip_sizes[0] * rt.mb_per_originator
     if method == "full_pipeline":
-        full_sizes = sizes or sizes_by_work(topo.n, S, 0.0, cost)
-        return full_pipeline(topo, cost, full_sizes, n_micro, rt.memory, dp_sync=dp_sync, seed=rt.plan_seed)
+        full_sizes = skip_sizes if fixed else sizes or sizes_by_work(topo.n, S, 0.0, cost)
+        return full_pipeline(topo, cost, full_sizes, n_micro, rt.memory, dp_sync=dp_sync, seed=rt.plan_seed,
+                             placement=fixed)
     if method == "random_skip":
         if placement is None:
             placement = plan(topo, cost, PlanConfig(**{**pc.__dict__, "max_evals": 0, "constructions": 0})).placement

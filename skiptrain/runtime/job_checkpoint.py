@@ -66,12 +66,24 @@ def is_weight_name(name: str) -> bool:
 
 
 def sync_tensors(strat) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-    """A sync strategy's state as (``sync.<key>.<param>`` tensors, JSON scalars)."""
+    """A sync strategy's state as (``sync.<key>.<param>`` tensors, JSON scalars); of a list of
+    strategies (a node serving several stages: one each, of one kind), every tensor and the
+    first one's scalars."""
+    out: dict[str, torch.Tensor] = {}
+    scalars: dict[str, Any] = {}
+    for one in reversed(_strategies(strat)):
+        sd = dict(one.state_dict())
+        tensors = sd.pop("tensors", {}) or {}
+        out.update({f"{SYNC_PREFIX}{k}.{p}": t for p, ts in tensors.items() for k, t in ts.items()})
+        scalars = sd
+    return out, scalars
+
+
+def _strategies(strat) -> list:
+    """``strat`` as a list: None, one strategy, or a list of them."""
     if strat is None:
-        return {}, {}
-    sd = dict(strat.state_dict())
-    tensors = sd.pop("tensors", {}) or {}
-    return {f"{SYNC_PREFIX}{k}.{p}": t for p, ts in tensors.items() for k, t in ts.items()}, sd
+        return []
+    return list(strat) if isinstance(strat, (list, tuple)) else [strat]
 
 
 def load_sync(strat, tensors: dict[str, torch.Tensor], scalars: dict[str, Any]) -> None:
@@ -85,8 +97,9 @@ def load_sync(strat, tensors: dict[str, torch.Tensor], scalars: dict[str, Any]) 
 
 def stage_state(model, opt, strat, slot: int) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """This node's tensors by checkpoint name (live storage, not copies; see the module doc),
-    and its JSON: optimizer record, strategy scalars, torch RNG."""
-    drift = bool(getattr(strat, "replicas_drift", False))
+    and its JSON: optimizer record, strategy scalars, torch RNG.  ``strat``: the sync strategy,
+    or the list of them of a node serving several stages (replica ``slot`` in each)."""
+    drift = any(getattr(x, "replicas_drift", False) for x in _strategies(strat))
     shared = model_tensors(model)
     record: dict[str, Any] = {}
     if opt is not None:
@@ -284,7 +297,8 @@ def _saved_slot(names: set[str], name: str, slot: int) -> str:
 def load_node_state(path: str | Path, model, opt=None, strat=None, slot: int = 0) -> CheckpointReader:
     """Load this node's stage (any layout) from the checkpoint at ``path``: weights, and when
     given, optimizer and sync-strategy state; only its tensors are read, checksums verified.
-    A strategy of another kind than the saved one starts from its initial state."""
+    A strategy of another kind than the saved one starts from its initial state.  ``strat``
+    may be a list (a node serving several stages: each loads its own parameters' state)."""
     reader = CheckpointReader(path)
     names = set(reader.meta.tensors)
     live = model_tensors(model)
@@ -300,10 +314,11 @@ def load_node_state(path: str | Path, model, opt=None, strat=None, slot: int = 0
         load_optimizer(opt, model.named_parameters(), {wanted[k]: t for k, t in got.items()},
                        optimizer_record(reader.state))
     ranks = reader.state.get("ranks", {})
-    if strat is not None:
+    for strat in _strategies(strat):
         scalars = next((r["strategy"] for r in ranks.values() if (r.get("strategy") or {}).get("strategy") == strat.name),
                        None)
-        own = [n for n in names if n.startswith(SYNC_PREFIX) and n.partition(".")[2].partition(".")[2] in params]
+        mine = {n for n, _ in strat.named}
+        own = [n for n in names if n.startswith(SYNC_PREFIX) and n.partition(".")[2].partition(".")[2] in mine]
         if scalars is not None and own:
             src = {n: _saved_slot(names, n, slot) for n in own}
             got = reader.read_many(src.values())

@@ -65,8 +65,8 @@ class LaunchResult:
 def _describe(job: Job, node: int) -> str:
     stages = []
     for ph in job.phases:
-        s = Schedule.from_dict(ph.schedule).stage_of().get(node)
-        stages.append("-" if s is None else str(s))
+        s = Schedule.from_dict(ph.schedule).stages_of().get(node)
+        stages.append("-" if s is None else "+".join(map(str, s)))
     if len(set(stages)) == 1:
         return f"node {node}" + ("" if stages[0] == "-" else f" (stage {stages[0]})")
     return f"node {node} (stages {'/'.join(stages)} in phases {'/'.join(p.name for p in job.phases)})"

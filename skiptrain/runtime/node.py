@@ -70,13 +70,18 @@ class StopRequested(Exception):
 
 @dataclass
 class PhaseState:
-    """Everything one node holds while it runs a phase (what a layout change replaces)."""
+    """Everything one node holds while it runs a phase (what a layout change replaces).
+
+    ``stages``: the stages this node serves (ascending; empty: none), all in ``model``, each
+    with its sync strategy in ``strats`` and one optimizer ``opt`` over them.  ``stage`` and
+    ``strat`` name the one stage of a node that serves one (what recovery, joins and freezing
+    handle: the config refuses them for a node serving several)."""
     ph: Phase
     idx: int
     sched: Any
-    stage: int | None
+    stages: list[int]
     model: Any
-    strat: Any
+    strats: dict[int, Any]
     opt: Any
     groups: dict
     cost: Any
@@ -94,6 +99,27 @@ class PhaseState:
     drift: Any = None
     drift_state: dict = field(default_factory=dict)
     elastic: Any = None      # runtime.freezing.SwarmFreezing when elastic.enabled
+
+    @property
+    def stage(self) -> int | None:
+        return self.stages[0] if self.stages else None
+
+    @stage.setter
+    def stage(self, stage: int | None) -> None:
+        self.stages = [] if stage is None else [stage]
+
+    @property
+    def strat(self):
+        return self.strats.get(self.stages[0]) if self.stages else None
+
+    @strat.setter
+    def strat(self, strat) -> None:
+        self.strats = {self.stages[0]: strat} if strat is not None and self.stages else {}
+
+    def slot(self, node: int) -> int:
+        """``node``'s replica position in its stages (the same in each: see
+        :func:`skiptrain.runtime.job.placement_from_node_stages`)."""
+        return self.sched.placement[self.stages[0]].index(node)
 
 
 @dataclass
@@ -224,16 +250,17 @@ class Node:
                           rank_of=self._rank.__getitem__, node_of=self.alive.__getitem__, device=self.device)
         return tr
 
-    def build_stage(self, stage: int, in_flight: int, partition=None):
-        """Stage ``stage`` of the model (under ``partition``, default the configured one) on this
-        node's device, in training mode (the seed's values, or ``train.init_from``'s tensors of
-        that stage): the memory estimate with ``in_flight`` micro-batches printed, refused in one
-        line when it cannot fit."""
+    def build_stage(self, stage: int | list[int], in_flight: int, partition=None):
+        """Stage ``stage`` (or the stages listed) of the model (under ``partition``, default the
+        configured one) on this node's device, in training mode (the seed's values, or
+        ``train.init_from``'s tensors of those stages): the memory estimate with ``in_flight``
+        micro-batches printed, refused in one line when it cannot fit."""
         from ..model.device import build_on_device
 
         cfg = self.cfg
         torch.manual_seed(cfg.train.seed)
-        model, est = build_on_device(cfg.model, [stage], cfg.train.seed, self.device, cfg.train.micro_batch,
+        stages = [stage] if isinstance(stage, int) else list(stage)
+        model, est = build_on_device(cfg.model, stages, cfg.train.seed, self.device, cfg.train.micro_batch,
                                      in_flight, cfg.train.precision, partition)
         print(f"skiptrain node {self.rank}: {self.device}, {cfg.train.precision}: {est.describe()}",
               file=sys.stderr, flush=True)
@@ -325,36 +352,39 @@ class Node:
             from .recovery import replan
             sched = replan(sched, self.alive)
         self.stage_of = sched.stage_of()
-        stage = self.stage_of.get(rank)
+        stages = sched.stages_of().get(rank, [])
         cost = CostModel.from_dict(ph.cost) if ph.cost else None
         topo = Topology.from_dict(ph.topology) if ph.topology else None
         # joining a freezing job: the freeze rule's state and the layout in force (partition,
         # frozen depth) from the lowest node, before this node builds its stage
         frozen = self._broadcast_json(None) if joining is not None and cfg.elastic.enabled else None
         model = None
-        if stage is not None:
+        if stages:
             from ..model.partition import Partition
 
-            model = self.build_stage(stage, sched.memory, Partition(tuple(frozen["counts"])) if frozen else None)
+            model = self.build_stage(stages, sched.memory, Partition(tuple(frozen["counts"])) if frozen else None)
             if self.job.meta.get("init_weights"):     # a pre-trained start (tensors by global name)
                 init = torch.load(self.job.meta["init_weights"], weights_only=True)
                 model.load_state_dict({k: v for k, v in init.items() if k in model.state_dict()})
-            _warm_up(model, stage, cfg, self.device)
+            for stage in stages:
+                _warm_up(model, stage, cfg, self.device)
             if frozen:
                 from .transition import freeze_parameters
                 freeze_parameters(model, int(frozen["frozen"]))
         # the stage's data-parallel collectives delayed as on the topology's links (every strategy's
         # real bytes, each replica group a ring: :class:`skiptrain.dp.link.RingLinks`)
         self.sync_topo = (topo, ph.bytes_scale) if ph.emulate_sync and topo is not None else None
-        groups, strat = self._stage_groups(sched, stage, model, None)
+        groups, strats = self._hosted_groups(sched, stages, model, {})
         out_dir = self.run_dir / "phases" / ph.name
         out_dir.mkdir(parents=True, exist_ok=True)
-        st = PhaseState(ph=ph, idx=phase_idx, sched=sched, stage=stage, model=model, strat=strat,
-                        opt=self._optimizer(model, strat), groups=groups, cost=cost, topo=topo,
+        st = PhaseState(ph=ph, idx=phase_idx, sched=sched, stages=stages, model=model, strats=strats,
+                        opt=self._optimizer(model, next(iter(strats.values()), None)), groups=groups, cost=cost,
+                        topo=topo,
                         speed=topo.speed(rank) if topo is not None and rank < topo.n else 1.0,
                         padding=ComputePadding(ph.emulate_compute and cost is not None), out_dir=out_dir,
                         order={mb.id: i for i, mb in enumerate(sorted(sched.micro_batches, key=lambda m: m.id))},
-                        record={"rank": rank, "stage": stage, "iterations": [], "recoveries": []},
+                        record={"rank": rank, "stage": stages[0] if stages else None, "stages": stages,
+                                "iterations": [], "recoveries": []},
                         # after a recovery generation (or a join) the planner re-plans the routes for
                         # the nodes that remain; every node sets this flag on its own and the stats
                         # gather makes them agree (a column of the gathered stats)
@@ -397,8 +427,8 @@ class Node:
         r = self.job.resume
         st.it, st.cursor = int(r["iteration"]), int(r["cursor"])
         if st.model is not None:
-            slot = st.sched.placement[st.stage].index(self.rank)
-            reader = load_node_state(r["path"], st.model, st.opt, st.strat, slot)
+            slot = st.slot(self.rank)
+            reader = load_node_state(r["path"], st.model, st.opt, list(st.strats.values()), slot)
             restore_rng(reader, self.rank, slot)
         self.ckpt.saved_step = st.it
         print(f"skiptrain node {self.rank}: resumed at iteration {st.it} (data cursor {st.cursor}) from {r['path']}",
@@ -427,9 +457,9 @@ class Node:
 
         tensors, node_state = {}, {}
         if st.model is not None:
-            slot = st.sched.placement[st.stage].index(self.rank)
-            tensors, node_state = stage_state(st.model, st.opt, st.strat, slot)
-            node_state.update(node=self.rank, stage=st.stage)
+            slot = st.slot(self.rank)
+            tensors, node_state = stage_state(st.model, st.opt, list(st.strats.values()), slot)
+            node_state.update(node=self.rank, stage=st.stage, stages=st.stages)
         return tensors, node_state, st.sched.placement, self.ckpt.digest(tensors, st.sched.placement)
 
     def _save_checkpoint(self, st: "PhaseState", done: int, cursor: int, snap: tuple | None = None,
@@ -465,20 +495,21 @@ class Node:
         self.tr.link = (LinkFifo.from_topology(topo, self.rank, ph.bytes_scale, cost.hop_overhead_s if cost else 0.0)
                         if ph.wan and topo is not None and self.rank < topo.n else None)
         self.tr.codec_of = self._codec_of(st)
-        return Executor(self.rank, self.tr, st.model, st.stage, cost, st.speed, st.padding, self.job.rt.timeout_s,
+        return Executor(self.rank, self.tr, st.model, cost, st.speed, st.padding, self.job.rt.timeout_s,
                         self.describe, check=self._check_payload,
                         embed=st.elastic.embed if st.elastic is not None else None)
 
     def _codec_of(self, st: "PhaseState"):
         """The activation encoding of each of this node's outgoing links (the cost model's choice;
-        without one, or to a node outside its topology: the precision's plain encoding)."""
+        without one, to a node outside its topology, or between two of its own stages: the
+        precision's plain encoding)."""
         from ..schedule.actcodec import plain_codec
 
         cost, topo, me = st.cost, st.topo, self.rank
         plain = plain_codec(self.cfg.train.precision)
         if cost is None or topo is None or me >= topo.n:
             return lambda dst: plain
-        return lambda dst: cost.hop_codec(topo, me, dst) if dst < topo.n else plain
+        return lambda dst: cost.hop_codec(topo, me, dst) if dst < topo.n and dst != me else plain
 
     def _run_iteration(self, st: "PhaseState") -> None:
         """One attempt at iteration ``st.it``; on a recoverable failure, recover and advance past
@@ -601,38 +632,40 @@ class Node:
             st.ex = self._executor(st)
 
     def _step(self, st: "PhaseState", a: "Attempt", t0: float) -> list:
-        """The one optimizer step (:func:`~skiptrain.runtime.step.optimizer_step`) for this node's
-        stage; a node without a stage still takes part in the global clip's sum.  Returns the
-        sync event for the timeline (if the stage has replicas)."""
+        """The one optimizer step (:func:`~skiptrain.runtime.step.optimizer_step`) for the stages
+        this node serves; a node without a stage still takes part in the global clip's sum.
+        Returns the sync events for the timeline (one per served stage that has replicas)."""
         from ..optim import squared_norm
         from ..schedule.timeline import Event
         from .step import HostedStage, optimizer_step
 
-        ph, model, stage = st.ph, st.model, st.stage
+        ph, model = st.ph, st.model
         if model is None:
             a.outcome = optimizer_step([], None, a.lr, self.cfg.train.grad_clip, self._sum_across)
             return []
-        replicas = st.sched.placement[stage]
+        processed = a.res.processed
         if ph.dump and st.it == 0:
-            torch.save({"n": a.res.n_processed, "stage": stage,
+            torch.save({"n": a.res.n_processed, "stage": st.stage, "processed": processed,
                         "grads": {n: (p.grad.detach().cpu().clone() if p.grad is not None else None)
                                   for n, p in model.named_parameters()}},
                        st.out_dir / f"grads_node{self.rank}.pt")
         self._last_gnorm = squared_norm(p.grad for p in model.parameters()) ** 0.5   # CheckFree's weight
         self.ckpt.wait_snapshot()
         ts = time.time()
-        a.outcome = optimizer_step([HostedStage(stage, st.strat, a.res.n_processed, len(replicas))], st.opt, a.lr,
-                                   self.cfg.train.grad_clip, self._sum_across,
+        hosted = [HostedStage(s, strat, processed.get(s, 0), len(st.sched.placement[s])) for s, strat in
+                  sorted(st.strats.items())]
+        a.outcome = optimizer_step(hosted, st.opt, a.lr, self.cfg.train.grad_clip, self._sum_across,
                                    inspect=st.elastic.observe if st.elastic is not None else None)
-        stats = a.outcome.stats[stage]
-        a.entry["sync"] = {"payload": stats.payload_bytes, "received": stats.received_bytes,
-                           "comm_s": round(stats.comm_s, 6), "synced": stats.synced, "n_total": stats.n_total}
+        stats = [a.outcome.stats[h.stage] for h in hosted]
+        a.entry["sync"] = {"payload": sum(x.payload_bytes for x in stats),
+                           "received": sum(x.received_bytes for x in stats),
+                           "comm_s": round(sum(x.comm_s for x in stats), 6), "synced": all(x.synced for x in stats),
+                           "n_total": sum(x.n_total for x in stats)}
         te = time.time()
         for p in model.parameters():
             p.grad = None
-        if len(replicas) > 1:
-            return [Event(self.rank, "sync", None, stage, ts - t0, te - t0, stats.payload_bytes)]
-        return []
+        return [Event(self.rank, "sync", None, h.stage, ts - t0, te - t0, x.payload_bytes)
+                for h, x in zip(hosted, stats) if h.replicas > 1]
 
     def _gather_stats(self, st: "PhaseState", a: "Attempt", events: list, ckpt_digest: int = 0) -> list:
         """All-gather every node's iteration statistics (the last two columns: the checkpoint
@@ -741,28 +774,26 @@ class Node:
     def _end_phase(self, st: "PhaseState") -> None:
         """The final checkpoint (also when stopped early), dumps (tests), the stage's weights
         (first replica), and the phase's groups torn down."""
-        model, stage = st.model, st.stage
+        model = st.model
         if self.stopped or self.cfg.checkpoint.final:
             self._save_checkpoint(st, st.it, st.cursor)
         self.ckpt.close()
-        if st.strat is not None:
-            from ..dp.consistency import param_hashes
-
-            st.record["sync_summary"] = {**st.strat.summary(), "emulated_link_s": st.strat.tr.emulated_s,
-                                         "n_params": model.num_parameters(),
-                                         "param_hashes": param_hashes(st.strat.named).tolist()}
+        if st.strats:
+            st.record["sync_summary"] = sync_summary(list(st.strats.values()), model.num_parameters())
             (st.out_dir / f"node{self.rank}.json").write_text(json.dumps(st.record))
         if model is not None:
             if st.ph.dump:
                 torch.save({n: p.detach().cpu().clone() for n, p in model.named_parameters()},
                            st.out_dir / f"params_node{self.rank}.pt")
-            if st.ph.save_weights and self.rank == st.sched.placement[stage][0]:
-                from safetensors.torch import save_file
+            for stage in st.stages if st.ph.save_weights else ():
+                if self.rank == st.sched.placement[stage][0]:
+                    from safetensors.torch import save_file
 
-                parts = self.run_dir / "parts"
-                parts.mkdir(parents=True, exist_ok=True)
-                save_file({n: p.detach().cpu().contiguous() for n, p in model.state_dict().items()},
-                          str(parts / f"stage{stage}.safetensors"))
+                    parts = self.run_dir / "parts"
+                    parts.mkdir(parents=True, exist_ok=True)
+                    names = {n for n, _ in model.stage_named_parameters(stage)}
+                    save_file({n: p.detach().cpu().contiguous() for n, p in model.state_dict().items()
+                               if n in names}, str(parts / f"stage{stage}.safetensors"))
         dist.barrier()
         self._drop_groups(st.groups)
 
@@ -790,24 +821,33 @@ class Node:
         return float(t[0])
 
     def _stage_groups(self, sched, stage, model, old_strat, step_count: int | None = None):
+        """:meth:`_hosted_groups` for a node serving one stage (or none): (groups, strategy)."""
+        groups, strats = self._hosted_groups(sched, [] if stage is None else [stage], model,
+                                             {} if old_strat is None else {stage: old_strat}, step_count)
+        return groups, strats.get(stage)
+
+    def _hosted_groups(self, sched, stages: list[int], model, old: dict, step_count: int | None = None):
         """One group per stage with replicas (every rank creates every group, same order; backend
-        ``dp.backend``: gloo, or NCCL between CUDA devices), and this node's DP strategy on its
-        stage's group, keeping ``old_strat``'s optimizer state."""
+        ``dp.backend``: gloo, or NCCL between CUDA devices), and this node's DP strategy on the
+        group of each stage it serves, over that stage's parameters that train (frozen ones have
+        no gradient to sync), keeping the state of the strategy ``old[stage]`` where given.
+        Returns (groups, {stage: strategy})."""
         from ..dp import make_strategy
 
         timeout = timedelta(seconds=self.job.rt.timeout_s)
         groups = {s: dist.new_group(sorted(self._rank[n] for n in p), timeout=timeout, backend=self.cfg.dp.backend)
                   for s, p in enumerate(sched.placement) if p}
-        strat = None
-        if model is not None:   # over the parameters that train (frozen ones have no gradient to sync)
-            strat = make_strategy(self.cfg.dp, [(n, p) for n, p in model.named_parameters() if p.requires_grad],
-                                  groups[stage], self.cfg.train, link=self._sync_link(sched.placement[stage]))
-            if old_strat is not None:
-                sd = old_strat.state_dict()
+        strats = {}
+        for s in stages if model is not None else ():
+            named = model.named_parameters() if len(stages) == 1 else model.stage_named_parameters(s)
+            strats[s] = make_strategy(self.cfg.dp, [(n, p) for n, p in named if p.requires_grad], groups[s],
+                                      self.cfg.train, link=self._sync_link(sched.placement[s]))
+            if old.get(s) is not None:
+                sd = old[s].state_dict()
                 if step_count is not None:
                     sd["step"] = step_count
-                strat.load_state_dict(sd)
-        return groups, strat
+                strats[s].load_state_dict(sd)
+        return groups, strats
 
     def _sync_link(self, replicas: list[int]):
         """The emulated links of a replica group's collectives (``Phase.emulate_sync``): the ring
@@ -1240,6 +1280,24 @@ class Node:
         self.tr.close()
         dist.barrier()
         self.hb.finish()
+
+
+def sync_summary(strats: list, n_params: int) -> dict:
+    """What a node's sync strategies did over the phase (one per stage it serves): bytes per
+    step summed over them, counts of the first, the parameter hashes of all (replica checks)."""
+    from ..dp.consistency import param_hashes
+
+    parts = [x.summary() for x in strats]
+    out = dict(parts[0])
+    for k in ("params", "payload_bytes_per_step", "payload_bytes_per_sync", "received_bytes_per_step",
+              "control_bytes_per_step", "dense_fp32_payload_bytes", "dense_fp32_received_bytes"):
+        out[k] = sum(p[k] for p in parts)
+    for k, num, den in (("ratio_payload_vs_fp32", "dense_fp32_payload_bytes", "payload_bytes_per_step"),
+                        ("ratio_received_vs_fp32", "dense_fp32_received_bytes", "received_bytes_per_step")):
+        out[k] = out[num] / out[den] if out[den] else float("inf")
+    out.update(emulated_link_s=sum(x.tr.emulated_s for x in strats), n_params=n_params,
+               param_hashes=param_hashes([kv for x in strats for kv in x.named]).tolist())
+    return out
 
 
 def device_of_node(cfg, node: int, local_rank: int) -> torch.device:

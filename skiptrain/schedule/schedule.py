@@ -3,8 +3,10 @@ the multi-process runtime execute.
 
 A schedule fixes, for one iteration:
 
-* ``placement[s]``: the node ids serving stage ``s`` (stage 0 first).  A node serves at most one
-  stage; nodes of the topology may be left out (unused).
+* ``placement[s]``: the node ids serving stage ``s`` (stage 0 first), each at most once.  A node
+  usually serves one stage; one that serves several (one large device holding two stages) runs
+  them all, one task at a time, and a hop between two of its stages stays on the node.  Nodes
+  of the topology may be left out (unused).
 * ``micro_batches``: for each micro-batch its ``id``, its ``originator`` (a stage-0 node: it
   embeds the batch, runs stage 0, and later the loss and stage 0's backward), its ``route``: the
   list of ``(stage, node)`` hops through the body stages in visit order (stage 0 is implicit at
@@ -13,7 +15,8 @@ A schedule fixes, for one iteration:
 * Injection order: on each originator, micro-batches start in the order they appear in
   ``micro_batches`` (never before ``start_s``, and only when a memory credit is free).
 * ``memory``: at most ``memory`` micro-batches in flight per node.  A node takes a credit when it
-  starts a micro-batch's forward and returns it when it finishes that micro-batch's backward.
+  starts a micro-batch's first forward there and returns it when it finishes that micro-batch's
+  last backward there (:meth:`Schedule.credit_free`: the hops that neither take nor return one).
 * ``policy``: task priority on every node when several are ready.  ``"1f1b"`` (the default and
   what the runtime implements): backward and loss before forward, each class first-come
   first-served.  ``"gpipe"``: forward first (a GPipe-order baseline).
@@ -93,8 +96,36 @@ class Schedule:
         return len(self.placement)
 
     def stage_of(self) -> dict[int, int]:
-        """``{node: stage}`` for every placed node."""
-        return {n: s for s, nodes in enumerate(self.placement) for n in nodes}
+        """``{node: stage}`` for every placed node (the lowest, for a node serving several)."""
+        out: dict[int, int] = {}
+        for s, nodes in enumerate(self.placement):
+            for n in nodes:
+                out.setdefault(n, s)
+        return out
+
+    def stages_of(self) -> dict[int, list[int]]:
+        """``{node: [stages it serves, ascending]}`` for every placed node."""
+        out: dict[int, list[int]] = {}
+        for s, nodes in enumerate(self.placement):
+            for n in nodes:
+                out.setdefault(n, []).append(s)
+        return out
+
+    def hosts_several(self) -> bool:
+        """Whether some node serves more than one stage."""
+        return len(self.stages_of()) < sum(len(p) for p in self.placement)
+
+    def credit_free(self) -> set[tuple[int, int]]:
+        """``(j, pos)`` of the forward hops that take no memory credit (and of the backward hops
+        that return none): micro-batch ``j``'s later visits of a node it already visited."""
+        out: set[tuple[int, int]] = set()
+        for j, mb in enumerate(self.micro_batches):
+            seen = {mb.originator}
+            for p, n in enumerate(mb.nodes, start=1):
+                if n in seen:
+                    out.add((j, p))
+                seen.add(n)
+        return out
 
     def nodes(self) -> list[int]:
         return sorted(n for nodes in self.placement for n in nodes)
@@ -149,12 +180,12 @@ class Schedule:
     def validate(self, claims: Iterable[str] = SKIP_CLAIMS, n_nodes: int | None = None) -> None:
         """Raise :class:`ScheduleError` if a claimed constraint is broken.
 
-        ``placement``: nodes distinct, every stage non-empty, ids below ``n_nodes``.
+        ``placement``: a stage's nodes distinct, every stage non-empty, ids below ``n_nodes``.
         ``originators``/``stage0_ends``: every originator is a stage-0 node and no route hop is
         stage 0 (stage 0 is first and last, never inside a route).  ``skip_count``: every route
         visits ``visits_per_route(skip_ratio, S)`` body stages.  ``full_route``: every route is
-        1..S-1 in order.  ``no_repeat``/``swaps``: no stage twice, ascending up to at most
-        ``max_swaps`` disjoint neighbour swaps.  ``balanced``: body-stage visit counts differ
+        1..S-1 in order.  ``no_repeat``/``swaps``: no stage twice (so a node twice only when it
+        serves several stages), ascending up to at most ``max_swaps`` disjoint neighbour swaps.  ``balanced``: body-stage visit counts differ
         by at most one.  ``memory``: ``memory >= 1`` and no originator could exceed it (the
         simulator checks the timeline).  Every hop's node must serve the hop's stage.
         """
@@ -171,26 +202,26 @@ class Schedule:
         if "placement" in claims:
             if S < 1 or any(not p for p in self.placement):
                 raise ScheduleError(f"placement {self.placement}: every stage needs a node")
-            dup = [n for n, c in Counter(all_nodes).items() if c > 1]
+            dup = [(s, n) for s, p in enumerate(self.placement) for n, c in Counter(p).items() if c > 1]
             if dup:
-                raise ScheduleError(f"placement: node(s) {dup} serve more than one stage")
+                raise ScheduleError(f"placement: (stage, node) {dup} listed more than once")
             if n_nodes is not None and any(not 0 <= n < n_nodes for n in all_nodes):
                 raise ScheduleError(f"placement names nodes outside 0..{n_nodes - 1}")
-        stage_of = self.stage_of()
+        stages_of = self.stages_of()
         ids = [mb.id for mb in self.micro_batches]
         if len(set(ids)) != len(ids):
             raise ScheduleError("micro-batch ids must be unique")
         n_visits = visits_per_route(self.skip_ratio, S) if "skip_count" in claims else None
         for mb in self.micro_batches:
-            if ("originators" in claims or "stage0_ends" in claims) and stage_of.get(mb.originator) != 0:
+            if ("originators" in claims or "stage0_ends" in claims) and 0 not in stages_of.get(mb.originator, ()):
                 raise ScheduleError(f"micro-batch {mb.id}: originator {mb.originator} is not a stage-0 node")
             for s, n in mb.route:
                 if s == 0:
                     raise ScheduleError(f"micro-batch {mb.id}: stage 0 inside the route {mb.route}; "
                                         "stage 0 is only first and last")
-                if stage_of.get(n) != s:
+                if s not in stages_of.get(n, ()):
                     raise ScheduleError(f"micro-batch {mb.id}: hop ({s}, {n}) but node {n} serves "
-                                        f"stage {stage_of.get(n)}")
+                                        f"stage(s) {stages_of.get(n)}")
             try:
                 check_route(mb.stages, S, n_visits,
                             self.max_swaps if "swaps" in claims else S)
@@ -199,8 +230,6 @@ class Schedule:
                     raise ScheduleError(f"micro-batch {mb.id}: {e}") from None
             if "full_route" in claims and mb.stages != list(range(1, S)):
                 raise ScheduleError(f"micro-batch {mb.id}: route {mb.stages} is not the full pipeline")
-            if "no_repeat" in claims and len(set(mb.nodes)) != len(mb.nodes):
-                raise ScheduleError(f"micro-batch {mb.id}: visits a node twice")
         if "balanced" in claims and S > 1 and self.micro_batches:
             counts = self.stage_visits()[1:]
             if max(counts) - min(counts) > 1:

@@ -111,9 +111,11 @@ class _Run:
             raise ScheduleError(f"schedule uses nodes outside the topology's 0..{N - 1}")
         self.schedule, self.topo, self.cost = schedule, topo, cost
         self.contention, self.dp_sync, self.record = contention, dp_sync, record
-        self.fwd_t = [0.0] * N
-        for n, s in stage_of.items():
-            self.fwd_t[n] = cost.fwd_s(s, topo.nodes[n].speed)
+        self.fwd_t: list = [0.0] * N       # per node; per stage ({stage: s}) where a node serves several
+        for n, ss in schedule.stages_of().items():
+            f = {s: cost.fwd_s(s, topo.nodes[n].speed) for s in ss}
+            self.fwd_t[n] = f[ss[0]] if len(ss) == 1 else f
+        self.free = schedule.credit_free()
         self.loss_t = {n: cost.loss_s(topo.nodes[n].speed) for n in schedule.placement[0]}
         self.mbs = mbs = schedule.micro_batches
         self.paths = [[mb.originator, *mb.nodes] for mb in mbs]
@@ -123,7 +125,7 @@ class _Run:
         for j, mb in enumerate(mbs):
             self.inject.setdefault(mb.originator, []).append(j)
         for o in self.inject:
-            if stage_of.get(o) != 0:
+            if 0 not in schedule.stages_of().get(o, ()):
                 raise ScheduleError(f"originator {o} is not a stage-0 node")
         self.credits = [schedule.memory] * N
         self.held = [0] * N
@@ -174,11 +176,14 @@ class _Run:
         counts, record, timeline, mb_ids, stage_of = self.counts, self.record, self.timeline, self.mb_ids, self.stage_of
         credits, held, max_held, busy_s, fwd_t, loss_t = (self.credits, self.held, self.max_held, self.busy_s,
                                                           self.fwd_t, self.loss_t)
-        bf, stages, inject, mbs = self.cost.backward_factor, self.stages, self.inject, self.mbs
+        bf, stages, inject, mbs, free = self.cost.backward_factor, self.stages, self.inject, self.mbs, self.free
         inj_ptr = {o: 0 for o in inject}
         fwd_first = self.schedule.policy == "gpipe"
 
         def hop(a: int, b: int, t: float, j: int, kind: int, pos: int) -> None:
+            if a == b:                  # between two stages of one node: no link
+                push(t, _ARRIVE, b, j, kind, pos)
+                return
             nb = hop_bytes[a][b]
             st, arr = send(a, b, nb, t)
             arr += hop_fixed[a][b]
@@ -195,7 +200,7 @@ class _Run:
         def dispatch(node: int, now: float) -> None:
             if busy[node]:
                 return
-            can_fwd = lo[node] and credits[node] > 0
+            can_fwd = lo[node] and (credits[node] > 0 or (free and (lo[node][0][1], lo[node][0][4]) in free))
             if fwd_first:
                 q = lo[node] if can_fwd else (hi[node] or None)
             else:
@@ -203,19 +208,23 @@ class _Run:
             if not q:
                 return
             _, j, _, kind, pos = heapq.heappop(q)
+            f = fwd_t[node]
+            if f.__class__ is dict:     # a node serving several stages
+                f = f[stages[j][pos]]
             if kind == _FWD:
-                dur = fwd_t[node]
-                credits[node] -= 1
-                held[node] += 1
-                if held[node] > max_held[node]:
-                    max_held[node] = held[node]
+                dur = f
+                if not free or (j, pos) not in free:
+                    credits[node] -= 1
+                    held[node] += 1
+                    if held[node] > max_held[node]:
+                        max_held[node] = held[node]
                 if pos == 0:  # injection: the originator's next micro-batch becomes eligible
                     inj_ptr[node] += 1
                     if inj_ptr[node] < len(inject[node]):
                         nj = inject[node][inj_ptr[node]]
                         push(max(now, mbs[nj].start_s), _ARRIVE, node, nj, _FWD, 0)
             else:
-                dur = loss_t[node] if kind == _LOSS else fwd_t[node] * bf
+                dur = loss_t[node] if kind == _LOSS else f * bf
             busy[node] = True
             busy_s[node] += dur
             if record:
@@ -256,7 +265,7 @@ class _Run:
         push, send = self._links()
         hop, enqueue, dispatch, busy = self._tasks(push, send)
         start_sync, sync_send = self._syncs(push, send)
-        ev, paths, stages, credits, held = self.ev, self.paths, self.stages, self.credits, self.held
+        ev, paths, stages, credits, held, free = self.ev, self.paths, self.stages, self.credits, self.held, self.free
         stage_left, done_at, mb_ids, dp_sync, sync_state = (self.stage_left, self.done_at, self.mb_ids,
                                                             self.dp_sync, self.sync_state)
         for o, js in self.inject.items():            # the first micro-batch of every originator
@@ -284,8 +293,9 @@ class _Run:
                     else:
                         hop(node, path[v], now, j, _BWD, v)
                 else:
-                    credits[node] += 1
-                    held[node] -= 1
+                    if not free or (j, pos) not in free:
+                        credits[node] += 1
+                        held[node] -= 1
                     s = stages[j][pos]
                     stage_left[s] -= 1
                     if pos > 0:
