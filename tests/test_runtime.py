@@ -379,6 +379,27 @@ def test_a_node_serving_two_stages_checkpoints_both(shared):
         assert torch.equal(p.detach(), got[n]), n
 
 
+def test_a_node_serving_two_stages_resumes_exactly(shared, tmp_path):
+    """The skip phase's final checkpoint (iteration 3), resumed on the same layout for one more
+    iteration, ends where 4 uninterrupted one-process iterations do."""
+    from skiptrain.checkpoint import store
+    from skiptrain.runtime.job_checkpoint import resume_point
+
+    cfg, skip = _cfg_shared(skip_ratio=0.25), shared["skip"]
+    topo = build_topology(cfg, 5)
+    cost = build_cost(cfg, s_per_sample_layer=0.001)
+    start = {**resume_point(store.latest(shared["dir"] / "checkpoints" / "skip")), "phase": 0}
+    assert start["iteration"] == EQUIV_ITERS
+    job = Job(config=with_runtime(cfg.to_dict(), timeout_s=20), data_path=str(shared["data"]),
+              run_dir=str(tmp_path / "run"), resume=start,
+              phases=[phase_for(cfg, skip, topo, cost, "skip", EQUIV_ITERS + 1, dump=True)])
+    launch(job, timeout_s=240)
+    ref, _ = _reference(cfg, shared["data"], skip, steps=EQUIV_ITERS + 1)
+    got = _dist_params(tmp_path / "run", "skip", skip)
+    for n in ref:
+        torch.testing.assert_close(got[n], ref[n], atol=1e-5, rtol=0, msg=lambda m: f"{n}: {m}")
+
+
 def test_node_stages_refusals_name_the_conflict():
     from skiptrain.config import ConfigError
 
