@@ -340,7 +340,10 @@ def shared(byte_data, tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("shared")
     job = Job(config=with_runtime(cfg.to_dict(), timeout_s=20), data_path=str(byte_data), run_dir=str(run_dir),
               phases=[phase_for(cfg, full, topo, cost, "full", EQUIV_ITERS, dump=True),
-                      phase_for(cfg, skip, topo, cost, "skip", EQUIV_ITERS, dump=True, config={"train": {"skip_ratio": 0.25}})])
+                      phase_for(cfg, skip, topo, cost, "skip", EQUIV_ITERS, dump=True, config={"train": {"skip_ratio": 0.25}}),
+                      phase_for(cfg, skip, topo, cost, "demo", EQUIV_ITERS, dump=True, config={
+                          "train": {"skip_ratio": 0.25}, "dp": {"strategy": "demo", "chunk": 16, "topk": 8,
+                                                                "values": "sign1", "indices": "u12", "check_every": 1}})])
     res = launch(job, timeout_s=240)
     return {"res": res, "full": full, "skip": skip, "data": byte_data, "dir": Path(run_dir)}
 
@@ -362,6 +365,22 @@ def test_a_node_serving_two_stages_equals_the_one_node_runtime(shared):
         for nodes in sched.placement:
             a, b = (torch.load(shared["dir"] / "phases" / name / f"params_node{x}.pt") for x in (nodes + nodes)[:2])
             assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_a_node_serving_two_stages_keeps_demo_replicas_bit_identical(shared):
+    """DeMo, one strategy per stage: nodes 2 and 3 (stages 1+2) end bit-identical, and moved."""
+    import json
+
+    from skiptrain.model import StagedLM
+
+    d = shared["dir"] / "phases" / "demo"
+    a, b = (torch.load(d / f"params_node{n}.pt") for n in (2, 3))
+    init = dict(StagedLM(_cfg_shared().model, seed=_cfg_shared().train.seed).named_parameters())
+    assert {k.split(".")[1] for k in a if k.startswith("layers.")} == {"1", "2"}
+    assert max(float((a[k] - init[k].detach()).abs().max()) for k in a) > 1e-4
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    summ = json.loads((d / "node2.json").read_text())["sync_summary"]
+    assert summ["syncs"] == EQUIV_ITERS and summ["ratio_payload_vs_fp32"] > 10
 
 
 def test_a_node_serving_two_stages_checkpoints_both(shared):
