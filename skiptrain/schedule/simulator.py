@@ -111,15 +111,14 @@ class _Run:
             raise ScheduleError(f"schedule uses nodes outside the topology's 0..{N - 1}")
         self.schedule, self.topo, self.cost = schedule, topo, cost
         self.contention, self.dp_sync, self.record = contention, dp_sync, record
-        self.fwd_t: list = [0.0] * N       # per node; per stage ({stage: s}) where a node serves several
-        for n, ss in schedule.stages_of().items():
-            f = {s: cost.fwd_s(s, topo.nodes[n].speed) for s in ss}
-            self.fwd_t[n] = f[ss[0]] if len(ss) == 1 else f
         self.free = schedule.credit_free()
         self.loss_t = {n: cost.loss_s(topo.nodes[n].speed) for n in schedule.placement[0]}
         self.mbs = mbs = schedule.micro_batches
         self.paths = [[mb.originator, *mb.nodes] for mb in mbs]
         self.stages = [[0, *mb.stages] for mb in mbs]
+        fwd = {}                                         # (stage, node) -> forward seconds
+        self.fwd_jp = [[fwd.get((s, n)) or fwd.setdefault((s, n), cost.fwd_s(s, topo.nodes[n].speed))
+                        for s, n in zip(st, path)] for st, path in zip(self.stages, self.paths)]
         self.mb_ids = [mb.id for mb in mbs]
         self.inject: dict[int, list[int]] = {}          # injection order per originator
         for j, mb in enumerate(mbs):
@@ -174,8 +173,8 @@ class _Run:
         lo: list[list] = [[] for _ in range(N)]
         busy = [False] * N
         counts, record, timeline, mb_ids, stage_of = self.counts, self.record, self.timeline, self.mb_ids, self.stage_of
-        credits, held, max_held, busy_s, fwd_t, loss_t = (self.credits, self.held, self.max_held, self.busy_s,
-                                                          self.fwd_t, self.loss_t)
+        credits, held, max_held, busy_s, fwd_jp, loss_t = (self.credits, self.held, self.max_held, self.busy_s,
+                                                           self.fwd_jp, self.loss_t)
         bf, stages, inject, mbs, free = self.cost.backward_factor, self.stages, self.inject, self.mbs, self.free
         inj_ptr = {o: 0 for o in inject}
         fwd_first = self.schedule.policy == "gpipe"
@@ -208,11 +207,8 @@ class _Run:
             if not q:
                 return
             _, j, _, kind, pos = heapq.heappop(q)
-            f = fwd_t[node]
-            if f.__class__ is dict:     # a node serving several stages
-                f = f[stages[j][pos]]
             if kind == _FWD:
-                dur = f
+                dur = fwd_jp[j][pos]
                 if not free or (j, pos) not in free:
                     credits[node] -= 1
                     held[node] += 1
@@ -224,7 +220,7 @@ class _Run:
                         nj = inject[node][inj_ptr[node]]
                         push(max(now, mbs[nj].start_s), _ARRIVE, node, nj, _FWD, 0)
             else:
-                dur = loss_t[node] if kind == _LOSS else f * bf
+                dur = loss_t[node] if kind == _LOSS else fwd_jp[j][pos] * bf
             busy[node] = True
             busy_s[node] += dur
             if record:
