@@ -118,7 +118,7 @@ class PhaseState:
 
     def slot(self, node: int) -> int:
         """``node``'s replica position in its stages (the same in each: see
-        :func:`skiptrain.runtime.job.placement_from_node_stages`)."""
+        :func:`skiptrain.config.node_stage_placement`)."""
         return self.sched.placement[self.stages[0]].index(node)
 
 
