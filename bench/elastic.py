@@ -450,6 +450,9 @@ def main(argv=None) -> int:
     ap.add_argument("--swarm-timeout", type=float, default=None, help="seconds per launch (default: 10 per iteration)")
     ap.add_argument("--swarm-cache", choices=("on", "off"), default="on",
                     help="the swarm's activation cache (on: the originators prefill it at each freeze)")
+    ap.add_argument("--swarm-cache-share", choices=("location", "node"), default="location",
+                    help="with the cache on: one cache per machine of the swarm's topology (2 x 8), shared by its "
+                         "originators, each window prefilled once per machine (location), or one per node")
     ap.add_argument("--swarm-keep", default="", help="keep the swarm's run directories under this path")
     ap.add_argument("--swarm-only", default="", metavar="S,R,M",
                     help="run only the swarm half, against the static layout S stages x R replicas x M "

@@ -66,7 +66,8 @@ def elastic_settings(args) -> dict:
     return {"enabled": True, "alpha": args.alpha, "check_every": args.swarm_check_every, "tol": args.tol,
             "min_active": 2, "start_window": args.start_window, "stable_windows": args.stable_windows,
             "guard": True, "guard_tol": args.guard_tol, "guard_confirm": args.guard_confirm, "guard_ref": 4,
-            "guard_min_ref": args.guard_min_ref, "guard_batches": 4, "cache": args.swarm_cache}
+            "guard_min_ref": args.guard_min_ref, "guard_batches": 4, "cache": args.swarm_cache,
+            "cache_share": args.swarm_cache_share}
 
 
 def run_seed(args, best: dict, seed: int, iterations: int, data: str, init: str | None = None) -> dict:
@@ -244,7 +245,7 @@ def seeds_and_mean(args, best: dict, seeds: list[int], iterations: int, data: st
     """Every seed's figures (from the pre-trained state at ``init``, if any) and their mean."""
     out = {"pretrained": init is not None, "best_static": {k: best[k] for k in ("stages", "replicas", "n_micro")}, "iterations": iterations,
            "s_per_sample_layer": args.swarm_spl, "check_every": args.swarm_check_every, "cache": args.swarm_cache,
-           "seeds": {}}
+           "cache_share": args.swarm_cache_share, "seeds": {}}
     for seed in seeds:
         print(f"  swarm seed {seed}: 16 node processes, {iterations} iterations x 2 phases ...", flush=True)
         out["seeds"][str(seed)] = run_seed(args, best, seed, iterations, data, init)
@@ -264,7 +265,8 @@ def print_swarm(sw: dict) -> None:
     print(f"\nSWARM, 16 node processes (this machine; compute padded to the cost model, "
           f"{sw['s_per_sample_layer']:g} s per sample-layer; best static S={b['stages']} R={b['replicas']} "
           f"M={b['n_micro']}; {sw['iterations']} iterations per phase, windows of {sw['check_every']}; "
-          f"activation cache {sw['cache']})")
+          f"activation cache {sw['cache']}"
+          f"{', one per ' + sw.get('cache_share', 'node') if sw['cache'] == 'on' else ''})")
     seeds = list(sw["seeds"])
     head = f"{'figure':<44}" + "".join(f"{'seed ' + s:>12}" for s in seeds) + f"{'mean':>10}"
     print(head + "\n" + "-" * len(head))

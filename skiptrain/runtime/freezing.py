@@ -43,7 +43,7 @@ import torch.distributed as dist
 
 from ..checkpoint.reader import CheckpointReader
 from ..checkpoint.training import truncate_metrics
-from ..elastic.cache import ActivationCache, PrefixRunner
+from ..elastic.cache import ActivationCache, PrefixRunner, deal_part
 from ..elastic.freeze import FreezeRule
 from ..elastic.repartition import ElasticLayout
 from ..layout.transfer import transfer_plan
@@ -223,21 +223,37 @@ class SwarmFreezing:
         return not any(d["action"] == "undo" and d["step"] > step - e.prefill_after_undo * e.check_every
                        for d in self.rule.history)
 
+    def _location(self, rank: int) -> str | None:
+        """The topology location whose originators share one activation cache with ``rank``
+        (``elastic.cache_share=location``, room for the whole split, ``rank`` in the phase's
+        topology), else None: the node keeps a cache of its own."""
+        e, m, topo = self.cfg.elastic, self.cfg.model, self.st.topo
+        if e.cache_share != "location" or topo is None or rank >= topo.n:
+            return None
+        if int(e.cache_mb * 2**20) // (m.seq_len * m.d_model * 4) < self.node.src.n:
+            return None
+        return topo.nodes[rank].location
+
     def _open_cache(self) -> ActivationCache:
-        """This originator's cache (``elastic.cache_dir`` or ``RUN_DIR/elastic_cache``, one
-        directory per node), keyed by training window like the single-process trainer's."""
+        """This originator's cache (``elastic.cache_dir`` or ``RUN_DIR/elastic_cache``; one
+        directory per node, or per location when shared), keyed by training window like the
+        single-process trainer's."""
         if self.cache is None:
             e, m, node = self.cfg.elastic, self.cfg.model, self.node
             root = Path(e.cache_dir) if e.cache_dir else Path(node.run_dir) / "elastic_cache"
-            self.cache = ActivationCache(root / f"node{node.rank}", node.src.n, m.seq_len, m.d_model,
-                                         int(e.cache_mb * 2**20))
+            loc = self._location(node.rank)
+            name = f"loc-{''.join(c if c.isalnum() else '_' for c in loc)}" if loc is not None else f"node{node.rank}"
+            self.cache = ActivationCache(root / name, node.src.n, m.seq_len, m.d_model, int(e.cache_mb * 2**20),
+                                         shared=loc is not None)
         return self.cache
 
-    def share(self) -> list[int]:
-        """The training windows this node starts micro-batches of, from this iteration to the end
-        of the phase, under the schedule in force (in first-visit order, each once)."""
+    def share(self, rank: int | None = None) -> list[int]:
+        """The training windows node ``rank`` (default this node) starts micro-batches of, from
+        this iteration to the end of the phase, under the schedule in force (in first-visit
+        order, each once)."""
         st, node, mbsz = self.st, self.node, self.cfg.train.micro_batch
-        mine = sorted(st.order[mb.id] for mb in st.sched.micro_batches if mb.originator == node.rank)
+        rank = node.rank if rank is None else rank
+        mine = sorted(st.order[mb.id] for mb in st.sched.micro_batches if mb.originator == rank)
         out: dict[int, None] = {}
         for it in range(st.it, st.ph.iterations):
             c = st.cursor + (it - st.it) * st.gb
@@ -245,31 +261,49 @@ class SwarmFreezing:
                 out.update((node.src.window(g), None) for g in range(c + i * mbsz, c + (i + 1) * mbsz))
         return list(out)
 
+    def prefill_windows(self) -> list[int]:
+        """The windows this originator prefills: its share; with a cache shared by the originators
+        at its location, its part of the union of their shares (each window once per location)."""
+        st, rank = self.st, self.node.rank
+        loc = self._location(rank)
+        if loc is None or self.cache is None or not self.cache.shared:
+            return self.share()
+        group = sorted({mb.originator for mb in st.sched.micro_batches if self._location(mb.originator) == loc})
+        union = dict.fromkeys(w for r in group for w in self.share(r))
+        return deal_part(list(union), len(group), group.index(rank))
+
     def _prepare_prefix(self) -> None:
         """Every node, before the first iteration of a layout with a frozen prefix (the weights are
         loaded by then): the originators fingerprint the prefix (dropping stale cache entries) and,
-        when the layout was planned with the prefix cached, prefill their share of the windows --
-        data parallel over the originators, forward only, padded to the cost model like any compute
-        task; the counts and the slowest originator's time are all-reduced and logged."""
+        when the layout was planned with the prefix cached, prefill their windows
+        (:meth:`prefill_windows`) -- data parallel over the originators, forward only, padded to
+        the cost model like any compute task; the counts and the slowest originator's time are
+        all-reduced and logged.  With caches shared per location, every node waits for every
+        originator's fingerprinting before anyone writes, and re-reads its cache's index after."""
         st, node = self.st, self.node
         t0 = time.time()
         done = torch.zeros(4, dtype=torch.float64)          # rows, layer rows, dropped, (max) seconds
         if self.runner is not None:
             done[2] = self.runner.set_frozen(self.frozen)
-            if self.prefix_cached:
-                t = self.cfg.train
-                rec = self.runner.prefill(lambda ws: node.src.window_batch(ws)[0], t.micro_batch * len(st.order),
-                                          self.share())
-                done[0], done[1] = rec["rows"], rec["layer_rows"]
-                cost = self.base_cost
-                if cost is not None:
-                    st.padding.pad(t0, float(done[1]) * cost.s_per_sample_per_layer / st.speed)
-                self.cache.flush()
+        shared = self.prefix_cached and self.cfg.elastic.cache_share == "location"
+        if shared:
+            node._sync(dist.barrier)
+        if self.runner is not None and self.prefix_cached:
+            t = self.cfg.train
+            rec = self.runner.prefill(lambda ws: node.src.window_batch(ws)[0], t.micro_batch * len(st.order),
+                                      self.prefill_windows())
+            done[0], done[1] = rec["rows"], rec["layer_rows"]
+            cost = self.base_cost
+            if cost is not None:
+                st.padding.pad(t0, float(done[1]) * cost.s_per_sample_per_layer / st.speed)
+            self.cache.flush()
         done[3] = time.time() - t0
         if self.prefix_cached:
             mx = done[3:].clone()
             node._sync(dist.all_reduce, done)
             node._sync(dist.all_reduce, mx, dist.ReduceOp.MAX)
+            if self.cache is not None and self.cache.shared:
+                self.cache.refresh()
             rec = {"step": st.it, "action": "prefill", "frozen": self.frozen, "rows": int(done[0]),
                    "layer_rows": int(done[1]), "dropped": int(done[2]), "seconds": round(float(mx[0]), 6)}
             st.record.setdefault("prefills", []).append(rec)
@@ -366,7 +400,9 @@ class SwarmFreezing:
         self.runner = None
         self.prefix_cached = prefix_cached
         if model is not None and stage == 0 and F > 0:
-            self.runner = PrefixRunner(model, self._open_cache() if self._cache_on(F) else None)
+            cache = self._open_cache() if self._cache_on(F) else None
+            # a shared cache is written by the prefill only (each window by one originator)
+            self.runner = PrefixRunner(model, cache, store=cache is None or not cache.shared)
         self.prefix_due = F > 0
         st.ex = node._executor(st)
         node._publish_sched(sched, st.idx, cost)
