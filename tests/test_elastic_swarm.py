@@ -179,6 +179,7 @@ def test_a_checkpoint_after_a_transition_resumes_into_the_transitioned_layout(by
     ref = tmp_path / "ref"
     cfg = _cfg()
     cfg.elastic.cache = cache
+    cfg.elastic.prefill_min_reads = 0     # each window is read once in these 10 iterations
     res = launch(_job(cfg, byte_data, ref, iterations=iters), timeout_s=300)
     ckpt = shutil.copytree(ref / "checkpoints" / "step-00000006", tmp_path / "saved" / "step-00000006")
     saved = CheckpointReader(ckpt).state["elastic"]
@@ -251,6 +252,7 @@ def test_the_swarm_serves_the_frozen_prefix_from_prefilled_caches(byte_data, tmp
     once."""
     cfg = _cfg()
     cfg.elastic.cache = "on"
+    cfg.elastic.prefill_min_reads = 0     # each window is read once in these 10 iterations
     run = tmp_path / "run"
     launch(_job(cfg, byte_data, run), timeout_s=300)
     log = _log(run)
@@ -274,6 +276,28 @@ def test_the_swarm_serves_the_frozen_prefix_from_prefilled_caches(byte_data, tmp
 
 
 @pytest.mark.slow
+def test_a_prefill_whose_rows_would_be_read_once_is_not_done(byte_data, tmp_path):
+    """``elastic.prefill_min_reads`` (default 2): after each freeze of this 10-iteration run
+    every window is started once until the end, so a prefill would compute a row per read; the
+    layouts are planned with the prefix recomputed (logged: 1 read per row), nothing is
+    prefilled, the caches fill lazily, and every sample is trained once."""
+    cfg = _cfg()
+    cfg.elastic.cache = "on"
+    run = tmp_path / "run"
+    launch(_job(cfg, byte_data, run), timeout_s=300)
+    log = _log(run)
+    tr = [r for r in log if r.get("action") == "transition"]
+    assert [(t["step"], t["prefix_cached"], t["prefill_reads_per_row"]) for t in tr] == [(4, False, 1.0),
+                                                                                        (6, False, 1.0)]
+    assert not [r for r in log if r.get("action") == "prefill"]
+    caches = [json.loads(f.read_text()).get("cache") for f in (run / "phases" / "p").glob("node*.json")]
+    caches = [c for c in caches if c]
+    assert caches and sum(c["misses"] + c["extended"] + c["hits"] for c in caches) == (ITERS - 4) * GB
+    per_it = trained_samples(run / "phases" / "p")
+    assert sorted(i for s in per_it.values() for i in s) == list(range(ITERS * GB))
+
+
+@pytest.mark.slow
 def test_originators_of_one_location_share_a_cache_and_prefill_each_window_once(byte_data, tmp_path):
     """``elastic.cache_share=location`` (the cluster topology: one location): the originators
     open one cache and prefill disjoint parts of the union of their windows, so every window is
@@ -282,6 +306,7 @@ def test_originators_of_one_location_share_a_cache_and_prefill_each_window_once(
     single-process trainer with the cache on trains."""
     cfg = _cfg()
     cfg.elastic.cache = "on"
+    cfg.elastic.prefill_min_reads = 0     # each window is read once in these 10 iterations
     cfg.elastic.cache_share = "location"
     run = tmp_path / "run"
     launch(_job(cfg, byte_data, run), timeout_s=300)

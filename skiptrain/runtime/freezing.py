@@ -247,19 +247,32 @@ class SwarmFreezing:
                                          shared=loc is not None)
         return self.cache
 
-    def share(self, rank: int | None = None) -> list[int]:
+    def share(self, rank: int | None = None, sched: Schedule | None = None) -> list[int]:
         """The training windows node ``rank`` (default this node) starts micro-batches of, from
-        this iteration to the end of the phase, under the schedule in force (in first-visit
-        order, each once)."""
+        this iteration to the end of the phase, under ``sched`` (default the schedule in force),
+        in first-visit order, each once."""
         st, node, mbsz = self.st, self.node, self.cfg.train.micro_batch
         rank = node.rank if rank is None else rank
-        mine = sorted(st.order[mb.id] for mb in st.sched.micro_batches if mb.originator == rank)
+        sched = st.sched if sched is None else sched
+        mine = sorted(st.order[mb.id] for mb in sched.micro_batches if mb.originator == rank)
         out: dict[int, None] = {}
         for it in range(st.it, st.ph.iterations):
             c = st.cursor + (it - st.it) * st.gb
             for i in mine:
                 out.update((node.src.window(g), None) for g in range(c + i * mbsz, c + (i + 1) * mbsz))
         return list(out)
+
+    def reads_per_row(self, sched: Schedule) -> float:
+        """What a prefill for ``sched`` would compute per read: the samples its originators start
+        until the end of the phase over the windows their caches must then hold (one cache per
+        originator, or one per location when shared), each window counted once per cache."""
+        groups: dict[tuple[str, Any], set[int]] = {}
+        for mb in sched.micro_batches:
+            loc = self._location(mb.originator)
+            groups.setdefault(("loc", loc) if loc is not None else ("node", mb.originator), set()).add(mb.originator)
+        rows = sum(len({w for r in members for w in self.share(r, sched)}) for members in groups.values())
+        reads = (self.st.ph.iterations - self.st.it) * len(sched.micro_batches) * self.cfg.train.micro_batch
+        return reads / rows if rows else 0.0
 
     def prefill_windows(self) -> list[int]:
         """The windows this originator prefills: its share; with a cache shared by the originators
@@ -322,9 +335,8 @@ class SwarmFreezing:
         sizes: dict[str, int] = {}
         for _, blob in node._gather_bytes(json.dumps(stage_sizes(st.model, st.opt, st.strat)).encode()):
             sizes.update(json.loads(blob.decode()))
-        cached = self._will_prefill(F, st.it)
-        new, evidence = plan_layout(cfg.model, F, self.counts, pl, list(node.alive), sizes, self.start_stages,
-                                    st.gb, len(st.order), st.it, hit=1.0 if cached else 0.0, prefix_cached=cached)
+        keep = {mb.id: mb.originator for mb in st.sched.micro_batches}   # originators keep their windows
+        new, evidence, cached, reads = self._plan(F, pl, sizes, keep)
         old = ElasticLayout.of(self.frozen, self.counts, 1, len(st.order), pl)
         plan = transfer_plan(sizes, old, new)
         node.hook(st.ph.name, st.it, "transition", st)
@@ -339,14 +351,14 @@ class SwarmFreezing:
         node._sync(dist.barrier)                # commit: every node holds its new stage
         moved_s = time.perf_counter() - t0
         cost = layout_cost(self.base_cost, cfg.model, new.counts, F, hit=1.0 if cached else 0.0)
-        keep = {mb.id: mb.originator for mb in st.sched.micro_batches}   # originators keep their windows
         sched = self._routes(layout_schedule(new.placement, sorted(st.order), cfg.train.skip_ratio,
                                              cfg.train.max_swaps, st.sched.memory, cfg.train.seed + st.it, keep),
                              cost)
         self._switch(sched, stage, model, opt, cost, F, new.counts, tensors, scalars, cached)
         rec = {"step": st.it, "action": "transition", "frozen_before": old.frozen, "frozen_after": F,
                "stages_before": old.n_stages, "stages_after": new.n_stages, "counts": new.counts,
-               "placement": new.placement, "prefix_cached": cached, "transfer_bytes": sum(t.nbytes for t in plan),
+               "placement": new.placement, "prefix_cached": cached,
+               "prefill_reads_per_row": None if reads is None else round(reads, 3), "transfer_bytes": sum(t.nbytes for t in plan),
                "transfer_messages": len(plan), "move_s": round(moved_s, 6), "autopipe": evidence,
                "routes": sched.method, "seconds": round(time.perf_counter() - t0, 6)}
         self.layouts.append({**new.to_dict(), "step": st.it})
@@ -357,6 +369,27 @@ class SwarmFreezing:
               f"{old.counts} -> {new.counts}, placement {new.placement}; "
               f"{len(plan)} messages, {rec['transfer_bytes']} bytes, {rec['seconds']:.3f} s", file=sys.stderr,
               flush=True)
+
+    def _plan(self, F: int, pl: list[list[int]], sizes: dict[str, int], keep: dict[int, int]):
+        """AutoPipe + AutoDP for ``F`` frozen layers over the nodes alive, planned with the prefix
+        cached when a prefill is due (:meth:`_will_prefill`) and the rows it computes would be
+        read at least ``elastic.prefill_min_reads`` times on average under the new layout's deal
+        of micro-batches (:meth:`reads_per_row`), else with the prefix recomputed.  Returns
+        (layout, AutoPipe's evidence, cached, reads per row or None)."""
+        st, node, cfg = self.st, self.node, self.cfg
+
+        def plan(cached: bool):
+            return plan_layout(cfg.model, F, self.counts, pl, list(node.alive), sizes, self.start_stages, st.gb,
+                               len(st.order), st.it, hit=1.0 if cached else 0.0, prefix_cached=cached)
+
+        if not self._will_prefill(F, st.it):
+            return (*plan(False), False, None)
+        new, evidence = plan(True)
+        reads = self.reads_per_row(layout_schedule(new.placement, sorted(st.order), 0.0, 0, st.sched.memory,
+                                                   cfg.train.seed + st.it, keep))
+        if reads >= cfg.elastic.prefill_min_reads:
+            return new, evidence, True, reads
+        return (*plan(False), False, reads)
 
     def _routes(self, sched: Schedule, cost) -> Schedule:
         """The planner's routes for ``sched``'s placement (lowest node plans, every node gets them)
