@@ -449,10 +449,14 @@ def main(argv=None) -> int:
                     help="emulated seconds per sample per layer forward in the swarm (compute is padded to it)")
     ap.add_argument("--swarm-timeout", type=float, default=None, help="seconds per launch (default: 10 per iteration)")
     ap.add_argument("--swarm-cache", choices=("on", "off"), default="on",
-                    help="the swarm's activation cache (on: the originators prefill it at each freeze)")
+                    help="the swarm's activation cache (on: the originators serve the frozen prefix from it, "
+                         "prefilled at a freeze when the rows will be read often enough)")
     ap.add_argument("--swarm-cache-share", choices=("location", "node"), default="location",
                     help="with the cache on: one cache per machine of the swarm's topology (2 x 8), shared by its "
                          "originators, each window prefilled once per machine (location), or one per node")
+    ap.add_argument("--swarm-prefill-min-reads", type=float, default=2.0,
+                    help="the swarm prefills a new layout's cache only when each row it computes will be read this "
+                         "often on average until the end (elastic.prefill_min_reads; 0 = at every freeze)")
     ap.add_argument("--swarm-keep", default="", help="keep the swarm's run directories under this path")
     ap.add_argument("--swarm-only", default="", metavar="S,R,M",
                     help="run only the swarm half, against the static layout S stages x R replicas x M "
