@@ -376,6 +376,37 @@ def print_half(title: str, h: dict) -> None:
               f"{fmt(v['total_s']):>10} {v['whole_run_speedup_vs_best_static']:>14.2f}x")
 
 
+def run_swarm(args, best: dict, init: dict | None) -> dict:
+    """The swarm half on the real half's fine-tuning windows (written as a derived data set the
+    node processes open by path), from ``init`` (pre-trained weights; None: from scratch)."""
+    seeds = [args.seed] if args.quick else [int(x) for x in args.swarm_seeds.split(",")]
+    ft = subset(args.data, 0, args.windows, 64, args.finetune)
+    with tempfile.TemporaryDirectory(prefix="bench-elastic-data-") as tmp:
+        data = write_splits(tmp, ft, {"train": ft.tokens("train"), "val": ft.tokens("val")},
+                            f"{args.windows} fine-tuning windows of {args.data} ({args.finetune})")
+        return swarm_half(args, best, seeds, args.swarm_iterations, str(data.path), init)
+
+
+def swarm_only(args) -> int:
+    """``--swarm-only S,R,M``: the swarm half alone, against that static layout."""
+    t_start = time.time()
+    S, R, M = (int(x) for x in args.swarm_only.split(","))
+    init = None
+    if args.pretrain:
+        torch.set_num_threads(1)
+        with tempfile.TemporaryDirectory(prefix="bench-elastic-") as tmp:
+            init, _ = pretrain(args, Path(tmp))
+    swarm = run_swarm(args, {"stages": S, "replicas": R, "n_micro": M}, init)
+    print_swarm(swarm)
+    print(f"\nbench {time.time() - t_start:.0f}s")
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps({"swarm": swarm, "bench_seconds": round(time.time() - t_start, 1),
+                                         "args": {k: (str(v) if isinstance(v, Path) else v)
+                                                  for k, v in vars(args).items()}}, indent=1, default=str))
+    return 0
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--json", type=Path)
@@ -418,8 +449,19 @@ def main(argv=None) -> int:
                     help="emulated seconds per sample per layer forward in the swarm (compute is padded to it)")
     ap.add_argument("--swarm-timeout", type=float, default=None, help="seconds per launch (default: 10 per iteration)")
     ap.add_argument("--swarm-cache", choices=("on", "off"), default="on",
-                    help="the swarm's activation cache (on: the originators prefill it at each freeze)")
+                    help="the swarm's activation cache (on: the originators serve the frozen prefix from it, "
+                         "prefilled at a freeze when the rows will be read often enough)")
+    ap.add_argument("--swarm-cache-share", choices=("location", "node"), default="location",
+                    help="with the cache on: one cache per machine of the swarm's topology (2 x 8), shared by its "
+                         "originators, each window prefilled once per machine (location), or one per node")
+    ap.add_argument("--swarm-prefill-min-reads", type=float, default=2.0,
+                    help="the swarm prefills a new layout's cache only when each row it computes will be read this "
+                         "often on average until the end (elastic.prefill_min_reads; 0 = at every freeze)")
     ap.add_argument("--swarm-keep", default="", help="keep the swarm's run directories under this path")
+    ap.add_argument("--swarm-only", default="", metavar="S,R,M",
+                    help="run only the swarm half, against the static layout S stages x R replicas x M "
+                         "micro-batches (the real half's best static configuration, e.g. 4,4,4), from the same "
+                         "pre-trained weights (--pretrain-cache) and fine-tuning windows")
     args = ap.parse_args(argv)
     for k, quick, full in [("steps", 80, 400), ("pretrain", 50, 400), ("check_every", 10, 10),
                            ("eval_every", 10, 10), ("lr", 1e-3, 1e-3), ("warmup", 10, 20)]:
@@ -435,6 +477,8 @@ def main(argv=None) -> int:
         args.swarm_timeout = max(600.0, 10.0 * args.swarm_iterations)
     if args.data and not (Path(args.data) / "manifest.json").is_file():
         raise SystemExit(f"--data {args.data}: no prepared data set there (run `skiptrain prepare` first)")
+    if args.swarm_only:
+        return swarm_only(args)
     t_start = time.time()
     print(f"real runs: {'pre-train ' + str(args.pretrain) + ' steps, then ' if args.pretrain else ''}"
           f"{args.steps} steps on {args.windows} samples of 64 tokens of "
@@ -532,13 +576,7 @@ def main(argv=None) -> int:
     ev, pv = em["variants"]["all"], paper["variants"]["all"]
     swarm = None
     if args.swarm_iterations:
-        seeds = [args.seed] if args.quick else [int(x) for x in args.swarm_seeds.split(",")]
-        # the real half's fine-tuning windows (and validation text), as a data set the node processes open
-        ft = subset(args.data, 0, args.windows, 64, args.finetune)
-        with tempfile.TemporaryDirectory(prefix="bench-elastic-data-") as tmp:
-            data = write_splits(tmp, ft, {"train": ft.tokens("train"), "val": ft.tokens("val")},
-                                f"{args.windows} fine-tuning windows of {args.data} ({args.finetune})")
-            swarm = swarm_half(args, em["best_static"], seeds, args.swarm_iterations, str(data.path), real["init"])
+        swarm = run_swarm(args, em["best_static"], real["init"])
         print_swarm(swarm)
     result = {
         "speedup_vs_best_static": ev["speedup_vs_best_static"],

@@ -10,7 +10,8 @@ import torch
 
 from skiptrain.config import build_config
 from skiptrain.data.loader import shard_indices
-from skiptrain.elastic.cache import ActivationCache, PrefixRunner, at_depth, expected_hit, measure, worth_it
+from skiptrain.elastic.cache import (ActivationCache, PrefixRunner, at_depth, deal_part, expected_hit, measure,
+                                    worth_it)
 from skiptrain.elastic.freeze import FreezeRule
 from skiptrain.elastic.repartition import autopipe, iteration_units, layer_compute, stage_memory
 from skiptrain.checkpoint.wire import pack_state, unpack_state
@@ -352,6 +353,50 @@ def test_cache_prefill_equals_recompute_and_extends_what_is_there(tiny_model, tm
     small.set_frozen(1)
     with pytest.raises(ValueError, match="cache_mb"):
         small.prefill(tokens_of, batch=7)
+
+
+def test_a_shared_cache_is_prefilled_once_per_window_by_its_processes_in_disjoint_parts(tiny_model, tmp_path):
+    """Three processes (three cache objects on one directory) prefill their parts of the union
+    of the windows they will read: every window is computed once, each process then reads every
+    window of the union from the file (bit for bit the recomputation), a training step's miss is
+    computed but not written (only the prefill writes a shared cache), and the next freeze
+    extends the rows whichever process computed them."""
+    m = tiny_model
+    n_win, T, d = 30, m.cfg.seq_len, m.cfg.d_model
+    tokens = torch.randint(0, 256, (n_win, T), generator=torch.Generator().manual_seed(2))
+    shares = [[3, 1, 4, 15, 9], [2, 6, 5, 3, 5, 8], [9, 7, 9, 3, 2, 1, 20]]
+    union = list(dict.fromkeys(w for sh in shares for w in sh))
+    parts = [deal_part(union, 3, i) for i in range(3)]
+    assert sorted(w for p in parts for w in p) == sorted(union)     # disjoint, together the union
+    caches = [ActivationCache(tmp_path / "loc", n_win, T, d, n_win * T * d * 4, shared=True) for _ in range(3)]
+    runs = [PrefixRunner(m, c, store=False) for c in caches]
+    for r in runs:
+        r.set_frozen(1)
+    got = [r.prefill(lambda ws: tokens[ws], 4, p) for r, p in zip(runs, parts)]
+    assert sum(g["rows"] for g in got) == len(union) == sum(g["layer_rows"] for g in got)
+    for c in caches:
+        c.flush()
+        c.refresh()
+        assert sorted(c.slot_of) == sorted(union)
+    ref = PrefixRunner(m)
+    ref.frozen = 1
+    for r, sh in zip(runs, shares):
+        assert torch.equal(r(tokens[sh], sh), ref.compute(tokens[sh]))
+    assert [c.hits for c in caches] == [len(sh) for sh in shares] and all(c.misses == 0 for c in caches)
+    # a window outside the union: computed in the step, not written
+    writes = caches[0].writes
+    assert torch.equal(runs[0](tokens[[11]], [11]), ref.compute(tokens[[11]]))
+    assert caches[0].misses == 1 and caches[0].writes == writes and all(c.lookup([11]) == [None] for c in caches)
+    # a deeper prefix: each process extends its new part, whoever computed the depth-1 rows
+    for r in runs:
+        r.set_frozen(2)
+    got = [r.prefill(lambda ws: tokens[ws], 4, deal_part(union, 3, (i + 1) % 3)) for i, r in enumerate(runs)]
+    assert sum(g["rows"] for g in got) == len(union) == sum(g["layer_rows"] for g in got)
+    ref.frozen = 2
+    caches[2].refresh()
+    assert runs[2].complete() is False and torch.equal(runs[2](tokens[union], union), ref.compute(tokens[union]))
+    with pytest.raises(ValueError, match="room for all"):
+        ActivationCache(tmp_path / "small", n_win, T, d, 10 * T * d * 4, shared=True)
 
 
 def test_cache_decision_rule():

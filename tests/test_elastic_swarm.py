@@ -10,6 +10,7 @@ import threading
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -178,6 +179,7 @@ def test_a_checkpoint_after_a_transition_resumes_into_the_transitioned_layout(by
     ref = tmp_path / "ref"
     cfg = _cfg()
     cfg.elastic.cache = cache
+    cfg.elastic.prefill_min_reads = 0     # each window is read once in these 10 iterations
     res = launch(_job(cfg, byte_data, ref, iterations=iters), timeout_s=300)
     ckpt = shutil.copytree(ref / "checkpoints" / "step-00000006", tmp_path / "saved" / "step-00000006")
     saved = CheckpointReader(ckpt).state["elastic"]
@@ -250,6 +252,7 @@ def test_the_swarm_serves_the_frozen_prefix_from_prefilled_caches(byte_data, tmp
     once."""
     cfg = _cfg()
     cfg.elastic.cache = "on"
+    cfg.elastic.prefill_min_reads = 0     # each window is read once in these 10 iterations
     run = tmp_path / "run"
     launch(_job(cfg, byte_data, run), timeout_s=300)
     log = _log(run)
@@ -269,6 +272,65 @@ def test_the_swarm_serves_the_frozen_prefix_from_prefilled_caches(byte_data, tmp
             caches[rec["rank"]] = rec["cache"]
     assert caches and all(c["misses"] == 0 and c["extended"] == 0 for c in caches.values())
     assert sum(c["hits"] for c in caches.values()) == (ITERS - 4) * GB     # every frozen-prefix lookup hit
+    _assert_trains_what_the_cached_trainer_trains(run, tmp_path, byte_data)
+
+
+@pytest.mark.slow
+def test_a_prefill_whose_rows_would_be_read_once_is_not_done(byte_data, tmp_path):
+    """``elastic.prefill_min_reads`` (default 2): after each freeze of this 10-iteration run
+    every window is started once until the end, so a prefill would compute a row per read; the
+    layouts are planned with the prefix recomputed (logged: 1 read per row), nothing is
+    prefilled, the caches fill lazily, and every sample is trained once."""
+    cfg = _cfg()
+    cfg.elastic.cache = "on"
+    run = tmp_path / "run"
+    launch(_job(cfg, byte_data, run), timeout_s=300)
+    log = _log(run)
+    tr = [r for r in log if r.get("action") == "transition"]
+    assert [(t["step"], t["prefix_cached"], t["prefill_reads_per_row"]) for t in tr] == [(4, False, 1.0),
+                                                                                        (6, False, 1.0)]
+    assert not [r for r in log if r.get("action") == "prefill"]
+    caches = [json.loads(f.read_text()).get("cache") for f in (run / "phases" / "p").glob("node*.json")]
+    caches = [c for c in caches if c]
+    assert caches and sum(c["misses"] + c["extended"] + c["hits"] for c in caches) == (ITERS - 4) * GB
+    per_it = trained_samples(run / "phases" / "p")
+    assert sorted(i for s in per_it.values() for i in s) == list(range(ITERS * GB))
+
+
+@pytest.mark.slow
+def test_originators_of_one_location_share_a_cache_and_prefill_each_window_once(byte_data, tmp_path):
+    """``elastic.cache_share=location`` (the cluster topology: one location): the originators
+    open one cache and prefill disjoint parts of the union of their windows, so every window is
+    computed once at the first freeze and extended once at the second (a window that moved to
+    another originator is not recomputed); every lookup then hits; the run trains what the
+    single-process trainer with the cache on trains."""
+    cfg = _cfg()
+    cfg.elastic.cache = "on"
+    cfg.elastic.prefill_min_reads = 0     # each window is read once in these 10 iterations
+    cfg.elastic.cache_share = "location"
+    run = tmp_path / "run"
+    launch(_job(cfg, byte_data, run), timeout_s=300)
+    log = _log(run)
+    pre = [r for r in log if r.get("action") == "prefill"]
+    assert [(p["step"], p["frozen"]) for p in pre] == [(4, 1), (6, 2)]
+    dirs = sorted((run / "elastic_cache").iterdir())
+    assert [d.name for d in dirs] == ["loc-" + "".join(c if c.isalnum() else "_" for c in
+                                                       build_topology(cfg, 6).nodes[0].location)]
+    tags = np.fromfile(dirs[0] / "tags.i64", dtype=np.int64).reshape(-1, 3)
+    held = tags[tags[:, 0] >= 0]
+    # every window of iterations 4..9 computed once (one layer); those of 6..9 extended once
+    assert pre[0]["rows"] == pre[0]["layer_rows"] == len(held)
+    assert pre[1]["rows"] == pre[1]["layer_rows"] == int((held[:, 1] == 2).sum())
+    caches = [json.loads(f.read_text()).get("cache") for f in (run / "phases" / "p").glob("node*.json")]
+    caches = [c for c in caches if c]
+    assert caches and all(c["misses"] == 0 and c["extended"] == 0 for c in caches)
+    assert sum(c["hits"] for c in caches) == (ITERS - 4) * GB
+    _assert_trains_what_the_cached_trainer_trains(run, tmp_path, byte_data)
+
+
+def _assert_trains_what_the_cached_trainer_trains(run: Path, tmp_path: Path, byte_data: Path) -> None:
+    """Every sample once, replicas bit-identical, and the final weights within 1e-4 of the
+    single-process trainer's with its cache on (same decisions at the same steps)."""
     per_it = trained_samples(run / "phases" / "p")
     assert sorted(i for s in per_it.values() for i in s) == list(range(ITERS * GB))
     by_stage: dict[int, list[dict]] = {}

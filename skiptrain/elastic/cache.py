@@ -24,6 +24,12 @@ new depth, which costs less than recomputing from the tokens.
 Bound.  ``capacity = min(windows, max_bytes // row_bytes)`` rows; windows beyond it are
 recomputed every time (no eviction: every window is equally likely to come back next epoch).
 
+Sharing.  ``shared=True``: several processes open one directory (the node processes of one
+machine in a swarm).  The cache must then hold every window, and window ``w`` lives in slot
+``w``, so no process allocates a slot another uses; a lookup reads the tags from the file (it
+sees rows other processes wrote), and :meth:`refresh` re-reads the whole index.  Writers must
+write disjoint windows (the swarm's prefill deals them; its training steps only read).
+
 Prefill.  When the whole training split fits, a freeze brings every window to the new depth at
 once (:meth:`PrefixRunner.prefill`, forward only, data parallel over the nodes) instead of one
 miss at a time over the next epoch: every later lookup hits, and the prefix need not stay
@@ -36,9 +42,11 @@ and the number of visits left in the run; measured once and rescaled by depth (:
 
 from __future__ import annotations
 
+import fcntl
 import json
 import time
 import zlib
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
@@ -57,28 +65,44 @@ def prefix_fingerprints(model, depth: int) -> dict[int, int]:
     return out
 
 
+@contextmanager
+def _dir_lock(directory: Path):
+    """An exclusive lock on ``directory`` (processes opening one shared cache create it once)."""
+    with open(directory / ".lock", "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
 class ActivationCache:
     """Per-window rows of the frozen prefix's output; see the module docstring."""
 
-    def __init__(self, directory: str | Path, n_windows: int, seq_len: int, d_model: int, max_bytes: int):
+    def __init__(self, directory: str | Path, n_windows: int, seq_len: int, d_model: int, max_bytes: int,
+                 shared: bool = False):
         self.dir = Path(directory)
         self.dir.mkdir(parents=True, exist_ok=True)
         self.shape = (seq_len, d_model)
         self.row_bytes = seq_len * d_model * 4
         self.n_windows = n_windows
         self.capacity = int(min(n_windows, max_bytes // self.row_bytes))
+        if shared and self.capacity < n_windows:
+            raise ValueError(f"a shared cache needs room for all {n_windows} windows; it holds {self.capacity}")
+        self.shared = shared
         self.hits = self.misses = self.extended = self.writes = self.prefilled = 0
         meta = {"capacity": self.capacity, "seq_len": seq_len, "d_model": d_model, "n_windows": n_windows}
         meta_path = self.dir / "meta.json"
-        reuse = meta_path.is_file() and json.loads(meta_path.read_text()) == meta
         cap = max(self.capacity, 1)
-        mode = "r+" if reuse else "w+"
-        self.data = np.memmap(self.dir / "data.f32", dtype=np.float32, mode=mode, shape=(cap, seq_len, d_model))
-        self.tags = np.memmap(self.dir / "tags.i64", dtype=np.int64, mode=mode, shape=(cap, 3))
-        if not reuse:
-            self.tags[:] = -1
-            self.tags.flush()
-            meta_path.write_text(json.dumps(meta))
+        with _dir_lock(self.dir):
+            reuse = meta_path.is_file() and json.loads(meta_path.read_text()) == meta
+            mode = "r+" if reuse else "w+"
+            self.data = np.memmap(self.dir / "data.f32", dtype=np.float32, mode=mode, shape=(cap, seq_len, d_model))
+            self.tags = np.memmap(self.dir / "tags.i64", dtype=np.int64, mode=mode, shape=(cap, 3))
+            if not reuse:
+                self.tags[:] = -1
+                self.tags.flush()
+                meta_path.write_text(json.dumps(meta))
         self.slot_of: dict[int, int] = {}
         self.free: list[int] = []
         self._reindex()
@@ -87,6 +111,10 @@ class ActivationCache:
         self.slot_of = {int(w): i for i, w in enumerate(self.tags[: self.capacity, 0]) if w >= 0}
         used = set(self.slot_of.values())
         self.free = [i for i in range(self.capacity - 1, -1, -1) if i not in used]
+
+    def refresh(self) -> None:
+        """Re-read the index from the tags file (a shared cache: rows other processes wrote)."""
+        self._reindex()
 
     @property
     def entries(self) -> int:
@@ -97,6 +125,8 @@ class ActivationCache:
 
     def validate(self, fingerprints: dict[int, int], frozen: int) -> int:
         """Drop entries deeper than ``frozen`` or whose weights changed; returns how many."""
+        if self.shared:
+            self._reindex()
         if not self.slot_of:
             return 0
         slots = np.fromiter(self.slot_of.values(), dtype=np.int64, count=len(self.slot_of))
@@ -118,7 +148,17 @@ class ActivationCache:
 
     def lookup(self, windows: Sequence[int]) -> list[tuple[int, int] | None]:
         """Per window: ``(slot, depth)`` of its entry, or None."""
-        out = []
+        out: list[tuple[int, int] | None] = []
+        if self.shared:                 # slot = window; the file's tags, whoever wrote them
+            for w in windows:
+                t = self.tags[int(w)]
+                if int(t[0]) == int(w):
+                    self.slot_of[int(w)] = int(w)
+                    out.append((int(w), int(t[1])))
+                else:
+                    self.slot_of.pop(int(w), None)
+                    out.append(None)
+            return out
         for w in windows:
             slot = self.slot_of.get(int(w))
             out.append(None if slot is None else (slot, int(self.tags[slot, 1])))
@@ -129,7 +169,7 @@ class ActivationCache:
 
     def write(self, window: int, depth: int, fingerprint: int, row: torch.Tensor) -> bool:
         """Store ``row`` for ``window`` (reusing its slot); False when the cache is full."""
-        slot = self.slot_of.get(int(window))
+        slot = int(window) if self.shared else self.slot_of.get(int(window))
         if slot is None:
             if not self.free:
                 return False
@@ -153,10 +193,11 @@ class ActivationCache:
 class PrefixRunner:
     """Computes the frozen prefix's output for a batch, through the cache when it is on."""
 
-    def __init__(self, model, cache: ActivationCache | None = None):
+    def __init__(self, model, cache: ActivationCache | None = None, store: bool = True):
         self.model = model
         self.cache = cache
         self.enabled = cache is not None
+        self.store = store              # training steps write what they compute (a prefill always does)
         self.frozen = 0
         self.fps: dict[int, int] = {}
 
@@ -201,7 +242,8 @@ class PrefixRunner:
             if out is not None:
                 out[[i for i, _ in items]] = h
             for (i, _), row in zip(items, h):
-                c.write(windows[i], F, self.fps[F], row)
+                if out is None or self.store:
+                    c.write(windows[i], F, self.fps[F], row)
             n["extended"] += len(items)
             n["layer_rows"] += len(items) * (F - depth)
         miss = [i for i, f in enumerate(found) if f is None]
@@ -211,7 +253,8 @@ class PrefixRunner:
             if out is not None:
                 out[miss] = h
             for i, row in zip(miss, h):
-                c.write(windows[i], F, self.fps[F], row)
+                if out is None or self.store:
+                    c.write(windows[i], F, self.fps[F], row)
             n["misses"] = len(miss)
             n["layer_rows"] += len(miss) * F
         if out is not None:  # a training step's lookups (prefill counts separately)
@@ -257,6 +300,14 @@ class PrefixRunner:
             return False
         slots = np.fromiter(c.slot_of.values(), dtype=np.int64, count=len(c.slot_of))
         return bool((c.tags[slots, 1] == self.frozen).all())
+
+
+def deal_part(windows: Sequence[int], parts: int, index: int) -> list[int]:
+    """Part ``index`` of ``parts`` of ``windows`` (every ``parts``-th, from ``index``): the
+    processes sharing a cache prefill disjoint parts that together are every window once."""
+    if not 0 <= index < parts:
+        raise ValueError(f"part {index} of {parts}")
+    return list(windows)[index::parts]
 
 
 def measure(model, frozen: int, tokens: torch.Tensor, directory: str | Path, repeats: int = 3) -> dict[str, float]:

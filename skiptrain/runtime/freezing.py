@@ -43,7 +43,7 @@ import torch.distributed as dist
 
 from ..checkpoint.reader import CheckpointReader
 from ..checkpoint.training import truncate_metrics
-from ..elastic.cache import ActivationCache, PrefixRunner
+from ..elastic.cache import ActivationCache, PrefixRunner, deal_part
 from ..elastic.freeze import FreezeRule
 from ..elastic.repartition import ElasticLayout
 from ..layout.transfer import transfer_plan
@@ -223,21 +223,38 @@ class SwarmFreezing:
         return not any(d["action"] == "undo" and d["step"] > step - e.prefill_after_undo * e.check_every
                        for d in self.rule.history)
 
+    def _location(self, rank: int) -> str | None:
+        """The topology location whose originators share one activation cache with ``rank``
+        (``elastic.cache_share=location``, room for the whole split, ``rank`` in the phase's
+        topology), else None: the node keeps a cache of its own."""
+        e, m, topo = self.cfg.elastic, self.cfg.model, self.st.topo
+        if e.cache_share != "location" or topo is None or rank >= topo.n:
+            return None
+        if int(e.cache_mb * 2**20) // (m.seq_len * m.d_model * 4) < self.node.src.n:
+            return None
+        return topo.nodes[rank].location
+
     def _open_cache(self) -> ActivationCache:
-        """This originator's cache (``elastic.cache_dir`` or ``RUN_DIR/elastic_cache``, one
-        directory per node), keyed by training window like the single-process trainer's."""
+        """This originator's cache (``elastic.cache_dir`` or ``RUN_DIR/elastic_cache``; one
+        directory per node, or per location when shared), keyed by training window like the
+        single-process trainer's."""
         if self.cache is None:
             e, m, node = self.cfg.elastic, self.cfg.model, self.node
             root = Path(e.cache_dir) if e.cache_dir else Path(node.run_dir) / "elastic_cache"
-            self.cache = ActivationCache(root / f"node{node.rank}", node.src.n, m.seq_len, m.d_model,
-                                         int(e.cache_mb * 2**20))
+            loc = self._location(node.rank)
+            name = f"loc-{''.join(c if c.isalnum() else '_' for c in loc)}" if loc is not None else f"node{node.rank}"
+            self.cache = ActivationCache(root / name, node.src.n, m.seq_len, m.d_model, int(e.cache_mb * 2**20),
+                                         shared=loc is not None)
         return self.cache
 
-    def share(self) -> list[int]:
-        """The training windows this node starts micro-batches of, from this iteration to the end
-        of the phase, under the schedule in force (in first-visit order, each once)."""
+    def share(self, rank: int | None = None, sched: Schedule | None = None) -> list[int]:
+        """The training windows node ``rank`` (default this node) starts micro-batches of, from
+        this iteration to the end of the phase, under ``sched`` (default the schedule in force),
+        in first-visit order, each once."""
         st, node, mbsz = self.st, self.node, self.cfg.train.micro_batch
-        mine = sorted(st.order[mb.id] for mb in st.sched.micro_batches if mb.originator == node.rank)
+        rank = node.rank if rank is None else rank
+        sched = st.sched if sched is None else sched
+        mine = sorted(st.order[mb.id] for mb in sched.micro_batches if mb.originator == rank)
         out: dict[int, None] = {}
         for it in range(st.it, st.ph.iterations):
             c = st.cursor + (it - st.it) * st.gb
@@ -245,31 +262,61 @@ class SwarmFreezing:
                 out.update((node.src.window(g), None) for g in range(c + i * mbsz, c + (i + 1) * mbsz))
         return list(out)
 
+    def reads_per_row(self, sched: Schedule) -> float:
+        """What a prefill for ``sched`` would compute per read: the samples its originators start
+        until the end of the phase over the windows their caches must then hold (one cache per
+        originator, or one per location when shared), each window counted once per cache."""
+        groups: dict[tuple[str, Any], set[int]] = {}
+        for mb in sched.micro_batches:
+            loc = self._location(mb.originator)
+            groups.setdefault(("loc", loc) if loc is not None else ("node", mb.originator), set()).add(mb.originator)
+        rows = sum(len({w for r in members for w in self.share(r, sched)}) for members in groups.values())
+        reads = (self.st.ph.iterations - self.st.it) * len(sched.micro_batches) * self.cfg.train.micro_batch
+        return reads / rows if rows else 0.0
+
+    def prefill_windows(self) -> list[int]:
+        """The windows this originator prefills: its share; with a cache shared by the originators
+        at its location, its part of the union of their shares (each window once per location)."""
+        st, rank = self.st, self.node.rank
+        loc = self._location(rank)
+        if loc is None or self.cache is None or not self.cache.shared:
+            return self.share()
+        group = sorted({mb.originator for mb in st.sched.micro_batches if self._location(mb.originator) == loc})
+        union = dict.fromkeys(w for r in group for w in self.share(r))
+        return deal_part(list(union), len(group), group.index(rank))
+
     def _prepare_prefix(self) -> None:
         """Every node, before the first iteration of a layout with a frozen prefix (the weights are
         loaded by then): the originators fingerprint the prefix (dropping stale cache entries) and,
-        when the layout was planned with the prefix cached, prefill their share of the windows --
-        data parallel over the originators, forward only, padded to the cost model like any compute
-        task; the counts and the slowest originator's time are all-reduced and logged."""
+        when the layout was planned with the prefix cached, prefill their windows
+        (:meth:`prefill_windows`) -- data parallel over the originators, forward only, padded to
+        the cost model like any compute task; the counts and the slowest originator's time are
+        all-reduced and logged.  With caches shared per location, every node waits for every
+        originator's fingerprinting before anyone writes, and re-reads its cache's index after."""
         st, node = self.st, self.node
         t0 = time.time()
         done = torch.zeros(4, dtype=torch.float64)          # rows, layer rows, dropped, (max) seconds
         if self.runner is not None:
             done[2] = self.runner.set_frozen(self.frozen)
-            if self.prefix_cached:
-                t = self.cfg.train
-                rec = self.runner.prefill(lambda ws: node.src.window_batch(ws)[0], t.micro_batch * len(st.order),
-                                          self.share())
-                done[0], done[1] = rec["rows"], rec["layer_rows"]
-                cost = self.base_cost
-                if cost is not None:
-                    st.padding.pad(t0, float(done[1]) * cost.s_per_sample_per_layer / st.speed)
-                self.cache.flush()
+        shared = self.prefix_cached and self.cfg.elastic.cache_share == "location"
+        if shared:
+            node._sync(dist.barrier)
+        if self.runner is not None and self.prefix_cached:
+            t = self.cfg.train
+            rec = self.runner.prefill(lambda ws: node.src.window_batch(ws)[0], t.micro_batch * len(st.order),
+                                      self.prefill_windows())
+            done[0], done[1] = rec["rows"], rec["layer_rows"]
+            cost = self.base_cost
+            if cost is not None:
+                st.padding.pad(t0, float(done[1]) * cost.s_per_sample_per_layer / st.speed)
+            self.cache.flush()
         done[3] = time.time() - t0
         if self.prefix_cached:
             mx = done[3:].clone()
             node._sync(dist.all_reduce, done)
             node._sync(dist.all_reduce, mx, dist.ReduceOp.MAX)
+            if self.cache is not None and self.cache.shared:
+                self.cache.refresh()
             rec = {"step": st.it, "action": "prefill", "frozen": self.frozen, "rows": int(done[0]),
                    "layer_rows": int(done[1]), "dropped": int(done[2]), "seconds": round(float(mx[0]), 6)}
             st.record.setdefault("prefills", []).append(rec)
@@ -288,9 +335,8 @@ class SwarmFreezing:
         sizes: dict[str, int] = {}
         for _, blob in node._gather_bytes(json.dumps(stage_sizes(st.model, st.opt, st.strat)).encode()):
             sizes.update(json.loads(blob.decode()))
-        cached = self._will_prefill(F, st.it)
-        new, evidence = plan_layout(cfg.model, F, self.counts, pl, list(node.alive), sizes, self.start_stages,
-                                    st.gb, len(st.order), st.it, hit=1.0 if cached else 0.0, prefix_cached=cached)
+        keep = {mb.id: mb.originator for mb in st.sched.micro_batches}   # originators keep their windows
+        new, evidence, cached, reads = self._plan(F, pl, sizes, keep)
         old = ElasticLayout.of(self.frozen, self.counts, 1, len(st.order), pl)
         plan = transfer_plan(sizes, old, new)
         node.hook(st.ph.name, st.it, "transition", st)
@@ -305,14 +351,14 @@ class SwarmFreezing:
         node._sync(dist.barrier)                # commit: every node holds its new stage
         moved_s = time.perf_counter() - t0
         cost = layout_cost(self.base_cost, cfg.model, new.counts, F, hit=1.0 if cached else 0.0)
-        keep = {mb.id: mb.originator for mb in st.sched.micro_batches}   # originators keep their windows
         sched = self._routes(layout_schedule(new.placement, sorted(st.order), cfg.train.skip_ratio,
                                              cfg.train.max_swaps, st.sched.memory, cfg.train.seed + st.it, keep),
                              cost)
         self._switch(sched, stage, model, opt, cost, F, new.counts, tensors, scalars, cached)
         rec = {"step": st.it, "action": "transition", "frozen_before": old.frozen, "frozen_after": F,
                "stages_before": old.n_stages, "stages_after": new.n_stages, "counts": new.counts,
-               "placement": new.placement, "prefix_cached": cached, "transfer_bytes": sum(t.nbytes for t in plan),
+               "placement": new.placement, "prefix_cached": cached,
+               "prefill_reads_per_row": None if reads is None else round(reads, 3), "transfer_bytes": sum(t.nbytes for t in plan),
                "transfer_messages": len(plan), "move_s": round(moved_s, 6), "autopipe": evidence,
                "routes": sched.method, "seconds": round(time.perf_counter() - t0, 6)}
         self.layouts.append({**new.to_dict(), "step": st.it})
@@ -323,6 +369,27 @@ class SwarmFreezing:
               f"{old.counts} -> {new.counts}, placement {new.placement}; "
               f"{len(plan)} messages, {rec['transfer_bytes']} bytes, {rec['seconds']:.3f} s", file=sys.stderr,
               flush=True)
+
+    def _plan(self, F: int, pl: list[list[int]], sizes: dict[str, int], keep: dict[int, int]):
+        """AutoPipe + AutoDP for ``F`` frozen layers over the nodes alive, planned with the prefix
+        cached when a prefill is due (:meth:`_will_prefill`) and the rows it computes would be
+        read at least ``elastic.prefill_min_reads`` times on average under the new layout's deal
+        of micro-batches (:meth:`reads_per_row`), else with the prefix recomputed.  Returns
+        (layout, AutoPipe's evidence, cached, reads per row or None)."""
+        st, node, cfg = self.st, self.node, self.cfg
+
+        def plan(cached: bool):
+            return plan_layout(cfg.model, F, self.counts, pl, list(node.alive), sizes, self.start_stages, st.gb,
+                               len(st.order), st.it, hit=1.0 if cached else 0.0, prefix_cached=cached)
+
+        if not self._will_prefill(F, st.it):
+            return (*plan(False), False, None)
+        new, evidence = plan(True)
+        reads = self.reads_per_row(layout_schedule(new.placement, sorted(st.order), 0.0, 0, st.sched.memory,
+                                                   cfg.train.seed + st.it, keep))
+        if reads >= cfg.elastic.prefill_min_reads:
+            return new, evidence, True, reads
+        return (*plan(False), False, reads)
 
     def _routes(self, sched: Schedule, cost) -> Schedule:
         """The planner's routes for ``sched``'s placement (lowest node plans, every node gets them)
@@ -366,7 +433,9 @@ class SwarmFreezing:
         self.runner = None
         self.prefix_cached = prefix_cached
         if model is not None and stage == 0 and F > 0:
-            self.runner = PrefixRunner(model, self._open_cache() if self._cache_on(F) else None)
+            cache = self._open_cache() if self._cache_on(F) else None
+            # a shared cache is written by the prefill only (each window by one originator)
+            self.runner = PrefixRunner(model, cache, store=cache is None or not cache.shared)
         self.prefix_due = F > 0
         st.ex = node._executor(st)
         node._publish_sched(sched, st.idx, cost)
