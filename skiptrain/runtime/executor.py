@@ -219,7 +219,8 @@ class Executor:
     the emulated task durations when ``padding.enabled``; ``describe(node)`` names nodes in
     errors; ``embed`` (default ``model.embed``) maps a micro-batch's inputs to stage 0's output."""
 
-    def __init__(self, rank: int, transport: P2PTransport, model=None, cost=None, speed: float = 1.0, padding: ComputePadding | None = None,
+    def __init__(self, rank: int, transport: P2PTransport, model=None, cost=None, speed: float = 1.0,
+                 padding: ComputePadding | None = None,
                  timeout_s: float = 30.0, describe: Callable[[int], str] = lambda n: f"node {n}",
                  check: Callable[[Message], None] | None = None,
                  embed: Callable[[torch.Tensor], torch.Tensor] | None = None):

@@ -156,9 +156,9 @@ def build_schedule(cfg: Config, method: str, topo: Topology, cost: CostModel,
     rt, S = cfg.runtime, cfg.model.n_stages
     fixed = node_stage_placement(rt.node_stages, S)      # the user's placement, when given
     if fixed is not None:
-        if len(node_stage_lists(rt.node_stages)) != topo.n:
-            raise ConfigError(f"runtime.node_stages lists {len(node_stage_lists(rt.node_stages))} node(s) for "
-                              f"{topo.n} node(s); give one entry per node")
+        n = len(node_stage_lists(rt.node_stages))
+        if n != topo.n:
+            raise ConfigError(f"runtime.node_stages lists {n} node(s) for {topo.n} node(s); give one entry per node")
         placement = fixed
     sizes = parse_sizes(rt.stage_sizes)
     if sizes is not None and (len(sizes) != S or sum(sizes) != topo.n):
