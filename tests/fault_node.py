@@ -12,8 +12,8 @@ is ``{"node", "kind", "phase", "iteration", "where", "delay_s", "factor"}``:
 * ``wrong_secret``: the node answers the admission challenge with a wrong secret;
 * ``payload_nan`` / ``payload_index`` / ``payload_header``: from then on the DeMo payload this
   node contributes has a non-finite value / out-of-range indices / a wrong layout hash;
-* ``diverge``: this node's copy of ``tensor`` (default ``norm.weight``) drifts by 1e-3 before the
-  iteration's step (replicas no longer identical).
+* ``diverge``: this node's copy of ``tensor`` (default ``norm.weight``) drifts by ``by`` (default
+  1e-3) before the iteration's step (replicas no longer identical, unless every replica drifts).
 
 ``where`` is ``start`` (default), ``after_pipeline`` or ``recover``; each fault fires once.
 The time a fault fires is written to the store as ``fault/<node>`` (the benches measure
@@ -120,7 +120,7 @@ class FaultyNode(Node):
             tr.all_gather_bytes = _tampered(tr.all_gather_bytes, kind, state.strat.layout)
         elif kind == "diverge":
             with torch.no_grad():
-                dict(state.model.named_parameters())[f.get("tensor", "norm.weight")].add_(1e-3)
+                dict(state.model.named_parameters())[f.get("tensor", "norm.weight")].add_(float(f.get("by", 1e-3)))
         elif kind == "raise":
             self._mark()
             raise NodeFailure(f"injected fault on node {self.rank}", node=self.rank)

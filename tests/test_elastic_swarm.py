@@ -168,6 +168,32 @@ def test_the_swarm_freezes_shrinks_and_trains_what_the_single_process_trainer_tr
 
 
 @pytest.mark.slow
+def test_an_undo_after_a_one_stage_layout_gives_the_pipeline_back_its_memory_credits(byte_data, tmp_path):
+    """4 nodes, 2 stages, the cache on: both freezable layers freeze at step 4 and, the prefix
+    cached, AutoPipe picks one stage of 4 replicas (its schedule holds one credit: one
+    micro-batch per originator).  Every replica's last feed-forward weight is then pushed off
+    (the same on all, so they stay identical), the guard sees the validation loss jump and
+    undoes the freeze at step 6: the 2-stage layout it goes back to
+    has the phase's 3 credits again, not the one-stage layout's 1, and every sample is trained
+    once."""
+    from tests.fault_node import faulty_job
+
+    cfg = _cfg(runtime={"nodes": 4, "stage_sizes": "2,2"})
+    cfg.model.n_stages = 2
+    cfg.elastic.alpha, cfg.elastic.guard_tol = 1.0, 0.0
+    cfg.elastic.cache, cfg.elastic.prefill_min_reads = "on", 0
+    run = tmp_path / "run"
+    faults = [{"node": n, "kind": "diverge", "iteration": 5, "tensor": "layers.3.ffn.w2.weight", "by": 1.0}
+              for n in range(4)]
+    launch(_job(cfg, byte_data, run, **faulty_job(faults)), timeout_s=300)
+    tr = [r for r in _log(run) if r.get("action") == "transition"]
+    assert [(t["step"], t["frozen_after"], t["counts"], t["memory"]) for t in tr] == [(4, 2, [4], 1),
+                                                                                     (6, 0, [2, 2], 3)]
+    per_it = trained_samples(run / "phases" / "p")
+    assert sorted(i for s in per_it.values() for i in s) == list(range(ITERS * GB))
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("cache", ["off", "on"])
 def test_a_checkpoint_after_a_transition_resumes_into_the_transitioned_layout(byte_data, tmp_path, cache):
     """The checkpoint after iteration 6 holds the 3-stage layout of the first freeze and the

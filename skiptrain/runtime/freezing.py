@@ -79,6 +79,9 @@ class SwarmFreezing:
         self.frozen = 0
         self.counts = partition_layers(cfg.model).to_list()
         self.start_stages = len(st.sched.placement)
+        # every layout's memory credits: the phase's (a one-stage layout caps its schedule's
+        # credits at the micro-batches per originator; the layouts after it must not inherit that)
+        self.memory = Schedule.from_dict(st.ph.schedule).memory
         self.base_cost = st.cost
         pl = st.sched.placement
         self.layouts = [ElasticLayout.of(0, self.counts, min(len(p) for p in pl), len(st.order), pl).to_dict()]
@@ -352,12 +355,12 @@ class SwarmFreezing:
         moved_s = time.perf_counter() - t0
         cost = layout_cost(self.base_cost, cfg.model, new.counts, F, hit=1.0 if cached else 0.0)
         sched = self._routes(layout_schedule(new.placement, sorted(st.order), cfg.train.skip_ratio,
-                                             cfg.train.max_swaps, st.sched.memory, cfg.train.seed + st.it, keep),
+                                             cfg.train.max_swaps, self.memory, cfg.train.seed + st.it, keep),
                              cost)
         self._switch(sched, stage, model, opt, cost, F, new.counts, tensors, scalars, cached)
         rec = {"step": st.it, "action": "transition", "frozen_before": old.frozen, "frozen_after": F,
                "stages_before": old.n_stages, "stages_after": new.n_stages, "counts": new.counts,
-               "placement": new.placement, "prefix_cached": cached,
+               "placement": new.placement, "memory": sched.memory, "prefix_cached": cached,
                "prefill_reads_per_row": None if reads is None else round(reads, 3), "transfer_bytes": sum(t.nbytes for t in plan),
                "transfer_messages": len(plan), "move_s": round(moved_s, 6), "autopipe": evidence,
                "routes": sched.method, "seconds": round(time.perf_counter() - t0, 6)}
@@ -385,7 +388,7 @@ class SwarmFreezing:
         if not self._will_prefill(F, st.it):
             return (*plan(False), False, None)
         new, evidence = plan(True)
-        reads = self.reads_per_row(layout_schedule(new.placement, sorted(st.order), 0.0, 0, st.sched.memory,
+        reads = self.reads_per_row(layout_schedule(new.placement, sorted(st.order), 0.0, 0, self.memory,
                                                    cfg.train.seed + st.it, keep))
         if reads >= cfg.elastic.prefill_min_reads:
             return new, evidence, True, reads
@@ -471,11 +474,11 @@ class SwarmFreezing:
             c = self.cfg
             placement = reseat(sched.placement, sorted(st.sched.nodes()))
             sched = self._routes(layout_schedule(placement, sorted(st.order), c.train.skip_ratio, c.train.max_swaps,
-                                                 st.sched.memory, c.train.seed + int(node.job.resume["iteration"])), cost)
+                                                 self.memory, c.train.seed + int(node.job.resume["iteration"])), cost)
         stage = sched.stage_of().get(node.rank)
         model = opt = None
         if stage is not None:
-            model = node.build_stage(stage, st.sched.memory, Partition(tuple(counts)))
+            model = node.build_stage(stage, sched.memory, Partition(tuple(counts)))
             opt = build_optimizer(model.named_parameters(), self.cfg.train,
                                   st.strat.update_rule if st.strat is not None else "adamw")
             freeze_parameters(model, F)
