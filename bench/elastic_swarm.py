@@ -20,9 +20,11 @@ hops are local sockets; the simulator sees 25 Gbit/s between machines); the data
 is a real gloo all-reduce, not in the simulator's prediction.
 
 Figures (per seed): the whole run at equal tokens (wall clock of each phase, every overhead in
-it: start barriers, stats gathers, guard validation, transitions), the final training loss
-(mean of the last window) of elastic / static, time to the target (static's final x 1.01, on the
-window-mean training loss, from
+it: start barriers, stats gathers, guard validation, transitions; not the in-loop validation
+passes, which measure and do not train), the final training loss (mean of the last window) of
+elastic / static, time to the target validation loss (static's final x 1.01, as the real half
+sets it: the first of the in-loop validation points, one per window, through the layout in
+force, at or below it), time to a training-loss target (static's final window mean x 1.01, from
 the first iteration it stays there), the transitions' fraction of the elastic wall clock (the
 cache prefills apart: they are the prefix's forward work of the rest of the run, done at once), and the measured
 iteration times next to the simulator's for the same layouts (``simulate`` of each layout's
@@ -58,7 +60,8 @@ def swarm_config(args, best: dict, seed: int, iterations: int, data: str):
         "model": {"d_model": 128, "n_layers": 8, "n_heads": 4, "n_kv_heads": 2, "seq_len": 64,
                   "n_stages": S, "stage0_layers": -1},
         "train": {"steps": iterations, "micro_batch": mb, "lr": args.lr, "warmup_steps": args.swarm_warmup,
-                  "eval_every": 0, "seed": seed, "grad_clip": 1.0, "skip_ratio": 0.0},
+                  "eval_every": args.swarm_check_every, "eval_batches": max(1, 4 * args.eval_batches // mb),
+                  "seed": seed, "grad_clip": 1.0, "skip_ratio": 0.0},
         "runtime": {"nodes": N_DEV, "emulate_compute": True, "wan": False, "mb_per_originator": M,
                     "s_per_sample_layer": args.swarm_spl, "hop_overhead_s": 0.0, "memory": S,
                     "timeout_s": 120.0},
@@ -99,7 +102,8 @@ def run_seed(args, best: dict, seed: int, iterations: int, data: str, init: str 
             if (run / "elastic.jsonl").is_file() else []
         val = {p: final_val_loss(cfg, data, run / "phases" / p, args.eval_batches) for p in ("static", "elastic")}
     rows = {p: res.phase_iterations(p) for p in ("static", "elastic")}
-    out = figures(cfg, cost, topo, sched, rows, walls, log, launch_s, args.swarm_check_every)
+    evals = {p: [r for r in res.phase_metrics(p) if "val_loss" in r] for p in ("static", "elastic")}
+    out = figures(cfg, cost, topo, sched, rows, walls, evals, log, launch_s, args.swarm_check_every)
     out["final_val_loss"] = {p: round(v, 5) for p, v in val.items()}
     out["final_val_loss_ratio"] = round(val["elastic"] / val["static"], 5)
     return out
@@ -135,10 +139,11 @@ def window_mean(losses: list[float], w: int) -> list[float]:
 
 
 def layouts_in_force(cfg, cost, sched, log: list[dict], n_it: int) -> list[tuple]:
-    """Per iteration: (frozen, counts, placement, schedule, cost model) of the layout in force."""
+    """Per iteration: (frozen, counts, placement, prefix cached, schedule, cost model) of the layout
+    in force."""
     transitions = {t["step"]: t for t in log if t.get("action") == "transition"}
     from skiptrain.model.partition import partition_layers
-    cur = (0, partition_layers(cfg.model).to_list(), sched.placement, sched, cost)
+    cur = (0, partition_layers(cfg.model).to_list(), sched.placement, False, sched, cost)
     ids = sorted(mb.id for mb in sched.micro_batches)
     out = []
     for it in range(n_it):
@@ -146,17 +151,48 @@ def layouts_in_force(cfg, cost, sched, log: list[dict], n_it: int) -> list[tuple
         if t is not None:
             c = layout_cost(cost, cfg.model, t["counts"], t["frozen_after"], hit=1.0 if t.get("prefix_cached") else 0.0)
             s = layout_schedule(t["placement"], ids, 0.0, 0, sched.memory, cfg.train.seed + it)
-            cur = (t["frozen_after"], t["counts"], t["placement"], s, c)
+            cur = (t["frozen_after"], t["counts"], t["placement"], bool(t.get("prefix_cached")), s, c)
         out.append(cur)
     return out
 
 
-def figures(cfg, cost, topo, sched, rows: dict, walls: dict, log: list[dict], launch_s: float, w: int) -> dict:
-    """The seed's figures from the two phases' metrics, clocks and the elastic decision log."""
+def training_clock(walls: dict, evals: dict) -> tuple[dict, dict]:
+    """(wall seconds, elapsed seconds at each iteration's end) per phase, without the in-loop
+    validation passes (a measurement, not training: each runs after an iteration, in the gap
+    before the next one starts)."""
+    wall, elapsed = {}, {}
+    for p, w in walls.items():
+        spent = [0.0] * (len(w) + 1)       # validation seconds after iterations 1..i
+        for v in evals.get(p, []):
+            if v["step"] <= len(w):
+                spent[v["step"]] += v.get("seconds", 0.0)
+        for i in range(1, len(spent)):
+            spent[i] += spent[i - 1]
+        elapsed[p] = [e - w[0][0] - spent[i] for i, (_, e) in enumerate(w)]
+        wall[p] = w[-1][1] - w[0][0] - spent[len(w) - 1]
+    return wall, elapsed
+
+
+def val_target(evals: dict, elapsed: dict) -> dict:
+    """Time to the target validation loss (static's final x 1.01, as the real half sets it): the
+    first in-loop validation point at or below it, on the training clock."""
+    target = evals["static"][-1]["val_loss"] * 1.01
+    hit = {p: next((v["step"] for v in evals[p] if v["val_loss"] <= target), None) for p in evals}
+    ttt = {p: (elapsed[p][k - 1] if k is not None else None) for p, k in hit.items()}
+    return {"target_val_loss": round(target, 5), "steps_to_target": hit,
+            "time_to_target_s": {p: None if v is None else round(v, 4) for p, v in ttt.items()},
+            "time_to_target_speedup": round(ttt["static"] / ttt["elastic"], 4) if ttt["elastic"] else None,
+            "val_curve": {p: [[v["step"], v["val_loss"], v.get("seconds")] for v in evals[p]] for p in evals},
+            "validation_s": {p: round(sum(v.get("seconds", 0.0) for v in evals[p]), 3) for p in evals}}
+
+
+def figures(cfg, cost, topo, sched, rows: dict, walls: dict, evals: dict, log: list[dict], launch_s: float,
+            w: int) -> dict:
+    """The seed's figures from the two phases' metrics, clocks, validation points and the
+    elastic decision log."""
     n_it = len(rows["static"])
     loss = {p: window_mean([r["loss"] for r in rows[p]], w) for p in rows}
-    wall = {p: walls[p][-1][1] - walls[p][0][0] for p in walls}
-    elapsed = {p: [e - walls[p][0][0] for _, e in walls[p]] for p in walls}
+    wall, elapsed = training_clock(walls, evals)
     target = loss["static"][-1] * 1.01
     # the first iteration from which the window mean stays at or below the target (fine-tuning
     # losses start near it: the first crossing alone is noise)
@@ -177,8 +213,8 @@ def figures(cfg, cost, topo, sched, rows: dict, walls: dict, log: list[dict], la
     static_sim = sim(sched, cost)
     el = layouts_in_force(cfg, cost, sched, log, n_it)
     per_layout: dict[str, dict] = {}
-    for i, (F, counts, pl, s, c) in enumerate(el):
-        key = f"F={F} {len(counts)}x{min(len(p) for p in pl)}"
+    for i, (F, counts, pl, cached, s, c) in enumerate(el):
+        key = f"F={F} {len(counts)}x{min(len(p) for p in pl)}" + (" cached" if cached else "")
         d = per_layout.setdefault(key, {"frozen": F, "counts": counts, "iterations": 0, "measured_s": [],
                                         "simulated_s": sim(s, c)})
         d["iterations"] += 1
@@ -196,8 +232,10 @@ def figures(cfg, cost, topo, sched, rows: dict, walls: dict, log: list[dict], la
         "whole_run_speedup": r(wall["static"] / wall["elastic"]),
         "final_train_loss": {p: r(v[-1]) for p, v in loss.items()},
         "final_loss_ratio": r(loss["elastic"][-1] / loss["static"][-1]),
-        "target_train_loss": r(target), "iterations_to_target": hit, "time_to_target_s": {p: r(v) for p, v in ttt.items()},
-        "time_to_target_speedup": r(ttt["static"] / ttt["elastic"]) if ttt["elastic"] else None,
+        **val_target(evals, elapsed),
+        "target_train_loss": r(target), "iterations_to_train_target": hit,
+        "time_to_train_target_s": {p: r(v) for p, v in ttt.items()},
+        "time_to_train_target_speedup": r(ttt["static"] / ttt["elastic"]) if ttt["elastic"] else None,
         "transitions": [{k: t[k] for k in ("step", "frozen_before", "frozen_after", "counts", "placement",
                                            "transfer_bytes", "transfer_messages", "move_s", "seconds")} for t in trans],
         "transition_s": r(trans_s), "transition_fraction": r(trans_s / wall["elastic"]),
@@ -227,7 +265,7 @@ def transfer_wire_s(t: dict, topo) -> float:
 
 
 MEAN_KEYS = ("whole_run_speedup", "final_loss_ratio", "final_val_loss_ratio", "time_to_target_speedup",
-             "transition_fraction", "prefill_fraction")
+             "time_to_train_target_speedup", "transition_fraction", "prefill_fraction")
 
 
 def swarm_half(args, best: dict, seeds: list[int], iterations: int, data: str,
@@ -285,7 +323,12 @@ def print_swarm(sw: dict) -> None:
     row("wall s static / elastic", lambda x: f"{x['wall_s']['static']:.1f}/{x['wall_s']['elastic']:.1f}", fmt="{}")
     row("final val loss (elastic / static)", lambda x: x["final_val_loss_ratio"], "final_val_loss_ratio", "{:.4f}")
     row("final train loss (elastic / static)", lambda x: x["final_loss_ratio"], "final_loss_ratio", "{:.4f}")
-    row("time to target, train loss (x static)", lambda x: x["time_to_target_speedup"], "time_to_target_speedup", "{:.2f}x")
+    row("time to target, val loss (x static)", lambda x: x["time_to_target_speedup"], "time_to_target_speedup",
+        "{:.2f}x")
+    row("  steps to it, static / elastic", lambda x: "/".join(str(x["steps_to_target"][p] or "-")
+                                                             for p in ("static", "elastic")), fmt="{}")
+    row("time to target, train loss (x static)", lambda x: x["time_to_train_target_speedup"],
+        "time_to_train_target_speedup", "{:.2f}x")
     row("transitions / elastic wall", lambda x: x["transition_fraction"], "transition_fraction", "{:.4f}")
     row("cache prefills / elastic wall", lambda x: x["prefill_fraction"], "prefill_fraction", "{:.4f}")
     row("iterations measured / simulated: static", lambda x: x["measured_vs_sim"]["static"],

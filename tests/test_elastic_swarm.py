@@ -123,7 +123,7 @@ def test_the_swarm_freezes_shrinks_and_trains_what_the_single_process_trainer_tr
     single-process elastic trainer (same rule, same data) ends."""
     run = tmp_path / "run"
     res = launch(_job(_cfg(), byte_data, run), timeout_s=300)
-    rows = res.phase_metrics("p")
+    rows = res.phase_iterations("p")
     assert [r["step"] for r in rows] == list(range(1, ITERS + 1))
     log = _log(run)
     tr = [r for r in log if r.get("action") == "transition"]
@@ -176,7 +176,7 @@ def test_an_undo_after_a_one_stage_layout_gives_the_pipeline_back_its_memory_cre
     undoes the freeze at step 6: the 2-stage layout it goes back to
     has the phase's 3 credits again, not the one-stage layout's 1, and every sample is trained
     once."""
-    from tests.fault_node import faulty_job
+    from fault_node import faulty_job
 
     cfg = _cfg(runtime={"nodes": 4, "stage_sizes": "2,2"})
     cfg.model.n_stages = 2
@@ -214,8 +214,8 @@ def test_a_checkpoint_after_a_transition_resumes_into_the_transitioned_layout(by
     assert start["iteration"] == 6 and start["cursor"] == 6 * GB
     run = tmp_path / "run"
     res2 = launch(_job(cfg, byte_data, run, iterations=iters, resume=start), timeout_s=300)
-    ref_loss = {r["step"]: r["loss"] for r in res.phase_metrics("p")}
-    assert [(r["step"], r["loss"]) for r in res2.phase_metrics("p")] == [(s, ref_loss[s]) for s in (7, 8)]
+    ref_loss = {r["step"]: r["loss"] for r in res.phase_iterations("p")}
+    assert [(r["step"], r["loss"]) for r in res2.phase_iterations("p")] == [(s, ref_loss[s]) for s in (7, 8)]
     a, b = load_weights(ref / "model.safetensors"), load_weights(run / "model.safetensors")
     assert a.keys() == b.keys()
     worst = max((a[k] - b[k]).abs().max().item() for k in a)
@@ -245,7 +245,7 @@ def test_a_node_killed_mid_transition_is_recovered_and_training_goes_on(byte_dat
     run = tmp_path / "run"
     res = launch(_job(cfg, byte_data, run, **faulty_job({"node": victim, "kind": "kill", "iteration": 4,
                                                          "where": "transition"})), timeout_s=300)
-    rows = res.phase_metrics("p")
+    rows = res.phase_iterations("p")
     assert [r["step"] for r in rows] == list(range(1, ITERS + 1)) and rows[-1]["nodes"] == 5
     rec = [json.loads(x) for x in (run / "recoveries.jsonl").read_text().splitlines()]
     assert [r["node"] for r in rec] == [victim] and "died" in rec[0]["cause"]
@@ -479,7 +479,7 @@ def test_a_freezing_demo_job_saved_after_a_failure_resumes_on_all_its_nodes(byte
     assert saved["elastic"]["frozen"] == 2 and victim not in {n for p in saved["placement"] for n in p}
     start = resume_point(run / "checkpoints" / "step-00000008")
     res = launch(_job(cfg, byte_data, run, iterations=ITERS, resume=start), timeout_s=300)
-    rows = res.phase_metrics("p")
+    rows = res.phase_iterations("p")
     assert [r["step"] for r in rows] == list(range(1, ITERS + 1))     # (1-8: the first launch's, kept)
     assert [r["nodes"] for r in rows[8:]] == [6, 6]
     stages = {r: s for r, (s, _) in _node_params(run).items()}

@@ -153,7 +153,7 @@ def test_run_refuses_a_node_without_the_secret_and_survives_kill_originator_kill
     assert all(r["detect_s"] is not None and r["detect_s"] >= 0 for r in rec)
     assert [r["gen"] for r in sorted(rec, key=lambda r: r["gen"])] == [1, 2, 3, 4]
     # training went on: one metrics row per iteration, finite losses, fewer nodes after failures
-    rows = res.phase_metrics("p")
+    rows = res.phase_iterations("p")
     assert [r["step"] for r in rows] == list(range(1, iters + 1))
     assert all(r["loss"] == r["loss"] and r["loss"] < 10 for r in rows)
     assert rows[0]["nodes"] == 7 and rows[-1]["nodes"] == 3
@@ -192,7 +192,7 @@ def test_a_replica_takes_over_a_lost_stage_with_checkfree_init(byte_data, tmp_pa
                             topology=load_topology("cluster", 6).to_dict())],
               **faulty_job({"node": 4, "kind": "kill", "iteration": 1}))
     res = launch(job, timeout_s=180)
-    rows = res.phase_metrics("p")
+    rows = res.phase_iterations("p")
     assert [r["step"] for r in rows] == [1, 2, 3] and all(r["loss"] < 10 for r in rows)
     n3 = json.loads((run / "phases" / "p" / "node3.json").read_text())
     (tk,) = n3["takeovers"]
@@ -218,7 +218,7 @@ def test_a_second_failure_during_recovery_is_survived_too(byte_data, tmp_path):
               data_path=str(byte_data), run_dir=str(run), phases=[Phase("p", sched.to_dict(), iterations=3)], **faulty_job([{"node": 4, "kind": "kill", "iteration": 1},
                      {"node": 2, "kind": "kill", "iteration": 1, "where": "recover"}]))
     res = launch(job, timeout_s=180)
-    assert [r["step"] for r in res.phase_metrics("p")] == [1, 2, 3]
+    assert [r["step"] for r in res.phase_iterations("p")] == [1, 2, 3]
     rec = [json.loads(x) for x in (run / "recoveries.jsonl").read_text().splitlines()]
     assert {r["node"] for r in rec} == {4, 2} and all("died" in r["cause"] for r in rec)
     n0 = json.loads((run / "phases" / "p" / "node0.json").read_text())
@@ -242,7 +242,7 @@ def test_a_bad_peer_is_banned_after_its_strikes_and_its_stage_restarts_from_the_
               data_path=str(byte_data), run_dir=str(run), phases=[Phase("p", sched.to_dict(), iterations=4)],
               **faulty_job({"node": 4, "kind": "nan", "iteration": 2}))
     res = launch(job, timeout_s=180)
-    assert [r["step"] for r in res.phase_metrics("p")] == [1, 2, 3, 4]
+    assert [r["step"] for r in res.phase_iterations("p")] == [1, 2, 3, 4]
     rec = [json.loads(x) for x in (run / "recoveries.jsonl").read_text().splitlines()]
     assert [r["node"] for r in rec] == [4, 4]
     assert rec[0]["strike"] == 1 and not rec[0]["fenced"] and rec[0]["alive"] == list(range(6))
@@ -288,6 +288,7 @@ def test_a_killed_coordinator_is_replaced_without_losing_the_run(byte_data, tmp_
     assert coord.returncode == 0, coord.stderr[-2000:]
     assert "restarted: generation 0" in coord.stderr
     rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines() if x.strip()]
+    rows = [r for r in rows if "loss" in r]               # (not the validation points)
     assert [r["step"] for r in rows] == list(range(1, iters + 1)) and rows[-1]["nodes"] == 4
     rec = [json.loads(x) for x in (run / "recoveries.jsonl").read_text().splitlines()]
     assert rec[0]["restart"] and rec[1]["node"] == 1 and "died" in rec[1]["cause"] and rec[1]["gen"] == 1
@@ -320,7 +321,7 @@ def test_drift_replans_routes_away_from_a_node_that_slowed_down(byte_data, tmp_p
                             emulate_compute=True)],
               **faulty_job({"node": 3, "kind": "slow", "factor": 6.0, "iteration": 2}))
     res = launch(job, timeout_s=180)
-    assert [r["step"] for r in res.phase_metrics("p")] == list(range(1, iters + 1))
+    assert [r["step"] for r in res.phase_iterations("p")] == list(range(1, iters + 1))
     n0 = json.loads((run / "phases" / "p" / "node0.json").read_text())
     rp = [r for r in n0.get("replans", []) if r["adopted"]]
     assert rp and rp[0]["iteration"] >= 3, n0.get("replans")

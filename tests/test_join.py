@@ -194,7 +194,7 @@ def test_a_node_joins_a_running_job_and_a_wrong_secret_is_refused(byte_data, tmp
     intruder_log = (run / "logs" / "intruder.log").read_text()
     assert "refused by the coordinator" in intruder_log and "generation" not in intruder_log
     assert good.returncode == 0
-    rows = out["res"].phase_metrics("p")
+    rows = out["res"].phase_iterations("p")
     assert [r["step"] for r in rows] == list(range(1, iters + 1))
     nj = json.loads((run / "phases" / "p" / f"node{j}.json").read_text())
     it_j = nj["joined"]["iteration"]

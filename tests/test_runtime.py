@@ -3,7 +3,6 @@ single-process trainer, a short training run, and failure handling (killed and h
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pytest
@@ -157,7 +156,7 @@ def test_k0_swarm_equals_the_one_node_runtime_at_default_settings(swarm):
 def test_the_default_clip_is_active_in_the_equivalence(swarm):
     """The swarm's first iteration has a global gradient norm above 1.0, so the equivalence
     above covers the global clip (summed across the swarm) and not only the unclipped path."""
-    rows = swarm["res"].phase_metrics("full")
+    rows = swarm["res"].phase_iterations("full")
     assert rows and rows[0]["grad_norm"] > 1.0, rows[0]
 
 
@@ -203,7 +202,7 @@ def test_demo_swarm_keeps_replicas_bit_identical(byte_data, tmp_path):
 
 
 def test_training_losses_fall_and_replicas_stay_identical(swarm):
-    rows = swarm["res"].phase_metrics("train")
+    rows = swarm["res"].phase_iterations("train")
     losses = [r["loss"] for r in rows]
     assert len(losses) == 8 and losses[-1] < losses[0] - 0.3, losses
     skip = swarm["skip"]
@@ -309,7 +308,7 @@ def test_bf16_swarm_equals_the_one_node_runtime_in_bf16_and_lowers_the_loss(byte
     sends = [e for e in res.timeline("eq", 0) if e.kind == "send"]
     assert sends and all(2 * e.bytes == rows * cfg.model.d_model * 4 == 2 * encoded_bytes("bf16", rows, 64)
                          for e in sends)
-    losses = [r["loss"] for r in res.phase_metrics("train")]
+    losses = [r["loss"] for r in res.phase_iterations("train")]
     assert len(losses) == 8 and losses[-1] < losses[0] - 0.3, losses
     for s, nodes in enumerate(full.placement):        # each node printed its stage's memory estimate
         for n in nodes:
@@ -396,6 +395,27 @@ def test_a_node_serving_two_stages_checkpoints_both(shared):
     got = _dist_params(shared["dir"], "skip", shared["skip"])
     for n, p in model.named_parameters():
         assert torch.equal(p.detach(), got[n]), n
+
+
+def test_the_loop_validates_through_the_pipeline_what_the_merged_model_validates(shared):
+    """The in-loop validation after each phase's last iteration runs through the pipeline (each
+    validation micro-batch on one replica of every stage, the hop between stages 1 and 2 inside
+    a node) and gives the loss of the merged model's one-process validation."""
+    from skiptrain.data.dataset import TokenDataset
+    from skiptrain.data.loader import SampleSource
+    from skiptrain.model import StagedLM
+    from skiptrain.runtime.evaluate import evaluate
+
+    cfg = _cfg_shared()
+    cfg.model.vocab_size = TokenDataset.open(shared["data"]).vocab_size
+    val = SampleSource(TokenDataset.open(shared["data"]).tokens("val"), cfg.model.seq_len, shuffle=False)
+    for name in ("full", "skip"):
+        rows = [r for r in shared["res"].phase_metrics(name) if "val_loss" in r]
+        assert [r["step"] for r in rows] == [EQUIV_ITERS] and rows[0]["seconds"] > 0
+        model = StagedLM(cfg.model)
+        model.load_state_dict(_dist_params(shared["dir"], name, shared[name]))
+        want = evaluate(model, val, cfg.train.eval_batches, cfg.train.micro_batch)
+        assert rows[0]["val_loss"] == pytest.approx(want, abs=1e-4), name
 
 
 def test_a_node_serving_two_stages_resumes_exactly(shared, tmp_path):

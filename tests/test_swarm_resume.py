@@ -78,7 +78,7 @@ def test_a_crashed_job_resumes_exactly(byte_data, tmp_path, dp):
     start = resume_point(run / "checkpoints")
     assert 2 <= start["iteration"] < ITERS and start["iteration"] % 2 == 0
     res = launch(_job(_cfg(dp), byte_data, run, resume=start), timeout_s=300)
-    assert [r["step"] for r in res.phase_metrics("train")][-1] == ITERS
+    assert [r["step"] for r in res.phase_iterations("train")][-1] == ITERS
     a, b = load_weights(ref / "model.safetensors"), load_weights(run / "model.safetensors")
     assert a.keys() == b.keys()
     worst = max((a[k] - b[k]).abs().max().item() for k in a)
@@ -121,7 +121,7 @@ def test_a_checkpoint_resumes_under_other_layouts(byte_data, tmp_path):
     cfg3.train.steps = 10
     res = launch(_job(cfg3, byte_data, run, iterations=10, resume=start), timeout_s=300)
     cfg3.model.vocab_size = TokenDataset.open(byte_data).vocab_size
-    losses = [r["loss"] for r in res.phase_metrics("train") if r["step"] > 4]
+    losses = [r["loss"] for r in res.phase_iterations("train") if r["step"] > 4]
     assert len(losses) == 6
     assert losses[0] == pytest.approx(_fresh_loss(ckpt, cfg3, byte_data, 128, 2 * 2 * 8), abs=2e-4)
     assert sum(losses[-2:]) / 2 < losses[0]

@@ -81,9 +81,10 @@ def train_swarm(cfg, data: str, out: str, steps: int | None = None, echo: bool =
 
     val = evaluate(model, SampleSource(ds.tokens("val"), cfg.model.seq_len, shuffle=False),
                    cfg.train.eval_batches, cfg.train.micro_batch)
-    with open(outp / "metrics.jsonl", "a") as f:
-        f.write(json.dumps({"step": steps, "tokens": steps * mbs * cfg.train.micro_batch * cfg.model.seq_len,
-                            "val_loss": round(val, 5)}) + "\n")
+    if not any("val_loss" in r and r["step"] == steps for r in res.phase_metrics("train")):
+        with open(outp / "metrics.jsonl", "a") as f:       # (the loop validated at its last step otherwise)
+            f.write(json.dumps({"step": steps, "tokens": steps * mbs * cfg.train.micro_batch * cfg.model.seq_len,
+                                "val_loss": round(val, 5)}) + "\n")
     plot_loss(outp / "metrics.jsonl", outp / "loss.png",
               title=f"skiptrain swarm: {rt.nodes} nodes, {model.num_parameters() / 1e6:.1f}M params, "
                     f"k={cfg.train.skip_ratio}", baseline=baseline)

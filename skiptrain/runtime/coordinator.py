@@ -141,7 +141,6 @@ def coordinate(job: Job, procs, store, world: int, t_start: float, timeout_s: fl
 
     deadline = job.rt.heartbeat_deadline_s or job.rt.timeout_s
     strikes_needed = max(1, int(job.rt.strikes or 1))
-    gen = 0
     stage0 = set()
     for ph in job.phases:
         stage0 |= set(Schedule.from_dict(ph.schedule).placement[0])

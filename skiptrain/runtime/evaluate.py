@@ -1,8 +1,9 @@
-"""Validation loss of a model (or the stages a process holds), along the full route or a given one."""
+"""Validation loss of a model (or the stages a process holds), along the full route or a given
+one; in a swarm, through the pipeline of the nodes that hold the stages."""
 
 from __future__ import annotations
 
-from typing import Iterable, Sequence
+from typing import Callable, Iterable, Sequence
 
 import torch
 
@@ -38,3 +39,53 @@ def evaluate(model: StagedLM, source: SampleSource, batches: int, micro_batch: i
     """Mean next-token loss over the first ``batches * micro_batch`` samples of ``source`` (in order)."""
     total, count = evaluate_sum(model, source, range(batches), micro_batch, route)
     return total / count
+
+
+def validation_path(placement: Sequence[Sequence[int]], batch: int) -> list[int]:
+    """The nodes validation micro-batch ``batch`` visits: replica ``batch mod R_s`` of each stage
+    ``s`` in order (stage 0 first; it also computes the loss)."""
+    return [p[batch % len(p)] for p in placement]
+
+
+@torch.no_grad()
+def pipelined_evaluate_sum(model: StagedLM | None, rank: int, placement: Sequence[Sequence[int]],
+                           source: SampleSource, micro_batches: Iterable[int], micro_batch: int,
+                           send: Callable[[torch.Tensor, int], None],
+                           recv: Callable[[tuple[int, ...], int], torch.Tensor]) -> tuple[float, int]:
+    """This node's part of the validation of fixed micro-batches ``micro_batches`` through the
+    stages of ``placement`` (every node of the swarm calls it with the same arguments): micro-batch
+    ``b`` runs along :func:`validation_path`; a node runs the stages it holds on that path, hands
+    the activations to the next node with ``send(h, node)`` (``recv(shape, node)`` on the other
+    side; a node holding the next stage too keeps them), and the path's stage-0 node adds the
+    loss.  Returns (sum of per-sample mean losses, samples) of the micro-batches this node
+    finished; the caller sums them over the swarm.  One stage: each micro-batch on one node."""
+    total, count, S = 0.0, 0, len(placement)
+    if model is None:
+        return total, count
+    was_training = model.training
+    model.eval()
+    device = next(model.parameters()).device
+    for b in micro_batches:
+        idx = list(range(b * micro_batch, min(source.n, (b + 1) * micro_batch)))
+        path = validation_path(placement, b)
+        if not idx or rank not in path:
+            continue
+        shape = (len(idx), source.seq_len, model.cfg.d_model)
+        h = y = None
+        for i, node in enumerate(path):
+            if node != rank:
+                continue
+            if i == 0:
+                x, y = source.batch(idx)
+                h = model.embed(x.to(device))
+            else:
+                h = model.run_stage(i, recv(shape, path[i - 1]).to(device) if h is None else h)
+            if path[(i + 1) % S] != rank:
+                send(h.float().cpu(), path[(i + 1) % S])
+                h = None
+        if path[0] == rank:
+            h = recv(shape, path[-1]).to(device) if h is None else h
+            total += model.loss(model.logits(h), y.to(device)).item() * len(idx)
+            count += len(idx)
+    model.train(was_training)
+    return total, count

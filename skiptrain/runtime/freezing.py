@@ -50,10 +50,11 @@ from ..layout.transfer import transfer_plan
 from ..model.partition import Partition, partition_layers
 from ..optim import build_optimizer, lr_at
 from ..schedule.schedule import Schedule
+from .evaluate import pipelined_evaluate_sum
 from .failure import NodeFailure
 from .job_checkpoint import load_sync
-from .transition import (build_stage, freeze_parameters, gather_state, layout_cost, layout_schedule, move_state,
-                         plan_layout, reseat, stage_names, stage_sizes, sync_state, wait_all)
+from .transition import (Activations, build_stage, freeze_parameters, gather_state, layout_cost, layout_schedule,
+                         move_state, plan_layout, reseat, stage_names, stage_sizes, sync_state)
 
 GUARD_TAG = 13
 # the planner's budget when it re-plans the routes of a new layout (simulator calls; no time cap,
@@ -146,44 +147,17 @@ class SwarmFreezing:
         self._log(d.to_dict())
 
     def guard_loss(self) -> float:
-        """The validation loss of the guard's micro-batches, every node taking part: batch ``b``
-        starts on stage-0 node ``b mod R0`` and visits replica ``b mod R_s`` of each body stage."""
+        """The validation loss of the guard's micro-batches (``elastic.guard_batches``) through
+        the layout in force, every node taking part (:func:`pipelined_evaluate_sum`)."""
         t0 = time.perf_counter()
         st, node, cfg = self.st, self.node, self.cfg
-        mb, m = cfg.train.micro_batch, st.model
-        n = min(cfg.elastic.guard_batches * mb, node.val_src.n)
-        pl = st.sched.placement
-        S = len(pl)
-        total = torch.zeros(2, dtype=torch.float64)
-        for b, a in enumerate(range(0, n, mb)):
-            rows = min(n, a + mb) - a
-            path = [pl[s][b % len(pl[s])] for s in range(S)]
-            if node.rank not in path:
-                continue
-            i = path.index(node.rank)
-            shape = (rows, cfg.model.seq_len, cfg.model.d_model)
-            with torch.no_grad():
-                if i == 0:
-                    x, y = node.val_src.batch(range(a, a + rows))
-                    h = m.embed(x)
-                else:
-                    h = m.run_stage(i, self._recv(shape, path[i - 1]))
-                if S > 1:
-                    self._send(h, path[(i + 1) % S])
-                if i == 0:
-                    h = self._recv(shape, path[-1]) if S > 1 else h
-                    total += torch.tensor([m.loss(m.logits(h), y).item() * rows, rows], dtype=torch.float64)
+        p2p = Activations(node._rank, GUARD_TAG, self._abort)
+        part = pipelined_evaluate_sum(st.model, node.rank, st.sched.placement, node.val_src,
+                                      range(cfg.elastic.guard_batches), cfg.train.micro_batch, p2p.send, p2p.recv)
+        total = torch.tensor(part, dtype=torch.float64)
         node._sync(dist.all_reduce, total)
         self.guard_s += time.perf_counter() - t0
         return float(total[0] / total[1])
-
-    def _send(self, h: torch.Tensor, dst: int) -> None:
-        wait_all([dist.isend(h.contiguous(), self.node._rank[dst], tag=GUARD_TAG)], self._abort)
-
-    def _recv(self, shape, src: int) -> torch.Tensor:
-        h = torch.empty(shape)
-        wait_all([dist.irecv(h, self.node._rank[src], tag=GUARD_TAG)], self._abort)
-        return h
 
     def _abort(self) -> None:
         w = self.node.watch

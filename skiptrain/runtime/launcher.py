@@ -55,7 +55,7 @@ class LaunchResult:
 
     def phase_iterations(self, phase: str) -> list[dict]:
         """The lines of ``phase``'s training iterations (loss, timing, bytes), without its
-        validation points (``val_loss`` lines, written where a stage holds the whole model)."""
+        validation points (``val_loss`` lines of the in-loop validation)."""
         return [m for m in self.phase_metrics(phase) if "loss" in m]
 
     def timeline(self, phase: str, iteration: int) -> list[Event]:
@@ -328,7 +328,7 @@ def _explain(job: Job, procs, failure: dict, run_dir: Path, store, killed_by_us:
     signalled = [r for r, p in enumerate(procs)
                  if p.returncode is not None and p.returncode < 0 and r not in killed_by_us]
     if failure["kind"] == "timeout":
-        node, head = None, f"the run did not finish within its time limit"
+        node, head = None, "the run did not finish within its time limit"
     elif failure["kind"] == "hung":
         node = failure["node"]
         head = (f"{_describe(job, node)} stopped responding: no heartbeat for {failure['age']:.1f} s "

@@ -62,6 +62,7 @@ N_STATS = 9
 
 
 STOP_KEY = "stop"     # set by the launcher (Ctrl-C / SIGTERM): end at the next iteration boundary
+EVAL_TAG = 14          # activations of an in-loop validation pass (the guard uses 13, state moves 11, 12)
 
 
 class StopRequested(Exception):
@@ -590,29 +591,41 @@ class Node:
             a.entry["ckpt_s"] = time.perf_counter() - t
 
     def _maybe_evaluate(self, st: "PhaseState") -> None:
-        """Validation inside the loop, every ``train.eval_every`` iterations and after the last,
-        when every stage-holding node holds the whole model (one stage: data parallelism): each
-        node evaluates its share of ``train.eval_batches`` fixed validation micro-batches, the
-        sums are added over the swarm, rank 0 writes the ``val_loss`` line.  (A pipeline's
-        validation runs on the merged model after the run.)"""
+        """Validation inside the loop, every ``train.eval_every`` iterations and after the last:
+        the fixed ``train.eval_batches`` validation micro-batches through the layout in force
+        (:func:`~skiptrain.runtime.evaluate.pipelined_evaluate_sum`: with one stage each node
+        validates its share; through a pipeline each micro-batch visits one replica of every
+        stage), summed over the swarm; rank 0 writes the ``val_loss`` line with the seconds it
+        took.  A layout with a stage left without a node is not validated."""
         t, n_it = self.cfg.train, st.it + 1
-        if len(st.sched.placement) != 1 or not (n_it == st.ph.iterations or (t.eval_every and n_it % t.eval_every == 0)):
+        if not (n_it == st.ph.iterations or (t.eval_every and n_it % t.eval_every == 0)):
             return
-        from .evaluate import evaluate_sum
-
-        me, world = self._rank[self.rank], len(self.alive)
-        mine = range(me, t.eval_batches, world) if st.model is not None else range(0)
+        if any(not p for p in st.sched.placement):
+            return
         from ..model.device import autocast
+        from .evaluate import pipelined_evaluate_sum
+        from .transition import Activations
 
+        t0 = time.perf_counter()
+        p2p = Activations(self._rank, EVAL_TAG, self._check_generation)
         with autocast(self.device, t.precision):
-            part = evaluate_sum(st.model, self.val_src, mine, t.micro_batch) if mine else [0.0, 0.0]
+            part = pipelined_evaluate_sum(st.model, self.rank, st.sched.placement, self.val_src,
+                                          range(t.eval_batches), t.micro_batch, p2p.send, p2p.recv)
         tot = torch.tensor(part, dtype=torch.float64)
         self._sync(dist.all_reduce, tot)
         if dist.get_rank() == 0:
             row = {"phase": st.ph.name, "step": n_it, "tokens": n_it * st.gb * self.cfg.model.seq_len,
-                   "val_loss": round(float(tot[0] / max(tot[1], 1)), 5)}
+                   "val_loss": round(float(tot[0] / max(tot[1], 1)), 5),
+                   "seconds": round(time.perf_counter() - t0, 4)}
             with open(self.run_dir / "metrics.jsonl", "a") as metrics:
                 metrics.write(json.dumps(row) + "\n")
+
+    def _check_generation(self) -> None:
+        """Raise :class:`NodeFailure` when the coordinator has announced a new membership
+        generation (recovery mode): a wait among the old members would never end."""
+        if self.watch is not None and self.watch.newer():
+            raise NodeFailure(f"node {self.rank}: membership changed during a validation pass; "
+                              "abandoning the iteration", node=None)
 
     def _switch_to_joins(self, st: "PhaseState", a: "Attempt") -> None:
         """Iteration boundary: every node learns the newest join generation any of them has seen

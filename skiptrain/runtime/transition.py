@@ -183,6 +183,24 @@ def wait_all(works: list, abort: Callable[[], None]) -> None:
         raise errors[0]
 
 
+@dataclasses.dataclass
+class Activations:
+    """Activations handed between node processes outside the pipeline's transport (validation
+    passes): to and from node ids, mapped to process-group ranks by ``rank_of``, on ``tag``,
+    waited on as :func:`wait_all` waits (``abort`` raises when the node must give up)."""
+    rank_of: dict[int, int]
+    tag: int
+    abort: Callable[[], None]
+
+    def send(self, h: torch.Tensor, dst: int) -> None:
+        wait_all([dist.isend(h.contiguous(), self.rank_of[dst], tag=self.tag)], self.abort)
+
+    def recv(self, shape: tuple[int, ...], src: int) -> torch.Tensor:
+        h = torch.empty(shape)
+        wait_all([dist.irecv(h, self.rank_of[src], tag=self.tag)], self.abort)
+        return h
+
+
 def move_state(me: int, plan: list[Transfer], rank_of: dict[int, int], model, opt, strat,
                abort: Callable[[], None]) -> list[bytes]:
     """Send this node's messages of ``plan`` and receive its own (two rounds: lengths, then
