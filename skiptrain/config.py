@@ -448,10 +448,6 @@ def preset_names() -> list[str]:
 # building and checking
 
 
-def _type_name(tp: Any) -> str:
-    return getattr(tp, "__name__", str(tp))
-
-
 def _coerce(key: str, tp: Any, value: Any) -> Any:
     """Convert ``value`` (from TOML or a CLI string) to field type ``tp`` or raise ConfigError."""
     if isinstance(tp, str):  # postponed annotations

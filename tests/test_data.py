@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from skiptrain.data.corpus import read_documents
-from skiptrain.data.dataset import TokenDataset, split_document, write_dataset, write_splits
+from skiptrain.data.dataset import TokenDataset, split_document, write_splits
 from skiptrain.data.loader import SampleSource, ShardedLoader, shard_indices
 from skiptrain.data.tokenizer import BPETokenizer, ByteTokenizer
 from skiptrain.errors import DataError

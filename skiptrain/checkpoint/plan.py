@@ -20,7 +20,6 @@ import math
 from dataclasses import dataclass
 from typing import Iterable, Mapping, Sequence
 
-from ..layout import tensor_stage
 from .format import DTYPES
 
 DEFAULT_CHUNK_BYTES = 64 << 20

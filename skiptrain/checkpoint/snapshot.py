@@ -8,7 +8,6 @@ no page faults: on this machine a reused-buffer copy runs at about 8 GB/s, a fir
 at about 0.5 GB/s.  CPU tensors are copied with one single-threaded memcpy each (numpy):
 torch's ``copy_`` splits every copy over its OpenMP threads, which on a shared, oversubscribed
 2-core machine made a snapshot of 300 small tensors 10-30x slower than a plain memcpy.
-:meth:`reserve` allocates and touches the buffers ahead of the first save.
 
 The caller must not call ``take`` again while a writer still reads the previous views
 (:class:`~skiptrain.checkpoint.manager.CheckpointManager` waits for the previous save first).
@@ -41,11 +40,6 @@ class HostSnapshot:
                 buf.reshape(-1).view(torch.uint8).zero_()  # touch every page now, not in the first save
             self._buffers[name] = buf
         return buf
-
-    def reserve(self, tensors: Mapping[str, torch.Tensor]) -> None:
-        """Allocate (and page in) the buffers ``take`` will need, e.g. before training starts."""
-        for name, t in tensors.items():
-            self._buffer(name, t)
 
     def take(self, tensors: Mapping[str, torch.Tensor]) -> dict[str, object]:
         """Copy ``tensors`` into the reused buffers; return name -> writable byte view of the copy.

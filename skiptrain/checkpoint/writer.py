@@ -205,7 +205,6 @@ class BackgroundWriter:
         self._thread: threading.Thread | None = None
         self._done: threading.Event | None = None
         self._error: BaseException | None = None
-        self.last_seconds = 0.0
         self.last_result: Any = None
 
     @property
@@ -226,12 +225,10 @@ class BackgroundWriter:
     def _serve(self) -> None:
         while True:
             fn, done = self._jobs.get()
-            t0 = time.perf_counter()
             try:
                 self.last_result = fn()
             except BaseException as e:  # noqa: BLE001 - re-raised in the caller's thread
                 self._error = e
-            self.last_seconds = time.perf_counter() - t0
             done.set()
 
     def wait(self) -> Any:

@@ -8,7 +8,6 @@ line naming the file and tensor, and offer the previous committed checkpoint.
 
 from __future__ import annotations
 
-import argparse
 import json
 import time
 from pathlib import Path

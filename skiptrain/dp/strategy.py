@@ -49,9 +49,7 @@ from typing import Iterable
 import torch
 
 from ..errors import UserError
-from .accountant import ByteAccountant
 from .consistency import check_consistency
-from .link import LinkModel
 from .transport import Transport
 
 

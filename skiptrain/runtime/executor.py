@@ -64,10 +64,6 @@ class NodePlan:
     free: set[tuple[int, int]] = field(default_factory=set)   # (j, pos) taking no memory credit
 
     @property
-    def n_incoming(self) -> int:
-        return len(self.incoming)
-
-    @property
     def n_wire(self) -> int:
         """Incoming messages from other nodes (not from this node's own other stages)."""
         return sum(src != self.rank for src in self.incoming.values())

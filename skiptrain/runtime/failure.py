@@ -170,16 +170,6 @@ class Heartbeat:
             return None
 
 
-def read_heartbeats(store, world: int) -> dict[int, tuple[float, str]]:
-    """``{node: (last beat time, state)}`` for the nodes that have written a key so far."""
-    out = {}
-    for n in range(world):
-        k = f"hb/{n}"
-        if store.check([k]):
-            out[n] = parse_heartbeat(store.get(k).decode())
-    return out
-
-
 def write_error(path: str | Path | None, rank: int, exc: BaseException, node_at_fault: int | None) -> None:
     """Leave a JSON error report for the launcher (best effort) and print one line to stderr."""
     msg = str(exc) or type(exc).__name__

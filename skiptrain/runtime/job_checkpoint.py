@@ -179,7 +179,6 @@ class JobCheckpointer:
         self._specs: list[TensorSpec] = []
         self._holders: dict[str, list[int]] = {}
         self.saved_step = -1
-        self.stall_s = 0.0
         self.skipped: list[int] = []
 
     def due(self, iteration: int, n_iterations: int) -> bool:
@@ -224,7 +223,6 @@ class JobCheckpointer:
                               specs=self._specs, holders=self._holders, rank_state=node_state,
                               layout={"placement": placement}, overlap=self.cfg.overlap)
         self.saved_step = iteration
-        self.stall_s += stall
         return stall
 
     def _hand_over(self, writers: tuple[int, ...]) -> None:
@@ -267,7 +265,7 @@ class JobCheckpointer:
     def wait_snapshot(self) -> None:
         """Before anything saved changes in place (the optimizer step): the snapshot is taken."""
         if self.mgr is not None:
-            self.stall_s += self.mgr.wait_snapshot()
+            self.mgr.wait_snapshot()
 
     def latest(self) -> tuple[int, Path] | None:
         """(iteration, path) of the newest committed checkpoint, or None."""

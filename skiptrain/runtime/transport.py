@@ -142,7 +142,6 @@ class P2PTransport:
         self._recv_thread = threading.Thread(target=self._recv_loop, name=f"recv{rank}", daemon=True)
         self._recv_thread.start()
         self._closed = False
-        self.bytes_sent = 0
         self._pending = 0
         self._cond = threading.Condition()
 
@@ -194,7 +193,6 @@ class P2PTransport:
         with self._cond:
             self._pending += 1
         self._senders[dst][0].put((start, deliver, hdr, payload, mb, self.t0, copied))
-        self.bytes_sent += nbytes
 
     def _send_loop(self, dst: int, q: queue.Queue) -> None:
         while True:
@@ -300,7 +298,6 @@ class LocalTransport:
         self.link = None
         self.inbox: "queue.Queue[Message | TransportError]" = queue.Queue()
         self.iteration = 0
-        self.bytes_sent = 0
 
     def begin_iteration(self, iteration: int, t0: float) -> None:
         self.iteration = iteration

@@ -27,7 +27,7 @@ from typing import Sequence
 from ..net.topology import Topology
 from .cost import CostModel
 from .placement import place
-from .routes import balanced_routes, visits_per_route
+from .routes import balanced_routes
 from .schedule import MicroBatch, Schedule
 
 

@@ -44,7 +44,7 @@ import itertools
 import math
 import random
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Sequence
 
 from ..net.topology import Topology
@@ -441,7 +441,6 @@ def improve_routes(schedule: Schedule, topo: Topology, cost: CostModel, contenti
     ``TRADE_REROUTE_P``.  With probability ``TARGET_P`` the first micro-batch is one of the critical
     originator's (the one whose last micro-batch finishes last).
     """
-    S = schedule.n_stages
     mbs = schedule.micro_batches
     M = len(mbs)
     routes = [list(mb.route) for mb in mbs]

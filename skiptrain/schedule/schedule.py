@@ -32,10 +32,10 @@ import json
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, Sequence
+from typing import Any, Iterable
 
 from ..errors import UserError
-from .routes import RouteError, check_route, count_swaps, stage_visit_counts, visits_per_route
+from .routes import RouteError, check_route, stage_visit_counts, visits_per_route
 
 POLICIES = ("1f1b", "gpipe")
 #: constraint names :meth:`Schedule.validate` understands (a method lists the ones it claims)
@@ -235,7 +235,3 @@ class Schedule:
             if max(counts) - min(counts) > 1:
                 raise ScheduleError(f"body-stage visit counts {counts} are unbalanced (max - min > 1)")
 
-
-def max_swaps_used(routes: Sequence[Sequence[int]]) -> int:
-    """Largest number of neighbour swaps any of ``routes`` uses."""
-    return max((count_swaps(r) for r in routes), default=0)

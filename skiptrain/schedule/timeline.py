@@ -66,23 +66,6 @@ def save_timeline(timeline: Sequence[Event], path: str | Path) -> None:
     Path(path).write_text(json.dumps(to_dicts(timeline)))
 
 
-def load_timeline(path: str | Path) -> list[Event]:
-    return from_dicts(json.loads(Path(path).read_text()))
-
-
-def busy_per_node(timeline: Iterable[Event]) -> dict[int, float]:
-    """Seconds of compute (fwd, bwd, loss) per node."""
-    out: dict[int, float] = {}
-    for e in timeline:
-        if e.kind in COMPUTE_KINDS:
-            out[e.node] = out.get(e.node, 0.0) + (e.end - e.start)
-    return out
-
-
-def makespan(timeline: Iterable[Event]) -> float:
-    return max((e.end for e in timeline), default=0.0)
-
-
 def check_no_overlap(timeline: Iterable[Event], eps: float = 1e-9) -> None:
     """Raise ValueError if two compute events overlap on one node."""
     per: dict[int, list[Event]] = {}
