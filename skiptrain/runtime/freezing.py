@@ -51,7 +51,6 @@ from ..model.partition import Partition, partition_layers
 from ..optim import build_optimizer, lr_at
 from ..schedule.schedule import Schedule
 from .evaluate import pipelined_evaluate_sum
-from .failure import NodeFailure
 from .job_checkpoint import load_sync
 from .transition import (Activations, build_stage, freeze_parameters, gather_state, layout_cost, layout_schedule,
                          move_state, plan_layout, reseat, stage_names, stage_sizes, sync_state)
@@ -151,19 +150,13 @@ class SwarmFreezing:
         the layout in force, every node taking part (:func:`pipelined_evaluate_sum`)."""
         t0 = time.perf_counter()
         st, node, cfg = self.st, self.node, self.cfg
-        p2p = Activations(node._rank, GUARD_TAG, self._abort)
+        p2p = Activations(node._rank, GUARD_TAG, node.check_generation)
         part = pipelined_evaluate_sum(st.model, node.rank, st.sched.placement, node.val_src,
                                       range(cfg.elastic.guard_batches), cfg.train.micro_batch, p2p.send, p2p.recv)
         total = torch.tensor(part, dtype=torch.float64)
         node._sync(dist.all_reduce, total)
         self.guard_s += time.perf_counter() - t0
         return float(total[0] / total[1])
-
-    def _abort(self) -> None:
-        w = self.node.watch
-        if w is not None and w.newer():
-            raise NodeFailure(f"node {self.node.rank}: membership changed during a freeze transition or guard "
-                              "check; abandoning the iteration", node=None)
 
     def _log(self, rec: dict[str, Any]) -> None:
         if self.node.rank == min(self.node.alive):
@@ -317,7 +310,7 @@ class SwarmFreezing:
         old = ElasticLayout.of(self.frozen, self.counts, 1, len(st.order), pl)
         plan = transfer_plan(sizes, old, new)
         node.hook(st.ph.name, st.it, "transition", st)
-        blobs = move_state(node.rank, plan, node._rank, st.model, st.opt, st.strat, self._abort)
+        blobs = move_state(node.rank, plan, node._rank, st.model, st.opt, st.strat, node.check_generation)
         stage = {n: s for s, p in enumerate(new.placement) for n in p}.get(node.rank)
         tensors, record, scalars = gather_state(st.model, st.opt, st.strat, blobs,
                                                 stage_names(sizes, new.partition, stage))

@@ -607,7 +607,7 @@ class Node:
         from .transition import Activations
 
         t0 = time.perf_counter()
-        p2p = Activations(self._rank, EVAL_TAG, self._check_generation)
+        p2p = Activations(self._rank, EVAL_TAG, self.check_generation)
         with autocast(self.device, t.precision):
             part = pipelined_evaluate_sum(st.model, self.rank, st.sched.placement, self.val_src,
                                           range(t.eval_batches), t.micro_batch, p2p.send, p2p.recv)
@@ -620,11 +620,12 @@ class Node:
             with open(self.run_dir / "metrics.jsonl", "a") as metrics:
                 metrics.write(json.dumps(row) + "\n")
 
-    def _check_generation(self) -> None:
+    def check_generation(self) -> None:
         """Raise :class:`NodeFailure` when the coordinator has announced a new membership
-        generation (recovery mode): a wait among the old members would never end."""
+        generation (recovery mode): a wait among the old members (a validation pass, a guard
+        check, a freeze transition's state moves) would never end."""
         if self.watch is not None and self.watch.newer():
-            raise NodeFailure(f"node {self.rank}: membership changed during a validation pass; "
+            raise NodeFailure(f"node {self.rank}: membership changed during a collective exchange; "
                               "abandoning the iteration", node=None)
 
     def _switch_to_joins(self, st: "PhaseState", a: "Attempt") -> None:
