@@ -454,9 +454,10 @@ def main(argv=None) -> int:
     ap.add_argument("--swarm-cache-share", choices=("location", "node"), default="location",
                     help="with the cache on: one cache per machine of the swarm's topology (2 x 8), shared by its "
                          "originators, each window prefilled once per machine (location), or one per node")
-    ap.add_argument("--swarm-prefill-min-reads", type=float, default=2.0,
-                    help="the swarm prefills a new layout's cache only when each row it computes will be read this "
-                         "often on average until the end (elastic.prefill_min_reads; 0 = at every freeze)")
+    ap.add_argument("--swarm-prefill-min-gain", type=float, default=1.0,
+                    help="the swarm prefills a new layout's cache only when the simulated iteration time it saves "
+                         "until the end is at least this many times the prefill's (elastic.prefill_min_gain; "
+                         "0 = at every freeze)")
     ap.add_argument("--swarm-keep", default="", help="keep the swarm's run directories under this path")
     ap.add_argument("--swarm-only", default="", metavar="S,R,M",
                     help="run only the swarm half, against the static layout S stages x R replicas x M "

@@ -8,9 +8,9 @@ start, ``elastic.enabled``: the freeze rule decides for the whole swarm, AutoPip
 transitions move state between the processes by name; with ``--swarm-cache on`` (the default)
 the stage-0 nodes serve the frozen prefix from activation caches -- one per machine of the
 topology, shared by its originators (``--swarm-cache-share location``, the default) or one per
-node -- prefilled at a freeze, data parallel, when each row will be read at least
-``--swarm-prefill-min-reads`` times on average; ``off``: they recompute it, forward only, each
-micro-batch).
+node -- prefilled at a freeze, data parallel, when the simulated iteration time the cached
+prefix saves until the end of the phase is at least ``--swarm-prefill-min-gain`` times the
+prefill's; ``off``: they recompute it, forward only, each micro-batch).
 
 Compute is padded to the cost model (``runtime.emulate_compute``: every forward/backward task
 sleeps up to ``s_per_sample_layer`` x samples x its stage's layers, a frozen layer costing its
@@ -73,7 +73,7 @@ def elastic_settings(args) -> dict:
             "min_active": 2, "start_window": args.start_window, "stable_windows": args.stable_windows,
             "guard": True, "guard_tol": args.guard_tol, "guard_confirm": args.guard_confirm, "guard_ref": 4,
             "guard_min_ref": args.guard_min_ref, "guard_batches": 4, "cache": args.swarm_cache,
-            "cache_share": args.swarm_cache_share, "prefill_min_reads": args.swarm_prefill_min_reads}
+            "cache_share": args.swarm_cache_share, "prefill_min_gain": args.swarm_prefill_min_gain}
 
 
 def run_seed(args, best: dict, seed: int, iterations: int, data: str, init: str | None = None) -> dict:
@@ -286,7 +286,7 @@ def seeds_and_mean(args, best: dict, seeds: list[int], iterations: int, data: st
     """Every seed's figures (from the pre-trained state at ``init``, if any) and their mean."""
     out = {"pretrained": init is not None, "best_static": {k: best[k] for k in ("stages", "replicas", "n_micro")}, "iterations": iterations,
            "s_per_sample_layer": args.swarm_spl, "check_every": args.swarm_check_every, "cache": args.swarm_cache,
-           "cache_share": args.swarm_cache_share, "prefill_min_reads": args.swarm_prefill_min_reads, "seeds": {}}
+           "cache_share": args.swarm_cache_share, "prefill_min_gain": args.swarm_prefill_min_gain, "seeds": {}}
     for seed in seeds:
         print(f"  swarm seed {seed}: 16 node processes, {iterations} iterations x 2 phases ...", flush=True)
         out["seeds"][str(seed)] = run_seed(args, best, seed, iterations, data, init)
@@ -308,7 +308,7 @@ def print_swarm(sw: dict) -> None:
           f"M={b['n_micro']}; {sw['iterations']} iterations per phase, windows of {sw['check_every']}; "
           f"activation cache {sw['cache']}"
           f"{', one per ' + sw.get('cache_share', 'node') if sw['cache'] == 'on' else ''}"
-          f"{', prefilled at >= %g reads per row' % sw['prefill_min_reads'] if 'prefill_min_reads' in sw and sw['cache'] == 'on' else ''})")
+          f"{', prefilled at a gain >= %g' % sw['prefill_min_gain'] if 'prefill_min_gain' in sw and sw['cache'] == 'on' else ''})")
     seeds = list(sw["seeds"])
     head = f"{'figure':<44}" + "".join(f"{'seed ' + s:>12}" for s in seeds) + f"{'mean':>10}"
     print(head + "\n" + "-" * len(head))

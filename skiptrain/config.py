@@ -213,9 +213,9 @@ class ElasticConfig:
     prefill_after_undo: int = _f(4, "windows after a guard undo in which a freeze fills the cache lazily instead "
                                  "(an undo discards a prefill: do not repeat it while freezing is unsettled)", min=0)
     cache_dir: str = _f("", "activation cache directory (empty = RUN_DIR/elastic_cache or a temp dir)")
-    prefill_min_reads: float = _f(2.0, "in a swarm: a layout starts prefilled only when each row the prefill "
-                                  "computes will be read at least this often, on average, until the end of the "
-                                  "phase (0 = whenever the cache is on and fits)", min=0.0)
+    prefill_min_gain: float = _f(1.0, "in a swarm: a layout starts prefilled only when the iteration time the "
+                                 "cached prefix is modelled to save until the end of the phase is at least this "
+                                 "many times the prefill's (0 = whenever the cache is on and fits)", min=0.0)
     cache_share: str = _f("node", "in a swarm: one activation cache per node, or one per topology location "
                           "shared by its originators (they must share a file system: the location is a "
                           "machine), each window prefilled once per location", choices=("node", "location"))

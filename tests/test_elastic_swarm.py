@@ -181,7 +181,7 @@ def test_an_undo_after_a_one_stage_layout_gives_the_pipeline_back_its_memory_cre
     cfg = _cfg(runtime={"nodes": 4, "stage_sizes": "2,2"})
     cfg.model.n_stages = 2
     cfg.elastic.alpha, cfg.elastic.guard_tol = 1.0, 0.0
-    cfg.elastic.cache, cfg.elastic.prefill_min_reads = "on", 0
+    cfg.elastic.cache, cfg.elastic.prefill_min_gain = "on", 0
     run = tmp_path / "run"
     faults = [{"node": n, "kind": "diverge", "iteration": 5, "tensor": "layers.3.ffn.w2.weight", "by": 1.0}
               for n in range(4)]
@@ -205,7 +205,7 @@ def test_a_checkpoint_after_a_transition_resumes_into_the_transitioned_layout(by
     ref = tmp_path / "ref"
     cfg = _cfg()
     cfg.elastic.cache = cache
-    cfg.elastic.prefill_min_reads = 0     # each window is read once in these 10 iterations
+    cfg.elastic.prefill_min_gain = 0     # prefill at every freeze, though each window is read once here
     res = launch(_job(cfg, byte_data, ref, iterations=iters), timeout_s=300)
     ckpt = shutil.copytree(ref / "checkpoints" / "step-00000006", tmp_path / "saved" / "step-00000006")
     saved = CheckpointReader(ckpt).state["elastic"]
@@ -278,7 +278,7 @@ def test_the_swarm_serves_the_frozen_prefix_from_prefilled_caches(byte_data, tmp
     once."""
     cfg = _cfg()
     cfg.elastic.cache = "on"
-    cfg.elastic.prefill_min_reads = 0     # each window is read once in these 10 iterations
+    cfg.elastic.prefill_min_gain = 0     # prefill at every freeze, though each window is read once here
     run = tmp_path / "run"
     launch(_job(cfg, byte_data, run), timeout_s=300)
     log = _log(run)
@@ -302,25 +302,34 @@ def test_the_swarm_serves_the_frozen_prefix_from_prefilled_caches(byte_data, tmp
 
 
 @pytest.mark.slow
-def test_a_prefill_whose_rows_would_be_read_once_is_not_done(byte_data, tmp_path):
-    """``elastic.prefill_min_reads`` (default 2): after each freeze of this 10-iteration run
-    every window is started once until the end, so a prefill would compute a row per read; the
-    layouts are planned with the prefix recomputed (logged: 1 read per row), nothing is
-    prefilled, the caches fill lazily, and every sample is trained once."""
-    cfg = _cfg()
-    cfg.elastic.cache = "on"
-    run = tmp_path / "run"
-    launch(_job(cfg, byte_data, run), timeout_s=300)
-    log = _log(run)
-    tr = [r for r in log if r.get("action") == "transition"]
-    assert [(t["step"], t["prefix_cached"], t["prefill_reads_per_row"]) for t in tr] == [(4, False, 1.0),
-                                                                                        (6, False, 1.0)]
-    assert not [r for r in log if r.get("action") == "prefill"]
-    caches = [json.loads(f.read_text()).get("cache") for f in (run / "phases" / "p").glob("node*.json")]
-    caches = [c for c in caches if c]
-    assert caches and sum(c["misses"] + c["extended"] + c["hits"] for c in caches) == (ITERS - 4) * GB
-    per_it = trained_samples(run / "phases" / "p")
-    assert sorted(i for s in per_it.values() for i in s) == list(range(ITERS * GB))
+def test_the_prefill_gate_weighs_modelled_seconds_saved_against_the_prefill(byte_data, tmp_path):
+    """``elastic.prefill_min_gain``: at each freeze the layout is planned with the prefix cached
+    and recomputed, and the transition logs the gain (simulated seconds saved until the end of
+    the phase over the prefill's).  With the gate at 0 both freezes are prefilled; with the gate
+    just above the first freeze's gain that layout is planned with the prefix recomputed,
+    nothing is prefilled then, the cache fills lazily, and every sample is still trained once."""
+    gains = {}
+    for name, gate in (("open", 0.0), ("shut", None)):
+        cfg = _cfg()
+        cfg.elastic.cache = "on"
+        cfg.elastic.prefill_min_gain = gate if gate is not None else gains["open"][0] * 1.01
+        run = tmp_path / name
+        launch(_job(cfg, byte_data, run), timeout_s=300)
+        log = _log(run)
+        tr = [r for r in log if r.get("action") == "transition"]
+        gains[name] = [t["prefill_gain"] for t in tr]
+        pre = [r["step"] for r in log if r.get("action") == "prefill"]
+        cached = [t["step"] for t in tr if t["prefix_cached"]]
+        assert all(g is not None and g > 0 for g in gains[name])
+        if gate == 0.0:
+            assert [t["step"] for t in tr] == [4, 6] and cached == pre == [4, 6]
+        else:
+            assert 4 not in cached and 4 not in pre and cached == pre
+            caches = [json.loads(f.read_text()).get("cache") for f in (run / "phases" / "p").glob("node*.json")]
+            assert sum(c["misses"] for c in caches if c) > 0
+        per_it = trained_samples(run / "phases" / "p")
+        assert sorted(i for s in per_it.values() for i in s) == list(range(ITERS * GB))
+    assert gains["shut"][0] == gains["open"][0]     # the same state at the first freeze, the same gain
 
 
 @pytest.mark.slow
@@ -332,7 +341,7 @@ def test_originators_of_one_location_share_a_cache_and_prefill_each_window_once(
     single-process trainer with the cache on trains."""
     cfg = _cfg()
     cfg.elastic.cache = "on"
-    cfg.elastic.prefill_min_reads = 0     # each window is read once in these 10 iterations
+    cfg.elastic.prefill_min_gain = 0     # prefill at every freeze, though each window is read once here
     cfg.elastic.cache_share = "location"
     run = tmp_path / "run"
     launch(_job(cfg, byte_data, run), timeout_s=300)

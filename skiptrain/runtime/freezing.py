@@ -33,6 +33,7 @@ loads the saved state.  Decisions and transitions go to ``RUN_DIR/elastic.jsonl`
 from __future__ import annotations
 
 import json
+import math
 import sys
 import time
 from pathlib import Path
@@ -50,6 +51,7 @@ from ..layout.transfer import transfer_plan
 from ..model.partition import Partition, partition_layers
 from ..optim import build_optimizer, lr_at
 from ..schedule.schedule import Schedule
+from ..schedule.simulator import simulate
 from .evaluate import pipelined_evaluate_sum
 from .job_checkpoint import load_sync
 from .transition import (Activations, build_stage, freeze_parameters, gather_state, layout_cost, layout_schedule,
@@ -232,17 +234,48 @@ class SwarmFreezing:
                 out.update((node.src.window(g), None) for g in range(c + i * mbsz, c + (i + 1) * mbsz))
         return list(out)
 
-    def reads_per_row(self, sched: Schedule) -> float:
-        """What a prefill for ``sched`` would compute per read: the samples its originators start
-        until the end of the phase over the windows their caches must then hold (one cache per
-        originator, or one per location when shared), each window counted once per cache."""
+    def prefill_gain(self, F: int, on: tuple[ElasticLayout, dict], off: tuple[ElasticLayout, dict],
+                     keep: dict[int, int]) -> float:
+        """What a prefill buys, as a ratio of modelled seconds: the iteration time the layout
+        ``on`` (planned with the prefix cached) saves over ``off`` (prefix recomputed), times the
+        iterations left in the phase, over the prefill's time.  The prefill's time is the
+        slowest cache's: its windows until the end of the phase (:meth:`share`, each once per
+        cache: one per originator, or one per location when shared) run through all ``F``
+        frozen layers, forward only, spread over the originators sharing it, at the slowest of
+        their speeds (an upper bound: windows cached at a shallower depth are only extended).
+        Iteration times are the simulator's when the phase has a topology and a cost model, else
+        AutoPipe's estimates; both sides are then in sample-layer units."""
+        st = self.st
+        s_on = self._schedule(on[0], keep)
         groups: dict[tuple[str, Any], set[int]] = {}
-        for mb in sched.micro_batches:
+        for mb in s_on.micro_batches:
             loc = self._location(mb.originator)
             groups.setdefault(("loc", loc) if loc is not None else ("node", mb.originator), set()).add(mb.originator)
-        rows = sum(len({w for r in members for w in self.share(r, sched)}) for members in groups.values())
-        reads = (self.st.ph.iterations - self.st.it) * len(sched.micro_batches) * self.cfg.train.micro_batch
-        return reads / rows if rows else 0.0
+        modelled = self.base_cost is not None and st.topo is not None
+        unit = self.base_cost.s_per_sample_per_layer if modelled else 1.0
+        prefill = max((len({w for r in members for w in self.share(r, s_on)}) * F * unit
+                       / (len(members) * min(st.topo.speed(r) if modelled and r < st.topo.n else 1.0 for r in members))
+                       for members in groups.values()), default=0.0)
+        saved = self._iteration_s(off, F, False, keep) - self._iteration_s(on, F, True, keep)
+        if not math.isfinite(saved):
+            return 0.0
+        return saved * (st.ph.iterations - st.it) / prefill if prefill > 0 else math.inf
+
+    def _schedule(self, layout: ElasticLayout, keep: dict[int, int]) -> Schedule:
+        """The full-route schedule of one iteration over ``layout`` (the originators keeping ``keep``)."""
+        return layout_schedule(layout.placement, sorted(self.st.order), 0.0, 0, self.memory,
+                               self.cfg.train.seed + self.st.it, keep)
+
+    def _iteration_s(self, planned: tuple[ElasticLayout, dict], F: int, cached: bool, keep: dict[int, int]) -> float:
+        """A planned layout's iteration time: simulated with the phase's topology and cost model,
+        else AutoPipe's estimate of it (infinite when AutoPipe has none)."""
+        layout, evidence = planned
+        if self.base_cost is None or self.st.topo is None:
+            return min((t["estimate"] for t in evidence["tried"] if t["counts"] == layout.counts
+                        and t["estimate"] is not None), default=math.inf)
+        cost = layout_cost(self.base_cost, self.cfg.model, layout.counts, F, hit=1.0 if cached else 0.0)
+        return simulate(self._schedule(layout, keep), self.st.topo, cost, contention=True, dp_sync=False,
+                        record=False).iteration_s
 
     def prefill_windows(self) -> list[int]:
         """The windows this originator prefills: its share; with a cache shared by the originators
@@ -306,7 +339,7 @@ class SwarmFreezing:
         for _, blob in node._gather_bytes(json.dumps(stage_sizes(st.model, st.opt, st.strat)).encode()):
             sizes.update(json.loads(blob.decode()))
         keep = {mb.id: mb.originator for mb in st.sched.micro_batches}   # originators keep their windows
-        new, evidence, cached, reads = self._plan(F, pl, sizes, keep)
+        new, evidence, cached, gain = self._plan(F, pl, sizes, keep)
         old = ElasticLayout.of(self.frozen, self.counts, 1, len(st.order), pl)
         plan = transfer_plan(sizes, old, new)
         node.hook(st.ph.name, st.it, "transition", st)
@@ -328,7 +361,7 @@ class SwarmFreezing:
         rec = {"step": st.it, "action": "transition", "frozen_before": old.frozen, "frozen_after": F,
                "stages_before": old.n_stages, "stages_after": new.n_stages, "counts": new.counts,
                "placement": new.placement, "memory": sched.memory, "prefix_cached": cached,
-               "prefill_reads_per_row": None if reads is None else round(reads, 3), "transfer_bytes": sum(t.nbytes for t in plan),
+               "prefill_gain": None if gain is None else round(gain, 3), "transfer_bytes": sum(t.nbytes for t in plan),
                "transfer_messages": len(plan), "move_s": round(moved_s, 6), "autopipe": evidence,
                "routes": sched.method, "seconds": round(time.perf_counter() - t0, 6)}
         self.layouts.append({**new.to_dict(), "step": st.it})
@@ -341,11 +374,11 @@ class SwarmFreezing:
               flush=True)
 
     def _plan(self, F: int, pl: list[list[int]], sizes: dict[str, int], keep: dict[int, int]):
-        """AutoPipe + AutoDP for ``F`` frozen layers over the nodes alive, planned with the prefix
-        cached when a prefill is due (:meth:`_will_prefill`) and the rows it computes would be
-        read at least ``elastic.prefill_min_reads`` times on average under the new layout's deal
-        of micro-batches (:meth:`reads_per_row`), else with the prefix recomputed.  Returns
-        (layout, AutoPipe's evidence, cached, reads per row or None)."""
+        """AutoPipe + AutoDP for ``F`` frozen layers over the nodes alive.  When a prefill is due
+        (:meth:`_will_prefill`) the layout is planned both with the prefix cached and recomputed,
+        and the cached one is taken when what it saves until the end of the phase is at least
+        ``elastic.prefill_min_gain`` times its prefill's time (:meth:`prefill_gain`).  Returns
+        (layout, AutoPipe's evidence, cached, the gain or None)."""
         st, node, cfg = self.st, self.node, self.cfg
 
         def plan(cached: bool):
@@ -354,12 +387,11 @@ class SwarmFreezing:
 
         if not self._will_prefill(F, st.it):
             return (*plan(False), False, None)
-        new, evidence = plan(True)
-        reads = self.reads_per_row(layout_schedule(new.placement, sorted(st.order), 0.0, 0, self.memory,
-                                                   cfg.train.seed + st.it, keep))
-        if reads >= cfg.elastic.prefill_min_reads:
-            return new, evidence, True, reads
-        return (*plan(False), False, reads)
+        on, off = plan(True), plan(False)
+        gain = self.prefill_gain(F, on, off, keep)
+        if gain >= cfg.elastic.prefill_min_gain:
+            return (*on, True, gain)
+        return (*off, False, gain)
 
     def _routes(self, sched: Schedule, cost) -> Schedule:
         """The planner's routes for ``sched``'s placement (lowest node plans, every node gets them)
