@@ -243,20 +243,23 @@ class SwarmFreezing:
         cache: one per originator, or one per location when shared) run through all ``F``
         frozen layers, forward only, spread over the originators sharing it, at the slowest of
         their speeds (an upper bound: windows cached at a shallower depth are only extended).
-        Iteration times are the simulator's when the phase has a topology and a cost model, else
-        AutoPipe's estimates; both sides are then in sample-layer units."""
+        Iteration times are the simulator's when the phase has a topology (holding every node of
+        both layouts) and a cost model, else AutoPipe's estimates; both sides are then in
+        sample-layer units."""
         st = self.st
-        s_on = self._schedule(on[0], keep)
+        s_on, s_off = self._schedule(on[0], keep), self._schedule(off[0], keep)
         groups: dict[tuple[str, Any], set[int]] = {}
         for mb in s_on.micro_batches:
             loc = self._location(mb.originator)
             groups.setdefault(("loc", loc) if loc is not None else ("node", mb.originator), set()).add(mb.originator)
-        modelled = self.base_cost is not None and st.topo is not None
+        modelled = (self.base_cost is not None and st.topo is not None
+                    and all(n < st.topo.n for s in (s_on, s_off) for p in s.placement for n in p))
         unit = self.base_cost.s_per_sample_per_layer if modelled else 1.0
         prefill = max((len({w for r in members for w in self.share(r, s_on)}) * F * unit
-                       / (len(members) * min(st.topo.speed(r) if modelled and r < st.topo.n else 1.0 for r in members))
+                       / (len(members) * min(st.topo.speed(r) if modelled else 1.0 for r in members))
                        for members in groups.values()), default=0.0)
-        saved = self._iteration_s(off, F, False, keep) - self._iteration_s(on, F, True, keep)
+        saved = (self._iteration_s(off, s_off, F, False, modelled)
+                 - self._iteration_s(on, s_on, F, True, modelled))
         if not math.isfinite(saved):
             return 0.0
         return saved * (st.ph.iterations - st.it) / prefill if prefill > 0 else math.inf
@@ -266,16 +269,16 @@ class SwarmFreezing:
         return layout_schedule(layout.placement, sorted(self.st.order), 0.0, 0, self.memory,
                                self.cfg.train.seed + self.st.it, keep)
 
-    def _iteration_s(self, planned: tuple[ElasticLayout, dict], F: int, cached: bool, keep: dict[int, int]) -> float:
-        """A planned layout's iteration time: simulated with the phase's topology and cost model,
-        else AutoPipe's estimate of it (infinite when AutoPipe has none)."""
+    def _iteration_s(self, planned: tuple[ElasticLayout, dict], sched: Schedule, F: int, cached: bool,
+                     modelled: bool) -> float:
+        """A planned layout's iteration time: ``sched`` simulated with the phase's topology and
+        cost model when ``modelled``, else AutoPipe's estimate (infinite when it has none)."""
         layout, evidence = planned
-        if self.base_cost is None or self.st.topo is None:
+        if not modelled:
             return min((t["estimate"] for t in evidence["tried"] if t["counts"] == layout.counts
                         and t["estimate"] is not None), default=math.inf)
         cost = layout_cost(self.base_cost, self.cfg.model, layout.counts, F, hit=1.0 if cached else 0.0)
-        return simulate(self._schedule(layout, keep), self.st.topo, cost, contention=True, dp_sync=False,
-                        record=False).iteration_s
+        return simulate(sched, self.st.topo, cost, contention=True, dp_sync=False, record=False).iteration_s
 
     def prefill_windows(self) -> list[int]:
         """The windows this originator prefills: its share; with a cache shared by the originators
