@@ -215,6 +215,19 @@ def test_training_losses_fall_and_replicas_stay_identical(swarm):
                 assert torch.equal(first[k], other[k]), f"replica {n} differs from {nodes[0]} in {k}"
 
 
+def test_the_start_margin_follows_the_slowest_receipt_of_the_start_time(swarm):
+    """Each iteration starts at rank 0's clock plus a margin: 0.2 s in a phase's first
+    iteration after launch, then twice the slowest node's receipt of the start time over the
+    last 10 iterations, within 0.01 .. 0.2 s (the node keeps it across phases)."""
+    rows = [r for p in ("full", "skip", "train") for r in swarm["res"].phase_iterations(p)]
+    assert rows[0]["start_margin_s"] == 0.2
+    delays = [r["start_delay_s"] for r in rows]
+    assert all(0 <= d < 5 for d in delays)
+    for i in range(1, len(rows)):
+        want = min(0.2, max(0.01, 2 * max(delays[max(0, i - 10):i])))
+        assert rows[i]["start_margin_s"] == pytest.approx(want, abs=2e-6), (i, rows[i], delays)
+
+
 def test_timeline_is_recorded_in_simulator_format(swarm):
     ev = swarm["res"].timeline("skip", 0)
     kinds = {e.kind for e in ev}

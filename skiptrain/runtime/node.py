@@ -41,6 +41,7 @@ import os
 import signal
 import sys
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
@@ -57,8 +58,13 @@ from .membership import set_member
 
 # columns of the per-iteration stats every node gathers (then the drift monitor's, then the
 # re-plan flag): loss sum, losses, iteration end, overruns, overrun s, max in flight, sync
-# payload bytes, received bytes, sync seconds
-N_STATS = 9
+# payload bytes, received bytes, sync seconds, start delay (rank 0's clock to this node's receipt)
+N_STATS = 10
+
+# every iteration starts at rank 0's clock plus a margin that lets the start time reach every
+# node first: twice the slowest receipt of the last START_WINDOW iterations, within these bounds
+START_MARGIN_S = (0.01, 0.2)
+START_WINDOW = 10
 
 
 STOP_KEY = "stop"     # set by the launcher (Ctrl-C / SIGTERM): end at the next iteration boundary
@@ -134,6 +140,7 @@ class Attempt:
     entry: dict | None = None
     res: Any = None
     outcome: Any = None
+    start_delay: float = 0.0     # seconds from rank 0's start stamp to this node's receipt
 
 
 # CPU-second cap on the planner when it re-plans the routes after a recovery generation, a join
@@ -212,6 +219,8 @@ class Node:
         self.tr = self.make_transport()
         self.watch = None
         self._any_committed = False
+        self.start_margin = START_MARGIN_S[1]
+        self._start_delays: deque[float] = deque(maxlen=START_WINDOW)
         self._last_gnorm = 0.0       # this node's last pre-sync gradient norm (CheckFree weights)
         if job.rt.recover:
             from .recovery import GenerationWatch
@@ -544,9 +553,11 @@ class Node:
         self._sync(dist.all_reduce, stop, dist.ReduceOp.MAX)
         if int(stop.item()):
             raise StopRequested(f"node {self.rank}: the launcher asked to stop")
-        tt = torch.tensor([time.time() + 0.2], dtype=torch.float64)
+        stamp = time.time()
+        tt = torch.tensor([stamp + self.start_margin, stamp], dtype=torch.float64)
         self._sync(dist.broadcast, tt, 0)
         t0 = float(tt[0])
+        a.start_delay = time.time() - float(tt[1])
         time.sleep(max(0.0, t0 - time.time()))
         mbsz, c = self.cfg.train.micro_batch, st.cursor
 
@@ -683,18 +694,23 @@ class Node:
 
     def _gather_stats(self, st: "PhaseState", a: "Attempt", events: list, ckpt_digest: int = 0) -> list:
         """All-gather every node's iteration statistics (the last two columns: the checkpoint
-        digest, the re-plan flag); rank 0 appends the metrics line."""
+        digest, the re-plan flag); rank 0 appends the metrics line.  Every node then sets the
+        next iteration's start margin from the slowest receipt of the start time (column 9) over
+        the last ``START_WINDOW`` iterations: twice that, within ``START_MARGIN_S``."""
         res = a.res
         sync = a.entry.get("sync") or {}
         stats = torch.tensor([res.loss_sum, res.n_loss, a.entry["t_end"], st.padding.overruns, st.padding.overrun_s,
                               res.max_in_flight, sync.get("payload", 0), sync.get("received", 0),
-                              sync.get("comm_s", 0.0)], dtype=torch.float64)
+                              sync.get("comm_s", 0.0), a.start_delay], dtype=torch.float64)
         if st.drift is not None:
             stats = torch.cat([stats, st.drift.observe(events)])
         stats = torch.cat([stats, torch.tensor([float(ckpt_digest), 1.0 if st.replan_pending else 0.0],
                                                dtype=torch.float64)])
         allst = [torch.empty_like(stats) for _ in range(len(self.alive))]
         self._sync(dist.all_gather, allst, stats)
+        margin, delay = self.start_margin, max(float(x[9]) for x in allst)
+        self._start_delays.append(delay)
+        self.start_margin = min(START_MARGIN_S[1], max(START_MARGIN_S[0], 2 * max(self._start_delays)))
         if dist.get_rank() == 0:
             g = torch.stack(allst)
             n = float(g[:, 1].sum())
@@ -704,7 +720,8 @@ class Node:
                    "tokens": (st.it + 1) * st.gb * self.cfg.model.seq_len,
                    "overruns": int(g[:, 3].sum()), "overrun_s": round(float(g[:, 4].sum()), 4),
                    "max_in_flight": int(g[:, 5].max()), "payload_bytes": int(g[:, 6].max()),
-                   "received_bytes": int(g[:, 7].max()), "comm_s": round(float(g[:, 8].max()), 6)}
+                   "received_bytes": int(g[:, 7].max()), "comm_s": round(float(g[:, 8].max()), 6),
+                   "start_margin_s": round(margin, 6), "start_delay_s": round(delay, 6)}
             if self.job.rt.recover:
                 row.update(gen=self.gen, nodes=len(self.alive))
             with open(self.run_dir / "metrics.jsonl", "a") as metrics:
