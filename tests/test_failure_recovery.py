@@ -132,7 +132,7 @@ def _job(byte_data, run_dir, faults, iterations, deadline_s=4.0):
 def test_run_refuses_a_node_without_the_secret_and_survives_kill_originator_kill_hang_and_bad_peer(byte_data, tmp_path):
     faults = [
         {"node": 3, "kind": "wrong_secret"},                           # refused at admission
-        {"node": 7, "kind": "kill", "iteration": 1, "delay_s": 0.3},   # sole replica of stage 3, mid-iteration
+        {"node": 7, "kind": "kill", "iteration": 1, "where": "after_pipeline"},   # sole replica of stage 3, mid-iteration
         {"node": 1, "kind": "kill", "iteration": 2},                   # a stage-0 originator
         {"node": 4, "kind": "hang", "iteration": 3},                   # stage 1, found by heartbeat deadline
         {"node": 6, "kind": "nan", "iteration": 4},                    # stage 2 sends NaN activations
