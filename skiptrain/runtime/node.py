@@ -695,7 +695,8 @@ class Node:
     def _gather_stats(self, st: "PhaseState", a: "Attempt", events: list, ckpt_digest: int = 0) -> list:
         """All-gather every node's iteration statistics (the last two columns: the checkpoint
         digest, the re-plan flag); rank 0 appends the metrics line.  Every node then sets the
-        next iteration's start margin from the slowest receipt of the start time (column 9) over
+        next iteration's start margin from the slowest receipt of the start time (the last of
+        the ``N_STATS`` columns) over
         the last ``START_WINDOW`` iterations: twice that, within ``START_MARGIN_S``."""
         res = a.res
         sync = a.entry.get("sync") or {}
@@ -708,7 +709,7 @@ class Node:
                                                dtype=torch.float64)])
         allst = [torch.empty_like(stats) for _ in range(len(self.alive))]
         self._sync(dist.all_gather, allst, stats)
-        margin, delay = self.start_margin, max(float(x[9]) for x in allst)
+        margin, delay = self.start_margin, max(float(x[N_STATS - 1]) for x in allst)
         self._start_delays.append(delay)
         self.start_margin = min(START_MARGIN_S[1], max(START_MARGIN_S[0], 2 * max(self._start_delays)))
         if dist.get_rank() == 0:
