@@ -12,6 +12,8 @@ is ``{"node", "kind", "phase", "iteration", "where", "delay_s", "factor"}``:
 * ``wrong_secret``: the node answers the admission challenge with a wrong secret;
 * ``payload_nan`` / ``payload_index`` / ``payload_header``: from then on the DeMo payload this
   node contributes has a non-finite value / out-of-range indices / a wrong layout hash;
+* ``hold``: the node waits (at most ``timeout_s``, default 60) until the store holds ``key``: a
+  test holds the job at an iteration until an outside event (a joiner placed) happened;
 * ``diverge``: this node's copy of ``tensor`` (default ``norm.weight``) drifts by ``by`` (default
   1e-3) before the iteration's step (replicas no longer identical, unless every replica drifts).
 
@@ -121,6 +123,9 @@ class FaultyNode(Node):
         elif kind == "diverge":
             with torch.no_grad():
                 dict(state.model.named_parameters())[f.get("tensor", "norm.weight")].add_(float(f.get("by", 1e-3)))
+        elif kind == "hold":
+            from datetime import timedelta
+            self.store.wait([f["key"]], timedelta(seconds=float(f.get("timeout_s", 60.0))))
         elif kind == "raise":
             self._mark()
             raise NodeFailure(f"injected fault on node {self.rank}", node=self.rank)

@@ -427,14 +427,18 @@ def test_a_node_joins_a_freezing_job_after_its_transitions_and_trains_the_frozen
     ``--join``: it gets the rule's state and the layout in force from the lowest node, builds its
     stage for that partition and frozen depth, takes a live replica's state and trains; its
     stage's replicas end bit-identical, every sample is trained once."""
+    from fault_node import faulty_job
     from test_join import _joiner
 
-    iters = 24
-    cfg = _cfg(runtime={"recover": True, "heartbeat_s": 0.2, "heartbeat_deadline_s": 4.0},
+    iters = 16
+    # node 0 holds the job at iteration 8 until the joiner (node 6) is placed, so the join lands
+    # mid-run however long the joiner takes to start (the peers wait within the 60 s timeout)
+    cfg = _cfg(runtime={"recover": True, "heartbeat_s": 0.2, "heartbeat_deadline_s": 4.0, "timeout_s": 60},
                steps=iters)
     cfg.dp.strategy = "demo"
     run = tmp_path / "run"
-    job = _job(cfg, byte_data, run, iterations=iters)
+    job = _job(cfg, byte_data, run, iterations=iters,
+               **faulty_job({"node": 0, "kind": "hold", "iteration": 8, "key": "join/assign/6", "timeout_s": 50}))
     out: dict = {}
     th = threading.Thread(target=lambda: out.setdefault("res", launch(job, timeout_s=300)), daemon=True)
     th.start()
