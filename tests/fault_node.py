@@ -125,6 +125,7 @@ class FaultyNode(Node):
                 dict(state.model.named_parameters())[f.get("tensor", "norm.weight")].add_(float(f.get("by", 1e-3)))
         elif kind == "hold":
             from datetime import timedelta
+            self._mark()                             # the test sees the node hold from the store
             self.store.wait([f["key"]], timedelta(seconds=float(f.get("timeout_s", 60.0))))
         elif kind == "raise":
             self._mark()

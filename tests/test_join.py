@@ -211,6 +211,52 @@ def test_a_node_joins_a_running_job_and_a_wrong_secret_is_refused(byte_data, tmp
     assert processes_of_run(run) == []
 
 
+def test_a_node_placed_as_the_run_ends_is_told_the_join_was_cancelled(byte_data, tmp_path):
+    """The joiner is placed while node 0 holds the last iteration, so no node passes another
+    boundary to take the join up: the coordinator cancels it when the run's nodes finish, the
+    joiner exits at once naming why (not after the group timeout), and the run ends whole."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from fault_node import faulty_job
+    from skiptrain.runtime.join import EXIT_REFUSED
+
+    cfg = build_config("tiny", overrides={"train": {"grad_clip": 0.0, "steps": 40, "warmup_steps": 1}})
+    run = tmp_path / "run"
+    iters, timeout = 4, 60.0
+    job = Job(config=with_runtime(cfg.to_dict(), timeout_s=timeout, heartbeat_s=0.2, heartbeat_deadline_s=4.0,
+                                  recover=True),
+              data_path=str(byte_data), run_dir=str(run),
+              phases=[Phase("p", _sched().to_dict(), iterations=iters, dump=True)],
+              **faulty_job({"node": 0, "kind": "hold", "iteration": iters - 1, "where": "after_pipeline",
+                            "key": "join/assign/5", "timeout_s": 50}))
+    out: dict = {}
+    th = threading.Thread(target=lambda: out.setdefault("res", launch(job, timeout_s=240)), daemon=True)
+    th.start()
+    deadline = time.time() + 60
+    while not (run / "join.json").exists() and time.time() < deadline:
+        time.sleep(0.05)
+    info = json.loads((run / "join.json").read_text())
+    store = dist.TCPStore(info["host"], int(info["port"]), 1, is_master=False, wait_for_workers=False,
+                          timeout=timedelta(seconds=60))
+    store.wait(["fault/0"])                                   # node 0 holds the last iteration
+    joiner = _joiner(run, info, Path(info["secret_file"]).read_text(), "joiner")
+    t0 = time.time()
+    joiner.wait(timeout=120)
+    th.join(timeout=120)
+    assert "res" in out, "the launch did not finish"
+    log = (run / "logs" / "joiner.log").read_text()
+    assert joiner.returncode == EXIT_REFUSED, log
+    assert "join cancelled by the coordinator: the run ended before its nodes took this join up" in log, log
+    assert time.time() - t0 < timeout, "the joiner waited out the group timeout"
+    rec = [json.loads(x) for x in (run / "recoveries.jsonl").read_text().splitlines()]
+    assert [(r["node"], r.get("cancelled")) for r in rec] == [(5, True)], rec
+    assert [r["step"] for r in out["res"].phase_iterations("p")] == list(range(1, iters + 1))
+    assert {r["nodes"] for r in out["res"].phase_iterations("p")} == {5}
+    assert processes_of_run(run) == []
+
+
 def test_a_node_joining_a_schedule_of_one_stage_becomes_a_data_parallel_replica():
     one = Schedule(placement=[[0, 1]], memory=2, method="test",
                    micro_batches=[MicroBatch(k, k % 2, []) for k in range(6)])

@@ -67,6 +67,12 @@ class _Members:
         # no verified PID: running until its signed heartbeat says done (or goes stale: hung)
         return None if not pid else -signal.SIGKILL
 
+    def wait(self, nodes: set[int], timeout_s: float) -> None:
+        """Wait until every one of ``nodes`` exited, at most ``timeout_s``."""
+        end = time.time() + timeout_s
+        while time.time() < end and any(self.code(r) is None for r in nodes):
+            time.sleep(0.01)
+
     def kill(self, r: int) -> None:
         """SIGKILL node ``r``: only a child this coordinator started, or a process whose PID came
         signed with the node's member key (a joiner's hello, a node's ``pid/<r>``)."""
@@ -201,8 +207,12 @@ def _loop(job, store, members, stage0, deadline, strikes_needed, log_path, fence
     next_hb = time.time() + job.rt.heartbeat_s
     while True:
         codes = {r: members.code(r) for r in alive}
-        if all(codes[r] == 0 for r in alive):
-            return None
+        if all(codes[r] == 0 for r in alive - joins.placed()):
+            cancelled = joins.end_of_run()     # the run is over: joins no node took up are cancelled
+            members.wait(cancelled, 5.0)       # (they read why before the store stops)
+            alive -= cancelled
+            if all(codes[r] == 0 for r in alive):
+                return None
         now = time.time()
         if now - t_start > timeout_s:
             return {"kind": "timeout", "t": now}
@@ -405,6 +415,34 @@ class _Joins:
             elif res is None and self.store.check([f"join/nonce/{j}"]):
                 self.pending[j] = {"t_hello": now, "pid": pid, "state": "challenged",
                                    "nonce": self.store.get(f"join/nonce/{j}").decode()}
+
+    def placed(self) -> set[int]:
+        """Joiners placed in a published generation (in the alive set, perhaps not yet taken up)."""
+        return {j for j, st in self.pending.items() if st["state"] == "published"}
+
+    def end_of_run(self) -> set[int]:
+        """Every node but the placed joiners finished: no node takes a join up any more.  Each join
+        of a node that proved the secret (admitted, or published but not taken up) is cancelled
+        and its joiner told why (signed ``join/cancel/<node>``: it exits at once
+        instead of waiting for groups no node will form).  A published join was taken up once the
+        lowest node wrote ``join/go/<generation>`` (the nodes switch together or not at all).
+        Returns the cancelled joiners."""
+        from .join import cancel_join
+
+        out = set()
+        why = "the run ended before its nodes took this join up"
+        for j, st in sorted(self.pending.items()):
+            taken_up = st["state"] == "published" and self.store.check([f"join/go/{st['gen']}"])
+            if st["state"] == "challenged" or taken_up:
+                continue        # unproven (told nothing: it sees the store go), or trains to the end
+            cancel_join(self.store, j, self.secret, why)
+            now = time.time()
+            print(f"[coordinator] joining node {j}: join cancelled: {why}", file=sys.stderr, flush=True)
+            _log(self.log_path, {"gen": st.get("gen"), "node": j, "cause": f"join cancelled: {why}",
+                                 "cancelled": True, "t_detect": now, "detect_s": now - st["t_hello"]})
+            del self.pending[j]
+            out.add(j)
+        return out
 
     def cancel(self, alive: set[int]) -> dict[int, tuple[str, float | None]]:
         """A failure happened: a join published but not yet taken up everywhere is cancelled."""

@@ -21,7 +21,12 @@ PID written by anyone else is never signalled (:func:`hello_pid`).
 Failure semantics: a node whose response is wrong, or that does not answer within the timeout,
 is refused; the node raises :class:`JoinRefused` and exits without calling
 ``init_process_group`` (exit status :data:`EXIT_REFUSED`); the coordinator also SIGKILLs it by PID
-if it is still running.  The secret reaches the nodes through the environment variable
+if it is still running.  A join the run's nodes will never take up (they all finished first) is
+cancelled: the coordinator writes the reason, signed, to ``join/cancel/<node>``
+(:func:`cancel_join`), and the joiner, which waits for its placement and then for the lowest node's
+``join/go/<generation>`` before it enters the new groups (:func:`wait_for_join`), exits with
+:class:`JoinRefused` naming it.  A store that stops answering while it waits ends it the same way.
+The secret reaches the nodes through the environment variable
 :data:`SECRET_ENV` (never the job file).  What this does and does not protect: docs/failures.md.
 """
 
@@ -39,13 +44,13 @@ from .membership import COORDINATOR, SECRET_ENV, member_key, open_signed, secret
 
 __all__ = ["SECRET_ENV", "EXIT_REFUSED", "JoinRefused", "secret_from_env", "new_secret", "respond", "verify",
            "node_join", "admit", "challenge", "check_response", "refuse", "request_node_id", "hello_pid",
-           "wait_key", "set_result", "read_result"]
+           "wait_for_join", "cancel_join", "set_result", "read_result"]
 
 EXIT_REFUSED = 5
 
 
 class JoinRefused(NodeFailure):
-    """The coordinator refused this node (wrong or missing join secret)."""
+    """The coordinator refused this node (wrong or missing join secret), or cancelled its join."""
 
 
 def new_secret() -> str:
@@ -65,13 +70,34 @@ def verify(secret: str | bytes, nonce_hex: str, node: int, response: str) -> boo
         return False
 
 
-def wait_key(store, key: str, timeout_s: float, poll_s: float = 0.01) -> str | None:
+def wait_for_join(store, node: int, secret: str | None, key: str, timeout_s: float,
+                  poll_s: float = 0.01) -> str | None:
+    """Joiner side: the value of ``key`` once the store holds it, None after ``timeout_s``.  Raises
+    :class:`JoinRefused` when the coordinator cancels this node's join first (its signed reason) or
+    when the store stops answering (the run ended or its store host failed)."""
+    cancel = f"join/cancel/{node}"
+    coord = member_key(secret, COORDINATOR) if secret else None
     deadline = time.time() + timeout_s
     while time.time() < deadline:
-        if store.check([key]):
-            return store.get(key).decode()
+        try:
+            if store.check([key]):
+                return store.get(key).decode()
+            why = open_signed(coord, cancel, store.get(cancel).decode(errors="replace")) \
+                if coord is not None and store.check([cancel]) else None
+        except RuntimeError as e:          # torch's store errors (DistError and its kin) included
+            raise JoinRefused(f"node {node}: the run's store stopped answering while this node waited to "
+                              f"join ({str(e).splitlines()[0][:120]}): the run ended or failed", node=node) from None
+        if why is not None:
+            raise JoinRefused(f"node {node}: join cancelled by the coordinator: {why}", node=node)
         time.sleep(poll_s)
     return None
+
+
+def cancel_join(store, node: int, secret: str, why: str) -> None:
+    """Coordinator side: ``join/cancel/<node>`` = ``why``, signed with the coordinator's key (a
+    joiner believes no one else's cancellation)."""
+    name = f"join/cancel/{node}"
+    store.set(name, sign(member_key(secret, COORDINATOR), name, why))
 
 
 def node_join(store, node: int, secret: str | None, timeout_s: float) -> None:
@@ -79,11 +105,11 @@ def node_join(store, node: int, secret: str | None, timeout_s: float) -> None:
     name = f"join/hello/{node}"
     store.set(name, sign(member_key(secret, node) if secret else None, name,
                          json.dumps({"t": time.time(), "pid": os.getpid()})))
-    nonce = wait_key(store, f"join/nonce/{node}", timeout_s)
+    nonce = wait_for_join(store, node, secret, f"join/nonce/{node}", timeout_s)
     if nonce is None:
         raise JoinRefused(f"node {node}: no challenge from the coordinator within {timeout_s:g} s", node=node)
     store.set(f"join/resp/{node}", respond(secret or "", nonce, node) if secret else "")
-    raw = wait_key(store, f"join/result/{node}", timeout_s)
+    raw = wait_for_join(store, node, secret, f"join/result/{node}", timeout_s)
     res = read_result(secret, node, raw) if secret and raw is not None else raw
     if res != "ok":
         raise JoinRefused(f"node {node}: refused by the coordinator ({res or 'no answer'}): "

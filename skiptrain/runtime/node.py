@@ -180,7 +180,7 @@ class Node:
         if job.rt.recover:
             # admission by challenge-response before any process group; then generation 0's
             # alive set (the admitted nodes) decides the ranks
-            from .join import JoinRefused, node_join, secret_from_env
+            from .join import JoinRefused, node_join, secret_from_env, wait_for_join
             from .recovery import read_generation
 
             set_member(self.store, rank, f"pid/{rank}", str(os.getpid()))  # signed: a restarted coordinator fences by PID
@@ -189,8 +189,7 @@ class Node:
             if store is not None:
                 # joining a running job: wait until the coordinator placed this node (a join
                 # generation, switched to by every node at its next iteration boundary)
-                from .join import wait_key
-                g = wait_key(self.store, f"join/assign/{rank}", max(600.0, job.rt.timeout_s))
+                g = wait_for_join(self.store, rank, secret, f"join/assign/{rank}", max(600.0, job.rt.timeout_s))
                 if g is None:
                     raise JoinRefused(f"node {rank}: admitted but never placed by the coordinator", node=rank)
                 self.gen = int(g)
@@ -205,6 +204,10 @@ class Node:
             self.alive = read_generation(self.store, self.gen)["alive"]
             if rank not in self.alive:
                 raise JoinRefused(f"node {rank}: not admitted to generation {self.gen}", node=rank)
+            if self.joining is not None and wait_for_join(self.store, rank, secret, f"join/go/{self.gen}",
+                                                          max(600.0, job.rt.timeout_s)) is None:
+                raise JoinRefused(f"node {rank}: placed in generation {self.gen}, but its nodes never took "
+                                  "the join up", node=rank)
             self._rank = {n: i for i, n in enumerate(self.alive)}
             self.hb.membership.alive = set(self.alive)
         prefix = f"g{self.gen}/pg" if self.gen else "pg"
@@ -1170,6 +1173,8 @@ class Node:
         joins = {int(k): int(v) for r in recs for k, v in r["join"].items()}
         new = Schedule.from_dict(recs[-1]["schedule"])
         t = time.time()
+        if self.rank == min(self.alive):
+            self.store.set(f"join/go/{target}", repr(t))    # the joiners enter the new groups now
         self._regroup(target, recs[-1]["alive"])
         if elastic is not None:
             self._broadcast_json(elastic.state_dict())
