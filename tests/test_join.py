@@ -162,6 +162,17 @@ def _joiner(run: Path, info: dict, secret: str, name: str) -> subprocess.Popen:
                             env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
 
 
+def _launch_joinable(job: Job, run: Path) -> tuple[threading.Thread, dict, dict]:
+    """Launch ``job`` in a thread; (the thread, its result holder, the run's join.json)."""
+    out: dict = {}
+    th = threading.Thread(target=lambda: out.setdefault("res", launch(job, timeout_s=240)), daemon=True)
+    th.start()
+    deadline = time.time() + 60
+    while not (run / "join.json").exists() and time.time() < deadline:
+        time.sleep(0.05)
+    return th, out, json.loads((run / "join.json").read_text())
+
+
 def test_a_node_joins_a_running_job_and_a_wrong_secret_is_refused(byte_data, tmp_path):
     cfg = build_config("tiny", overrides={"train": {"grad_clip": 0.0, "steps": 40, "warmup_steps": 1}})
     run = tmp_path / "run"
@@ -169,13 +180,7 @@ def test_a_node_joins_a_running_job_and_a_wrong_secret_is_refused(byte_data, tmp
     job = Job(config=with_runtime(cfg.to_dict(), timeout_s=15.0, heartbeat_s=0.2, heartbeat_deadline_s=4.0, recover=True),
               data_path=str(byte_data), run_dir=str(run),
               phases=[Phase("p", _sched().to_dict(), iterations=iters, dump=True)])
-    out: dict = {}
-    th = threading.Thread(target=lambda: out.setdefault("res", launch(job, timeout_s=240)), daemon=True)
-    th.start()
-    deadline = time.time() + 60
-    while not (run / "join.json").exists() and time.time() < deadline:
-        time.sleep(0.05)
-    info = json.loads((run / "join.json").read_text())
+    th, out, info = _launch_joinable(job, run)
     secret = Path(info["secret_file"]).read_text()
     good = _joiner(run, info, secret, "joiner")
     bad = _joiner(run, info, "not-the-secret", "intruder")
@@ -231,13 +236,7 @@ def test_a_node_placed_as_the_run_ends_is_told_the_join_was_cancelled(byte_data,
               phases=[Phase("p", _sched().to_dict(), iterations=iters, dump=True)],
               **faulty_job({"node": 0, "kind": "hold", "iteration": iters - 1, "where": "after_pipeline",
                             "key": "join/assign/5", "timeout_s": 50}))
-    out: dict = {}
-    th = threading.Thread(target=lambda: out.setdefault("res", launch(job, timeout_s=240)), daemon=True)
-    th.start()
-    deadline = time.time() + 60
-    while not (run / "join.json").exists() and time.time() < deadline:
-        time.sleep(0.05)
-    info = json.loads((run / "join.json").read_text())
+    th, out, info = _launch_joinable(job, run)
     store = dist.TCPStore(info["host"], int(info["port"]), 1, is_master=False, wait_for_workers=False,
                           timeout=timedelta(seconds=60))
     store.wait(["fault/0"])                                   # node 0 holds the last iteration
