@@ -168,17 +168,21 @@ def test_the_swarm_freezes_shrinks_and_trains_what_the_single_process_trainer_tr
 
 
 @pytest.mark.slow
-def test_an_undo_after_a_one_stage_layout_gives_the_pipeline_back_its_memory_credits(byte_data, tmp_path):
+@pytest.mark.parametrize("strategy", ["allreduce", "demo"])
+def test_an_undo_after_a_one_stage_layout_gives_the_pipeline_back_its_memory_credits(byte_data, tmp_path,
+                                                                                      strategy):
     """4 nodes, 2 stages, the cache on: both freezable layers freeze at step 4 and, the prefix
     cached, AutoPipe picks one stage of 4 replicas (its schedule holds one credit: one
     micro-batch per originator).  Every replica's last feed-forward weight is then pushed off
     (the same on all, so they stay identical), the guard sees the validation loss jump and
     undoes the freeze at step 6: the 2-stage layout it goes back to
     has the phase's 3 credits again, not the one-stage layout's 1, and every sample is trained
-    once."""
+    once.  Under DeMo the layers trainable again had no sync state while frozen: theirs starts
+    afresh (zero momentum) on every replica, which stay bit-identical."""
     from fault_node import faulty_job
 
     cfg = _cfg(runtime={"nodes": 4, "stage_sizes": "2,2"})
+    cfg.dp.strategy = strategy
     cfg.model.n_stages = 2
     cfg.elastic.alpha, cfg.elastic.guard_tol = 1.0, 0.0
     cfg.elastic.cache, cfg.elastic.prefill_min_gain = "on", 0
@@ -191,6 +195,10 @@ def test_an_undo_after_a_one_stage_layout_gives_the_pipeline_back_its_memory_cre
                                                                                      (6, 0, [2, 2], 3)]
     per_it = trained_samples(run / "phases" / "p")
     assert sorted(i for s in per_it.values() for i in s) == list(range(ITERS * GB))
+    params = _node_params(run)
+    for stage in {s for s, _ in params.values()}:
+        reps = [p for s, p in params.values() if s == stage]
+        assert len(reps) == 2 and all(torch.equal(reps[0][k], reps[1][k]) for k in reps[0])
 
 
 @pytest.mark.slow

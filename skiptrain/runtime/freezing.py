@@ -425,7 +425,7 @@ class SwarmFreezing:
         st, node = self.st, self.node
         groups, strat = node._stage_groups(sched, stage, model, None)
         if strat is not None and scalars:
-            load_sync(strat, sync_state(tensors or {}, strat), scalars)
+            load_sync(strat, sync_state(tensors or {}, strat, self.frozen), scalars)
         node._drop_groups(st.groups)
         st.sched, st.stage, st.model, st.opt, st.strat, st.groups = sched, stage, model, opt, strat, groups
         st.cost = cost

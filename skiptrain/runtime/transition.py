@@ -292,7 +292,13 @@ def freeze_parameters(model, frozen: int) -> None:
         p.requires_grad_(not is_frozen(n, frozen))
 
 
-def sync_state(tensors: dict[str, torch.Tensor], strat) -> dict[str, torch.Tensor]:
-    """The ``sync.<key>.<param>`` tensors among ``tensors`` for ``strat``'s parameters."""
+def sync_state(tensors: dict[str, torch.Tensor], strat, frozen_before: int) -> dict[str, torch.Tensor]:
+    """The ``sync.<key>.<param>`` tensors among ``tensors`` for ``strat``'s parameters.  A
+    parameter that was frozen at depth ``frozen_before`` (trainable again after an undone freeze)
+    had no sync state while frozen: it keeps ``strat``'s fresh one (as at launch, the same on
+    every replica)."""
     own = {n for n, _ in strat.named}
-    return {n: t for n, t in tensors.items() if n.startswith("sync.") and n.split(".", 2)[2] in own}
+    fresh, _ = sync_tensors(strat)
+    out = {n: t for n, t in fresh.items() if is_frozen(n.split(".", 2)[2], frozen_before)}
+    out.update({n: t for n, t in tensors.items() if n.startswith("sync.") and n.split(".", 2)[2] in own})
+    return out
