@@ -4,6 +4,7 @@ the launcher stops every process it started and saves the newest complete set of
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import signal
@@ -105,6 +106,32 @@ def test_sigterm_to_the_launcher_stops_every_node_at_a_boundary_and_keeps_the_fi
     time.sleep(0.5)
     assert processes_of_run(run) == []
     assert not Path(f"/proc/{store_pid}").exists() or "Z" in Path(f"/proc/{store_pid}/stat").read_text().split()[2]
+
+
+@pytest.mark.slow
+def test_sigterm_after_a_node_was_lost_and_recovered_still_stops_cleanly(byte_data, tmp_path):
+    """A replica of stage 1 is killed at iteration 1 and the run recovers without it; SIGTERM
+    later stops the survivors at a boundary: the node that died earlier is not a failure of the
+    stop, so the launch returns interrupted with the merged weights."""
+    cfg = _cfg(every=50)
+    run = tmp_path / "run"
+    run.mkdir()
+    job = dataclasses.replace(_restartable_job(cfg, byte_data, run),
+                              **faulty_job({"node": 3, "kind": "kill", "iteration": 1}))
+    launcher = launch_in_a_process(job.save(tmp_path / "job.json"), capture=True)
+    wait_for(lambda: metrics_lines(run) >= 4)
+    os.kill(launcher.pid, signal.SIGTERM)
+    out, err = launcher.communicate(timeout=90)
+    assert out.strip() == "interrupted", err[-2000:]
+    assert "[launch] interrupted: every node stopped after iteration" in err, err[-2000:]
+    rec = [json.loads(x) for x in (run / "recoveries.jsonl").read_text().splitlines()]
+    assert [r["node"] for r in rec] == [3]
+    from skiptrain.checkpoint.weights import load_weights
+    from skiptrain.model.transformer import StagedLM
+
+    assert load_weights(run / "model.safetensors").keys() == StagedLM(cfg.model, seed=0).state_dict().keys()
+    time.sleep(0.5)
+    assert processes_of_run(run) == []
 
 
 @pytest.mark.slow

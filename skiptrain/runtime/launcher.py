@@ -219,16 +219,29 @@ def _stop_at_boundary(job: Job, procs, store) -> dict | None:
     print("[launch] stopping: every node ends at the next iteration boundary and writes its stage "
           "(Ctrl-C again to stop at once)", file=sys.stderr, flush=True)
     store.set(STOP_KEY, "1")
+    watched = _members_now(job, store, len(procs))
     end = time.time() + 2 * job.rt.timeout_s + 10
     while time.time() < end:
-        codes = [p.poll() for p in procs]
-        if all(c == 0 for c in codes):
+        codes = {r: procs[r].poll() for r in watched}
+        if all(c == 0 for c in codes.values()):
             return None
-        bad = [(r, c) for r, c in enumerate(codes) if c not in (None, 0)]
+        bad = [(r, c) for r, c in codes.items() if c not in (None, 0)]
         if bad:
             return {"kind": "exit", "node": bad[0][0], "code": bad[0][1], "t": time.time()}
         time.sleep(0.05)
     return {"kind": "timeout", "t": time.time()}
+
+
+def _members_now(job: Job, store, n_procs: int) -> list[int]:
+    """The launched nodes still members of the run: in recovery mode those of the newest
+    generation (a node that failed or was fenced earlier is no longer waited for), else all."""
+    if not job.rt.recover:
+        return list(range(n_procs))
+    from .recovery import current_generation, read_generation
+    if not store.check(["gen"]):               # stopped during admission: every node
+        return list(range(n_procs))
+    alive = set(read_generation(store, current_generation(store))["alive"])
+    return [r for r in range(n_procs) if r in alive]
 
 
 def _node_env(job: Job, run_dir: Path, world: int, port: int, detached: bool, join_secret: str | None):
