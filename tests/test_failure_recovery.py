@@ -380,3 +380,25 @@ def test_restarting_a_coordinator_before_generation_0_is_a_clear_error(byte_data
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_a_coordinator_restarted_after_the_run_ended_says_so(tmp_path, capsys):
+    """The run's store is gone (its process exited): a restarted coordinator names that and the
+    resume point in one line, exit status 2, instead of waiting on a store that never answers."""
+    import subprocess
+    import sys
+
+    from skiptrain.runtime.coordinator import main
+
+    run = tmp_path / "run"
+    run.mkdir()
+    Job(config=build_config("tiny").to_dict(), data_path=str(tmp_path / "data"), run_dir=str(run),
+        phases=[Phase("p", _schedule().to_dict(), iterations=2)]).save(run / "job.json")
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    (run / "store.json").write_text(json.dumps({"host": "127.0.0.1", "port": 1, "pid": gone.pid}))
+    (run / "join_secret").write_text("s")
+    assert main(["--run", str(run)]) == 2
+    err = capsys.readouterr().err
+    assert "store of" in err and "is gone, so the run has ended" in err and "--resume" in err
+    assert len(err.strip().splitlines()) == 1

@@ -35,6 +35,7 @@ the launcher's error (no stage-0 node left, every node gone, or the run's time l
 from __future__ import annotations
 
 import json
+import math
 import os
 import signal
 import sys
@@ -468,7 +469,9 @@ def main(argv: list[str] | None = None) -> int:
 
     ap = argparse.ArgumentParser(prog="python -m skiptrain.runtime.coordinator", description=main.__doc__.split("\n")[0])
     ap.add_argument("--run", required=True, help="run directory of the running job")
-    ap.add_argument("--timeout", type=float, default=3600.0, help="seconds before giving up on the run")
+    ap.add_argument("--timeout", type=float, default=None,
+                    help="seconds after the restart before giving up on the run (the run then fails and its store "
+                         "stops); default: no limit, the nodes' own timeouts apply")
     args = ap.parse_args(argv)
     run_dir = Path(args.run)
     try:
@@ -479,11 +482,21 @@ def main(argv: list[str] | None = None) -> int:
         print(f"skiptrain coordinator: {run_dir} is not a running restartable job ({e.strerror}: {e.filename}); "
               "launch with restartable=True (--restartable)", file=sys.stderr)
         return 2
-    store = dist.TCPStore(info["host"], int(info["port"]), 1, is_master=False, wait_for_workers=False,
-                          timeout=timedelta(seconds=max(job.rt.timeout_s, 60.0)))
-    t0 = time.time()
+    gone = (f"skiptrain coordinator: the store of {run_dir} is gone, so the run has ended; its checkpoints "
+            f"are in {run_dir / 'checkpoints'} (skiptrain launch --resume --out {run_dir} continues)")
     try:
-        failure = coordinate(job, [], store, job.world, t0, args.timeout, run_dir, secret, resume=True)
+        if not pid_running(int(info["pid"])):
+            print(gone, file=sys.stderr)
+            return 2
+        store = dist.TCPStore(info["host"], int(info["port"]), 1, is_master=False, wait_for_workers=False,
+                              timeout=timedelta(seconds=max(job.rt.timeout_s, 60.0)))
+    except (RuntimeError, KeyError, ValueError, TypeError) as e:
+        print(f"{gone} ({str(e).splitlines()[0][:120]})", file=sys.stderr)
+        return 2
+    t0 = time.time()
+    timeout = math.inf if args.timeout is None else args.timeout
+    try:
+        failure = coordinate(job, [], store, job.world, t0, timeout, run_dir, secret, resume=True)
     except RuntimeFailure as e:  # nothing to resume: stopping the store makes the waiting nodes exit
         stop_store(int(info["pid"]), store)
         print(f"skiptrain coordinator: {e}", file=sys.stderr)
