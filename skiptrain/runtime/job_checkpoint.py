@@ -204,12 +204,14 @@ class JobCheckpointer:
         if iteration == self.saved_step:
             return 0.0
         writers = tuple(sorted({n for p in placement for n in p}))
-        if any(not p for p in placement):
-            self.skipped.append(iteration)
-            return 0.0
         new_writers = (writers, gen) != self._writers          # the same on every node
         if new_writers:
             self._hand_over(writers)
+        if any(not p for p in placement):   # a stage with no node: nothing complete to save
+            self._writers = (writers, gen)  # (the last save was handed over: finished or abandoned)
+            self._digests = None
+            self.skipped.append(iteration)
+            return 0.0
         self._plan(tensors, placement, new_writers, digests)
         self._writers = (writers, gen)
         if self.node not in writers:      # (a node without a stage: freed by a freeze, or idle)
