@@ -140,6 +140,37 @@ def test_sigterm_after_a_node_was_lost_and_recovered_still_stops_cleanly(byte_da
 
 
 @pytest.mark.slow
+def test_a_stop_that_arrives_in_the_last_iteration_leaves_a_finished_run(byte_data, tmp_path):
+    """Node 0 holds the last iteration until the launcher has asked for the stop: no boundary
+    is left to stop at, every iteration ran, so the launch reports finished, not interrupted."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    cfg = _cfg(every=50)
+    run = tmp_path / "run"
+    run.mkdir()
+    iters = 4
+    job = dataclasses.replace(_restartable_job(cfg, byte_data, run),
+                              **faulty_job({"node": 0, "kind": "hold", "iteration": iters - 1,
+                                            "where": "after_pipeline", "key": "stop", "timeout_s": 60}))
+    job.phases[0].iterations = iters
+    launcher = launch_in_a_process(job.save(tmp_path / "job.json"), capture=True)
+    wait_for(lambda: (run / "store.json").exists())
+    info = json.loads((run / "store.json").read_text())
+    store = dist.TCPStore(info["host"], int(info["port"]), 1, is_master=False, wait_for_workers=False,
+                          timeout=timedelta(seconds=60))
+    store.wait(["fault/0"])                               # node 0 is in the last iteration
+    os.kill(launcher.pid, signal.SIGTERM)
+    out, err = launcher.communicate(timeout=90)
+    assert out.strip() == "finished", err[-2000:]
+    steps = [json.loads(x)["step"] for x in (run / "metrics.jsonl").read_text().splitlines() if '"loss"' in x]
+    assert steps == list(range(1, iters + 1))
+    time.sleep(0.5)
+    assert processes_of_run(run) == []
+
+
+@pytest.mark.slow
 def test_a_second_sigterm_stops_at_once_and_salvages_the_job_checkpoint(byte_data, tmp_path):
     cfg = _cfg(every=1)
     run = tmp_path / "run"

@@ -166,8 +166,9 @@ def _launch(job: Job, nodes: int | None, timeout_s: float, grace_s: float, echo:
         raise err
     merge_outputs(job, run_dir)
     metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    done = max((m["step"] for m in metrics if "loss" in m), default=0)
+    interrupted = interrupted and done < sum(ph.iterations for ph in job.phases)   # (a stop after the last)
     if interrupted:
-        done = max((m["step"] for m in metrics if "loss" in m), default=0)
         print(f"[launch] interrupted: every node stopped after iteration {done} and wrote its stage; "
               f"{run_dir / 'model.safetensors'} holds iteration {done}", file=sys.stderr, flush=True)
     elif echo:
