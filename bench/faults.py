@@ -24,10 +24,11 @@ Script (full; ``--quick`` = the same events two iterations apart, 14 iterations)
 4. iteration 12: kill -9 a stage-0 originator (its micro-batches go to the other originators);
 5. after iteration 13 ends: a new process runs ``python -m skiptrain.runtime.node --join HOST:PORT``
    with the run's secret; it is placed on the empty stage 3 and starts at an iteration boundary;
-6. two iterations later: a process with a wrong secret tries to join (refused, never in a group).
+6. two iterations later: a process with a wrong secret tries to join (the job description it reads
+   from the store does not verify with its secret: it stops before it says hello, never in a group).
 
-Per event: ``detect_s`` (fault -> coordinator's decision; for a join: hello -> admitted, for the
-intruder: hello -> refused), ``recover_s`` (detection -> the last survivor back at work; for a
+Per event: ``detect_s`` (fault -> coordinator's decision; for a join: hello -> admitted; the
+intruder's row has ``process_s``, its whole life from spawn to exit), ``recover_s`` (detection -> the last survivor back at work; for a
 join: join generation published -> every node switched and the joiner holds its state),
 ``iterations_lost`` (iteration attempts abandoned), ``samples_lost`` / ``samples_repeated`` (over
 the iterations the event touched).  ``final_loss_ratio``: validation loss of the final merged
@@ -61,6 +62,7 @@ from tests.fault_node import faulty_job  # noqa: E402  (the test-only fault-inje
 from bench._events import spawn_joiner, steps_done, validation_loss  # noqa: E402
 from bench._workdir import work_dir  # noqa: E402
 from skiptrain.runtime.job import Job, build_cost, build_schedule, phase_for, with_runtime  # noqa: E402
+from skiptrain.runtime.join import EXIT_REFUSED  # noqa: E402
 from skiptrain.runtime.launcher import launch  # noqa: E402
 from skiptrain.runtime.recovery import trained_samples  # noqa: E402
 from skiptrain.runtime.wan import scale_topology  # noqa: E402
@@ -138,6 +140,10 @@ def run_once(cfg, topo, cost, sched, data: Path, run: Path, iterations: int, fau
                 spawned["joiner"].t_spawn = time.time()
             if "intruder" not in spawned and done >= joins["intruder_after"] and (run / "join.json").exists():
                 spawned["intruder"] = spawn_joiner(run, "a-wrong-secret", "intruder")
+                spawned["intruder"].t_spawn = time.time()
+        for p in spawned.values():
+            if getattr(p, "t_exit", None) is None and p.poll() is not None:
+                p.t_exit = time.time()
         th.join(timeout=0.1)
     for p in spawned.values():
         try:
@@ -147,10 +153,12 @@ def run_once(cfg, topo, cost, sched, data: Path, run: Path, iterations: int, fau
             p.wait()
     if "err" in out:
         raise out["err"]
-    return {"res": out["res"], "wall_s": time.time() - t0, "spawned": {k: p.returncode for k, p in spawned.items()}}
+    return {"res": out["res"], "wall_s": time.time() - t0,
+            "spawned": {k: {"code": p.returncode, "s": getattr(p, "t_exit", time.time()) - p.t_spawn}
+                        for k, p in spawned.items()}}
 
 
-def analyse(run: Path, events: list[dict], gb: int, iterations: int) -> list[dict]:
+def analyse(run: Path, events: list[dict], gb: int, iterations: int, spawned: dict) -> list[dict]:
     rec = [json.loads(x) for x in (run / "recoveries.jsonl").read_text().splitlines()]
     nodes = {}
     for f in (run / "phases" / "train").glob("node*.json"):
@@ -202,13 +210,16 @@ def analyse(run: Path, events: list[dict], gb: int, iterations: int) -> list[dic
     else:
         rows.append({"kind": "new node joins", "detect_s": None, "recover_s": None, "iterations_lost": None,
                      "samples_lost": None, "samples_repeated": None, "error": "no join recorded"})
-    refused = [r for r in rec if r.get("refused") and r.get("join")]
+    # the intruder stops itself: the job description it reads does not verify with its secret
     log = (run / "logs" / "intruder.log").read_text() if (run / "logs" / "intruder.log").exists() else ""
-    rows.append({"kind": "wrong-secret join attempt", "nodes": [r["node"] for r in refused],
-                 "detect_s": refused[0]["detect_s"] if refused else None, "recover_s": 0.0 if refused else None,
-                 "iterations_lost": 0 if refused else None, "samples_lost": 0, "samples_repeated": 0,
-                 "refused": bool(refused), "entered_a_group": "generation" in log,
-                 "cause": refused[0]["cause"] if refused else None})
+    intruder = spawned.get("intruder") or {}
+    refused = intruder.get("code") == EXIT_REFUSED and "does not verify" in log
+    rows.append({"kind": "wrong-secret join attempt", "nodes": [], "detect_s": None,
+                 "recover_s": 0.0 if refused else None, "iterations_lost": 0 if refused else None,
+                 "samples_lost": 0, "samples_repeated": 0, "refused": refused,
+                 "process_s": round(intruder["s"], 3) if intruder else None,
+                 "said_hello": any(r.get("join") and r.get("refused") for r in rec),
+                 "entered_a_group": "generation" in log, "cause": log.strip().splitlines()[-1] if log.strip() else None})
     return rows
 
 
@@ -246,7 +257,7 @@ def run(args, root: Path) -> int:
     faults = [f for ev in events for f in ev["faults"]]
     fr = run_once(cfg, topo, cost, sched, data, root / "events", args.iterations, faults, joins, args.deadline)
     loss = validation_loss(cfg, data, root / "events")
-    rows = analyse(root / "events", events, gb, args.iterations)
+    rows = analyse(root / "events", events, gb, args.iterations, fr["spawned"])
     done_base, done = base["res"].phase_iterations("train"), fr["res"].phase_iterations("train")
     its_base = [m["iteration_s"] for m in done_base]
     its_ev = [m["iteration_s"] for m in done]
@@ -268,6 +279,9 @@ def run(args, root: Path) -> int:
     j = next(r for r in rows if r["kind"] == "new node joins")
     print(f"join: node {j.get('nodes')} -> stage {j.get('stage')} ({(j.get('choice') or {}).get('rule')}), "
           f"at iteration {j.get('joined_at_iteration')}, init: {j.get('init')}")
+    w = next(r for r in rows if r["kind"] == "wrong-secret join attempt")
+    print(f"wrong-secret node: refused {w['refused']} (exit status {EXIT_REFUSED}, {w['process_s']} s from spawn to "
+          f"exit), said hello {w['said_hello']}, entered a group {w['entered_a_group']}")
     print(f"final validation loss {loss:.4f} vs {base_loss:.4f} without events: ratio {loss / base_loss:.4f} "
           f"(target within 2%); {len(done)}/{args.iterations} iterations; nodes per iteration "
           f"{out['nodes_per_iteration']}; median iteration {out['median_iteration_s_no_events']:.3f} s without "

@@ -22,6 +22,7 @@ from conftest import processes_of_run
 from skiptrain.config import build_config
 from skiptrain.net.topology import load_topology
 from skiptrain.runtime.job import Job, Phase, build_cost, with_runtime
+from skiptrain.runtime.join import EXIT_REFUSED
 from skiptrain.runtime.launcher import launch
 from skiptrain.runtime.recovery import add_replica, choose_stage, join_transfers, replan, trained_samples
 from skiptrain.schedule.schedule import MicroBatch, Schedule
@@ -173,6 +174,25 @@ def _launch_joinable(job: Job, run: Path) -> tuple[threading.Thread, dict, dict]
     return th, out, json.loads((run / "join.json").read_text())
 
 
+def _answer_the_challenge_wrongly(info: dict) -> dict:
+    """A process without the secret that says hello through the store and answers the nonce with
+    a guess; returns its node id and the join result it got (the coordinator's signed value)."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from skiptrain.runtime.membership import strip_tag
+
+    store = dist.TCPStore(info["host"], int(info["port"]), 1, is_master=False, wait_for_workers=False,
+                          timeout=timedelta(seconds=60))
+    j = int(store.add("nodes/next", 1)) - 1
+    store.set(f"join/hello/{j}", json.dumps({"t": time.time(), "pid": 1}))
+    store.wait([f"join/nonce/{j}"])
+    store.set(f"join/resp/{j}", "00" * 32)
+    store.wait([f"join/result/{j}"])
+    return {"node": j, "result": strip_tag(store.get(f"join/result/{j}").decode())}
+
+
 def test_a_node_joins_a_running_job_and_a_wrong_secret_is_refused(byte_data, tmp_path):
     cfg = build_config("tiny", overrides={"train": {"grad_clip": 0.0, "steps": 40, "warmup_steps": 1}})
     run = tmp_path / "run"
@@ -184,6 +204,7 @@ def test_a_node_joins_a_running_job_and_a_wrong_secret_is_refused(byte_data, tmp
     secret = Path(info["secret_file"]).read_text()
     good = _joiner(run, info, secret, "joiner")
     bad = _joiner(run, info, "not-the-secret", "intruder")
+    answer = _answer_the_challenge_wrongly(info)
     th.join(timeout=240)
     good.wait(timeout=30)
     bad.wait(timeout=30)
@@ -194,10 +215,13 @@ def test_a_node_joins_a_running_job_and_a_wrong_secret_is_refused(byte_data, tmp
     assert len(joined) == 1 and len(refused) == 1, rec
     j = joined[0]["node"]
     assert j >= 5 and joined[0]["choice"]["stage"] == 1           # tie on hops per replica: lowest stage
-    assert "wrong challenge response" in refused[0]["cause"] and refused[0]["node"] >= 5
-    assert bad.returncode != 0
+    # a process that answers the challenge without the secret is refused by the coordinator ...
+    assert "wrong challenge response" in refused[0]["cause"] and refused[0]["node"] == answer["node"]
+    assert answer["result"] == "refused"
+    # ... and a node with a wrong secret stops before it says hello: the job it read does not verify
+    assert bad.returncode == EXIT_REFUSED
     intruder_log = (run / "logs" / "intruder.log").read_text()
-    assert "refused by the coordinator" in intruder_log and "generation" not in intruder_log
+    assert "does not verify with this SKIPTRAIN_JOIN_SECRET" in intruder_log and "generation" not in intruder_log
     assert good.returncode == 0
     rows = out["res"].phase_iterations("p")
     assert [r["step"] for r in rows] == list(range(1, iters + 1))
@@ -225,7 +249,6 @@ def test_a_node_placed_as_the_run_ends_is_told_the_join_was_cancelled(byte_data,
     import torch.distributed as dist
 
     from fault_node import faulty_job
-    from skiptrain.runtime.join import EXIT_REFUSED
 
     cfg = build_config("tiny", overrides={"train": {"grad_clip": 0.0, "steps": 40, "warmup_steps": 1}})
     run = tmp_path / "run"
@@ -268,3 +291,60 @@ def test_a_node_joining_a_schedule_of_one_stage_becomes_a_data_parallel_replica(
     assert sorted(i for v in per.values() for i in v) == list(range(6))     # the same samples, once each
     with pytest.raises(ValueError, match="stage 0 of a schedule of one stage"):
         add_replica(_sched(), 5, 0)
+
+
+@pytest.mark.slow
+def test_a_join_its_dead_coordinator_assigned_but_never_published_is_placed_by_the_replacement(byte_data, tmp_path):
+    """The coordinator dies between assigning a joiner its generation and publishing it (played
+    here by the test, which holds the secret): the replacement (``python -m
+    skiptrain.runtime.coordinator --run``) publishes the join again, the joiner takes it up, and
+    the run ends with it trained in."""
+    import signal
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from conftest import launch_in_a_process, wait_for
+    from fault_node import faulty_job
+    from skiptrain.runtime.join import assign_join, challenge, check_response
+
+    cfg = build_config("tiny", overrides={"train": {"grad_clip": 0.0, "steps": 40, "warmup_steps": 1}})
+    run = tmp_path / "run"
+    iters = 6
+    job = Job(config=with_runtime(cfg.to_dict(), timeout_s=90.0, heartbeat_s=0.2, heartbeat_deadline_s=4.0,
+                                  recover=True, restartable=True),
+              data_path=str(byte_data), run_dir=str(run),
+              phases=[Phase("p", _sched().to_dict(), iterations=iters, dump=True)],
+              **faulty_job({"node": 0, "kind": "hold", "iteration": 2, "key": "gen/1", "timeout_s": 80}))
+    run.mkdir()
+    launcher = launch_in_a_process(job.save(tmp_path / "job.json"))
+    joiner = None
+    try:
+        wait_for(lambda: (run / "join.json").exists(), 60)
+        info = json.loads((run / "join.json").read_text())
+        store = dist.TCPStore(info["host"], int(info["port"]), 1, is_master=False, wait_for_workers=False,
+                              timeout=timedelta(seconds=60))
+        store.wait(["fault/0"])                               # node 0 holds iteration 2
+        os.kill(launcher.pid, signal.SIGKILL)
+        launcher.wait()
+        secret = (run / "join_secret").read_text()
+        joiner = _joiner(run, info, secret, "joiner")
+        wait_for(lambda: store.check(["join/hello/5"]), 60)    # the dead coordinator's part: admit
+        nonce = challenge(store, 5)
+        wait_for(lambda: check_response(store, 5, nonce, secret) is not None, 60)
+        assign_join(store, 5, secret, 1)                      # ... assign, and never publish
+        coord = subprocess.run([sys.executable, "-m", "skiptrain.runtime.coordinator", "--run", str(run)],
+                               env=dict(os.environ, PYTHONPATH=str(REPO)), capture_output=True, text=True, timeout=120)
+        joiner.wait(timeout=60)
+        assert coord.returncode == 0, coord.stderr[-2000:]
+        assert joiner.returncode == 0, (run / "logs" / "joiner.log").read_text()[-2000:]
+        rec = [json.loads(x) for x in (run / "recoveries.jsonl").read_text().splitlines()]
+        assert [(r["gen"], r["node"]) for r in rec if r.get("join")] == [(1, 5)], rec
+        nj = json.loads((run / "phases" / "p" / "node5.json").read_text())
+        assert nj["stage"] == 1 and 2 <= nj["joined"]["iteration"] < iters
+        trained = [i for s in trained_samples(run / "phases" / "p").values() for i in s]
+        assert sorted(trained) == list(range(iters * 4 * cfg.train.micro_batch))
+        assert processes_of_run(run) == []
+    finally:                                                # (a failed run leaves nothing behind)
+        for pid in processes_of_run(run) + [p.pid for p in (launcher, joiner) if p is not None and p.poll() is None]:
+            os.kill(pid, signal.SIGKILL)

@@ -84,13 +84,86 @@ def test_signed_values_verify_only_with_the_writers_key_and_name(tmp_path, capsy
     assert "ignored a write to pid/3" in capsys.readouterr().err
 
 
+def test_nodes_act_only_on_generation_records_the_coordinator_signed():
+    from skiptrain.runtime.membership import COORDINATOR
+    from skiptrain.runtime.recovery import (GenerationWatch, RecoveryError, generation_record, latest_generation,
+                                            publish_generation, read_generation, wait_generation)
+
+    key = member_key("s3cret", COORDINATOR)
+    st = FakeStore()
+    publish_generation(st, 0, [0, 1, 2], {}, key=key)
+    publish_generation(st, 1, [0, 2], {1: "died"}, {"cancelled": []}, key=key)
+    assert generation_record(st, 1, key)["alive"] == [0, 2] and read_generation(st, 1, key)["dead"] == {1: "died"}
+    plain = json.dumps({"alive": [0], "dead": {}, "t": 0.0})
+    for forged in [plain, sign(member_key("s3cret", 0), "gen/2", plain), sign(member_key("guess", COORDINATOR),
+                   "gen/2", plain), st["gen/1"], sign(key, "gen/2", "not json"), sign(key, "gen/2", '{"alive": 1}')]:
+        st["gen/2"], st["gen"] = forged, "2"                 # unsigned, a node's key, another secret, moved, bad
+        assert generation_record(st, 2, key) is None, forged
+        assert latest_generation(st, key) == 1
+        with pytest.raises(RecoveryError, match="no new membership"):
+            wait_generation(st, 1, 0.05, key)
+        with pytest.raises(RecoveryError, match="no record signed by the run's coordinator"):
+            read_generation(st, 2, key)
+    assert generation_record(st, 3, key) is None and latest_generation(FakeStore(), key) == -1
+    # the watch neither acts on a forged record nor skips the coordinator's one published after it
+    seen: list[int] = []
+    w = GenerationWatch(st, 0.01, seen.append, key)
+    w.gen = 1
+    w.start()
+    try:
+        time.sleep(0.15)
+        assert seen == []
+        publish_generation(st, 2, [0], {2: "died"}, key=key)
+        wait_for(lambda: seen == [2], seconds=5)
+    finally:
+        w.stop()
+    assert wait_generation(st, 1, 1.0, key)[0] == 2
+
+
+def test_a_joiner_takes_only_a_signed_job_and_a_signed_placement():
+    from skiptrain.runtime.join import JoinRefused, assign_join, publish_job, read_job, wait_for_placement
+    from skiptrain.runtime.membership import COORDINATOR
+    from skiptrain.runtime.recovery import publish_generation
+
+    st = FakeStore()
+    publish_job(st, {"run_dir": "/the/run"}, "s3cret")
+    assert read_job(st, "s3cret") == {"run_dir": "/the/run"}
+    with pytest.raises(JoinRefused, match="does not verify with this SKIPTRAIN_JOIN_SECRET"):
+        read_job(st, "guess")
+    with pytest.raises(JoinRefused, match="no join secret"):
+        read_job(st, None)
+    st["job"] = json.dumps({"run_dir": "/somewhere/else"})       # rewritten by a process without the secret
+    with pytest.raises(JoinRefused, match="does not verify"):
+        read_job(st, "s3cret")
+    key = member_key("s3cret", COORDINATOR)
+    st["join/assign/7"] = "3"                                      # unsigned: waited past
+    publish_generation(st, 3, [0, 1, 7], {}, {"kind": "join", "join": {"7": 1}}, key=key)
+    with pytest.raises(JoinRefused, match="never placed"):
+        wait_for_placement(st, 7, "s3cret", 0.1)
+    # assigned generation 3, but a failure took that number (the coordinator restarted before it
+    # published the join); the restarted one places node 7 in generation 4
+    assign_join(st, 7, "s3cret", 3)
+    publish_generation(st, 3, [0, 1], {2: "died"}, key=key)
+
+    def replace():
+        time.sleep(0.1)
+        publish_generation(st, 4, [0, 1, 7], {}, {"kind": "join", "join": {"7": 1}}, key=key)
+        assign_join(st, 7, "s3cret", 4)
+    th = threading.Thread(target=replace)
+    th.start()
+    g, rec = wait_for_placement(st, 7, "s3cret", 5.0)
+    th.join()
+    assert g == 4 and rec["join"] == {"7": 1} and rec["alive"] == [0, 1, 7]
+
+
 def _sentinel() -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
 
 
 def _forge(info: dict, stop: threading.Event, sentinel_pid: int, done: dict) -> None:
     """A process that reached the store port but has no secret: bad-peer reports against both
-    stage-0 nodes, PIDs pointing at an unrelated process, stale heartbeats, a joiner's hello."""
+    stage-0 nodes, PIDs pointing at an unrelated process, stale heartbeats, a joiner's hello,
+    and generation records that drop a node."""
     import torch.distributed as dist
 
     store = dist.TCPStore(info["host"], int(info["port"]), 1, is_master=False, wait_for_workers=False,
@@ -106,6 +179,9 @@ def _forge(info: dict, stop: threading.Event, sentinel_pid: int, done: dict) -> 
             for r in range(6):
                 store.set(f"pid/{r}", str(sentinel_pid))
                 store.set(f"hb/{r}", "1.0:run")
+            for gen in (1, 2):                   # generations that drop node 5, then the counter
+                store.set(f"gen/{gen}", json.dumps({"alive": [0, 1, 2, 3, 4], "dead": {"5": "forged"}, "t": 0.0}))
+            store.set("gen", "2")
             done["writes"] = done.get("writes", 0) + 1
         except Exception:  # noqa: BLE001 - the run ended and its store went away
             return

@@ -155,7 +155,8 @@ def coordinate(job: Job, procs, store, world: int, t_start: float, timeout_s: fl
     fenced: set[int] = set()
     members = _Members(procs, store, Verifier(join_secret, Path(run_dir) / "rejected_writes.jsonl"))
     if resume:
-        if not store.check(["gen"]):
+        from .recovery import latest_generation
+        if latest_generation(store, members.verifier.key(COORDINATOR)) < 0:
             raise RuntimeFailure(
                 f"the job in {run_dir} has no generation 0 yet: its coordinator died during admission, "
                 "before any node entered a group, so there is nothing to resume; stop the job and launch it again")
@@ -178,7 +179,8 @@ def coordinate(job: Job, procs, store, world: int, t_start: float, timeout_s: fl
     if not (alive & stage0):
         return {"kind": "exit", "node": min(set(range(world)) - alive), "t": time.time(),
                 "code": procs[min(set(range(world)) - alive)].poll()}
-    publish_generation(store, 0, sorted(alive), {n: v for n, v in adm.items() if v != "ok"})
+    publish_generation(store, 0, sorted(alive), {n: v for n, v in adm.items() if v != "ok"},
+                       key=members.verifier.key(COORDINATOR))
     return _loop(job, store, members, stage0, deadline, strikes_needed, log_path, fenced, world, t_start,
                  timeout_s, join_secret, alive=alive)
 
@@ -187,14 +189,15 @@ def _loop(job, store, members, stage0, deadline, strikes_needed, log_path, fence
           join_secret, alive: set[int] | None = None, resume: bool = False) -> dict | None:
     """The coordinator's watch loop.  ``resume``: a restarted coordinator; everything it needs
     is read back from the store (generation, alive set, node PIDs, strikes, joins under way)."""
-    from .recovery import current_generation, read_generation
+    from .recovery import latest_generation, read_generation
 
     gen = 0
+    key = members.verifier.key(COORDINATOR)     # signs the generations the nodes act on
     strikes: dict[int, int] = {}
     joins = _Joins(job, store, members, join_secret, log_path, world)
     if resume:
-        gen = current_generation(store)
-        alive = set(read_generation(store, gen)["alive"])
+        gen = latest_generation(store, key)
+        alive = set(read_generation(store, gen, key)["alive"])
         for r in sorted(alive):
             members.ext[r] = verified_pid(members.verifier, store, r)
         saved = members.verifier.read(store, COORDINATOR, "coord/strikes")
@@ -273,7 +276,7 @@ def _loop(job, store, members, stage0, deadline, strikes_needed, log_path, fence
             return {"kind": "exit", "node": n0, "code": codes.get(n0), "t": t_detect,
                     "msg": "no stage-0 node left" if alive else "no node left"}
         publish_generation(store, gen, sorted(alive), {n: c for n, (c, _) in found.items()},
-                           {"cancelled": sorted(cancelled)})
+                           {"cancelled": sorted(cancelled)}, key=key)
 
 
 class _Joins:
@@ -315,7 +318,7 @@ class _Joins:
 
     def step(self, gen: int, alive: set[int]) -> bool:
         """Advance the joins; returns True when it published generation ``gen + 1``."""
-        from .join import challenge, check_response, hello_pid
+        from .join import assign_join, challenge, check_response, hello_pid
 
         now = time.time()
         for j in self._ids():
@@ -356,10 +359,14 @@ class _Joins:
         if any(st["state"] == "published" for st in self.pending.values()):
             return False
         ready = [j for j, st in sorted(self.pending.items()) if st["state"] == "admitted"]
-        if not ready or not self.store.check([f"ack/{gen}/{n}" for n in sorted(alive)] + ["sched/cur"]):
+        if not ready or not self.store.check([f"ack/{gen}/{n}" for n in sorted(alive)]):
             return False
-        cur = json.loads(self.store.get("sched/cur").decode())
-        if cur.get("gen") != gen:
+        raw = self.members.verifier.read(self.store, min(alive), "sched/cur")   # the lowest node's, signed
+        try:
+            cur = json.loads(raw) if raw is not None else {}
+        except ValueError:
+            cur = {}
+        if not isinstance(cur, dict) or cur.get("gen") != gen:
             return False
         j = ready[0]
         if self.members.code(j) is not None:
@@ -378,12 +385,12 @@ class _Joins:
         new = add_replica(sched, j, stage, Schedule.from_dict(ph.schedule))
         st = self.pending[j]
         st.update(state="published", gen=gen + 1, stage=stage, choice=choice, t_pub=time.time())
-        # assign first: a coordinator restarted between the two finds j admitted but not in the
-        # alive set and publishes the join again under the same number (the joiner waits for it)
-        self.store.set(f"join/assign/{j}", str(gen + 1))
+        # assign first: a coordinator restarted between the two finds an assignment without its
+        # generation and publishes the join again (the joiner waits for a record that places it)
+        assign_join(self.store, j, self.secret, gen + 1)
         publish_generation(self.store, gen + 1, sorted(alive | {j}), {},
                            {"kind": "join", "join": {str(j): stage}, "schedule": new.to_dict(), "phase": 0,
-                            "choice": choice})
+                            "choice": choice}, key=self.members.verifier.key(COORDINATOR))
         print(f"[coordinator] joining node {j} -> stage {stage} ({choice['rule']}; simulated "
               f"{choice['simulated_s']}); generation {gen + 1}", file=sys.stderr, flush=True)
         self.last_added = j
@@ -392,6 +399,9 @@ class _Joins:
     def resume(self, gen: int, alive: set[int]) -> None:
         """A restarted coordinator: rebuild the joins under way from the store's join keys."""
         from .join import hello_pid, read_result
+        from .recovery import generation_record
+
+        key = self.members.verifier.key(COORDINATOR)
         try:
             top = self.store.add("nodes/next", 0)
         except Exception:  # noqa: BLE001
@@ -404,13 +414,14 @@ class _Joins:
             pid = hello_pid(self.secret, j, self.store.get(f"join/hello/{j}").decode(errors="replace"))
             res = (read_result(self.secret, j, self.store.get(f"join/result/{j}").decode(errors="replace"))
                    if self.store.check([f"join/result/{j}"]) else None)
-            if self.store.check([f"join/assign/{j}"]):
-                g = int(self.store.get(f"join/assign/{j}").decode())
-                if j in alive and not self.store.check([f"ack/{g}/{n}" for n in sorted(alive)]):
-                    info = json.loads(self.store.get(f"gen/{g}").decode())
-                    self.pending[j] = {"t_hello": now, "t_admit": now, "pid": pid, "state": "published", "gen": g,
-                                       "stage": info["join"][str(j)], "choice": info.get("choice"), "t_pub": now}
-            elif res == "ok":
+            assigned = self.members.verifier.read(self.store, COORDINATOR, f"join/assign/{j}")
+            rec = generation_record(self.store, int(assigned), key) if assigned and assigned.isdigit() else None
+            if rec is not None and str(j) in (rec.get("join") or {}):
+                if j in alive and not self.store.check([f"ack/{assigned}/{n}" for n in sorted(alive)]):
+                    self.pending[j] = {"t_hello": now, "t_admit": now, "pid": pid, "state": "published",
+                                       "gen": int(assigned), "stage": rec["join"][str(j)],
+                                       "choice": rec.get("choice"), "t_pub": now}
+            elif res == "ok":       # admitted, perhaps assigned but never published: placed again
                 self.pending[j] = {"t_hello": now, "t_admit": now, "pid": pid, "state": "admitted"}
                 self.members.ext[j] = pid
             elif res is None and self.store.check([f"join/nonce/{j}"]):

@@ -23,9 +23,10 @@ is refused; the node raises :class:`JoinRefused` and exits without calling
 ``init_process_group`` (exit status :data:`EXIT_REFUSED`); the coordinator also SIGKILLs it by PID
 if it is still running.  A join the run's nodes will never take up (they all finished first) is
 cancelled: the coordinator writes the reason, signed, to ``join/cancel/<node>``
-(:func:`cancel_join`), and the joiner, which waits for its placement and then for the lowest node's
-``join/go/<generation>`` before it enters the new groups (:func:`wait_for_join`), exits with
-:class:`JoinRefused` naming it.  A store that stops answering while it waits ends it the same way.
+(:func:`cancel_join`), and the joiner, which waits for its placement (:func:`wait_for_placement`:
+the coordinator's signed ``join/assign/<node>`` and the signed generation record behind it) and
+then for the lowest node's ``join/go/<generation>`` before it enters the new groups
+(:func:`wait_for_join`), exits with :class:`JoinRefused` naming it.  A store that stops answering while it waits ends it the same way.
 The secret reaches the nodes through the environment variable
 :data:`SECRET_ENV` (never the job file).  What this does and does not protect: docs/failures.md.
 """
@@ -41,10 +42,14 @@ import time
 
 from .failure import NodeFailure
 from .membership import COORDINATOR, SECRET_ENV, member_key, open_signed, secret_from_env, sign
+from .recovery import generation_record
 
-__all__ = ["SECRET_ENV", "EXIT_REFUSED", "JoinRefused", "secret_from_env", "new_secret", "respond", "verify",
+#: The store key of the job description joiners read (signed by the coordinator).
+JOB_KEY = "job"
+
+__all__ = ["SECRET_ENV", "JOB_KEY", "publish_job", "read_job", "EXIT_REFUSED", "JoinRefused", "secret_from_env", "new_secret", "respond", "verify",
            "node_join", "admit", "challenge", "check_response", "refuse", "request_node_id", "hello_pid",
-           "wait_for_join", "cancel_join", "set_result", "read_result"]
+           "wait_for_join", "assign_join", "wait_for_placement", "cancel_join", "set_result", "read_result"]
 
 EXIT_REFUSED = 5
 
@@ -71,17 +76,21 @@ def verify(secret: str | bytes, nonce_hex: str, node: int, response: str) -> boo
 
 
 def wait_for_join(store, node: int, secret: str | None, key: str, timeout_s: float,
-                  poll_s: float = 0.01) -> str | None:
-    """Joiner side: the value of ``key`` once the store holds it, None after ``timeout_s``.  Raises
-    :class:`JoinRefused` when the coordinator cancels this node's join first (its signed reason) or
-    when the store stops answering (the run ended or its store host failed)."""
+                  poll_s: float = 0.01, signed: bool = False) -> str | None:
+    """Joiner side: the value of ``key`` once the store holds it, None after ``timeout_s``
+    (``signed``: only a value the coordinator signed counts; anything else is waited past).
+    Raises :class:`JoinRefused` when the coordinator cancels this node's join first (its signed
+    reason) or when the store stops answering (the run ended or its store host failed)."""
     cancel = f"join/cancel/{node}"
     coord = member_key(secret, COORDINATOR) if secret else None
     deadline = time.time() + timeout_s
     while time.time() < deadline:
         try:
             if store.check([key]):
-                return store.get(key).decode()
+                raw = store.get(key).decode(errors="replace")
+                value = open_signed(coord, key, raw) if signed and coord is not None else raw
+                if value is not None:
+                    return value
             why = open_signed(coord, cancel, store.get(cancel).decode(errors="replace")) \
                 if coord is not None and store.check([cancel]) else None
         except RuntimeError as e:          # torch's store errors (DistError and its kin) included
@@ -91,6 +100,50 @@ def wait_for_join(store, node: int, secret: str | None, key: str, timeout_s: flo
             raise JoinRefused(f"node {node}: join cancelled by the coordinator: {why}", node=node)
         time.sleep(poll_s)
     return None
+
+
+def assign_join(store, node: int, secret: str, gen: int) -> None:
+    """Coordinator side: ``join/assign/<node>`` = the join generation that will place it, signed;
+    written before that generation is published (:func:`wait_for_placement`)."""
+    name = f"join/assign/{node}"
+    store.set(name, sign(member_key(secret, COORDINATOR), name, str(gen)))
+
+
+def wait_for_placement(store, node: int, secret: str | None, timeout_s: float, poll_s: float = 0.01) -> tuple[int, dict]:
+    """Joiner side, once admitted: the join generation that places this node, and its record.
+    The coordinator assigns a generation (:func:`assign_join`), then publishes it.  A coordinator
+    restarted between the two publishes the join again under the next free number and assigns
+    that one, so an assigned generation whose record does not place this node is waited past.
+    Raises :class:`JoinRefused` on cancellation, a lost store, or no placement in ``timeout_s``."""
+    key = member_key(secret, COORDINATOR) if secret else None
+    deadline = time.time() + timeout_s
+    while True:
+        g = wait_for_join(store, node, secret, f"join/assign/{node}", deadline - time.time(), signed=True)
+        if g is None or time.time() > deadline:
+            raise JoinRefused(f"node {node}: admitted but never placed by the coordinator", node=node)
+        rec = generation_record(store, int(g), key) if g.isdigit() else None
+        if rec is not None and str(node) in (rec.get("join") or {}):
+            return int(g), rec
+        time.sleep(poll_s)
+
+
+def publish_job(store, job: dict, secret: str) -> None:
+    """Coordinator side: the job description joiners read (:data:`JOB_KEY`), signed."""
+    store.set(JOB_KEY, sign(member_key(secret, COORDINATOR), JOB_KEY, json.dumps(job)))
+
+
+def read_job(store, secret: str | None) -> dict:
+    """Joiner side, before anything else: the job description the coordinator signed.  Raises
+    :class:`JoinRefused` without the secret or when the description does not verify with it
+    (a wrong secret, or a rewrite by a process without it: a joiner never trains on, reads data
+    for or writes files for a job nobody with the secret described)."""
+    if not secret:
+        raise JoinRefused(f"no join secret: set {SECRET_ENV} to the run's secret (the run's RUN_DIR/join_secret)")
+    value = open_signed(member_key(secret, COORDINATOR), JOB_KEY, store.get(JOB_KEY).decode(errors="replace"))
+    if value is None:
+        raise JoinRefused(f"the job description in the run's store does not verify with this {SECRET_ENV}: the "
+                          "secret is wrong (use the run's RUN_DIR/join_secret), or a process without it rewrote it")
+    return json.loads(value)
 
 
 def cancel_join(store, node: int, secret: str, why: str) -> None:

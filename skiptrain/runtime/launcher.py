@@ -118,11 +118,13 @@ def _launch(job: Job, nodes: int | None, timeout_s: float, grace_s: float, echo:
         from .membership import host_store
         store, listening = host_store(world, max(job.rt.timeout_s, 60.0))  # noqa: F841 - loopback only
     (run_dir / "join.json").unlink(missing_ok=True)
-    if job.rt.recover:
-        # nodes joining later (``--join HOST:PORT``) take ids from here on and read the job here
-        store.add("nodes/next", world)
-        store.set("job", json.dumps(job.to_dict()))
     base_env, join_secret = _node_env(job, run_dir, world, store.port, store_proc is not None, join_secret)
+    if job.rt.recover:
+        # nodes joining later (``--join HOST:PORT``) take ids from here on and read the job here,
+        # signed by the coordinator (a joiner trusts no job a process without the secret wrote)
+        from .join import publish_job
+        store.add("nodes/next", world)
+        publish_job(store, job.to_dict(), join_secret)
     procs: list[subprocess.Popen] = []
     interrupted = False
     logs = []
@@ -146,7 +148,7 @@ def _launch(job: Job, nodes: int | None, timeout_s: float, grace_s: float, echo:
                     failure = _monitor(job, procs, store, world, t_start, timeout_s)
             except KeyboardInterrupt:
                 interrupted = True
-                failure = _stop_at_boundary(job, procs, store)
+                failure = _stop_at_boundary(job, procs, store, join_secret)
         if failure is not None:
             grace_end = time.time() + grace_s
             while time.time() < grace_end and any(p.poll() is None for p in procs):
@@ -211,7 +213,7 @@ def _before(line: str, iteration: int) -> bool:
         return False
 
 
-def _stop_at_boundary(job: Job, procs, store) -> dict | None:
+def _stop_at_boundary(job: Job, procs, store, secret: str | None) -> dict | None:
     """Ask the nodes to stop at the next iteration boundary (``stop`` in the store) and wait for
     them to exit; None when all did cleanly, else a failure description (the launch then stops
     hard).  A second Ctrl-C while waiting goes up at once."""
@@ -220,7 +222,7 @@ def _stop_at_boundary(job: Job, procs, store) -> dict | None:
     print("[launch] stopping: every node ends at the next iteration boundary and writes its stage "
           "(Ctrl-C again to stop at once)", file=sys.stderr, flush=True)
     store.set(STOP_KEY, "1")
-    watched = _members_now(job, store, len(procs))
+    watched = _members_now(job, store, len(procs), secret)
     end = time.time() + 2 * job.rt.timeout_s + 10
     while time.time() < end:
         codes = {r: procs[r].poll() for r in watched}
@@ -233,16 +235,18 @@ def _stop_at_boundary(job: Job, procs, store) -> dict | None:
     return {"kind": "timeout", "t": time.time()}
 
 
-def _members_now(job: Job, store, n_procs: int) -> list[int]:
+def _members_now(job: Job, store, n_procs: int, secret: str | None) -> list[int]:
     """The launched nodes still members of the run: in recovery mode those of the newest
     generation (a node that failed or was fenced earlier is no longer waited for), else all."""
     if not job.rt.recover:
         return list(range(n_procs))
-    from .recovery import current_generation, read_generation
-    if not store.check(["gen"]):               # stopped during admission: every node
+    from .membership import COORDINATOR, member_key
+    from .recovery import generation_record, latest_generation
+    key = member_key(secret, COORDINATOR) if secret else None
+    rec = generation_record(store, latest_generation(store, key), key)
+    if rec is None:                            # stopped during admission: every node
         return list(range(n_procs))
-    alive = set(read_generation(store, current_generation(store))["alive"])
-    return [r for r in range(n_procs) if r in alive]
+    return [r for r in range(n_procs) if r in rec["alive"]]
 
 
 def _node_env(job: Job, run_dir: Path, world: int, port: int, detached: bool, join_secret: str | None):

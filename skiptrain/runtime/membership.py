@@ -6,13 +6,17 @@ read and write any key.  So
 * the store listens on one address only (:func:`host_store`; loopback by default), never on
   every interface;
 * every membership write a node makes (heartbeat ``hb/<r>``, failure report ``report/<g>/<r>``,
-  PID ``pid/<r>``, a joiner's ``join/hello/<r>``), and the join results the coordinator writes
-  (``join/result/<r>``, with the key of id :data:`COORDINATOR`), carries an HMAC-SHA256 tag made with the
-  node's *member key*, ``HMAC-SHA256(run secret, "skiptrain member key|<r>")``.  Only a process
-  that knows the run's secret (every admitted node has it; the coordinator has it) can make the
-  tag, and the tag covers the key name, so a value cannot be moved to another key or node;
+  PID ``pid/<r>``, a joiner's ``join/hello/<r>``, the lowest node's schedule in force
+  ``sched/cur``), and what the coordinator writes for the nodes to act on (generation records
+  ``gen/<g>``, join results ``join/result/<r>`` and assignments ``join/assign/<r>``, the job
+  description ``job``; with the key of id :data:`COORDINATOR`), carries an HMAC-SHA256 tag made
+  with the writer's *member key*, ``HMAC-SHA256(run secret, "skiptrain member key|<r>")``.  Only
+  a process that knows the run's secret (every admitted node has it; the coordinator has it) can
+  make the tag, and the tag covers the key name, so a value cannot be moved to another key or
+  node;
 * the coordinator reads these keys through :class:`Verifier`: a value whose tag does not verify
-  (or an older heartbeat replayed over a newer one) is ignored and logged, never acted on.
+  (or an older heartbeat replayed over a newer one) is ignored and logged, never acted on; nodes
+  read the coordinator's the same way (``recovery.generation_record``, ``join.read_job``).
 
 A signed value is ``<value>#sig=<64 hex digits>``.  Runs without a secret (no ``--recover``)
 write plain values; readers that only display or time values strip the tag

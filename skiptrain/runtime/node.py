@@ -53,7 +53,7 @@ import torch.distributed as dist
 from .failure import (EXIT_FAILED, EXIT_PEER_FAILED, Heartbeat, NodeFailure, abort_process,
                       set_parent_death_signal, write_error)
 from .job import Job, Phase
-from .membership import set_member
+from .membership import COORDINATOR, member_key, set_member
 
 
 # columns of the per-iteration stats every node gathers (then the drift monitor's, then the
@@ -166,6 +166,7 @@ class Node:
                                             wait_for_workers=False)
         # membership: node ids never change; ranks are positions in the sorted alive list
         self.gen = 0
+        self.coord_key: bytes | None = None     # the coordinator's member key (a run with a secret)
         self.alive = list(range(world))
         self._rank = {n: n for n in self.alive}
         # a second client connection for the heartbeat and the membership watch: store calls of
@@ -180,28 +181,25 @@ class Node:
         if job.rt.recover:
             # admission by challenge-response before any process group; then generation 0's
             # alive set (the admitted nodes) decides the ranks
-            from .join import JoinRefused, node_join, secret_from_env, wait_for_join
-            from .recovery import read_generation
+            from .join import JoinRefused, node_join, secret_from_env, wait_for_join, wait_for_placement
+            from .recovery import wait_record
 
             set_member(self.store, rank, f"pid/{rank}", str(os.getpid()))  # signed: a restarted coordinator fences by PID
             secret = secret_from_env()
+            self.coord_key = member_key(secret, COORDINATOR) if secret else None   # it signs the generations
             node_join(self.store, rank, secret, max(60.0, job.rt.timeout_s))
             if store is not None:
                 # joining a running job: wait until the coordinator placed this node (a join
                 # generation, switched to by every node at its next iteration boundary)
-                g = wait_for_join(self.store, rank, secret, f"join/assign/{rank}", max(600.0, job.rt.timeout_s))
-                if g is None:
-                    raise JoinRefused(f"node {rank}: admitted but never placed by the coordinator", node=rank)
-                self.gen = int(g)
-                info = read_generation(self.store, self.gen)
+                self.gen, info = wait_for_placement(self.store, rank, secret, max(600.0, job.rt.timeout_s))
                 self.joining = {"gen": self.gen, "schedule": info["schedule"], "phase": int(info["phase"]),
                                 "stage": int(info["join"][str(rank)]), "choice": info.get("choice")}
                 print(f"skiptrain node {rank}: admitted; joins generation {self.gen} as a replica of stage "
                       f"{self.joining['stage']} ({(info.get('choice') or {}).get('rule')})", file=sys.stderr,
                       flush=True)
             else:
-                self.store.wait(["gen/0"], timedelta(seconds=max(60.0, job.rt.timeout_s)))
-            self.alive = read_generation(self.store, self.gen)["alive"]
+                info = wait_record(self.store, 0, self.coord_key, max(60.0, job.rt.timeout_s))
+            self.alive = info["alive"]
             if rank not in self.alive:
                 raise JoinRefused(f"node {rank}: not admitted to generation {self.gen}", node=rank)
             if self.joining is not None and wait_for_join(self.store, rank, secret, f"join/go/{self.gen}",
@@ -227,7 +225,8 @@ class Node:
         self._last_gnorm = 0.0       # this node's last pre-sync gradient norm (CheckFree weights)
         if job.rt.recover:
             from .recovery import GenerationWatch
-            self.watch = GenerationWatch(self.hb_store, job.rt.heartbeat_s, self._membership_changed)
+            self.watch = GenerationWatch(self.hb_store, job.rt.heartbeat_s, self._membership_changed,
+                                         self.coord_key)
             self.watch.gen = self.gen
             self.watch.start()
             if self.joining is None:
@@ -1153,7 +1152,7 @@ class Node:
             cur = {"gen": self.gen, "phase": phase_idx, "schedule": sched.to_dict()}
             if cost is not None:
                 cur["cost"] = cost.to_dict()
-            self.store.set("sched/cur", json.dumps(cur))
+            set_member(self.store, self.rank, "sched/cur", json.dumps(cur))   # signed: the coordinator checks
 
     def _apply_join(self, target: int, sched, model, stage, strat, opt, ph, phase_idx: int, it: int, cursor: int,
                     step_count: int, elastic=None):
@@ -1167,7 +1166,7 @@ class Node:
         from .recovery import read_generation
 
         self._pre_join = None
-        recs = [read_generation(self.store, g) for g in range(self.gen + 1, target + 1)]
+        recs = [read_generation(self.store, g, self.coord_key) for g in range(self.gen + 1, target + 1)]
         if any(r.get("kind") != "join" for r in recs):
             raise NodeFailure(f"node {self.rank}: membership changed at the iteration boundary", node=None)
         joins = {int(k): int(v) for r in recs for k, v in r["join"].items()}
@@ -1258,8 +1257,7 @@ class Node:
     def _recover(self, e: BaseException, sched, it: int, committed: bool, phase: str):
         """Report, wait for the coordinator's next generation, re-form the groups over the
         survivors and re-plan.  Returns the new schedule."""
-        from .recovery import (BadPayload, RecoveryError, read_generation, replan, report_failure,
-                               wait_generation)
+        from .recovery import BadPayload, RecoveryError, replan, report_failure, wait_generation
 
         suspect = getattr(e, "node", None)
         if suspect is None:
@@ -1268,8 +1266,8 @@ class Node:
               f"{type(e).__name__}: {str(e).splitlines()[0][:200]}; abandoning the iteration", file=sys.stderr,
               flush=True)
         report_failure(self.store, self.gen, self.rank, suspect, str(e), bad_peer=isinstance(e, BadPayload))
-        gen = wait_generation(self.store, self.gen, 2 * self.job.rt.timeout_s + (self.job.rt.heartbeat_deadline_s or 0))
-        info = read_generation(self.store, gen)
+        gen, info = wait_generation(self.store, self.gen, 2 * self.job.rt.timeout_s + (self.job.rt.heartbeat_deadline_s or 0),
+                                    self.coord_key)
         if self.rank not in info["alive"]:
             raise RecoveryError(f"node {self.rank}: fenced out of generation {gen} by the coordinator",
                                 node=self.rank)
@@ -1380,7 +1378,7 @@ def _warm_up(model, stage: int, cfg, device: torch.device) -> None:
 
 def _connect_for_join(target: str):
     """``HOST:PORT`` of a running job's store -> (addr, port, store, job, node id)."""
-    from .join import request_node_id
+    from .join import JOB_KEY, read_job, request_node_id, secret_from_env
 
     host, sep, port_s = target.rpartition(":")
     if not sep or not host or not port_s.isdigit():
@@ -1393,9 +1391,9 @@ def _connect_for_join(target: str):
     except Exception as e:  # noqa: BLE001
         raise RuntimeError(f"no store answers at {host}:{port} ({str(e).splitlines()[0][:120]}); is the run "
                            "still going, and was it launched with recovery on (--recover)?") from None
-    if not store.check(["job", "nodes/next"]):
+    if not store.check([JOB_KEY, "nodes/next"]):
         raise RuntimeError(f"the run at {host}:{port} does not accept joining nodes: launch it with --recover")
-    job = Job.from_dict(json.loads(store.get("job").decode()))
+    job = Job.from_dict(read_job(store, secret_from_env()))
     return host, port, store, job, request_node_id(store)
 
 
@@ -1421,8 +1419,9 @@ def main(argv: list[str] | None = None, node_class: type[Node] = Node) -> int:
         try:
             addr, port, store, job, rank = _connect_for_join(args.join)
         except (ValueError, RuntimeError, OSError) as e:
+            from .join import EXIT_REFUSED, JoinRefused
             print(f"skiptrain node: cannot join {args.join}: {e}", file=sys.stderr)
-            return 2
+            return EXIT_REFUSED if isinstance(e, JoinRefused) else 2
         world = job.world
     else:
         try:

@@ -12,8 +12,9 @@ Failure semantics (what survivors do, torchft style):
   :func:`check_payload`).  A dead node that is still running (hung, bad) is SIGKILLed by PID
   first (fencing: it can never come back with stale state, and every gloo connection to it
   resets, so survivors blocked on it fail within milliseconds instead of the group timeout).
-  It then publishes generation ``g+1``: ``gen = g+1`` and ``gen/<g+1> = {"alive": [...],
-  "dead": {node: cause}, ...}`` in the store.
+  It then publishes generation ``g+1``: ``gen/<g+1> = {"alive": [...], "dead": {node: cause},
+  ...}``, signed with the coordinator's member key, then the counter ``gen = g+1``.  Nodes act
+  only on signed records (:func:`generation_record`); the counter only says where to look.
 * **What survivors do.**  Every node watches ``gen`` (:class:`GenerationWatch`, one store read
   per heartbeat interval).  A new generation, or any transport/gloo error of its own, makes the
   node abandon the current iteration (all micro-batches of it, not only those that touched the
@@ -42,6 +43,7 @@ Failure semantics (what survivors do, torchft style):
 from __future__ import annotations
 
 import json
+import sys
 import threading
 import time
 from collections import Counter
@@ -51,7 +53,7 @@ import torch
 
 from ..schedule.schedule import MicroBatch, Schedule
 from .failure import NodeFailure
-from .membership import set_member
+from .membership import open_signed, set_member, sign
 from .transport import KIND_NAMES
 
 
@@ -208,21 +210,80 @@ def check_payload(kind: int, tensor: torch.Tensor, src: int, expected_shape: tup
 
 # ---- membership protocol (store keys) --------------------------------------------------------
 
-def publish_generation(store, gen: int, alive: list[int], dead: dict[int, str], info: dict | None = None) -> None:
-    """Coordinator side: announce generation ``gen`` (the value first, then the counter)."""
-    store.set(f"gen/{gen}", json.dumps({"alive": sorted(alive), "dead": {str(k): v for k, v in dead.items()},
-                                        "t": time.time(), **(info or {})}))
+def publish_generation(store, gen: int, alive: list[int], dead: dict[int, str], info: dict | None = None,
+                       key: bytes | None = None) -> None:
+    """Coordinator side: announce generation ``gen`` (the record first, then the counter).  The
+    record is signed with ``key``, the coordinator's member key (a run with a secret), so nodes
+    act on no generation a process without the secret wrote (:func:`generation_record`)."""
+    name = f"gen/{gen}"
+    store.set(name, sign(key, name, json.dumps({"alive": sorted(alive), "dead": {str(k): v for k, v in dead.items()},
+                                                "t": time.time(), **(info or {})})))
     store.set("gen", str(gen))
 
 
 def current_generation(store) -> int:
+    """The generation counter: only a hint of where to look (anyone reaching the store can write
+    it); the records behind it decide (:func:`generation_record`, :func:`latest_generation`)."""
     return int(store.get("gen").decode())
 
 
-def read_generation(store, gen: int) -> dict:
-    d = json.loads(store.get(f"gen/{gen}").decode())
-    d["dead"] = {int(k): v for k, v in d["dead"].items()}
+_FORGED_SEEN: set[tuple[str, str]] = set()
+
+
+def generation_record(store, gen: int, key: bytes | None) -> dict | None:
+    """The record of generation ``gen`` (``alive``, ``dead`` by node id, ``kind``, ...), or None
+    when it is absent, malformed, or not signed with ``key`` (the coordinator's member key; None:
+    a run without a secret, records are plain).  A forged record is printed once per process and
+    never acted on."""
+    name = f"gen/{gen}"
+    try:
+        if not store.check([name]):
+            return None
+        raw = store.get(name).decode(errors="replace")
+    except Exception:  # noqa: BLE001 - a store hiccup reads as "not there yet"
+        return None
+    value = raw if key is None else open_signed(key, name, raw)
+    try:
+        d = json.loads(value) if value is not None else None
+        d["alive"] = [int(n) for n in d["alive"]]
+        d["dead"] = {int(k): str(v) for k, v in d["dead"].items()}
+    except (TypeError, ValueError, KeyError, AttributeError):
+        d = None
+    if d is None and (name, raw) not in _FORGED_SEEN:
+        _FORGED_SEEN.add((name, raw))
+        print(f"skiptrain: ignored {name}: not a generation record signed by the run's coordinator "
+              "(written by a process without the run's secret)", file=sys.stderr, flush=True)
     return d
+
+
+def read_generation(store, gen: int, key: bytes | None = None) -> dict:
+    """:func:`generation_record` of a generation the caller knows was published; raises
+    :class:`RecoveryError` when it is not there or not the coordinator's."""
+    d = generation_record(store, gen, key)
+    if d is None:
+        raise RecoveryError(f"generation {gen} has no record signed by the run's coordinator in the store "
+                            "(a process without the run's secret overwrote it, or the store lost it)", node=None)
+    return d
+
+
+def wait_record(store, gen: int, key: bytes | None, timeout_s: float, poll_s: float = 0.02) -> dict:
+    """The coordinator's record of generation ``gen`` once it is in the store (anything else
+    written there is waited past); raises :class:`RecoveryError` after ``timeout_s``."""
+    deadline = time.time() + timeout_s
+    while (rec := generation_record(store, gen, key)) is None:
+        if time.time() > deadline:
+            raise RecoveryError(f"no generation {gen} from the coordinator within {timeout_s:g} s", node=None)
+        time.sleep(poll_s)
+    return rec
+
+
+def latest_generation(store, key: bytes | None) -> int:
+    """The newest generation with a valid record, found by reading the records upwards from 0
+    (generations are numbered densely; the counter itself is not trusted); -1 when there is none."""
+    g = -1
+    while generation_record(store, g + 1, key) is not None:
+        g += 1
+    return g
 
 
 def report_failure(store, gen: int, rank: int, suspect: int | None, cause: str, bad_peer: bool = False) -> None:
@@ -232,15 +293,18 @@ def report_failure(store, gen: int, rank: int, suspect: int | None, cause: str, 
                                                                 "bad_peer": bad_peer, "t": time.time()}))
 
 
-def wait_generation(store, after: int, timeout_s: float, poll_s: float = 0.02) -> int:
+def wait_generation(store, after: int, timeout_s: float, key: bytes | None = None,
+                    poll_s: float = 0.02) -> tuple[int, dict]:
     """Wait until the coordinator published a generation newer than ``after`` that is not a pure
     join (a failure is always followed by a membership change; a join generation published just
-    before it is cancelled by it); return it."""
+    before it is cancelled by it); return it and its record (only a record signed with ``key``
+    counts: :func:`generation_record`)."""
     deadline = time.time() + timeout_s
     while True:
         g = current_generation(store)
-        if g > after and record_kind(store, g) != "join":
-            return g
+        rec = generation_record(store, g, key) if g > after else None
+        if rec is not None and rec.get("kind", "change") != "join":
+            return g, rec
         if time.time() > deadline:
             raise RecoveryError(f"no new membership from the coordinator within {timeout_s:g} s after a "
                                 f"failure in generation {after}", node=None)
@@ -250,12 +314,13 @@ def wait_generation(store, after: int, timeout_s: float, poll_s: float = 0.02) -
 class GenerationWatch:
     """Polls ``gen`` in the store every ``interval_s``; calls ``on_change(gen)`` once for every
     generation newer than :attr:`gen` (the node sets :attr:`gen` after re-forming) that changes
-    membership.  A *join* generation (only adds nodes) does not abort anything: it is recorded
+    membership; only records signed with ``key`` (the coordinator's) count.  A *join* generation
+    (only adds nodes) does not abort anything: it is recorded
     in :attr:`join_seen`, and the nodes switch to it together at the next iteration boundary.
     Store errors are left to the heartbeat, which stops the node when the store is gone."""
 
-    def __init__(self, store, interval_s: float, on_change: Callable[[int], None]):
-        self.store, self.interval_s, self.on_change = store, interval_s, on_change
+    def __init__(self, store, interval_s: float, on_change: Callable[[int], None], key: bytes | None = None):
+        self.store, self.interval_s, self.on_change, self.key = store, interval_s, on_change, key
         self.gen = 0
         self._seen = 0
         self.join_seen = 0
@@ -280,15 +345,21 @@ class GenerationWatch:
                 g = current_generation(self.store)
             except Exception:  # noqa: BLE001
                 continue
-            if g <= max(self.gen, self._seen, self._checked):
+            first = max(self.gen, self._seen, self._checked) + 1
+            kinds = []
+            for x in range(first, g + 1):        # up to the first record not (yet) the coordinator's
+                rec = generation_record(self.store, x, self.key)
+                if rec is None:
+                    break
+                kinds.append(rec.get("kind", "change"))
+            if not kinds:
                 continue
-            kinds = [record_kind(self.store, x) for x in range(max(self.gen, self._seen, self._checked) + 1, g + 1)]
-            self._checked = g
+            self._checked = last = first + len(kinds) - 1
             if all(k == "join" for k in kinds):
-                self.join_seen = g
+                self.join_seen = last
                 continue
-            self._seen = g
-            self.on_change(g)
+            self._seen = last
+            self.on_change(last)
 
 
 # ---- dropping broken process groups ----------------------------------------------------------
@@ -445,10 +516,3 @@ def join_transfers(sizes: dict[str, int], partition, placement: list[list[int]],
     new = [[n for n in p if n in joins] if live[s] else [] for s, p in enumerate(placement)]
     return transfer_plan(sizes, Layout(partition, old), Layout(partition, new))
 
-
-def record_kind(store, gen: int) -> str:
-    """``"join"`` for a generation that only added nodes, else ``"change"``."""
-    try:
-        return json.loads(store.get(f"gen/{gen}").decode()).get("kind", "change")
-    except Exception:  # noqa: BLE001
-        return "change"
