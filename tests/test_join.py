@@ -294,11 +294,13 @@ def test_a_node_joining_a_schedule_of_one_stage_becomes_a_data_parallel_replica(
 
 
 @pytest.mark.slow
-def test_a_join_its_dead_coordinator_assigned_but_never_published_is_placed_by_the_replacement(byte_data, tmp_path):
-    """The coordinator dies between assigning a joiner its generation and publishing it (played
-    here by the test, which holds the secret): the replacement (``python -m
-    skiptrain.runtime.coordinator --run``) publishes the join again, the joiner takes it up, and
-    the run ends with it trained in."""
+@pytest.mark.parametrize("died_after", ["the assignment", "the record"])
+def test_a_join_its_dead_coordinator_left_half_published_is_taken_up_under_the_replacement(byte_data, tmp_path,
+                                                                                          died_after):
+    """The coordinator dies after assigning a joiner its generation and before publishing it, or
+    after writing the generation's record and before its counter (both played here by the test,
+    which holds the secret): the replacement (``python -m skiptrain.runtime.coordinator --run``)
+    publishes the join again, or the counter, the joiner takes it up, and it trains in."""
     import signal
     from datetime import timedelta
 
@@ -307,6 +309,8 @@ def test_a_join_its_dead_coordinator_assigned_but_never_published_is_placed_by_t
     from conftest import launch_in_a_process, wait_for
     from fault_node import faulty_job
     from skiptrain.runtime.join import assign_join, challenge, check_response
+    from skiptrain.runtime.membership import COORDINATOR, member_key, strip_tag
+    from skiptrain.runtime.recovery import publish_generation
 
     cfg = build_config("tiny", overrides={"train": {"grad_clip": 0.0, "steps": 40, "warmup_steps": 1}})
     run = tmp_path / "run"
@@ -315,10 +319,10 @@ def test_a_join_its_dead_coordinator_assigned_but_never_published_is_placed_by_t
                                   recover=True, restartable=True),
               data_path=str(byte_data), run_dir=str(run),
               phases=[Phase("p", _sched().to_dict(), iterations=iters, dump=True)],
-              **faulty_job({"node": 0, "kind": "hold", "iteration": 2, "key": "gen/1", "timeout_s": 80}))
+              **faulty_job({"node": 0, "kind": "hold", "iteration": 2, "key": "test/release", "timeout_s": 80}))
     run.mkdir()
     launcher = launch_in_a_process(job.save(tmp_path / "job.json"))
-    joiner = None
+    joiner = coord = None
     try:
         wait_for(lambda: (run / "join.json").exists(), 60)
         info = json.loads((run / "join.json").read_text())
@@ -329,14 +333,26 @@ def test_a_join_its_dead_coordinator_assigned_but_never_published_is_placed_by_t
         launcher.wait()
         secret = (run / "join_secret").read_text()
         joiner = _joiner(run, info, secret, "joiner")
-        wait_for(lambda: store.check(["join/hello/5"]), 60)    # the dead coordinator's part: admit
+        wait_for(lambda: store.check(["join/hello/5"]), 60)    # the dead coordinator's part: admit,
         nonce = challenge(store, 5)
         wait_for(lambda: check_response(store, 5, nonce, secret) is not None, 60)
-        assign_join(store, 5, secret, 1)                      # ... assign, and never publish
-        coord = subprocess.run([sys.executable, "-m", "skiptrain.runtime.coordinator", "--run", str(run)],
-                               env=dict(os.environ, PYTHONPATH=str(REPO)), capture_output=True, text=True, timeout=120)
+        assign_join(store, 5, secret, 1)                      # assign,
+        if died_after == "the record":                        # publish the record, not the counter
+            cur = json.loads(strip_tag(store.get("sched/cur").decode()))
+            new = add_replica(Schedule.from_dict(cur["schedule"]), 5, 1, _sched())
+            publish_generation(store, 1, [0, 1, 2, 3, 4, 5], {}, {"kind": "join", "join": {"5": 1}, "phase": 0,
+                               "schedule": new.to_dict(), "choice": {"rule": "test"}},
+                               key=member_key(secret, COORDINATOR))
+            store.set("gen", "0")
+        coord = subprocess.Popen([sys.executable, "-m", "skiptrain.runtime.coordinator", "--run", str(run)],
+                                 env=dict(os.environ, PYTHONPATH=str(REPO)), stdout=subprocess.DEVNULL,
+                                 stderr=subprocess.PIPE, text=True)
+        wait_for(lambda: '"restart": true' in (run / "recoveries.jsonl").read_text()
+                 if (run / "recoveries.jsonl").exists() else False, 60)
+        store.set("test/release", "1")                        # node 0 goes on
+        err = coord.communicate(timeout=120)[1]
         joiner.wait(timeout=60)
-        assert coord.returncode == 0, coord.stderr[-2000:]
+        assert coord.returncode == 0, err[-2000:]
         assert joiner.returncode == 0, (run / "logs" / "joiner.log").read_text()[-2000:]
         rec = [json.loads(x) for x in (run / "recoveries.jsonl").read_text().splitlines()]
         assert [(r["gen"], r["node"]) for r in rec if r.get("join")] == [(1, 5)], rec
@@ -346,5 +362,6 @@ def test_a_join_its_dead_coordinator_assigned_but_never_published_is_placed_by_t
         assert sorted(trained) == list(range(iters * 4 * cfg.train.micro_batch))
         assert processes_of_run(run) == []
     finally:                                                # (a failed run leaves nothing behind)
-        for pid in processes_of_run(run) + [p.pid for p in (launcher, joiner) if p is not None and p.poll() is None]:
+        left = [p.pid for p in (launcher, joiner, coord) if p is not None and p.poll() is None]
+        for pid in processes_of_run(run) + left:
             os.kill(pid, signal.SIGKILL)

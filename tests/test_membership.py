@@ -121,7 +121,8 @@ def test_nodes_act_only_on_generation_records_the_coordinator_signed():
 
 
 def test_a_joiner_takes_only_a_signed_job_and_a_signed_placement():
-    from skiptrain.runtime.join import JoinRefused, assign_join, publish_job, read_job, wait_for_placement
+    from skiptrain.runtime.join import (JoinRefused, assign_join, cancel_join, publish_job, read_job,
+                                        wait_for_placement)
     from skiptrain.runtime.membership import COORDINATOR
     from skiptrain.runtime.recovery import publish_generation
 
@@ -154,6 +155,12 @@ def test_a_joiner_takes_only_a_signed_job_and_a_signed_placement():
     g, rec = wait_for_placement(st, 7, "s3cret", 5.0)
     th.join()
     assert g == 4 and rec["join"] == {"7": 1} and rec["alive"] == [0, 1, 7]
+    # a join the coordinator cancelled ends the wait at once, whatever assignment is there
+    cancel_join(st, 7, "s3cret", "the run ended before its nodes took this join up")
+    t0 = time.time()
+    with pytest.raises(JoinRefused, match="join cancelled by the coordinator: the run ended"):
+        wait_for_placement(st, 7, "s3cret", 30.0)
+    assert time.time() - t0 < 5
 
 
 def _sentinel() -> subprocess.Popen:

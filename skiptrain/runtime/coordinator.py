@@ -198,6 +198,7 @@ def _loop(job, store, members, stage0, deadline, strikes_needed, log_path, fence
     if resume:
         gen = latest_generation(store, key)
         alive = set(read_generation(store, gen, key)["alive"])
+        store.set("gen", str(gen))       # (its predecessor may have died between a record and the counter)
         for r in sorted(alive):
             members.ext[r] = verified_pid(members.verifier, store, r)
         saved = members.verifier.read(store, COORDINATOR, "coord/strikes")

@@ -86,13 +86,13 @@ def wait_for_join(store, node: int, secret: str | None, key: str, timeout_s: flo
     deadline = time.time() + timeout_s
     while time.time() < deadline:
         try:
-            if store.check([key]):
+            why = open_signed(coord, cancel, store.get(cancel).decode(errors="replace")) \
+                if coord is not None and store.check([cancel]) else None
+            if why is None and store.check([key]):       # (a cancellation wins over any value)
                 raw = store.get(key).decode(errors="replace")
                 value = open_signed(coord, key, raw) if signed and coord is not None else raw
                 if value is not None:
                     return value
-            why = open_signed(coord, cancel, store.get(cancel).decode(errors="replace")) \
-                if coord is not None and store.check([cancel]) else None
         except RuntimeError as e:          # torch's store errors (DistError and its kin) included
             raise JoinRefused(f"node {node}: the run's store stopped answering while this node waited to "
                               f"join ({str(e).splitlines()[0][:120]}): the run ended or failed", node=node) from None

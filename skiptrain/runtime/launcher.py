@@ -118,13 +118,15 @@ def _launch(job: Job, nodes: int | None, timeout_s: float, grace_s: float, echo:
         from .membership import host_store
         store, listening = host_store(world, max(job.rt.timeout_s, 60.0))  # noqa: F841 - loopback only
     (run_dir / "join.json").unlink(missing_ok=True)
-    base_env, join_secret = _node_env(job, run_dir, world, store.port, store_proc is not None, join_secret)
     if job.rt.recover:
-        # nodes joining later (``--join HOST:PORT``) take ids from here on and read the job here,
-        # signed by the coordinator (a joiner trusts no job a process without the secret wrote)
-        from .join import publish_job
+        # nodes joining later (``--join HOST:PORT``, announced in join.json below) take ids from
+        # here on and read the job here, signed by the coordinator (a joiner trusts no job a
+        # process without the secret wrote); recovery mode always admits by challenge
+        from .join import new_secret, publish_job
+        join_secret = join_secret or new_secret()
         store.add("nodes/next", world)
         publish_job(store, job.to_dict(), join_secret)
+    base_env = _node_env(job, run_dir, world, store.port, store_proc is not None, join_secret)
     procs: list[subprocess.Popen] = []
     interrupted = False
     logs = []
@@ -249,16 +251,15 @@ def _members_now(job: Job, store, n_procs: int, secret: str | None) -> list[int]
     return [r for r in range(n_procs) if r in rec["alive"]]
 
 
-def _node_env(job: Job, run_dir: Path, world: int, port: int, detached: bool, join_secret: str | None):
+def _node_env(job: Job, run_dir: Path, world: int, port: int, detached: bool, join_secret: str | None) -> dict:
     """The node processes' environment; in recovery mode also the run's join secret (written to
-    ``RUN_DIR/join_secret``, mode 0600, and announced in ``join.json``).  Returns (env, secret)."""
+    ``RUN_DIR/join_secret``, mode 0600, and announced in ``join.json``)."""
     repo_root = str(Path(__file__).resolve().parents[2])
     env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(world),
                SKIPTRAIN_STORE_HOSTED="1", OMP_NUM_THREADS="1", SKIPTRAIN_DETACHED="1" if detached else "0",
                PYTHONPATH=os.pathsep.join([repo_root, os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep))
     if job.rt.recover:
-        from .join import SECRET_ENV, new_secret
-        join_secret = join_secret or new_secret()        # recovery mode always admits by challenge
+        from .join import SECRET_ENV
         env[SECRET_ENV] = join_secret
         sf = run_dir / "join_secret"
         sf.unlink(missing_ok=True)
@@ -266,7 +267,7 @@ def _node_env(job: Job, run_dir: Path, world: int, port: int, detached: bool, jo
         os.write(fd, join_secret.encode())
         os.close(fd)
         (run_dir / "join.json").write_text(json.dumps({"host": "127.0.0.1", "port": port, "secret_file": str(sf)}))
-    return env, join_secret
+    return env
 
 
 def _stop_children(procs) -> set[int]:

@@ -86,6 +86,17 @@ def strip_tag(raw: str) -> str:
     return value if sep else raw
 
 
+def read_raw(store, name: str) -> str | None:
+    """The value of store key ``name`` as stored (tag included), None when absent; a store hiccup
+    reads as "nothing there yet"."""
+    try:
+        if not store.check([name]):
+            return None
+        return store.get(name).decode(errors="replace")
+    except Exception:  # noqa: BLE001
+        return None
+
+
 def set_member(store, node: int, name: str, value: str) -> None:
     """Node side: write ``name = value``, signed with this node's member key when the run has a secret."""
     store.set(name, sign(key_from_env(node), name, value))
@@ -119,11 +130,8 @@ class Verifier:
 
     def read(self, store, node: int, name: str) -> str | None:
         """The verified value of ``name`` (written by ``node``), None when absent or forged."""
-        try:
-            if not store.check([name]):
-                return None
-            raw = store.get(name).decode(errors="replace")
-        except Exception:  # noqa: BLE001 - a store hiccup reads as "nothing new"
+        raw = read_raw(store, name)
+        if raw is None:
             return None
         value = open_signed(self.key(node), name, raw)
         if value is None:

@@ -800,8 +800,8 @@ class Node:
         redone = self._settle(a.committed, a.stepped or was_moved, st.it, st.model, st.strat, st.opt, a.lr,
                               None if was_moved else a.res)
         st.sched = new_sched
+        self._publish_sched(st.sched, st.idx, st.cost)   # before the ack: the coordinator reads it after all acks
         self._ack()
-        self._publish_sched(st.sched, st.idx, st.cost)
         st.replan_pending = True
         return redone
 
@@ -1181,8 +1181,8 @@ class Node:
         groups, strat2 = self._stage_groups(new, stage, model, strat, step_count)
         self._join_transfer(new, joins, model, strat2, opt, ph, phase_idx, it, cursor)
         self._pre_join = (max(joins), sched)
-        self._ack()
         self._publish_sched(new, phase_idx, elastic.st.cost if elastic is not None else None)
+        self._ack()
         print(f"skiptrain node {self.rank}: generation {target}: node(s) {sorted(joins)} joined "
               f"(stages {sorted(set(joins.values()))}); placement {new.placement}; {time.time() - t:.3f} s",
               file=sys.stderr, flush=True)

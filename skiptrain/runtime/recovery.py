@@ -53,7 +53,7 @@ import torch
 
 from ..schedule.schedule import MicroBatch, Schedule
 from .failure import NodeFailure
-from .membership import open_signed, set_member, sign
+from .membership import open_signed, read_raw, set_member, sign
 from .transport import KIND_NAMES
 
 
@@ -236,11 +236,8 @@ def generation_record(store, gen: int, key: bytes | None) -> dict | None:
     a run without a secret, records are plain).  A forged record is printed once per process and
     never acted on."""
     name = f"gen/{gen}"
-    try:
-        if not store.check([name]):
-            return None
-        raw = store.get(name).decode(errors="replace")
-    except Exception:  # noqa: BLE001 - a store hiccup reads as "not there yet"
+    raw = read_raw(store, name)
+    if raw is None:
         return None
     value = raw if key is None else open_signed(key, name, raw)
     try:
