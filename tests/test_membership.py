@@ -170,7 +170,7 @@ def _sentinel() -> subprocess.Popen:
 def _forge(info: dict, stop: threading.Event, sentinel_pid: int, done: dict) -> None:
     """A process that reached the store port but has no secret: bad-peer reports against both
     stage-0 nodes, PIDs pointing at an unrelated process, stale heartbeats, a joiner's hello,
-    and generation records that drop a node."""
+    generation records that drop a node, and a request to stop."""
     import torch.distributed as dist
 
     store = dist.TCPStore(info["host"], int(info["port"]), 1, is_master=False, wait_for_workers=False,
@@ -189,6 +189,7 @@ def _forge(info: dict, stop: threading.Event, sentinel_pid: int, done: dict) -> 
             for gen in (1, 2):                   # generations that drop node 5, then the counter
                 store.set(f"gen/{gen}", json.dumps({"alive": [0, 1, 2, 3, 4], "dead": {"5": "forged"}, "t": 0.0}))
             store.set("gen", "2")
+            store.set("stop", "1")               # a stop request
             done["writes"] = done.get("writes", 0) + 1
         except Exception:  # noqa: BLE001 - the run ended and its store went away
             return

@@ -216,14 +216,15 @@ def _before(line: str, iteration: int) -> bool:
 
 
 def _stop_at_boundary(job: Job, procs, store, secret: str | None) -> dict | None:
-    """Ask the nodes to stop at the next iteration boundary (``stop`` in the store) and wait for
-    them to exit; None when all did cleanly, else a failure description (the launch then stops
+    """Ask the nodes to stop at the next iteration boundary (``stop`` in the store, signed in a
+    run with a secret) and wait for them to exit; None when all did cleanly, else a failure description (the launch then stops
     hard).  A second Ctrl-C while waiting goes up at once."""
+    from .membership import COORDINATOR, member_key, sign
     from .node import STOP_KEY
 
     print("[launch] stopping: every node ends at the next iteration boundary and writes its stage "
           "(Ctrl-C again to stop at once)", file=sys.stderr, flush=True)
-    store.set(STOP_KEY, "1")
+    store.set(STOP_KEY, sign(member_key(secret, COORDINATOR) if secret else None, STOP_KEY, "1"))   # nodes verify
     watched = _members_now(job, store, len(procs), secret)
     end = time.time() + 2 * job.rt.timeout_s + 10
     while time.time() < end:

@@ -53,7 +53,7 @@ import torch.distributed as dist
 from .failure import (EXIT_FAILED, EXIT_PEER_FAILED, Heartbeat, NodeFailure, abort_process,
                       set_parent_death_signal, write_error)
 from .job import Job, Phase
-from .membership import COORDINATOR, member_key, set_member
+from .membership import COORDINATOR, member_key, open_signed, read_raw, set_member
 
 
 # columns of the per-iteration stats every node gathers (then the drift monitor's, then the
@@ -167,6 +167,7 @@ class Node:
         # membership: node ids never change; ranks are positions in the sorted alive list
         self.gen = 0
         self.coord_key: bytes | None = None     # the coordinator's member key (a run with a secret)
+        self._forged_stop = False
         self.alive = list(range(world))
         self._rank = {n: n for n in self.alive}
         # a second client connection for the heartbeat and the membership watch: store calls of
@@ -551,7 +552,7 @@ class Node:
             st.elastic.apply_pending()      # a freeze transition decided at the last boundary
         # common start: everyone present (and agreed whether the launcher asked to stop: then every
         # node ends the phase here, writes its stage and exits), then rank 0's clock + a margin
-        stop = torch.tensor([1 if self.hb_store.check([STOP_KEY]) else 0], dtype=torch.int64)
+        stop = torch.tensor([1 if self._stop_requested() else 0], dtype=torch.int64)
         self._sync(dist.all_reduce, stop, dist.ReduceOp.MAX)
         if int(stop.item()):
             raise StopRequested(f"node {self.rank}: the launcher asked to stop")
@@ -1144,6 +1145,20 @@ class Node:
         """Tell the coordinator this node runs in its current generation (joins wait for it)."""
         if self.job.rt.recover:
             self.store.set(f"ack/{self.gen}/{self.rank}", repr(time.time()))
+
+    def _stop_requested(self) -> bool:
+        """Whether the launcher asked to stop: ``stop`` in the store, signed by the coordinator in a
+        run with a secret (a request anyone else wrote is printed once and ignored)."""
+        raw = read_raw(self.hb_store, STOP_KEY)
+        if raw is None or self.coord_key is None:
+            return raw is not None
+        if open_signed(self.coord_key, STOP_KEY, raw) is not None:
+            return True
+        if not self._forged_stop:
+            self._forged_stop = True
+            print(f"skiptrain node {self.rank}: ignored a stop request not signed by the run's coordinator "
+                  "(written by a process without the run's secret)", file=sys.stderr, flush=True)
+        return False
 
     def _publish_sched(self, sched, phase_idx: int, cost=None) -> None:
         """The lowest node of the generation tells the coordinator the schedule in force and,
