@@ -163,6 +163,32 @@ def test_a_joiner_takes_only_a_signed_job_and_a_signed_placement():
     assert time.time() - t0 < 5
 
 
+def test_a_runs_store_process_stops_only_on_the_coordinators_signed_request(tmp_path):
+    from skiptrain.runtime.outputs import stop_store
+    from skiptrain.runtime.store import start
+
+    (tmp_path / "logs").mkdir()
+    proc, host, port = start(tmp_path, secret="s3cret")
+    try:
+        client = _store_client(host, port)
+        client.set("store/stop", "1")                          # a process without the secret
+        client.set("store/stop", sign(member_key("guess", -1), "store/stop", "1"))
+        time.sleep(1.0)
+        assert proc.poll() is None, "a forged stop ended the run's store"
+        stop_store(proc, client, "s3cret")                      # the coordinator's own request
+        assert proc.wait(timeout=10) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def _store_client(host: str, port: int):
+    import torch.distributed as dist
+
+    return dist.TCPStore(host, port, 1, is_master=False, wait_for_workers=False, timeout=timedelta(seconds=10))
+
+
 def _sentinel() -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
 

@@ -510,14 +510,14 @@ def main(argv: list[str] | None = None) -> int:
     try:
         failure = coordinate(job, [], store, job.world, t0, timeout, run_dir, secret, resume=True)
     except RuntimeFailure as e:  # nothing to resume: stopping the store makes the waiting nodes exit
-        stop_store(int(info["pid"]), store)
+        stop_store(int(info["pid"]), store, secret)
         print(f"skiptrain coordinator: {e}", file=sys.stderr)
         return 2
     (run_dir / "join_secret").unlink(missing_ok=True)
     (run_dir / "join.json").unlink(missing_ok=True)
     if failure is None:
         merge_outputs(job, run_dir)
-    stop_store(int(info["pid"]), store)
+    stop_store(int(info["pid"]), store, secret)
     if failure is not None:
         print(f"skiptrain coordinator: the run failed: {failure}", file=sys.stderr)
         return 1

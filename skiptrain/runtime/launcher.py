@@ -107,11 +107,14 @@ def _launch(job: Job, nodes: int | None, timeout_s: float, grace_s: float, echo:
     job_path = job.save(run_dir / "job.json")
     store_proc = None
     failure = err = None
+    if job.rt.recover:
+        from .join import new_secret
+        join_secret = join_secret or new_secret()        # recovery mode always admits by challenge
     if job.rt.recover and job.rt.restartable:
         # the store in a process of its own: this launcher (the coordinator) may die and be
         # replaced (``python -m skiptrain.runtime.coordinator --run RUN_DIR``) without losing the run
         from .store import start as start_store
-        store_proc, _, port = start_store(run_dir)
+        store_proc, _, port = start_store(run_dir, secret=join_secret)
         store = dist.TCPStore("127.0.0.1", port, world, is_master=False, wait_for_workers=False,
                               timeout=timedelta(seconds=max(job.rt.timeout_s, 60.0)))
     else:
@@ -121,9 +124,8 @@ def _launch(job: Job, nodes: int | None, timeout_s: float, grace_s: float, echo:
     if job.rt.recover:
         # nodes joining later (``--join HOST:PORT``, announced in join.json below) take ids from
         # here on and read the job here, signed by the coordinator (a joiner trusts no job a
-        # process without the secret wrote); recovery mode always admits by challenge
-        from .join import new_secret, publish_job
-        join_secret = join_secret or new_secret()
+        # process without the secret wrote)
+        from .join import publish_job
         store.add("nodes/next", world)
         publish_job(store, job.to_dict(), join_secret)
     base_env = _node_env(job, run_dir, world, store.port, store_proc is not None, join_secret)
@@ -164,7 +166,7 @@ def _launch(job: Job, nodes: int | None, timeout_s: float, grace_s: float, echo:
         if failure is not None:                 # explained while the store (fault times) is still up
             err = _explain(job, procs, failure, run_dir, store, killed_by_us)
         if store_proc is not None:
-            stop_store(store_proc, store)
+            stop_store(store_proc, store, join_secret)
     wall = time.time() - t_start
     if err is not None:
         raise err

@@ -60,12 +60,14 @@ def salvage_checkpoint(job: Job) -> str:
     return (f"{run_dir / 'model.safetensors'} holds the weights of checkpoint {reader.path} (iteration "
             f"{reader.step}); --resume continues from it")
 
-def stop_store(store_proc, store) -> None:
-    """Ask the store process to exit (``store/stop``); SIGKILL it if it does not within 5 s."""
+def stop_store(store_proc, store, secret: str | None) -> None:
+    """Ask the store process to exit (``store/stop``, signed with the coordinator's key when the
+    run has a secret); SIGKILL it if it does not within 5 s."""
+    from .membership import COORDINATOR, member_key, sign
     from .store import STOP_KEY
 
     try:
-        store.set(STOP_KEY, "1")
+        store.set(STOP_KEY, sign(member_key(secret, COORDINATOR) if secret else None, STOP_KEY, "1"))
     except Exception:  # noqa: BLE001
         pass
     pid = store_proc if isinstance(store_proc, int) else store_proc.pid

@@ -2,7 +2,9 @@
 
 ``python -m skiptrain.runtime.store --port-file PATH`` hosts a ``TCPStore`` listening on
 127.0.0.1 only (``--host`` names another single address; port chosen by the OS), writes ``{"host", "port", "pid"}`` to ``PATH`` and serves until the key
-``store/stop`` is set (the coordinator does that when the run ends).  Everything the coordinator
+``store/stop`` is set (the coordinator does that when the run ends; when the run has a secret,
+the process takes it from ``SKIPTRAIN_JOIN_SECRET`` and stops only on a request signed with
+the coordinator's key: a process without the secret cannot end the run by stopping its store).  Everything the coordinator
 knows lives in this store (generations and their alive sets, strikes, join nonces and results,
 node PIDs), so a coordinator that dies can be replaced by ``python -m
 skiptrain.runtime.coordinator --run RUN_DIR`` without losing the run: the nodes keep training
@@ -36,14 +38,20 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--idle-exit", type=float, default=IDLE_EXIT_S, metavar="S",
                     help="exit when every node has been done or silent for S seconds (nobody left to serve)")
     args = ap.parse_args(argv)
-    from .membership import host_store
+    from .membership import COORDINATOR, key_from_env, host_store, open_signed, read_raw
 
     store, listening = host_store(1, 60.0, args.host)  # noqa: F841 - the socket must stay open
     tmp = Path(args.port_file).with_suffix(".tmp")
     tmp.write_text(json.dumps({"host": args.host, "port": store.port, "pid": os.getpid()}))
     os.replace(tmp, args.port_file)
     ended_since = None
-    while not store.check([STOP_KEY]):
+    key = key_from_env(COORDINATOR)
+
+    def stop_requested() -> bool:
+        raw = read_raw(store, STOP_KEY)
+        return raw is not None and (key is None or open_signed(key, STOP_KEY, raw) is not None)
+
+    while not stop_requested():
         time.sleep(args.poll)
         ended_since = (ended_since or time.time()) if run_ended(store, args.idle_exit) else None
         if ended_since is not None and time.time() - ended_since >= args.idle_exit:
@@ -69,8 +77,9 @@ def run_ended(store, silent_s: float) -> bool:
         return False
 
 
-def start(run_dir: Path, timeout_s: float = 60.0, idle_exit_s: float = IDLE_EXIT_S):
-    """Start the store process for ``run_dir``; returns (Popen, host, port)."""
+def start(run_dir: Path, timeout_s: float = 60.0, idle_exit_s: float = IDLE_EXIT_S, secret: str | None = None):
+    """Start the store process for ``run_dir`` (``secret``: the run's, so it stops only on the
+    coordinator's signed request); returns (Popen, host, port)."""
     import subprocess
 
     pf = Path(run_dir) / "store.json"
@@ -78,6 +87,10 @@ def start(run_dir: Path, timeout_s: float = 60.0, idle_exit_s: float = IDLE_EXIT
     repo_root = str(Path(__file__).resolve().parents[2])
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([repo_root, os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep),
                OMP_NUM_THREADS="1")
+    from .membership import SECRET_ENV
+    env.pop(SECRET_ENV, None)
+    if secret:
+        env[SECRET_ENV] = secret
     log = open(Path(run_dir) / "logs" / "store.log", "wb")
     p = subprocess.Popen([sys.executable, "-m", "skiptrain.runtime.store", "--port-file", str(pf),
                           "--idle-exit", str(idle_exit_s)], env=env,
