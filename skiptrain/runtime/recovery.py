@@ -312,8 +312,8 @@ class GenerationWatch:
     """Polls ``gen`` in the store every ``interval_s``; calls ``on_change(gen)`` once for every
     generation newer than :attr:`gen` (the node sets :attr:`gen` after re-forming) that changes
     membership; only records signed with ``key`` (the coordinator's) count.  A *join* generation
-    (only adds nodes) does not abort anything: it is recorded
-    in :attr:`join_seen`, and the nodes switch to it together at the next iteration boundary.
+    (only adds nodes) does not abort anything: it is recorded in :attr:`join_seen`, and the nodes
+    switch to it together at the next iteration boundary.
     Store errors are left to the heartbeat, which stops the node when the store is gone."""
 
     def __init__(self, store, interval_s: float, on_change: Callable[[int], None], key: bytes | None = None):

@@ -1,12 +1,13 @@
 """The rendezvous store in a process of its own, so the coordinator can be restarted.
 
 ``python -m skiptrain.runtime.store --port-file PATH`` hosts a ``TCPStore`` listening on
-127.0.0.1 only (``--host`` names another single address; port chosen by the OS), writes ``{"host", "port", "pid"}`` to ``PATH`` and serves until the key
-``store/stop`` is set (the coordinator does that when the run ends; when the run has a secret,
-the process takes it from ``SKIPTRAIN_JOIN_SECRET`` and stops only on a request signed with
-the coordinator's key: a process without the secret cannot end the run by stopping its store).  Everything the coordinator
-knows lives in this store (generations and their alive sets, strikes, join nonces and results,
-node PIDs), so a coordinator that dies can be replaced by ``python -m
+127.0.0.1 only (``--host`` names another single address; port chosen by the OS), writes
+``{"host", "port", "pid"}`` to ``PATH`` and serves until the key ``store/stop`` is set (the
+coordinator does that when the run ends; when the run has a secret, the process takes it from
+``SKIPTRAIN_JOIN_SECRET`` and stops only on a request signed with the coordinator's key, so a
+process without the secret cannot end the run by stopping its store).  Everything the
+coordinator knows lives in this store (generations and their alive sets, strikes, join nonces
+and results, node PIDs), so a coordinator that dies can be replaced by ``python -m
 skiptrain.runtime.coordinator --run RUN_DIR`` without losing the run: the nodes keep training
 meanwhile (they only need the coordinator when membership changes).
 
