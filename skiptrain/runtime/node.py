@@ -289,11 +289,16 @@ class Node:
             self._peer_failed(node, reason)
 
     def _membership_changed(self, gen: int) -> None:
-        """A new generation: make the executor abandon the current iteration at once."""
+        """A new generation: make the executor abandon the current iteration at once.  The watch
+        thread may report a generation this node already re-formed into (it recovered from its own
+        transport error meanwhile): that one is ignored, or it would abort the re-run iteration."""
         from .transport import TransportError
 
-        self.tr.inbox.put(TransportError(f"node {self.rank}: membership generation {gen} announced; "
-                                         "abandoning the iteration", peer=None))
+        tr = self.tr                   # read first: _regroup sets self.gen before the new transport
+        if gen <= self.gen:
+            return
+        tr.inbox.put(TransportError(f"node {self.rank}: membership generation {gen} announced; "
+                                    "abandoning the iteration", peer=None))
 
     def _regroup(self, gen: int, alive: list[int]) -> None:
         """Destroy every process group and re-create them over ``alive`` on the store prefix
