@@ -41,7 +41,8 @@ import secrets
 import time
 
 from .failure import NodeFailure
-from .membership import COORDINATOR, SECRET_ENV, member_key, open_signed, secret_from_env, sign
+from .membership import (COORDINATOR, SECRET_ENV, coordinator_key, member_key, open_signed, open_value,
+                         secret_from_env, sign)
 from .recovery import generation_record
 
 #: The store key of the job description joiners read (signed by the coordinator).
@@ -82,7 +83,7 @@ def wait_for_join(store, node: int, secret: str | None, key: str, timeout_s: flo
     Raises :class:`JoinRefused` when the coordinator cancels this node's join first (its signed
     reason) or when the store stops answering (the run ended or its store host failed)."""
     cancel = f"join/cancel/{node}"
-    coord = member_key(secret, COORDINATOR) if secret else None
+    coord = coordinator_key(secret)
     deadline = time.time() + timeout_s
     while time.time() < deadline:
         try:
@@ -90,7 +91,7 @@ def wait_for_join(store, node: int, secret: str | None, key: str, timeout_s: flo
                 if coord is not None and store.check([cancel]) else None
             if why is None and store.check([key]):       # (a cancellation wins over any value)
                 raw = store.get(key).decode(errors="replace")
-                value = open_signed(coord, key, raw) if signed and coord is not None else raw
+                value = open_value(coord if signed else None, key, raw)
                 if value is not None:
                     return value
         except RuntimeError as e:          # torch's store errors (DistError and its kin) included
@@ -115,7 +116,7 @@ def wait_for_placement(store, node: int, secret: str | None, timeout_s: float, p
     restarted between the two publishes the join again under the next free number and assigns
     that one, so an assigned generation whose record does not place this node is waited past.
     Raises :class:`JoinRefused` on cancellation, a lost store, or no placement in ``timeout_s``."""
-    key = member_key(secret, COORDINATOR) if secret else None
+    key = coordinator_key(secret)
     deadline = time.time() + timeout_s
     while True:
         g = wait_for_join(store, node, secret, f"join/assign/{node}", deadline - time.time(), signed=True)

@@ -221,12 +221,12 @@ def _stop_at_boundary(job: Job, procs, store, secret: str | None) -> dict | None
     """Ask the nodes to stop at the next iteration boundary (``stop`` in the store, signed in a
     run with a secret) and wait for them to exit; None when all did cleanly, else a failure description (the launch then stops
     hard).  A second Ctrl-C while waiting goes up at once."""
-    from .membership import COORDINATOR, member_key, sign
+    from .membership import coordinator_key, sign
     from .node import STOP_KEY
 
     print("[launch] stopping: every node ends at the next iteration boundary and writes its stage "
           "(Ctrl-C again to stop at once)", file=sys.stderr, flush=True)
-    store.set(STOP_KEY, sign(member_key(secret, COORDINATOR) if secret else None, STOP_KEY, "1"))   # nodes verify
+    store.set(STOP_KEY, sign(coordinator_key(secret), STOP_KEY, "1"))   # nodes verify
     watched = _members_now(job, store, len(procs), secret)
     end = time.time() + 2 * job.rt.timeout_s + 10
     while time.time() < end:
@@ -245,9 +245,9 @@ def _members_now(job: Job, store, n_procs: int, secret: str | None) -> list[int]
     generation (a node that failed or was fenced earlier is no longer waited for), else all."""
     if not job.rt.recover:
         return list(range(n_procs))
-    from .membership import COORDINATOR, member_key
+    from .membership import coordinator_key
     from .recovery import generation_record, latest_generation
-    key = member_key(secret, COORDINATOR) if secret else None
+    key = coordinator_key(secret)
     rec = generation_record(store, latest_generation(store, key), key)
     if rec is None:                            # stopped during admission: every node
         return list(range(n_procs))

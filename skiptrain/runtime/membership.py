@@ -80,6 +80,17 @@ def open_signed(key: bytes, name: str, raw: str) -> str | None:
     return value if ok else None
 
 
+def open_value(key: bytes | None, name: str, raw: str) -> str | None:
+    """:func:`open_signed` with ``key``; ``raw`` itself when ``key`` is None (a run without a
+    secret writes plain values)."""
+    return raw if key is None else open_signed(key, name, raw)
+
+
+def coordinator_key(secret: str | bytes | None) -> bytes | None:
+    """The coordinator's member key (id :data:`COORDINATOR`) from the run's secret; None without one."""
+    return member_key(secret, COORDINATOR) if secret else None
+
+
 def strip_tag(raw: str) -> str:
     """The value of ``raw`` without its tag (for readers that do not act on it)."""
     value, sep, _ = raw.rpartition(TAG)

@@ -53,7 +53,7 @@ import torch.distributed as dist
 from .failure import (EXIT_FAILED, EXIT_PEER_FAILED, Heartbeat, NodeFailure, abort_process,
                       set_parent_death_signal, write_error)
 from .job import Job, Phase
-from .membership import COORDINATOR, member_key, open_signed, read_raw, set_member
+from .membership import coordinator_key, open_value, read_raw, set_member
 
 
 # columns of the per-iteration stats every node gathers (then the drift monitor's, then the
@@ -187,7 +187,7 @@ class Node:
 
             set_member(self.store, rank, f"pid/{rank}", str(os.getpid()))  # signed: a restarted coordinator fences by PID
             secret = secret_from_env()
-            self.coord_key = member_key(secret, COORDINATOR) if secret else None   # it signs the generations
+            self.coord_key = coordinator_key(secret)   # it signs the generations
             node_join(self.store, rank, secret, max(60.0, job.rt.timeout_s))
             if store is not None:
                 # joining a running job: wait until the coordinator placed this node (a join
@@ -1155,9 +1155,9 @@ class Node:
         """Whether the launcher asked to stop: ``stop`` in the store, signed by the coordinator in a
         run with a secret (a request anyone else wrote is printed once and ignored)."""
         raw = read_raw(self.hb_store, STOP_KEY)
-        if raw is None or self.coord_key is None:
-            return raw is not None
-        if open_signed(self.coord_key, STOP_KEY, raw) is not None:
+        if raw is None:
+            return False
+        if open_value(self.coord_key, STOP_KEY, raw) is not None:
             return True
         if not self._forged_stop:
             self._forged_stop = True

@@ -63,11 +63,11 @@ def salvage_checkpoint(job: Job) -> str:
 def stop_store(store_proc, store, secret: str | None) -> None:
     """Ask the store process to exit (``store/stop``, signed with the coordinator's key when the
     run has a secret); SIGKILL it if it does not within 5 s."""
-    from .membership import COORDINATOR, member_key, sign
+    from .membership import coordinator_key, sign
     from .store import STOP_KEY
 
     try:
-        store.set(STOP_KEY, sign(member_key(secret, COORDINATOR) if secret else None, STOP_KEY, "1"))
+        store.set(STOP_KEY, sign(coordinator_key(secret), STOP_KEY, "1"))
     except Exception:  # noqa: BLE001
         pass
     pid = store_proc if isinstance(store_proc, int) else store_proc.pid

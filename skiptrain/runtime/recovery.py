@@ -53,7 +53,7 @@ import torch
 
 from ..schedule.schedule import MicroBatch, Schedule
 from .failure import NodeFailure
-from .membership import open_signed, read_raw, set_member, sign
+from .membership import open_value, read_raw, set_member, sign
 from .transport import KIND_NAMES
 
 
@@ -239,7 +239,7 @@ def generation_record(store, gen: int, key: bytes | None) -> dict | None:
     raw = read_raw(store, name)
     if raw is None:
         return None
-    value = raw if key is None else open_signed(key, name, raw)
+    value = open_value(key, name, raw)
     try:
         d = json.loads(value) if value is not None else None
         d["alive"] = [int(n) for n in d["alive"]]

@@ -39,18 +39,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--idle-exit", type=float, default=IDLE_EXIT_S, metavar="S",
                     help="exit when every node has been done or silent for S seconds (nobody left to serve)")
     args = ap.parse_args(argv)
-    from .membership import COORDINATOR, key_from_env, host_store, open_signed, read_raw
+    from .membership import coordinator_key, host_store, open_value, read_raw, secret_from_env
 
     store, listening = host_store(1, 60.0, args.host)  # noqa: F841 - the socket must stay open
     tmp = Path(args.port_file).with_suffix(".tmp")
     tmp.write_text(json.dumps({"host": args.host, "port": store.port, "pid": os.getpid()}))
     os.replace(tmp, args.port_file)
     ended_since = None
-    key = key_from_env(COORDINATOR)
+    key = coordinator_key(secret_from_env())
 
     def stop_requested() -> bool:
         raw = read_raw(store, STOP_KEY)
-        return raw is not None and (key is None or open_signed(key, STOP_KEY, raw) is not None)
+        return raw is not None and open_value(key, STOP_KEY, raw) is not None
 
     while not stop_requested():
         time.sleep(args.poll)
