@@ -155,3 +155,30 @@ def test_a_derived_data_set_holds_its_splits_with_the_base_tokenizer(bpe_data, t
     assert d.vocab_size == base.vocab_size and d.tokenizer.encode("to be or not") == base.tokenizer.encode("to be or not")
     assert not d.has_split("ood") and d.manifest["source"] == "a cut"
     assert SampleSource(d.tokens("train"), 32, seed=1).n == 8
+
+
+@pytest.mark.parametrize("edit,needle", [
+    (lambda m: [m], "holds a JSON list, not an object"),
+    (lambda m: {**m, "dtype": "float99"}, "'dtype' is 'float99'"),
+    (lambda m: {**m, "tokenizer": "byte"}, "'tokenizer' is 'byte'"),
+    (lambda m: {**m, "tokenizer": {"kind": "byte", "vocab_size": "x"}}, "'tokenizer.vocab_size' is 'x'"),
+    (lambda m: {**m, "tokenizer": {"kind": "byte", "vocab_size": 0}}, "'tokenizer.vocab_size' is 0"),
+    (lambda m: {k: v for k, v in m.items() if k != "tokens"}, "'tokens' is None"),
+    (lambda m: {**m, "tokens": {"../train": 5}}, "'tokens' is"),
+])
+def test_a_manifest_with_wrong_fields_is_one_line_naming_the_field(tmp_path, byte_data, edit, needle):
+    d = _copy_dataset(byte_data, tmp_path / "d")
+    mf = json.loads((d / "manifest.json").read_text())
+    (d / "manifest.json").write_text(json.dumps(edit(mf)))
+    with pytest.raises(DataError, match="re-run `skiptrain prepare --out") as e:
+        TokenDataset.open(d)
+    assert needle in str(e.value) and "\n" not in str(e.value)
+
+
+def test_a_huge_bpe_vocabulary_is_refused_before_the_tokenizer_allocates_it(tmp_path):
+    from skiptrain.data.corpus import Document
+    from skiptrain.data.dataset import write_dataset
+
+    with pytest.raises(DataError, match="above the largest a model takes"):
+        write_dataset(tmp_path / "d", [Document("a", TEXT * 20, "0")], tokenizer="bpe", vocab_size=10 ** 11)
+    assert not (tmp_path / "d").exists()

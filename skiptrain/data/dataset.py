@@ -30,6 +30,8 @@ from .tokenizer import BPETokenizer, ByteTokenizer, Tokenizer, load_tokenizer
 MANIFEST = "manifest.json"
 FORMAT_VERSION = 1
 SPLITS = ("train", "val", "ood")
+#: The largest vocabulary a data set may have (model.vocab_size's maximum).
+MAX_VOCAB = 2 ** 24
 
 
 def split_document(text: str, val_fraction: float) -> tuple[str, str]:
@@ -57,6 +59,11 @@ def write_dataset(out: str | Path, docs: list[Document], ood_docs: list[Document
     """Split, train the tokenizer on the training text, tokenize, write token files and manifest."""
     if not 0.0 < val_fraction < 0.5:
         raise DataError(f"val fraction {val_fraction} must lie in (0, 0.5)")
+    if tokenizer == "bpe" and vocab_size < 300:
+        raise DataError(f"BPE vocab size {vocab_size} is too small (needs 256 bytes + merges); use >= 300 or --tokenizer byte")
+    if tokenizer == "bpe" and vocab_size > MAX_VOCAB:  # (the tokenizer library would allocate for it and abort)
+        raise DataError(f"BPE vocab size {vocab_size} is above the largest a model takes ({MAX_VOCAB}); use a "
+                        "smaller --vocab-size (e.g. 4096)")
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.time()
@@ -67,8 +74,6 @@ def write_dataset(out: str | Path, docs: list[Document], ood_docs: list[Document
         tok: Tokenizer = ByteTokenizer()
         sep = [10, 10]
     elif tokenizer == "bpe":
-        if vocab_size < 300:
-            raise DataError(f"BPE vocab size {vocab_size} is too small (needs 256 bytes + merges); use >= 300 or --tokenizer byte")
         tok = BPETokenizer.train(train_texts, vocab_size=vocab_size)
         tok.save(out / BPETokenizer.FILE)
         sep = [tok.eot_id]
@@ -119,6 +124,26 @@ def write_splits(out: str | Path, base: "TokenDataset", arrays: dict[str, np.nda
     return TokenDataset.open(out)
 
 
+def check_manifest(manifest: dict, mf: Path) -> None:
+    """The fields a data set is read by must have their types (``tokenizer.kind``, ``vocab_size``,
+    ``dtype``, ``tokens``); a manifest edited by hand or damaged is one line naming the field."""
+    tok, tokens = manifest.get("tokenizer"), manifest.get("tokens")
+    problem = None
+    if not isinstance(tok, dict) or not isinstance(tok.get("kind"), str):
+        problem = f"'tokenizer' is {tok!r}, not {{\"kind\": ..., \"vocab_size\": ...}}"
+    elif isinstance(tok.get("vocab_size"), bool) or not isinstance(tok.get("vocab_size"), int) \
+            or not 2 <= tok["vocab_size"] <= MAX_VOCAB:
+        problem = f"'tokenizer.vocab_size' is {tok.get('vocab_size')!r}, not an integer in 2..{MAX_VOCAB}"
+    elif manifest.get("dtype") not in ("uint16", "uint32"):
+        problem = f"'dtype' is {manifest.get('dtype')!r}, not 'uint16' or 'uint32'"
+    elif not isinstance(tokens, dict) or not all(
+            isinstance(k, str) and k.isidentifier() and isinstance(n, int) and not isinstance(n, bool) and n >= 0
+            for k, n in tokens.items()):
+        problem = f"'tokens' is {str(tokens)[:80]}, not split names with token counts >= 0"
+    if problem:
+        raise DataError(f"{mf} is malformed: {problem}; re-run `skiptrain prepare --out {mf.parent}`")
+
+
 @dataclass
 class TokenDataset:
     """A prepared data directory opened for reading."""
@@ -140,9 +165,13 @@ class TokenDataset:
             manifest = json.loads(mf.read_text())
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise DataError(f"{mf} is corrupt ({e}); re-run `skiptrain prepare --out {p}`") from None
+        if not isinstance(manifest, dict):
+            raise DataError(f"{mf} is malformed: it holds a JSON {type(manifest).__name__}, not an object; "
+                            f"re-run `skiptrain prepare --out {p}`")
         if manifest.get("format_version") != FORMAT_VERSION:
             raise DataError(f"{mf} has format version {manifest.get('format_version')!r}, this skiptrain reads "
                             f"{FORMAT_VERSION}; re-run `skiptrain prepare --out {p}`")
+        check_manifest(manifest, mf)
         tok = load_tokenizer(manifest["tokenizer"]["kind"], p)
         ds = cls(p, manifest, tok)
         for split, n in manifest["tokens"].items():
