@@ -112,7 +112,7 @@ class TrainConfig:
     eval_every: int = _f(50, "validate every N steps (0 = only at the end)", min=0)
     eval_batches: int = _f(8, "micro-batches per validation", min=1)
     log_every: int = _f(1, "write a metrics line every N steps", min=1)
-    seed: int = _f(1234, "seed for initialisation, data order and routes")
+    seed: int = _f(1234, "seed for initialisation, data order and routes", min=0, max=2**32 - 1)
     threads: int = _f(0, "torch intra-op threads (0 = leave torch's default)", min=0)
     progress: bool = _f(True, "show a progress bar")
     precision: str = _f("fp32", "compute precision: fp32, or bf16 (autocast for forward and backward; "

@@ -189,3 +189,12 @@ def test_launch_with_a_bad_argument_is_one_error_line_and_starts_nothing(places,
         rc, lines = cli(argv + odd)
         check_outcome(rc, lines, "launch")
         assert rc == 2 and not (out / "job.json").exists(), (odd, lines)
+
+
+@pytest.mark.parametrize("seed,needle", [("-1", "train.seed=-1 is below its minimum 0"),
+                                         ("9" * 23, "is above its maximum 4294967295")])
+def test_a_seed_the_generators_do_not_take_is_one_error_line(places, tmp_path, seed, needle):
+    rc, lines = cli(["train", "--preset", "tiny", "--quiet", "--data", places["data"], "--steps", "1", "--out",
+                     str(tmp_path / "run"), "--seed", seed])
+    check_outcome(rc, lines, "train")
+    assert rc == 2 and needle in lines[0], lines
