@@ -88,10 +88,20 @@ def one_line_error(capsys, argv, needle):
     (["--tokens", "-1"], "--tokens -1 is outside 0..10000"),
     (["--temperature", "nan"], "--temperature nan must be a finite number >= 0"),
     (["--temperature", "-1"], "--temperature -1.0 must be a finite number >= 0"),
+    (["--seed", "9" * 23], "is outside -2**63..2**64-1 (what a torch generator takes)"),
+    (["--prompt", b"caf\xe9".decode("utf-8", "surrogateescape")], "--prompt holds bytes that are not UTF-8 text"),
 ])
 def test_generate_refuses_huge_or_bad_requests_at_once(trained, capsys, argv, needle):
     _, run = trained
     one_line_error(capsys, ["generate", str(run), *argv], needle)
+
+
+def test_generate_at_a_temperature_too_small_for_float32_samples_the_most_likely_tokens(trained, capsys):
+    _, run = trained
+    for t in ("1e-300", "1e-37"):
+        assert main(["generate", str(run), "--prompt", "HAMLET.", "--tokens", "5", "--temperature", t]) == 0
+        assert capsys.readouterr().out == (main(["generate", str(run), "--prompt", "HAMLET.", "--tokens", "5",
+                                                 "--temperature", "0"]), capsys.readouterr().out)[1]
 
 
 def test_generate_streams_the_same_tokens_as_the_model_samples(trained):

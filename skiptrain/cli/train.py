@@ -124,7 +124,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from ..train.generate import check_request, sample_tokens, stream_text
     from ..train.rundir import load_run
 
-    check_request(args.tokens, args.temperature)
+    check_request(args.tokens, args.temperature, args.seed, args.prompt)
     cfg, model, tok = load_run(args.run_dir)
     route = _route_from_args(args, cfg.model.n_stages)
     ids = tok.encode(args.prompt) or [0]

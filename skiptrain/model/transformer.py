@@ -254,9 +254,10 @@ class StagedLM(nn.Module):
         """The next token of every row of ``tokens`` (batch, t): greedy at temperature 0, else
         sampled from the top ``top_k`` logits; (batch, 1)."""
         logits = self(tokens[:, -self.cfg.seq_len:], route=route)[:, -1, :].float()
-        if temperature <= 0:
+        if temperature < torch.finfo(logits.dtype).tiny:   # 0, or so small it is 0 in the logits' dtype: greedy
             return logits.argmax(-1, keepdim=True)
-        logits = logits / temperature
+        # (shifted so the largest is 0: a tiny temperature then gives -inf, never inf - inf = nan)
+        logits = (logits - logits.amax(-1, keepdim=True)) / temperature
         if top_k:
             kth = torch.topk(logits, min(top_k, logits.size(-1))).values[:, -1:]
             logits = logits.masked_fill(logits < kth, float("-inf"))

@@ -16,14 +16,23 @@ from ..errors import UserError
 MAX_NEW_TOKENS = 10_000
 
 
-def check_request(tokens: int, temperature: float) -> None:
-    """Refuse a token count outside ``[0, MAX_NEW_TOKENS]`` or a temperature that is not finite and >= 0."""
+def check_request(tokens: int, temperature: float, seed: int = 0, prompt: str = "") -> None:
+    """Refuse a token count outside ``[0, MAX_NEW_TOKENS]``, a temperature that is not finite and
+    >= 0, a seed a torch generator does not take, or a prompt that is not text (bytes that are not
+    UTF-8 reach ``sys.argv`` as lone surrogates, which no tokenizer encodes)."""
     if not 0 <= tokens <= MAX_NEW_TOKENS:
         raise UserError(f"--tokens {tokens} is outside 0..{MAX_NEW_TOKENS} (the most one call samples); "
                         "ask for fewer tokens")
     if not math.isfinite(temperature) or temperature < 0:
         raise UserError(f"--temperature {temperature} must be a finite number >= 0 (0 = always the most "
                         "likely token)")
+    if not -2 ** 63 <= seed < 2 ** 64:
+        raise UserError(f"--seed {seed} is outside -2**63..2**64-1 (what a torch generator takes); pass a smaller seed")
+    try:
+        prompt.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise UserError(f"--prompt holds bytes that are not UTF-8 text (character {e.start}); pass the prompt as "
+                        "UTF-8 text (e.g. set a UTF-8 locale, LANG=C.UTF-8)") from None
 
 
 def sample_tokens(model, prompt: Sequence[int], max_new_tokens: int, temperature: float = 0.8,
