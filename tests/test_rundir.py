@@ -90,6 +90,19 @@ def test_weights_carry_a_checksum_that_eval_and_generate_verify(run_copy, capsys
         one_line_error(capsys, argv, "model.safetensors fails its checksum")
 
 
+def test_a_config_toml_that_does_not_fit_the_weights_is_one_line(run_copy, capsys):
+    cfg = run_copy / "config.toml"
+    cfg.write_text(cfg.read_text().replace("d_model = 64", "d_model = 128"))
+    for argv in (["eval", str(run_copy), "--batches", "1"], ["generate", str(run_copy), "--tokens", "3"]):
+        one_line_error(capsys, argv, "model.safetensors does not match config.toml: tok_emb.weight is [256, 64] "
+                                     "in the weights, config.toml makes it [256, 128]; restore the run's own")
+
+
+def test_eval_json_into_an_unwritable_place_is_one_line(run_copy, capsys):
+    for bad in (run_copy / "config.toml" / "e.json", run_copy / "checkpoints"):
+        one_line_error(capsys, ["eval", str(run_copy), "--batches", "1", "--json", str(bad)], "cannot write --json")
+
+
 def test_export_writes_a_checksummed_file_from_verified_shards(run_copy, tmp_path, capsys):
     from safetensors import safe_open
 

@@ -113,8 +113,11 @@ def cmd_eval(args: argparse.Namespace) -> int:
               "samples": min(args.batches * cfg.train.micro_batch, src.n)}
     print(f"{args.split} loss {loss:.4f}, perplexity {result['perplexity']:.2f}, body stages {result['route']}")
     if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(result, indent=1))
+        try:
+            Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+            Path(args.json).write_text(json.dumps(result, indent=1))
+        except OSError as e:
+            raise UserError(f"cannot write --json {args.json!r}: {e.strerror}; pass a writable file path") from None
     return 0
 
 

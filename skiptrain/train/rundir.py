@@ -98,9 +98,17 @@ def load_run(run_dir: str | Path) -> tuple[Config, StagedLM, Tokenizer]:
         raise RunError(f"{str(d)!r} has no {WEIGHTS}: the run has not saved weights yet")
     model = StagedLM(cfg.model, seed=cfg.train.seed)
     state = load_weights(d / WEIGHTS)
+    fix = "restore the run's own config.toml, or pass the run directory these weights belong to"
+    shapes = [(n, list(state[n].shape), list(t.shape)) for n, t in model.state_dict().items()
+              if n in state and state[n].shape != t.shape]
+    if shapes:
+        n, stored, want = shapes[0]
+        raise RunError(f"{d / WEIGHTS} does not match config.toml: {n} is {stored} in the weights, config.toml "
+                       f"makes it {want}; {fix}")
     missing, unexpected = model.load_state_dict(state, strict=False)
     if missing or unexpected:
-        raise RunError(f"{d / WEIGHTS} does not match config.toml (missing {missing[:3]}, unexpected {unexpected[:3]})")
+        raise RunError(f"{d / WEIGHTS} does not match config.toml (missing {missing[:3]}, unexpected "
+                       f"{unexpected[:3]}); {fix}")
     if (d / BPETokenizer.FILE).is_file():
         tok: Tokenizer = BPETokenizer.load(d / BPETokenizer.FILE)
     elif cfg.model.vocab_size == ByteTokenizer.vocab_size:
