@@ -90,6 +90,15 @@ def test_weights_carry_a_checksum_that_eval_and_generate_verify(run_copy, capsys
         one_line_error(capsys, argv, "model.safetensors fails its checksum")
 
 
+def test_resume_from_a_checkpoint_already_at_the_last_step_is_refused_and_changes_nothing(run_copy, byte_data, capsys):
+    before = {p.name: p.read_bytes() for p in run_copy.iterdir() if p.is_file()}
+    one_line_error(capsys, ["train", *TINY, "--data", str(byte_data), "--steps", "2", "--out", str(run_copy),
+                            "--resume"], "step-00000002 is at step 2, the run has 2 steps; pass --steps N with N > 2")
+    one_line_error(capsys, ["train", *TINY, "--data", str(byte_data), "--steps", "1", "--out", str(run_copy),
+                            "--resume", str(run_copy / "checkpoints" / "step-00000001")], "is at step 1")
+    assert {p.name: p.read_bytes() for p in run_copy.iterdir() if p.is_file()} == before
+
+
 def test_a_config_toml_that_does_not_fit_the_weights_is_one_line(run_copy, capsys):
     cfg = run_copy / "config.toml"
     cfg.write_text(cfg.read_text().replace("d_model = 64", "d_model = 128"))

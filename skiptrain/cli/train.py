@@ -30,6 +30,9 @@ def cmd_train(args: argparse.Namespace) -> int:
 
         train_swarm(cfg, cfg.data.path, args.out, resume=getattr(args, "resume", None))
         return 0
+    resume = getattr(args, "resume", None)
+    if resume is not None:    # checked before the run directory is touched
+        resume = resume_checkpoint(cfg, args.out, resume)
     check_fits_memory(cfg)
     if args.quiet:
         cfg.train.progress = False
@@ -38,9 +41,8 @@ def cmd_train(args: argparse.Namespace) -> int:
         trainer = ElasticTrainer(cfg, args.out)
     else:
         trainer = Trainer(cfg, args.out)
-    resume = getattr(args, "resume", None)
     if resume is not None:
-        src = trainer.resume(None if resume == "latest" else resume)
+        src = trainer.resume(resume)
         print(f"skiptrain train: resumed from {src} at step {trainer.step}", flush=True)
     print(f"skiptrain train: {trainer.model.num_parameters() / 1e6:.2f}M parameters, "
           f"{cfg.model.n_stages} stages {trainer.model.partition.to_list()}, "
@@ -62,6 +64,20 @@ def cmd_train(args: argparse.Namespace) -> int:
     print(f"done: step {s['step']}, validation loss {s['val_loss']:.4f} "
           f"(unigram baseline {s['unigram_val_loss']:.4f}), {s['seconds']:.0f} s; run directory: {args.out}")
     return 0
+
+
+def resume_checkpoint(cfg, out: str, resume: str) -> Path:
+    """The checkpoint ``--resume`` (``"latest"``: the run's own newest) continues from; refused when
+    it is already at ``train.steps`` (training on would run no step, and rewrite the run's weights
+    and run.json from it)."""
+    from ..checkpoint.reader import CheckpointReader
+
+    root = Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else Path(out) / "checkpoints"
+    reader = CheckpointReader(root if resume == "latest" else resume)
+    if reader.step >= cfg.train.steps:
+        raise UserError(f"--resume: the checkpoint {reader.path} is at step {reader.step}, the run has "
+                        f"{cfg.train.steps} steps; pass --steps N with N > {reader.step} to train further")
+    return reader.path
 
 
 def check_fits_memory(cfg) -> None:
