@@ -167,3 +167,23 @@ def test_the_demo_summary_says_what_each_idea_did(tmp_path):
     assert "carry int8" in lines[1] and not lines[1].startswith("  activations:   0 of")
     assert "iteration 20: 0 -> 2 layers frozen" in lines[2]
     assert "0 kept" in lines[3]
+
+
+@pytest.mark.parametrize("err,needle", [
+    (13, "cannot use 'DATA/manifest.json': Permission denied; give this user access to it (chmod / chown)"),
+    (28, "cannot use 'DATA/manifest.json': No space left on device; free disk space there"),
+])
+def test_a_permission_or_full_disk_error_anywhere_is_one_line(trained, capsys, monkeypatch, err, needle):
+    """Python 3.11's Path.is_file() raises PermissionError for a path in a directory this user cannot
+    search, so it arises anywhere a path is looked at; root is never refused, so the test raises the
+    OS error where the data set is opened."""
+    import os
+
+    from skiptrain.data.dataset import TokenDataset
+
+    def unreadable(path):
+        raise OSError(err, os.strerror(err), "DATA/manifest.json")
+
+    _, run = trained
+    monkeypatch.setattr(TokenDataset, "open", unreadable)
+    one_line_error(capsys, ["eval", str(run), "--batches", "1"], needle)

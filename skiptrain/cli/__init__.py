@@ -9,6 +9,7 @@ Expected user errors (bad config, missing data set, corrupt checkpoint, ...) der
 from __future__ import annotations
 
 import argparse
+import errno
 import importlib
 import sys
 
@@ -21,6 +22,26 @@ COMMAND_MODULES = [
     "skiptrain.cli.checkpoint",  # ckpt ls|inspect|verify|reshard, export
     "skiptrain.cli.launch",      # launch (multi-process skip-pipeline runtime)
 ]
+
+
+#: OS errors that are a problem of the machine (permissions, a full disk), wherever they arise:
+#: one line naming the path and the fix, like a UserError.
+MACHINE_ERRORS = {
+    errno.EACCES: "give this user access to it (chmod / chown) or pass another path",
+    errno.EPERM: "give this user access to it (chmod / chown) or pass another path",
+    errno.ENOSPC: "free disk space there, or pass a path on a disk with room",
+    errno.EDQUOT: "free disk space there (your quota is used up), or pass a path on another disk",
+    errno.EROFS: "pass a path on a writable file system",
+}
+
+
+def machine_error(e: OSError) -> str | None:
+    """The one-line message of an OS error in :data:`MACHINE_ERRORS`, else None."""
+    fix = MACHINE_ERRORS.get(e.errno)
+    if fix is None:
+        return None
+    where = f"cannot use {e.filename!r}: " if e.filename else ""
+    return f"{where}{e.strerror}; {fix}"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -51,6 +72,12 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"skiptrain {args.command}: interrupted", file=sys.stderr)
         return 130
+    except OSError as e:
+        msg = machine_error(e)
+        if msg is None:
+            raise
+        print(f"skiptrain {args.command}: error: {msg}", file=sys.stderr)
+        return 2
     return int(rc or 0)
 
 
