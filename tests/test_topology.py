@@ -57,6 +57,35 @@ def test_disconnected_and_bad_specs_raise():
         load_topology("random:x")
 
 
+LINK = {"a": "a", "b": "b", "latency_ms": 1, "bandwidth_GBps": 1}
+
+
+@pytest.mark.parametrize("spec,needle", [
+    ([], "holds a JSON list, not an object with 'locations' and 'links'"),
+    ("x", "holds a JSON str"),
+    ({"locations": ["a", "b"], "links": [5]}, "is malformed (TypeError"),
+    ({"locations": ["a", "b"], "links": [{**LINK, "latency_ms": "x"}]}, "is malformed (ValueError"),
+    ({"locations": [["a"]], "links": []}, "is malformed (TypeError"),
+    ({"locations": ["a", "b"], "links": [LINK], "same_region": 5}, "is malformed (TypeError"),
+    ({"locations": ["a", "b"], "links": [LINK], "nodes": [{"location": "a", "speed": "fast"}]}, "is malformed"),
+    ({"locations": ["a", "b"], "links": [LINK], "nodes": [{"loc": "a"}]}, "is malformed (KeyError"),
+    ({"latency_ms": [[0]], "nodes": [1]}, "is malformed (TypeError"),
+    ({"locations": ["a", "b"], "links": [{**LINK, "latency_ms": float("nan")}]}, "must be finite numbers >= 0"),
+])
+def test_a_malformed_topology_file_is_one_line(tmp_path, spec, needle):
+    f = tmp_path / "t.json"
+    f.write_text(json.dumps(spec))
+    with pytest.raises(TopologyError) as e:
+        load_topology(str(f), 4)
+    assert needle in str(e.value) and "\n" not in str(e.value)
+
+
+def test_a_topology_of_more_nodes_than_the_maximum_is_refused_before_its_matrices_are_made():
+    for name in ("cluster", "geo12", "random"):
+        with pytest.raises(TopologyError, match="100000000 nodes is more than a topology holds"):
+            load_topology(name, 100_000_000)
+
+
 def test_random_topology_is_deterministic_and_heterogeneous():
     a, b = random_topology(10, seed=3), random_topology(10, seed=3)
     assert np.array_equal(a.latency_s, b.latency_s) and [n.speed for n in a.nodes] == [n.speed for n in b.nodes]

@@ -51,6 +51,8 @@ GiB = float(2 ** 30)
 GEO12_REFERENCE_ORDER = ["Belgium", "Canada", "Germany", "Iowa", "Japan", "LA", "NL", "Oregon",
                          "Singapore", "Taiwan", "London", "Australia"]
 PRESETS = ("geo12", "geo12-fixed", "cluster", "random")
+#: The most nodes a topology is built for (runtime.nodes' maximum): its matrices are n x n.
+MAX_NODES = 1024
 _RELAY_REF_BYTES = 32 * 2 ** 20
 
 
@@ -200,8 +202,8 @@ def from_spec(spec: dict[str, Any], n_nodes: int | None = None,
             lat_ms, gbps = float(ln["latency_ms"]), float(ln["bandwidth_GBps"])
         except KeyError as e:
             raise TopologyError(f"link {ln!r}: unknown location or missing field {e}") from None
-        if lat_ms < 0 or gbps < 0:
-            raise TopologyError(f"link {ln['a']}-{ln['b']}: latency and bandwidth must be >= 0")
+        if not (0 <= lat_ms < math.inf and 0 <= gbps < math.inf):
+            raise TopologyError(f"link {ln['a']}-{ln['b']}: latency and bandwidth must be finite numbers >= 0")
         llat[a, b] = llat[b, a] = lat_ms / 1000.0
         lbw[a, b] = lbw[b, a] = gbps * GiB
     llat, lbw = _relay_fill(llat, lbw)
@@ -291,6 +293,8 @@ def random_topology(n_nodes: int = 12, seed: int = 0, n_regions: int | None = No
 
 def load_topology(source: str, n_nodes: int | None = None, seed: int = 0) -> Topology:
     """A preset name (``geo12``, ``geo12-fixed``, ``cluster``, ``random``, ``random:SEED``) or a JSON file."""
+    if n_nodes is not None and n_nodes > MAX_NODES:
+        raise TopologyError(f"{n_nodes} nodes is more than a topology holds ({MAX_NODES}); ask for fewer nodes")
     if source in ("geo12", "geo12-fixed"):
         return geo12(n_nodes if n_nodes is not None else 20, fixed=source == "geo12-fixed")
     if source == "cluster":
@@ -308,8 +312,18 @@ def load_topology(source: str, n_nodes: int | None = None, seed: int = 0) -> Top
         raise TopologyError(f"topology {source!r} is neither a preset ({', '.join(PRESETS)}) nor an existing JSON file")
     try:
         spec = json.loads(p.read_text())
-    except json.JSONDecodeError as e:
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise TopologyError(f"topology file {source!r} is not valid JSON: {e}") from None
-    if "latency_ms" in spec and "nodes" in spec and isinstance(spec["latency_ms"], list):
-        return Topology.from_dict(spec)  # a saved node-level topology (Topology.to_dict)
-    return from_spec(spec, n_nodes=n_nodes, name=spec.get("name", p.stem))
+    if not isinstance(spec, dict):
+        raise TopologyError(f"topology file {source!r} holds a JSON {type(spec).__name__}, not an object with "
+                            "'locations' and 'links'")
+    try:
+        if "latency_ms" in spec and "nodes" in spec and isinstance(spec["latency_ms"], list):
+            return Topology.from_dict(spec)  # a saved node-level topology (Topology.to_dict)
+        return from_spec(spec, n_nodes=n_nodes, name=str(spec.get("name", p.stem)))
+    except TopologyError:
+        raise
+    except (KeyError, TypeError, ValueError, AttributeError, IndexError) as e:  # a field of the wrong shape
+        raise TopologyError(f"topology file {source!r} is malformed ({type(e).__name__}: {e}); write 'locations' "
+                            "(names), 'links' ({'a', 'b', 'latency_ms', 'bandwidth_GBps'}), optionally "
+                            "'same_region' and 'nodes' ([{'location', 'speed'}])") from None
