@@ -169,6 +169,21 @@ def test_cli_simulate_writes_json_and_png(tmp_path, capsys):
     assert main(["simulate", "--skip", "0.99"]) == 2
 
 
+@pytest.mark.parametrize("argv,needle", [
+    (["--s-per-sample-layer", "nan"], "s_per_sample_per_layer=nan is not a number of seconds"),
+    (["--s-per-sample-layer", "1e308"], "s_per_sample_per_layer=1e+308 is not a number of seconds"),
+    (["--hop-overhead", "inf"], "hop_overhead_s=inf is not a number of seconds"),
+    (["--dp-payload-mb", "nan"], "--dp-payload-mb nan must be a finite number"),
+    (["--nodes", "100000000"], "more than a topology holds"),
+])
+def test_cli_simulate_with_absurd_numbers_is_one_line(capsys, argv, needle):
+    from skiptrain.cli import main
+    assert main(["simulate", "--topology", "cluster", "--nodes", "6", "--stages", "3", "--methods", "planner",
+                 "--max-evals", "5", *argv]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and needle in err[0], err
+
+
 def test_gantt_side_by_side(tmp_path):
     from skiptrain.schedule.gantt import draw_side_by_side
     topo = random_topology(6, seed=2)

@@ -65,6 +65,8 @@ def run(args: argparse.Namespace) -> int:
     topo = load_topology(args.topology, args.nodes, seed=args.seed)
     if args.memory < 1:
         raise ScheduleError(f"--memory {args.memory}: every node needs at least one micro-batch credit")
+    if not 0 <= args.dp_payload_mb < float("inf"):
+        raise ScheduleError(f"--dp-payload-mb {args.dp_payload_mb} must be a finite number of MiB >= 0")
     cost = CostModel(d_model=args.d_model, tokens_per_sample=args.seq_len, samples=args.samples,
                      dtype_bytes=args.dtype_bytes, layers_per_stage=[args.layers_per_stage] * args.stages,
                      s_per_sample_per_layer=args.s_per_sample_layer, hop_overhead_s=args.hop_overhead,

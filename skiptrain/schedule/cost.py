@@ -54,6 +54,10 @@ class CostError(UserError, ValueError):
     """An impossible cost-model setting."""
 
 
+#: The largest per-sample-per-layer or per-message time the cost model takes, in seconds.
+MAX_TASK_S = 1e6
+
+
 def layer_params(d_model: int, ffn_hidden: int, kv_dim: int | None = None) -> int:
     """Parameters of one LLaMA-style layer: attention (q, k, v, o), SwiGLU MLP, two norms."""
     kv = d_model if kv_dim is None else kv_dim
@@ -99,6 +103,10 @@ class CostModel:
             raise CostError("layers_per_stage must list >= 0 layers for every stage")
         if self.s_per_sample_per_layer < 0 or self.hop_overhead_s < 0:
             raise CostError("times must be >= 0")
+        for name in ("s_per_sample_per_layer", "hop_overhead_s", "act_codec_s"):
+            if not getattr(self, name) <= MAX_TASK_S:  # (nan, inf, or so large that sums overflow to inf)
+                raise CostError(f"cost model {name}={getattr(self, name)} is not a number of seconds in "
+                                f"[0, {MAX_TASK_S:g}]; give a measured time (e.g. 0.055)")
         self.layers_per_stage = list(self.layers_per_stage)
         self.params_per_stage = list(self.params_per_stage)
         if self.params_per_stage and len(self.params_per_stage) != len(self.layers_per_stage):
