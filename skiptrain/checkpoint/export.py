@@ -33,7 +33,7 @@ import torch
 from safetensors.torch import save_file
 
 from ..config import Config, ConfigError, config_from_dict
-from .format import CheckpointError
+from .format import METADATA_FILE, CheckpointError
 from .reader import CheckpointReader
 
 _LAYER_MAP = {
@@ -120,11 +120,34 @@ def export(src: str | Path, out: str | Path, fmt: str = "hf", dtype: str = "floa
     Reads only the model's tensors (not the optimizer state), checksums verified.  A
     ``tokenizer.json`` next to the checkpoint root (a run directory) is copied along.
     """
+    out = Path(out)
+    check_export_dir(out)
     reader = CheckpointReader(src)
     cfg = checkpoint_config(reader)
     tensors = reader.read_many(model_names(reader))
+    try:
+        return _write_export(reader, cfg, tensors, out, fmt, dtype)
+    except OSError as e:
+        raise CheckpointError(f"cannot write the export directory {out}: {e.strerror} ({e.filename}); pass a "
+                              "writable --out with free space") from None
+
+
+#: Files that mark a directory an export must not write into: what it is, and the file that says so.
+NOT_AN_EXPORT_DIR = {"config.toml": "a run", METADATA_FILE: "a checkpoint", "manifest.json": "a data set"}
+
+
+def check_export_dir(out: Path) -> None:
+    """Refuse an ``out`` that holds a run, a checkpoint or a data set: the export's
+    ``model.safetensors`` / ``tokenizer.json`` would replace theirs (a run's weights lost)."""
+    for marker, what in NOT_AN_EXPORT_DIR.items():
+        if (out / marker).is_file():
+            raise CheckpointError(f"--out {out} holds {what} ({marker}): exporting there would replace its "
+                                  "files; pass another --out (and copy model.safetensors over yourself if you mean "
+                                  "to replace a run's weights)")
+
+
+def _write_export(reader: CheckpointReader, cfg: Config, tensors: dict, out: Path, fmt: str, dtype: str) -> Path:
     target = getattr(torch, dtype)
-    out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     if fmt == "skiptrain":
         from .weights import save_weights_file  # the run directory's format, checksum included
