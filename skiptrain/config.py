@@ -222,10 +222,14 @@ class ElasticConfig:
     nodes: int = _f(0, "nodes of the emulated layout (0 = model.n_stages, one replica each)", min=0)
 
 
+#: The most node processes a run has (``runtime.nodes``), and the most nodes a topology is built for.
+MAX_NODES = 1024
+
+
 @dataclass
 class RuntimeConfig:
     """Multi-process skip-pipeline runtime (skiptrain.runtime); used when ``nodes > 0``."""
-    nodes: int = _f(0, "node processes on this machine (0 = the single-process trainer)", min=0, max=1024)
+    nodes: int = _f(0, "node processes on this machine (0 = the single-process trainer)", min=0, max=MAX_NODES)
     stage_sizes: str = _f("", "nodes per stage, comma-separated, e.g. 3,2,2,2 (empty = by work)")
     node_stages: str = _f("", "the stages of each node, comma-separated, one entry per node, '+' joining the "
                           "stages of a node that serves several (one large device), e.g. 0,0,1+2,1+2,3 "

@@ -11,12 +11,13 @@ memory stays at one rank's share.
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
-from ..config import ConfigError
+from ..config import MAX_NODES, ConfigError
 from ..model.partition import partition_layers
 from .export import checkpoint_config
-from .format import CheckpointError
+from .format import CheckpointError, step_dir_name, tmp_dir_name
 from .manager import optimizer_record
 from ..layout import Layout
 from .plan import DEFAULT_CHUNK_BYTES, TensorSpec, plan_save
@@ -35,6 +36,14 @@ def reshard(src: str | Path, dst: str | Path, n_stages: int, replicas: int = 1, 
         raise CheckpointError(f"cannot reshard to {n_stages} stages: {e}") from None
     if replicas < 1:
         raise CheckpointError("replicas must be at least 1")
+    if n_stages * replicas > MAX_NODES:
+        raise CheckpointError(f"{n_stages} stages x {replicas} replicas is {n_stages * replicas} writers, more than a run "
+                              f"has nodes ({MAX_NODES}); ask for fewer replicas")
+    dst = Path(dst)
+    if (dst / step_dir_name(reader.step)).exists():
+        raise CheckpointError(f"{dst} already holds a checkpoint of step {reader.step} "
+                              f"({dst / step_dir_name(reader.step)}); resharding there would replace it: pass an "
+                              "empty destination directory")
     partition = partition_layers(cfg.model)
     placement = {s: [s * replicas + j for j in range(replicas)] for s in range(n_stages)}
     ranks = [r for rs in placement.values() for r in rs]
@@ -45,13 +54,17 @@ def reshard(src: str | Path, dst: str | Path, n_stages: int, replicas: int = 1, 
     state["config"] = cfg.to_dict()
     state["placement"] = {str(s): rs for s, rs in placement.items()}
     opt = optimizer_record(reader.state)
-    dst = Path(dst)
-    for r in ranks:
-        tensors = reader.read_many(plan.names_for(r))
-        rank_state = {"optimizer": opt} if (opt and r == ranks[0]) else None
-        write_part(dst, reader.step, r, plan, {n: byte_view(t) for n, t in tensors.items()}, rank_state)
-        del tensors
     layout = {"writers": ranks, "n_stages": n_stages, "replicas": replicas, "partition": partition.to_list(),
               "bytes_per_rank": {str(r): b for r, b in plan.bytes_per_rank().items()},
               "resharded_from": str(reader.path)}
-    return commit(dst, reader.step, ranks, plan, state, layout)
+    try:
+        for r in ranks:
+            tensors = reader.read_many(plan.names_for(r))
+            rank_state = {"optimizer": opt} if (opt and r == ranks[0]) else None
+            write_part(dst, reader.step, r, plan, {n: byte_view(t) for n, t in tensors.items()}, rank_state)
+            del tensors
+        return commit(dst, reader.step, ranks, plan, state, layout)
+    except OSError as e:
+        shutil.rmtree(dst / tmp_dir_name(reader.step), ignore_errors=True)
+        raise CheckpointError(f"cannot write the resharded checkpoint under {dst}: {e.strerror} ({e.filename}); "
+                              "nothing of it was kept; pass a writable destination with free space") from None

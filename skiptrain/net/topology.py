@@ -44,6 +44,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from ..config import MAX_NODES  # (its matrices are n x n)
 from ..errors import UserError
 
 GiB = float(2 ** 30)
@@ -51,8 +52,6 @@ GiB = float(2 ** 30)
 GEO12_REFERENCE_ORDER = ["Belgium", "Canada", "Germany", "Iowa", "Japan", "LA", "NL", "Oregon",
                          "Singapore", "Taiwan", "London", "Australia"]
 PRESETS = ("geo12", "geo12-fixed", "cluster", "random")
-#: The most nodes a topology is built for (runtime.nodes' maximum): its matrices are n x n.
-MAX_NODES = 1024
 _RELAY_REF_BYTES = 32 * 2 ** 20
 
 
