@@ -161,3 +161,43 @@ def test_export_loads_in_transformers(saved, tmp_path):
         ours = model(tokens)
         theirs = hf(tokens).logits
     torch.testing.assert_close(theirs, ours, atol=2e-5, rtol=1e-4)
+
+
+def _one_line(capsys, argv, needle):
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and needle in err[0], err
+
+
+def test_export_into_a_run_a_checkpoint_or_a_data_set_is_refused_and_changes_nothing(saved, tmp_path, capsys):
+    _, _, _, root = saved
+    run = root.parent
+    (run / "config.toml").write_text("[train]\n")
+    (run / "model.safetensors").write_bytes(b"the run's weights")
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "manifest.json").write_text("{}")
+    for out, what in ((run, "holds a run (config.toml)"), (root / "step-00000002", "holds a checkpoint (metadata.json)"),
+                      (data, "holds a data set (manifest.json)")):
+        before = sorted(p.name for p in out.iterdir())
+        _one_line(capsys, ["export", str(root), "--out", str(out)], f"--out {out} {what}: exporting there would")
+        assert sorted(p.name for p in out.iterdir()) == before
+    assert (run / "model.safetensors").read_bytes() == b"the run's weights"
+    _one_line(capsys, ["export", str(root), "--out", str(run / "config.toml" / "x")],
+              "cannot write the export directory")
+
+
+def test_reshard_never_replaces_a_committed_checkpoint_and_refuses_absurd_layouts(saved, tmp_path, capsys):
+    _, _, _, root = saved
+    before = sorted((root / "step-00000002").iterdir())
+    _one_line(capsys, ["ckpt", "reshard", str(root), str(root), "--stages", "2"],
+              "already holds a checkpoint of step 2")
+    assert sorted((root / "step-00000002").iterdir()) == before and CheckpointReader(root).verify()
+    _one_line(capsys, ["ckpt", "reshard", str(root), str(tmp_path / "r"), "--stages", "2", "--replicas", "100000000"],
+              "2 stages x 100000000 replicas is 200000000 writers, more than a run has nodes (1024)")
+    _one_line(capsys, ["ckpt", "reshard", str(root), str(root / "LATEST" / "x"), "--stages", "2"],
+              "cannot write the resharded checkpoint under")
+
+
+def test_verify_all_with_no_checkpoint_is_an_error_not_a_silent_success(tmp_path, capsys):
+    _one_line(capsys, ["ckpt", "verify", "--all", str(tmp_path / "nowhere")], "nothing was verified")

@@ -77,6 +77,9 @@ def cmd_verify(args) -> int:
 
     root = _root(args.path)
     targets = ([p for _, p in store.list_committed(root)] if args.all else [root])
+    if not targets:
+        raise CheckpointError(f"no committed checkpoints under {root}; nothing was verified (pass a checkpoint "
+                              "root or a run directory)")
     failed = 0
     for t in targets:
         t0 = time.perf_counter()
