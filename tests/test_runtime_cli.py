@@ -47,5 +47,25 @@ def test_launch_failure_flags_give_clear_errors(byte_data, tmp_path, capsys, mon
     (tmp_path / "s").write_text("x")
     assert main(["launch", "--join", "nohostport", "--join-secret-file", str(tmp_path / "s")]) != 0
     assert "expected HOST:PORT" in capsys.readouterr().err
+    assert main(["launch", "--join", "127.0.0.1:99999", "--join-secret-file", str(tmp_path / "s")]) != 0
+    assert "with a port in 1..65535" in capsys.readouterr().err
+
+
+def test_joining_a_closed_port_is_one_line_at_once(tmp_path, capsys, monkeypatch):
+    """Nothing listens there (the run is over): one line within a second, not the store client's
+    30 s of retries with C++ stack dumps."""
+    import socket
+    import time
+
+    monkeypatch.setenv("SKIPTRAIN_JOIN_SECRET", "")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]          # closed again when the block ends
+    (tmp_path / "s").write_text("x")
+    t0 = time.monotonic()
+    assert main(["launch", "--join", f"127.0.0.1:{port}", "--join-secret-file", str(tmp_path / "s")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert time.monotonic() - t0 < 5
+    assert len(err) == 1 and f"no store answers at 127.0.0.1:{port} (Connection refused)" in err[0], err
 
 

@@ -39,6 +39,7 @@ import argparse
 import json
 import os
 import signal
+import socket
 import sys
 import time
 from collections import deque
@@ -1401,10 +1402,16 @@ def _connect_for_join(target: str):
     from .join import JOB_KEY, read_job, request_node_id, secret_from_env
 
     host, sep, port_s = target.rpartition(":")
-    if not sep or not host or not port_s.isdigit():
-        raise ValueError(f"expected HOST:PORT (e.g. 127.0.0.1:29500; RUN_DIR/join.json of the run has it), "
-                         f"got {target!r}")
+    host = host.removeprefix("[").removesuffix("]")  # ([::1]:PORT)
+    if not sep or not host or not port_s.isdigit() or not 0 < int(port_s) < 65536:
+        raise ValueError(f"expected HOST:PORT with a port in 1..65535 (e.g. 127.0.0.1:29500; RUN_DIR/join.json of "
+                         f"the run has it), got {target!r}")
     port = int(port_s)
+    try:   # (a closed port: at once, not after the store client's 30 s of retries and C++ stack dumps)
+        socket.create_connection((host, port), timeout=10).close()
+    except OSError as e:
+        raise RuntimeError(f"no store answers at {host}:{port} ({e.strerror or e}); is the run still going, and was "
+                           "it launched with recovery on (--recover)?") from None
     try:
         store = dist.TCPStore(host, port, 1, is_master=False, timeout=timedelta(seconds=30),
                               wait_for_workers=False)
