@@ -187,3 +187,9 @@ def test_a_permission_or_full_disk_error_anywhere_is_one_line(trained, capsys, m
     _, run = trained
     monkeypatch.setattr(TokenDataset, "open", unreadable)
     one_line_error(capsys, ["eval", str(run), "--batches", "1"], needle)
+
+
+def test_a_bad_ood_text_path_names_ood_text_not_text(capsys, tmp_path):
+    one_line_error(capsys, ["prepare", "--text", *TRAIN_TEXTS, "--ood-text", str(tmp_path / "nope.txt"),
+                            "--tokenizer", "byte", "--out", str(tmp_path / "d")],
+                   "does not exist; pass existing files or folders to --ood-text")

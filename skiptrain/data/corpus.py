@@ -86,14 +86,15 @@ def default_documents(sdist: Path) -> tuple[list[Document], list[Document]]:
     return train, ood
 
 
-def read_documents(paths: list[str]) -> list[Document]:
-    """Every text file under the given files/folders (sorted, deduplicated by content)."""
+def read_documents(paths: list[str], flag: str = "--text") -> list[Document]:
+    """Every text file under the given files/folders (sorted, deduplicated by content); errors name
+    ``flag``, the option the paths came from."""
     docs: list[Document] = []
     seen: set[str] = set()
     for p in paths:
         path = Path(p)
         if not path.exists():
-            raise DataError(f"text path {p!r} does not exist; pass existing files or folders to --text")
+            raise DataError(f"text path {p!r} does not exist; pass existing files or folders to {flag}")
         files = sorted(f for f in path.rglob("*") if f.is_file()) if path.is_dir() else [path]
         for f in files:
             try:
@@ -103,12 +104,12 @@ def read_documents(paths: list[str]) -> list[Document]:
             if b"\x00" in raw[:4096]:
                 if path.is_dir():
                     continue  # binary file inside a folder: skip it
-                raise DataError(f"{str(f)!r} looks binary, not text; pass plain-text (UTF-8) files to --text")
+                raise DataError(f"{str(f)!r} looks binary, not text; pass plain-text (UTF-8) files to {flag}")
             d = _doc(str(f), raw)
             if d.sha256 in seen or not d.text.strip():
                 continue
             seen.add(d.sha256)
             docs.append(d)
     if not docs:
-        raise DataError(f"no readable text found in {paths}; pass plain-text files or folders to --text")
+        raise DataError(f"no readable text found in {paths}; pass plain-text files or folders to {flag}")
     return docs
