@@ -550,6 +550,8 @@ def parse_overrides(items: list[str]) -> dict[str, dict[str, Any]]:
 
 def load_toml(path: str | Path) -> dict[str, Any]:
     p = Path(path)
+    if p.is_dir():
+        raise ConfigError(f"config file {str(p)!r} is a directory; pass a TOML file (e.g. RUN_DIR/config.toml)")
     if not p.is_file():
         raise ConfigError(f"config file {str(p)!r} does not exist; pass an existing TOML file")
     try:

@@ -158,6 +158,11 @@ def test_a_config_file_that_is_not_utf8_is_a_one_line_error(places):
         build_config("tiny", places["bad_toml"])
 
 
+def test_a_config_path_that_is_a_directory_says_so(places):
+    with pytest.raises(ConfigError, match="is a directory; pass a TOML file"):
+        build_config("tiny", places["empty"])
+
+
 def test_a_diverging_run_is_one_error_line_and_its_weights_are_refused(tmp_path, byte_data):
     run = tmp_path / "run"
     rc, lines = cli(["train", "--preset", "tiny", "--quiet", "--data", str(byte_data), "--steps", "2", "--out",
