@@ -192,3 +192,44 @@ def test_gantt_side_by_side(tmp_path):
     r = simulate(s, topo, small_cost(3))
     p = draw_side_by_side(r.timeline, r.timeline, tmp_path / "sbs.png")
     assert p.stat().st_size > 1000
+
+
+def test_the_time_cap_bounds_placement_and_construction_too_and_big_stages_stay_valid():
+    """A cap of 0 s leaves the first placement's estimate and one constructive start per
+    candidate: the schedule is still complete and balanced, and the meta says what was cut.
+    The topology has stages of more than 16 replicas, so routes weigh a bounded set of
+    replicas and rings are searched with bounded effort."""
+    topo = random_topology(96, seed=1, n_regions=5)
+    cost = CostModel(d_model=256, tokens_per_sample=128, samples=2, layers_per_stage=[2] * 4,
+                     s_per_sample_per_layer=0.01, hop_overhead_s=0.01)
+    cfg = PlanConfig(n_stages=4, skip_ratio=0.33, memory=2, mb_per_originator=2, seed=0, time_limit_s=0.0)
+    sched = plan(topo, cost, cfg)
+    info = sched.meta["planner"]
+    assert info["placement_capped"] and info["time_capped"] and info["evals"] == 0
+    assert max(len(p) for p in sched.placement[1:]) > 16
+    sched.validate(("placement", "originators", "stage0_ends", "no_repeat", "memory"), n_nodes=topo.n)
+    visits = [0] * 4
+    for mb in sched.micro_batches:
+        for s, _ in mb.route:
+            visits[s] += 1
+    assert max(visits[1:]) - min(visits[1:]) <= 1          # the stage quotas hold
+    r = simulate(sched, topo, cost)
+    assert math.isfinite(r.iteration_s)
+    big = sorted(max(sched.placement[1:], key=len))
+    ring = ring_order(topo, big)
+    assert sorted(ring) == big                              # a ring over exactly those nodes
+
+
+def test_without_a_binding_cap_nothing_is_cut():
+    sched = plan(geo12(20), reference_cost(), PlanConfig(n_stages=6, stage_sizes=[5, 3, 3, 3, 3, 3], seed=0,
+                                                         max_evals=50, contention=False, dp_sync=False))
+    info = sched.meta["planner"]
+    assert not info["placement_capped"] and not info["time_capped"] and info["evals"] > 0
+
+
+def test_a_placement_search_past_its_deadline_keeps_only_the_first_start():
+    topo, cost = geo12(20), reference_cost()
+    sizes = [5, 3, 3, 3, 3, 3]
+    late = place(topo, sizes, cost, 0.33, return_all=True, deadline=-1.0)
+    free = place(topo, sizes, cost, 0.33, return_all=True)
+    assert len(late) == 1 and len(free) > 1

@@ -220,10 +220,17 @@ class CostModel:
         return cls(**d)
 
 
+#: Rings of more nodes than this are searched with bounded effort (:func:`ring_order`).
+RING_FULL_SEARCH = 16
+RING_STARTS, RING_WINDOW = 8, 16
+
+
 def ring_order(topo: Topology, nodes: Sequence[int]) -> list[int]:
     """A ring over ``nodes`` whose slowest link (by inverse bandwidth) is as fast as possible,
-    ties broken by the sum.  Exact for up to 7 nodes; beyond that greedy nearest neighbour from
-    every start followed by 2-opt moves."""
+    ties broken by the sum.  Exact for up to 7 nodes; up to :data:`RING_FULL_SEARCH` nodes greedy
+    nearest neighbour from every start followed by 2-opt moves to a local optimum; beyond that
+    (effort cubic in the ring size) greedy from the first :data:`RING_STARTS` nodes and 2-opt
+    moves that reverse at most :data:`RING_WINDOW` nodes."""
     nodes = list(nodes)
     if len(nodes) <= 3:
         return nodes
@@ -236,8 +243,9 @@ def ring_order(topo: Topology, nodes: Sequence[int]) -> list[int]:
     if len(nodes) <= 7:
         first, rest = nodes[0], nodes[1:]
         return min(([first, *p] for p in itertools.permutations(rest) if p[0] < p[-1]), key=key)
+    big = len(nodes) > RING_FULL_SEARCH
     best, best_key = nodes, key(nodes)
-    for start in nodes:
+    for start in nodes[:RING_STARTS] if big else nodes:
         ring, left = [start], set(nodes) - {start}
         while left:
             cur = ring[-1]
@@ -251,7 +259,7 @@ def ring_order(topo: Topology, nodes: Sequence[int]) -> list[int]:
     while improved:
         improved = False
         for i in range(1, len(best) - 1):
-            for j in range(i + 1, len(best)):
+            for j in range(i + 1, min(len(best), i + RING_WINDOW) if big else len(best)):
                 cand = best[:i] + best[i:j + 1][::-1] + best[j + 1:]
                 k = key(cand)
                 if k < best_key:

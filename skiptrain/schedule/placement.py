@@ -26,6 +26,7 @@ from __future__ import annotations
 import itertools
 import math
 import random
+import time
 from typing import Sequence
 
 import numpy as np
@@ -165,12 +166,15 @@ class _Estimator:
 def place(topo: Topology, sizes: Sequence[int], cost: CostModel, skip_ratio: float = 0.0,
           memory: int = 3, mb_per_originator: int = 6, dp_sync: bool = True, mode: str = "skip",
           seed: int = 0, restarts: int = 4, max_evals: int | None = None,
-          return_all: bool = False) -> list[list[int]] | list[list[list[int]]]:
+          return_all: bool = False, deadline: float | None = None) -> list[list[int]] | list[list[list[int]]]:
     """Network-aware placement of ``topo``'s nodes onto stages of ``sizes`` (see module doc).
 
     Deterministic for a given ``seed``.  Nodes beyond ``sum(sizes)`` stay unused (the search
     may swap them in).  With ``return_all`` the local optimum of every restart is returned,
     best estimate first, duplicates removed (the planner screens them with real routes).
+    ``deadline`` (a ``time.process_time()`` value) ends the search early: the first restart's
+    start is always estimated, every restart stops at its best so far once the deadline passed,
+    and no further restart begins.
     """
     sizes = list(sizes)
     check_sizes(sizes, topo.n)
@@ -185,7 +189,12 @@ def place(topo: Topology, sizes: Sequence[int], cost: CostModel, skip_ratio: flo
         max_evals = 4000 if N <= 24 else 2500
     per_restart = max(1, max_evals // restarts)
     found: list[tuple[float, int, list[list[int]]]] = []
+    def late() -> bool:
+        return deadline is not None and time.process_time() > deadline
+
     for r in range(restarts):
+        if r and late():
+            break
         nodes = list(range(N))
         rng.shuffle(nodes)
         pl, k = [], 0
@@ -203,7 +212,8 @@ def place(topo: Topology, sizes: Sequence[int], cost: CostModel, skip_ratio: flo
                      if x[0] != y[0] or (mode == "lanes" and x[0] != -1)]
             rng.shuffle(pairs)
             for (s1, i1), (s2, i2) in pairs:
-                if evals >= per_restart:
+                if evals >= per_restart or late():
+                    improved = False
                     break
                 g1 = spare if s1 == -1 else pl[s1]
                 g2 = spare if s2 == -1 else pl[s2]

@@ -32,14 +32,18 @@ than ``NO_CA_SHARE_CAP`` times its speed-weighted share of its stage's visits) a
 feedback.  The cap is the strongest of those measured for the ablation (docs/scheduler.md).
 
 The search is deterministic for a given ``seed`` and ``max_evals``; ``time_limit_s`` (CPU
-seconds of this process, default 80% of the issue's limit: 8 s for 20 nodes, 48 s for 64) is a
-safety cap; when it cuts the search, ``meta["planner"]["time_capped"]`` is true and results can
-differ between machines.  The default budget (:func:`default_evals`) takes about 4 s of CPU for
+seconds of this process, default 80% of the planning-time target: 8 s for 20 nodes, 48 s for 64)
+is a safety cap on every phase: the placement search stops at half of it
+(``meta["planner"]["placement_capped"]``), no lane-like construction starts after it, and the
+local search stops at it (``meta["planner"]["time_capped"]``); the first placement's estimate,
+one constructive start per candidate and the final check always run.  When the cap cuts the
+search, results can differ between machines.  The default budget (:func:`default_evals`) takes about 4 s of CPU for
 20 nodes and about 25 s for 64 (full model), see docs/scheduler.md.
 """
 
 from __future__ import annotations
 
+import heapq
 import itertools
 import math
 import random
@@ -145,7 +149,10 @@ def _best_replicas(ctx: RouteContext, o: int, order: Sequence[int], t0: float, f
 
     Dynamic programming along the order; state value = estimated forward finish on the node
     (respecting ``free``) plus the accumulated return cost (hops back and backward compute).
-    Returns (estimated finish at the originator, nodes, forward start per hop).
+    A stage of more than :data:`ROUTE_CANDIDATES` replicas offers only that many, those that
+    could start earliest if the micro-batch came straight from the originator (effort stays
+    linear in the stage size).  Returns (estimated finish at the originator, nodes, forward
+    start per hop).
     """
     H, f, b = ctx.H, ctx.f, ctx.b
     # entries: node -> (score, fwd_finish, back_cost, path, starts)
@@ -153,6 +160,8 @@ def _best_replicas(ctx: RouteContext, o: int, order: Sequence[int], t0: float, f
     layer = {o: (t_o, t_o, 0.0, [], [])}
     for s in order:
         reps = allowed[s] if allowed is not None else ctx.placement[s]
+        if len(reps) > ROUTE_CANDIDATES:
+            reps = heapq.nsmallest(ROUTE_CANDIDATES, reps, key=lambda n: (max(free[n], t_o + H[o][n]), n))
         nxt = {}
         for n in reps:
             best = None
@@ -334,6 +343,8 @@ TRADE_REROUTE_P = 0.5  # stage trade / route exchange between originators: re-pi
 REROUTE_P = 0.3    # move: re-pick one micro-batch's replicas by hop cost (best, or second best)
 FINISH_WEIGHT = 0.05  # objective: + this x the mean over originators of their last finish
 SCREEN_SHARE = 0.4  # share of the search budget spent screening placement candidates
+PLACEMENT_SHARE = 0.5  # share of the time cap the placement search may use
+ROUTE_CANDIDATES = 16  # replicas per stage a route construction weighs (the earliest to start)
 PENALTIES = (0.0, 2.0, 5.0, 10.0)  # construct_affinity penalties tried in turn
 PLACEMENTS_SMALL = 4  # placement candidates screened for topologies of <= 32 nodes (1 above)
 NO_CA_SHARE_CAP = 2.0  # collision-unaware ablation: a replica takes <= 2x its share of visits
@@ -547,6 +558,11 @@ def plan(topo: Topology, cost: CostModel, cfg: PlanConfig) -> Schedule:
         raise ScheduleError(f"cost model has {cost.n_stages} stages but {cfg.n_stages} were requested")
     rng = random.Random(cfg.seed)
     sizes = cfg.stage_sizes or stage_sizes(topo.n, cfg.n_stages, cfg.skip_ratio, cost)
+    time_limit = cfg.time_limit_s if cfg.time_limit_s is not None else default_time_limit(topo.n)
+
+    def left() -> float:
+        return max(0.0, time_limit - (time.process_time() - c0))
+
     if cfg.placement is not None:
         cands = [[list(p) for p in cfg.placement]]
     else:
@@ -554,12 +570,12 @@ def plan(topo: Topology, cost: CostModel, cfg: PlanConfig) -> Schedule:
         if cfg.max_evals == 0 or not cfg.collision_aware:
             k = 1  # no search to screen with: the placement search's best, as before
         cands = place(topo, sizes, cost, cfg.skip_ratio, cfg.memory, cfg.mb_per_originator,
-                      cfg.dp_sync, mode="skip", seed=cfg.seed, restarts=max(4, k), return_all=True)
+                      cfg.dp_sync, mode="skip", seed=cfg.seed, restarts=max(4, k), return_all=True,
+                      deadline=c0 + PLACEMENT_SHARE * time_limit)
         cands = cands[:max(1, k)]
     t_place = time.perf_counter() - t0
     v = visits_per_route(cfg.skip_ratio, cfg.n_stages)
     method = "planner" if cfg.collision_aware else "planner_no_ca"
-    time_limit = cfg.time_limit_s if cfg.time_limit_s is not None else default_time_limit(topo.n)
 
     def mk(pl: list[list[int]], mbs_: list[MicroBatch]) -> Schedule:
         return Schedule(placement=pl, micro_batches=mbs_, memory=cfg.memory, skip_ratio=cfg.skip_ratio,
@@ -578,6 +594,8 @@ def plan(topo: Topology, cost: CostModel, cfg: PlanConfig) -> Schedule:
         best_sc = sc(sched)
         n_con = cfg.constructions if cfg.constructions is not None else (12 if topo.n <= 32 else 4)
         for k in range(n_con):
+            if left() <= 0:       # the time cap: the constructive start alone
+                break
             oo = list(pl[0])
             rng.shuffle(oo)
             cand = mk(pl, construct_affinity(ctx, pl[0], cfg.mb_per_originator, cfg.n_stages, v,
@@ -587,7 +605,8 @@ def plan(topo: Topology, cost: CostModel, cfg: PlanConfig) -> Schedule:
                 best_sc, sched = x, cand
         return best_sc, sched
 
-    info: dict[str, Any] = {"placement_s": t_place, "placement_candidates": len(cands)}
+    info: dict[str, Any] = {"placement_s": t_place, "placement_candidates": len(cands), "placement_capped":
+                            cfg.placement is None and time.process_time() - c0 > PLACEMENT_SHARE * time_limit}
     t_con = time.perf_counter()
     starts = [starting_point(pl) for pl in cands]
     info["construct_s"] = time.perf_counter() - t_con
@@ -595,10 +614,6 @@ def plan(topo: Topology, cost: CostModel, cfg: PlanConfig) -> Schedule:
         sched = starts[0][1]
     else:
         budget = cfg.max_evals if cfg.max_evals is not None else default_evals(len(starts[0][1].micro_batches))
-
-        def left() -> float:
-            return max(0.0, time_limit - (time.process_time() - c0))
-
         evals = 0
         pick = 0
         if len(starts) > 1 and budget > 0:
