@@ -49,6 +49,10 @@ from .membership import COORDINATOR, Verifier, sign
 from .recovery import publish_generation
 
 
+#: Seconds a node refused at admission has to exit by itself before it is killed.
+REFUSED_GRACE_S = 2.0
+
+
 class _Members:
     """Exit status of the launched children and of joined (external) node processes."""
 
@@ -170,6 +174,7 @@ def coordinate(job: Job, procs, store, world: int, t_start: float, timeout_s: fl
     for n, v in sorted(adm.items()):
         if v == "ok":
             continue
+        members.wait({n}, REFUSED_GRACE_S)   # it reads its refusal, says why in its log and exits
         if procs[n].poll() is None:
             fenced.add(n)
             members.kill(n)
