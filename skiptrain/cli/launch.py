@@ -126,7 +126,9 @@ def _resume_point(cfg, out: str, resume: str, steps: int) -> dict:
     from ..checkpoint import store
     from ..runtime.job_checkpoint import resume_point
 
-    root = Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else Path(out) / "checkpoints"
+    from .options import checkpoint_root
+
+    root = checkpoint_root(cfg, out)
     src = root if resume == "latest" else Path(resume)
     if resume == "latest" and store.latest(root) is None:
         raise UserError(f"--resume: no committed checkpoint under {root}; train without --resume, or pass "

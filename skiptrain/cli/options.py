@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 from ..config import build_config, preset_names
 
@@ -21,3 +22,8 @@ def config_from_args(args: argparse.Namespace, **shortcuts):
         if value is not None:
             overrides.append(f"{key}={value}")
     return build_config(args.preset, args.config, overrides)
+
+
+def checkpoint_root(cfg, out: str | Path) -> Path:
+    """Where a run's checkpoints live: ``checkpoint.dir``, else ``OUT/checkpoints``."""
+    return Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else Path(out) / "checkpoints"

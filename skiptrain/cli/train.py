@@ -72,7 +72,9 @@ def resume_checkpoint(cfg, out: str, resume: str) -> Path:
     and run.json from it)."""
     from ..checkpoint.reader import CheckpointReader
 
-    root = Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else Path(out) / "checkpoints"
+    from .options import checkpoint_root
+
+    root = checkpoint_root(cfg, out)
     reader = CheckpointReader(root if resume == "latest" else resume)
     if reader.step >= cfg.train.steps:
         raise UserError(f"--resume: the checkpoint {reader.path} is at step {reader.step}, the run has "
