@@ -44,8 +44,9 @@ from skiptrain.config import build_config
 from skiptrain.elastic.costs import N_DEV, sim_topology
 from skiptrain.runtime.job import Job, Phase, build_cost, with_runtime
 from skiptrain.runtime.launcher import launch
-from skiptrain.runtime.transition import layout_cost, layout_schedule
+from skiptrain.runtime.transition import layout_cost
 from skiptrain.schedule.baselines import full_pipeline
+from skiptrain.schedule.schedule import Schedule
 from skiptrain.schedule.simulator import simulate
 
 GLOBAL_BATCH = 16
@@ -140,17 +141,16 @@ def window_mean(losses: list[float], w: int) -> list[float]:
 
 def layouts_in_force(cfg, cost, sched, log: list[dict], n_it: int) -> list[tuple]:
     """Per iteration: (frozen, counts, placement, prefix cached, schedule, cost model) of the layout
-    in force."""
+    in force (the schedule each transition logged: the one that ran)."""
     transitions = {t["step"]: t for t in log if t.get("action") == "transition"}
     from skiptrain.model.partition import partition_layers
     cur = (0, partition_layers(cfg.model).to_list(), sched.placement, False, sched, cost)
-    ids = sorted(mb.id for mb in sched.micro_batches)
     out = []
     for it in range(n_it):
         t = transitions.get(it)
         if t is not None:
             c = layout_cost(cost, cfg.model, t["counts"], t["frozen_after"], hit=1.0 if t.get("prefix_cached") else 0.0)
-            s = layout_schedule(t["placement"], ids, 0.0, 0, sched.memory, cfg.train.seed + it)
+            s = Schedule.from_dict(t["schedule"])
             cur = (t["frozen_after"], t["counts"], t["placement"], bool(t.get("prefix_cached")), s, c)
         out.append(cur)
     return out

@@ -366,7 +366,7 @@ class SwarmFreezing:
                "placement": new.placement, "memory": sched.memory, "prefix_cached": cached,
                "prefill_gain": None if gain is None else round(gain, 3), "transfer_bytes": sum(t.nbytes for t in plan),
                "transfer_messages": len(plan), "move_s": round(moved_s, 6), "autopipe": evidence,
-               "routes": sched.method, "seconds": round(time.perf_counter() - t0, 6)}
+               "routes": sched.method, "schedule": sched.to_dict(), "seconds": round(time.perf_counter() - t0, 6)}
         self.layouts.append({**new.to_dict(), "step": st.it})
         self.transitions.append(rec)
         st.record.setdefault("transitions", []).append({k: v for k, v in rec.items() if k != "autopipe"})

@@ -89,7 +89,9 @@ def layout_schedule(placement: list[list[int]], ids: list[int], skip_ratio: floa
     (:func:`deal_originators`, keeping ``keep``'s originators where it can), each on a route
     through the body stages (full routes with fewer than three stages or no skipping, else
     balanced skip routes drawn from ``seed``), each hop on the least-loaded replica of its stage
-    not yet on the route (ties: lowest id)."""
+    not yet on the route (ties: lowest id), the hops assigned round by round of the originators'
+    injections (every originator's first micro-batch, then every second, ...), so each replica
+    gets early and late arrivals alike.  The micro-batches stay in id order (the injection order)."""
     S, ids = len(placement), sorted(ids)
     if skip_ratio <= 0 or S <= 2:
         routes = [full_route(S) for _ in ids]
@@ -97,18 +99,23 @@ def layout_schedule(placement: list[list[int]], ids: list[int], skip_ratio: floa
         routes = balanced_routes(S, skip_ratio, len(ids), random.Random(seed), max_swaps)
     load = {n: 0 for p in placement for n in p}
     origin = deal_originators(list(placement[0]), ids, keep)
-    mbs = []
-    for i, route in zip(ids, routes):
+    rank, seen = {}, dict.fromkeys(placement[0], 0)   # injection round: the originator's k-th micro-batch
+    for i in ids:
+        rank[i], seen[origin[i]] = seen[origin[i]], seen[origin[i]] + 1
+    route_of = dict(zip(ids, routes))
+    hops_of: dict[int, list[tuple[int, int]]] = {}
+    for i in sorted(ids, key=lambda i: (rank[i], i)):   # round by round, so a replica gets early and late ones
         o = origin[i]
         load[o] += 1
         hops, used = [], {o}
-        for s in route:
+        for s in route_of[i]:
             cands = [n for n in placement[s] if n not in used] or list(placement[s])
             n = min(cands, key=lambda x: (load[x], x))
             load[n] += 1
             used.add(n)
             hops.append((s, n))
-        mbs.append(MicroBatch(i, o, hops, 0.0))
+        hops_of[i] = hops
+    mbs = [MicroBatch(i, origin[i], hops_of[i], 0.0) for i in ids]
     per_orig = math.ceil(len(ids) / len(placement[0]))
     return Schedule(placement=[list(p) for p in placement], micro_batches=mbs,
                     memory=max(1, min(memory, per_orig) if S == 1 else memory),
