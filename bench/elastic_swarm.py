@@ -240,7 +240,8 @@ def figures(cfg, cost, topo, sched, rows: dict, walls: dict, evals: dict, log: l
                                            "transfer_bytes", "transfer_messages", "move_s", "seconds")} for t in trans],
         "transition_s": r(trans_s), "transition_fraction": r(trans_s / wall["elastic"]),
         "transition_wire_sim_s": r(wire),
-        "prefills": [{k: t[k] for k in ("step", "frozen", "rows", "layer_rows", "seconds")} for t in pre],
+        "prefills": [{k: t.get(k) for k in ("step", "frozen", "rows", "layer_rows", "received_rows", "seconds")}
+                     for t in pre],
         "prefill_s": r(prefill_s), "prefill_fraction": r(prefill_s / wall["elastic"]),
         "iteration_s_measured": {p: r(v) for p, v in meas_it.items()},
         "iteration_s_simulated": {p: r(v) for p, v in sim_it.items()},

@@ -10,9 +10,10 @@ import torch
 
 from skiptrain.config import build_config
 from skiptrain.data.loader import shard_indices
-from skiptrain.elastic.cache import (ActivationCache, PrefixRunner, at_depth, deal_part, expected_hit, measure,
+from skiptrain.elastic.cache import (ActivationCache, PrefixRunner, at_depth, expected_hit, measure,
                                     worth_it)
 from skiptrain.elastic.freeze import FreezeRule
+from skiptrain.elastic.prefill import plan_prefill
 from skiptrain.elastic.repartition import autopipe, iteration_units, layer_compute, stage_memory
 from skiptrain.checkpoint.wire import pack_state, unpack_state
 from skiptrain.elastic.replicas import assign_nodes
@@ -357,7 +358,7 @@ def test_cache_prefill_equals_recompute_and_extends_what_is_there(tiny_model, tm
 
 def test_a_shared_cache_is_prefilled_once_per_window_by_its_processes_in_disjoint_parts(tiny_model, tmp_path):
     """Three processes (three cache objects on one directory) prefill their parts of the union
-    of the windows they will read: every window is computed once, each process then reads every
+    of the windows they will read (the prefill plan's work, one cache with three workers): every window is computed once, each process then reads every
     window of the union from the file (bit for bit the recomputation), a training step's miss is
     computed but not written (only the prefill writes a shared cache), and the next freeze
     extends the rows whichever process computed them."""
@@ -366,7 +367,7 @@ def test_a_shared_cache_is_prefilled_once_per_window_by_its_processes_in_disjoin
     tokens = torch.randint(0, 256, (n_win, T), generator=torch.Generator().manual_seed(2))
     shares = [[3, 1, 4, 15, 9], [2, 6, 5, 3, 5, 8], [9, 7, 9, 3, 2, 1, 20]]
     union = list(dict.fromkeys(w for sh in shares for w in sh))
-    parts = [deal_part(union, 3, i) for i in range(3)]
+    parts = list(plan_prefill({"loc": union}, {}, {"loc": [0, 1, 2]}, 1, lambda a, b: 0.0).work.values())
     assert sorted(w for p in parts for w in p) == sorted(union)     # disjoint, together the union
     caches = [ActivationCache(tmp_path / "loc", n_win, T, d, n_win * T * d * 4, shared=True) for _ in range(3)]
     runs = [PrefixRunner(m, c, store=False) for c in caches]
@@ -390,7 +391,9 @@ def test_a_shared_cache_is_prefilled_once_per_window_by_its_processes_in_disjoin
     # a deeper prefix: each process extends its new part, whoever computed the depth-1 rows
     for r in runs:
         r.set_frozen(2)
-    got = [r.prefill(lambda ws: tokens[ws], 4, deal_part(union, 3, (i + 1) % 3)) for i, r in enumerate(runs)]
+    parts = list(plan_prefill({"loc": union}, {"loc": dict.fromkeys(union, 1)}, {"loc": [0, 1, 2]}, 2,
+                              lambda a, b: 0.0).work.values())
+    got = [r.prefill(lambda ws: tokens[ws], 4, parts[(i + 1) % 3]) for i, r in enumerate(runs)]
     assert sum(g["rows"] for g in got) == len(union) == sum(g["layer_rows"] for g in got)
     ref.frozen = 2
     caches[2].refresh()

@@ -306,8 +306,8 @@ def test_a_node_killed_mid_transition_is_recovered_and_training_goes_on(byte_dat
 
 @pytest.mark.slow
 def test_the_swarm_serves_the_frozen_prefix_from_prefilled_caches(byte_data, tmp_path):
-    """``elastic.cache=on`` in the swarm: at each freeze the originators prefill their share of
-    the windows (data parallel, each only the windows it will start), so after the prefill every
+    """``elastic.cache=on`` in the swarm: at each freeze the originators prefill the windows they
+    will start (data parallel, each window computed once, rows sent between caches), so after the prefill every
     lookup hits; the run trains what the single-process trainer with the cache on trains (same
     decisions; weights within 1e-4: the swarm averages the replicas' gradients, the single
     process sums the whole batch, a float-order difference), replicas bit-identical, every sample
@@ -323,10 +323,12 @@ def test_the_swarm_serves_the_frozen_prefix_from_prefilled_caches(byte_data, tmp
     pre = [r for r in log if r.get("action") == "prefill"]
     assert [(p["step"], p["frozen"]) for p in pre] == [(4, 1), (6, 2)]
     # the first prefill computes each originator's windows of iterations 4..9 (one layer each);
-    # the second extends what an originator already holds and computes the windows it newly starts
-    assert pre[0]["rows"] == pre[0]["layer_rows"] == (ITERS - 4) * GB
+    # the second extends every window by one layer where it is held, and a window an originator
+    # newly starts arrives from the cache that extended it instead of running both layers
     # (originators keep their micro-batches where an even deal allows: 3 of 4 here)
-    assert pre[1]["rows"] == (ITERS - 6) * GB and pre[1]["layer_rows"] == pre[1]["rows"] + (ITERS - 6) * GB // 4
+    assert pre[0]["rows"] == pre[0]["layer_rows"] == (ITERS - 4) * GB and pre[0]["received_rows"] == 0
+    assert pre[1]["rows"] == pre[1]["layer_rows"] == (ITERS - 6) * GB
+    assert pre[1]["received_rows"] == (ITERS - 6) * GB // 4
     caches = {}
     for f in (run / "phases" / "p").glob("node*.json"):
         rec = json.loads(f.read_text())

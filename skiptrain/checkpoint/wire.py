@@ -45,15 +45,22 @@ def pack_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, 
         tensors.update(opt)
     tensors.update(extra or {})
     wanted = sorted(tensors) if names is None else sorted(names)
+    return pack_tensors({n: tensors[n] for n in wanted}, state, record)
+
+
+def pack_tensors(tensors: Mapping[str, torch.Tensor], state: Mapping[str, Any] | None = None,
+                 record: Mapping[str, Any] | None = None) -> bytes:
+    """One message of ``tensors`` by name (in name order), JSON ``state`` and an optimizer
+    ``record``; read by :func:`unpack_tensors`."""
     metas, chunks, off = [], [], 0
-    for n in wanted:
+    for n in sorted(tensors):
         t = tensors[n].detach().cpu().contiguous()     # the bytes of a device tensor, from the host
         b = bytes(byte_view(t))
         metas.append({"name": n, "dtype": dtype_name(t.dtype), "shape": list(t.shape), "offset": off,
                       "nbytes": len(b)})
         chunks.append(b)
         off += len(b)
-    header = json.dumps({"tensors": metas, "optimizer": record, "state": dict(state or {})}).encode()
+    header = json.dumps({"tensors": metas, "optimizer": dict(record or {}), "state": dict(state or {})}).encode()
     return struct.pack("<Q", len(header)) + header + b"".join(chunks)
 
 

@@ -302,14 +302,6 @@ class PrefixRunner:
         return bool((c.tags[slots, 1] == self.frozen).all())
 
 
-def deal_part(windows: Sequence[int], parts: int, index: int) -> list[int]:
-    """Part ``index`` of ``parts`` of ``windows`` (every ``parts``-th, from ``index``): the
-    processes sharing a cache prefill disjoint parts that together are every window once."""
-    if not 0 <= index < parts:
-        raise ValueError(f"part {index} of {parts}")
-    return list(windows)[index::parts]
-
-
 def measure(model, frozen: int, tokens: torch.Tensor, directory: str | Path, repeats: int = 3) -> dict[str, float]:
     """Seconds per sample: recompute the prefix vs write vs read a cached row (medians)."""
     runner = PrefixRunner(model)

@@ -44,7 +44,7 @@ import torch.distributed as dist
 
 from ..checkpoint.reader import CheckpointReader
 from ..checkpoint.training import truncate_metrics
-from ..elastic.cache import ActivationCache, PrefixRunner, deal_part
+from ..elastic.cache import ActivationCache, PrefixRunner
 from ..elastic.freeze import FreezeRule
 from ..elastic.repartition import ElasticLayout
 from ..layout.transfer import transfer_plan
@@ -54,6 +54,7 @@ from ..schedule.schedule import Schedule
 from ..schedule.simulator import simulate
 from .evaluate import pipelined_evaluate_sum
 from .job_checkpoint import load_sync
+from .prefill import prefill_plan, run_prefill
 from .transition import (Activations, build_stage, freeze_parameters, gather_state, layout_cost, layout_schedule,
                          move_state, plan_layout, reseat, stage_names, stage_sizes, sync_state)
 
@@ -280,51 +281,40 @@ class SwarmFreezing:
         cost = layout_cost(self.base_cost, self.cfg.model, layout.counts, F, hit=1.0 if cached else 0.0)
         return simulate(sched, self.st.topo, cost, contention=True, dp_sync=False, record=False).iteration_s
 
-    def prefill_windows(self) -> list[int]:
-        """The windows this originator prefills: its share; with a cache shared by the originators
-        at its location, its part of the union of their shares (each window once per location)."""
-        st, rank = self.st, self.node.rank
+    def cache_of(self, rank: int) -> str:
+        """The key of the cache originator ``rank`` reads: its location's, or its own."""
         loc = self._location(rank)
-        if loc is None or self.cache is None or not self.cache.shared:
-            return self.share()
-        group = sorted({mb.originator for mb in st.sched.micro_batches if self._location(mb.originator) == loc})
-        union = dict.fromkeys(w for r in group for w in self.share(r))
-        return deal_part(list(union), len(group), group.index(rank))
+        return f"loc:{loc}" if loc is not None else f"node:{rank}"
 
     def _prepare_prefix(self) -> None:
         """Every node, before the first iteration of a layout with a frozen prefix (the weights are
         loaded by then): the originators fingerprint the prefix (dropping stale cache entries) and,
-        when the layout was planned with the prefix cached, prefill their windows
-        (:meth:`prefill_windows`) -- data parallel over the originators, forward only, padded to
-        the cost model like any compute task; the counts and the slowest originator's time are
-        all-reduced and logged.  With caches shared per location, every node waits for every
-        originator's fingerprinting before anyone writes, and re-reads its cache's index after."""
+        when the layout was planned with the prefix cached, every node waits for that, then takes
+        part in the prefill (:mod:`skiptrain.runtime.prefill`: each window computed once, on a
+        cache that holds it deepest, data parallel over the originators, forward only, padded to
+        the cost model like any compute task; its row sent to the other caches that need it).
+        The counts and the slowest node's time are all-reduced and logged."""
         st, node = self.st, self.node
         t0 = time.time()
-        done = torch.zeros(4, dtype=torch.float64)          # rows, layer rows, dropped, (max) seconds
+        done = torch.zeros(5, dtype=torch.float64)   # rows, layer rows, received rows, dropped, (max) seconds
         if self.runner is not None:
-            done[2] = self.runner.set_frozen(self.frozen)
-        shared = self.prefix_cached and self.cfg.elastic.cache_share == "location"
-        if shared:
-            node._sync(dist.barrier)
-        if self.runner is not None and self.prefix_cached:
-            t = self.cfg.train
-            rec = self.runner.prefill(lambda ws: node.src.window_batch(ws)[0], t.micro_batch * len(st.order),
-                                      self.prefill_windows())
-            done[0], done[1] = rec["rows"], rec["layer_rows"]
-            cost = self.base_cost
-            if cost is not None:
-                st.padding.pad(t0, float(done[1]) * cost.s_per_sample_per_layer / st.speed)
-            self.cache.flush()
-        done[3] = time.time() - t0
+            done[3] = self.runner.set_frozen(self.frozen)
         if self.prefix_cached:
-            mx = done[3:].clone()
+            node._sync(dist.barrier)                   # no cache is read while one still drops stale rows
+            n = run_prefill(self, prefill_plan(self), t0)
+            done[0], done[1], done[2] = n["rows"], n["layer_rows"], n["received"]
+            if self.cache is not None:
+                self.cache.flush()
+        done[4] = time.time() - t0
+        if self.prefix_cached:
+            mx = done[4:].clone()
             node._sync(dist.all_reduce, done)
             node._sync(dist.all_reduce, mx, dist.ReduceOp.MAX)
             if self.cache is not None and self.cache.shared:
                 self.cache.refresh()
             rec = {"step": st.it, "action": "prefill", "frozen": self.frozen, "rows": int(done[0]),
-                   "layer_rows": int(done[1]), "dropped": int(done[2]), "seconds": round(float(mx[0]), 6)}
+                   "layer_rows": int(done[1]), "received_rows": int(done[2]), "dropped": int(done[3]),
+                   "seconds": round(float(mx[0]), 6)}
             st.record.setdefault("prefills", []).append(rec)
             self._log(rec)
         self.prefix_due = False

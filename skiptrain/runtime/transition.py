@@ -210,26 +210,35 @@ class Activations:
 
 def move_state(me: int, plan: list[Transfer], rank_of: dict[int, int], model, opt, strat,
                abort: Callable[[], None]) -> list[bytes]:
-    """Send this node's messages of ``plan`` and receive its own (two rounds: lengths, then
-    the messages); returns the received messages (:func:`pack_state` frames)."""
+    """Send this node's messages of ``plan`` and receive its own (:func:`exchange`); returns the
+    received messages (:func:`pack_state` frames)."""
     sends = [t for t in plan if t.src == me]
-    recvs = [t for t in plan if t.dst == me]
     blobs = {}
     if sends:
         extra, scalars = sync_tensors(strat)
         for t in sends:
             blobs[t.dst] = pack_state(model, opt, t.names, {"strategy": scalars}, extra)
-    lens = {t.src: torch.zeros(1, dtype=torch.int64) for t in recvs}
-    works = [dist.isend(torch.tensor([len(blobs[t.dst])], dtype=torch.int64), rank_of[t.dst], tag=LEN_TAG)
-             for t in sends]
-    works += [dist.irecv(lens[t.src], rank_of[t.src], tag=LEN_TAG) for t in recvs]
+    got = exchange(blobs, [t.src for t in plan if t.dst == me], rank_of, abort)
+    return [got[t.src] for t in plan if t.dst == me]
+
+
+def exchange(outgoing: dict[int, bytes], incoming: list[int], rank_of: dict[int, int],
+             abort: Callable[[], None]) -> dict[int, bytes]:
+    """Point to point among the nodes that take part: send ``outgoing[node]`` to each node and
+    receive one message from each of ``incoming`` (node ids; ``rank_of``: node -> process-group
+    rank), in two rounds (lengths, then the messages).  Every message must be matched by the
+    peer's call; ``abort()`` raises when the node must give up (:func:`wait_all`)."""
+    lens = {src: torch.zeros(1, dtype=torch.int64) for src in incoming}
+    works = [dist.isend(torch.tensor([len(b)], dtype=torch.int64), rank_of[dst], tag=LEN_TAG)
+             for dst, b in outgoing.items()]
+    works += [dist.irecv(lens[src], rank_of[src], tag=LEN_TAG) for src in incoming]
     wait_all(works, abort)
-    bufs = {t.src: torch.empty(int(lens[t.src][0]), dtype=torch.uint8) for t in recvs}
-    works = [dist.isend(torch.frombuffer(bytearray(blobs[t.dst]), dtype=torch.uint8), rank_of[t.dst], tag=BLOB_TAG)
-             for t in sends]
-    works += [dist.irecv(bufs[t.src], rank_of[t.src], tag=BLOB_TAG) for t in recvs]
+    bufs = {src: torch.empty(int(lens[src][0]), dtype=torch.uint8) for src in incoming}
+    works = [dist.isend(torch.frombuffer(bytearray(b), dtype=torch.uint8), rank_of[dst], tag=BLOB_TAG)
+             for dst, b in outgoing.items()]
+    works += [dist.irecv(bufs[src], rank_of[src], tag=BLOB_TAG) for src in incoming]
     wait_all(works, abort)
-    return [bufs[t.src].numpy().tobytes() for t in recvs]
+    return {src: bufs[src].numpy().tobytes() for src in incoming}
 
 
 def gather_state(model, opt, strat, blobs: list[bytes], wanted: set[str]
