@@ -243,7 +243,7 @@ class SwarmFreezing:
         slowest cache's: its windows until the end of the phase (:meth:`share`, each once per
         cache: one per originator, or one per location when shared) run through all ``F``
         frozen layers, forward only, spread over the originators sharing it, at the slowest of
-        their speeds (an upper bound: windows cached at a shallower depth are only extended).
+        their speeds (pessimistic: the prefill extends shallower rows and sends rows between caches).
         Iteration times are the simulator's when the phase has a topology (holding every node of
         both layouts) and a cost model, else AutoPipe's estimates; both sides are then in
         sample-layer units."""
