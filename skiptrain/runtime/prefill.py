@@ -78,7 +78,8 @@ def run_prefill(fr, plan: PrefillPlan, t0: float) -> dict[str, int]:
         rec = fr.runner.prefill(lambda ws: node.src.window_batch(ws)[0], t.micro_batch * len(st.order),
                                 plan.work[me])
         out["rows"], out["layer_rows"] = rec["rows"], rec["layer_rows"]
-    st.padding.pad(t0, _compute_s(fr, plan, me))
+    if plan.layers.get(me, 0) > 0:
+        st.padding.pad(t0, _compute_s(fr, plan, me))
     if fr.cache is not None:
         fr.cache.flush()
     m = fr.cfg.model
