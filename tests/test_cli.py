@@ -193,3 +193,29 @@ def test_a_bad_ood_text_path_names_ood_text_not_text(capsys, tmp_path):
     one_line_error(capsys, ["prepare", "--text", *TRAIN_TEXTS, "--ood-text", str(tmp_path / "nope.txt"),
                             "--tokenizer", "byte", "--out", str(tmp_path / "d")],
                    "does not exist; pass existing files or folders to --ood-text")
+
+
+@pytest.mark.parametrize("argv,name", [
+    (["train", "--preset", "tiny", "--data", "DATA", "--steps", "1", "--out", ""], "--out"),
+    (["train", "--preset", "tiny", "--nodes", "4", "--data", "DATA", "--steps", "1", "--out", ""], "--out"),
+    (["launch", "--data", "DATA", "--steps", "1", "--out", ""], "--out"),
+    (["launch", "--data", "DATA", "--steps", "1", "--out", "OUT", "--json", ""], "--json"),
+    (["prepare", "--text", *TRAIN_TEXTS, "--tokenizer", "byte", "--out", ""], "--out"),
+    (["export", "RUN", "--out", ""], "--out"),
+    (["ckpt", "reshard", "RUN", "", "--stages", "2"], "DST"),
+    (["eval", "RUN", "--batches", "1", "--json", ""], "--json"),
+    (["simulate", "--methods", "planner", "--json", ""], "--json"),
+    (["simulate", "--methods", "planner", "--gantt", ""], "--gantt"),
+    (["simulate", "--methods", "planner", "--schedule-out", ""], "--schedule-out"),
+    (["demo", "--out", ""], "--out"),
+])
+def test_an_empty_path_to_write_is_refused_and_nothing_is_written_here(trained, capsys, monkeypatch, tmp_path,
+                                                                        argv, name):
+    """``--out ""`` (an unset shell variable) is not the current directory: one line, nothing written."""
+    data, run = trained
+    here = tmp_path / "here"
+    here.mkdir()
+    monkeypatch.chdir(here)
+    sub = {"DATA": str(data), "RUN": str(run), "OUT": str(tmp_path / "out")}
+    one_line_error(capsys, [sub.get(a, a) for a in argv], f'{name} "" is an empty path; pass the path to write to')
+    assert not list(here.iterdir()) and not (tmp_path / "out").exists()

@@ -58,7 +58,7 @@ def register(subparsers) -> None:
     p.add_argument("--json", default=None, help="write results as JSON here")
     p.add_argument("--gantt", default=None, help="write the planner's Gantt chart PNG here")
     p.add_argument("--schedule-out", default=None, help="write the planner's schedule JSON here")
-    p.set_defaults(func=run)
+    p.set_defaults(func=run, written_paths=("--json", "--gantt", "--schedule-out"))
 
 
 def run(args: argparse.Namespace) -> int:
