@@ -224,6 +224,13 @@ class ElasticConfig:
 
 #: The most node processes a run has (``runtime.nodes``), and the most nodes a topology is built for.
 MAX_NODES = 1024
+#: The most micro-batches a stage-0 node starts per iteration (``runtime.mb_per_originator``): the
+#: planner's time grows with them (about 7 s for 4,000 on the tiny preset).
+MAX_MB_PER_ORIGINATOR = 4096
+#: The most emulated bytes per real byte (``runtime.bytes_scale``): a tiny model's 128 KiB hop as 8 GiB.
+MAX_BYTES_SCALE = 2**16
+#: The most emulated seconds per topology second (``runtime.time_scale``): a 100 ms link as 100 s.
+MAX_TIME_SCALE = 1e3
 
 
 @dataclass
@@ -236,11 +243,13 @@ class RuntimeConfig:
                           "(empty = placed by the planner or by stage_sizes)")
     method: str = _f("planner", "how routes are made", choices=("planner", "full_pipeline", "random_skip"))
     memory: int = _f(3, "micro-batches in flight per node (memory credits)", min=1)
-    mb_per_originator: int = _f(2, "micro-batches per stage-0 node per iteration", min=1)
+    mb_per_originator: int = _f(2, "micro-batches per stage-0 node per iteration", min=1, max=MAX_MB_PER_ORIGINATOR)
     topology: str = _f("cluster", "network the schedule is planned for (and emulated with wan=true)")
     wan: bool = _f(False, "emulate the topology's links (per-link FIFO, latency, bandwidth) in the transport")
-    time_scale: float = _f(1.0, "emulated seconds per topology second (latency x, bandwidth /)", min=1e-6)
-    bytes_scale: int = _f(1, "emulated bytes per real byte on emulated links and in the cost model", min=1)
+    time_scale: float = _f(1.0, "emulated seconds per topology second (latency x, bandwidth /)", min=1e-6,
+                           max=MAX_TIME_SCALE)
+    bytes_scale: int = _f(1, "emulated bytes per real byte on emulated links and in the cost model", min=1,
+                          max=MAX_BYTES_SCALE)
     hop_overhead_s: float = _f(0.0, "fixed emulated seconds per message (after time scaling)", min=0.0)
     emulate_compute: bool = _f(False, "pad every forward/backward/loss to the cost model's duration")
     s_per_sample_layer: float = _f(0.0, "cost model: forward seconds per sample per layer (0 = profile)", min=0.0)
