@@ -231,6 +231,8 @@ MAX_MB_PER_ORIGINATOR = 4096
 MAX_BYTES_SCALE = 2**16
 #: The most emulated seconds per topology second (``runtime.time_scale``): a 100 ms link as 100 s.
 MAX_TIME_SCALE = 1e3
+#: The largest per-sample-per-layer or per-message time a cost model takes, in seconds.
+MAX_TASK_S = 1e6
 
 
 @dataclass
@@ -250,9 +252,11 @@ class RuntimeConfig:
                            max=MAX_TIME_SCALE)
     bytes_scale: int = _f(1, "emulated bytes per real byte on emulated links and in the cost model", min=1,
                           max=MAX_BYTES_SCALE)
-    hop_overhead_s: float = _f(0.0, "fixed emulated seconds per message (after time scaling)", min=0.0)
+    hop_overhead_s: float = _f(0.0, "fixed emulated seconds per message (after time scaling)", min=0.0,
+                               max=MAX_TASK_S)
     emulate_compute: bool = _f(False, "pad every forward/backward/loss to the cost model's duration")
-    s_per_sample_layer: float = _f(0.0, "cost model: forward seconds per sample per layer (0 = profile)", min=0.0)
+    s_per_sample_layer: float = _f(0.0, "cost model: forward seconds per sample per layer (0 = profile)", min=0.0,
+                                   max=MAX_TASK_S)
     timeout_s: float = _f(30.0, "peer / message / group timeout in seconds", min=0.5)
     heartbeat_s: float = _f(0.5, "heartbeat interval in seconds", min=0.05)
     plan_seed: int = _f(0, "seed of the planner and the random baselines")

@@ -100,3 +100,13 @@ def test_skip_ratio_that_leaves_no_body_stage_is_refused_with_the_right_bound(k)
 def test_absurd_sizes_are_refused_before_anything_is_allocated(override, needle):
     with pytest.raises(ConfigError, match=needle):
         build_config("tiny", overrides=[override])
+
+
+@pytest.mark.parametrize("override,needle", [
+    ("runtime.s_per_sample_layer=1e308", r"runtime.s_per_sample_layer=1e\+308 is above its maximum 1000000.0"),
+    ("runtime.hop_overhead_s=1e300", r"runtime.hop_overhead_s=1e\+300 is above its maximum 1000000.0"),
+])
+def test_cost_model_times_out_of_range_name_the_config_key(override, needle):
+    """Not the cost model's field (``s_per_sample_per_layer``), which no user typed."""
+    with pytest.raises(ConfigError, match=needle):
+        build_config("tiny", overrides=[override])
