@@ -73,7 +73,9 @@ class ModelConfig:
                 f"model.d_model={self.d_model} is not divisible by model.n_heads={self.n_heads}; "
                 "choose n_heads that divides d_model")
         if self.head_dim % 2:
-            raise ConfigError(f"model head dimension {self.head_dim} must be even for rotary embeddings")
+            raise ConfigError(f"model.d_model={self.d_model} / model.n_heads={self.n_heads} is a head dimension of "
+                              f"{self.head_dim}, which must be even for rotary embeddings; choose d_model and n_heads "
+                              "whose quotient is even")
         if self.n_heads % self.kv_heads:
             raise ConfigError(
                 f"model.n_heads={self.n_heads} is not a multiple of model.n_kv_heads={self.kv_heads}")

@@ -110,3 +110,9 @@ def test_cost_model_times_out_of_range_name_the_config_key(override, needle):
     """Not the cost model's field (``s_per_sample_per_layer``), which no user typed."""
     with pytest.raises(ConfigError, match=needle):
         build_config("tiny", overrides=[override])
+
+
+def test_an_odd_head_dimension_names_the_keys_that_make_it():
+    with pytest.raises(ConfigError, match=r"model.d_model=60 / model.n_heads=4 is a head dimension of 15, which must "
+                                          r"be even for rotary embeddings; choose d_model and n_heads"):
+        build_config("tiny", overrides=["model.d_model=60", "model.n_heads=4", "model.n_kv_heads=0"])
