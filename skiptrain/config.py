@@ -36,6 +36,11 @@ def _f(default: Any, help: str = "", **meta: Any) -> Any:
     return field(default=default, metadata={"help": help, **meta})
 
 
+#: The longest timeout a run takes, in seconds (about 11 days; the process groups' timedelta
+#: overflows near 1e14 s).
+MAX_TIMEOUT_S = 1e6
+
+
 @dataclass
 class ModelConfig:
     vocab_size: int = _f(4096, "tokenizer vocabulary size (set by the data set's manifest)", min=2, max=2**24)
@@ -154,7 +159,7 @@ class DPConfig:
     check_every: int = _f(50, "compare parameter hashes across replicas every K steps (0 = never)", min=0)
     backend: str = _f("gloo", "process-group backend of a swarm's replica sync: gloo (any device, any network) "
                       "or nccl (replicas on CUDA devices, e.g. inside one datacenter)", choices=("gloo", "nccl"))
-    timeout_s: float = _f(60.0, "process-group timeout in seconds", min=1.0)
+    timeout_s: float = _f(60.0, "process-group timeout in seconds", min=1.0, max=MAX_TIMEOUT_S)
     link: str = _f("", "emulated link preset per node (skiptrain.dp.link.LINK_PRESETS): consumer = 10 Mbit/s up, "
                    "100 Mbit/s down, 25 ms; empty = the link_up_mbps / link_down_mbps / link_latency_ms fields",
                    choices=("", "consumer"))
@@ -259,12 +264,12 @@ class RuntimeConfig:
     emulate_compute: bool = _f(False, "pad every forward/backward/loss to the cost model's duration")
     s_per_sample_layer: float = _f(0.0, "cost model: forward seconds per sample per layer (0 = profile)", min=0.0,
                                    max=MAX_TASK_S)
-    timeout_s: float = _f(30.0, "peer / message / group timeout in seconds", min=0.5)
+    timeout_s: float = _f(30.0, "peer / message / group timeout in seconds", min=0.5, max=MAX_TIMEOUT_S)
     heartbeat_s: float = _f(0.5, "heartbeat interval in seconds", min=0.05)
     plan_seed: int = _f(0, "seed of the planner and the random baselines")
     recover: bool = _f(False, "survive failed nodes: fence, re-plan, go on; nodes may join (--join)")
     heartbeat_deadline_s: float = _f(0.0, "recover: a node without heartbeat this long is hung (0 = timeout_s)",
-                                     min=0.0)
+                                     min=0.0, max=MAX_TIMEOUT_S)
     strikes: int = _f(1, "recover: rejected payloads (bad shape/dtype/non-finite) from a node before it is banned",
                       min=1)
     takeover: bool = _f(False, "recover: a replica of the most replicated body stage takes over a stage left empty")
