@@ -36,6 +36,11 @@ def _f(default: Any, help: str = "", **meta: Any) -> Any:
     return field(default=default, metadata={"help": help, **meta})
 
 
+#: The longest timeout a run takes, in seconds (about 11 days; the process groups' timedelta
+#: overflows near 1e14 s).
+MAX_TIMEOUT_S = 1e6
+
+
 @dataclass
 class ModelConfig:
     vocab_size: int = _f(4096, "tokenizer vocabulary size (set by the data set's manifest)", min=2, max=2**24)
@@ -73,7 +78,9 @@ class ModelConfig:
                 f"model.d_model={self.d_model} is not divisible by model.n_heads={self.n_heads}; "
                 "choose n_heads that divides d_model")
         if self.head_dim % 2:
-            raise ConfigError(f"model head dimension {self.head_dim} must be even for rotary embeddings")
+            raise ConfigError(f"model.d_model={self.d_model} / model.n_heads={self.n_heads} is a head dimension of "
+                              f"{self.head_dim}, which must be even for rotary embeddings; choose d_model and n_heads "
+                              "whose quotient is even")
         if self.n_heads % self.kv_heads:
             raise ConfigError(
                 f"model.n_heads={self.n_heads} is not a multiple of model.n_kv_heads={self.kv_heads}")
@@ -152,7 +159,7 @@ class DPConfig:
     check_every: int = _f(50, "compare parameter hashes across replicas every K steps (0 = never)", min=0)
     backend: str = _f("gloo", "process-group backend of a swarm's replica sync: gloo (any device, any network) "
                       "or nccl (replicas on CUDA devices, e.g. inside one datacenter)", choices=("gloo", "nccl"))
-    timeout_s: float = _f(60.0, "process-group timeout in seconds", min=1.0)
+    timeout_s: float = _f(60.0, "process-group timeout in seconds", min=1.0, max=MAX_TIMEOUT_S)
     link: str = _f("", "emulated link preset per node (skiptrain.dp.link.LINK_PRESETS): consumer = 10 Mbit/s up, "
                    "100 Mbit/s down, 25 ms; empty = the link_up_mbps / link_down_mbps / link_latency_ms fields",
                    choices=("", "consumer"))
@@ -224,6 +231,15 @@ class ElasticConfig:
 
 #: The most node processes a run has (``runtime.nodes``), and the most nodes a topology is built for.
 MAX_NODES = 1024
+#: The most micro-batches a stage-0 node starts per iteration (``runtime.mb_per_originator``): the
+#: planner's time grows with them (about 7 s for 4,000 on the tiny preset).
+MAX_MB_PER_ORIGINATOR = 4096
+#: The most emulated bytes per real byte (``runtime.bytes_scale``): a tiny model's 128 KiB hop as 8 GiB.
+MAX_BYTES_SCALE = 2**16
+#: The most emulated seconds per topology second (``runtime.time_scale``): a 100 ms link as 100 s.
+MAX_TIME_SCALE = 1e3
+#: The largest per-sample-per-layer or per-message time a cost model takes, in seconds.
+MAX_TASK_S = 1e6
 
 
 @dataclass
@@ -236,20 +252,24 @@ class RuntimeConfig:
                           "(empty = placed by the planner or by stage_sizes)")
     method: str = _f("planner", "how routes are made", choices=("planner", "full_pipeline", "random_skip"))
     memory: int = _f(3, "micro-batches in flight per node (memory credits)", min=1)
-    mb_per_originator: int = _f(2, "micro-batches per stage-0 node per iteration", min=1)
+    mb_per_originator: int = _f(2, "micro-batches per stage-0 node per iteration", min=1, max=MAX_MB_PER_ORIGINATOR)
     topology: str = _f("cluster", "network the schedule is planned for (and emulated with wan=true)")
     wan: bool = _f(False, "emulate the topology's links (per-link FIFO, latency, bandwidth) in the transport")
-    time_scale: float = _f(1.0, "emulated seconds per topology second (latency x, bandwidth /)", min=1e-6)
-    bytes_scale: int = _f(1, "emulated bytes per real byte on emulated links and in the cost model", min=1)
-    hop_overhead_s: float = _f(0.0, "fixed emulated seconds per message (after time scaling)", min=0.0)
+    time_scale: float = _f(1.0, "emulated seconds per topology second (latency x, bandwidth /)", min=1e-6,
+                           max=MAX_TIME_SCALE)
+    bytes_scale: int = _f(1, "emulated bytes per real byte on emulated links and in the cost model", min=1,
+                          max=MAX_BYTES_SCALE)
+    hop_overhead_s: float = _f(0.0, "fixed emulated seconds per message (after time scaling)", min=0.0,
+                               max=MAX_TASK_S)
     emulate_compute: bool = _f(False, "pad every forward/backward/loss to the cost model's duration")
-    s_per_sample_layer: float = _f(0.0, "cost model: forward seconds per sample per layer (0 = profile)", min=0.0)
-    timeout_s: float = _f(30.0, "peer / message / group timeout in seconds", min=0.5)
+    s_per_sample_layer: float = _f(0.0, "cost model: forward seconds per sample per layer (0 = profile)", min=0.0,
+                                   max=MAX_TASK_S)
+    timeout_s: float = _f(30.0, "peer / message / group timeout in seconds", min=0.5, max=MAX_TIMEOUT_S)
     heartbeat_s: float = _f(0.5, "heartbeat interval in seconds", min=0.05)
     plan_seed: int = _f(0, "seed of the planner and the random baselines")
     recover: bool = _f(False, "survive failed nodes: fence, re-plan, go on; nodes may join (--join)")
     heartbeat_deadline_s: float = _f(0.0, "recover: a node without heartbeat this long is hung (0 = timeout_s)",
-                                     min=0.0)
+                                     min=0.0, max=MAX_TIMEOUT_S)
     strikes: int = _f(1, "recover: rejected payloads (bad shape/dtype/non-finite) from a node before it is banned",
                       min=1)
     takeover: bool = _f(False, "recover: a replica of the most replicated body stage takes over a stage left empty")

@@ -193,3 +193,46 @@ def test_a_bad_ood_text_path_names_ood_text_not_text(capsys, tmp_path):
     one_line_error(capsys, ["prepare", "--text", *TRAIN_TEXTS, "--ood-text", str(tmp_path / "nope.txt"),
                             "--tokenizer", "byte", "--out", str(tmp_path / "d")],
                    "does not exist; pass existing files or folders to --ood-text")
+
+
+@pytest.mark.parametrize("argv,name", [
+    (["train", "--preset", "tiny", "--data", "DATA", "--steps", "1", "--out", ""], "--out"),
+    (["train", "--preset", "tiny", "--nodes", "4", "--data", "DATA", "--steps", "1", "--out", ""], "--out"),
+    (["launch", "--data", "DATA", "--steps", "1", "--out", ""], "--out"),
+    (["launch", "--data", "DATA", "--steps", "1", "--out", "OUT", "--json", ""], "--json"),
+    (["prepare", "--text", *TRAIN_TEXTS, "--tokenizer", "byte", "--out", ""], "--out"),
+    (["export", "RUN", "--out", ""], "--out"),
+    (["ckpt", "reshard", "RUN", "", "--stages", "2"], "DST"),
+    (["eval", "RUN", "--batches", "1", "--json", ""], "--json"),
+    (["simulate", "--methods", "planner", "--json", ""], "--json"),
+    (["simulate", "--methods", "planner", "--gantt", ""], "--gantt"),
+    (["simulate", "--methods", "planner", "--schedule-out", ""], "--schedule-out"),
+    (["demo", "--out", ""], "--out"),
+])
+def test_an_empty_path_to_write_is_refused_and_nothing_is_written_here(trained, capsys, monkeypatch, tmp_path,
+                                                                        argv, name):
+    """``--out ""`` (an unset shell variable) is not the current directory: one line, nothing written."""
+    data, run = trained
+    here = tmp_path / "here"
+    here.mkdir()
+    monkeypatch.chdir(here)
+    sub = {"DATA": str(data), "RUN": str(run), "OUT": str(tmp_path / "out")}
+    one_line_error(capsys, [sub.get(a, a) for a in argv], f'{name} "" is an empty path; pass the path to write to')
+    assert not list(here.iterdir()) and not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("override,needle", [
+    ("runtime.mb_per_originator=100000000", "runtime.mb_per_originator=100000000 is above its maximum 4096"),
+    ("runtime.bytes_scale=100000000000000000000", "is above its maximum 65536"),
+    ("runtime.time_scale=1e300", "runtime.time_scale=1e+300 is above its maximum 1000.0"),
+])
+@pytest.mark.parametrize("cmd", [["launch", "--nodes", "4"], ["train", "--nodes", "4"]])
+def test_a_swarm_with_absurd_runtime_scales_is_refused_before_it_starts(trained, capsys, tmp_path, cmd, override,
+                                                                        needle):
+    """A hundred million micro-batches per originator planned for hours; 1e20 emulated bytes per byte and
+    1e300 emulated seconds per second made nonsense runs (and endless waits on emulated links)."""
+    data, _ = trained
+    out = tmp_path / "run"
+    one_line_error(capsys, [*cmd, "--preset", "tiny", "--data", str(data), "--steps", "1", "--out", str(out),
+                            "--set", override], needle)
+    assert not out.exists()

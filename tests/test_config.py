@@ -93,7 +93,29 @@ def test_skip_ratio_that_leaves_no_body_stage_is_refused_with_the_right_bound(k)
     ("model.n_layers=100000000", "model.n_layers=100000000 is above its maximum 1024"),
     ("runtime.nodes=99999999", "runtime.nodes=99999999 is above its maximum 1024"),
     ("train.micro_batch=" + "9" * 20, "is above its maximum"),
+    ("runtime.mb_per_originator=100000000", "runtime.mb_per_originator=100000000 is above its maximum 4096"),
+    ("runtime.bytes_scale=" + "1" + "0" * 20, "runtime.bytes_scale=100000000000000000000 is above its maximum 65536"),
+    ("runtime.time_scale=1e300", r"runtime.time_scale=1e\+300 is above its maximum 1000.0"),
+    ("runtime.timeout_s=1e300", r"runtime.timeout_s=1e\+300 is above its maximum 1000000.0"),
+    ("runtime.heartbeat_deadline_s=1e300", r"runtime.heartbeat_deadline_s=1e\+300 is above its maximum 1000000.0"),
+    ("dp.timeout_s=1e300", r"dp.timeout_s=1e\+300 is above its maximum 1000000.0"),
 ])
 def test_absurd_sizes_are_refused_before_anything_is_allocated(override, needle):
     with pytest.raises(ConfigError, match=needle):
         build_config("tiny", overrides=[override])
+
+
+@pytest.mark.parametrize("override,needle", [
+    ("runtime.s_per_sample_layer=1e308", r"runtime.s_per_sample_layer=1e\+308 is above its maximum 1000000.0"),
+    ("runtime.hop_overhead_s=1e300", r"runtime.hop_overhead_s=1e\+300 is above its maximum 1000000.0"),
+])
+def test_cost_model_times_out_of_range_name_the_config_key(override, needle):
+    """Not the cost model's field (``s_per_sample_per_layer``), which no user typed."""
+    with pytest.raises(ConfigError, match=needle):
+        build_config("tiny", overrides=[override])
+
+
+def test_an_odd_head_dimension_names_the_keys_that_make_it():
+    with pytest.raises(ConfigError, match=r"model.d_model=60 / model.n_heads=4 is a head dimension of 15, which must "
+                                          r"be even for rotary embeddings; choose d_model and n_heads"):
+        build_config("tiny", overrides=["model.d_model=60", "model.n_heads=4", "model.n_kv_heads=0"])

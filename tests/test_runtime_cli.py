@@ -2,6 +2,8 @@
 
 import json
 
+import pytest
+
 from skiptrain.checkpoint.reader import CheckpointReader
 from skiptrain.cli import main
 
@@ -69,3 +71,70 @@ def test_joining_a_closed_port_is_one_line_at_once(tmp_path, capsys, monkeypatch
     assert len(err) == 1 and f"no store answers at 127.0.0.1:{port} (Connection refused)" in err[0], err
 
 
+
+
+class _Garbage:
+    """A server on 127.0.0.1 that is not a run's store: ``kind`` "bytes" writes random bytes to whoever
+    connects, "http" is an HTTP server, "silent" accepts and never answers."""
+
+    def __init__(self, kind: str):
+        import http.server
+        import os
+        import socketserver
+        import threading
+
+        class Bytes(socketserver.BaseRequestHandler):
+            def handle(self):
+                try:
+                    self.request.sendall(os.urandom(4096))
+                    self.request.recv(4096)
+                except OSError:
+                    pass
+
+        class Silent(socketserver.BaseRequestHandler):
+            def handle(self):
+                try:
+                    while self.request.recv(4096):
+                        pass
+                except OSError:
+                    pass
+
+        handler = {"bytes": Bytes, "http": http.server.SimpleHTTPRequestHandler, "silent": Silent}[kind]
+        self.server = socketserver.ThreadingTCPServer(("127.0.0.1", 0), handler)
+        self.server.daemon_threads = True
+        self.port = self.server.server_address[1]
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self.thread.start()
+
+    def close(self):
+        self.server.shutdown()
+        self.server.server_close()
+        self.thread.join()
+
+
+@pytest.mark.parametrize("kind", ["bytes"])
+def test_joining_a_port_where_something_else_answers_is_one_line_within_seconds(tmp_path, kind):
+    """Something listens at the port and answers garbage (a wrong port, another service): one line within
+    seconds, not the store client's 30 s of retries, each logged with a C++ stack.  (A server that reads
+    and never answers, "http" and "silent", still holds the store client past its timeout.)"""
+    import os
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+
+    (tmp_path / "s").write_text("x")
+    server = _Garbage(kind)
+    try:
+        t0 = time.monotonic()
+        r = subprocess.run([sys.executable, "-m", "skiptrain.cli", "launch", "--join", f"127.0.0.1:{server.port}",
+                            "--join-secret-file", str(tmp_path / "s")], capture_output=True, text=True,
+                           cwd=tmp_path, timeout=60, env={**os.environ, "SKIPTRAIN_JOIN_SECRET": "",
+                                                          "PYTHONPATH": str(Path(__file__).resolve().parents[1])})
+        took = time.monotonic() - t0
+    finally:
+        server.close()
+    err = r.stderr.strip().splitlines()
+    assert r.returncode == 2 and len(err) == 1, r.stderr[-2000:]
+    assert f"127.0.0.1:{server.port} accepts connections but does not answer as a run's store" in err[0], err
+    assert took < 15, took

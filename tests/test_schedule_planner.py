@@ -170,9 +170,16 @@ def test_cli_simulate_writes_json_and_png(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("argv,needle", [
-    (["--s-per-sample-layer", "nan"], "s_per_sample_per_layer=nan is not a number of seconds"),
-    (["--s-per-sample-layer", "1e308"], "s_per_sample_per_layer=1e+308 is not a number of seconds"),
-    (["--hop-overhead", "inf"], "hop_overhead_s=inf is not a number of seconds"),
+    (["--s-per-sample-layer", "nan"], "--s-per-sample-layer nan must be a number of seconds in [0, 1e+06]"),
+    (["--s-per-sample-layer", "1e308"], "--s-per-sample-layer 1e+308 must be a number of seconds in [0, 1e+06]"),
+    (["--s-per-sample-layer", "-1"], "--s-per-sample-layer -1.0 must be a number of seconds in [0, 1e+06]"),
+    (["--hop-overhead", "inf"], "--hop-overhead inf must be a number of seconds in [0, 1e+06]"),
+    (["--act-fast-gbps", "-1"], "--act-fast-gbps -1.0 must be a number of GB/s >= 0"),
+    (["--d-model", "0"], "--d-model 0 must be >= 1"),
+    (["--seq-len", "0"], "--seq-len 0 must be >= 1"),
+    (["--layers-per-stage", "-1"], "--layers-per-stage -1 must be >= 0"),
+    (["--max-swaps", "3"], "--max-swaps 3 must be in [0, 2]"),
+    (["--micro-batches", "100000000"], "--micro-batches 100000000 must be in [1, 4096]"),
     (["--dp-payload-mb", "nan"], "--dp-payload-mb nan must be a finite number"),
     (["--nodes", "100000000"], "more than a topology holds"),
 ])

@@ -178,3 +178,16 @@ def test_placement_may_share_a_node_between_stages_but_not_list_it_twice_in_one(
         Schedule([[0], [1, 1]], [], memory=1).validate(n_nodes=2)
     with pytest.raises(ScheduleError, match=r"node 1 serves stage\(s\) \[1, 2\]"):
         Schedule([[0], [1], [1], [2]], [MicroBatch(0, 0, [(3, 1)])], memory=1).validate(("placement",), n_nodes=3)
+
+
+@pytest.mark.parametrize("kw,needle", [
+    ({"hop_overhead_s": -1.0}, "cost model hop_overhead_s=-1.0 is not a number of seconds in [0, 1e+06]"),
+    ({"s_per_sample_per_layer": -1.0}, "cost model s_per_sample_per_layer=-1.0 is not a number of seconds"),
+    ({"act_fast_GBps": -1.0}, "cost model act_fast_GBps=-1.0 must be >= 0"),
+])
+def test_a_negative_cost_model_time_names_the_field(kw, needle):
+    from skiptrain.schedule.cost import CostError
+
+    with pytest.raises(CostError) as e:
+        CostModel(**kw)
+    assert needle in str(e.value)

@@ -14,6 +14,7 @@ import importlib
 import sys
 
 from ..errors import UserError
+from .options import refuse_empty_paths
 
 COMMAND_MODULES = [
     "skiptrain.cli.data",        # prepare
@@ -65,6 +66,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
+        refuse_empty_paths(args)
         rc = args.func(args)
     except UserError as e:
         print(f"skiptrain {args.command}: error: {e}", file=sys.stderr)

@@ -138,11 +138,11 @@ def register(sub) -> None:
     q.add_argument("--stages", type=int, required=True)
     q.add_argument("--replicas", type=int, default=1)
     q.add_argument("--stage0-layers", type=int, default=-1, help="layers on stage 0 (-1 = partitioner)")
-    q.set_defaults(func=cmd_reshard)
+    q.set_defaults(func=cmd_reshard, written_paths=("DST",))
 
     p = sub.add_parser("export", help="export a checkpoint to safetensors + Hugging Face LLaMA config.json")
     p.add_argument("path", help="checkpoint, checkpoint root or run directory")
     p.add_argument("--out", required=True, help="directory to write")
     p.add_argument("--format", choices=("hf", "skiptrain"), default="hf")
     p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32")
-    p.set_defaults(func=cmd_export)
+    p.set_defaults(func=cmd_export, written_paths=("--out",))

@@ -41,4 +41,4 @@ def register(sub) -> None:
     p.add_argument("--tokenizer", choices=("bpe", "byte"), default="bpe")
     p.add_argument("--vocab-size", type=int, default=4096, help="BPE vocabulary size (default 4096)")
     p.add_argument("--val-fraction", type=float, default=0.05, help="tail of each document held out (default 0.05)")
-    p.set_defaults(func=cmd_prepare)
+    p.set_defaults(func=cmd_prepare, written_paths=("--out",))

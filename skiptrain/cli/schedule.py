@@ -11,6 +11,7 @@ import argparse
 import json
 from pathlib import Path
 
+from ..config import MAX_MB_PER_ORIGINATOR, MAX_NODES, MAX_TASK_S
 from ..net.topology import load_topology
 from ..schedule.actcodec import CODECS
 from ..schedule.compare import METHODS, compare, format_table
@@ -18,6 +19,26 @@ from ..schedule.cost import DP_MODES, CostModel
 from ..schedule.gantt import draw_gantt
 from ..schedule.planner import PlanConfig
 from ..schedule.schedule import ScheduleError
+
+
+#: simulate's numeric flags: (flag, lowest, highest or None, unit), checked before the cost model and
+#: the planner are built, so that an error names the flag typed, not the field it feeds.
+LIMITS = (("--stages", 1, MAX_NODES, ""), ("--skip", 0.0, 1.0, ""), ("--max-swaps", 0, 2, ""),
+          ("--micro-batches", 1, MAX_MB_PER_ORIGINATOR, ""), ("--samples", 1, None, ""),
+          ("--seq-len", 1, None, ""), ("--d-model", 1, None, ""), ("--dtype-bytes", 1, None, ""),
+          ("--layers-per-stage", 0, None, ""),
+          ("--s-per-sample-layer", 0.0, MAX_TASK_S, "a number of seconds "),
+          ("--hop-overhead", 0.0, MAX_TASK_S, "a number of seconds "),
+          ("--act-fast-gbps", 0.0, None, "a number of GB/s "))
+
+
+def check_limits(args: argparse.Namespace) -> None:
+    """Refuse a numeric flag outside :data:`LIMITS` (nan included), naming the flag."""
+    for flag, lo, hi, unit in LIMITS:
+        value = getattr(args, flag[2:].replace("-", "_"))
+        if not (lo <= value and (hi is None or value <= hi)):
+            where = f"in [{lo:g}, {hi:g}]" if hi is not None else f">= {lo:g}"
+            raise ScheduleError(f"{flag} {value} must be {unit}{where}")
 
 
 def _ints(text: str) -> list[int]:
@@ -58,10 +79,11 @@ def register(subparsers) -> None:
     p.add_argument("--json", default=None, help="write results as JSON here")
     p.add_argument("--gantt", default=None, help="write the planner's Gantt chart PNG here")
     p.add_argument("--schedule-out", default=None, help="write the planner's schedule JSON here")
-    p.set_defaults(func=run)
+    p.set_defaults(func=run, written_paths=("--json", "--gantt", "--schedule-out"))
 
 
 def run(args: argparse.Namespace) -> int:
+    check_limits(args)
     topo = load_topology(args.topology, args.nodes, seed=args.seed)
     if args.memory < 1:
         raise ScheduleError(f"--memory {args.memory}: every node needs at least one micro-batch credit")

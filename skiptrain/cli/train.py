@@ -271,7 +271,7 @@ def register(sub) -> None:
     p.add_argument("--resume", nargs="?", const="latest", default=None, metavar="CHECKPOINT",
                    help="continue from the latest checkpoint under OUT/checkpoints (or the given checkpoint "
                         "directory or root): same loss curve as an uninterrupted run")
-    p.set_defaults(func=cmd_train)
+    p.set_defaults(func=cmd_train, written_paths=("--out",))
 
     p = sub.add_parser("eval", help="validation loss/perplexity of a trained run, optionally with stages removed")
     p.add_argument("run_dir")
@@ -280,7 +280,7 @@ def register(sub) -> None:
     p.add_argument("--batches", type=int, default=16, help="micro-batches to evaluate")
     p.add_argument("--json", metavar="PATH", help='write {"val_loss": ..., "perplexity": ...}')
     _add_drop_args(p)
-    p.set_defaults(func=cmd_eval)
+    p.set_defaults(func=cmd_eval, written_paths=("--json",))
 
     p = sub.add_parser("generate", help="sample text from a trained run")
     p.add_argument("run_dir")
@@ -298,4 +298,4 @@ def register(sub) -> None:
     p.add_argument("--steps", type=int, default=None)
     p.add_argument("--nodes", type=int, default=None,
                    help="node processes of the local swarm (default: 9 on a planned skip schedule; 1 = single process)")
-    p.set_defaults(func=cmd_demo)
+    p.set_defaults(func=cmd_demo, written_paths=("--out",))

@@ -36,6 +36,7 @@ by ``job.rt.timeout_s``.  The launcher (or torchrun) then stops the other proces
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import signal
@@ -1397,6 +1398,28 @@ def _warm_up(model, stage: int, cfg, device: torch.device) -> None:
         p.grad = None
 
 
+#: How long a joiner's store client may take to connect to the run's store and pass its handshake: a
+#: store answers within milliseconds; something else listening there (another service) is given up on
+#: after this, not after the client's 30 s of retries.
+JOIN_CONNECT_S = 3.0
+
+
+@contextlib.contextmanager
+def _native_stderr_silenced():
+    """File descriptor 2 goes to /dev/null inside the block: c10d's C++ log lines (a stack dump per
+    store-client retry) cannot be turned off once torch is imported."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    null = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(null, 2)
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+        os.close(null)
+
+
 def _connect_for_join(target: str):
     """``HOST:PORT`` of a running job's store -> (addr, port, store, job, node id)."""
     from .join import JOB_KEY, read_job, request_node_id, secret_from_env
@@ -1413,11 +1436,14 @@ def _connect_for_join(target: str):
         raise RuntimeError(f"no store answers at {host}:{port} ({e.strerror or e}); is the run still going, and was "
                            "it launched with recovery on (--recover)?") from None
     try:
-        store = dist.TCPStore(host, port, 1, is_master=False, timeout=timedelta(seconds=30),
-                              wait_for_workers=False)
+        with _native_stderr_silenced():
+            store = dist.TCPStore(host, port, 1, is_master=False, timeout=timedelta(seconds=JOIN_CONNECT_S),
+                                  wait_for_workers=False)
     except Exception as e:  # noqa: BLE001
-        raise RuntimeError(f"no store answers at {host}:{port} ({str(e).splitlines()[0][:120]}); is the run "
-                           "still going, and was it launched with recovery on (--recover)?") from None
+        raise RuntimeError(f"{host}:{port} accepts connections but does not answer as a run's store within "
+                           f"{JOIN_CONNECT_S:g} s ({str(e).splitlines()[0][:120]}); check HOST:PORT against the "
+                           "run's RUN_DIR/join.json") from None
+    store.set_timeout(timedelta(seconds=30))
     if not store.check([JOB_KEY, "nodes/next"]):
         raise RuntimeError(f"the run at {host}:{port} does not accept joining nodes: launch it with --recover")
     job = Job.from_dict(read_job(store, secret_from_env()))

@@ -41,6 +41,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any, Sequence
 
+from ..config import MAX_TASK_S
 from ..errors import UserError
 from ..net.topology import Topology
 from .actcodec import CODECS, PLAIN, encoded_bytes, quantizes, slow_link_codec
@@ -53,9 +54,6 @@ USABLE_HOP_FACTOR = 10.0
 class CostError(UserError, ValueError):
     """An impossible cost-model setting."""
 
-
-#: The largest per-sample-per-layer or per-message time the cost model takes, in seconds.
-MAX_TASK_S = 1e6
 
 
 def layer_params(d_model: int, ffn_hidden: int, kv_dim: int | None = None) -> int:
@@ -93,18 +91,16 @@ class CostModel:
             raise CostError(f"act_codec {self.act_codec!r} is not one of {CODECS}")
         if self.act_plain not in PLAIN:
             raise CostError(f"act_plain {self.act_plain!r} is not one of {tuple(PLAIN)}")
-        if self.act_codec_s < 0 or not self.act_fast_GBps >= 0:
-            raise CostError("act_codec_s and act_fast_GBps must be >= 0")
+        if not self.act_fast_GBps >= 0:
+            raise CostError(f"cost model act_fast_GBps={self.act_fast_GBps} must be >= 0")
         self._hop_tables: dict[tuple, tuple[Topology, list[list[int]], list[list[float]]]] = {}
         for name in ("d_model", "tokens_per_sample", "samples", "dtype_bytes"):
             if getattr(self, name) < 1:
                 raise CostError(f"cost model {name} must be >= 1")
         if any(x < 0 for x in self.layers_per_stage) or not self.layers_per_stage:
             raise CostError("layers_per_stage must list >= 0 layers for every stage")
-        if self.s_per_sample_per_layer < 0 or self.hop_overhead_s < 0:
-            raise CostError("times must be >= 0")
         for name in ("s_per_sample_per_layer", "hop_overhead_s", "act_codec_s"):
-            if not getattr(self, name) <= MAX_TASK_S:  # (nan, inf, or so large that sums overflow to inf)
+            if not 0 <= getattr(self, name) <= MAX_TASK_S:  # (< 0, nan, inf, or so large that sums overflow)
                 raise CostError(f"cost model {name}={getattr(self, name)} is not a number of seconds in "
                                 f"[0, {MAX_TASK_S:g}]; give a measured time (e.g. 0.055)")
         self.layers_per_stage = list(self.layers_per_stage)
