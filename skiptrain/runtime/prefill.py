@@ -80,8 +80,6 @@ def run_prefill(fr, plan: PrefillPlan, t0: float) -> dict[str, int]:
         out["rows"], out["layer_rows"] = rec["rows"], rec["layer_rows"]
     if plan.layers.get(me, 0) > 0:
         st.padding.pad(t0, _compute_s(fr, plan, me))
-    if fr.cache is not None:
-        fr.cache.flush()
     m = fr.cfg.model
     per = max(1, ROW_MESSAGE_BYTES // (m.seq_len * m.d_model * 4))
     rounds = max((math.ceil(len(ws) / per) for ws in plan.sends.values()), default=0)
