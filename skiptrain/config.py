@@ -401,13 +401,12 @@ class Config:
         if sum(len(p) for p in placement) == n:
             return
         several = {"runtime.recover": rt.recover, "elastic.enabled": self.elastic.enabled,
-                   "runtime.drift_threshold": rt.drift_threshold > 0, "runtime.method=planner": rt.method == "planner"}
+                   "runtime.drift_threshold": rt.drift_threshold > 0}
         on = [k for k, v in several.items() if v]
         if on:
-            fix = ("set runtime.method=full_pipeline or random_skip" if on[0] == "runtime.method=planner"
-                   else f"turn {on[0].split('=')[0]} off")
             raise ConfigError(f"runtime.node_stages has a node serving several stages, which {on[0]} does not "
-                              f"handle (it moves and plans one stage per node); {fix}, or give each node one stage")
+                              f"handle (it moves state one stage per node); turn {on[0]} off, or give each node "
+                              "one stage")
 
     def _check_skip_ratio(self) -> None:
         """Every route must visit at least one body stage (:func:`skip_count`)."""

@@ -1,4 +1,4 @@
-"""Issue 8: the planner re-plans the routes for the nodes that remain after a failure
+"""The planner re-plans the routes for the nodes that remain after a failure
 (``runtime/drift.py::replan_routes`` on a schedule whose node ids are not 0..n-1)."""
 
 from __future__ import annotations

@@ -349,26 +349,32 @@ def shared(byte_data, tmp_path_factory):
     cost = build_cost(cfg, s_per_sample_layer=0.001)
     full = build_schedule(cfg, "full_pipeline", topo, cost)
     skip = build_schedule(_cfg_shared(skip_ratio=0.25), "random_skip", topo, cost)
+    planned = build_schedule(_cfg_shared(skip_ratio=0.25), "planner", topo, cost)
     run_dir = tmp_path_factory.mktemp("shared")
     job = Job(config=with_runtime(cfg.to_dict(), timeout_s=20), data_path=str(byte_data), run_dir=str(run_dir),
               phases=[phase_for(cfg, full, topo, cost, "full", EQUIV_ITERS, dump=True),
                       phase_for(cfg, skip, topo, cost, "skip", EQUIV_ITERS, dump=True, config={"train": {"skip_ratio": 0.25}}),
+                      phase_for(cfg, planned, topo, cost, "planned", EQUIV_ITERS, dump=True,
+                                config={"train": {"skip_ratio": 0.25}}),
                       phase_for(cfg, skip, topo, cost, "demo", EQUIV_ITERS, dump=True, config={
                           "train": {"skip_ratio": 0.25}, "dp": {"strategy": "demo", "chunk": 16, "topk": 8,
                                                                 "values": "sign1", "indices": "u12", "check_every": 1}})])
     res = launch(job, timeout_s=240)
-    return {"res": res, "full": full, "skip": skip, "data": byte_data, "dir": Path(run_dir)}
+    return {"res": res, "full": full, "skip": skip, "planned": planned, "data": byte_data, "dir": Path(run_dir)}
 
 
 def test_a_node_serving_two_stages_equals_the_one_node_runtime(shared):
-    """k=0 and skip routes: the swarm whose nodes 2 and 3 each serve stages 1 and 2 (hops between
-    them stay on the node, one sync strategy per stage, one optimizer) ends where the one-process
-    runtime does, at the default clip."""
-    full, skip = shared["full"], shared["skip"]
+    """k=0, random skip routes and the planner's skip routes: the swarm whose nodes 2 and 3 each
+    serve stages 1 and 2 (hops between them stay on the node, one sync strategy per stage, one
+    optimizer) ends where the one-process runtime does, at the default clip."""
+    full, skip, planned = shared["full"], shared["skip"], shared["planned"]
     assert full.placement == [[0, 1], [2, 3], [2, 3], [4]] and full.hosts_several()
+    assert planned.placement == full.placement and planned.method == "planner"
     assert any(m.nodes[:2] == [m.nodes[0]] * 2 for m in full.micro_batches)        # a hop inside a node
     assert any(len(m.route) < 3 for m in skip.micro_batches)
-    for name, sched, cfg in (("full", full, _cfg_shared()), ("skip", skip, _cfg_shared(skip_ratio=0.25))):
+    assert all(len(m.route) == 2 for m in planned.micro_batches)
+    for name, sched, cfg in (("full", full, _cfg_shared()), ("skip", skip, _cfg_shared(skip_ratio=0.25)),
+                             ("planned", planned, _cfg_shared(skip_ratio=0.25))):
         ref, _ = _reference(cfg, shared["data"], sched)
         got = _dist_params(shared["dir"], name, sched)
         assert set(got) == set(ref)
@@ -459,7 +465,8 @@ def test_node_stages_refusals_name_the_conflict():
         return build_config("tiny", overrides={"runtime": {"nodes": 3, **rt}})
 
     assert cfg(node_stages="0,1+2,3", method="full_pipeline").runtime.node_stages
-    for rt, msg in (({"node_stages": "0,1+2,3"}, "method=planner"),
+    assert cfg(node_stages="0,1+2,3").runtime.method == "planner"       # the planner plans shared nodes
+    for rt, msg in (({"node_stages": "0,1+2,3", "drift_threshold": 0.2}, "turn runtime.drift_threshold off"),
                     ({"node_stages": "0,1+2,3", "method": "random_skip", "recover": True}, "turn runtime.recover off"),
                     ({"node_stages": "0,1+2", "method": "random_skip"}, r"stage\(s\) \[3\] no node"),
                     ({"node_stages": "0,1+2,3,4", "method": "random_skip"}, "model.n_stages=4"),

@@ -89,14 +89,17 @@ class PlanConfig:
             raise ScheduleError("need at least one micro-batch per originator")
         if not 0 <= self.max_swaps <= 2:
             raise ScheduleError(f"max_swaps {self.max_swaps} must be 0, 1 or 2")
-        if n_nodes < self.n_stages:
+        if n_nodes < self.n_stages and self.placement is None:   # a given placement may share nodes
             raise ScheduleError(f"{n_nodes} nodes cannot serve {self.n_stages} stages: every stage needs "
                                 "at least one node; add nodes or lower the number of stages")
         skip_count(self.skip_ratio, self.n_stages)  # raises when k is too large
+        if self.placement is not None and len(self.placement) != self.n_stages:
+            raise ScheduleError(f"placement {self.placement} does not list {self.n_stages} stages")
         if self.stage_sizes is not None:
             if len(self.stage_sizes) != self.n_stages:
                 raise ScheduleError(f"stage sizes {self.stage_sizes} do not list {self.n_stages} stages")
-            check_sizes(self.stage_sizes, n_nodes)
+            if self.placement is None:      # a given placement's nodes may serve several stages
+                check_sizes(self.stage_sizes, n_nodes)
 
 
 def route_orders(n_stages: int, visits: int, max_swaps: int) -> list[tuple[int, ...]]:
@@ -129,17 +132,33 @@ def stage_quotas(n_mb: int, n_stages: int, visits: int, rng: random.Random) -> d
     return q
 
 
+def hop_table(topo: Topology, cost: CostModel) -> list[list[float]]:
+    """Seconds of a hop ``H[a][b]``; 0 between two stages of one node (no link)."""
+    return [[cost.hop_s(topo, a, b) if a != b else 0.0 for b in range(topo.n)] for a in range(topo.n)]
+
+
+def stage_seconds(topo: Topology, cost: CostModel, placement: list[list[int]],
+                  backward: bool = False) -> list[list[float]]:
+    """Forward (or forward + backward) seconds ``T[s][n]`` of stage ``s`` on node ``n`` at its
+    speed; 0 where ``n`` does not serve ``s``.  Indexed by stage too, since a node may serve several."""
+    out = [[0.0] * topo.n for _ in placement]
+    for s, nodes in enumerate(placement):
+        for n in nodes:
+            sp = topo.nodes[n].speed
+            out[s][n] = cost.fwd_s(s, sp) + (cost.bwd_s(s, sp) if backward else 0.0)
+    return out
+
+
 class RouteContext:
     """What the route constructions read for one placement: hop seconds ``H[a][b]``, forward
-    ``f``, backward ``b`` and loss seconds per node at its speed."""
+    ``f[s][n]`` and backward ``b[s][n]`` seconds of stage ``s`` on node ``n``, and loss seconds
+    per originator, at each node's speed."""
 
     def __init__(self, topo: Topology, cost: CostModel, placement: list[list[int]]):
         self.topo, self.cost, self.placement = topo, cost, placement
-        N = topo.n
-        self.H = [[cost.hop_s(topo, a, b) if a != b else 0.0 for b in range(N)] for a in range(N)]
-        stage_of = {n: s for s, p in enumerate(placement) for n in p}
-        self.f = [cost.fwd_s(stage_of[n], topo.nodes[n].speed) if n in stage_of else 0.0 for n in range(N)]
-        self.b = [x * cost.backward_factor for x in self.f]
+        self.H = hop_table(topo, cost)
+        self.f = stage_seconds(topo, cost, placement)
+        self.b = [[x * cost.backward_factor for x in row] for row in self.f]
         self.loss = {o: cost.loss_s(topo.nodes[o].speed) for o in placement[0]}
 
 
@@ -156,20 +175,21 @@ def _best_replicas(ctx: RouteContext, o: int, order: Sequence[int], t0: float, f
     """
     H, f, b = ctx.H, ctx.f, ctx.b
     # entries: node -> (score, fwd_finish, back_cost, path, starts)
-    t_o = t0 + f[o]
+    t_o = t0 + f[0][o]
     layer = {o: (t_o, t_o, 0.0, [], [])}
     for s in order:
         reps = allowed[s] if allowed is not None else ctx.placement[s]
         if len(reps) > ROUTE_CANDIDATES:
             reps = heapq.nsmallest(ROUTE_CANDIDATES, reps, key=lambda n: (max(free[n], t_o + H[o][n]), n))
         nxt = {}
+        fs, bs = f[s], b[s]
         for n in reps:
             best = None
             for p, (_, tf, bc, path, starts) in layer.items():
                 arr = tf + H[p][n]
                 st = arr if arr > free[n] else free[n]
-                fin = st + f[n]
-                bc2 = bc + H[n][p] + b[n]
+                fin = st + fs[n]
+                bc2 = bc + H[n][p] + bs[n]
                 sc = fin + bc2
                 if best is None or sc < best[0]:
                     best = (sc, fin, bc2, path + [n], starts + [st])
@@ -177,7 +197,7 @@ def _best_replicas(ctx: RouteContext, o: int, order: Sequence[int], t0: float, f
         layer = nxt
     best = None
     for p, (_, tf, bc, path, starts) in layer.items():
-        tot = tf + H[p][o] + ctx.loss[o] + bc + b[o]
+        tot = tf + H[p][o] + ctx.loss[o] + bc + b[0][o]
         if best is None or tot < best[0]:
             best = (tot, path, starts)
     return best
@@ -200,7 +220,7 @@ def construct_routes(ctx: RouteContext, originators: Sequence[int], mb_per_origi
             reps = ctx.placement[s]
             tot_speed = sum(ctx.topo.nodes[n].speed for n in reps)
             for n in reps:
-                node_quota[n] = math.ceil(NO_CA_SHARE_CAP * quota[s] * ctx.topo.nodes[n].speed / tot_speed)
+                node_quota[s, n] = math.ceil(NO_CA_SHARE_CAP * quota[s] * ctx.topo.nodes[n].speed / tot_speed)
     fwd_free = {o: 0.0 for o in originators}
     finish: dict[int, list[float]] = {o: [] for o in originators}
     mbs: list[MicroBatch] = []
@@ -214,7 +234,7 @@ def construct_routes(ctx: RouteContext, originators: Sequence[int], mb_per_origi
                 t0 = max(t0, finish[o][w - memory])
             allowed = None
             if node_quota is not None:
-                allowed = {s: [n for n in ctx.placement[s] if node_quota[n] > 0] for s in range(1, n_stages)}
+                allowed = {s: [n for n in ctx.placement[s] if node_quota[s, n] > 0] for s in range(1, n_stages)}
             best = None
             for order in orders:
                 if any(quota[s] <= 0 for s in order) or not must.issubset(order):
@@ -231,13 +251,13 @@ def construct_routes(ctx: RouteContext, originators: Sequence[int], mb_per_origi
             for s in order:
                 quota[s] -= 1
             if node_quota is not None:
-                for n in nodes:
-                    node_quota[n] -= 1
+                for s, n in zip(order, nodes):
+                    node_quota[s, n] -= 1
             left -= 1
             if aware:
-                fwd_free[o] = t0 + ctx.f[o]
-                for n, st in zip(nodes, starts):
-                    free[n] = st + ctx.f[n] + ctx.b[n]
+                fwd_free[o] = t0 + ctx.f[0][o]
+                for s, n, st in zip(order, nodes, starts):   # a node's second stage adds its backward
+                    free[n] = max(free[n], st + ctx.f[s][n]) + ctx.b[s][n]
             finish[o].append(best[0][0])
             mbs.append(MicroBatch(w * len(originators) + oi, o, list(zip(order, nodes)), 0.0))
     # injection order: per originator in wave order (list order already is)
@@ -261,7 +281,7 @@ def construct_affinity(ctx: RouteContext, originators: Sequence[int], mb_per_ori
         reps = ctx.placement[s]
         tot = sum(ctx.topo.nodes[n].speed for n in reps)
         for n in reps:
-            cap[n] = math.ceil(quota[s] * ctx.topo.nodes[n].speed / tot)
+            cap[s, n] = math.ceil(quota[s] * ctx.topo.nodes[n].speed / tot)
     owners: dict[int, set] = {}
     routes: dict[int, list] = {o: [] for o in originators}
     left = M
@@ -273,15 +293,15 @@ def construct_affinity(ctx: RouteContext, originators: Sequence[int], mb_per_ori
                 if any(quota[s] <= 0 for s in order) or not must.issubset(order):
                     continue
                 # Viterbi over replicas with additive cost
-                layer = {o: (f[o] + b[o] + ctx.loss[o], [])}
+                layer = {o: (f[0][o] + b[0][o] + ctx.loss[o], [])}
                 ok = True
                 for s in order:
                     nxt = {}
                     for n in ctx.placement[s]:
-                        if cap[n] <= 0:
+                        if cap[s, n] <= 0:
                             continue
                         pen = penalty if owners.get(n, {o}) - {o} else 0.0
-                        c_n = f[n] + b[n] + pen
+                        c_n = f[s][n] + b[s][n] + pen
                         bb = min(((c + H[p][n] + H[n][p] + c_n, path) for p, (c, path) in layer.items()),
                                  key=lambda x: x[0])
                         nxt[n] = (bb[0], bb[1] + [n])
@@ -301,7 +321,7 @@ def construct_affinity(ctx: RouteContext, originators: Sequence[int], mb_per_ori
             _, order, path = best
             for s_, n in zip(order, path):
                 quota[s_] -= 1
-                cap[n] -= 1
+                cap[s_, n] -= 1
                 owners.setdefault(n, set()).add(o)
             left -= 1
             routes[o].append(list(zip(order, path)))
@@ -313,16 +333,17 @@ def construct_affinity(ctx: RouteContext, originators: Sequence[int], mb_per_ori
 
 
 def cheapest_replicas(H: list[list[float]], placement: list[list[int]], o: int,
-                       order: Sequence[int], node_s: Sequence[float] | None = None
+                       order: Sequence[int], node_s: Sequence[Sequence[float]] | None = None
                        ) -> list[tuple[float, list[int]]]:
     """Replica paths for visit ``order`` from originator ``o`` by hop cost there and back plus
-    each replica's compute ``node_s[n]`` (forward + backward at its speed; none when omitted),
-    Viterbi over the replicas of each stage, cheapest first: at most one path per last node."""
+    each replica's compute ``node_s[s][n]`` (stage ``s``'s forward + backward on node ``n`` at
+    its speed, :func:`stage_seconds`; none when omitted), Viterbi over the replicas of each
+    stage, cheapest first: at most one path per last node."""
     layer: dict[int, tuple[float, list[int]]] = {o: (0.0, [])}
     for s in order:
         nxt = {}
         for n in placement[s]:
-            own = node_s[n] if node_s is not None else 0.0
+            own = node_s[s][n] if node_s is not None else 0.0
             c, path = min(((c + H[p][n] + H[n][p] + own, path) for p, (c, path) in layer.items()),
                           key=lambda x: x[0])
             nxt[n] = (c, path + [n])
@@ -331,7 +352,7 @@ def cheapest_replicas(H: list[list[float]], placement: list[list[int]], o: int,
 
 
 def _repick(H: list[list[float]], placement: list[list[int]], o: int, route: Sequence[tuple[int, int]],
-            node_s: Sequence[float]) -> list[tuple[int, int]]:
+            node_s: Sequence[Sequence[float]]) -> list[tuple[int, int]]:
     """``route``'s stages with the replicas that are cheapest (hops + compute) from ``o``."""
     stages = [s for s, _ in route]
     return list(zip(stages, cheapest_replicas(H, placement, o, stages, node_s)[0][1]))
@@ -351,7 +372,7 @@ NO_CA_SHARE_CAP = 2.0  # collision-unaware ablation: a replica takes <= 2x its s
 
 
 def _propose_move(routes: list[list[tuple[int, int]]], j1: int, mbs: Sequence[MicroBatch],
-                  pl: list[list[int]], H: list[list[float]], node_s: Sequence[float], rng: random.Random,
+                  pl: list[list[int]], H: list[list[float]], node_s: Sequence[Sequence[float]], rng: random.Random,
                   max_swaps: int) -> list[tuple[int, list[tuple[int, int]]]] | None:
     """Apply one random balance-preserving move to ``routes`` (see :func:`improve_routes`),
     starting from micro-batch ``j1``; returns the changed micro-batches' old routes, or None
@@ -456,12 +477,8 @@ def improve_routes(schedule: Schedule, topo: Topology, cost: CostModel, contenti
     M = len(mbs)
     routes = [list(mb.route) for mb in mbs]
     pl = schedule.placement
-    N = topo.n
-    H = [[cost.hop_s(topo, a, b) if a != b else 0.0 for b in range(N)] for a in range(N)]
-    node_s = [0.0] * N
-    for st, nodes in enumerate(pl):
-        for n in nodes:
-            node_s[n] = cost.fwd_s(st, topo.nodes[n].speed) + cost.bwd_s(st, topo.nodes[n].speed)
+    H = hop_table(topo, cost)
+    node_s = stage_seconds(topo, cost, pl, backward=True)
     same_orig: dict[int, list[int]] = {}
     for j, mb in enumerate(mbs):
         same_orig.setdefault(mb.originator, []).append(j)
@@ -545,19 +562,33 @@ def default_time_limit(n_nodes: int) -> float:
     return 0.8 * max(10.0, limit)
 
 
+def ascending_routes(sched: Schedule, topo: Topology, cost: CostModel) -> None:
+    """Fall back from a credits deadlock (only possible with reordered routes) to ascending
+    orders, which cannot deadlock while every node's stages are contiguous (a blocked forward
+    only waits on micro-batches at higher stages); raises when they still do."""
+    for mb in sched.micro_batches:
+        mb.route = sorted(mb.route)
+    if math.isinf(simulate(sched, topo, cost, contention=False, dp_sync=False, record=False).iteration_s):
+        raise ScheduleError(f"placement {sched.placement}: the memory credits ({sched.memory}) deadlock even on "
+                            "ascending routes; give a node contiguous stages (e.g. 1+2, not 1+3) or more memory")
+
+
 def plan(topo: Topology, cost: CostModel, cfg: PlanConfig) -> Schedule:
     """Plan one iteration: placement candidates, constructive routes, simulator-scored local search.
 
     Without ``cfg.placement`` the placement search's restarts give up to ``cfg.placements``
     distinct candidates; each gets its constructions and a short screening search, and the
-    best continues with the rest of the budget."""
+    best continues with the rest of the budget.  A given ``cfg.placement`` is kept as it is, and
+    its nodes may serve several stages (``runtime.node_stages``): compute is then weighed per
+    stage and node, and a hop between two stages of one node costs nothing."""
     t0 = time.perf_counter()
     c0 = time.process_time()
     cfg.check(topo.n)
     if cost.n_stages != cfg.n_stages:
         raise ScheduleError(f"cost model has {cost.n_stages} stages but {cfg.n_stages} were requested")
     rng = random.Random(cfg.seed)
-    sizes = cfg.stage_sizes or stage_sizes(topo.n, cfg.n_stages, cfg.skip_ratio, cost)
+    if cfg.placement is None:
+        sizes = cfg.stage_sizes or stage_sizes(topo.n, cfg.n_stages, cfg.skip_ratio, cost)
     time_limit = cfg.time_limit_s if cfg.time_limit_s is not None else default_time_limit(topo.n)
 
     def left() -> float:
@@ -636,11 +667,8 @@ def plan(topo: Topology, cost: CostModel, cfg: PlanConfig) -> Schedule:
         info.update(st)
     if math.isinf(simulate(sched, topo, cost, contention=cfg.contention, dp_sync=cfg.dp_sync,
                            record=False).iteration_s):
-        # credits deadlock (only possible with reordered routes): fall back to ascending orders,
-        # which can never deadlock (a blocked forward only waits on higher stages)
-        for mb in sched.micro_batches:
-            mb.route = sorted(mb.route)
         info["deadlock_fallback"] = True
+        ascending_routes(sched, topo, cost)
     info["planner_s"] = time.perf_counter() - t0
     info["planner_cpu_s"] = time.process_time() - c0
     sched.meta = {"planner": info, "seed": cfg.seed, "contention": cfg.contention, "dp_sync": cfg.dp_sync}
