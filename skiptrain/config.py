@@ -400,8 +400,7 @@ class Config:
             raise ConfigError("runtime.node_stages and runtime.stage_sizes both place the nodes; set only one")
         if sum(len(p) for p in placement) == n:
             return
-        several = {"runtime.recover": rt.recover, "elastic.enabled": self.elastic.enabled,
-                   "runtime.drift_threshold": rt.drift_threshold > 0}
+        several = {"runtime.recover": rt.recover, "elastic.enabled": self.elastic.enabled}
         on = [k for k, v in several.items() if v]
         if on:
             raise ConfigError(f"runtime.node_stages has a node serving several stages, which {on[0]} does not "

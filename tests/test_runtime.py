@@ -466,11 +466,13 @@ def test_node_stages_refusals_name_the_conflict():
 
     assert cfg(node_stages="0,1+2,3", method="full_pipeline").runtime.node_stages
     assert cfg(node_stages="0,1+2,3").runtime.method == "planner"       # the planner plans shared nodes
-    for rt, msg in (({"node_stages": "0,1+2,3", "drift_threshold": 0.2}, "turn runtime.drift_threshold off"),
-                    ({"node_stages": "0,1+2,3", "method": "random_skip", "recover": True}, "turn runtime.recover off"),
+    assert cfg(node_stages="0,1+2,3", drift_threshold=0.2).runtime.drift_threshold == 0.2   # routes only
+    for rt, msg in (({"node_stages": "0,1+2,3", "method": "random_skip", "recover": True}, "turn runtime.recover off"),
                     ({"node_stages": "0,1+2", "method": "random_skip"}, r"stage\(s\) \[3\] no node"),
                     ({"node_stages": "0,1+2,3,4", "method": "random_skip"}, "model.n_stages=4"),
                     ({"node_stages": "0,1+2,3", "stage_sizes": "1,1,1", "method": "random_skip"}, "set only one"),
                     ({"nodes": 5, "node_stages": "0,1,1+2,2,3", "method": "random_skip"}, "same position")):
         with pytest.raises(ConfigError, match=msg):
             cfg(**rt)
+    with pytest.raises(ConfigError, match="turn elastic.enabled off"):
+        build_config("tiny", overrides={"runtime": {"nodes": 3, "node_stages": "0,1+2,3"}, "elastic": {"enabled": True}})

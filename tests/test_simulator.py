@@ -4,6 +4,8 @@ import math
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from skiptrain.net.topology import Node, Topology
 from skiptrain.schedule.cost import CostModel
@@ -165,6 +167,49 @@ def test_a_micro_batch_takes_one_credit_on_a_node_whatever_stages_it_visits_ther
     r = simulate(two, topo(2), cost(3))
     assert r.iteration_s == pytest.approx(2 * simulate(one, topo(2), cost(3)).iteration_s)
     assert max(r.max_in_flight.values()) == 1
+
+
+def test_a_later_visit_never_waits_behind_a_forward_that_waits_for_a_credit():
+    """Node 2 serves stages 1 and 2 with one credit.  Micro-batch 0 holds it (stage 1) and its
+    stage 2 is queued on node 2 behind micro-batch 1's stage 1, which waits for that credit: the
+    credit-free stage 2 runs first (it would otherwise wait forever: a deadlock)."""
+    s = Schedule([[0, 1], [2], [2]], [MicroBatch(0, 0, [(1, 2), (2, 2)]), MicroBatch(1, 1, [(1, 2), (2, 2)])],
+                 memory=1)
+    t = Topology([Node(i, "x") for i in range(3)], np.full((3, 3), 0.0), np.full((3, 3), 1e12))
+    c = CostModel(d_model=1, tokens_per_sample=1, samples=1, layers_per_stage=[1, 1, 1],
+                  s_per_sample_per_layer=1.0, hop_overhead_s=0.0)
+    r = simulate(s, t, c)
+    assert not r.deadlock
+    order = [(e.kind, e.mb, e.stage) for e in r.timeline if e.node == 2 and e.kind in ("fwd", "bwd")]
+    assert order[:2] == [("fwd", 0, 1), ("fwd", 0, 2)] and order.index(("fwd", 1, 1)) > order.index(("bwd", 0, 1))
+
+
+@settings(max_examples=40, deadline=None)
+@given(seed=st.integers(0, 10_000), S=st.integers(3, 6), memory=st.integers(1, 3), gpipe=st.booleans(),
+       data=st.data())
+def test_ascending_routes_never_deadlock_when_shared_nodes_serve_contiguous_stages(seed, S, memory, gpipe, data):
+    """Any ascending routes, any memory, any timing: with every node's stages contiguous (a block
+    of body stages served by two nodes together, the others by nodes of their own) the memory
+    credits never deadlock."""
+    first = data.draw(st.integers(1, S - 2), label="first shared stage")
+    last = data.draw(st.integers(first, S - 1), label="last shared stage")
+    pl, nxt = [[0, 1]], 4
+    for s in range(1, S):
+        if first <= s <= last:
+            pl.append([2, 3])
+        else:
+            pl.append([nxt, nxt + 1])
+            nxt += 2
+    rng = np.random.default_rng(seed)
+    mbs = []
+    for j in range(data.draw(st.integers(2, 8), label="micro-batches")):
+        k = int(rng.integers(1, S))
+        stages = sorted(rng.choice(np.arange(1, S), size=k, replace=False).tolist())
+        mbs.append(MicroBatch(j, int(rng.integers(0, 2)), [(s, int(rng.choice(pl[s]))) for s in stages]))
+    sched = Schedule(pl, mbs, memory=memory, policy="gpipe" if gpipe else "1f1b")
+    lat = rng.uniform(0.0, 0.5, (nxt, nxt))
+    t = Topology([Node(i, "x", float(rng.uniform(0.3, 2.0))) for i in range(nxt)], lat, np.full((nxt, nxt), 1e9))
+    assert not simulate(sched, t, cost(S)).deadlock
 
 
 def test_placement_may_share_a_node_between_stages_but_not_list_it_twice_in_one():

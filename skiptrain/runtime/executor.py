@@ -6,7 +6,9 @@ at a time, with the simulator's rules (see :mod:`skiptrain.schedule.simulator`):
   first come, first served (ties by micro-batch order);
 * memory credits: a micro-batch's first forward on this node starts only while fewer than
   ``schedule.memory`` micro-batches are held; the credit returns when its last backward on this
-  node ends (a node serving several stages holds a micro-batch once, whatever stages it visits);
+  node ends (a node serving several stages holds a micro-batch once, whatever stages it visits,
+  and such a later visit runs ahead of a forward that waits for a credit: the simulator's rule,
+  ``schedule.pop_next_task``);
 * an originator injects its micro-batches in schedule order, each not before ``start_s``, the
   next one becoming eligible when the previous one's forward starts.
 
@@ -41,7 +43,7 @@ from typing import Callable
 
 import torch
 
-from ..schedule.schedule import Schedule
+from ..schedule.schedule import Schedule, pop_next_task
 from ..schedule.timeline import Event
 from .failure import NodeFailure
 from .transport import ACT, GRAD, KIND_NAMES, Message, P2PTransport, TransportError
@@ -159,15 +161,13 @@ class _Run:
             except queue.Empty:
                 return
 
-    def pick(self, now: float) -> list | None:
-        """Inject the next own micro-batch when due; the queue to run from, by policy (or None)."""
+    def pick(self, now: float) -> tuple | None:
+        """Inject the next own micro-batch when due; take the task to run next, by policy and
+        memory credits (:func:`~skiptrain.schedule.schedule.pop_next_task`), or None."""
         if self.inj_at is not None and now >= self.inj_at:
             self.push(FWD, self.plan.inject[self.inj_ptr], 0, self.inj_at - self.t0, None)
             self.inj_at = None
-        can_fwd = bool(self.lo) and (self.credits > 0 or (self.lo[0][1], self.lo[0][4]) in self.plan.free)
-        if self.fwd_first:
-            return self.lo if can_fwd else (self.hi or None)
-        return self.hi if self.hi else (self.lo if can_fwd else None)
+        return pop_next_task(self.hi, self.lo, self.credits, self.plan.free, self.fwd_first)
 
     def wait(self) -> None:
         """Nothing runnable: wait for a message (or the next injection); time out naming the peers."""
@@ -252,11 +252,11 @@ class Executor:
         self.tr.expect(run.plan.n_wire)
         while run.remaining:
             run.drain()
-            q = run.pick(time.time())
-            if not q:
+            task = run.pick(time.time())
+            if task is None:
                 run.wait()
                 continue
-            _, j, _, kind, pos, tensor = heapq.heappop(q)
+            _, j, _, kind, pos, tensor = task
             follow = self._run(kind, j, pos, tensor, run.plan, run.mbs, run.state, run.res, t0, batch_fn)
             if follow is not None:
                 run.push(*follow)

@@ -28,6 +28,7 @@ task as soon as its input has arrived and the node is free.  Route-level constra
 
 from __future__ import annotations
 
+import heapq
 import json
 from collections import Counter
 from dataclasses import dataclass, field
@@ -235,3 +236,33 @@ class Schedule:
             if max(counts) - min(counts) > 1:
                 raise ScheduleError(f"body-stage visit counts {counts} are unbalanced (max - min > 1)")
 
+
+def pop_next_task(hi: list, lo: list, credits: int, free: set, fwd_first: bool) -> tuple | None:
+    """Take the task a node runs next from its heaps of backward (``hi``) and forward (``lo``)
+    tasks, entries ``(ready_t, j, seq, kind, pos, ...)``; None when none can run.  The simulator
+    and the runtime's executor both dispatch through this, so they agree task for task.
+
+    The policy picks the heap (``fwd_first``: forwards first, GPipe; else backwards first,
+    1F1B).  A forward needs a memory credit unless ``(j, pos)`` is in ``free`` (a later visit of
+    a node the micro-batch already holds: a node serving several stages).  With no credit left,
+    the earliest-ready credit-free forward runs: it never waits behind a forward that waits for a
+    credit, since that credit may be held by the very micro-batch behind it."""
+    i = None
+    if lo:
+        if credits > 0 or (lo[0][1], lo[0][4]) in free:
+            i = 0
+        elif free:
+            runnable = [k for k, e in enumerate(lo) if (e[1], e[4]) in free]
+            i = min(runnable, key=lambda k: lo[k][:3]) if runnable else None
+    if fwd_first:
+        q, i = (lo, i) if i is not None else (hi, 0)
+    else:
+        q, i = (hi, 0) if hi else (lo, i)
+    if not q or i is None:
+        return None
+    if i == 0:
+        return heapq.heappop(q)
+    task, q[i] = q[i], q[-1]
+    q.pop()
+    heapq.heapify(q)
+    return task

@@ -6,7 +6,10 @@ Model (DESIGN.md section 5; the runtime implements the same rules):
   (``bwd`` and ``loss``) and forward; with policy ``1f1b`` backward goes first, with ``gpipe``
   forward goes first; within a class first come, first served (ties by micro-batch order).
 * Memory credits: a node starts a forward only while it holds fewer than ``schedule.memory``
-  micro-batches; the credit comes back when that micro-batch's backward on the node ends.
+  micro-batches; the credit comes back when that micro-batch's backward on the node ends.  A
+  later visit of a node the micro-batch already holds (a node serving several stages) takes
+  none and runs ahead of a forward that waits for a credit (``schedule.pop_next_task``, shared
+  with the runtime's executor).
 * Originators start their micro-batches in schedule order, each not before its ``start_s``.
 * Messages: a hop ``a -> b`` of ``B`` bytes (:meth:`CostModel.hop_bytes`: fp32, or int8/int4
   on slow links with activation compression) occupies the directed link for ``B / bandwidth``
@@ -37,7 +40,7 @@ from typing import Any
 from ..errors import UserError
 from ..net.topology import Topology
 from .cost import CostModel, ring_order
-from .schedule import Schedule, ScheduleError
+from .schedule import Schedule, ScheduleError, pop_next_task
 from .timeline import Event
 
 _ARRIVE, _DONE, _SYNC = 0, 1, 2
@@ -199,14 +202,10 @@ class _Run:
         def dispatch(node: int, now: float) -> None:
             if busy[node]:
                 return
-            can_fwd = lo[node] and (credits[node] > 0 or (free and (lo[node][0][1], lo[node][0][4]) in free))
-            if fwd_first:
-                q = lo[node] if can_fwd else (hi[node] or None)
-            else:
-                q = hi[node] if hi[node] else (lo[node] if can_fwd else None)
-            if not q:
+            task = pop_next_task(hi[node], lo[node], credits[node], free, fwd_first)
+            if task is None:
                 return
-            _, j, _, kind, pos = heapq.heappop(q)
+            _, j, _, kind, pos = task
             if kind == _FWD:
                 dur = fwd_jp[j][pos]
                 if not free or (j, pos) not in free:
