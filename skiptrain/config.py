@@ -400,12 +400,10 @@ class Config:
             raise ConfigError("runtime.node_stages and runtime.stage_sizes both place the nodes; set only one")
         if sum(len(p) for p in placement) == n:
             return
-        several = {"runtime.recover": rt.recover, "elastic.enabled": self.elastic.enabled}
-        on = [k for k, v in several.items() if v]
-        if on:
-            raise ConfigError(f"runtime.node_stages has a node serving several stages, which {on[0]} does not "
-                              f"handle (it moves state one stage per node); turn {on[0]} off, or give each node "
-                              "one stage")
+        if self.elastic.enabled:
+            raise ConfigError("runtime.node_stages has a node serving several stages, which elastic.enabled does not "
+                              "handle (its transitions move state one stage per node); turn elastic.enabled off, or "
+                              "give each node one stage")
 
     def _check_skip_ratio(self) -> None:
         """Every route must visit at least one body stage (:func:`skip_count`)."""

@@ -335,6 +335,60 @@ def test_drift_replans_routes_away_from_a_node_that_slowed_down(byte_data, tmp_p
     assert processes_of_run(run) == []
 
 
+def test_replan_keeps_every_stage_of_a_shared_node_and_never_moves_it_into_a_lost_stage():
+    """Nodes 2 and 3 serve stages 1 and 2, node 4 stage 2 alone: after node 3 dies, node 2 keeps
+    both stages (its hops stay, a route may still visit it twice) and node 3's hops go to the
+    surviving replicas; when stage 3 is lost, node 4 (alone on its stage) takes it over, never
+    node 2."""
+    sched = Schedule(placement=[[0, 1], [2, 3], [2, 3, 4], [5]], memory=2, method="test", micro_batches=[
+        MicroBatch(k, k % 2, [(1, 2 + k % 2), (2, [2, 3, 4][k % 3]), (3, 5)]) for k in range(6)])
+    new = replan(sched, {0, 1, 2, 4, 5})
+    assert new.placement == [[0, 1], [2], [2, 4], [5]]
+    assert new.micro_batches[0].route == [(1, 2), (2, 2), (3, 5)]          # untouched: node 2 alive
+    assert all(n != 3 for m in new.micro_batches for _, n in m.route)
+    new.validate(claims=("placement", "originators", "stage0_ends", "no_repeat"))
+    took = replan(sched, {0, 1, 2, 3, 4}, takeover=True)
+    assert took.meta["takeover"] == {4: [2, 3]} and took.placement == [[0, 1], [2, 3], [2, 3], [4]]
+    shared_only = Schedule(placement=[[0, 1], [2, 3], [2, 3], [4]], memory=2, method="test", micro_batches=[
+        MicroBatch(k, k % 2, [(1, 2 + k % 2), (2, 2 + k % 2), (3, 4)]) for k in range(4)])
+    lost = replan(shared_only, {0, 1, 2, 3}, takeover=True)          # no donor serves one stage alone
+    assert lost.meta["takeover"] == {} and lost.placement[3] == []
+    assert all(m.stages == [1, 2] for m in lost.micro_batches)
+
+
+def test_nodes_serving_two_stages_survive_a_replica_dying_and_a_lost_stage_taken_over(byte_data, tmp_path):
+    """``runtime.node_stages=0,0,1+2,1+2,2,3`` with recovery: node 3 (stages 1 and 2) dies at
+    iteration 1, the sole stage-3 node at iteration 2; node 2 goes on serving both stages, node 4
+    (stage 2 alone) takes stage 3 over, initialised from stage 2's first replica, node 2.  Every
+    iteration runs, every sample once."""
+    from skiptrain.net.topology import load_topology
+    from skiptrain.runtime.job import build_cost
+
+    sched = Schedule(placement=[[0, 1], [2, 3], [2, 3, 4], [5]], memory=2, method="test", micro_batches=[
+        MicroBatch(k, k % 2, [(1, 2 + k % 2), (2, [2, 3, 4][k % 3]), (3, 5)]) for k in range(4)])
+    cfg = build_config("tiny", overrides={"train": {"grad_clip": 0.0, "steps": 20, "warmup_steps": 1},
+                                          "runtime": {"nodes": 6, "node_stages": "0,0,1+2,1+2,2,3"}})
+    run, iters = tmp_path / "run", 4
+    job = Job(config=with_runtime(cfg.to_dict(), timeout_s=15.0, heartbeat_s=0.2, heartbeat_deadline_s=4.0,
+                                  recover=True, takeover=True),
+              data_path=str(byte_data), run_dir=str(run),
+              phases=[Phase("p", sched.to_dict(), iterations=iters, cost=build_cost(cfg).to_dict(),
+                            topology=load_topology("cluster", 6).to_dict())],
+              **faulty_job([{"node": 3, "kind": "kill", "iteration": 1}, {"node": 5, "kind": "kill", "iteration": 2}]))
+    res = launch(job, timeout_s=180)
+    rows = res.phase_iterations("p")
+    assert [r["step"] for r in rows] == list(range(1, iters + 1)) and all(r["loss"] < 10 for r in rows)
+    assert rows[0]["nodes"] == 6 and rows[-1]["nodes"] == 4
+    n2 = json.loads((run / "phases" / "p" / "node2.json").read_text())
+    assert n2["stages"] == [1, 2] and len(n2["recoveries"]) == 2
+    n4 = json.loads((run / "phases" / "p" / "node4.json").read_text())
+    (tk,) = n4["takeovers"]
+    assert tk["stage"] == 3 and tk["from_stage"] == 2 and tk["neighbours"] == [2]
+    trained = [i for s in trained_samples(run / "phases" / "p").values() for i in s]
+    assert sorted(trained) == list(range(iters * 4 * cfg.train.micro_batch))
+    assert processes_of_run(run) == []
+
+
 def test_drift_replans_the_routes_of_nodes_that_serve_two_stages(byte_data, tmp_path):
     """Nodes 2 and 3 each serve stages 1 and 2 (``runtime.node_stages=0,0,1+2,1+2,3,3``); from
     iteration 2 node 3 computes 6x slower.  Rank 0 re-plans the routes on the measured topology

@@ -240,6 +240,41 @@ def test_a_node_joins_a_running_job_and_a_wrong_secret_is_refused(byte_data, tmp
     assert processes_of_run(run) == []
 
 
+def test_a_node_joins_a_job_whose_node_serves_two_stages(byte_data, tmp_path):
+    """``runtime.node_stages=0,0,1+2,3``: node 2 serves stages 1 and 2.  A joiner is placed on
+    one of them and takes that stage's weights, optimizer and sync state from node 2 (which sends
+    from both stages' state by name); node 2 goes on serving both stages with its groups rebuilt,
+    the joiner's stage stays bit-identical on the two replicas, every sample once."""
+    cfg = build_config("tiny", overrides={"train": {"grad_clip": 0.0, "steps": 40, "warmup_steps": 1},
+                                          "runtime": {"nodes": 4, "node_stages": "0,0,1+2,3"}})
+    sched = Schedule(placement=[[0, 1], [2], [2], [3]], memory=2, method="test", micro_batches=[
+        MicroBatch(k, k % 2, [(1, 2), (2, 2), (3, 3)]) for k in range(4)])
+    run, iters = tmp_path / "run", 18
+    job = Job(config=with_runtime(cfg.to_dict(), timeout_s=15.0, heartbeat_s=0.2, heartbeat_deadline_s=4.0,
+                                  recover=True),
+              data_path=str(byte_data), run_dir=str(run), phases=[Phase("p", sched.to_dict(), iterations=iters, dump=True)])
+    th, out, info = _launch_joinable(job, run)
+    good = _joiner(run, info, Path(info["secret_file"]).read_text(), "joiner")
+    th.join(timeout=240)
+    good.wait(timeout=30)
+    assert "res" in out and good.returncode == 0, "the launch did not finish"
+    rec = [json.loads(x) for x in (run / "recoveries.jsonl").read_text().splitlines()]
+    (joined,) = [r for r in rec if r.get("join") and not r.get("refused")]
+    j, stage = joined["node"], joined["choice"]["stage"]
+    assert stage in (1, 2)
+    nj = json.loads((run / "phases" / "p" / f"node{j}.json").read_text())
+    assert nj["stage"] == stage and nj["joined"]["from_nodes"] == [2]
+    assert all(e["n_processed"] > 0 for e in nj["iterations"])
+    n2 = json.loads((run / "phases" / "p" / "node2.json").read_text())
+    assert n2["stages"] == [1, 2] and len(n2["iterations"]) == iters
+    pa = torch.load(run / "phases" / "p" / "params_node2.pt")
+    pb = torch.load(run / "phases" / "p" / f"params_node{j}.pt")
+    assert set(pb) < set(pa) and all(torch.equal(pa[k], pb[k]) for k in pb)     # node 2 holds both stages
+    trained = [i for s in trained_samples(run / "phases" / "p").values() for i in s]
+    assert sorted(trained) == list(range(iters * 4 * cfg.train.micro_batch))
+    assert processes_of_run(run) == []
+
+
 def test_a_node_placed_as_the_run_ends_is_told_the_join_was_cancelled(byte_data, tmp_path):
     """The joiner is placed while node 0 holds the last iteration, so no node passes another
     boundary to take the join up: the coordinator cancels it when the run's nodes finish, the

@@ -658,9 +658,9 @@ class Node:
             self._sync(dist.all_reduce, flag, dist.ReduceOp.MAX)
             if int(flag.item()) <= self.gen:
                 return
-            st.sched, st.groups, st.strat = self._apply_join(int(flag.item()), st.sched, st.model, st.stage,
-                                                             st.strat, st.opt, st.ph, st.idx, st.it, st.cursor,
-                                                             a.step_count, st.elastic)
+            st.sched, st.groups, st.strats = self._apply_join(int(flag.item()), st.sched, st.model, st.stages,
+                                                              st.strats, st.opt, st.ph, st.idx, st.it, st.cursor,
+                                                              a.step_count, st.elastic)
             st.record.setdefault("joins", []).append({"gen": self.gen, "iteration": st.it,
                                                       "placement": st.sched.placement})
             st.replan_pending = True
@@ -799,13 +799,14 @@ class Node:
             if rep is not None:
                 st.record.setdefault("takeovers", []).append(rep)
                 st.record["stage"] = st.stage
-        st.groups, st.strat = self._stage_groups(new_sched, st.stage, st.model, None if was_moved else st.strat,
-                                                 a.step_count)
-        if was_moved:
+        if was_moved:           # a node that took over a stage serves that one alone
+            st.groups, st.strat = self._stage_groups(new_sched, st.stage, st.model, None, a.step_count)
             st.opt = self._optimizer(st.model, st.strat)
             self._stage_from_checkpoint(rep, new_sched, st.stage, st.model, st.opt, st.strat)
+        else:                   # every stage this node serves, each keeping its strategy's state
+            st.groups, st.strats = self._hosted_groups(new_sched, st.stages, st.model, st.strats, a.step_count)
         st.ex = self._executor(st)
-        redone = self._settle(a.committed, a.stepped or was_moved, st.it, st.model, st.strat, st.opt, a.lr,
+        redone = self._settle(a.committed, a.stepped or was_moved, st.it, st.model, st.strats, st.opt, a.lr,
                               None if was_moved else a.res)
         st.sched = new_sched
         self._publish_sched(st.sched, st.idx, st.cost)   # before the ack: the coordinator reads it after all acks
@@ -1176,14 +1177,14 @@ class Node:
                 cur["cost"] = cost.to_dict()
             set_member(self.store, self.rank, "sched/cur", json.dumps(cur))   # signed: the coordinator checks
 
-    def _apply_join(self, target: int, sched, model, stage, strat, opt, ph, phase_idx: int, it: int, cursor: int,
-                    step_count: int, elastic=None):
+    def _apply_join(self, target: int, sched, model, stages: list[int], strats: dict, opt, ph, phase_idx: int,
+                    it: int, cursor: int, step_count: int, elastic=None):
         """At an iteration boundary, every node switches to join generation ``target``: re-forms
         the groups with the joining node(s), (in a freezing job: the lowest node sends the freeze
         rule's state and the layout in force, ``elastic.state_dict()``), takes the coordinator's
-        schedule, rebuilds its stage group keeping its optimizer state, and takes part in the
-        joiner's state transfer.
-        Returns (schedule, groups, strategy); on failure the caller keeps the old ones."""
+        schedule, rebuilds the groups of its stages keeping their strategies' and its optimizer
+        state, and takes part in the joiner's state transfer.
+        Returns (schedule, groups, {stage: strategy}); on failure the caller keeps the old ones."""
         from ..schedule.schedule import Schedule
         from .recovery import read_generation
 
@@ -1200,15 +1201,15 @@ class Node:
         if elastic is not None:
             self._broadcast_json(elastic.state_dict())
         self.stage_of = new.stage_of()
-        groups, strat2 = self._stage_groups(new, stage, model, strat, step_count)
-        self._join_transfer(new, joins, model, strat2, opt, ph, phase_idx, it, cursor)
+        groups, strats2 = self._hosted_groups(new, stages, model, strats, step_count)
+        self._join_transfer(new, joins, model, list(strats2.values()) or None, opt, ph, phase_idx, it, cursor)
         self._pre_join = (max(joins), sched)
         self._publish_sched(new, phase_idx, elastic.st.cost if elastic is not None else None)
         self._ack()
         print(f"skiptrain node {self.rank}: generation {target}: node(s) {sorted(joins)} joined "
               f"(stages {sorted(set(joins.values()))}); placement {new.placement}; {time.time() - t:.3f} s",
               file=sys.stderr, flush=True)
-        return new, groups, strat2
+        return new, groups, strats2
 
     def _join_transfer(self, sched, joins: dict[int, int], model, strat, opt, ph, phase_idx: int, it: int,
                        cursor: int):
@@ -1243,7 +1244,8 @@ class Node:
                 self._stage_from_checkpoint(rep, sched, s, model, opt, strat)
         # (a node with no stage is in no message of the plan, whatever partition it assumes)
         part = model.partition if model is not None else partition_layers(self.cfg.model)
-        plan = join_transfers(sizes, part, sched.placement, joins, drift=bool(getattr(strat, "replicas_drift", False)))
+        drift = any(getattr(x, "replicas_drift", False) for x in (strat if isinstance(strat, list) else [strat]))
+        plan = join_transfers(sizes, part, sched.placement, joins, drift=drift)
         t = time.time()
         blobs = move_state(self.rank, plan, self._rank, model, opt, strat, lambda: None)
         if self.rank in joins and blobs:
@@ -1307,10 +1309,12 @@ class Node:
               flush=True)
         return new, True
 
-    def _settle(self, committed: bool, stepped: bool, it: int, model, strat, opt, lr: float, res) -> bool:
+    def _settle(self, committed: bool, stepped: bool, it: int, model, strats: dict, opt, lr: float,
+                res) -> bool:
         """After re-forming: a committed iteration whose stage sync did not finish is synced over
         the surviving replicas with the gradients held; otherwise gradients are dropped.  (That
-        re-done step clips by its own stage's norm: the other stages stepped already.)"""
+        re-done step clips by the norm of this node's stages: the other stages stepped already.)
+        ``strats``: the strategy of each stage this node serves."""
         from .step import HostedStage, optimizer_step
 
         from .recovery import RecoveryError
@@ -1318,16 +1322,18 @@ class Node:
         redone = False
         self.ckpt.wait_snapshot()
         if model is not None:
-            need = torch.tensor([0 if stepped else 1, 1 if stepped else 0], dtype=torch.int64,
-                                device=strat.tr.device)      # the stage group's backend device
+            need = torch.tensor([0 if stepped else 1, 1 if stepped else 0], dtype=torch.int64)
             if self._any_committed:
-                dist.all_reduce(need, op=dist.ReduceOp.MAX, group=strat.tr.group)
-                if need[0] and need[1]:
-                    raise RecoveryError(f"node {self.rank}: replicas of stage {self.stage_of.get(self.rank)} "
-                                        f"disagree whether iteration {it} was applied", node=None)
+                for s, strat in sorted(strats.items()):      # agree with the replicas of each stage
+                    mine = need.to(strat.tr.device)          # the stage group's backend device
+                    dist.all_reduce(mine, op=dist.ReduceOp.MAX, group=strat.tr.group)
+                    need = torch.maximum(need, mine.cpu())
+                    if need[0] and need[1]:
+                        raise RecoveryError(f"node {self.rank}: replicas of stage {s} disagree whether "
+                                            f"iteration {it} was applied", node=None)
                 if need[0] and res is not None:
-                    optimizer_step([HostedStage(self.stage_of.get(self.rank), strat, res.n_processed,
-                                                strat.world)], opt, lr, self.cfg.train.grad_clip)
+                    optimizer_step([HostedStage(s, strat, res.processed.get(s, 0), strat.world)
+                                    for s, strat in sorted(strats.items())], opt, lr, self.cfg.train.grad_clip)
                     redone = True
             for p in model.parameters():
                 p.grad = None

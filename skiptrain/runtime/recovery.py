@@ -86,11 +86,13 @@ def replan(schedule: Schedule, alive: set[int] | list[int], takeover: bool = Fal
     * Originators: the micro-batches of a dead originator go, in their order, to the surviving
       stage-0 node with the fewest micro-batches so far (ties: lowest id), appended after its own.
     * Routes: a hop on a dead node moves to the surviving replica of that stage with the fewest
-      forward passes so far (ties: lowest id), never to a node already on the route; with no
-      replica left the hop is dropped.  The visit order of the remaining stages is kept.
+      forward passes so far (ties: lowest id); with no replica left the hop is dropped.  The
+      visit order of the remaining stages is kept.  A node serving several stages keeps serving
+      all of them (a route may visit it for two).
 
     * ``takeover``: a body stage with no replica left is taken over by the highest-id replica of
-      the body stage with the most replicas (at least two; ties: lowest stage), recorded in
+      the body stage with the most replicas (at least two; ties: lowest stage) that serves that
+      stage alone (a node serving several stages never moves), recorded in
       ``meta["takeover"] = {node: [old stage, new stage]}``; that node's hops of its old stage
       move like a dead node's (it initialises the stage: :func:`checkfree_combine`).
 
@@ -102,24 +104,13 @@ def replan(schedule: Schedule, alive: set[int] | list[int], takeover: bool = Fal
     if not placement or not placement[0]:
         raise RecoveryError(f"no stage-0 node left among {sorted(alive)}: nobody holds the embedding "
                             "and head; the run cannot continue", node=None)
-    moved: dict[int, list[int]] = {}
-    if takeover:
-        for s in range(1, len(placement)):
-            if placement[s]:
-                continue
-            donors = [t for t in range(1, len(placement)) if len(placement[t]) >= 2]
-            if not donors:
-                break
-            t = max(donors, key=lambda x: (len(placement[x]), -x))
-            n = max(placement[t])
-            placement[t].remove(n)
-            placement[s].append(n)
-            moved[n] = [t, s]
-    now_stage = {n: s for s, p in enumerate(placement) for n in p}
+    moved = _take_over_empty_stages(placement) if takeover else {}
+    serves = {(s, n) for s, p in enumerate(placement) for n in p}
     load: Counter = Counter({n: 0 for p in placement for n in p})
     per_orig: Counter = Counter({n: 0 for n in placement[0]})
+
     def ok(s: int, n: int) -> bool:
-        return n in alive and now_stage.get(n) == s
+        return (s, n) in serves
 
     for mb in schedule.micro_batches:
         if mb.originator in alive:
@@ -132,17 +123,14 @@ def replan(schedule: Schedule, alive: set[int] | list[int], takeover: bool = Fal
     moved_mbs: list[MicroBatch] = []
     for mb in schedule.micro_batches:
         route: list[tuple[int, int]] = []
-        used = {n for s, n in mb.route if ok(s, n)}
         for s, n in mb.route:
             if ok(s, n):
                 route.append((s, n))
                 continue
-            cands = [r for r in placement[s] if r not in used]
-            if not cands:
-                continue                                     # stage gone (or all used): skip it
-            r = min(cands, key=lambda x: (load[x], x))
+            if not placement[s]:
+                continue                                     # stage gone: skip it
+            r = min(placement[s], key=lambda x: (load[x], x))
             load[r] += 1
-            used.add(r)
             route.append((s, r))
         if mb.originator in alive:
             kept.append(MicroBatch(mb.id, mb.originator, route, 0.0))
@@ -157,6 +145,25 @@ def replan(schedule: Schedule, alive: set[int] | list[int], takeover: bool = Fal
     return Schedule(placement=placement, micro_batches=kept + moved_mbs, memory=schedule.memory,
                     skip_ratio=schedule.skip_ratio, max_swaps=schedule.max_swaps, policy=schedule.policy,
                     method=(schedule.method or "schedule") + "+replan", meta=meta)
+
+
+def _take_over_empty_stages(placement: list[list[int]]) -> dict[int, list[int]]:
+    """:func:`replan`'s takeover, in place on ``placement``: ``{node: [old stage, new stage]}``."""
+    moved: dict[int, list[int]] = {}
+    count = Counter(n for p in placement for n in p)
+    for s in range(1, len(placement)):
+        if placement[s]:
+            continue
+        donors = [t for t in range(1, len(placement))
+                  if len(placement[t]) >= 2 and any(count[n] == 1 for n in placement[t])]
+        if not donors:
+            break
+        t = max(donors, key=lambda x: (len(placement[x]), -x))
+        n = max(x for x in placement[t] if count[x] == 1)
+        placement[t].remove(n)
+        placement[s].append(n)
+        moved[n] = [t, s]
+    return moved
 
 
 # ---- taking over a stage (CheckFree) -------------------------------------------------------
