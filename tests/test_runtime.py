@@ -467,8 +467,8 @@ def test_node_stages_refusals_name_the_conflict():
     assert cfg(node_stages="0,1+2,3", method="full_pipeline").runtime.node_stages
     assert cfg(node_stages="0,1+2,3").runtime.method == "planner"       # the planner plans shared nodes
     assert cfg(node_stages="0,1+2,3", drift_threshold=0.2).runtime.drift_threshold == 0.2   # routes only
-    for rt, msg in (({"node_stages": "0,1+2,3", "method": "random_skip", "recover": True}, "turn runtime.recover off"),
-                    ({"node_stages": "0,1+2", "method": "random_skip"}, r"stage\(s\) \[3\] no node"),
+    assert cfg(node_stages="0,1+2,3", recover=True, takeover=True).runtime.recover     # never moves a shared node
+    for rt, msg in (({"node_stages": "0,1+2", "method": "random_skip"}, r"stage\(s\) \[3\] no node"),
                     ({"node_stages": "0,1+2,3,4", "method": "random_skip"}, "model.n_stages=4"),
                     ({"node_stages": "0,1+2,3", "stage_sizes": "1,1,1", "method": "random_skip"}, "set only one"),
                     ({"nodes": 5, "node_stages": "0,1,1+2,2,3", "method": "random_skip"}, "same position")):
