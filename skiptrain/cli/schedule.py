@@ -22,21 +22,23 @@ from ..schedule.schedule import ScheduleError
 
 
 #: simulate's numeric flags: (flag, lowest, highest or None, unit), checked before the cost model and
-#: the planner are built, so that an error names the flag typed, not the field it feeds.
+#: the planner are built, so that an error names the flag typed, not the field it feeds (a flag left
+#: unset, None, is not checked: the planner chooses).
 LIMITS = (("--stages", 1, MAX_NODES, ""), ("--skip", 0.0, 1.0, ""), ("--max-swaps", 0, 2, ""),
           ("--micro-batches", 1, MAX_MB_PER_ORIGINATOR, ""), ("--samples", 1, None, ""),
           ("--seq-len", 1, None, ""), ("--d-model", 1, None, ""), ("--dtype-bytes", 1, None, ""),
           ("--layers-per-stage", 0, None, ""),
           ("--s-per-sample-layer", 0.0, MAX_TASK_S, "a number of seconds "),
           ("--hop-overhead", 0.0, MAX_TASK_S, "a number of seconds "),
-          ("--act-fast-gbps", 0.0, None, "a number of GB/s "))
+          ("--act-fast-gbps", 0.0, None, "a number of GB/s "),
+          ("--max-evals", 0, None, ""), ("--time-limit", 0.0, None, "a number of seconds "))
 
 
 def check_limits(args: argparse.Namespace) -> None:
     """Refuse a numeric flag outside :data:`LIMITS` (nan included), naming the flag."""
     for flag, lo, hi, unit in LIMITS:
         value = getattr(args, flag[2:].replace("-", "_"))
-        if not (lo <= value and (hi is None or value <= hi)):
+        if value is not None and not (lo <= value and (hi is None or value <= hi)):
             where = f"in [{lo:g}, {hi:g}]" if hi is not None else f">= {lo:g}"
             raise ScheduleError(f"{flag} {value} must be {unit}{where}")
 
