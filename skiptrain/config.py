@@ -234,6 +234,10 @@ MAX_NODES = 1024
 #: The most micro-batches a stage-0 node starts per iteration (``runtime.mb_per_originator``): the
 #: planner's time grows with them (about 7 s for 4,000 on the tiny preset).
 MAX_MB_PER_ORIGINATOR = 4096
+#: The most memory credits a node has (``runtime.memory``), as many as an originator may start per iteration:
+#: each credit keeps one micro-batch's activations on the node, and 4096 of the tiny preset's already take
+#: about 11 GiB a stage.
+MAX_MEMORY_CREDITS = MAX_MB_PER_ORIGINATOR
 #: The most emulated bytes per real byte (``runtime.bytes_scale``): a tiny model's 128 KiB hop as 8 GiB.
 MAX_BYTES_SCALE = 2**16
 #: The most emulated seconds per topology second (``runtime.time_scale``): a 100 ms link as 100 s.
@@ -251,7 +255,9 @@ class RuntimeConfig:
                           "stages of a node that serves several (one large device), e.g. 0,0,1+2,1+2,3 "
                           "(empty = placed by the planner or by stage_sizes)")
     method: str = _f("planner", "how routes are made", choices=("planner", "full_pipeline", "random_skip"))
-    memory: int = _f(3, "micro-batches in flight per node (memory credits)", min=1)
+    memory: int = _f(3, "micro-batches in flight per node (memory credits); at most 4096, as many as an "
+                     "originator may start per iteration: each keeps a micro-batch's activations on the node "
+                     "(4096 of the tiny preset's take about 11 GiB a stage)", min=1, max=MAX_MEMORY_CREDITS)
     mb_per_originator: int = _f(2, "micro-batches per stage-0 node per iteration", min=1, max=MAX_MB_PER_ORIGINATOR)
     topology: str = _f("cluster", "network the schedule is planned for (and emulated with wan=true)")
     wan: bool = _f(False, "emulate the topology's links (per-link FIFO, latency, bandwidth) in the transport")

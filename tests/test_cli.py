@@ -223,14 +223,16 @@ def test_an_empty_path_to_write_is_refused_and_nothing_is_written_here(trained, 
 
 @pytest.mark.parametrize("override,needle", [
     ("runtime.mb_per_originator=100000000", "runtime.mb_per_originator=100000000 is above its maximum 4096"),
+    ("runtime.memory=100000000", "runtime.memory=100000000 is above its maximum 4096"),
     ("runtime.bytes_scale=100000000000000000000", "is above its maximum 65536"),
     ("runtime.time_scale=1e300", "runtime.time_scale=1e+300 is above its maximum 1000.0"),
 ])
 @pytest.mark.parametrize("cmd", [["launch", "--nodes", "4"], ["train", "--nodes", "4"]])
 def test_a_swarm_with_absurd_runtime_scales_is_refused_before_it_starts(trained, capsys, tmp_path, cmd, override,
                                                                         needle):
-    """A hundred million micro-batches per originator planned for hours; 1e20 emulated bytes per byte and
-    1e300 emulated seconds per second made nonsense runs (and endless waits on emulated links)."""
+    """A hundred million micro-batches per originator planned for hours; a hundred million memory credits
+    started every node, each then failing on its own; 1e20 emulated bytes per byte and 1e300 emulated
+    seconds per second made nonsense runs (and endless waits on emulated links)."""
     data, _ = trained
     out = tmp_path / "run"
     one_line_error(capsys, [*cmd, "--preset", "tiny", "--data", str(data), "--steps", "1", "--out", str(out),

@@ -94,6 +94,7 @@ def test_skip_ratio_that_leaves_no_body_stage_is_refused_with_the_right_bound(k)
     ("runtime.nodes=99999999", "runtime.nodes=99999999 is above its maximum 1024"),
     ("train.micro_batch=" + "9" * 20, "is above its maximum"),
     ("runtime.mb_per_originator=100000000", "runtime.mb_per_originator=100000000 is above its maximum 4096"),
+    ("runtime.memory=100000000", "runtime.memory=100000000 is above its maximum 4096"),
     ("runtime.bytes_scale=" + "1" + "0" * 20, "runtime.bytes_scale=100000000000000000000 is above its maximum 65536"),
     ("runtime.time_scale=1e300", r"runtime.time_scale=1e\+300 is above its maximum 1000.0"),
     ("runtime.timeout_s=1e300", r"runtime.timeout_s=1e\+300 is above its maximum 1000000.0"),

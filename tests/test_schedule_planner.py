@@ -180,6 +180,12 @@ def test_cli_simulate_writes_json_and_png(tmp_path, capsys):
     (["--layers-per-stage", "-1"], "--layers-per-stage -1 must be >= 0"),
     (["--max-swaps", "3"], "--max-swaps 3 must be in [0, 2]"),
     (["--micro-batches", "100000000"], "--micro-batches 100000000 must be in [1, 4096]"),
+    (["--max-evals", "-1"], "--max-evals -1 must be >= 0"),
+    (["--time-limit", "-1"], "--time-limit -1.0 must be a number of seconds >= 0"),
+    (["--time-limit", "nan"], "--time-limit nan must be a number of seconds >= 0"),
+    (["--stage-sizes", "2,2"], "--stage-sizes 2,2 lists 2 stage(s), but --stages is 3; give one size per stage"),
+    (["--stage-sizes", "2,2,9"], "--stage-sizes 2,2,9: stage sizes [2, 2, 9] need 13 nodes, topology has 6"),
+    (["--skip", "0.9"], "--skip 0.9 with --stages 3: skip ratio 0.9 with 3 stages skips 3 of the 2 body stages"),
     (["--dp-payload-mb", "nan"], "--dp-payload-mb nan must be a finite number"),
     (["--nodes", "100000000"], "more than a topology holds"),
 ])

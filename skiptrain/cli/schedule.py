@@ -11,34 +11,55 @@ import argparse
 import json
 from pathlib import Path
 
-from ..config import MAX_MB_PER_ORIGINATOR, MAX_NODES, MAX_TASK_S
+from ..config import MAX_MB_PER_ORIGINATOR, MAX_NODES, MAX_TASK_S, ConfigError, skip_count
 from ..net.topology import load_topology
 from ..schedule.actcodec import CODECS
 from ..schedule.compare import METHODS, compare, format_table
 from ..schedule.cost import DP_MODES, CostModel
 from ..schedule.gantt import draw_gantt
+from ..schedule.placement import check_sizes
 from ..schedule.planner import PlanConfig
 from ..schedule.schedule import ScheduleError
 
 
 #: simulate's numeric flags: (flag, lowest, highest or None, unit), checked before the cost model and
-#: the planner are built, so that an error names the flag typed, not the field it feeds.
+#: the planner are built, so that an error names the flag typed, not the field it feeds (a flag left
+#: unset, None, is not checked: the planner chooses).
 LIMITS = (("--stages", 1, MAX_NODES, ""), ("--skip", 0.0, 1.0, ""), ("--max-swaps", 0, 2, ""),
           ("--micro-batches", 1, MAX_MB_PER_ORIGINATOR, ""), ("--samples", 1, None, ""),
           ("--seq-len", 1, None, ""), ("--d-model", 1, None, ""), ("--dtype-bytes", 1, None, ""),
           ("--layers-per-stage", 0, None, ""),
           ("--s-per-sample-layer", 0.0, MAX_TASK_S, "a number of seconds "),
           ("--hop-overhead", 0.0, MAX_TASK_S, "a number of seconds "),
-          ("--act-fast-gbps", 0.0, None, "a number of GB/s "))
+          ("--act-fast-gbps", 0.0, None, "a number of GB/s "),
+          ("--max-evals", 0, None, ""), ("--time-limit", 0.0, None, "a number of seconds "))
 
 
 def check_limits(args: argparse.Namespace) -> None:
-    """Refuse a numeric flag outside :data:`LIMITS` (nan included), naming the flag."""
+    """Refuse a numeric flag outside :data:`LIMITS` (nan included), a ``--skip`` that leaves routes no body
+    stage on ``--stages`` stages and ``--stage-sizes`` that do not list ``--stages`` stages, naming the flags."""
     for flag, lo, hi, unit in LIMITS:
         value = getattr(args, flag[2:].replace("-", "_"))
-        if not (lo <= value and (hi is None or value <= hi)):
+        if value is not None and not (lo <= value and (hi is None or value <= hi)):
             where = f"in [{lo:g}, {hi:g}]" if hi is not None else f">= {lo:g}"
             raise ScheduleError(f"{flag} {value} must be {unit}{where}")
+    try:
+        skip_count(args.skip, args.stages)
+    except ConfigError as e:
+        raise ScheduleError(f"--skip {args.skip} with --stages {args.stages}: {e}") from None
+    sizes = args.stage_sizes
+    if sizes is not None and len(sizes) != args.stages:
+        raise ScheduleError(f"--stage-sizes {','.join(map(str, sizes))} lists {len(sizes)} stage(s), but --stages "
+                            f"is {args.stages}; give one size per stage (or --stages {len(sizes)})")
+
+
+def check_stage_sizes(args: argparse.Namespace, n_nodes: int) -> None:
+    """Refuse ``--stage-sizes`` the topology's ``n_nodes`` cannot fill, naming the flag."""
+    if args.stage_sizes is not None:
+        try:
+            check_sizes(args.stage_sizes, n_nodes)
+        except ScheduleError as e:
+            raise ScheduleError(f"--stage-sizes {','.join(map(str, args.stage_sizes))}: {e}") from None
 
 
 def _ints(text: str) -> list[int]:
@@ -85,6 +106,7 @@ def register(subparsers) -> None:
 def run(args: argparse.Namespace) -> int:
     check_limits(args)
     topo = load_topology(args.topology, args.nodes, seed=args.seed)
+    check_stage_sizes(args, topo.n)
     if args.memory < 1:
         raise ScheduleError(f"--memory {args.memory}: every node needs at least one micro-batch credit")
     if not 0 <= args.dp_payload_mb < float("inf"):

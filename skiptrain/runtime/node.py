@@ -42,6 +42,7 @@ import os
 import signal
 import socket
 import sys
+import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -1426,6 +1427,32 @@ def _native_stderr_silenced():
         os.close(null)
 
 
+def _store_client(host: str, port: int):
+    """A store client of ``host:port`` that passed its handshake within ``JOIN_CONNECT_S``, else one
+    ``RuntimeError``.  The client retries a server that answers garbage only for its timeout, but waits
+    for the reply to its handshake with no deadline, so a server that reads and never answers (an HTTP
+    server, a silent service) would hold it for good: it connects in a daemon thread, given up on one
+    second past the timeout (that thread then ends when the server closes, or with the process)."""
+    out: dict[str, Any] = {}
+
+    def connect() -> None:
+        try:
+            out["store"] = dist.TCPStore(host, port, 1, is_master=False, wait_for_workers=False,
+                                         timeout=timedelta(seconds=JOIN_CONNECT_S))
+        except Exception as e:  # noqa: BLE001
+            out["error"] = str(e).splitlines()[0][:120] if str(e) else type(e).__name__
+
+    with _native_stderr_silenced():
+        t = threading.Thread(target=connect, name="join-store-client", daemon=True)
+        t.start()
+        t.join(JOIN_CONNECT_S + 1.0)
+    if "store" in out:
+        return out["store"]
+    raise RuntimeError(f"{host}:{port} accepts connections but does not answer as a run's store within "
+                       f"{JOIN_CONNECT_S:g} s ({out.get('error', 'no reply to its handshake')}); check HOST:PORT "
+                       "against the run's RUN_DIR/join.json")
+
+
 def _connect_for_join(target: str):
     """``HOST:PORT`` of a running job's store -> (addr, port, store, job, node id)."""
     from .join import JOB_KEY, read_job, request_node_id, secret_from_env
@@ -1441,14 +1468,7 @@ def _connect_for_join(target: str):
     except OSError as e:
         raise RuntimeError(f"no store answers at {host}:{port} ({e.strerror or e}); is the run still going, and was "
                            "it launched with recovery on (--recover)?") from None
-    try:
-        with _native_stderr_silenced():
-            store = dist.TCPStore(host, port, 1, is_master=False, timeout=timedelta(seconds=JOIN_CONNECT_S),
-                                  wait_for_workers=False)
-    except Exception as e:  # noqa: BLE001
-        raise RuntimeError(f"{host}:{port} accepts connections but does not answer as a run's store within "
-                           f"{JOIN_CONNECT_S:g} s ({str(e).splitlines()[0][:120]}); check HOST:PORT against the "
-                           "run's RUN_DIR/join.json") from None
+    store = _store_client(host, port)
     store.set_timeout(timedelta(seconds=30))
     if not store.check([JOB_KEY, "nodes/next"]):
         raise RuntimeError(f"the run at {host}:{port} does not accept joining nodes: launch it with --recover")
