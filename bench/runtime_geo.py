@@ -116,7 +116,7 @@ def main(argv=None) -> int:
                   phases=[phase_for(cfg, scheds[m], topo, costs[m], m, iters) for m in METHODS])
         res = launch(job, timeout_s=1800)
         measured = {m: [r["iteration_s"] for r in res.phase_iterations(m)] for m in METHODS}
-        overruns = {m: max(r["overruns"] for r in res.phase_metrics(m)) for m in METHODS}  # cumulative per phase
+        overruns = {m: max(r["overruns"] for r in res.phase_iterations(m)) for m in METHODS}  # cumulative per phase
         losses = {m: [r["loss"] for r in res.phase_iterations(m)] for m in METHODS}
         timeline = res.timeline("planner", iters - 1)
         if args.gantt:

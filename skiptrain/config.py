@@ -321,11 +321,18 @@ def node_stage_lists(text: str) -> list[list[int]]:
 
 def node_stage_placement(text: str, n_stages: int) -> list[list[int]] | None:
     """The placement ``runtime.node_stages`` gives (node ids of each stage, ascending; None when
-    not given), checked: every stage exists and has a node, and a node serving several stages
-    holds the same replica position in each (its checkpoint slot)."""
+    not given), checked: every stage exists and has a node, a node serving several stages serves
+    consecutive ones (so micro-batches never wait on each other for its memory credits:
+    ``schedule.keep_on_node``), and the nodes listed before it are the same in each of them, so it
+    holds the same replica position (its checkpoint slot) in each, also after any node fails."""
     per_node = node_stage_lists(text)
     if not per_node:
         return None
+    for ss in per_node:
+        if ss != list(range(ss[0], ss[-1] + 1)):
+            raise ConfigError(f"runtime.node_stages entry {'+'.join(map(str, ss))!r}: a node serves consecutive "
+                              f"stages (e.g. {ss[0]}+{ss[0] + 1}), so that micro-batches never wait on each other "
+                              "for its memory; list other stages on other nodes")
     bad = sorted({s for ss in per_node for s in ss if s >= n_stages})
     if bad:
         raise ConfigError(f"runtime.node_stages names stage(s) {bad}, but model.n_stages={n_stages}; use stages "
@@ -335,11 +342,13 @@ def node_stage_placement(text: str, n_stages: int) -> list[list[int]] | None:
     if empty:
         raise ConfigError(f"runtime.node_stages gives stage(s) {empty} no node; list each stage on at least one node")
     for n, ss in enumerate(per_node):
-        slots = {placement[s].index(n) for s in ss}
-        if len(slots) > 1:
-            raise ConfigError(f"runtime.node_stages: node {n} is replica {sorted(slots)} of its stages {ss}; a node "
-                              "serving several stages must hold the same position among each stage's nodes "
-                              "(list the nodes that share stages in the same order, e.g. 0,1+2,1+2,3)")
+        before = {frozenset(placement[s][:placement[s].index(n)]) for s in ss}
+        if len(before) > 1:
+            slots = sorted({placement[s].index(n) for s in ss})
+            raise ConfigError(f"runtime.node_stages: node {n} comes after different nodes in its stages {ss} "
+                              f"(replica {slots}); a node serving several stages must hold the same position "
+                              "among each stage's nodes, also when others fail: list the nodes that serve "
+                              "several stages first, in the same order, e.g. 0,0,1+2,1+2,1,2")
     return placement
 
 

@@ -471,7 +471,10 @@ def test_node_stages_refusals_name_the_conflict():
     for rt, msg in (({"node_stages": "0,1+2", "method": "random_skip"}, r"stage\(s\) \[3\] no node"),
                     ({"node_stages": "0,1+2,3,4", "method": "random_skip"}, "model.n_stages=4"),
                     ({"node_stages": "0,1+2,3", "stage_sizes": "1,1,1", "method": "random_skip"}, "set only one"),
-                    ({"nodes": 5, "node_stages": "0,1,1+2,2,3", "method": "random_skip"}, "same position")):
+                    ({"nodes": 5, "node_stages": "0,1,1+2,2,3", "method": "random_skip"}, "same position"),
+                    # 4 is replica 1 of both stages, but after 2 or 3 fails it would not be: refused
+                    ({"nodes": 7, "node_stages": "0,0,1,2,1+2,1+2,3", "method": "random_skip"}, "first, in the same order"),
+                    ({"node_stages": "0,1+3,2"}, "consecutive")):
         with pytest.raises(ConfigError, match=msg):
             cfg(**rt)
     with pytest.raises(ConfigError, match="turn elastic.enabled off"):

@@ -15,7 +15,7 @@ from skiptrain.schedule.baselines import random_skip
 from skiptrain.schedule.cost import CostModel, reference_cost
 from skiptrain.schedule.placement import place, stage_sizes
 from skiptrain.schedule.planner import (PlanConfig, RouteContext, ascending_routes, cheapest_replicas,
-                                        construct_routes, default_time_limit, hop_table, improve_routes, plan)
+                                        construct_routes, default_time_limit, improve_routes, plan)
 from skiptrain.schedule.routes import check_route, visits_per_route
 from skiptrain.schedule.schedule import SKIP_CLAIMS, MicroBatch, Schedule, ScheduleError
 from skiptrain.schedule.simulator import simulate
@@ -35,7 +35,7 @@ def test_cheapest_replicas_is_the_brute_force_minimum(seed, order):
     nodes = list(range(12))
     rng.shuffle(nodes)
     pl = [nodes[0:2], nodes[2:5], nodes[5:8], nodes[8:12]]
-    H = hop_table(topo, cost)
+    H = cost.hop_seconds(topo)
     o = pl[0][0]
     got = cheapest_replicas(H, pl, o, order)
     costs = [c for c, _ in got]
@@ -115,6 +115,8 @@ def test_the_planner_plans_a_placement_whose_nodes_serve_several_stages(seed, S,
                                         mb_per_originator=2, seed=seed, contention=full_model, dp_sync=full_model,
                                         max_evals=40, constructions=2, placement=pl))
     assert sched.placement == pl and sched.hosts_several()
+    kept = [list(mb.route) for mb in sched.micro_batches]
+    assert [mb.route for mb in sched.keep_on_nodes().micro_batches] == kept     # never leaves a shared node early
     sched.validate(SKIP_CLAIMS, n_nodes=nxt)
     for mb in sched.micro_batches:
         check_route(mb.stages, S, visits_per_route(k, S), swaps)
@@ -124,17 +126,20 @@ def test_the_planner_plans_a_placement_whose_nodes_serve_several_stages(seed, S,
 
 
 def test_ascending_routes_undo_a_reorder_deadlock_and_refuse_one_that_non_contiguous_stages_make():
-    """Node 1 serves stages 1 and 3 (not contiguous) with one memory credit: a micro-batch from
-    node 0 holds node 1 and wants node 2 while one from node 3 holds node 2 and wants node 1, even
-    on ascending routes, so the fallback refuses in one line.  With stages 1 and 2 shared
-    (contiguous) the same kind of reorder deadlock is undone by ascending routes."""
+    """Node 1 serves stages 1 and 3 (not consecutive: the config refuses such a node, the
+    library's planner refuses the deadlock) with one memory credit: a micro-batch from node 0
+    holds node 1 and wants node 2 while one from node 3 holds node 2 and wants node 1, even on
+    ascending routes, so the fallback refuses in one line.  A reorder deadlock between nodes that
+    serve one stage each (stages 1 and 3 visited 3-before-1 by one micro-batch, 1-before-3 by the
+    other) is undone by ascending routes."""
     topo, cost = cluster(4), CostModel(layers_per_stage=[1] * 4)
     stuck = Schedule(placement=[[0, 3], [1], [2], [1]], memory=1, skip_ratio=0.25, max_swaps=0,
                      micro_batches=[MicroBatch(0, 0, [(1, 1), (2, 2)], 0.0), MicroBatch(1, 3, [(2, 2), (3, 1)], 0.0)])
     assert simulate(stuck, topo, cost, contention=False, dp_sync=False).deadlock
     with pytest.raises(ScheduleError, match=r"contiguous stages \(e.g. 1\+2, not 1\+3\)"):
         ascending_routes(stuck, topo, cost)
-    swapped = Schedule(placement=[[0, 3], [1], [1], [2]], memory=1, skip_ratio=0.25, max_swaps=1,
+    topo = cluster(5)
+    swapped = Schedule(placement=[[0, 3], [1], [4], [2]], memory=1, skip_ratio=0.25, max_swaps=1,
                        micro_batches=[MicroBatch(0, 0, [(1, 1), (3, 2)], 0.0), MicroBatch(1, 3, [(3, 2), (1, 1)], 0.0)])
     assert simulate(swapped, topo, cost, contention=False, dp_sync=False).deadlock
     ascending_routes(swapped, topo, cost)

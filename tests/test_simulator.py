@@ -184,16 +184,31 @@ def test_a_later_visit_never_waits_behind_a_forward_that_waits_for_a_credit():
     assert order[:2] == [("fwd", 0, 1), ("fwd", 0, 2)] and order.index(("fwd", 1, 1)) > order.index(("bwd", 0, 1))
 
 
-@settings(max_examples=40, deadline=None)
+def test_crossing_between_two_nodes_that_serve_the_same_stages_deadlocks_and_keeping_on_the_node_does_not():
+    """Nodes 2 and 3 both serve stages 1 and 2, one credit each: micro-batch 0 goes 2 -> 3, micro-
+    batch 1 goes 3 -> 2; each holds one node's credit and waits for the other's.  Kept on the node
+    it is on (``keep_on_node``), each stays on its node and both finish."""
+    pl = [[0, 1], [2, 3], [2, 3], [4]]
+    crossing = Schedule(pl, [MicroBatch(0, 0, [(1, 2), (2, 3)]), MicroBatch(1, 1, [(1, 3), (2, 2)])], memory=1)
+    t = Topology([Node(i, "x") for i in range(5)], np.full((5, 5), 0.1), np.full((5, 5), 1e9))
+    assert simulate(crossing, t, cost(4)).deadlock
+    kept = crossing.keep_on_nodes()
+    assert [m.route for m in kept.micro_batches] == [[(1, 2), (2, 2)], [(1, 3), (2, 3)]]
+    assert not simulate(kept, t, cost(4)).deadlock
+
+
+@settings(max_examples=60, deadline=None)
 @given(seed=st.integers(0, 10_000), S=st.integers(3, 6), memory=st.integers(1, 3), gpipe=st.booleans(),
        data=st.data())
-def test_ascending_routes_never_deadlock_when_shared_nodes_serve_contiguous_stages(seed, S, memory, gpipe, data):
-    """Any ascending routes, any memory, any timing: with every node's stages contiguous (a block
-    of body stages served by two nodes together, the others by nodes of their own) the memory
+def test_ascending_routes_kept_on_their_nodes_never_deadlock(seed, S, memory, gpipe, data):
+    """Any ascending routes kept on their nodes (``Schedule.keep_on_nodes``), any memory, any node
+    speeds and latencies: with each node's stages consecutive (nodes 2 and 3 serve a block of body
+    stages together, optionally stage 0 too; the other stages have nodes of their own) the memory
     credits never deadlock."""
-    first = data.draw(st.integers(1, S - 2), label="first shared stage")
-    last = data.draw(st.integers(first, S - 1), label="last shared stage")
-    pl, nxt = [[0, 1]], 4
+    first = data.draw(st.integers(0, S - 2), label="first shared stage")
+    last = data.draw(st.integers(max(first, 1), S - 1), label="last shared stage")
+    pl = [[2, 3, 0, 1] if first == 0 else [0, 1]]
+    nxt = 4
     for s in range(1, S):
         if first <= s <= last:
             pl.append([2, 3])
@@ -205,8 +220,8 @@ def test_ascending_routes_never_deadlock_when_shared_nodes_serve_contiguous_stag
     for j in range(data.draw(st.integers(2, 8), label="micro-batches")):
         k = int(rng.integers(1, S))
         stages = sorted(rng.choice(np.arange(1, S), size=k, replace=False).tolist())
-        mbs.append(MicroBatch(j, int(rng.integers(0, 2)), [(s, int(rng.choice(pl[s]))) for s in stages]))
-    sched = Schedule(pl, mbs, memory=memory, policy="gpipe" if gpipe else "1f1b")
+        mbs.append(MicroBatch(j, int(rng.choice(pl[0])), [(s, int(rng.choice(pl[s]))) for s in stages]))
+    sched = Schedule(pl, mbs, memory=memory, policy="gpipe" if gpipe else "1f1b").keep_on_nodes()
     lat = rng.uniform(0.0, 0.5, (nxt, nxt))
     t = Topology([Node(i, "x", float(rng.uniform(0.3, 2.0))) for i in range(nxt)], lat, np.full((nxt, nxt), 1e9))
     assert not simulate(sched, t, cost(S)).deadlock

@@ -90,9 +90,10 @@ def replan_routes(schedule, topo: Topology, cost, cfg, min_gain: float = 0.05, t
     the schedule's ids in id order (same count; every node's data cursor maps ids to samples, so no
     sample is lost or repeated).  Returns ``(None, cur, None)`` when the planner cannot produce the
     same problem: a stage with no replica (the planner needs every stage served) or a micro-batch
-    count that is not a multiple of the originators (the planner gives each the same number)."""
+    count that is not a multiple of the originators (the planner gives each the same number), or
+    when the planner refuses the placement (:class:`~skiptrain.schedule.schedule.ScheduleError`)."""
     from ..schedule.planner import PlanConfig, plan
-    from ..schedule.schedule import MicroBatch, Schedule
+    from ..schedule.schedule import MicroBatch, Schedule, ScheduleError
     from ..schedule.simulator import simulate
 
     nodes = sorted({n for p in schedule.placement for n in p})
@@ -116,7 +117,10 @@ def replan_routes(schedule, topo: Topology, cost, cfg, min_gain: float = 0.05, t
                     mb_per_originator=len(ids) // n_orig, seed=cfg.runtime.plan_seed, contention=True,
                     dp_sync=False, placement=[list(p) for p in rel_pl], time_limit_s=time_limit_s,
                     max_evals=max_evals)
-    new = plan(sub, cost, pc)
+    try:
+        new = plan(sub, cost, pc)
+    except ScheduleError:              # e.g. credits that deadlock on every route: keep the current one
+        return None, cur, None
     if len(new.micro_batches) != len(ids) or new.placement != rel_pl:
         return None, cur, None
     ns = simulate(new, sub, cost, contention=True, dp_sync=False, record=False).iteration_s

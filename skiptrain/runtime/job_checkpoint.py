@@ -95,11 +95,17 @@ def load_sync(strat, tensors: dict[str, torch.Tensor], scalars: dict[str, Any]) 
     strat.load_state_dict({**scalars, "tensors": by_param})
 
 
+def replicas_drift(strat) -> bool:
+    """Whether the replicas of a sync strategy (or of any of a list of them) drift apart between
+    syncs (their weights are then per replica)."""
+    return any(getattr(x, "replicas_drift", False) for x in _strategies(strat))
+
+
 def stage_state(model, opt, strat, slot: int) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """This node's tensors by checkpoint name (live storage, not copies; see the module doc),
     and its JSON: optimizer record, strategy scalars, torch RNG.  ``strat``: the sync strategy,
     or the list of them of a node serving several stages (replica ``slot`` in each)."""
-    drift = any(getattr(x, "replicas_drift", False) for x in _strategies(strat))
+    drift = replicas_drift(strat)
     shared = model_tensors(model)
     record: dict[str, Any] = {}
     if opt is not None:

@@ -350,6 +350,7 @@ class Node:
             print(f"skiptrain node {self.rank}: stop requested: ending after iteration {st.it} of phase "
                   f"{ph.name}", file=sys.stderr, flush=True)
         finally:
+            st.record["stages"] = list(st.stages)      # the stages served at the end
             (st.out_dir / f"node{self.rank}.json").write_text(json.dumps(st.record))
         self._end_phase(st)
 
@@ -795,9 +796,10 @@ class Node:
         took = new_sched.meta.get("takeover") or {}
         was_moved = self.rank in took
         rep = None
-        if took:
-            st.model, st.stage, rep = self._takeover(new_sched, took, st.model, st.stage, st.ph.name, st.it)
-            if rep is not None:
+        if took:                # every survivor takes part; only the taker's stage changes
+            model, stage, rep = self._takeover(new_sched, took, st.model, st.stage, st.ph.name, st.it)
+            if was_moved:
+                st.model, st.stage = model, stage
                 st.record.setdefault("takeovers", []).append(rep)
                 st.record["stage"] = st.stage
         if was_moved:           # a node that took over a stage serves that one alone
@@ -1223,7 +1225,7 @@ class Node:
         stage with no live replica initialises it by :meth:`_init_stage` (checkpoint or CheckFree).
         Returns (resume info, report on a joiner)."""
         from ..model.partition import partition_layers
-        from .job_checkpoint import load_stage_state
+        from .job_checkpoint import load_stage_state, replicas_drift
         from .recovery import join_transfers
         from .transition import gather_state, move_state, stage_sizes
 
@@ -1245,8 +1247,7 @@ class Node:
                 self._stage_from_checkpoint(rep, sched, s, model, opt, strat)
         # (a node with no stage is in no message of the plan, whatever partition it assumes)
         part = model.partition if model is not None else partition_layers(self.cfg.model)
-        drift = any(getattr(x, "replicas_drift", False) for x in (strat if isinstance(strat, list) else [strat]))
-        plan = join_transfers(sizes, part, sched.placement, joins, drift=drift)
+        plan = join_transfers(sizes, part, sched.placement, joins, drift=replicas_drift(strat))
         t = time.time()
         blobs = move_state(self.rank, plan, self._rank, model, opt, strat, lambda: None)
         if self.rank in joins and blobs:
@@ -1325,10 +1326,12 @@ class Node:
         if model is not None:
             need = torch.tensor([0 if stepped else 1, 1 if stepped else 0], dtype=torch.int64)
             if self._any_committed:
-                for s, strat in sorted(strats.items()):      # agree with the replicas of each stage
-                    mine = need.to(strat.tr.device)          # the stage group's backend device
-                    dist.all_reduce(mine, op=dist.ReduceOp.MAX, group=strat.tr.group)
-                    need = torch.maximum(need, mine.cpu())
+                seen = {}
+                for s, strat in sorted(strats.items()):      # every stage group first (ascending: no
+                    seen[s] = need.to(strat.tr.device)       # deadlock), on its backend's device
+                    dist.all_reduce(seen[s], op=dist.ReduceOp.MAX, group=strat.tr.group)
+                for s, got in seen.items():
+                    need = torch.maximum(need, got.cpu())
                     if need[0] and need[1]:
                         raise RecoveryError(f"node {self.rank}: replicas of stage {s} disagree whether "
                                             f"iteration {it} was applied", node=None)

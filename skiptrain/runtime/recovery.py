@@ -144,7 +144,7 @@ def replan(schedule: Schedule, alive: set[int] | list[int], takeover: bool = Fal
     meta["takeover"] = moved
     return Schedule(placement=placement, micro_batches=kept + moved_mbs, memory=schedule.memory,
                     skip_ratio=schedule.skip_ratio, max_swaps=schedule.max_swaps, policy=schedule.policy,
-                    method=(schedule.method or "schedule") + "+replan", meta=meta)
+                    method=(schedule.method or "schedule") + "+replan", meta=meta).keep_on_nodes()
 
 
 def _take_over_empty_stages(placement: list[list[int]]) -> dict[int, list[int]]:
@@ -466,7 +466,7 @@ def add_replica(schedule: Schedule, node: int, stage: int, original: Schedule | 
     meta["takeover"] = {}
     return Schedule(placement=placement, micro_batches=mbs, memory=schedule.memory,
                     skip_ratio=schedule.skip_ratio, max_swaps=schedule.max_swaps, policy=schedule.policy,
-                    method=schedule.method, meta=meta)
+                    method=schedule.method, meta=meta).keep_on_nodes()
 
 
 def choose_stage(schedule: Schedule, node: int, original: Schedule | None = None, topo=None,

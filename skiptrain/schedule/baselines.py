@@ -49,7 +49,7 @@ def full_pipeline(topo: Topology, cost: CostModel, sizes: Sequence[int], n_micro
                 k += 1
     return Schedule(placement=pl, micro_batches=mbs, memory=memory, skip_ratio=0.0, max_swaps=0,
                     policy=order, method=f"full_pipeline_{order}",
-                    meta={"lanes": L, "per_lane": per_lane})
+                    meta={"lanes": L, "per_lane": per_lane}).keep_on_nodes()
 
 
 def _spread(reps: Sequence[int], count: int, rng: random.Random) -> list[int]:
@@ -109,7 +109,7 @@ def random_skip(topo: Topology, cost: CostModel, placement: list[list[int]], mb_
         _avoid_slow_hops(topo, cost, origins, routes, limit, rng)
     mbs = [MicroBatch(j, o, r, 0.0) for j, (o, r) in enumerate(zip(origins, routes))]
     return Schedule(placement=[list(p) for p in placement], micro_batches=mbs, memory=memory,
-                    skip_ratio=skip_ratio, max_swaps=0, method="random_skip", meta={"max_hop_s": limit})
+                    skip_ratio=skip_ratio, max_swaps=0, method="random_skip", meta={"max_hop_s": limit}).keep_on_nodes()
 
 
 def swarm_greedy(topo: Topology, cost: CostModel, placement: list[list[int]], mb_per_originator: int,
@@ -149,7 +149,7 @@ def swarm_greedy(topo: Topology, cost: CostModel, placement: list[list[int]], mb
         mbs.append(MicroBatch(j, o, route, 0.0))
     name = "swarm_skip" if skip else "swarm_full"
     return Schedule(placement=[list(p) for p in placement], micro_batches=mbs, memory=memory,
-                    skip_ratio=k, max_swaps=0, method=name)
+                    skip_ratio=k, max_swaps=0, method=name).keep_on_nodes()
 
 
 def data_parallel(n_nodes: int, n_micro: int) -> Schedule:

@@ -148,6 +148,11 @@ class CostModel:
         extra = self.act_codec_s if quantizes(self.hop_codec(topo, a, b)) else 0.0
         return topo.transfer_s(a, b, self.hop_bytes(topo, a, b)) + self.hop_overhead_s + extra
 
+    def hop_seconds(self, topo: Topology) -> list[list[float]]:
+        """:meth:`hop_s` of every directed link ``[a][b]``; 0 from a node to itself (two stages of
+        one node: no link)."""
+        return [[self.hop_s(topo, a, b) if a != b else 0.0 for b in range(topo.n)] for a in range(topo.n)]
+
     def hop_table(self, topo: Topology) -> tuple[list[list[int]], list[list[float]]]:
         """Per directed link: (message bytes, fixed seconds = overhead + codec time), cached per
         topology object and hop settings (the simulator reads it on every call)."""

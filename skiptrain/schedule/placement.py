@@ -80,8 +80,7 @@ class _Estimator:
         self.topo, self.cost, self.sizes = topo, cost, list(sizes)
         self.S = len(sizes)
         self.mode = mode
-        N = topo.n
-        H = np.array([[cost.hop_s(topo, a, b) if a != b else 0.0 for b in range(N)] for a in range(N)])
+        H = np.array(cost.hop_seconds(topo))
         self.RT = H + H.T  # there and back
         self.speed = np.array([nd.speed for nd in topo.nodes])
         self.memory = max(1, memory)

@@ -55,7 +55,7 @@ from ..net.topology import Topology
 from .cost import CostModel
 from .placement import check_sizes, place, stage_sizes
 from .routes import count_swaps, skip_count, visits_per_route
-from .schedule import MicroBatch, Schedule, ScheduleError
+from .schedule import MicroBatch, Schedule, ScheduleError, keep_on_node
 from .simulator import simulate
 
 
@@ -132,11 +132,6 @@ def stage_quotas(n_mb: int, n_stages: int, visits: int, rng: random.Random) -> d
     return q
 
 
-def hop_table(topo: Topology, cost: CostModel) -> list[list[float]]:
-    """Seconds of a hop ``H[a][b]``; 0 between two stages of one node (no link)."""
-    return [[cost.hop_s(topo, a, b) if a != b else 0.0 for b in range(topo.n)] for a in range(topo.n)]
-
-
 def stage_seconds(topo: Topology, cost: CostModel, placement: list[list[int]],
                   backward: bool = False) -> list[list[float]]:
     """Forward (or forward + backward) seconds ``T[s][n]`` of stage ``s`` on node ``n`` at its
@@ -156,7 +151,7 @@ class RouteContext:
 
     def __init__(self, topo: Topology, cost: CostModel, placement: list[list[int]]):
         self.topo, self.cost, self.placement = topo, cost, placement
-        self.H = hop_table(topo, cost)
+        self.H = cost.hop_seconds(topo)
         self.f = stage_seconds(topo, cost, placement)
         self.b = [[x * cost.backward_factor for x in row] for row in self.f]
         self.loss = {o: cost.loss_s(topo.nodes[o].speed) for o in placement[0]}
@@ -477,7 +472,8 @@ def improve_routes(schedule: Schedule, topo: Topology, cost: CostModel, contenti
     M = len(mbs)
     routes = [list(mb.route) for mb in mbs]
     pl = schedule.placement
-    H = hop_table(topo, cost)
+    serves = {(s, n) for s, nodes in enumerate(pl) for n in nodes} if schedule.hosts_several() else None
+    H = cost.hop_seconds(topo)
     node_s = stage_seconds(topo, cost, pl, backward=True)
     same_orig: dict[int, list[int]] = {}
     for j, mb in enumerate(mbs):
@@ -528,6 +524,8 @@ def improve_routes(schedule: Schedule, topo: Topology, cost: CostModel, contenti
         old = _propose_move(routes, j1, mbs, pl, H, node_s, rng, schedule.max_swaps)
         if old is None:
             continue
+        for j, _ in old if serves else ():      # a node serving several stages keeps its micro-batches
+            routes[j] = keep_on_node(mbs[j].originator, routes[j], serves)
         new, nres = run()
         evals += 1
         temp = temp0 * (1.0 - evals / max_evals)
@@ -563,11 +561,13 @@ def default_time_limit(n_nodes: int) -> float:
 
 
 def ascending_routes(sched: Schedule, topo: Topology, cost: CostModel) -> None:
-    """Fall back from a credits deadlock (only possible with reordered routes) to ascending
-    orders, which cannot deadlock while every node's stages are contiguous (a blocked forward
-    only waits on micro-batches at higher stages); raises when they still do."""
+    """Fall back from a credits deadlock (reordered routes) to ascending orders kept on their
+    nodes (:meth:`Schedule.keep_on_nodes`), which cannot deadlock while every node's stages are
+    consecutive (:func:`~.schedule.keep_on_node`); raises when they still do (a placement that
+    gives a node stages that are not consecutive, which ``runtime.node_stages`` refuses)."""
     for mb in sched.micro_batches:
         mb.route = sorted(mb.route)
+    sched.keep_on_nodes()
     if math.isinf(simulate(sched, topo, cost, contention=False, dp_sync=False, record=False).iteration_s):
         raise ScheduleError(f"placement {sched.placement}: the memory credits ({sched.memory}) deadlock even on "
                             "ascending routes; give a node contiguous stages (e.g. 1+2, not 1+3) or more memory")
@@ -610,7 +610,7 @@ def plan(topo: Topology, cost: CostModel, cfg: PlanConfig) -> Schedule:
 
     def mk(pl: list[list[int]], mbs_: list[MicroBatch]) -> Schedule:
         return Schedule(placement=pl, micro_batches=mbs_, memory=cfg.memory, skip_ratio=cfg.skip_ratio,
-                        max_swaps=cfg.max_swaps, method=method)
+                        max_swaps=cfg.max_swaps, method=method).keep_on_nodes()
 
     def sc(x: Schedule) -> float:
         return simulate(x, topo, cost, contention=cfg.contention, dp_sync=cfg.dp_sync, record=False).score()

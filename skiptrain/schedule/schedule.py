@@ -33,7 +33,7 @@ import json
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Iterable, Sequence
 
 from ..errors import UserError
 from .routes import RouteError, check_route, stage_visit_counts, visits_per_route
@@ -111,6 +111,16 @@ class Schedule:
             for n in nodes:
                 out.setdefault(n, []).append(s)
         return out
+
+    def keep_on_nodes(self) -> "Schedule":
+        """Every route, in place, with each hop on the node of the hop before it (the originator's
+        for the first) whenever that node serves the hop's stage (:func:`keep_on_node`); nothing
+        changes when every node serves one stage.  Returns the schedule."""
+        if self.hosts_several():
+            serves = {(s, n) for s, nodes in enumerate(self.placement) for n in nodes}
+            for mb in self.micro_batches:
+                mb.route = keep_on_node(mb.originator, mb.route, serves)
+        return self
 
     def hosts_several(self) -> bool:
         """Whether some node serves more than one stage."""
@@ -235,6 +245,24 @@ class Schedule:
             counts = self.stage_visits()[1:]
             if max(counts) - min(counts) > 1:
                 raise ScheduleError(f"body-stage visit counts {counts} are unbalanced (max - min > 1)")
+
+
+def keep_on_node(originator: int, route: Sequence[tuple[int, int]],
+                 serves: set[tuple[int, int]]) -> list[tuple[int, int]]:
+    """``route`` with each hop moved onto the node of the hop before it (the originator for the
+    first) when that node serves the hop's stage: a micro-batch never leaves a node for a stage
+    the node also serves.  With every node's stages consecutive (``runtime.node_stages``) and
+    ascending routes that keep this rule, the memory credits cannot deadlock, whatever the
+    timing: a micro-batch holding a node's credit while it waits elsewhere has left that node for
+    a stage beyond every stage the node serves, so each wait is for a higher stage than the
+    waiter's own, and backward passes take no credit (``tests/test_simulator.py``)."""
+    out, prev = [], originator
+    for s, n in route:
+        if n != prev and (s, prev) in serves:
+            n = prev
+        out.append((s, n))
+        prev = n
+    return out
 
 
 def pop_next_task(hi: list, lo: list, credits: int, free: set, fwd_first: bool) -> tuple | None:
