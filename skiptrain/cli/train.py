@@ -84,13 +84,13 @@ def resume_checkpoint(cfg, out: str, resume: str) -> Path:
 
 def check_fits_memory(cfg) -> None:
     """Refuse, before the data set is even opened, a one-process run that cannot fit this
-    machine: the per-stage memory estimate (:mod:`skiptrain.model.memory`, the one the trainer
-    checks against its device) with one micro-batch in flight, against the machine's memory."""
-    from ..model.memory import check_fits, device_memory_bytes, estimate_node_memory
+    machine: :func:`skiptrain.model.device.check_stages_fit` (the check the trainer makes against
+    its device) with one micro-batch in flight, against the machine's memory."""
+    from ..model.device import check_stages_fit
 
     t = cfg.train
-    est = estimate_node_memory(cfg.model, list(range(cfg.model.n_stages)), t.micro_batch, 1, t.precision)
-    check_fits(est, device_memory_bytes("cpu"), "this machine")
+    check_stages_fit(cfg.model, list(range(cfg.model.n_stages)), "cpu", t.micro_batch, 1, t.precision,
+                     where="this machine")
 
 
 def _route_from_args(args, n_stages: int):
