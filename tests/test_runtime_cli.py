@@ -138,3 +138,26 @@ def test_joining_a_port_where_something_else_answers_is_one_line_within_seconds(
     assert r.returncode == 2 and len(err) == 1, r.stderr[-2000:]
     assert f"127.0.0.1:{server.port} accepts connections but does not answer as a run's store" in err[0], err
     assert took < 15, took
+
+
+HUGE = ["--set", "model.d_model=65536", "--set", "model.n_heads=256", "--set", "model.n_kv_heads=0",
+        "--set", "model.n_layers=1024"]
+
+
+@pytest.mark.parametrize("cmd", [["launch", "--preset", "tiny"], ["train", "--preset", "tiny"]])
+def test_a_swarm_whose_stages_cannot_fit_their_nodes_is_refused_before_any_node_starts(
+        byte_data, tmp_path, capsys, monkeypatch, cmd):
+    """One line naming the stage, the node's device and the fixes, from the estimate every node
+    checks; refused before the cost model profiles a layer of that size, no node process started."""
+    import skiptrain.runtime.job as job
+
+    def no_profiling(*a, **k):
+        raise AssertionError("the cost model profiled a layer of a model that cannot fit")
+
+    monkeypatch.setattr(job, "profile_s_per_sample_per_layer", no_profiling)
+    out = tmp_path / "swarm"
+    assert main([*cmd, "--data", str(byte_data), "--out", str(out), "--nodes", "4", "--steps", "2", *HUGE]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and f"skiptrain {cmd[0]}: error: stage " in err[0], err
+    assert "does not fit node 0's cpu" in err[0] and "use more stages (model.n_stages)" in err[0], err
+    assert not out.exists()

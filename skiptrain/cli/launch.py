@@ -34,16 +34,19 @@ def train_swarm(cfg, data: str, out: str, steps: int | None = None, echo: bool =
     from ..train.rundir import load_run, prepare_run_dir, write_summary
     from ..runtime.job import Job, build_cost, build_schedule, build_topology, phase_for
     from ..runtime.launcher import launch
+    from ..runtime.node import check_swarm_memory
 
     rt = cfg.runtime
     start = _resume_point(cfg, out, resume, cfg.train.steps if steps is None else steps) if resume else None
     ds, steps = _checked_swarm_config(cfg, data, steps)
+    check_swarm_memory(cfg)          # before the cost model profiles a layer of the model
     t0 = time.time()
     topo = build_topology(cfg, rt.nodes)
     cost = build_cost(cfg)
     dp_sync = False  # DP sync is not link-emulated: plan and simulate the pipeline with contention
     sched = build_schedule(cfg, rt.method, topo, cost, contention=True, dp_sync=dp_sync)
     sched.validate(("placement", "originators", "stage0_ends", "no_repeat", "memory"), n_nodes=topo.n)
+    check_swarm_memory(cfg, sched.stages_of())    # each node's stages on its device, as planned
     outp = prepare_run_dir(out, cfg, ds.path)
     sched.save(outp / "schedule.json")
     mbs = len(sched.micro_batches)
