@@ -161,3 +161,19 @@ def test_a_swarm_whose_stages_cannot_fit_their_nodes_is_refused_before_any_node_
     assert len(err) == 1 and f"skiptrain {cmd[0]}: error: stage " in err[0], err
     assert "does not fit node 0's cpu" in err[0] and "use more stages (model.n_stages)" in err[0], err
     assert not out.exists()
+
+
+@pytest.mark.parametrize("nodes", ["4", "1"])
+def test_a_refused_overwrite_keeps_the_run_it_would_replace(byte_data, tmp_path, capsys, nodes):
+    """--overwrite deletes the old run only once the new one is known to fit: a refusal loses nothing."""
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "run.json").write_text('{"step": 7}')
+    (out / "metrics.jsonl").write_text('{"step": 7, "loss": 1.0}\n')
+    argv = ["train", "--preset", "tiny", "--data", str(byte_data), "--out", str(out), "--nodes", nodes,
+            "--steps", "2", "--overwrite", "--set", "runtime.s_per_sample_layer=0.001", *HUGE]
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "does not fit" in err[0], err
+    assert sorted(p.name for p in out.iterdir()) == ["metrics.jsonl", "run.json"]
+    assert (out / "run.json").read_text() == '{"step": 7}'

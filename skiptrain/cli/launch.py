@@ -21,17 +21,19 @@ from ..errors import UserError
 
 
 def train_swarm(cfg, data: str, out: str, steps: int | None = None, echo: bool = True,
-                restartable: bool = False, resume: str | None = None) -> dict:
+                restartable: bool = False, resume: str | None = None, overwrite: bool = False) -> dict:
     """Plan, launch, collect: returns the run summary (also written to ``OUT/run.json``).
 
     ``resume`` (a checkpoint directory or root; ``"latest"``: the run's own) continues the job
-    from that checkpoint under this config's layout, re-planned, with the exact data cursor."""
+    from that checkpoint under this config's layout, re-planned, with the exact data cursor.
+    ``overwrite`` replaces a run already in ``out`` (:func:`claim_run_dir`), once the swarm is
+    known to fit its nodes."""
     from ..schedule.gantt import draw_side_by_side
     from ..schedule.simulator import simulate
     from ..train.evaluate import unigram_loss
     from ..runtime.evaluate import evaluate
     from ..train.metrics import plot_loss
-    from ..train.rundir import load_run, prepare_run_dir, write_summary
+    from ..train.rundir import claim_run_dir, load_run, prepare_run_dir, write_summary
     from ..runtime.job import Job, build_cost, build_schedule, build_topology, phase_for
     from ..runtime.launcher import launch
     from ..runtime.node import check_swarm_memory
@@ -47,6 +49,7 @@ def train_swarm(cfg, data: str, out: str, steps: int | None = None, echo: bool =
     sched = build_schedule(cfg, rt.method, topo, cost, contention=True, dp_sync=dp_sync)
     sched.validate(("placement", "originators", "stage0_ends", "no_repeat", "memory"), n_nodes=topo.n)
     check_swarm_memory(cfg, sched.stages_of())    # each node's stages on its device, as planned
+    claim_run_dir(out, resume=resume is not None, overwrite=overwrite)   # (refused runs delete nothing)
     outp = prepare_run_dir(out, cfg, ds.path)
     sched.save(outp / "schedule.json")
     mbs = len(sched.micro_batches)
@@ -231,12 +234,14 @@ def cmd_launch(args: argparse.Namespace) -> int:
     if args.ckpt_every is not None:
         cfg.checkpoint.every = args.ckpt_every
     cfg.check()  # the flags above are checked like --set values
-    claim_run_dir(args.out, resume=args.resume is not None, overwrite=args.overwrite)
+    if not args.overwrite:   # a run already there is refused at once (--overwrite: train_swarm replaces it)
+        claim_run_dir(args.out, resume=args.resume is not None)
     if cfg.runtime.takeover and not cfg.runtime.recover:
         raise UserError("--takeover needs --recover (a stage is only taken over by a run that survives failures)")
     if args.restartable and not cfg.runtime.recover:
         raise UserError("--restartable needs --recover (only a recovering run has a coordinator to restart)")
-    summary = train_swarm(cfg, cfg.data.path, args.out, echo=True, restartable=args.restartable, resume=args.resume)
+    summary = train_swarm(cfg, cfg.data.path, args.out, echo=True, restartable=args.restartable, resume=args.resume,
+                          overwrite=args.overwrite)
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(summary, indent=1))
