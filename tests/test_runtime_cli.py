@@ -177,3 +177,14 @@ def test_a_refused_overwrite_keeps_the_run_it_would_replace(byte_data, tmp_path,
     assert len(err) == 1 and "does not fit" in err[0], err
     assert sorted(p.name for p in out.iterdir()) == ["metrics.jsonl", "run.json"]
     assert (out / "run.json").read_text() == '{"step": 7}'
+
+
+def test_a_strike_count_a_bad_node_never_reaches_is_refused_in_one_line(tmp_path, capsys):
+    """2**63 strikes would never ban a node that keeps sending bad payloads: the run would re-run
+    one iteration until the launch's time limit."""
+    out = tmp_path / "x"
+    assert main(["launch", "--preset", "tiny", "--out", str(out), "--nodes", "5", "--recover",
+                 "--strikes", str(2**63)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"skiptrain launch: error: runtime.strikes={2**63} is above its maximum 100"], err
+    assert not out.exists()

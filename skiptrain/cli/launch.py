@@ -249,6 +249,7 @@ def cmd_launch(args: argparse.Namespace) -> int:
 
 
 def register(sub) -> None:
+    from ..config import MAX_STRIKES
     from .options import add_config_args
 
     p = sub.add_parser("launch", help="train on N local node processes (skip-pipeline runtime)",
@@ -273,7 +274,8 @@ def register(sub) -> None:
                    help="survive killed, hung and bad nodes (config runtime.recover); nodes may join")
     g.add_argument("--heartbeat-deadline", type=float, default=None, metavar="S",
                    help="hung-peer deadline in seconds (config runtime.heartbeat_deadline_s)")
-    g.add_argument("--strikes", type=int, default=None, help="bad payloads before a node is banned")
+    g.add_argument("--strikes", type=int, default=None,
+                   help=f"bad payloads before a node is banned (config runtime.strikes, at most {MAX_STRIKES})")
     g.add_argument("--takeover", action="store_true", help="a replica moves into a body stage left empty")
     g.add_argument("--ckpt-every", type=int, default=None, metavar="N",
                    help="checkpoint the whole job every N iterations (config checkpoint.every)")
