@@ -244,6 +244,10 @@ MAX_BYTES_SCALE = 2**16
 MAX_TIME_SCALE = 1e3
 #: The largest per-sample-per-layer or per-message time a cost model takes, in seconds.
 MAX_TASK_S = 1e6
+#: The most strikes before a bad peer is banned (``runtime.strikes``): each strike re-runs the iteration with
+#: the same nodes, so a node that keeps sending bad payloads holds the run on one iteration for up to this
+#: many re-runs (a count it never reaches, such as 2**63, keeps it re-running until the launch's time limit).
+MAX_STRIKES = 100
 
 
 @dataclass
@@ -276,8 +280,10 @@ class RuntimeConfig:
     recover: bool = _f(False, "survive failed nodes: fence, re-plan, go on; nodes may join (--join)")
     heartbeat_deadline_s: float = _f(0.0, "recover: a node without heartbeat this long is hung (0 = timeout_s)",
                                      min=0.0, max=MAX_TIMEOUT_S)
-    strikes: int = _f(1, "recover: rejected payloads (bad shape/dtype/non-finite) from a node before it is banned",
-                      min=1)
+    strikes: int = _f(1, "recover: rejected payloads (bad shape/dtype/non-finite) from a node before it is banned; "
+                      f"at most {MAX_STRIKES}: each one re-runs the iteration with the same nodes, so a node that "
+                      "keeps sending bad payloads holds the run on one iteration this many times", min=1,
+                      max=MAX_STRIKES)
     takeover: bool = _f(False, "recover: a replica of the most replicated body stage takes over a stage left empty")
     ckpt_max_age: int = _f(10, "recover: the job's checkpoint, when at most this many iterations old, "
                            "initialises a stage left without replicas (older: CheckFree from the neighbours)", min=0)

@@ -100,6 +100,7 @@ def test_skip_ratio_that_leaves_no_body_stage_is_refused_with_the_right_bound(k)
     ("runtime.timeout_s=1e300", r"runtime.timeout_s=1e\+300 is above its maximum 1000000.0"),
     ("runtime.heartbeat_deadline_s=1e300", r"runtime.heartbeat_deadline_s=1e\+300 is above its maximum 1000000.0"),
     ("dp.timeout_s=1e300", r"dp.timeout_s=1e\+300 is above its maximum 1000000.0"),
+    (f"runtime.strikes={2**63}", f"runtime.strikes={2**63} is above its maximum 100"),
 ])
 def test_absurd_sizes_are_refused_before_anything_is_allocated(override, needle):
     with pytest.raises(ConfigError, match=needle):

@@ -103,3 +103,28 @@ def test_bf16_messages_name_their_codec_and_arrive_as_float32():
     tr = LocalTransport(0, "bf16")
     tr.send(0, ACT, 3, 1, x)
     assert torch.equal(tr.inbox.get_nowait().tensor, got)
+
+
+def test_a_swarm_node_s_stages_are_checked_together_on_its_device(monkeypatch):
+    """Each stage alone fits the device, the node serving three of them does not: refused naming
+    that node, whether the layout is the planned one or runtime.node_stages."""
+    import skiptrain.model.device as device
+    from skiptrain.model.memory import StageMemoryError, estimate_node_memory
+    from skiptrain.runtime.node import check_swarm_memory
+
+    cfg = _cfg(runtime={"nodes": 4, "memory": 64}, train={"device": "cpu"})
+    t = cfg.train
+
+    def est(stages):
+        return estimate_node_memory(cfg.model, stages, t.micro_batch, 64, t.precision).total_bytes
+
+    budget = max(est([s]) for s in range(4)) + 1
+    assert est([1, 2, 3]) > budget
+    monkeypatch.setattr(device, "device_memory_bytes", lambda dev: budget)
+    check_swarm_memory(cfg)                              # before planning: each stage on some node
+    check_swarm_memory(cfg, {0: [0], 1: [1], 2: [2], 3: [3]})
+    with pytest.raises(StageMemoryError, match=r"^stages 1, 2, 3: .* does not fit node 1's cpu \("):
+        check_swarm_memory(cfg, {0: [0], 1: [1, 2, 3]})
+    cfg.runtime.nodes, cfg.runtime.node_stages = 2, "0,1+2+3"
+    with pytest.raises(StageMemoryError, match=r"^stages 1, 2, 3: .* does not fit node 1's cpu \("):
+        check_swarm_memory(cfg)

@@ -138,3 +138,53 @@ def test_joining_a_port_where_something_else_answers_is_one_line_within_seconds(
     assert r.returncode == 2 and len(err) == 1, r.stderr[-2000:]
     assert f"127.0.0.1:{server.port} accepts connections but does not answer as a run's store" in err[0], err
     assert took < 15, took
+
+
+HUGE = ["--set", "model.d_model=65536", "--set", "model.n_heads=256", "--set", "model.n_kv_heads=0",
+        "--set", "model.n_layers=1024"]
+
+
+@pytest.mark.parametrize("cmd", [["launch", "--preset", "tiny"], ["train", "--preset", "tiny"]])
+def test_a_swarm_whose_stages_cannot_fit_their_nodes_is_refused_before_any_node_starts(
+        byte_data, tmp_path, capsys, monkeypatch, cmd):
+    """One line naming the stage, the node's device and the fixes, from the estimate every node
+    checks; refused before the cost model profiles a layer of that size, no node process started."""
+    import skiptrain.runtime.job as job
+
+    def no_profiling(*a, **k):
+        raise AssertionError("the cost model profiled a layer of a model that cannot fit")
+
+    monkeypatch.setattr(job, "profile_s_per_sample_per_layer", no_profiling)
+    out = tmp_path / "swarm"
+    assert main([*cmd, "--data", str(byte_data), "--out", str(out), "--nodes", "4", "--steps", "2", *HUGE]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and f"skiptrain {cmd[0]}: error: stage " in err[0], err
+    assert "does not fit node 0's cpu" in err[0] and "use more stages (model.n_stages)" in err[0], err
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("nodes", ["4", "1"])
+def test_a_refused_overwrite_keeps_the_run_it_would_replace(byte_data, tmp_path, capsys, nodes):
+    """--overwrite deletes the old run only once the new one is known to fit: a refusal loses nothing."""
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "run.json").write_text('{"step": 7}')
+    (out / "metrics.jsonl").write_text('{"step": 7, "loss": 1.0}\n')
+    argv = ["train", "--preset", "tiny", "--data", str(byte_data), "--out", str(out), "--nodes", nodes,
+            "--steps", "2", "--overwrite", "--set", "runtime.s_per_sample_layer=0.001", *HUGE]
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "does not fit" in err[0], err
+    assert sorted(p.name for p in out.iterdir()) == ["metrics.jsonl", "run.json"]
+    assert (out / "run.json").read_text() == '{"step": 7}'
+
+
+def test_a_strike_count_a_bad_node_never_reaches_is_refused_in_one_line(tmp_path, capsys):
+    """2**63 strikes would never ban a node that keeps sending bad payloads: the run would re-run
+    one iteration until the launch's time limit."""
+    out = tmp_path / "x"
+    assert main(["launch", "--preset", "tiny", "--out", str(out), "--nodes", "5", "--recover",
+                 "--strikes", str(2**63)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"skiptrain launch: error: runtime.strikes={2**63} is above its maximum 100"], err
+    assert not out.exists()

@@ -180,6 +180,8 @@ def test_cli_simulate_writes_json_and_png(tmp_path, capsys):
     (["--layers-per-stage", "-1"], "--layers-per-stage -1 must be >= 0"),
     (["--max-swaps", "3"], "--max-swaps 3 must be in [0, 2]"),
     (["--micro-batches", "100000000"], "--micro-batches 100000000 must be in [1, 4096]"),
+    (["--memory", "0"], "--memory 0 must be in [1, 4096]"),
+    (["--memory", str(2**63)], f"--memory {2**63} must be in [1, 4096]"),
     (["--max-evals", "-1"], "--max-evals -1 must be >= 0"),
     (["--time-limit", "-1"], "--time-limit -1.0 must be a number of seconds >= 0"),
     (["--time-limit", "nan"], "--time-limit nan must be a number of seconds >= 0"),

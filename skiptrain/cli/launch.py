@@ -21,29 +21,35 @@ from ..errors import UserError
 
 
 def train_swarm(cfg, data: str, out: str, steps: int | None = None, echo: bool = True,
-                restartable: bool = False, resume: str | None = None) -> dict:
+                restartable: bool = False, resume: str | None = None, overwrite: bool = False) -> dict:
     """Plan, launch, collect: returns the run summary (also written to ``OUT/run.json``).
 
     ``resume`` (a checkpoint directory or root; ``"latest"``: the run's own) continues the job
-    from that checkpoint under this config's layout, re-planned, with the exact data cursor."""
+    from that checkpoint under this config's layout, re-planned, with the exact data cursor.
+    ``overwrite`` replaces a run already in ``out`` (:func:`claim_run_dir`), once the swarm is
+    known to fit its nodes."""
     from ..schedule.gantt import draw_side_by_side
     from ..schedule.simulator import simulate
     from ..train.evaluate import unigram_loss
     from ..runtime.evaluate import evaluate
     from ..train.metrics import plot_loss
-    from ..train.rundir import load_run, prepare_run_dir, write_summary
+    from ..train.rundir import claim_run_dir, load_run, prepare_run_dir, write_summary
     from ..runtime.job import Job, build_cost, build_schedule, build_topology, phase_for
     from ..runtime.launcher import launch
+    from ..runtime.node import check_swarm_memory
 
     rt = cfg.runtime
     start = _resume_point(cfg, out, resume, cfg.train.steps if steps is None else steps) if resume else None
     ds, steps = _checked_swarm_config(cfg, data, steps)
+    check_swarm_memory(cfg)          # before the cost model profiles a layer of the model
     t0 = time.time()
     topo = build_topology(cfg, rt.nodes)
     cost = build_cost(cfg)
     dp_sync = False  # DP sync is not link-emulated: plan and simulate the pipeline with contention
     sched = build_schedule(cfg, rt.method, topo, cost, contention=True, dp_sync=dp_sync)
     sched.validate(("placement", "originators", "stage0_ends", "no_repeat", "memory"), n_nodes=topo.n)
+    check_swarm_memory(cfg, sched.stages_of())    # each node's stages on its device, as planned
+    claim_run_dir(out, resume=resume is not None, overwrite=overwrite)   # (refused runs delete nothing)
     outp = prepare_run_dir(out, cfg, ds.path)
     sched.save(outp / "schedule.json")
     mbs = len(sched.micro_batches)
@@ -228,12 +234,14 @@ def cmd_launch(args: argparse.Namespace) -> int:
     if args.ckpt_every is not None:
         cfg.checkpoint.every = args.ckpt_every
     cfg.check()  # the flags above are checked like --set values
-    claim_run_dir(args.out, resume=args.resume is not None, overwrite=args.overwrite)
+    if not args.overwrite:   # a run already there is refused at once (--overwrite: train_swarm replaces it)
+        claim_run_dir(args.out, resume=args.resume is not None)
     if cfg.runtime.takeover and not cfg.runtime.recover:
         raise UserError("--takeover needs --recover (a stage is only taken over by a run that survives failures)")
     if args.restartable and not cfg.runtime.recover:
         raise UserError("--restartable needs --recover (only a recovering run has a coordinator to restart)")
-    summary = train_swarm(cfg, cfg.data.path, args.out, echo=True, restartable=args.restartable, resume=args.resume)
+    summary = train_swarm(cfg, cfg.data.path, args.out, echo=True, restartable=args.restartable, resume=args.resume,
+                          overwrite=args.overwrite)
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(summary, indent=1))
@@ -241,6 +249,7 @@ def cmd_launch(args: argparse.Namespace) -> int:
 
 
 def register(sub) -> None:
+    from ..config import MAX_STRIKES
     from .options import add_config_args
 
     p = sub.add_parser("launch", help="train on N local node processes (skip-pipeline runtime)",
@@ -265,7 +274,8 @@ def register(sub) -> None:
                    help="survive killed, hung and bad nodes (config runtime.recover); nodes may join")
     g.add_argument("--heartbeat-deadline", type=float, default=None, metavar="S",
                    help="hung-peer deadline in seconds (config runtime.heartbeat_deadline_s)")
-    g.add_argument("--strikes", type=int, default=None, help="bad payloads before a node is banned")
+    g.add_argument("--strikes", type=int, default=None,
+                   help=f"bad payloads before a node is banned (config runtime.strikes, at most {MAX_STRIKES})")
     g.add_argument("--takeover", action="store_true", help="a replica moves into a body stage left empty")
     g.add_argument("--ckpt-every", type=int, default=None, metavar="N",
                    help="checkpoint the whole job every N iterations (config checkpoint.every)")

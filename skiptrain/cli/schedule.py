@@ -11,7 +11,7 @@ import argparse
 import json
 from pathlib import Path
 
-from ..config import MAX_MB_PER_ORIGINATOR, MAX_NODES, MAX_TASK_S, ConfigError, skip_count
+from ..config import MAX_MB_PER_ORIGINATOR, MAX_MEMORY_CREDITS, MAX_NODES, MAX_TASK_S, ConfigError, skip_count
 from ..net.topology import load_topology
 from ..schedule.actcodec import CODECS
 from ..schedule.compare import METHODS, compare, format_table
@@ -26,6 +26,7 @@ from ..schedule.schedule import ScheduleError
 #: the planner are built, so that an error names the flag typed, not the field it feeds (a flag left
 #: unset, None, is not checked: the planner chooses).
 LIMITS = (("--stages", 1, MAX_NODES, ""), ("--skip", 0.0, 1.0, ""), ("--max-swaps", 0, 2, ""),
+          ("--memory", 1, MAX_MEMORY_CREDITS, ""),
           ("--micro-batches", 1, MAX_MB_PER_ORIGINATOR, ""), ("--samples", 1, None, ""),
           ("--seq-len", 1, None, ""), ("--d-model", 1, None, ""), ("--dtype-bytes", 1, None, ""),
           ("--layers-per-stage", 0, None, ""),
@@ -78,7 +79,8 @@ def register(subparsers) -> None:
     p.add_argument("--stage-sizes", type=_ints, default=None, help="nodes per stage, e.g. 5,3,3,3,3,3 (default: by work)")
     p.add_argument("--skip", type=float, default=0.33, help="skip ratio k")
     p.add_argument("--max-swaps", type=int, default=2, help="neighbour swaps allowed per route")
-    p.add_argument("--memory", type=int, default=3, help="micro-batches in flight per node")
+    p.add_argument("--memory", type=int, default=3,
+                   help=f"micro-batches in flight per node (at most {MAX_MEMORY_CREDITS}, as runtime.memory)")
     p.add_argument("--micro-batches", type=int, default=6, help="micro-batches per stage-0 node")
     p.add_argument("--samples", type=int, default=8, help="samples per micro-batch")
     p.add_argument("--seq-len", type=int, default=1024, help="tokens per sample")
@@ -107,8 +109,6 @@ def run(args: argparse.Namespace) -> int:
     check_limits(args)
     topo = load_topology(args.topology, args.nodes, seed=args.seed)
     check_stage_sizes(args, topo.n)
-    if args.memory < 1:
-        raise ScheduleError(f"--memory {args.memory}: every node needs at least one micro-batch credit")
     if not 0 <= args.dp_payload_mb < float("inf"):
         raise ScheduleError(f"--dp-payload-mb {args.dp_payload_mb} must be a finite number of MiB >= 0")
     cost = CostModel(d_model=args.d_model, tokens_per_sample=args.seq_len, samples=args.samples,

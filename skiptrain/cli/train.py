@@ -21,19 +21,20 @@ def cmd_train(args: argparse.Namespace) -> int:
 
     cfg = config_from_args(args, **{"data.path": args.data, "train.steps": args.steps,
                                     "train.skip_ratio": args.skip_ratio, "train.seed": args.seed})
-    claim_run_dir(args.out, resume=getattr(args, "resume", None) is not None,
-                  overwrite=getattr(args, "overwrite", False))
+    resume, overwrite = getattr(args, "resume", None), getattr(args, "overwrite", False)
+    if not overwrite:         # a run already there is refused at once; --overwrite replaces it once checked
+        claim_run_dir(args.out, resume=resume is not None)
     if getattr(args, "nodes", None) is not None:
         cfg.runtime.nodes = args.nodes
     if cfg.runtime.nodes > 1:  # the multi-process skip-pipeline runtime (skiptrain.runtime)
         from .launch import train_swarm
 
-        train_swarm(cfg, cfg.data.path, args.out, resume=getattr(args, "resume", None))
+        train_swarm(cfg, cfg.data.path, args.out, resume=resume, overwrite=overwrite)
         return 0
-    resume = getattr(args, "resume", None)
     if resume is not None:    # checked before the run directory is touched
         resume = resume_checkpoint(cfg, args.out, resume)
     check_fits_memory(cfg)
+    claim_run_dir(args.out, resume=resume is not None, overwrite=overwrite)
     if args.quiet:
         cfg.train.progress = False
     if cfg.elastic.enabled:  # elastic mode (freeze, repartition, cache)
@@ -84,13 +85,13 @@ def resume_checkpoint(cfg, out: str, resume: str) -> Path:
 
 def check_fits_memory(cfg) -> None:
     """Refuse, before the data set is even opened, a one-process run that cannot fit this
-    machine: the per-stage memory estimate (:mod:`skiptrain.model.memory`, the one the trainer
-    checks against its device) with one micro-batch in flight, against the machine's memory."""
-    from ..model.memory import check_fits, device_memory_bytes, estimate_node_memory
+    machine: :func:`skiptrain.model.device.check_stages_fit` (the check the trainer makes against
+    its device) with one micro-batch in flight, against the machine's memory."""
+    from ..model.device import check_stages_fit
 
     t = cfg.train
-    est = estimate_node_memory(cfg.model, list(range(cfg.model.n_stages)), t.micro_batch, 1, t.precision)
-    check_fits(est, device_memory_bytes("cpu"), "this machine")
+    check_stages_fit(cfg.model, list(range(cfg.model.n_stages)), "cpu", t.micro_batch, 1, t.precision,
+                     where="this machine")
 
 
 def _route_from_args(args, n_stages: int):

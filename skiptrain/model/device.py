@@ -11,8 +11,8 @@
   non-blocking copy when the device is CUDA, unchanged on the CPU; :func:`to_host_async` is the
   other way (a pinned host buffer filled by a non-blocking copy, and the CUDA event to wait on
   before the host reads it).
-* :func:`build_on_device` is how a process gets its stages: memory estimate, refusal when they
-  cannot fit the device, a build on the meta device (nothing allocated, no other stage ever
+* :func:`build_on_device` is how a process gets its stages: memory estimate and refusal when they
+  cannot fit the device (:func:`check_stages_fit`), a build on the meta device (nothing allocated, no other stage ever
   built) and the materialisation of just those stages on the device.
 """
 
@@ -93,13 +93,25 @@ def to_host_async(t: torch.Tensor) -> tuple[torch.Tensor, "torch.cuda.Event | No
     return host, done
 
 
+def check_stages_fit(cfg: ModelConfig, stages: list[int], device: str | torch.device, micro_batch: int,
+                     in_flight: int, precision: str, partition: Partition | None = None,
+                     where: str | None = None) -> MemoryEstimate:
+    """The memory estimate of ``stages`` with ``in_flight`` micro-batches of ``micro_batch``
+    samples, refused (one-line :class:`~skiptrain.model.memory.StageMemoryError`, nothing
+    allocated) when it exceeds the memory of ``device`` (named ``where`` in the message, default
+    the device): the check of every process that builds stages, and of a launch before it starts
+    any (:func:`skiptrain.runtime.node.check_swarm_memory`)."""
+    est = estimate_node_memory(cfg, stages, micro_batch, in_flight, precision, partition=partition)
+    check_fits(est, device_memory_bytes(device), where or str(device))
+    return est
+
+
 def build_on_device(cfg: ModelConfig, stages: list[int], seed: int, device: torch.device, micro_batch: int,
                     in_flight: int, precision: str, partition: Partition | None = None
                     ) -> tuple[StagedLM, MemoryEstimate]:
     """``stages`` of the model materialised on ``device`` (the values a CPU build holds) and their
     memory estimate with ``in_flight`` micro-batches; refused (one line, before anything is
     allocated) when the estimate exceeds the device's memory."""
-    est = estimate_node_memory(cfg, stages, micro_batch, in_flight, precision, partition=partition)
-    check_fits(est, device_memory_bytes(device), str(device))
+    est = check_stages_fit(cfg, stages, device, micro_batch, in_flight, precision, partition)
     model = StagedLM(cfg, stages=stages, partition=partition, seed=seed, device="meta")
     return model.materialize(device), est

@@ -1386,6 +1386,40 @@ def device_of_node(cfg, node: int, local_rank: int) -> torch.device:
     return dev
 
 
+def check_swarm_memory(cfg, stages_of: dict[int, list[int]] | None = None) -> None:
+    """Refuse in one line, before any node process starts, a local swarm with a node whose stages
+    cannot fit its device: the check each node makes when it builds them
+    (:func:`~skiptrain.model.device.check_stages_fit`, ``runtime.memory`` micro-batches in flight,
+    on the device :func:`device_of_node` gives node ``r`` with ``LOCAL_RANK=r``).  ``stages_of``
+    is the planned layout (node -> stages); without it (before planning), ``runtime.node_stages``
+    when given, else every stage on the swarm's largest device (a stage that does not fit there
+    fits no node)."""
+    from ..config import node_stage_lists
+    from ..model.device import check_stages_fit
+    from ..model.memory import device_memory_bytes
+
+    rt, t = cfg.runtime, cfg.train
+    devices = {n: device_of_node(cfg, n, n) for n in range(rt.nodes)}
+    if stages_of is not None:
+        layout = [(n, stages, "") for n, stages in sorted(stages_of.items())]
+    elif rt.node_stages.strip():
+        layout = [(n, stages, "") for n, stages in enumerate(node_stage_lists(rt.node_stages))]
+    else:
+        largest = max(devices, key=lambda n: device_memory_bytes(devices[n]))
+        layout = [(largest, [s], ", the swarm's largest device") for s in range(cfg.model.n_stages)]
+    model = cfg.model
+    if t.init_from:                      # the nodes build the pre-trained model's shapes
+        from ..checkpoint.hf_import import model_config_for_data
+        model = model_config_for_data(t.init_from, cfg.model, cfg.model.vocab_size)
+    seen = set()
+    for node, stages, note in layout:
+        dev = devices[node] if node in devices else device_of_node(cfg, node, node)
+        if (dev, tuple(stages)) not in seen:
+            seen.add((dev, tuple(stages)))
+            check_stages_fit(model, list(stages), dev, t.micro_batch, rt.memory, t.precision,
+                             where=f"node {node}'s {dev}{note}")
+
+
 def _warm_up(model, stage: int, cfg, device: torch.device) -> None:
     """One throw-away forward and backward of this node's pieces on its device and in its
     precision (first calls of torch kernels and the autograd engine are slow), so the timed
