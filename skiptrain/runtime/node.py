@@ -36,7 +36,6 @@ by ``job.rt.timeout_s``.  The launcher (or torchrun) then stops the other proces
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import signal
@@ -1448,20 +1447,15 @@ def _warm_up(model, stage: int, cfg, device: torch.device) -> None:
 JOIN_CONNECT_S = 3.0
 
 
-@contextlib.contextmanager
-def _native_stderr_silenced():
-    """File descriptor 2 goes to /dev/null inside the block: c10d's C++ log lines (a stack dump per
-    store-client retry) cannot be turned off once torch is imported."""
+def _silence_native_stderr() -> int:
+    """Point file descriptor 2 at /dev/null (c10d's C++ log lines, a stack dump per store-client
+    retry, cannot be turned off once torch is imported); returns a copy of the real one."""
     sys.stderr.flush()
     saved = os.dup(2)
     null = os.open(os.devnull, os.O_WRONLY)
-    try:
-        os.dup2(null, 2)
-        yield
-    finally:
-        os.dup2(saved, 2)
-        os.close(saved)
-        os.close(null)
+    os.dup2(null, 2)
+    os.close(null)
+    return saved
 
 
 def _store_client(host: str, port: int):
@@ -1479,10 +1473,15 @@ def _store_client(host: str, port: int):
         except Exception as e:  # noqa: BLE001
             out["error"] = str(e).splitlines()[0][:120] if str(e) else type(e).__name__
 
-    with _native_stderr_silenced():
-        t = threading.Thread(target=connect, name="join-store-client", daemon=True)
-        t.start()
-        t.join(JOIN_CONNECT_S + 1.0)
+    saved = _silence_native_stderr()
+    t = threading.Thread(target=connect, name="join-store-client", daemon=True)
+    t.start()
+    t.join(JOIN_CONNECT_S + 1.0)
+    if t.is_alive():       # the abandoned client may log retries for a while yet: its C++ side keeps
+        sys.stderr = os.fdopen(saved, "w", buffering=1)   # /dev/null, Python's output the real stderr
+    else:
+        os.dup2(saved, 2)
+        os.close(saved)
     if "store" in out:
         return out["store"]
     raise RuntimeError(f"{host}:{port} accepts connections but does not answer as a run's store within "
