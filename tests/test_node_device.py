@@ -56,6 +56,21 @@ def test_nccl_replica_sync_and_elastic_off_cpu_are_refused():
             device_of_node(_cfg(elastic={"enabled": True}, train={"device": "cuda"}), 0, 0)
 
 
+def test_auto_is_the_cpu_in_an_elastic_swarm_even_beside_a_gpu(monkeypatch):
+    """The embedded demo freezes layers (an elastic swarm runs on the CPU) with train.device=auto:
+    on a machine with a GPU its nodes take the CPU instead of refusing; an explicit GPU is still
+    refused.  (A GPU is pretended: ``auto`` would pick ``cuda`` without the elastic rule.)"""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    assert device_of_node(_cfg(), 0, 0) == torch.device("cuda", 0)                  # auto beside a GPU
+    elastic = _cfg(elastic={"enabled": True})
+    assert [device_of_node(elastic, n, n) for n in range(4)] == [torch.device("cpu")] * 4
+    listed = _cfg(elastic={"enabled": True}, runtime={"nodes": 2, "devices": "auto,cuda:0"})
+    assert device_of_node(listed, 0, 0) == torch.device("cpu")
+    with pytest.raises(UserError, match="elastic.enabled"):
+        device_of_node(listed, 1, 1)
+
+
 def test_host_staging_is_a_no_op_on_the_cpu():
     t = torch.randn(3, 4)
     host, done = to_host_async(t)

@@ -1368,13 +1368,20 @@ def sync_summary(strats: list, n_params: int) -> dict:
 
 def device_of_node(cfg, node: int, local_rank: int) -> torch.device:
     """The device swarm node ``node`` computes on (``runtime.devices``, else ``train.device``
-    with ``cuda`` = ``cuda:local_rank`` modulo the visible GPUs); refused in one line: a device
-    this process does not have, ``dp.backend=nccl`` off CUDA, elastic freezing off the CPU."""
+    with ``cuda`` = ``cuda:local_rank`` modulo the visible GPUs; ``auto`` is the CPU in an elastic
+    swarm, whose transitions run there); refused in one line: a device this process does not
+    have, ``dp.backend=nccl`` off CUDA, elastic freezing on a device asked for off the CPU."""
     from ..config import node_devices
     from ..errors import UserError
     from ..model.device import node_device
 
-    dev = node_device(cfg.train.device, node_devices(cfg.runtime.devices), node, local_rank)
+    devices = node_devices(cfg.runtime.devices)
+    asked = devices[node] if node < len(devices) else cfg.train.device
+    if cfg.elastic.enabled and asked == "auto":
+        devices, train_device = [], "cpu"
+    else:
+        train_device = cfg.train.device
+    dev = node_device(train_device, devices, node, local_rank)
     if cfg.dp.backend == "nccl" and dev.type != "cuda":
         raise UserError(f"dp.backend=nccl needs every replica on a CUDA device, but node {node} computes "
                         f"on {dev}; set dp.backend=gloo, or give the node a GPU (train.device, runtime.devices)")
