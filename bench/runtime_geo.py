@@ -62,8 +62,9 @@ def make_data(path: Path) -> Path:
 
 
 def compression_floor(cfg, topo, cost) -> float:
-    """The planner's simulated iteration with every hop's bytes free (infinite bandwidth; latency
-    and the per-hop overhead stay), re-planned for it: what no activation encoding can beat."""
+    """The planner's simulated iteration with every hop's bytes free (infinite bandwidth, no codec
+    time; latency and the per-hop overhead stay), re-planned for it: what an encoding could reach
+    at best under this planner (a floor of the planner's search, not a proof for any planner)."""
     import numpy as np
 
     from skiptrain.net.topology import Topology

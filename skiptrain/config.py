@@ -354,7 +354,8 @@ def node_stage_placement(text: str, n_stages: int) -> list[list[int]] | None:
             raise ConfigError(f"runtime.node_stages: node {n} comes after different nodes in its stages {ss} "
                               f"(replica {slots}); a node serving several stages must hold the same position "
                               "among each stage's nodes, also when others fail: list the nodes that serve "
-                              "several stages first, in the same order, e.g. 0,0,1+2,1+2,1,2")
+                              "several stages first, in the same order, e.g. 0,0,1+2,1+2,1,2 (two such nodes that "
+                              "share a stage serve the same stages: not 1+2 beside 2+3)")
     return placement
 
 

@@ -230,9 +230,10 @@ def test_an_empty_path_to_write_is_refused_and_nothing_is_written_here(trained, 
 @pytest.mark.parametrize("cmd", [["launch", "--nodes", "4"], ["train", "--nodes", "4"]])
 def test_a_swarm_with_absurd_runtime_scales_is_refused_before_it_starts(trained, capsys, tmp_path, cmd, override,
                                                                         needle):
-    """A hundred million micro-batches per originator planned for hours; a hundred million memory credits
-    started every node, each then failing on its own; 1e20 emulated bytes per byte and 1e300 emulated
-    seconds per second made nonsense runs (and endless waits on emulated links)."""
+    """Absurd runtime scales are one line before any node starts: a hundred million micro-batches per
+    originator would be planned for hours, a hundred million memory credits fit no node, 1e20 emulated
+    bytes per byte and 1e300 emulated seconds per second make nonsense runs (endless waits on
+    emulated links)."""
     data, _ = trained
     out = tmp_path / "run"
     one_line_error(capsys, [*cmd, "--preset", "tiny", "--data", str(data), "--steps", "1", "--out", str(out),

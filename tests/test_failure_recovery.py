@@ -335,17 +335,29 @@ def test_drift_replans_routes_away_from_a_node_that_slowed_down(byte_data, tmp_p
     assert processes_of_run(run) == []
 
 
+def _shared_schedule() -> Schedule:
+    """Nodes 2 and 3 serve stages 1 and 2 (listed first), node 4 stage 2 alone, node 5 stage 3;
+    routes kept on their nodes, two of them skipping stage 1 (one straight to node 4)."""
+    return Schedule(placement=[[0, 1], [2, 3], [2, 3, 4], [5]], memory=2, method="test", micro_batches=[
+        MicroBatch(0, 0, [(1, 2), (2, 2), (3, 5)]), MicroBatch(1, 1, [(1, 3), (2, 3), (3, 5)]),
+        MicroBatch(2, 0, [(2, 4), (3, 5)]), MicroBatch(3, 1, [(1, 3), (2, 3), (3, 5)])])
+
+
 def test_replan_keeps_every_stage_of_a_shared_node_and_never_moves_it_into_a_lost_stage():
     """Nodes 2 and 3 serve stages 1 and 2, node 4 stage 2 alone: after node 3 dies, node 2 keeps
     both stages (its hops stay, a route may still visit it twice) and node 3's hops go to the
-    surviving replicas; when stage 3 is lost, node 4 (alone on its stage) takes it over, never
-    node 2."""
-    sched = Schedule(placement=[[0, 1], [2, 3], [2, 3, 4], [5]], memory=2, method="test", micro_batches=[
-        MicroBatch(k, k % 2, [(1, 2 + k % 2), (2, [2, 3, 4][k % 3]), (3, 5)]) for k in range(6)])
+    survivors, kept on their nodes (a stage-2 hop after node 2's stage 1 stays on node 2; one
+    straight from an originator may go to node 4); when stage 3 is lost, node 4 (alone on its
+    stage) takes it over, never node 2."""
+    sched = _shared_schedule()
     new = replan(sched, {0, 1, 2, 4, 5})
     assert new.placement == [[0, 1], [2], [2, 4], [5]]
     assert new.micro_batches[0].route == [(1, 2), (2, 2), (3, 5)]          # untouched: node 2 alive
+    assert new.micro_batches[1].route == [(1, 2), (2, 2), (3, 5)]          # node 3's pair of stages
+    assert new.micro_batches[2].route == [(2, 4), (3, 5)]                  # node 4 keeps its hops
     assert all(n != 3 for m in new.micro_batches for _, n in m.route)
+    routes = [list(m.route) for m in new.micro_batches]
+    assert [m.route for m in new.keep_on_nodes().micro_batches] == routes
     new.validate(claims=("placement", "originators", "stage0_ends", "no_repeat"))
     took = replan(sched, {0, 1, 2, 3, 4}, takeover=True)
     assert took.meta["takeover"] == {4: [2, 3]} and took.placement == [[0, 1], [2, 3], [2, 3], [4]]
@@ -364,8 +376,7 @@ def test_nodes_serving_two_stages_survive_a_replica_dying_and_a_lost_stage_taken
     from skiptrain.net.topology import load_topology
     from skiptrain.runtime.job import build_cost
 
-    sched = Schedule(placement=[[0, 1], [2, 3], [2, 3, 4], [5]], memory=2, method="test", micro_batches=[
-        MicroBatch(k, k % 2, [(1, 2 + k % 2), (2, [2, 3, 4][k % 3]), (3, 5)]) for k in range(4)])
+    sched = _shared_schedule()
     cfg = build_config("tiny", overrides={"train": {"grad_clip": 0.0, "steps": 20, "warmup_steps": 1},
                                           "runtime": {"nodes": 6, "node_stages": "0,0,1+2,1+2,2,3"}})
     run, iters = tmp_path / "run", 4

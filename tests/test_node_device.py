@@ -58,7 +58,7 @@ def test_nccl_replica_sync_and_elastic_off_cpu_are_refused():
 
 def test_auto_is_the_cpu_in_an_elastic_swarm_even_beside_a_gpu(monkeypatch):
     """The embedded demo freezes layers (an elastic swarm runs on the CPU) with train.device=auto:
-    on a machine with a GPU its nodes take the CPU instead of refusing; an explicit GPU is still
+    on a machine with a GPU its nodes take the CPU, and an explicit GPU is
     refused.  (A GPU is pretended: ``auto`` would pick ``cuda`` without the elastic rule.)"""
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)

@@ -11,7 +11,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from skiptrain.net.topology import cluster, geo12, random_topology
-from skiptrain.schedule.baselines import random_skip
+from skiptrain.schedule.baselines import full_pipeline, random_skip
 from skiptrain.schedule.cost import CostModel, reference_cost
 from skiptrain.schedule.placement import place, stage_sizes
 from skiptrain.schedule.planner import (PlanConfig, RouteContext, ascending_routes, cheapest_replicas,
@@ -123,6 +123,11 @@ def test_the_planner_plans_a_placement_whose_nodes_serve_several_stages(seed, S,
     body = sched.stage_visits()[1:]         # "balanced" is among SKIP_CLAIMS too; said here plainly
     assert max(body) - min(body) <= 1 and sum(body) == 2 * 2 * visits_per_route(k, S)
     assert not simulate(sched, topo, cost, contention=full_model, dp_sync=full_model, record=False).deadlock
+    # every other route method keeps its micro-batches on their nodes too (fixed points)
+    for other in (random_skip(topo, cost, pl, 2, k, memory, seed),
+                  full_pipeline(topo, cost, [2] * S, 4, memory, placement=pl)):
+        routes = [list(mb.route) for mb in other.micro_batches]
+        assert [mb.route for mb in other.keep_on_nodes().micro_batches] == routes, other.method
 
 
 def test_ascending_routes_undo_a_reorder_deadlock_and_refuse_one_that_non_contiguous_stages_make():
@@ -136,7 +141,7 @@ def test_ascending_routes_undo_a_reorder_deadlock_and_refuse_one_that_non_contig
     stuck = Schedule(placement=[[0, 3], [1], [2], [1]], memory=1, skip_ratio=0.25, max_swaps=0,
                      micro_batches=[MicroBatch(0, 0, [(1, 1), (2, 2)], 0.0), MicroBatch(1, 3, [(2, 2), (3, 1)], 0.0)])
     assert simulate(stuck, topo, cost, contention=False, dp_sync=False).deadlock
-    with pytest.raises(ScheduleError, match=r"contiguous stages \(e.g. 1\+2, not 1\+3\)"):
+    with pytest.raises(ScheduleError, match=r"consecutive stages \(e.g. 1\+2, not 1\+3\)"):
         ascending_routes(stuck, topo, cost)
     topo = cluster(5)
     swapped = Schedule(placement=[[0, 3], [1], [4], [2]], memory=1, skip_ratio=0.25, max_swaps=1,
@@ -145,6 +150,15 @@ def test_ascending_routes_undo_a_reorder_deadlock_and_refuse_one_that_non_contig
     ascending_routes(swapped, topo, cost)
     assert [mb.stages for mb in swapped.micro_batches] == [[1, 3], [1, 3]]
     assert not simulate(swapped, topo, cost, contention=False, dp_sync=False).deadlock
+    # nodes 1 and 4 both serve stages 1 and 2: reordered routes that cross between them deadlock;
+    # ascending, kept on their nodes, they do not
+    shared = Schedule(placement=[[0, 3], [1, 4], [1, 4], [2]], memory=1, skip_ratio=0.0, max_swaps=1,
+                      micro_batches=[MicroBatch(0, 0, [(2, 1), (1, 4), (3, 2)]),
+                                     MicroBatch(1, 3, [(2, 4), (1, 1), (3, 2)])])
+    assert simulate(shared, topo, cost, contention=False, dp_sync=False).deadlock
+    ascending_routes(shared, topo, cost)
+    assert [mb.route for mb in shared.micro_batches] == [[(1, 4), (2, 4), (3, 2)], [(1, 1), (2, 1), (3, 2)]]
+    assert not simulate(shared, topo, cost, contention=False, dp_sync=False).deadlock
 
 
 def test_the_planner_beats_random_skip_routes_on_a_shared_placement():

@@ -197,21 +197,24 @@ def test_crossing_between_two_nodes_that_serve_the_same_stages_deadlocks_and_kee
     assert not simulate(kept, t, cost(4)).deadlock
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=80, deadline=None)
 @given(seed=st.integers(0, 10_000), S=st.integers(3, 6), memory=st.integers(1, 3), gpipe=st.booleans(),
        data=st.data())
 def test_ascending_routes_kept_on_their_nodes_never_deadlock(seed, S, memory, gpipe, data):
     """Any ascending routes kept on their nodes (``Schedule.keep_on_nodes``), any memory, any node
-    speeds and latencies: with each node's stages consecutive (nodes 2 and 3 serve a block of body
-    stages together, optionally stage 0 too; the other stages have nodes of their own) the memory
-    credits never deadlock."""
+    speeds and latencies: with each node's stages consecutive (nodes 2 and 3 serve a block of
+    stages together, stage 0 among them or not, listed first; each stage of the block may also
+    have a node serving it alone; the other stages have nodes of their own) the memory credits
+    never deadlock."""
     first = data.draw(st.integers(0, S - 2), label="first shared stage")
     last = data.draw(st.integers(max(first, 1), S - 1), label="last shared stage")
+    alone = data.draw(st.lists(st.booleans(), min_size=S, max_size=S), label="a node alone in each stage")
     pl = [[2, 3, 0, 1] if first == 0 else [0, 1]]
     nxt = 4
     for s in range(1, S):
         if first <= s <= last:
-            pl.append([2, 3])
+            pl.append([2, 3] + [nxt] * alone[s])
+            nxt += alone[s]
         else:
             pl.append([nxt, nxt + 1])
             nxt += 2

@@ -1327,13 +1327,14 @@ class Node:
             if self._any_committed:
                 seen = {}
                 for s, strat in sorted(strats.items()):      # every stage group first (ascending: no
-                    seen[s] = need.to(strat.tr.device)       # deadlock), on its backend's device
+                    seen[s] = need.clone().to(strat.tr.device)   # deadlock), on its backend's device
                     dist.all_reduce(seen[s], op=dist.ReduceOp.MAX, group=strat.tr.group)
                 for s, got in seen.items():
-                    need = torch.maximum(need, got.cpu())
-                    if need[0] and need[1]:
+                    got = got.cpu()
+                    if got[0] and got[1]:
                         raise RecoveryError(f"node {self.rank}: replicas of stage {s} disagree whether "
                                             f"iteration {it} was applied", node=None)
+                    need = torch.maximum(need, got)
                 if need[0] and res is not None:
                     optimizer_step([HostedStage(s, strat, res.processed.get(s, 0), strat.world)
                                     for s, strat in sorted(strats.items())], opt, lr, self.cfg.train.grad_clip)
@@ -1454,11 +1455,15 @@ def _warm_up(model, stage: int, cfg, device: torch.device) -> None:
 JOIN_CONNECT_S = 3.0
 
 
+#: a copy of the process's real stderr, once file descriptor 2 has been pointed at /dev/null for good
+_REAL_STDERR: dict[str, int] = {}
+
+
 def _silence_native_stderr() -> int:
     """Point file descriptor 2 at /dev/null (c10d's C++ log lines, a stack dump per store-client
-    retry, cannot be turned off once torch is imported); returns a copy of the real one."""
+    retry, cannot be turned off once torch is imported); returns a copy of the real stderr."""
     sys.stderr.flush()
-    saved = os.dup(2)
+    saved = os.dup(_REAL_STDERR.get("fd", 2))
     null = os.open(os.devnull, os.O_WRONLY)
     os.dup2(null, 2)
     os.close(null)
@@ -1484,12 +1489,16 @@ def _store_client(host: str, port: int):
     t = threading.Thread(target=connect, name="join-store-client", daemon=True)
     t.start()
     t.join(JOIN_CONNECT_S + 1.0)
-    if t.is_alive():       # the abandoned client may log retries for a while yet: its C++ side keeps
-        sys.stderr = os.fdopen(saved, "w", buffering=1)   # /dev/null, Python's output the real stderr
+    abandoned = t.is_alive()
+    if abandoned:          # the client may log retries for a while yet: file descriptor 2 stays on
+        _REAL_STDERR.setdefault("fd", saved)      # /dev/null, Python's output goes to the real stderr
+        sys.stderr = os.fdopen(os.dup(_REAL_STDERR["fd"]), "w", buffering=1, errors="backslashreplace")
+        if saved != _REAL_STDERR["fd"]:
+            os.close(saved)
     else:
         os.dup2(saved, 2)
         os.close(saved)
-    if "store" in out:
+    if not abandoned and "store" in out:
         return out["store"]
     raise RuntimeError(f"{host}:{port} accepts connections but does not answer as a run's store within "
                        f"{JOIN_CONNECT_S:g} s ({out.get('error', 'no reply to its handshake')}); check HOST:PORT "

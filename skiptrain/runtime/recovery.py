@@ -88,7 +88,8 @@ def replan(schedule: Schedule, alive: set[int] | list[int], takeover: bool = Fal
     * Routes: a hop on a dead node moves to the surviving replica of that stage with the fewest
       forward passes so far (ties: lowest id); with no replica left the hop is dropped.  The
       visit order of the remaining stages is kept.  A node serving several stages keeps serving
-      all of them (a route may visit it for two).
+      all of them, and every route is then kept on its nodes (:meth:`Schedule.keep_on_nodes`: a
+      hop whose previous node serves its stage stays on that node).
 
     * ``takeover``: a body stage with no replica left is taken over by the highest-id replica of
       the body stage with the most replicas (at least two; ties: lowest stage) that serves that
@@ -414,7 +415,10 @@ def add_replica(schedule: Schedule, node: int, stage: int, original: Schedule | 
       the pipeline): micro-batches move, last first, from the originator with the most to
       ``node``, which originates them, until the counts differ by at most one.
 
-    Micro-batch ids never change (same samples), nor do originators of a pipeline.  Deterministic."""
+    Micro-batch ids never change (same samples), nor do originators of a pipeline.  Every route
+    is then kept on its nodes (:meth:`Schedule.keep_on_nodes`): where other nodes serve several
+    stages, a hop of ``stage`` whose previous node also serves it stays there, so ``node`` gets
+    only the hops that reach ``stage`` from a node that does not serve it.  Deterministic."""
     S = len(schedule.placement)
     if not (1 <= stage < S or (stage == 0 and S == 1)):
         raise ValueError(f"a joining node takes a body stage (1..{S - 1}), or stage 0 of a schedule of one stage; "

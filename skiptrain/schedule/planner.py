@@ -472,7 +472,7 @@ def improve_routes(schedule: Schedule, topo: Topology, cost: CostModel, contenti
     M = len(mbs)
     routes = [list(mb.route) for mb in mbs]
     pl = schedule.placement
-    serves = {(s, n) for s, nodes in enumerate(pl) for n in nodes} if schedule.hosts_several() else None
+    stages_of = schedule.stages_of() if schedule.hosts_several() else None
     H = cost.hop_seconds(topo)
     node_s = stage_seconds(topo, cost, pl, backward=True)
     same_orig: dict[int, list[int]] = {}
@@ -524,8 +524,8 @@ def improve_routes(schedule: Schedule, topo: Topology, cost: CostModel, contenti
         old = _propose_move(routes, j1, mbs, pl, H, node_s, rng, schedule.max_swaps)
         if old is None:
             continue
-        for j, _ in old if serves else ():      # a node serving several stages keeps its micro-batches
-            routes[j] = keep_on_node(mbs[j].originator, routes[j], serves)
+        for j, _ in old if stages_of else ():      # a node serving several stages keeps its micro-batches
+            routes[j] = keep_on_node(mbs[j].originator, routes[j], stages_of)
         new, nres = run()
         evals += 1
         temp = temp0 * (1.0 - evals / max_evals)
@@ -570,7 +570,7 @@ def ascending_routes(sched: Schedule, topo: Topology, cost: CostModel) -> None:
     sched.keep_on_nodes()
     if math.isinf(simulate(sched, topo, cost, contention=False, dp_sync=False, record=False).iteration_s):
         raise ScheduleError(f"placement {sched.placement}: the memory credits ({sched.memory}) deadlock even on "
-                            "ascending routes; give a node contiguous stages (e.g. 1+2, not 1+3) or more memory")
+                            "ascending routes; give a node consecutive stages (e.g. 1+2, not 1+3) or more memory")
 
 
 def plan(topo: Topology, cost: CostModel, cfg: PlanConfig) -> Schedule:

@@ -113,13 +113,12 @@ class Schedule:
         return out
 
     def keep_on_nodes(self) -> "Schedule":
-        """Every route, in place, with each hop on the node of the hop before it (the originator's
-        for the first) whenever that node serves the hop's stage (:func:`keep_on_node`); nothing
-        changes when every node serves one stage.  Returns the schedule."""
+        """Every route, in place, kept on its nodes (:func:`keep_on_node`); nothing changes when
+        every node serves one stage.  Returns the schedule."""
         if self.hosts_several():
-            serves = {(s, n) for s, nodes in enumerate(self.placement) for n in nodes}
+            stages_of = self.stages_of()
             for mb in self.micro_batches:
-                mb.route = keep_on_node(mb.originator, mb.route, serves)
+                mb.route = keep_on_node(mb.originator, mb.route, stages_of)
         return self
 
     def hosts_several(self) -> bool:
@@ -248,17 +247,21 @@ class Schedule:
 
 
 def keep_on_node(originator: int, route: Sequence[tuple[int, int]],
-                 serves: set[tuple[int, int]]) -> list[tuple[int, int]]:
+                 stages_of: dict[int, list[int]]) -> list[tuple[int, int]]:
     """``route`` with each hop moved onto the node of the hop before it (the originator for the
-    first) when that node serves the hop's stage: a micro-batch never leaves a node for a stage
-    the node also serves.  With every node's stages consecutive (``runtime.node_stages``) and
-    ascending routes that keep this rule, the memory credits cannot deadlock, whatever the
-    timing: a micro-batch holding a node's credit while it waits elsewhere has left that node for
-    a stage beyond every stage the node serves, so each wait is for a higher stage than the
-    waiter's own, and backward passes take no credit (``tests/test_simulator.py``)."""
+    first) when that node serves the hop's stage (``stages_of``: each node's stages): a
+    micro-batch leaves a node only for a stage the node does not serve.  So two micro-batches
+    never cross between two nodes that serve the same stages (2 -> 3 and 3 -> 2), each holding
+    one node's credit and waiting for the other's.  With every node's stages consecutive
+    (``runtime.node_stages``), ascending routes kept this way cannot deadlock the memory credits,
+    whatever the timing: a micro-batch holding a node's credit while it waits elsewhere has left
+    that node for a stage beyond every stage the node serves, so each wait is for a later stage
+    than the waiter's own, and backward passes take no credit (``tests/test_simulator.py``).  A
+    node that serves a stage alone then gets only the micro-batches that reach the stage from a
+    node that does not serve it."""
     out, prev = [], originator
     for s, n in route:
-        if n != prev and (s, prev) in serves:
+        if n != prev and s in stages_of.get(prev, ()):
             n = prev
         out.append((s, n))
         prev = n
