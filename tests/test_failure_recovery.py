@@ -299,40 +299,45 @@ def test_a_killed_coordinator_is_replaced_without_losing_the_run(byte_data, tmp_
     assert processes_of_run(run) == []
 
 
-def test_drift_replans_routes_away_from_a_node_that_slowed_down(byte_data, tmp_path):
-    """Emulated compute on a cluster topology, stages 2/2/1/1 (k=0): from iteration 2 node 3
-    (a stage-1 replica) computes 6x slower.  The measured iteration time drifts past the planned
-    one; rank 0 re-plans the routes on the measured topology (placement fixed) and every node
-    switches: node 3 gets fewer stage-1 hops.  Training goes on, every sample once."""
+def _drift_with_node_3_slowed(cfg, sched: Schedule, byte_data, run, iters: int = 8, **rt):
+    """Launch ``sched`` on a 6-node cluster topology with emulated compute and drift re-planning
+    (threshold 0.5) for ``iters`` iterations; node 3 computes 6x slower from iteration 2.  Every
+    iteration runs, every sample once.  Returns (rank 0's adopted re-plans, node 3's hops in its
+    first and last iteration)."""
     from skiptrain.net.topology import load_topology
     from skiptrain.runtime.job import build_cost
 
-    cfg = build_config("tiny", overrides={"train": {"grad_clip": 0.0, "steps": 20, "warmup_steps": 1},
-                                          "runtime": {"s_per_sample_layer": 5e-3}})
-    cfg.model.vocab_size = 256
-    cost = build_cost(cfg)
-    topo = load_topology("cluster", 6)
-    sched = Schedule(placement=[[0, 1], [2, 3], [4], [5]], memory=2, method="test", micro_batches=[
-        MicroBatch(k, k % 2, [(1, 2 + k % 2), (2, 4), (3, 5)]) for k in range(4)])
-    run = tmp_path / "run"
-    iters = 8
-    job = Job(config=with_runtime(cfg.to_dict(), timeout_s=15.0, heartbeat_s=0.2, heartbeat_deadline_s=6.0, recover=True, drift_threshold=0.5),
-              data_path=str(byte_data), run_dir=str(run), phases=[Phase("p", sched.to_dict(), iterations=iters, cost=cost.to_dict(), topology=topo.to_dict(),
-                            emulate_compute=True)],
+    job = Job(config=with_runtime(cfg.to_dict(), timeout_s=15.0, drift_threshold=0.5, **rt),
+              data_path=str(byte_data), run_dir=str(run),
+              phases=[Phase("p", sched.to_dict(), iterations=iters, cost=build_cost(cfg).to_dict(),
+                            topology=load_topology("cluster", 6).to_dict(), emulate_compute=True)],
               **faulty_job({"node": 3, "kind": "slow", "factor": 6.0, "iteration": 2}))
     res = launch(job, timeout_s=180)
     assert [r["step"] for r in res.phase_iterations("p")] == list(range(1, iters + 1))
     n0 = json.loads((run / "phases" / "p" / "node0.json").read_text())
     rp = [r for r in n0.get("replans", []) if r["adopted"]]
     assert rp and rp[0]["iteration"] >= 3, n0.get("replans")
-    assert rp[0]["compute_factors"]["3"] > 2 * rp[0]["compute_factors"]["2"]
     n3 = json.loads((run / "phases" / "p" / "node3.json").read_text())
-    before = n3["iterations"][0]["n_processed"]
-    after = n3["iterations"][-1]["n_processed"]
-    assert before == 2 and after < before                       # fewer micro-batches through the slow node
     trained = [i for s in trained_samples(run / "phases" / "p").values() for i in s]
-    assert sorted(trained) == list(range(iters * 4 * cfg.train.micro_batch))
+    assert sorted(trained) == list(range(iters * len(sched.micro_batches) * cfg.train.micro_batch))
     assert processes_of_run(run) == []
+    return rp, n3["iterations"][0]["n_processed"], n3["iterations"][-1]["n_processed"]
+
+
+def test_drift_replans_routes_away_from_a_node_that_slowed_down(byte_data, tmp_path):
+    """Emulated compute on a cluster topology, stages 2/2/1/1 (k=0): from iteration 2 node 3
+    (a stage-1 replica) computes 6x slower.  The measured iteration time drifts past the planned
+    one; rank 0 re-plans the routes on the measured topology (placement fixed) and every node
+    switches: node 3 gets fewer stage-1 hops.  Training goes on, every sample once."""
+    cfg = build_config("tiny", overrides={"train": {"grad_clip": 0.0, "steps": 20, "warmup_steps": 1},
+                                          "runtime": {"s_per_sample_layer": 5e-3}})
+    cfg.model.vocab_size = 256
+    sched = Schedule(placement=[[0, 1], [2, 3], [4], [5]], memory=2, method="test", micro_batches=[
+        MicroBatch(k, k % 2, [(1, 2 + k % 2), (2, 4), (3, 5)]) for k in range(4)])
+    rp, before, after = _drift_with_node_3_slowed(cfg, sched, byte_data, tmp_path / "run", heartbeat_s=0.2,
+                                                  heartbeat_deadline_s=6.0, recover=True)
+    assert rp[0]["compute_factors"]["3"] > 2 * rp[0]["compute_factors"]["2"]
+    assert before == 2 and after < before                       # fewer micro-batches through the slow node
 
 
 def _shared_schedule() -> Schedule:
@@ -405,36 +410,14 @@ def test_drift_replans_the_routes_of_nodes_that_serve_two_stages(byte_data, tmp_
     iteration 2 node 3 computes 6x slower.  Rank 0 re-plans the routes on the measured topology
     with the shared placement kept, and every node switches: node 3 gets fewer visits.  Training
     goes on, every sample once."""
-    from skiptrain.net.topology import load_topology
-    from skiptrain.runtime.job import build_cost
-
     cfg = build_config("tiny", overrides={"train": {"grad_clip": 0.0, "steps": 20, "warmup_steps": 1},
                                           "runtime": {"s_per_sample_layer": 5e-3, "nodes": 6,
                                                       "node_stages": "0,0,1+2,1+2,3,3"}})
     cfg.model.vocab_size = 256
-    cost = build_cost(cfg)
-    topo = load_topology("cluster", 6)
     sched = Schedule(placement=[[0, 1], [2, 3], [2, 3], [4, 5]], memory=2, method="test", micro_batches=[
         MicroBatch(k, k % 2, [(1, 2 + k % 2), (2, 2 + k % 2), (3, 4 + k % 2)]) for k in range(4)])
-    run = tmp_path / "run"
-    iters = 8
-    job = Job(config=with_runtime(cfg.to_dict(), timeout_s=15.0, drift_threshold=0.5),
-              data_path=str(byte_data), run_dir=str(run),
-              phases=[Phase("p", sched.to_dict(), iterations=iters, cost=cost.to_dict(), topology=topo.to_dict(),
-                            emulate_compute=True)],
-              **faulty_job({"node": 3, "kind": "slow", "factor": 6.0, "iteration": 2}))
-    res = launch(job, timeout_s=180)
-    assert [r["step"] for r in res.phase_iterations("p")] == list(range(1, iters + 1))
-    n0 = json.loads((run / "phases" / "p" / "node0.json").read_text())
-    rp = [r for r in n0.get("replans", []) if r["adopted"]]
-    assert rp and rp[0]["iteration"] >= 3, n0.get("replans")
-    n3 = json.loads((run / "phases" / "p" / "node3.json").read_text())
-    before = n3["iterations"][0]["n_processed"]
-    after = n3["iterations"][-1]["n_processed"]
+    _, before, after = _drift_with_node_3_slowed(cfg, sched, byte_data, tmp_path / "run")
     assert before == 4 and after < before, (before, after)     # two stages' visits per micro-batch before
-    trained = [i for s in trained_samples(run / "phases" / "p").values() for i in s]
-    assert sorted(trained) == list(range(iters * 4 * cfg.train.micro_batch))
-    assert processes_of_run(run) == []
 
 
 def test_a_stage_lost_for_good_is_filled_from_the_job_checkpoint_in_the_merged_model(tmp_path):
