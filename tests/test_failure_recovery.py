@@ -26,7 +26,7 @@ from skiptrain.runtime.join import respond, verify
 from skiptrain.runtime.job import Job, Phase, with_runtime
 from skiptrain.runtime.launcher import launch
 from skiptrain.runtime.recovery import (BadPayload, RecoveryError, check_payload, checkfree_combine, replan,
-                                        stage_tensors, trained_samples)
+                                        stage_grad_norms, stage_tensors, trained_samples)
 from skiptrain.runtime.transport import ACT, GRAD
 from skiptrain.schedule.schedule import MicroBatch, Schedule
 
@@ -108,6 +108,11 @@ def test_checkfree_combines_neighbours_by_gradient_norm():
     m = StagedLM(build_config("tiny").model, stages=[1, 2])
     t1, t2 = stage_tensors(m, 1), stage_tensors(m, 2)
     assert [(j, n, p.shape) for j, n, p in t1] == [(j, n, p.shape) for j, n, p in t2]   # layer j <-> layer j
+    # a node serving stages 1 and 2 weighs each as a neighbour by that stage's gradient norm alone
+    for s, (_, _, p) in ((1, t1[0]), (2, t2[0])):
+        p.grad = torch.full_like(p, float(s))
+    norms = stage_grad_norms(m, [1, 2])
+    assert norms == {1: pytest.approx(t1[0][2].numel() ** 0.5), 2: pytest.approx(2 * t2[0][2].numel() ** 0.5)}
 
 
 def test_join_challenge_response_needs_the_secret():

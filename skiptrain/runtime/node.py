@@ -225,7 +225,7 @@ class Node:
         self._any_committed = False
         self.start_margin = START_MARGIN_S[1]
         self._start_delays: deque[float] = deque(maxlen=START_WINDOW)
-        self._last_gnorm = 0.0       # this node's last pre-sync gradient norm (CheckFree weights)
+        self._last_gnorm: dict[int, float] = {}   # last pre-sync gradient norm per stage (CheckFree weights)
         if job.rt.recover:
             from .recovery import GenerationWatch
             self.watch = GenerationWatch(self.hb_store, job.rt.heartbeat_s, self._membership_changed,
@@ -671,8 +671,8 @@ class Node:
         """The one optimizer step (:func:`~skiptrain.runtime.step.optimizer_step`) for the stages
         this node serves; a node without a stage still takes part in the global clip's sum.
         Returns the sync events for the timeline (one per served stage that has replicas)."""
-        from ..optim import squared_norm
         from ..schedule.timeline import Event
+        from .recovery import stage_grad_norms
         from .step import HostedStage, optimizer_step
 
         ph, model = st.ph, st.model
@@ -685,7 +685,7 @@ class Node:
                         "grads": {n: (p.grad.detach().cpu().clone() if p.grad is not None else None)
                                   for n, p in model.named_parameters()}},
                        st.out_dir / f"grads_node{self.rank}.pt")
-        self._last_gnorm = squared_norm(p.grad for p in model.parameters()) ** 0.5   # CheckFree's weight
+        self._last_gnorm = stage_grad_norms(model, st.stages)   # CheckFree's weights
         self.ckpt.wait_snapshot()
         ts = time.time()
         hosted = [HostedStage(s, strat, processed.get(s, 0), len(st.sched.placement[s])) for s, strat in
@@ -989,7 +989,7 @@ class Node:
             flat = None
             if self.rank == src:
                 flat = torch.cat([p.detach().reshape(-1) for _, _, p in stage_tensors(model, x)]).cpu()   # gloo: host
-                hdr = torch.tensor([flat.numel(), self._last_gnorm], dtype=torch.float64)
+                hdr = torch.tensor([flat.numel(), self._last_gnorm.get(x, 0.0)], dtype=torch.float64)
             dist.broadcast(hdr, self._rank[src])
             buf = flat if self.rank == src else torch.empty(int(hdr[0]))
             dist.broadcast(buf, self._rank[src])

@@ -51,6 +51,7 @@ from typing import Callable
 
 import torch
 
+from ..optim import squared_norm
 from ..schedule.schedule import MicroBatch, Schedule
 from .failure import NodeFailure
 from .membership import open_value, read_raw, set_member, sign
@@ -180,6 +181,13 @@ def stage_tensors(model, stage: int) -> list[tuple[int, str, "torch.nn.Parameter
         if parts[0] == "layers" and parts[1] in pos:
             out.append((pos[parts[1]], parts[2], p))
     return sorted(out, key=lambda t: (t[0], t[1]))
+
+
+def stage_grad_norms(model, stages: list[int]) -> dict[int, float]:
+    """The gradient norm of each of ``stages`` of ``model`` (a node's stages): what CheckFree
+    weighs a neighbour stage by (:func:`checkfree_combine`), for that stage alone also on a node
+    that serves several."""
+    return {s: squared_norm(p.grad for _, p in model.stage_named_parameters(s)) ** 0.5 for s in stages}
 
 
 def checkfree_combine(flats: list[torch.Tensor], grad_norms: list[float]) -> tuple[torch.Tensor, list[float]]:
