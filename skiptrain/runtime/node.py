@@ -1420,7 +1420,7 @@ def check_swarm_memory(cfg, stages_of: dict[int, list[int]] | None = None) -> No
         model = model_config_for_data(t.init_from, cfg.model, cfg.model.vocab_size)
     seen = set()
     for node, stages, note in layout:
-        dev = devices[node] if node in devices else device_of_node(cfg, node, node)
+        dev = devices[node]
         if (dev, tuple(stages)) not in seen:
             seen.add((dev, tuple(stages)))
             check_stages_fit(model, list(stages), dev, t.micro_batch, rt.memory, t.precision,

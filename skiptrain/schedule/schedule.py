@@ -115,8 +115,8 @@ class Schedule:
     def keep_on_nodes(self) -> "Schedule":
         """Every route, in place, kept on its nodes (:func:`keep_on_node`); nothing changes when
         every node serves one stage.  Returns the schedule."""
-        if self.hosts_several():
-            stages_of = self.stages_of()
+        stages_of = self.stages_of()
+        if any(len(ss) > 1 for ss in stages_of.values()):
             for mb in self.micro_batches:
                 mb.route = keep_on_node(mb.originator, mb.route, stages_of)
         return self
