@@ -1552,7 +1552,12 @@ def main(argv: list[str] | None = None, node_class: type[Node] = Node) -> int:
         except (ValueError, RuntimeError, OSError) as e:
             from .join import EXIT_REFUSED, JoinRefused
             print(f"skiptrain node: cannot join {args.join}: {e}", file=sys.stderr)
-            return EXIT_REFUSED if isinstance(e, JoinRefused) else 2
+            code = EXIT_REFUSED if isinstance(e, JoinRefused) else 2
+            if _REAL_STDERR:    # a store client given up on is still inside C++: finalizing the
+                sys.stdout.flush()   # interpreter around it can abort the process, so end it here
+                sys.stderr.flush()
+                os._exit(code)
+            return code
         world = job.world
     else:
         try:
