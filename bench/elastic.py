@@ -458,6 +458,9 @@ def main(argv=None) -> int:
                     help="the swarm prefills a new layout's cache only when the simulated iteration time it saves "
                          "until the end is at least this many times the prefill's (elastic.prefill_min_gain; "
                          "0 = at every freeze)")
+    ap.add_argument("--swarm-prefill-hold", type=int, default=1,
+                    help="windows a new frozen depth must hold before the swarm prefills its cache "
+                         "(elastic.prefill_hold; 0 = at the freeze)")
     ap.add_argument("--swarm-keep", default="", help="keep the swarm's run directories under this path")
     ap.add_argument("--swarm-only", default="", metavar="S,R,M",
                     help="run only the swarm half, against the static layout S stages x R replicas x M "

@@ -74,7 +74,8 @@ def elastic_settings(args) -> dict:
             "min_active": 2, "start_window": args.start_window, "stable_windows": args.stable_windows,
             "guard": True, "guard_tol": args.guard_tol, "guard_confirm": args.guard_confirm, "guard_ref": 4,
             "guard_min_ref": args.guard_min_ref, "guard_batches": 4, "cache": args.swarm_cache,
-            "cache_share": args.swarm_cache_share, "prefill_min_gain": args.swarm_prefill_min_gain}
+            "cache_share": args.swarm_cache_share, "prefill_min_gain": args.swarm_prefill_min_gain,
+            "prefill_hold": args.swarm_prefill_hold}
 
 
 def run_seed(args, best: dict, seed: int, iterations: int, data: str, init: str | None = None) -> dict:
@@ -287,7 +288,8 @@ def seeds_and_mean(args, best: dict, seeds: list[int], iterations: int, data: st
     """Every seed's figures (from the pre-trained state at ``init``, if any) and their mean."""
     out = {"pretrained": init is not None, "best_static": {k: best[k] for k in ("stages", "replicas", "n_micro")}, "iterations": iterations,
            "s_per_sample_layer": args.swarm_spl, "check_every": args.swarm_check_every, "cache": args.swarm_cache,
-           "cache_share": args.swarm_cache_share, "prefill_min_gain": args.swarm_prefill_min_gain, "seeds": {}}
+           "cache_share": args.swarm_cache_share, "prefill_min_gain": args.swarm_prefill_min_gain,
+           "prefill_hold": args.swarm_prefill_hold, "seeds": {}}
     for seed in seeds:
         print(f"  swarm seed {seed}: 16 node processes, {iterations} iterations x 2 phases ...", flush=True)
         out["seeds"][str(seed)] = run_seed(args, best, seed, iterations, data, init)
@@ -309,7 +311,8 @@ def print_swarm(sw: dict) -> None:
           f"M={b['n_micro']}; {sw['iterations']} iterations per phase, windows of {sw['check_every']}; "
           f"activation cache {sw['cache']}"
           f"{', one per ' + sw.get('cache_share', 'node') if sw['cache'] == 'on' else ''}"
-          f"{', prefilled at a gain >= %g' % sw['prefill_min_gain'] if 'prefill_min_gain' in sw and sw['cache'] == 'on' else ''})")
+          f"{', prefilled at a gain >= %g' % sw['prefill_min_gain'] if 'prefill_min_gain' in sw and sw['cache'] == 'on' else ''}"
+          f"{', once a depth held %d window(s)' % sw['prefill_hold'] if sw.get('prefill_hold') and sw['cache'] == 'on' else ''})")
     seeds = list(sw["seeds"])
     head = f"{'figure':<44}" + "".join(f"{'seed ' + s:>12}" for s in seeds) + f"{'mean':>10}"
     print(head + "\n" + "-" * len(head))
@@ -336,8 +339,9 @@ def print_swarm(sw: dict) -> None:
         "measured_vs_sim_static")
     row("iterations measured / simulated: elastic", lambda x: x["measured_vs_sim"]["elastic"],
         "measured_vs_sim_elastic")
-    row("freeze transitions (iteration: F)", lambda x: ",".join(f"{t['step']}:{t['frozen_after']}"
-                                                               for t in x["transitions"]) or "none", fmt="{}")
+    row("freeze transitions (iteration: F, c: cache-in)", lambda x: ",".join(
+        f"{t['step']}:{t['frozen_after']}" + ("c" if t["frozen_before"] == t["frozen_after"] else "")
+        for t in x["transitions"]) or "none", fmt="{}")
     for s in seeds:
         print(f"  seed {s} layouts (median measured / simulated s per iteration): " + "; ".join(
             f"{k} x{v['iterations']}: {v['measured_s']:.3f}/{v['simulated_s']:.3f}"

@@ -219,6 +219,10 @@ class ElasticConfig:
                        "(forward only, data parallel; the prefix then leaves the training pipeline)")
     prefill_after_undo: int = _f(4, "windows after a guard undo in which a freeze fills the cache lazily instead "
                                  "(an undo discards a prefill: do not repeat it while freezing is unsettled)", min=0)
+    prefill_hold: int = _f(1, "in a swarm: windows a new frozen depth must hold before its cache is prefilled "
+                           "(the layout is then planned again with the prefix cached, when prefill_min_gain lets "
+                           "it); until then the prefix is recomputed, so a freeze soon deepened or undone costs no "
+                           "prefill (0 = prefill at the freeze)", min=0)
     cache_dir: str = _f("", "activation cache directory (empty = RUN_DIR/elastic_cache or a temp dir)")
     prefill_min_gain: float = _f(1.0, "in a swarm: a layout starts prefilled only when the iteration time the "
                                  "cached prefix is modelled to save until the end of the phase is at least this "

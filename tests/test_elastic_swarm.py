@@ -213,7 +213,7 @@ def test_an_undo_after_a_one_stage_layout_gives_the_pipeline_back_its_memory_cre
     cfg.dp.strategy = strategy
     cfg.model.n_stages = 2
     cfg.elastic.alpha, cfg.elastic.guard_tol = 1.0, 0.0
-    cfg.elastic.cache, cfg.elastic.prefill_min_gain = "on", 0
+    cfg.elastic.cache, cfg.elastic.prefill_min_gain, cfg.elastic.prefill_hold = "on", 0, 0
     run = tmp_path / "run"
     faults = [{"node": n, "kind": "diverge", "iteration": 5, "tensor": "layers.3.ffn.w2.weight", "by": 1.0}
               for n in range(4)]
@@ -242,6 +242,7 @@ def test_a_checkpoint_after_a_transition_resumes_into_the_transitioned_layout(by
     cfg = _cfg()
     cfg.elastic.cache = cache
     cfg.elastic.prefill_min_gain = 0     # prefill at every freeze, though each window is read once here
+    cfg.elastic.prefill_hold = 0
     res = launch(_job(cfg, byte_data, ref, iterations=iters), timeout_s=300)
     ckpt = shutil.copytree(ref / "checkpoints" / "step-00000006", tmp_path / "saved" / "step-00000006")
     saved = CheckpointReader(ckpt).state["elastic"]
@@ -315,6 +316,7 @@ def test_the_swarm_serves_the_frozen_prefix_from_prefilled_caches(byte_data, tmp
     cfg = _cfg()
     cfg.elastic.cache = "on"
     cfg.elastic.prefill_min_gain = 0     # prefill at every freeze, though each window is read once here
+    cfg.elastic.prefill_hold = 0
     run = tmp_path / "run"
     launch(_job(cfg, byte_data, run), timeout_s=300)
     log = _log(run)
@@ -351,6 +353,7 @@ def test_the_prefill_gate_weighs_modelled_seconds_saved_against_the_prefill(byte
         cfg = _cfg()
         cfg.elastic.cache = "on"
         cfg.elastic.prefill_min_gain = gate if gate is not None else gains["open"][0] * 1.01
+        cfg.elastic.prefill_hold = 0
         run = tmp_path / name
         launch(_job(cfg, byte_data, run), timeout_s=300)
         log = _log(run)
@@ -380,6 +383,7 @@ def test_originators_of_one_location_share_a_cache_and_prefill_each_window_once(
     cfg = _cfg()
     cfg.elastic.cache = "on"
     cfg.elastic.prefill_min_gain = 0     # prefill at every freeze, though each window is read once here
+    cfg.elastic.prefill_hold = 0
     cfg.elastic.cache_share = "location"
     run = tmp_path / "run"
     launch(_job(cfg, byte_data, run), timeout_s=300)
@@ -399,6 +403,71 @@ def test_originators_of_one_location_share_a_cache_and_prefill_each_window_once(
     assert caches and all(c["misses"] == 0 and c["extended"] == 0 for c in caches)
     assert sum(c["hits"] for c in caches) == (ITERS - 4) * GB
     _assert_trains_what_the_cached_trainer_trains(run, tmp_path, byte_data)
+
+
+@pytest.mark.slow
+def test_a_prefill_waits_until_the_depth_held_a_window_and_resumes_with_it_pending(byte_data, tmp_path):
+    """``elastic.prefill_hold=1``: the freezes at steps 4 and 6 recompute the prefix (no prefill:
+    the depth at step 4 lasts one window); once depth 2 has held a window, the layout is planned
+    again with the prefix cached (AutoPipe then needs fewer stages: the state moves) and the
+    prefill runs at step 8, after which every lookup hits.  The run trains what the
+    single-process trainer with its cache on trains.  The checkpoint after iteration 8 holds
+    the cache-in still pending: a job resumed from it prefills at its first iteration and ends
+    with the uninterrupted run's weights and losses."""
+    cfg = _cfg()
+    cfg.elastic.cache, cfg.elastic.prefill_min_gain, cfg.elastic.prefill_hold = "on", 0, 1
+    ref = tmp_path / "ref"
+    res = launch(_job(cfg, byte_data, ref), timeout_s=300)
+    log = _log(ref)
+    tr = [r for r in log if r.get("action") == "transition"]
+    assert [(t["step"], t["frozen_before"], t["frozen_after"], t["prefix_cached"]) for t in tr] == \
+        [(4, 0, 1, False), (6, 1, 2, False), (8, 2, 2, True)]
+    # AutoPipe takes the prefix off stage 0 once it is cached: 3 stages -> 2, state moved by name
+    assert (tr[1]["counts"], tr[2]["counts"]) == ([2, 1, 1], [3, 1]) and tr[2]["transfer_bytes"] > 0
+    pre = [r for r in log if r.get("action") == "prefill"]
+    assert [(p["step"], p["frozen"]) for p in pre] == [(8, 2)]
+    caches = [json.loads(f.read_text()).get("cache") for f in (ref / "phases" / "p").glob("node*.json")]
+    caches = [c for c in caches if c]
+    assert sum(c["hits"] for c in caches) >= (ITERS - 8) * GB      # iterations 8, 9: every lookup hits
+    _assert_trains_what_the_cached_trainer_trains(ref, tmp_path, byte_data)
+
+    ckpt = shutil.copytree(ref / "checkpoints" / "step-00000008", tmp_path / "saved" / "step-00000008")
+    saved = CheckpointReader(ckpt).state["elastic"]
+    assert saved["frozen"] == 2 and saved["pending_cache"] and not saved["prefix_cached"]
+    run = tmp_path / "run"
+    res2 = launch(_job(cfg, byte_data, run, resume=resume_point(ckpt)), timeout_s=300)
+    ref_loss = {r["step"]: r["loss"] for r in res.phase_iterations("p")}
+    assert [(r["step"], r["loss"]) for r in res2.phase_iterations("p")] == [(s, ref_loss[s]) for s in (9, 10)]
+    assert [(r["step"], r["frozen"]) for r in _log(run) if r.get("action") == "prefill"] == [(8, 2)]
+    a, b = load_weights(ref / "model.safetensors"), load_weights(run / "model.safetensors")
+    assert max((a[k] - b[k]).abs().max().item() for k in a) <= 1e-6
+
+
+@pytest.mark.slow
+def test_a_cache_in_that_keeps_the_layout_moves_nothing_and_every_lookup_then_hits(byte_data, tmp_path):
+    """One stage of 4 replicas (plain data parallelism), both freezable layers frozen at step 4,
+    the prefix recomputed for a window, then cached in place at step 6 (AutoPipe keeps the one
+    stage): no state moves, only the cost model and the prefill change; afterwards every lookup
+    hits, every sample is trained once and the replicas stay bit-identical."""
+    cfg = _cfg(runtime={"nodes": 4, "stage_sizes": "4"})
+    cfg.model.n_stages = 1
+    cfg.elastic.alpha = 1.0
+    cfg.elastic.cache, cfg.elastic.prefill_min_gain, cfg.elastic.prefill_hold = "on", 0, 1
+    run = tmp_path / "run"
+    launch(_job(cfg, byte_data, run), timeout_s=300)
+    log = _log(run)
+    tr = [r for r in log if r.get("action") == "transition"]
+    assert [(t["step"], t["frozen_after"], t["counts"], t["prefix_cached"]) for t in tr] == \
+        [(4, 2, [4], False), (6, 2, [4], True)]
+    assert tr[1]["move_s"] == 0.0 and tr[1]["transfer_messages"] == 0 and tr[1]["placement"] == tr[0]["placement"]
+    assert [(p["step"], p["frozen"]) for p in log if p.get("action") == "prefill"] == [(6, 2)]
+    caches = [json.loads(f.read_text()).get("cache") for f in (run / "phases" / "p").glob("node*.json")]
+    gb = 4 * 2 * 8                       # 4 originators x 2 micro-batches x micro_batch 8
+    assert sum(c["hits"] for c in caches if c) >= (ITERS - 6) * gb
+    per_it = trained_samples(run / "phases" / "p")
+    assert sorted(i for s in per_it.values() for i in s) == list(range(ITERS * gb))
+    reps = [p for _, p in _node_params(run).values()]
+    assert len(reps) == 4 and all(torch.equal(p[k], reps[0][k]) for p in reps[1:] for k in p)
 
 
 def _assert_trains_what_the_cached_trainer_trains(run: Path, tmp_path: Path, byte_data: Path) -> None:

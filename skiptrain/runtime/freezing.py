@@ -90,6 +90,7 @@ class SwarmFreezing:
         self.layouts = [ElasticLayout.of(0, self.counts, min(len(p) for p in pl), len(st.order), pl).to_dict()]
         self.transitions: list[dict[str, Any]] = []
         self.pending: int | None = None
+        self.pending_cache = False      # the layout in force is planned again with its prefix cached
         self.sq = torch.zeros(2 * L, dtype=torch.float64)     # per layer: squared norm, reported
         self.runner: PrefixRunner | None = None
         self.cache: ActivationCache | None = None
@@ -146,6 +147,8 @@ class SwarmFreezing:
         d = self.rule.decide(step, val_loss=self.guard_loss if self.cfg.elastic.guard else None, clock=clock)
         if d.frozen_after != self.frozen:
             self.pending = d.frozen_after
+        elif self._cache_in_due(step):
+            self.pending_cache = True
         self._log(d.to_dict())
 
     def guard_loss(self) -> float:
@@ -174,6 +177,9 @@ class SwarmFreezing:
             if self.pending != self.frozen:
                 self._transition(self.pending)
             self.pending = None
+        if self.pending_cache:
+            self.pending_cache = False
+            self._transition(self.frozen, cache_in=True)
         if self.prefix_due:
             self._prepare_prefix()
 
@@ -195,6 +201,18 @@ class SwarmFreezing:
             return False
         return not any(d["action"] == "undo" and d["step"] > step - e.prefill_after_undo * e.check_every
                        for d in self.rule.history)
+
+    def _cache_in_due(self, step: int) -> bool:
+        """Every node's same answer, at the end of a window that keeps the frozen depth: has the
+        depth, recomputed so far, now held for ``elastic.prefill_hold`` windows, with a prefill
+        allowed (:meth:`_will_prefill`)?  Then the next iteration starts with the layout planned
+        again with the prefix cached (the gate may still decline).  Asked once per depth."""
+        e = self.cfg.elastic
+        if not (e.prefill_hold and self.frozen and not self.prefix_cached):
+            return False
+        since = max((t["step"] for t in self.transitions if t["frozen_before"] != t["frozen_after"]), default=None)
+        return (since is not None and step == since + e.prefill_hold * e.check_every
+                and self._will_prefill(self.frozen, step))
 
     def _location(self, rank: int) -> str | None:
         """The topology location whose originators share one activation cache with ``rank``
@@ -319,8 +337,11 @@ class SwarmFreezing:
             self._log(rec)
         self.prefix_due = False
 
-    def _transition(self, F: int) -> None:
-        """Every node: plan the layout for ``F`` frozen layers, move the state, commit, switch."""
+    def _transition(self, F: int, cache_in: bool = False) -> None:
+        """Every node: plan the layout for ``F`` frozen layers, move the state, commit, switch.
+        ``cache_in``: ``F`` is the depth in force, its prefix recomputed so far; the layout is
+        planned again with the prefix cached (and prefilled), in place when AutoPipe keeps the
+        layout (:meth:`_cache_in_place`)."""
         st, node, cfg = self.st, self.node, self.cfg
         t0 = time.perf_counter()
         pl = st.sched.placement
@@ -332,7 +353,11 @@ class SwarmFreezing:
         for _, blob in node._gather_bytes(json.dumps(stage_sizes(st.model, st.opt, st.strat)).encode()):
             sizes.update(json.loads(blob.decode()))
         keep = {mb.id: mb.originator for mb in st.sched.micro_batches}   # originators keep their windows
-        new, evidence, cached, gain = self._plan(F, pl, sizes, keep)
+        new, evidence, cached, gain = self._plan(F, pl, sizes, keep, cache_in)
+        if cache_in and (not cached or (list(new.counts) == self.counts
+                                         and [list(p) for p in new.placement] == [list(p) for p in pl])):
+            self._cache_in_place(cached, gain, t0)
+            return
         old = ElasticLayout.of(self.frozen, self.counts, 1, len(st.order), pl)
         plan = transfer_plan(sizes, old, new)
         node.hook(st.ph.name, st.it, "transition", st)
@@ -358,17 +383,49 @@ class SwarmFreezing:
                "transfer_messages": len(plan), "move_s": round(moved_s, 6), "autopipe": evidence,
                "routes": sched.method, "schedule": sched.to_dict(), "seconds": round(time.perf_counter() - t0, 6)}
         self.layouts.append({**new.to_dict(), "step": st.it})
-        self.transitions.append(rec)
-        st.record.setdefault("transitions", []).append({k: v for k, v in rec.items() if k != "autopipe"})
-        self._log(rec)
+        self._record_transition(rec)
         print(f"skiptrain node {node.rank}: iteration {st.it}: {old.frozen} -> {F} frozen layers; stages "
               f"{old.counts} -> {new.counts}, placement {new.placement}; "
               f"{len(plan)} messages, {rec['transfer_bytes']} bytes, {rec['seconds']:.3f} s", file=sys.stderr,
               flush=True)
 
-    def _plan(self, F: int, pl: list[list[int]], sizes: dict[str, int], keep: dict[int, int]):
+    def _record_transition(self, rec: dict[str, Any]) -> None:
+        self.transitions.append(rec)
+        self.st.record.setdefault("transitions", []).append({k: v for k, v in rec.items() if k != "autopipe"})
+        self._log(rec)
+
+    def _cache_in_place(self, cached: bool, gain: float | None, t0: float) -> None:
+        """Every node, when the layout planned with the prefix cached is the one in force (or the
+        gate declined it): only the cost model changes (the prefix read from the cache), the
+        routes are planned again for it, and the prefill runs before the next iteration; no
+        state moves.  Logged as a transition of the same depth."""
+        st, node, F = self.st, self.node, self.frozen
+        if not cached:
+            self._log({"step": st.it, "action": "prefill_declined", "frozen": F,
+                       "prefill_gain": None if gain is None else round(gain, 3)})
+            return
+        cost = layout_cost(self.base_cost, self.cfg.model, self.counts, F, hit=1.0)
+        st.sched = self._routes(st.sched, cost)
+        st.cost = cost
+        if st.drift is not None:
+            st.drift.cost = cost
+        self.prefix_cached = self.prefix_due = True
+        st.ex = node._executor(st)
+        node._publish_sched(st.sched, st.idx, cost)
+        pl = st.sched.placement
+        rec = {"step": st.it, "action": "transition", "frozen_before": F, "frozen_after": F,
+               "stages_before": len(pl), "stages_after": len(pl), "counts": self.counts, "placement": pl,
+               "memory": st.sched.memory, "prefix_cached": True,
+               "prefill_gain": None if gain is None else round(gain, 3), "transfer_bytes": 0,
+               "transfer_messages": 0, "move_s": 0.0, "routes": st.sched.method, "schedule": st.sched.to_dict(),
+               "seconds": round(time.perf_counter() - t0, 6)}
+        self._record_transition(rec)
+
+    def _plan(self, F: int, pl: list[list[int]], sizes: dict[str, int], keep: dict[int, int],
+              cache_in: bool = False):
         """AutoPipe + AutoDP for ``F`` frozen layers over the nodes alive.  When a prefill is due
-        (:meth:`_will_prefill`) the layout is planned both with the prefix cached and recomputed,
+        (:meth:`_will_prefill`, and at a changed depth only with ``elastic.prefill_hold`` 0;
+        ``cache_in``: the depth held that long) the layout is planned both with the prefix cached and recomputed,
         and the cached one is taken when what it saves until the end of the phase is at least
         ``elastic.prefill_min_gain`` times its prefill's time (:meth:`prefill_gain`).  Returns
         (layout, AutoPipe's evidence, cached, the gain or None)."""
@@ -378,7 +435,7 @@ class SwarmFreezing:
             return plan_layout(cfg.model, F, self.counts, pl, list(node.alive), sizes, self.start_stages, st.gb,
                                len(st.order), st.it, hit=1.0 if cached else 0.0, prefix_cached=cached)
 
-        if not self._will_prefill(F, st.it):
+        if not (self._will_prefill(F, st.it) and (cache_in or not cfg.elastic.prefill_hold)):
             return (*plan(False), False, None)
         on, off = plan(True), plan(False)
         gain = self.prefill_gain(F, on, off, keep)
@@ -442,7 +499,7 @@ class SwarmFreezing:
         return {"frozen": self.frozen, "counts": self.counts, "pending": self.pending,
                 "rule": self.rule.state_dict(), "layouts": self.layouts, "transitions": self.transitions,
                 "schedule": self.st.sched.to_dict(), "guard_s": self.guard_s,
-                "prefix_cached": self.prefix_cached}
+                "prefix_cached": self.prefix_cached, "pending_cache": self.pending_cache}
 
     def _resume(self, path: str) -> None:
         """Before the node loads its state from checkpoint ``path``: the rule, the layout
@@ -481,6 +538,7 @@ class SwarmFreezing:
         self.rule.load_state_dict(saved["rule"])
         self.layouts, self.transitions = list(saved["layouts"]), list(saved["transitions"])
         self.pending, self.guard_s = saved.get("pending"), float(saved.get("guard_s", 0.0))
+        self.pending_cache = bool(saved.get("pending_cache"))
 
     def adopt(self, saved: dict[str, Any]) -> None:
         """A node joining the job: the rule's state and the layout in force, ``state_dict()`` of
