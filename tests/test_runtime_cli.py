@@ -179,6 +179,23 @@ def test_a_refused_overwrite_keeps_the_run_it_would_replace(byte_data, tmp_path,
     assert (out / "run.json").read_text() == '{"step": 7}'
 
 
+@pytest.mark.parametrize("nodes", ["4", "1"])
+def test_an_overwrite_with_a_missing_data_set_keeps_the_run_it_would_replace(tmp_path, capsys, nodes):
+    """--overwrite with a --data that holds no prepared data set: one line naming the path and the
+    fix, and the old run is untouched (the trainer checks its inputs before the directory is claimed)."""
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "run.json").write_text('{"step": 7}')
+    (out / "metrics.jsonl").write_text('{"step": 7, "loss": 1.0}\n')
+    argv = ["train", "--preset", "tiny", "--data", str(tmp_path / "no-data"), "--out", str(out), "--nodes", nodes,
+            "--steps", "2", "--overwrite"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "no-data" in err[0] and "skiptrain prepare" in err[0], err
+    assert sorted(p.name for p in out.iterdir()) == ["metrics.jsonl", "run.json"]
+    assert (out / "run.json").read_text() == '{"step": 7}'
+
+
 def test_a_strike_count_a_bad_node_never_reaches_is_refused_in_one_line(tmp_path, capsys):
     """2**63 strikes would never ban a node that keeps sending bad payloads: the run would re-run
     one iteration until the launch's time limit."""

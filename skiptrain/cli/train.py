@@ -34,14 +34,16 @@ def cmd_train(args: argparse.Namespace) -> int:
     if resume is not None:    # checked before the run directory is touched
         resume = resume_checkpoint(cfg, args.out, resume)
     check_fits_memory(cfg)
-    claim_run_dir(args.out, resume=resume is not None, overwrite=overwrite)
     if args.quiet:
         cfg.train.progress = False
+    # the run directory is claimed (--overwrite deletes the old run) only once the trainer has
+    # checked the data set and every other input and built the model
+    claim = lambda: claim_run_dir(args.out, resume=resume is not None, overwrite=overwrite)  # noqa: E731
     if cfg.elastic.enabled:  # elastic mode (freeze, repartition, cache)
         from ..train.elastic_trainer import ElasticTrainer
-        trainer = ElasticTrainer(cfg, args.out)
+        trainer = ElasticTrainer(cfg, args.out, claim=claim)
     else:
-        trainer = Trainer(cfg, args.out)
+        trainer = Trainer(cfg, args.out, claim=claim)
     if resume is not None:
         src = trainer.resume(resume)
         print(f"skiptrain train: resumed from {src} at step {trainer.step}", flush=True)

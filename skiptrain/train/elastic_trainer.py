@@ -33,7 +33,7 @@ import json
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -75,8 +75,9 @@ class ElasticTrainer(Trainer):
 
     device_generic = False      # the activation cache and its fingerprints live on the CPU, in fp32
 
-    def __init__(self, cfg: Config, out: str | Path | None = None, dataset: TokenDataset | None = None):
-        super().__init__(cfg, out, dataset)
+    def __init__(self, cfg: Config, out: str | Path | None = None, dataset: TokenDataset | None = None,
+                 claim: Callable[[], None] | None = None):
+        super().__init__(cfg, out, dataset, claim)
         e, m = self.cfg.elastic, self.cfg.model
         self.rule = FreezeRule.from_config(m.n_layers, e, self.cfg.train.warmup_steps)
         self.start_stages = m.n_stages

@@ -29,6 +29,7 @@ import random
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -78,7 +79,11 @@ class Trainer:
     #: lives on the CPU sets False: it then runs on the CPU in fp32 and refuses anything else)
     device_generic = True
 
-    def __init__(self, cfg: Config, out: str | Path | None = None, dataset: TokenDataset | None = None):
+    def __init__(self, cfg: Config, out: str | Path | None = None, dataset: TokenDataset | None = None,
+                 claim: Callable[[], None] | None = None):
+        """``claim``: called once every input has been checked and the model built, just before
+        anything is written into ``out`` (the CLI's ``--overwrite`` deletes the old run there, so
+        a refused input loses nothing)."""
         t = cfg.train
         if t.threads:
             torch.set_num_threads(t.threads)
@@ -108,6 +113,8 @@ class Trainer:
         self.loader = ShardedLoader(self.train_src, t.micro_batch * t.n_micro)
         self.route_rng = random.Random(t.seed)
         self.step = 0
+        if claim is not None and out is not None:
+            claim()
         self.out = prepare_run_dir(out, cfg, self.ds.path) if out is not None else None
         # periodic asynchronous checkpoints (skiptrain.checkpoint.training); resume() loads one
         c = cfg.checkpoint
