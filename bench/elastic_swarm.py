@@ -8,9 +8,10 @@ start, ``elastic.enabled``: the freeze rule decides for the whole swarm, AutoPip
 transitions move state between the processes by name; with ``--swarm-cache on`` (the default)
 the stage-0 nodes serve the frozen prefix from activation caches -- one per machine of the
 topology, shared by its originators (``--swarm-cache-share location``, the default) or one per
-node -- prefilled at a freeze, data parallel, when the simulated iteration time the cached
-prefix saves until the end of the phase is at least ``--swarm-prefill-min-gain`` times the
-prefill's; ``off``: they recompute it, forward only, each micro-batch).
+node -- prefilled, data parallel, once a frozen depth has held ``--swarm-prefill-hold`` windows
+(recomputed until then) and when the simulated iteration time the cached prefix saves until the
+end of the phase is at least ``--swarm-prefill-min-gain`` times the prefill's; ``off``: they
+recompute it, forward only, each micro-batch).
 
 Compute is padded to the cost model (``runtime.emulate_compute``: every forward/backward task
 sleeps up to ``s_per_sample_layer`` x samples x its stage's layers, a frozen layer costing its
@@ -339,7 +340,7 @@ def print_swarm(sw: dict) -> None:
         "measured_vs_sim_static")
     row("iterations measured / simulated: elastic", lambda x: x["measured_vs_sim"]["elastic"],
         "measured_vs_sim_elastic")
-    row("freeze transitions (iteration: F, c: cache-in)", lambda x: ",".join(
+    row("transitions (iteration: F; c = cache-in)", lambda x: ",".join(
         f"{t['step']}:{t['frozen_after']}" + ("c" if t["frozen_before"] == t["frozen_after"] else "")
         for t in x["transitions"]) or "none", fmt="{}")
     for s in seeds:
