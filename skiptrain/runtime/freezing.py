@@ -354,9 +354,12 @@ class SwarmFreezing:
             sizes.update(json.loads(blob.decode()))
         keep = {mb.id: mb.originator for mb in st.sched.micro_batches}   # originators keep their windows
         new, evidence, cached, gain = self._plan(F, pl, sizes, keep, cache_in)
-        if cache_in and (not cached or (list(new.counts) == self.counts
-                                         and [list(p) for p in new.placement] == [list(p) for p in pl])):
-            self._cache_in_place(cached, gain, t0)
+        if cache_in and not cached:
+            self._log({"step": st.it, "action": "prefill_declined", "frozen": F,
+                       "prefill_gain": None if gain is None else round(gain, 3)})
+            return
+        if cache_in and list(new.counts) == self.counts and [list(p) for p in new.placement] == [list(p) for p in pl]:
+            self._cache_in_place(gain, t0)
             return
         old = ElasticLayout.of(self.frozen, self.counts, 1, len(st.order), pl)
         plan = transfer_plan(sizes, old, new)
@@ -394,16 +397,12 @@ class SwarmFreezing:
         self.st.record.setdefault("transitions", []).append({k: v for k, v in rec.items() if k != "autopipe"})
         self._log(rec)
 
-    def _cache_in_place(self, cached: bool, gain: float | None, t0: float) -> None:
-        """Every node, when the layout planned with the prefix cached is the one in force (or the
-        gate declined it): only the cost model changes (the prefix read from the cache), the
-        routes are planned again for it, and the prefill runs before the next iteration; no
-        state moves.  Logged as a transition of the same depth."""
+    def _cache_in_place(self, gain: float | None, t0: float) -> None:
+        """Every node, when the layout planned with the prefix cached is the one in force: only
+        the cost model changes (the prefix read from the cache), the routes are planned again for
+        it, and the prefill runs before the next iteration; no state moves.  Logged as a
+        transition of the same depth."""
         st, node, F = self.st, self.node, self.frozen
-        if not cached:
-            self._log({"step": st.it, "action": "prefill_declined", "frozen": F,
-                       "prefill_gain": None if gain is None else round(gain, 3)})
-            return
         cost = layout_cost(self.base_cost, self.cfg.model, self.counts, F, hit=1.0)
         st.sched = self._routes(st.sched, cost)
         st.cost = cost
