@@ -7,7 +7,8 @@ without exchanging them:
 
 * **gradient signal**: after each optimizer step, the first replica of each stage reports the
   squared norm of its layers' synced update (what the single-process trainer's rule reads);
-  one all-reduce per iteration gives every node every active layer's norm;
+  the node's per-iteration stats gather carries the reports, so every node sums every active
+  layer's norm without a collective of its own;
 * **guard**: at the end of a window the rule may ask for the validation loss; the stage-0 nodes
   (the originators) run it, ``elastic.guard_batches`` fixed validation micro-batches dealt over
   them, each sent forward along the full route of the layout in force (forward only); the loss
@@ -131,14 +132,21 @@ class SwarmFreezing:
 
     # ---- the rule at iteration boundaries -------------------------------------------------
 
-    def after_iteration(self) -> None:
-        """Every node, after iteration ``st.it``: the layers' norms to the rule; at a window's
-        end, the rule's decision (a changed depth becomes the pending transition)."""
-        st, node, t, L = self.st, self.node, self.cfg.train, self.cfg.model.n_layers
+    def take_norms(self) -> torch.Tensor:
+        """This node's report of the iteration (``2 * n_layers`` numbers: per layer the squared
+        norm of its synced update, then 1 where this node reported that layer), reset for the
+        next one.  The node's per-iteration stats gather carries it to every node; each layer
+        has one reporter (its stage's first replica), so the column sums are exact."""
+        sq, self.sq = self.sq, torch.zeros_like(self.sq)
+        return sq
+
+    def after_iteration(self, sq: torch.Tensor) -> None:
+        """Every node, after iteration ``st.it``, with ``sq`` the sum over the nodes of their
+        :meth:`take_norms`: the layers' norms to the rule; at a window's end, the rule's
+        decision (a changed depth becomes the pending transition)."""
+        st, t, L = self.st, self.cfg.train, self.cfg.model.n_layers
         if self.cache is not None:
             st.record["cache"] = self.cache.stats()
-        sq, self.sq = self.sq, torch.zeros_like(self.sq)
-        node._sync(dist.all_reduce, sq)
         self.rule.observe({l: float(sq[l]) ** 0.5 for l in range(self.frozen, L) if sq[L + l] > 0})
         step = st.it + 1
         if not self.rule.window_done(step):
