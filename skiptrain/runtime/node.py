@@ -59,8 +59,9 @@ from .membership import coordinator_key, open_value, read_raw, set_member
 
 
 # columns of the per-iteration stats every node gathers (then the drift monitor's, the freeze
-# rule's layer norms, the checkpoint digest and the re-plan flag): loss sum, losses, iteration end, overruns, overrun s, max in flight, sync
-# payload bytes, received bytes, sync seconds, start delay (rank 0's clock to this node's receipt)
+# rule's layer norms, the checkpoint digest and the re-plan flag): loss sum, losses, iteration
+# end, overruns, overrun s, max in flight, sync payload bytes, received bytes, sync seconds,
+# start delay (rank 0's clock to this node's receipt)
 N_STATS = 10
 
 # every iteration starts at rank 0's clock plus a margin that lets the start time reach every
