@@ -283,15 +283,13 @@ def test_a_store_left_behind_exits_once_every_node_is_done_or_silent(tmp_path):
 
 
 def _node_pid(run: Path, rank: int) -> int | None:
-    """PID of the node process of ``run`` started with RANK=rank (from /proc)."""
-    for pid in processes_of_run(run):
-        try:
-            env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        if f"RANK={rank}".encode() in env and b"SKIPTRAIN_STORE_HOSTED=1" in env:
-            return pid
-    return None
+    """PID of the running node process of ``run`` with rank ``rank`` (its log's first line)."""
+    try:
+        first = (run / "logs" / f"node{rank}.log").read_text().splitlines()[0]
+    except (OSError, IndexError):
+        return None
+    pid = int(first.rsplit(" ", 1)[1]) if first.startswith(f"skiptrain node {rank}: pid ") else None
+    return pid if pid in processes_of_run(run) else None
 
 
 @pytest.mark.slow

@@ -1,7 +1,8 @@
 """Start N node processes on this machine, watch them, and stop all of them on any failure.
 
 :func:`launch` hosts the rendezvous store (a ``TCPStore`` on 127.0.0.1) in the calling process,
-starts ``python -m skiptrain.runtime.node --job RUN_DIR/job.json`` once per rank with the
+starts the equivalent of ``python -m skiptrain.runtime.node --job RUN_DIR/job.json`` once per
+rank (forked from one process that imports torch once: :mod:`.node_processes`) with the
 standard torch.distributed environment (``MASTER_ADDR``, ``MASTER_PORT``, ``RANK``,
 ``WORLD_SIZE``, ``LOCAL_RANK``), one thread per process (``OMP_NUM_THREADS=1``), and output in
 ``RUN_DIR/logs/node<r>.log``.  For several hosts, start the same module with ``torchrun``
@@ -38,6 +39,7 @@ from ..signals import sigterm_as_interrupt
 from .failure import RuntimeFailure, describe_exit
 from .job import Job
 from .membership import parse_heartbeat
+from .node_processes import start_nodes
 from .outputs import load_phase_timeline, merge_outputs, salvage_checkpoint, stop_store
 from .progress import SwarmProgress
 
@@ -129,19 +131,14 @@ def _launch(job: Job, nodes: int | None, timeout_s: float, grace_s: float, echo:
         store.add("nodes/next", world)
         publish_job(store, job.to_dict(), join_secret)
     base_env = _node_env(job, run_dir, world, store.port, store_proc is not None, join_secret)
-    procs: list[subprocess.Popen] = []
+    procs: list = []
+    forked = None
     interrupted = False
-    logs = []
     t_start = time.time()
     killed_by_us: set[int] = set()
     try:
-        for r in range(world):
-            env = dict(base_env, RANK=str(r), LOCAL_RANK=str(r))
-            log = open(run_dir / "logs" / f"node{r}.log", "wb")
-            logs.append(log)
-            procs.append(subprocess.Popen([sys.executable, "-m", job.node_module, "--job", str(job_path)],
-                                          env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                          start_new_session=store_proc is not None))
+        forked, procs = start_nodes(job_path, job.node_module, world, run_dir / "logs", base_env,
+                                   detached=store_proc is not None)
         with SwarmProgress(run_dir / "metrics.jsonl", sum(ph.iterations for ph in job.phases), enabled=echo,
                            initial=job.resume["iteration"] if job.resume else 0):
             try:
@@ -159,8 +156,8 @@ def _launch(job: Job, nodes: int | None, timeout_s: float, grace_s: float, echo:
                 time.sleep(0.05)
     finally:
         killed_by_us |= _stop_children(procs)
-        for log in logs:
-            log.close()
+        if forked is not None:
+            forked.close()
         (run_dir / "join_secret").unlink(missing_ok=True)     # the run is over: nobody may join
         (run_dir / "join.json").unlink(missing_ok=True)
         if failure is not None:                 # explained while the store (fault times) is still up
@@ -277,7 +274,7 @@ def _stop_children(procs) -> set[int]:
     """SIGKILL the node processes still running and reap all; returns the ranks killed here."""
     killed = set()
     for r, p in enumerate(procs):
-        if p.poll() is None:
+        if p.poll() is None and p.pid:
             killed.add(r)
             try:
                 os.kill(p.pid, signal.SIGKILL)

@@ -1,0 +1,124 @@
+"""The fork server of a launch: forked node processes behave like ``python -m MODULE --job JOB``
+started per rank (environment, output, stdin, exit codes), and none outlives its launcher."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import processes_of_run, wait_for
+from skiptrain.runtime.failure import pid_running
+from skiptrain.runtime.node_processes import start_nodes
+
+PROBE = '''
+import json, os, sys, time
+from pathlib import Path
+
+def main(argv):
+    rank = int(os.environ["RANK"])
+    out = Path(argv[argv.index("--job") + 1]).parent / f"rank{rank}.json"
+    out.write_text(json.dumps({"rank": rank, "local_rank": os.environ["LOCAL_RANK"], "pid": os.getpid(),
+                               "argv": argv, "stdin": sys.stdin.read(), "marker": os.environ["PROBE_MARKER"]}))
+    print(f"probe {rank} says hello", flush=True)
+    if rank == 1:
+        raise SystemExit(3)
+    if rank == 2:
+        time.sleep(600)
+    if rank == 3:
+        raise ValueError("probe failure")
+    return 0
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
+'''
+
+
+def _setup(tmp_path: Path, name: str) -> tuple[Path, Path, dict]:
+    run = tmp_path / name
+    (run / "logs").mkdir(parents=True)
+    (tmp_path / "probe_node.py").write_text(PROBE)
+    job = run / "job.json"
+    job.write_text("{}")
+    env = dict(os.environ, PROBE_MARKER="m", PYTHONPATH=os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")]))
+    return run, job, env
+
+
+def _reference_codes(tmp_path: Path) -> dict[int, int]:
+    """The same probe started the plain way, one ``python -m`` process per rank."""
+    run, job, env = _setup(tmp_path, "ref")
+    procs = [subprocess.Popen([sys.executable, "-m", "probe_node", "--job", str(job)], env=dict(env, RANK=str(r), LOCAL_RANK=str(r)),
+                              stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=tmp_path)
+             for r in range(4)]
+    wait_for(lambda: (run / "rank2.json").exists(), 60)
+    os.kill(procs[2].pid, signal.SIGKILL)
+    return {r: p.wait(timeout=60) for r, p in enumerate(procs)}
+
+
+def test_forked_nodes_behave_like_one_python_process_per_rank(tmp_path):
+    run, job, env = _setup(tmp_path, "run")
+    forked, procs = start_nodes(job, "probe_node", 4, run / "logs", env, detached=False)
+    try:
+        assert len({p.pid for p in procs}) == 4 and all(p.pid > 1 for p in procs)
+        wait_for(lambda: (run / "rank2.json").exists(), 60)
+        assert procs[2].poll() is None
+        os.kill(procs[2].pid, signal.SIGKILL)
+        codes = {r: p.wait(timeout=60) for r, p in enumerate(procs)}
+    finally:
+        forked.close()
+    assert codes == _reference_codes(tmp_path) == {0: 0, 1: 3, 2: -signal.SIGKILL, 3: 1}
+    for r, p in enumerate(procs):
+        seen = json.loads((run / f"rank{r}.json").read_text())
+        assert seen == {"rank": r, "local_rank": str(r), "pid": p.pid, "argv": ["--job", str(job)], "stdin": "",
+                        "marker": "m"}
+        log = (run / "logs" / f"node{r}.log").read_text().splitlines()
+        assert log[0] == f"skiptrain node {r}: pid {p.pid}" and log[1] == f"probe {r} says hello"
+    assert "ValueError: probe failure" in (run / "logs" / "node3.log").read_text()
+    assert processes_of_run(run) == []
+
+
+def test_a_node_module_that_cannot_be_imported_fails_every_rank_with_its_traceback(tmp_path):
+    run, job, env = _setup(tmp_path, "run")
+    forked, procs = start_nodes(job, "no_such_node_module", 3, run / "logs", env, detached=False)
+    try:
+        assert [p.wait(timeout=60) for p in procs] == [1, 1, 1]
+        assert all(p.pid is None for p in procs)
+    finally:
+        forked.close()
+    log = (run / "logs" / "node1.log").read_text()
+    assert "cannot import no_such_node_module" in log and "ModuleNotFoundError" in log
+
+
+@pytest.mark.parametrize("victim", ["fork server", "launcher"])
+def test_no_node_outlives_its_fork_server_or_its_launcher(tmp_path, victim):
+    """SIGKILL of the fork server: its nodes get SIGKILL (PR_SET_PDEATHSIG) and the launcher's
+    handles report them gone.  SIGKILL of a launcher process: the fork server and the nodes go."""
+    run, job, env = _setup(tmp_path, "run")
+    if victim == "fork server":
+        forked, procs = start_nodes(job, "probe_node", 3, run / "logs", env, detached=False)
+        wait_for(lambda: (run / "rank2.json").exists(), 60)
+        os.kill(forked.server.pid, signal.SIGKILL)
+        assert procs[2].wait(timeout=30) == -signal.SIGKILL
+        forked.close()
+    else:
+        code = ("import os, sys, time; from pathlib import Path; "
+                "from skiptrain.runtime.node_processes import start_nodes; "
+                f"start_nodes(Path({str(job)!r}), 'probe_node', 3, Path({str(run / 'logs')!r}), dict(os.environ), False); "
+                "time.sleep(600)")
+        launcher = subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.DEVNULL,
+                                    stderr=subprocess.DEVNULL)
+        wait_for(lambda: (run / "rank2.json").exists(), 60)
+        node2 = json.loads((run / "rank2.json").read_text())["pid"]
+        launcher.kill()
+        launcher.wait()
+        wait_for(lambda: not pid_running(node2), 30)
+    deadline = time.time() + 30
+    while processes_of_run(run) and time.time() < deadline:
+        time.sleep(0.05)
+    assert processes_of_run(run) == []
