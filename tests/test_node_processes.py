@@ -61,8 +61,11 @@ def _reference_codes(tmp_path: Path) -> dict[int, int]:
     return {r: p.wait(timeout=60) for r, p in enumerate(procs)}
 
 
-def test_forked_nodes_behave_like_one_python_process_per_rank(tmp_path):
+@pytest.mark.parametrize("fresh", ["0", "1"])
+def test_forked_nodes_behave_like_one_python_process_per_rank(tmp_path, fresh):
+    """Forked (and, with SKIPTRAIN_FRESH_NODES=1, each exec'ing a new interpreter)."""
     run, job, env = _setup(tmp_path, "run")
+    env["SKIPTRAIN_FRESH_NODES"] = fresh
     forked, procs = start_nodes(job, "probe_node", 4, run / "logs", env, detached=False)
     try:
         assert len({p.pid for p in procs}) == 4 and all(p.pid > 1 for p in procs)

@@ -8,7 +8,9 @@ launch of 16 nodes on a small machine would spend most of its first half minute 
 ``python -m <node_module> --job RUN_DIR/job.json`` would be: its own ``RANK`` and
 ``LOCAL_RANK``, output in ``RUN_DIR/logs/node<r>.log`` (whose first line gives its PID), stdin
 from ``/dev/null``, the default Ctrl-C handler, and its own session when the launch is detached.
-The fork server imports nothing that starts a thread or touches a GPU before it forks.
+The fork server imports nothing that starts a thread or touches a GPU before it forks (were CUDA
+initialised in it, each child would exec a new interpreter instead, as it does when
+``SKIPTRAIN_FRESH_NODES=1`` is set: slower starts, nothing shared).
 
 The launcher gets one :class:`NodeProcess` per rank with the part of ``subprocess.Popen`` it
 uses (``pid``, ``poll``, ``wait``, ``returncode``): the fork server reaps its children and
@@ -40,6 +42,7 @@ from pathlib import Path
 from .failure import RuntimeFailure, pid_running, set_parent_death_signal
 
 START_TIMEOUT_S = 300.0
+FRESH_ENV = "SKIPTRAIN_FRESH_NODES"       # "1": every node execs a new interpreter (no shared imports)
 # imported once in the fork server besides the node module, so no node pays for them: the
 # packages a node imports as it goes (runtime and the layers below it), and torch's compiler
 # front end, which torch.optim and torch.distributed import on first use (about 2 s of CPU)
@@ -140,8 +143,9 @@ def start_nodes(job_path: Path, module: str, world: int, logs: Path, env: dict,
     return nodes, nodes.wait_started()
 
 
-def _child(main, rank: int, job_path: str, logs: Path, detached: bool, server: int) -> None:
-    """In the forked child: become node ``rank`` and run it; never returns."""
+def _child(main, rank: int, job_path: str, logs: Path, detached: bool, server: int, fresh: str | None) -> None:
+    """In the forked child: become node ``rank`` and run it (``fresh``: exec ``python -m fresh``
+    instead, in a new interpreter); never returns."""
     code = 1
     try:
         if detached:
@@ -160,6 +164,8 @@ def _child(main, rank: int, job_path: str, logs: Path, detached: bool, server: i
         os.close(fd)
         os.close(null)
         print(f"skiptrain node {rank}: pid {os.getpid()}", flush=True)
+        if fresh:
+            os.execv(sys.executable, [sys.executable, "-m", fresh, "--job", job_path])
         code = main(["--job", job_path])
     except SystemExit as e:
         code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
@@ -205,7 +211,11 @@ def serve(job_path: str, module: str, world: int, logs: Path, detached: bool) ->
             (logs / f"node{r}.log").write_text(f"skiptrain node {r}: cannot import {module}\n{err}")
             _report(f"exited {r} 1")
         return 1
-    preload()
+    fresh = module if os.environ.get(FRESH_ENV) == "1" else None
+    if fresh is None:
+        preload()
+        if "torch" in sys.modules and sys.modules["torch"].cuda.is_initialized():
+            fresh = module                 # CUDA cannot be used in a child forked after its start
     sys.stdout.flush()
     sys.stderr.flush()
     ranks: dict[int, int] = {}
@@ -213,7 +223,7 @@ def serve(job_path: str, module: str, world: int, logs: Path, detached: bool) ->
     for r in range(world):
         pid = os.fork()
         if pid == 0:
-            _child(main, r, job_path, logs, detached, server)
+            _child(main, r, job_path, logs, detached, server, fresh)
         ranks[pid] = r
         _report(f"started {r} {pid}")
     while ranks:
