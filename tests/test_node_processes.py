@@ -1,4 +1,4 @@
-"""The fork server of a launch: forked node processes behave like ``python -m MODULE --job JOB``
+"""The fork server of a launcher process: forked node processes behave like ``python -m MODULE --job JOB``
 started per rank (environment, output, stdin, exit codes), and none outlives its launcher."""
 
 from __future__ import annotations
@@ -25,7 +25,8 @@ def main(argv):
     rank = int(os.environ["RANK"])
     out = Path(argv[argv.index("--job") + 1]).parent / f"rank{rank}.json"
     out.write_text(json.dumps({"rank": rank, "local_rank": os.environ["LOCAL_RANK"], "pid": os.getpid(),
-                               "argv": argv, "stdin": sys.stdin.read(), "marker": os.environ["PROBE_MARKER"]}))
+                               "argv": argv, "stdin": sys.stdin.read(), "marker": os.environ["PROBE_MARKER"],
+                               "first": os.environ.get("ONLY_IN_THE_FIRST"), "cwd": os.getcwd()}))
     print(f"probe {rank} says hello", flush=True)
     if rank == 1:
         raise SystemExit(3)
@@ -46,15 +47,17 @@ def _setup(tmp_path: Path, name: str) -> tuple[Path, Path, dict]:
     (tmp_path / "probe_node.py").write_text(PROBE)
     job = run / "job.json"
     job.write_text("{}")
-    env = dict(os.environ, PROBE_MARKER="m", PYTHONPATH=os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")]))
+    path = os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])
+    env = dict(os.environ, PROBE_MARKER="m", PYTHONPATH=path)
     return run, job, env
 
 
 def _reference_codes(tmp_path: Path) -> dict[int, int]:
     """The same probe started the plain way, one ``python -m`` process per rank."""
     run, job, env = _setup(tmp_path, "ref")
-    procs = [subprocess.Popen([sys.executable, "-m", "probe_node", "--job", str(job)], env=dict(env, RANK=str(r), LOCAL_RANK=str(r)),
-                              stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=tmp_path)
+    procs = [subprocess.Popen([sys.executable, "-m", "probe_node", "--job", str(job)],
+                              env=dict(env, RANK=str(r), LOCAL_RANK=str(r)), stdin=subprocess.DEVNULL,
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=tmp_path)
              for r in range(4)]
     wait_for(lambda: (run / "rank2.json").exists(), 60)
     os.kill(procs[2].pid, signal.SIGKILL)
@@ -79,7 +82,7 @@ def test_forked_nodes_behave_like_one_python_process_per_rank(tmp_path, fresh):
     for r, p in enumerate(procs):
         seen = json.loads((run / f"rank{r}.json").read_text())
         assert seen == {"rank": r, "local_rank": str(r), "pid": p.pid, "argv": ["--job", str(job)], "stdin": "",
-                        "marker": "m"}
+                        "marker": "m", "first": None, "cwd": os.getcwd()}
         log = (run / "logs" / f"node{r}.log").read_text().splitlines()
         assert log[0] == f"skiptrain node {r}: pid {p.pid}" and log[1] == f"probe {r} says hello"
     assert "ValueError: probe failure" in (run / "logs" / "node3.log").read_text()
@@ -106,13 +109,14 @@ def test_no_node_outlives_its_fork_server_or_its_launcher(tmp_path, victim):
     if victim == "fork server":
         forked, procs = start_nodes(job, "probe_node", 3, run / "logs", env, detached=False)
         wait_for(lambda: (run / "rank2.json").exists(), 60)
-        os.kill(forked.server.pid, signal.SIGKILL)
+        os.kill(forked.server.proc.pid, signal.SIGKILL)
         assert procs[2].wait(timeout=30) == -signal.SIGKILL
         forked.close()
     else:
         code = ("import os, sys, time; from pathlib import Path; "
                 "from skiptrain.runtime.node_processes import start_nodes; "
-                f"start_nodes(Path({str(job)!r}), 'probe_node', 3, Path({str(run / 'logs')!r}), dict(os.environ), False); "
+                f"start_nodes(Path({str(job)!r}), 'probe_node', 3, Path({str(run / 'logs')!r}), "
+                "dict(os.environ), False); "
                 "time.sleep(600)")
         launcher = subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.DEVNULL,
                                     stderr=subprocess.DEVNULL)
@@ -125,3 +129,40 @@ def test_no_node_outlives_its_fork_server_or_its_launcher(tmp_path, victim):
     while processes_of_run(run) and time.time() < deadline:
         time.sleep(0.05)
     assert processes_of_run(run) == []
+
+
+def test_later_launches_reuse_the_fork_server_with_their_own_environment_even_from_a_finished_thread(tmp_path):
+    """A launch started in a thread that has ended (the fork server must not die with it: its
+    PR_SET_PDEATHSIG is per thread), then another in another working directory with another
+    environment: the same fork server forks both, each child sees only its own launch's."""
+    import threading
+
+    from skiptrain.runtime import node_processes
+
+    seen, pids = [], []
+    for i, name in enumerate(["first", "second"]):
+        run, job, env = _setup(tmp_path, name)
+        env["PROBE_MARKER"] = name
+        if i == 0:
+            env["ONLY_IN_THE_FIRST"] = "1"
+            th = threading.Thread(target=lambda: seen.append(start_nodes(job, "probe_node", 2, run / "logs", env,
+                                                                         False)))
+            th.start()
+            th.join()
+            forked, procs = seen[0]
+            time.sleep(0.5)                 # (a fork server killed with the thread would be gone by now)
+        else:
+            os.chdir(run)
+            try:
+                forked, procs = start_nodes(job, "probe_node", 2, run / "logs", env, False)
+            finally:
+                os.chdir(Path(__file__).parent.parent)
+        assert [p.wait(timeout=60) for p in procs] == [0, 3]
+        forked.close()
+        pids.append(forked.server.proc.pid)
+        probe = json.loads((run / "rank0.json").read_text())
+        assert probe["marker"] == name
+    assert pids[0] == pids[1] == node_processes._server({}).proc.pid
+    second = json.loads((tmp_path / "second" / "rank0.json").read_text())
+    assert second["first"] is None and second["cwd"] == str(tmp_path / "second")
+    assert json.loads((tmp_path / "first" / "rank0.json").read_text())["first"] == "1"

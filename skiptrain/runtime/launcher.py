@@ -2,8 +2,8 @@
 
 :func:`launch` hosts the rendezvous store (a ``TCPStore`` on 127.0.0.1) in the calling process,
 starts the equivalent of ``python -m skiptrain.runtime.node --job RUN_DIR/job.json`` once per
-rank (forked from one process that imports torch once: :mod:`.node_processes`) with the
-standard torch.distributed environment (``MASTER_ADDR``, ``MASTER_PORT``, ``RANK``,
+rank (forked by this process's fork server, which imports torch once: :mod:`.node_processes`)
+with the standard torch.distributed environment (``MASTER_ADDR``, ``MASTER_PORT``, ``RANK``,
 ``WORLD_SIZE``, ``LOCAL_RANK``), one thread per process (``OMP_NUM_THREADS=1``), and output in
 ``RUN_DIR/logs/node<r>.log``.  For several hosts, start the same module with ``torchrun``
 instead (see docs/runtime.md); this launcher only starts local processes.

@@ -1,36 +1,41 @@
-"""The node processes of a local launch, forked from one process that imports torch once.
+"""The node processes of local launches, forked from one process that imports torch once.
 
-Starting a Python process that imports torch and the node code costs about 4 s of CPU; a
-launch of 16 nodes on a small machine would spend most of its first half minute on imports.
-:func:`start_nodes` instead starts one *fork server*
-(``python -m skiptrain.runtime.node_processes --job RUN_DIR/job.json ...``): it imports
-``job.node_module`` (torch with it), then forks one child per rank.  Each child is what
-``python -m <node_module> --job RUN_DIR/job.json`` would be: its own ``RANK`` and
-``LOCAL_RANK``, output in ``RUN_DIR/logs/node<r>.log`` (whose first line gives its PID), stdin
-from ``/dev/null``, the default Ctrl-C handler, and its own session when the launch is detached.
-The fork server imports nothing that starts a thread or touches a GPU before it forks (were CUDA
-initialised in it, each child would exec a new interpreter instead, as it does when
-``SKIPTRAIN_FRESH_NODES=1`` is set: slower starts, nothing shared).
+Starting a Python process that imports torch and the node code costs about 4 s of CPU (6 s with
+what a node imports on its first step); a launch of 16 nodes on a small machine would spend most
+of its first minute on imports.  :func:`start_nodes` instead asks this launcher process's *fork
+server* (``python -m skiptrain.runtime.node_processes``, started on the first launch and kept
+for later ones) to fork one child per rank.  The fork server has imported the node code, torch's
+compiler front end and every module of ``skiptrain.runtime`` and the layers below it; it imports
+``job.node_module`` when a launch names it.  Each child is what ``python -m <node_module> --job
+RUN_DIR/job.json`` started by the launcher would be: the launch's environment (its own
+``RANK`` and ``LOCAL_RANK``) and working directory, output in ``RUN_DIR/logs/node<r>.log``
+(whose first line gives its PID), stdin from ``/dev/null``, the default Ctrl-C handler, and its
+own session when the launch is detached.  The fork server starts no thread and touches no GPU
+before it forks (were CUDA initialised in it, each child would exec a new interpreter instead,
+as it does when ``SKIPTRAIN_FRESH_NODES=1`` is set: slower starts, nothing shared).
 
 The launcher gets one :class:`NodeProcess` per rank with the part of ``subprocess.Popen`` it
 uses (``pid``, ``poll``, ``wait``, ``returncode``): the fork server reaps its children and
-reports each exit status on its stdout (``exited RANK CODE``, ``CODE`` as ``Popen.returncode``:
-negative for a signal).
+reports each one's start and exit status on its stdout (``started LAUNCH RANK PID``, ``exited
+LAUNCH RANK CODE``, ``CODE`` as ``Popen.returncode``: negative for a signal); requests go to its
+stdin, one JSON line per launch.
 
-Failure semantics: the fork server ignores Ctrl-C (it waits for its children, which get it) and
-outlives the launcher only when the launch is detached; otherwise it and the nodes ask for
-SIGKILL when their parent dies (``PR_SET_PDEATHSIG``), as before.  If the node module cannot be
-imported, every rank "exits" with code 1 and its log holds the traceback.  If the fork server
-itself is killed, a node it no longer reports is taken as exited (``-SIGKILL``) once its PID no
-longer runs.
+Failure semantics: the fork server ignores Ctrl-C (its children get it) and asks for SIGKILL
+when the launcher process dies (``PR_SET_PDEATHSIG``, from a thread that lives as long as the
+process); so do the nodes of a launch that is not detached, when the fork server dies.  A
+detached launch's nodes outlive both.  If the node module cannot be imported, every rank
+"exits" with code 1 and its log holds the traceback.  If the fork server is killed, a node it no
+longer reports is taken as exited (``-SIGKILL``) once its PID no longer runs, and the next launch
+starts a new fork server.
 """
 
 from __future__ import annotations
 
-import argparse
 import importlib
+import json
 import os
 import pkgutil
+import select
 import signal
 import subprocess
 import sys
@@ -43,12 +48,12 @@ from .failure import RuntimeFailure, pid_running, set_parent_death_signal
 
 START_TIMEOUT_S = 300.0
 FRESH_ENV = "SKIPTRAIN_FRESH_NODES"       # "1": every node execs a new interpreter (no shared imports)
-# imported once in the fork server besides the node module, so no node pays for them: the
-# packages a node imports as it goes (runtime and the layers below it), and torch's compiler
-# front end, which torch.optim and torch.distributed import on first use (about 2 s of CPU)
+# imported once in the fork server, so no node pays for them: the node module, the packages a
+# node imports as it goes (runtime and the layers below it), and torch's compiler front end,
+# which torch.optim imports on a model's first parameter group (about 2 s of CPU)
 PRELOAD_PACKAGES = ("skiptrain.runtime", "skiptrain.elastic", "skiptrain.dp", "skiptrain.checkpoint",
                     "skiptrain.layout", "skiptrain.schedule", "skiptrain.model", "skiptrain.data", "skiptrain.net")
-PRELOAD_MODULES = ("torch._dynamo", "skiptrain.optim")
+PRELOAD_MODULES = ("skiptrain.runtime.node", "torch._dynamo", "skiptrain.optim")
 
 
 class NodeProcess:
@@ -74,35 +79,19 @@ class NodeProcess:
 
 
 class ForkedNodes:
-    """The fork server of one launch and what it reported (read by a thread of the launcher)."""
+    """The node processes of one launch: what the fork server reported of them."""
 
-    def __init__(self, server: subprocess.Popen, world: int):
-        self.server, self.world = server, world
+    def __init__(self, server: "ForkServer", launch: int, world: int):
+        self.server, self.launch, self.world = server, launch, world
         self.pids: dict[int, int] = {}
         self.codes: dict[int, int] = {}
-        self.eof = False
-        self._lock = threading.Lock()
-        self._reader = threading.Thread(target=self._read, name="node-exits", daemon=True)
-        self._reader.start()
-
-    def _read(self) -> None:
-        for line in self.server.stdout:
-            parts = line.split()
-            if len(parts) != 3 or not parts[1].isdigit():
-                continue
-            with self._lock:
-                if parts[0] == "started":
-                    self.pids[int(parts[1])] = int(parts[2])
-                elif parts[0] == "exited":
-                    self.codes[int(parts[1])] = int(parts[2])
-        self.eof = True
 
     def code(self, rank: int) -> int | None:
-        with self._lock:
+        with self.server.lock:
             if rank in self.codes:
                 return self.codes[rank]
             pid = self.pids.get(rank)
-        if self.eof and (pid is None or not pid_running(pid)):
+        if self.server.gone and (pid is None or not pid_running(pid)):
             return -signal.SIGKILL           # the fork server is gone and so is the node
         return None
 
@@ -111,69 +100,104 @@ class ForkedNodes:
         None for a rank that never started).  Raises :class:`RuntimeFailure` (the fork server
         killed) if that takes over ``timeout_s``."""
         end = time.time() + timeout_s
-        while len(self.pids.keys() | self.codes.keys()) < self.world and not self.eof:
+        while len(self.pids.keys() | self.codes.keys()) < self.world and not self.server.gone:
             if time.time() > end:
-                self.server.kill()
+                self.server.proc.kill()
                 raise RuntimeFailure(f"the node processes did not start within {timeout_s:g} s "
                                      "(is the machine overloaded?); nothing was left running")
             time.sleep(0.01)
         return [NodeProcess(self, r, self.pids.get(r)) for r in range(self.world)]
 
     def close(self, timeout_s: float = 10.0) -> None:
-        """Reap the fork server (it exits once its children have); SIGKILL it after ``timeout_s``."""
+        """Wait up to ``timeout_s`` for every started node's exit report, then forget the launch."""
+        end = time.time() + timeout_s
+        while any(self.code(r) is None for r in self.pids) and time.time() < end:
+            time.sleep(0.01)
+        with self.server.lock:
+            self.server.launches.pop(self.launch, None)
+
+
+class ForkServer:
+    """This process's fork server: requests in, start and exit reports out (a reader thread)."""
+
+    def __init__(self, env: dict):
+        self.lock = threading.Lock()
+        self.launches: dict[int, ForkedNodes] = {}
+        self.next_launch = 0
+        self.gone = False
+        self.proc = _start_in_lasting_thread([sys.executable, "-m", __name__], env)
+        threading.Thread(target=self._read, name="fork-server-reports", daemon=True).start()
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            parts = line.split()
+            if len(parts) != 4 or not all(p.lstrip("-").isdigit() for p in parts[1:]):
+                continue
+            launch, rank, value = map(int, parts[1:])
+            with self.lock:
+                nodes = self.launches.get(launch)
+                if nodes is not None and parts[0] == "started":
+                    nodes.pids[rank] = value
+                elif nodes is not None and parts[0] == "exited":
+                    nodes.codes[rank] = value
+        self.gone = True
+
+    def submit(self, request: dict) -> ForkedNodes:
+        with self.lock:
+            launch, self.next_launch = self.next_launch, self.next_launch + 1
+            nodes = self.launches[launch] = ForkedNodes(self, launch, request["world"])
+            try:
+                self.proc.stdin.write(json.dumps({**request, "launch": launch}) + "\n")
+                self.proc.stdin.flush()
+            except (BrokenPipeError, OSError):
+                self.gone = True
+        return nodes
+
+
+def _start_in_lasting_thread(cmd: list[str], env: dict) -> subprocess.Popen:
+    """``Popen(cmd)`` from a daemon thread that never ends: the child's ``PR_SET_PDEATHSIG``
+    fires when the *thread* that started it exits, and a launch may run in a short-lived one."""
+    box: dict = {}
+    ready = threading.Event()
+
+    def owner() -> None:
         try:
-            self.server.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            self.server.kill()
-            self.server.wait()
-        self._reader.join(timeout=1.0)
-        if self.server.stdout is not None:
-            self.server.stdout.close()
+            box["proc"] = subprocess.Popen(cmd, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                           stderr=subprocess.DEVNULL, text=True)
+        except BaseException as e:  # noqa: BLE001 - raised in the caller below
+            box["error"] = e
+        ready.set()
+        threading.Event().wait()
+
+    threading.Thread(target=owner, name="fork-server-owner", daemon=True).start()
+    ready.wait()
+    if "error" in box:
+        raise box["error"]
+    return box["proc"]
+
+
+_SERVER: dict[str, ForkServer] = {}
+_SERVER_LOCK = threading.Lock()
+
+
+def _server(env: dict) -> ForkServer:
+    with _SERVER_LOCK:
+        s = _SERVER.get("server")
+        if s is None or s.gone or s.proc.poll() is not None:
+            base = {k: v for k, v in os.environ.items() if not k.startswith("SKIPTRAIN_")}
+            s = _SERVER["server"] = ForkServer(dict(base, OMP_NUM_THREADS="1", PYTHONPATH=env.get("PYTHONPATH", "")))
+        return s
 
 
 def start_nodes(job_path: Path, module: str, world: int, logs: Path, env: dict,
                 detached: bool) -> tuple[ForkedNodes, list[NodeProcess]]:
     """Fork ``world`` node processes running ``module``'s ``main(["--job", job_path])`` with
-    ``env`` (plus ``RANK``/``LOCAL_RANK``); see the module doc."""
-    cmd = [sys.executable, "-m", __name__, "--job", str(job_path), "--module", module,
-           "--world", str(world), "--logs", str(logs)] + (["--detached"] if detached else [])
-    server = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
-                              stdin=subprocess.DEVNULL, text=True, start_new_session=detached)
-    nodes = ForkedNodes(server, world)
+    ``env`` (plus ``RANK``/``LOCAL_RANK``) in this process's working directory; see the module
+    doc."""
+    request = {"job": str(job_path), "module": module, "world": world, "logs": str(logs), "env": env,
+               "cwd": os.getcwd(), "detached": detached}
+    nodes = _server(env).submit(request)
     return nodes, nodes.wait_started()
-
-
-def _child(main, rank: int, job_path: str, logs: Path, detached: bool, server: int, fresh: str | None) -> None:
-    """In the forked child: become node ``rank`` and run it (``fresh``: exec ``python -m fresh``
-    instead, in a new interpreter); never returns."""
-    code = 1
-    try:
-        if detached:
-            os.setsid()
-        else:
-            set_parent_death_signal()
-            if os.getppid() != server:          # the fork server died before the line above
-                os._exit(1)
-        signal.signal(signal.SIGINT, signal.default_int_handler)
-        os.environ["RANK"] = os.environ["LOCAL_RANK"] = str(rank)
-        fd = os.open(logs / f"node{rank}.log", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-        null = os.open(os.devnull, os.O_RDONLY)
-        os.dup2(null, 0)
-        os.dup2(fd, 1)
-        os.dup2(fd, 2)
-        os.close(fd)
-        os.close(null)
-        print(f"skiptrain node {rank}: pid {os.getpid()}", flush=True)
-        if fresh:
-            os.execv(sys.executable, [sys.executable, "-m", fresh, "--job", job_path])
-        code = main(["--job", job_path])
-    except SystemExit as e:
-        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
-    except BaseException:  # noqa: BLE001 - the node's own report failed: leave the traceback
-        traceback.print_exc()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code or 0)
 
 
 def preload() -> None:
@@ -190,6 +214,41 @@ def preload() -> None:
             continue
 
 
+def _child(main, rank: int, req: dict, server: int, fresh: bool) -> None:
+    """In the forked child: become node ``rank`` of the launch ``req`` and run it (``fresh``:
+    exec ``python -m MODULE`` instead, in a new interpreter); never returns."""
+    code = 1
+    try:
+        if req["detached"]:
+            os.setsid()
+        else:
+            set_parent_death_signal()
+            if os.getppid() != server:          # the fork server died before the line above
+                os._exit(1)
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        os.chdir(req["cwd"])
+        os.environ.clear()
+        os.environ.update(req["env"], RANK=str(rank), LOCAL_RANK=str(rank))
+        fd = os.open(Path(req["logs"]) / f"node{rank}.log", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        null = os.open(os.devnull, os.O_RDONLY)
+        os.dup2(null, 0)
+        os.dup2(fd, 1)
+        os.dup2(fd, 2)
+        os.close(fd)
+        os.close(null)
+        print(f"skiptrain node {rank}: pid {os.getpid()}", flush=True)
+        if fresh:
+            os.execv(sys.executable, [sys.executable, "-m", req["module"], "--job", req["job"]])
+        code = main(["--job", req["job"]])
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+    except BaseException:  # noqa: BLE001 - the node's own report failed: leave the traceback
+        traceback.print_exc()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code or 0)
+
+
 def _report(line: str) -> None:
     try:
         sys.stdout.write(line + "\n")
@@ -198,54 +257,65 @@ def _report(line: str) -> None:
         pass
 
 
-def serve(job_path: str, module: str, world: int, logs: Path, detached: bool) -> int:
-    """The fork server: import ``module``, fork a node per rank, report their exits, then exit."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    if not detached:
-        set_parent_death_signal()
+def _node_main(req: dict):
+    """The node module's ``main``, imported here (with the launch's ``PYTHONPATH`` and working
+    directory on ``sys.path``, as ``python -m`` would have them); None, each rank's log saying
+    why, if it cannot be imported."""
+    for p in [req["cwd"]] + [p for p in req["env"].get("PYTHONPATH", "").split(os.pathsep) if p]:
+        if p not in sys.path:
+            sys.path.insert(0, p)
     try:
-        main = importlib.import_module(module).main
-    except BaseException:  # noqa: BLE001 - no node can start: each log says why
+        return importlib.import_module(req["module"]).main
+    except BaseException:  # noqa: BLE001 - no node of this launch can start
         err = traceback.format_exc()
-        for r in range(world):
-            (logs / f"node{r}.log").write_text(f"skiptrain node {r}: cannot import {module}\n{err}")
-            _report(f"exited {r} 1")
-        return 1
-    fresh = module if os.environ.get(FRESH_ENV) == "1" else None
-    if fresh is None:
-        preload()
-        if "torch" in sys.modules and sys.modules["torch"].cuda.is_initialized():
-            fresh = module                 # CUDA cannot be used in a child forked after its start
+        for r in range(req["world"]):
+            (Path(req["logs"]) / f"node{r}.log").write_text(f"skiptrain node {r}: cannot import {req['module']}\n{err}")
+            _report(f"exited {req['launch']} {r} 1")
+        return None
+
+
+def _fork_launch(req: dict, children: dict[int, tuple[int, int]], server: int, cuda: bool) -> None:
+    main = _node_main(req)
+    if main is None:
+        return
+    fresh = cuda or req["env"].get(FRESH_ENV) == "1"
     sys.stdout.flush()
     sys.stderr.flush()
-    ranks: dict[int, int] = {}
-    server = os.getpid()
-    for r in range(world):
+    for r in range(req["world"]):
         pid = os.fork()
         if pid == 0:
-            _child(main, r, job_path, logs, detached, server, fresh)
-        ranks[pid] = r
-        _report(f"started {r} {pid}")
-    while ranks:
-        try:
-            pid, status = os.wait()
-        except ChildProcessError:
-            break
-        if pid in ranks:
-            _report(f"exited {ranks.pop(pid)} {os.waitstatus_to_exitcode(status)}")
+            _child(main, r, req, server, fresh)
+        children[pid] = (req["launch"], r)
+        _report(f"started {req['launch']} {r} {pid}")
+
+
+def serve() -> int:
+    """The fork server: preload, then fork the nodes of each request on stdin and report their
+    starts and exits, until stdin closes and the last child has exited."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    set_parent_death_signal()
+    preload()
+    cuda = "torch" in sys.modules and sys.modules["torch"].cuda.is_initialized()
+    server, children, pending, reading = os.getpid(), {}, b"", True
+    while reading or children:
+        if reading and select.select([0], [], [], 0.02)[0]:
+            chunk = os.read(0, 1 << 16)
+            reading = bool(chunk)
+            pending += chunk
+            while b"\n" in pending:
+                line, pending = pending.split(b"\n", 1)
+                _fork_launch(json.loads(line), children, server, cuda)
+        elif not reading:
+            time.sleep(0.02)
+        while children:
+            pid, status = os.waitpid(-1, os.WNOHANG)
+            if pid == 0:
+                break
+            if pid in children:
+                launch, rank = children.pop(pid)
+                _report(f"exited {launch} {rank} {os.waitstatus_to_exitcode(status)}")
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog=f"python -m {__name__}", description=__doc__.split("\n")[0])
-    ap.add_argument("--job", required=True, help="the launch's job JSON (RUN_DIR/job.json)")
-    ap.add_argument("--module", required=True, help="the node module (job.node_module); its main() runs per rank")
-    ap.add_argument("--world", type=int, required=True, help="how many node processes to fork (ranks 0..N-1)")
-    ap.add_argument("--logs", required=True, help="folder of the node logs (node<r>.log)")
-    ap.add_argument("--detached", action="store_true", help="new sessions; outlive the launcher")
-    a = ap.parse_args(argv)
-    return serve(a.job, a.module, a.world, Path(a.logs), a.detached)
-
-
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(serve())
