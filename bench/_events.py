@@ -17,6 +17,8 @@ import sys
 import time
 from pathlib import Path
 
+from skiptrain.runtime.node_processes import node_pids as forked_node_pids
+
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -31,8 +33,9 @@ def launch_process(job_path: Path, log: Path | None = None) -> subprocess.Popen:
 
 
 def node_pids(run: Path) -> list[int]:
-    """PIDs of the node processes of the launch into ``run``: an argument of their command line
-    is ``run``'s job file (``--job RUN/job.json``); never this process."""
+    """PIDs of the node processes of the launch into ``run``: the forked ones (the PID on the
+    first line of their logs) and any whose command line names ``run``'s job file (``--join``
+    nodes, nodes exec'd afresh); never this process."""
     job = str(Path(run) / "job.json").encode()
     pids = []
     for p in Path("/proc").iterdir():
@@ -42,7 +45,7 @@ def node_pids(run: Path) -> list[int]:
                     pids.append(int(p.name))
             except OSError:
                 pass
-    return pids
+    return pids + [p for p in forked_node_pids(run) if p not in pids and p != os.getpid()]
 
 
 def kill_job(proc: subprocess.Popen, run: Path, extra: list[subprocess.Popen] = ()) -> None:

@@ -13,7 +13,7 @@ import torch
 
 from skiptrain.data.corpus import read_documents
 from skiptrain.data.dataset import write_dataset
-from skiptrain.runtime.failure import pid_running
+from skiptrain.runtime.node_processes import node_pids
 
 DATA = Path(__file__).parent / "data"
 TRAIN_TEXTS = [str(DATA / "hamlet_excerpt.txt"), str(DATA / "macbeth_excerpt.txt")]
@@ -41,8 +41,7 @@ def bpe_data(tmp_path_factory) -> Path:
 
 def processes_of_run(run_dir: Path) -> list[int]:
     """PIDs of live processes of a launch of ``run_dir``: those whose command line names it (the
-    launcher, the store) and its node processes (forked by the fork server: the PID on the first
-    line of each ``logs/node<r>.log``, while that PID is still a fork server's child)."""
+    launcher, the store) and its forked node processes (:func:`node_pids`)."""
     pids = []
     for p in Path("/proc").iterdir():
         if p.name.isdigit():
@@ -51,16 +50,7 @@ def processes_of_run(run_dir: Path) -> list[int]:
                     pids.append(int(p.name))
             except OSError:
                 pass
-    for log in sorted((Path(run_dir) / "logs").glob("node*.log")):
-        try:
-            first = log.read_text(errors="replace").split("\n", 1)[0]
-            pid = int(first.rsplit(" ", 1)[1]) if ": pid " in first else None
-            if pid and pid not in pids and pid_running(pid) and \
-                    b"skiptrain.runtime.node" in Path(f"/proc/{pid}/cmdline").read_bytes():
-                pids.append(pid)
-        except (OSError, ValueError, IndexError):
-            pass
-    return pids
+    return pids + [p for p in node_pids(run_dir) if p not in pids]
 
 
 def launch_in_a_process(job_path: Path, capture: bool = False) -> subprocess.Popen:

@@ -34,6 +34,8 @@ def main(argv):
         time.sleep(600)
     if rank == 3:
         raise ValueError("probe failure")
+    if rank == 4:
+        raise KeyboardInterrupt
     return 0
 
 if __name__ == "__main__":
@@ -52,13 +54,18 @@ def _setup(tmp_path: Path, name: str) -> tuple[Path, Path, dict]:
     return run, job, env
 
 
+def _start(job: Path, module: str, world: int, logs: Path, env: dict, detached: bool = False):
+    forked = start_nodes(job, module, world, logs, env, detached)
+    return forked, forked.wait_started()
+
+
 def _reference_codes(tmp_path: Path) -> dict[int, int]:
     """The same probe started the plain way, one ``python -m`` process per rank."""
     run, job, env = _setup(tmp_path, "ref")
     procs = [subprocess.Popen([sys.executable, "-m", "probe_node", "--job", str(job)],
                               env=dict(env, RANK=str(r), LOCAL_RANK=str(r)), stdin=subprocess.DEVNULL,
                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=tmp_path)
-             for r in range(4)]
+             for r in range(5)]
     wait_for(lambda: (run / "rank2.json").exists(), 60)
     os.kill(procs[2].pid, signal.SIGKILL)
     return {r: p.wait(timeout=60) for r, p in enumerate(procs)}
@@ -69,16 +76,16 @@ def test_forked_nodes_behave_like_one_python_process_per_rank(tmp_path, fresh):
     """Forked (and, with SKIPTRAIN_FRESH_NODES=1, each exec'ing a new interpreter)."""
     run, job, env = _setup(tmp_path, "run")
     env["SKIPTRAIN_FRESH_NODES"] = fresh
-    forked, procs = start_nodes(job, "probe_node", 4, run / "logs", env, detached=False)
+    forked, procs = _start(job, "probe_node", 5, run / "logs", env)
     try:
-        assert len({p.pid for p in procs}) == 4 and all(p.pid > 1 for p in procs)
+        assert len({p.pid for p in procs}) == 5 and all(p.pid > 1 for p in procs)
         wait_for(lambda: (run / "rank2.json").exists(), 60)
         assert procs[2].poll() is None
         os.kill(procs[2].pid, signal.SIGKILL)
         codes = {r: p.wait(timeout=60) for r, p in enumerate(procs)}
     finally:
         forked.close()
-    assert codes == _reference_codes(tmp_path) == {0: 0, 1: 3, 2: -signal.SIGKILL, 3: 1}
+    assert codes == _reference_codes(tmp_path) == {0: 0, 1: 3, 2: -signal.SIGKILL, 3: 1, 4: -signal.SIGINT}
     for r, p in enumerate(procs):
         seen = json.loads((run / f"rank{r}.json").read_text())
         assert seen == {"rank": r, "local_rank": str(r), "pid": p.pid, "argv": ["--job", str(job)], "stdin": "",
@@ -91,14 +98,13 @@ def test_forked_nodes_behave_like_one_python_process_per_rank(tmp_path, fresh):
 
 def test_a_node_module_that_cannot_be_imported_fails_every_rank_with_its_traceback(tmp_path):
     run, job, env = _setup(tmp_path, "run")
-    forked, procs = start_nodes(job, "no_such_node_module", 3, run / "logs", env, detached=False)
+    forked, procs = _start(job, "no_such_node_module", 3, run / "logs", env)
     try:
         assert [p.wait(timeout=60) for p in procs] == [1, 1, 1]
-        assert all(p.pid is None for p in procs)
     finally:
         forked.close()
     log = (run / "logs" / "node1.log").read_text()
-    assert "cannot import no_such_node_module" in log and "ModuleNotFoundError" in log
+    assert "ModuleNotFoundError: No module named 'no_such_node_module'" in log
 
 
 @pytest.mark.parametrize("victim", ["fork server", "launcher"])
@@ -107,7 +113,7 @@ def test_no_node_outlives_its_fork_server_or_its_launcher(tmp_path, victim):
     handles report them gone.  SIGKILL of a launcher process: the fork server and the nodes go."""
     run, job, env = _setup(tmp_path, "run")
     if victim == "fork server":
-        forked, procs = start_nodes(job, "probe_node", 3, run / "logs", env, detached=False)
+        forked, procs = _start(job, "probe_node", 3, run / "logs", env)
         wait_for(lambda: (run / "rank2.json").exists(), 60)
         os.kill(forked.server.proc.pid, signal.SIGKILL)
         assert procs[2].wait(timeout=30) == -signal.SIGKILL
@@ -116,7 +122,7 @@ def test_no_node_outlives_its_fork_server_or_its_launcher(tmp_path, victim):
         code = ("import os, sys, time; from pathlib import Path; "
                 "from skiptrain.runtime.node_processes import start_nodes; "
                 f"start_nodes(Path({str(job)!r}), 'probe_node', 3, Path({str(run / 'logs')!r}), "
-                "dict(os.environ), False); "
+                "dict(os.environ), False).wait_started(); "
                 "time.sleep(600)")
         launcher = subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.DEVNULL,
                                     stderr=subprocess.DEVNULL)
@@ -134,10 +140,9 @@ def test_no_node_outlives_its_fork_server_or_its_launcher(tmp_path, victim):
 def test_later_launches_reuse_the_fork_server_with_their_own_environment_even_from_a_finished_thread(tmp_path):
     """A launch started in a thread that has ended (the fork server must not die with it: its
     PR_SET_PDEATHSIG is per thread), then another in another working directory with another
-    environment: the same fork server forks both, each child sees only its own launch's."""
+    environment, its probe module edited in between: the same fork server forks both, each child
+    sees only its own launch's environment, directory and module."""
     import threading
-
-    from skiptrain.runtime import node_processes
 
     seen, pids = [], []
     for i, name in enumerate(["first", "second"]):
@@ -145,16 +150,16 @@ def test_later_launches_reuse_the_fork_server_with_their_own_environment_even_fr
         env["PROBE_MARKER"] = name
         if i == 0:
             env["ONLY_IN_THE_FIRST"] = "1"
-            th = threading.Thread(target=lambda: seen.append(start_nodes(job, "probe_node", 2, run / "logs", env,
-                                                                         False)))
+            th = threading.Thread(target=lambda: seen.append(_start(job, "probe_node", 2, run / "logs", env)))
             th.start()
             th.join()
             forked, procs = seen[0]
             time.sleep(0.5)                 # (a fork server killed with the thread would be gone by now)
         else:
+            (tmp_path / "probe_node.py").write_text(PROBE.replace('"cwd": os.getcwd()', '"cwd": os.getcwd(), "edited": 1'))
             os.chdir(run)
             try:
-                forked, procs = start_nodes(job, "probe_node", 2, run / "logs", env, False)
+                forked, procs = _start(job, "probe_node", 2, run / "logs", env)
             finally:
                 os.chdir(Path(__file__).parent.parent)
         assert [p.wait(timeout=60) for p in procs] == [0, 3]
@@ -162,7 +167,7 @@ def test_later_launches_reuse_the_fork_server_with_their_own_environment_even_fr
         pids.append(forked.server.proc.pid)
         probe = json.loads((run / "rank0.json").read_text())
         assert probe["marker"] == name
-    assert pids[0] == pids[1] == node_processes._server({}).proc.pid
+    assert pids[0] == pids[1] and forked.server.proc.poll() is None
     second = json.loads((tmp_path / "second" / "rank0.json").read_text())
-    assert second["first"] is None and second["cwd"] == str(tmp_path / "second")
+    assert second["first"] is None and second["cwd"] == str(tmp_path / "second") and second["edited"] == 1
     assert json.loads((tmp_path / "first" / "rank0.json").read_text())["first"] == "1"

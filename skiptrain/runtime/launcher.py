@@ -137,8 +137,9 @@ def _launch(job: Job, nodes: int | None, timeout_s: float, grace_s: float, echo:
     t_start = time.time()
     killed_by_us: set[int] = set()
     try:
-        forked, procs = start_nodes(job_path, job.node_module, world, run_dir / "logs", base_env,
-                                   detached=store_proc is not None)
+        forked = start_nodes(job_path, job.node_module, world, run_dir / "logs", base_env,
+                             detached=store_proc is not None)
+        procs = forked.wait_started()
         with SwarmProgress(run_dir / "metrics.jsonl", sum(ph.iterations for ph in job.phases), enabled=echo,
                            initial=job.resume["iteration"] if job.resume else 0):
             try:
@@ -155,6 +156,8 @@ def _launch(job: Job, nodes: int | None, timeout_s: float, grace_s: float, echo:
             while time.time() < grace_end and any(p.poll() is None for p in procs):
                 time.sleep(0.05)
     finally:
+        if forked is not None and not procs:           # (interrupted or timed out while starting)
+            procs = forked.handles()
         killed_by_us |= _stop_children(procs)
         if forked is not None:
             forked.close()

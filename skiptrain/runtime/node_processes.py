@@ -5,14 +5,15 @@ what a node imports on its first step); a launch of 16 nodes on a small machine 
 of its first minute on imports.  :func:`start_nodes` instead asks this launcher process's *fork
 server* (``python -m skiptrain.runtime.node_processes``, started on the first launch and kept
 for later ones) to fork one child per rank.  The fork server has imported the node code, torch's
-compiler front end and every module of ``skiptrain.runtime`` and the layers below it; it imports
-``job.node_module`` when a launch names it.  Each child is what ``python -m <node_module> --job
-RUN_DIR/job.json`` started by the launcher would be: the launch's environment (its own
-``RANK`` and ``LOCAL_RANK``) and working directory, output in ``RUN_DIR/logs/node<r>.log``
-(whose first line gives its PID), stdin from ``/dev/null``, the default Ctrl-C handler, and its
-own session when the launch is detached.  The fork server starts no thread and touches no GPU
-before it forks (were CUDA initialised in it, each child would exec a new interpreter instead,
-as it does when ``SKIPTRAIN_FRESH_NODES=1`` is set: slower starts, nothing shared).
+compiler front end and every module of ``skiptrain.runtime`` and the layers below it, none of
+which starts a thread or initialises CUDA on import.  Each child is what ``python -m
+<node_module> --job RUN_DIR/job.json`` started by the launcher would be: the launch's
+environment (its own ``RANK`` and ``LOCAL_RANK``), working directory and ``sys.path``; it
+imports ``job.node_module`` itself (already loaded for ``skiptrain.runtime.node``); output in
+``RUN_DIR/logs/node<r>.log``, whose first line gives its PID (:func:`node_pids` reads them);
+stdin from ``/dev/null``; the default Ctrl-C handler; its own session when the launch is
+detached.  With ``SKIPTRAIN_FRESH_NODES=1``, or if CUDA was initialised in the fork server,
+each child execs a new interpreter instead (slower starts, nothing shared).
 
 The launcher gets one :class:`NodeProcess` per rank with the part of ``subprocess.Popen`` it
 uses (``pid``, ``poll``, ``wait``, ``returncode``): the fork server reaps its children and
@@ -23,10 +24,12 @@ stdin, one JSON line per launch.
 Failure semantics: the fork server ignores Ctrl-C (its children get it) and asks for SIGKILL
 when the launcher process dies (``PR_SET_PDEATHSIG``, from a thread that lives as long as the
 process); so do the nodes of a launch that is not detached, when the fork server dies.  A
-detached launch's nodes outlive both.  If the node module cannot be imported, every rank
-"exits" with code 1 and its log holds the traceback.  If the fork server is killed, a node it no
-longer reports is taken as exited (``-SIGKILL``) once its PID no longer runs, and the next launch
-starts a new fork server.
+detached launch's nodes outlive both.  A node module that cannot be imported: that launch's
+ranks exit 1, each log holding the traceback.  A request the fork server cannot carry out (a
+fork refused, say): its ranks not yet forked exit 1, the reason on the fork server's stderr (the
+launcher's) and in their logs.  If the fork server is killed, a node it no longer reports is
+taken as exited (``-SIGKILL``) once its PID no longer runs, and the next launch starts a new
+fork server.
 """
 
 from __future__ import annotations
@@ -95,18 +98,22 @@ class ForkedNodes:
             return -signal.SIGKILL           # the fork server is gone and so is the node
         return None
 
+    def handles(self) -> list[NodeProcess]:
+        """One handle per rank (``pid`` None for a rank not reported started yet)."""
+        with self.server.lock:
+            return [NodeProcess(self, r, self.pids.get(r)) for r in range(self.world)]
+
     def wait_started(self, timeout_s: float = START_TIMEOUT_S) -> list[NodeProcess]:
-        """Block until every rank has a PID or an exit status; the launcher's handles (``pid``
-        None for a rank that never started).  Raises :class:`RuntimeFailure` (the fork server
-        killed) if that takes over ``timeout_s``."""
+        """Block until every rank has a PID or an exit status; the launcher's handles.  Raises
+        :class:`RuntimeFailure` if that takes over ``timeout_s`` (the caller stops the ranks
+        that did start: ``handles()``)."""
         end = time.time() + timeout_s
         while len(self.pids.keys() | self.codes.keys()) < self.world and not self.server.gone:
             if time.time() > end:
-                self.server.proc.kill()
                 raise RuntimeFailure(f"the node processes did not start within {timeout_s:g} s "
-                                     "(is the machine overloaded?); nothing was left running")
+                                     "(is the machine overloaded?)")
             time.sleep(0.01)
-        return [NodeProcess(self, r, self.pids.get(r)) for r in range(self.world)]
+        return self.handles()
 
     def close(self, timeout_s: float = 10.0) -> None:
         """Wait up to ``timeout_s`` for every started node's exit report, then forget the launch."""
@@ -162,8 +169,7 @@ def _start_in_lasting_thread(cmd: list[str], env: dict) -> subprocess.Popen:
 
     def owner() -> None:
         try:
-            box["proc"] = subprocess.Popen(cmd, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                           stderr=subprocess.DEVNULL, text=True)
+            box["proc"] = subprocess.Popen(cmd, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         except BaseException as e:  # noqa: BLE001 - raised in the caller below
             box["error"] = e
         ready.set()
@@ -185,19 +191,42 @@ def _server(env: dict) -> ForkServer:
         s = _SERVER.get("server")
         if s is None or s.gone or s.proc.poll() is not None:
             base = {k: v for k, v in os.environ.items() if not k.startswith("SKIPTRAIN_")}
-            s = _SERVER["server"] = ForkServer(dict(base, OMP_NUM_THREADS="1", PYTHONPATH=env.get("PYTHONPATH", "")))
+            # (NVML's device count: a torch.cuda.is_available() in the fork server initialises no CUDA)
+            s = _SERVER["server"] = ForkServer(dict(base, OMP_NUM_THREADS="1", PYTORCH_NVML_BASED_CUDA_CHECK="1",
+                                                    PYTHONPATH=env.get("PYTHONPATH", "")))
         return s
 
 
-def start_nodes(job_path: Path, module: str, world: int, logs: Path, env: dict,
-                detached: bool) -> tuple[ForkedNodes, list[NodeProcess]]:
-    """Fork ``world`` node processes running ``module``'s ``main(["--job", job_path])`` with
-    ``env`` (plus ``RANK``/``LOCAL_RANK``) in this process's working directory; see the module
-    doc."""
+def start_nodes(job_path: Path, module: str, world: int, logs: Path, env: dict, detached: bool) -> ForkedNodes:
+    """Ask the fork server for ``world`` node processes running ``module``'s ``main(["--job",
+    job_path])`` with ``env`` (plus ``RANK``/``LOCAL_RANK``) in this process's working directory
+    (see the module doc); ``wait_started()`` on the result gives their handles."""
     request = {"job": str(job_path), "module": module, "world": world, "logs": str(logs), "env": env,
                "cwd": os.getcwd(), "detached": detached}
-    nodes = _server(env).submit(request)
-    return nodes, nodes.wait_started()
+    return _server(env).submit(request)
+
+
+def node_pids(run_dir: Path) -> list[int]:
+    """PIDs of the running forked node processes of launches into ``run_dir``: the PID on the
+    first line of each ``logs/node<r>.log``, where that process still runs this module's program
+    (a PID since reused by another process is not one)."""
+    pids = []
+    for log in sorted((Path(run_dir) / "logs").glob("node*.log")):
+        try:
+            with open(log, "rb") as f:
+                first = f.readline().decode(errors="replace")
+            pid = int(first.rsplit(" ", 1)[1]) if first.startswith("skiptrain node ") and ": pid " in first else 0
+            if pid > 1 and pid_running(pid) and \
+                    (__name__.encode() in Path(f"/proc/{pid}/cmdline").read_bytes() or _runs_fresh(pid, run_dir)):
+                pids.append(pid)
+        except (OSError, ValueError, IndexError):
+            continue
+    return pids
+
+
+def _runs_fresh(pid: int, run_dir: Path) -> bool:
+    """Whether ``pid`` is a node that exec'd a new interpreter for a launch into ``run_dir``."""
+    return str(run_dir).encode() in Path(f"/proc/{pid}/cmdline").read_bytes()
 
 
 def preload() -> None:
@@ -214,9 +243,11 @@ def preload() -> None:
             continue
 
 
-def _child(main, rank: int, req: dict, server: int, fresh: bool) -> None:
-    """In the forked child: become node ``rank`` of the launch ``req`` and run it (``fresh``:
-    exec ``python -m MODULE`` instead, in a new interpreter); never returns."""
+def _child(rank: int, req: dict, server: int, fresh: bool) -> None:
+    """In the forked child: become node ``rank`` of the launch ``req`` and run its node module's
+    ``main`` (``fresh``: exec ``python -m MODULE`` instead, in a new interpreter); never returns.
+    Exits as ``python -m`` would: ``main``'s return value or ``SystemExit``'s code, 1 after an
+    uncaught exception (traceback in the log), killed by SIGINT after an uncaught Ctrl-C."""
     code = 1
     try:
         if req["detached"]:
@@ -229,6 +260,8 @@ def _child(main, rank: int, req: dict, server: int, fresh: bool) -> None:
         os.chdir(req["cwd"])
         os.environ.clear()
         os.environ.update(req["env"], RANK=str(rank), LOCAL_RANK=str(rank))
+        # sys.path as `python -m` would start it: the working directory, then PYTHONPATH
+        sys.path[:0] = [req["cwd"]] + [p for p in req["env"].get("PYTHONPATH", "").split(os.pathsep) if p]
         fd = os.open(Path(req["logs"]) / f"node{rank}.log", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         null = os.open(os.devnull, os.O_RDONLY)
         os.dup2(null, 0)
@@ -239,14 +272,26 @@ def _child(main, rank: int, req: dict, server: int, fresh: bool) -> None:
         print(f"skiptrain node {rank}: pid {os.getpid()}", flush=True)
         if fresh:
             os.execv(sys.executable, [sys.executable, "-m", req["module"], "--job", req["job"]])
-        code = main(["--job", req["job"]])
+        ret = importlib.import_module(req["module"]).main(["--job", req["job"]])
+        code = ret if isinstance(ret, int) else (0 if ret is None else 1)
     except SystemExit as e:
+        if e.code is not None and not isinstance(e.code, int):
+            print(e.code, file=sys.stderr)
         code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
-    except BaseException:  # noqa: BLE001 - the node's own report failed: leave the traceback
+    except KeyboardInterrupt:
         traceback.print_exc()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code or 0)
+        code = -signal.SIGINT
+    except BaseException:  # noqa: BLE001 - as python -m: the traceback, exit 1
+        traceback.print_exc()
+    finally:
+        try:
+            sys.stdout.flush()
+            sys.stderr.flush()
+        finally:
+            if code == -signal.SIGINT:
+                signal.signal(signal.SIGINT, signal.SIG_DFL)
+                os.kill(os.getpid(), signal.SIGINT)
+            os._exit(code & 0xFF)
 
 
 def _report(line: str) -> None:
@@ -257,36 +302,37 @@ def _report(line: str) -> None:
         pass
 
 
-def _node_main(req: dict):
-    """The node module's ``main``, imported here (with the launch's ``PYTHONPATH`` and working
-    directory on ``sys.path``, as ``python -m`` would have them); None, each rank's log saying
-    why, if it cannot be imported."""
-    for p in [req["cwd"]] + [p for p in req["env"].get("PYTHONPATH", "").split(os.pathsep) if p]:
-        if p not in sys.path:
-            sys.path.insert(0, p)
-    try:
-        return importlib.import_module(req["module"]).main
-    except BaseException:  # noqa: BLE001 - no node of this launch can start
-        err = traceback.format_exc()
-        for r in range(req["world"]):
-            (Path(req["logs"]) / f"node{r}.log").write_text(f"skiptrain node {r}: cannot import {req['module']}\n{err}")
-            _report(f"exited {req['launch']} {r} 1")
-        return None
-
-
 def _fork_launch(req: dict, children: dict[int, tuple[int, int]], server: int, cuda: bool) -> None:
-    main = _node_main(req)
-    if main is None:
-        return
+    """Fork the nodes of one request; a rank that cannot be forked is reported as exited 1."""
     fresh = cuda or req["env"].get(FRESH_ENV) == "1"
     sys.stdout.flush()
     sys.stderr.flush()
     for r in range(req["world"]):
-        pid = os.fork()
+        try:
+            pid = os.fork()
+        except OSError as e:
+            msg = f"skiptrain node {r}: the fork server could not fork it: {e}"
+            print(msg, file=sys.stderr, flush=True)
+            try:
+                (Path(req["logs"]) / f"node{r}.log").write_text(msg + "\n")
+            except OSError:
+                pass
+            _report(f"exited {req['launch']} {r} 1")
+            continue
         if pid == 0:
-            _child(main, r, req, server, fresh)
+            _child(r, req, server, fresh)
         children[pid] = (req["launch"], r)
         _report(f"started {req['launch']} {r} {pid}")
+
+
+def _reap(children: dict[int, tuple[int, int]]) -> None:
+    while children:
+        pid, status = os.waitpid(-1, os.WNOHANG)
+        if pid == 0:
+            return
+        if pid in children:
+            launch, rank = children.pop(pid)
+            _report(f"exited {launch} {rank} {os.waitstatus_to_exitcode(status)}")
 
 
 def serve() -> int:
@@ -304,16 +350,16 @@ def serve() -> int:
             pending += chunk
             while b"\n" in pending:
                 line, pending = pending.split(b"\n", 1)
-                _fork_launch(json.loads(line), children, server, cuda)
+                try:
+                    req = json.loads(line)
+                except ValueError:
+                    print(f"skiptrain fork server: ignored a request that is not JSON: {line[:80]!r}",
+                          file=sys.stderr, flush=True)
+                    continue
+                _fork_launch(req, children, server, cuda)
         elif not reading:
             time.sleep(0.02)
-        while children:
-            pid, status = os.waitpid(-1, os.WNOHANG)
-            if pid == 0:
-                break
-            if pid in children:
-                launch, rank = children.pop(pid)
-                _report(f"exited {launch} {rank} {os.waitstatus_to_exitcode(status)}")
+        _reap(children)
     return 0
 
 
