@@ -118,7 +118,7 @@ class ForkedNodes:
     def close(self, timeout_s: float = 10.0) -> None:
         """Wait up to ``timeout_s`` for every started node's exit report, then forget the launch."""
         end = time.time() + timeout_s
-        while any(self.code(r) is None for r in self.pids) and time.time() < end:
+        while any(self.code(r) is None for r in list(self.pids)) and time.time() < end:
             time.sleep(0.01)
         with self.server.lock:
             self.server.launches.pop(self.launch, None)
