@@ -45,7 +45,7 @@ def node_pids(run: Path) -> list[int]:
                     pids.append(int(p.name))
             except OSError:
                 pass
-    return pids + [p for p in forked_node_pids(run) if p not in pids and p != os.getpid()]
+    return pids + [p for p in forked_node_pids(run).values() if p not in pids and p != os.getpid()]
 
 
 def kill_job(proc: subprocess.Popen, run: Path, extra: list[subprocess.Popen] = ()) -> None:

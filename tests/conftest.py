@@ -50,7 +50,7 @@ def processes_of_run(run_dir: Path) -> list[int]:
                     pids.append(int(p.name))
             except OSError:
                 pass
-    return pids + [p for p in node_pids(run_dir) if p not in pids]
+    return pids + [p for p in node_pids(run_dir).values() if p not in pids]
 
 
 def launch_in_a_process(job_path: Path, capture: bool = False) -> subprocess.Popen:

@@ -21,6 +21,7 @@ from fault_node import faulty_job
 from skiptrain.config import build_config
 from skiptrain.runtime.job import Job, Phase, with_runtime
 from skiptrain.runtime.launcher import launch
+from skiptrain.runtime.node_processes import node_pids
 from skiptrain.schedule.schedule import MicroBatch, Schedule
 from skiptrain.train.rundir import load_run
 
@@ -284,12 +285,7 @@ def test_a_store_left_behind_exits_once_every_node_is_done_or_silent(tmp_path):
 
 def _node_pid(run: Path, rank: int) -> int | None:
     """PID of the running node process of ``run`` with rank ``rank`` (its log's first line)."""
-    try:
-        first = (run / "logs" / f"node{rank}.log").read_text().splitlines()[0]
-    except (OSError, IndexError):
-        return None
-    pid = int(first.rsplit(" ", 1)[1]) if first.startswith(f"skiptrain node {rank}: pid ") else None
-    return pid if pid in processes_of_run(run) else None
+    return node_pids(run).get(rank)
 
 
 @pytest.mark.slow

@@ -38,6 +38,7 @@ import importlib
 import json
 import os
 import pkgutil
+import re
 import select
 import signal
 import subprocess
@@ -57,6 +58,8 @@ FRESH_ENV = "SKIPTRAIN_FRESH_NODES"       # "1": every node execs a new interpre
 PRELOAD_PACKAGES = ("skiptrain.runtime", "skiptrain.elastic", "skiptrain.dp", "skiptrain.checkpoint",
                     "skiptrain.layout", "skiptrain.schedule", "skiptrain.model", "skiptrain.data", "skiptrain.net")
 PRELOAD_MODULES = ("skiptrain.runtime.node", "torch._dynamo", "skiptrain.optim")
+PID_LINE = "skiptrain node {rank}: pid {pid}"       # the first line of each node's log
+_PID_LINE_RE = re.compile(r"skiptrain node (?P<rank>\d+): pid (?P<pid>\d+)")
 
 
 class NodeProcess:
@@ -206,27 +209,24 @@ def start_nodes(job_path: Path, module: str, world: int, logs: Path, env: dict, 
     return _server(env).submit(request)
 
 
-def node_pids(run_dir: Path) -> list[int]:
-    """PIDs of the running forked node processes of launches into ``run_dir``: the PID on the
-    first line of each ``logs/node<r>.log``, where that process still runs this module's program
-    (a PID since reused by another process is not one)."""
-    pids = []
+def node_pids(run_dir: Path) -> dict[int, int]:
+    """Rank -> PID of the running node processes of launches into ``run_dir``: the PID on the
+    first line of each ``logs/node<r>.log`` (:data:`PID_LINE`), where that process still runs
+    this module's program or, exec'd afresh, names ``run_dir`` in its command line (a PID since
+    reused by another process is not one)."""
+    pids = {}
     for log in sorted((Path(run_dir) / "logs").glob("node*.log")):
         try:
             with open(log, "rb") as f:
-                first = f.readline().decode(errors="replace")
-            pid = int(first.rsplit(" ", 1)[1]) if first.startswith("skiptrain node ") and ": pid " in first else 0
-            if pid > 1 and pid_running(pid) and \
-                    (__name__.encode() in Path(f"/proc/{pid}/cmdline").read_bytes() or _runs_fresh(pid, run_dir)):
-                pids.append(pid)
-        except (OSError, ValueError, IndexError):
+                m = _PID_LINE_RE.fullmatch(f.readline().decode(errors="replace").strip())
+            pid = int(m["pid"]) if m else 0
+            if pid > 1 and pid_running(pid):
+                cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+                if __name__.encode() in cmdline or str(run_dir).encode() in cmdline:
+                    pids[int(m["rank"])] = pid
+        except OSError:
             continue
     return pids
-
-
-def _runs_fresh(pid: int, run_dir: Path) -> bool:
-    """Whether ``pid`` is a node that exec'd a new interpreter for a launch into ``run_dir``."""
-    return str(run_dir).encode() in Path(f"/proc/{pid}/cmdline").read_bytes()
 
 
 def preload() -> None:
@@ -269,7 +269,7 @@ def _child(rank: int, req: dict, server: int, fresh: bool) -> None:
         os.dup2(fd, 2)
         os.close(fd)
         os.close(null)
-        print(f"skiptrain node {rank}: pid {os.getpid()}", flush=True)
+        print(PID_LINE.format(rank=rank, pid=os.getpid()), flush=True)
         if fresh:
             os.execv(sys.executable, [sys.executable, "-m", req["module"], "--job", req["job"]])
         ret = importlib.import_module(req["module"]).main(["--job", req["job"]])
