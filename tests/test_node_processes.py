@@ -171,3 +171,25 @@ def test_later_launches_reuse_the_fork_server_with_their_own_environment_even_fr
     second = json.loads((tmp_path / "second" / "rank0.json").read_text())
     assert second["first"] is None and second["cwd"] == str(tmp_path / "second") and second["edited"] == 1
     assert json.loads((tmp_path / "first" / "rank0.json").read_text())["first"] == "1"
+
+
+def test_kill_goes_through_the_fork_server_and_never_signals_a_node_that_has_exited(tmp_path):
+    """``NodeProcess.kill()`` as ``Popen.kill()``: a running node gets SIGKILL; one that has
+    exited keeps its own exit status, and its PID is not signalled again (the fork server
+    signals only children it has not reaped).  The reference is the same probe's exit codes."""
+    run, job, env = _setup(tmp_path, "run")
+    forked, procs = _start(job, "probe_node", 3, run / "logs", env)
+    try:
+        wait_for(lambda: (run / "rank2.json").exists(), 60)
+        assert [procs[r].wait(timeout=60) for r in (0, 1)] == [0, 3]
+        assert procs[2].poll() is None
+        for p in procs:
+            p.kill()
+        codes = {r: p.wait(timeout=30) for r, p in enumerate(procs)}
+        procs[0].kill()                     # long exited and reaped: nothing happens
+        assert procs[0].poll() == 0
+    finally:
+        forked.close()
+    assert codes == {0: 0, 1: 3, 2: -signal.SIGKILL}
+    assert forked.server.proc.poll() is None
+    assert processes_of_run(run) == []

@@ -84,19 +84,20 @@ class _Members:
         pid = self.procs[r].pid if r < len(self.procs) else self.ext.get(r)
         if pid is None or pid <= 1 or pid == os.getpid():
             return
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            return
         if r < len(self.procs):
+            self.procs[r].kill()
             try:
                 self.procs[r].wait(timeout=10)
             except Exception:  # noqa: BLE001
                 pass
-        else:
-            end = time.time() + 5
-            while pid_running(pid) and time.time() < end:
-                time.sleep(0.01)
+            return
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            return
+        end = time.time() + 5
+        while pid_running(pid) and time.time() < end:
+            time.sleep(0.01)
 
 
 def verified_pid(verifier: Verifier, store, node: int) -> int:

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -274,15 +273,12 @@ def _node_env(job: Job, run_dir: Path, world: int, port: int, detached: bool, jo
 
 
 def _stop_children(procs) -> set[int]:
-    """SIGKILL the node processes still running and reap all; returns the ranks killed here."""
+    """SIGKILL the node processes still running and wait for all; returns the ranks killed here."""
     killed = set()
     for r, p in enumerate(procs):
         if p.poll() is None and p.pid:
             killed.add(r)
-            try:
-                os.kill(p.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+            p.kill()
     for p in procs:
         try:
             p.wait(timeout=10)

@@ -16,10 +16,12 @@ detached.  With ``SKIPTRAIN_FRESH_NODES=1``, or if CUDA was initialised in the f
 each child execs a new interpreter instead (slower starts, nothing shared).
 
 The launcher gets one :class:`NodeProcess` per rank with the part of ``subprocess.Popen`` it
-uses (``pid``, ``poll``, ``wait``, ``returncode``): the fork server reaps its children and
-reports each one's start and exit status on its stdout (``started LAUNCH RANK PID``, ``exited
-LAUNCH RANK CODE``, ``CODE`` as ``Popen.returncode``: negative for a signal); requests go to its
-stdin, one JSON line per launch.
+uses (``pid``, ``poll``, ``wait``, ``kill``, ``returncode``): the fork server reaps its children
+and reports each one's start and exit status on its stdout (``started LAUNCH RANK PID``,
+``exited LAUNCH RANK CODE``, ``CODE`` as ``Popen.returncode``: negative for a signal); requests
+go to its stdin, one JSON line each (a launch, or a kill).  ``kill()`` is carried out by the fork
+server, which signals a node only while it has not reaped it: as with ``Popen.kill``, the PID of
+a node that has exited is never signalled, whatever process may have it since.
 
 Failure semantics: the fork server ignores Ctrl-C (its children get it) and asks for SIGKILL
 when the launcher process dies (``PR_SET_PDEATHSIG``, from a thread that lives as long as the
@@ -75,6 +77,10 @@ class NodeProcess:
     def poll(self) -> int | None:
         return self.returncode
 
+    def kill(self) -> None:
+        """SIGKILL the node unless it has exited (asynchronous: ``wait`` for its exit status)."""
+        self._nodes.kill(self.rank)
+
     def wait(self, timeout: float | None = None) -> int:
         end = None if timeout is None else time.time() + timeout
         while (code := self.poll()) is None:
@@ -100,6 +106,22 @@ class ForkedNodes:
         if self.server.gone and (pid is None or not pid_running(pid)):
             return -signal.SIGKILL           # the fork server is gone and so is the node
         return None
+
+    def kill(self, rank: int) -> None:
+        """SIGKILL ``rank`` through the fork server (it signals only a child it has not reaped).
+        With the fork server gone, a node still running under the PID it reported (a detached
+        one: the others got SIGKILL with the fork server) is signalled directly."""
+        if self.code(rank) is not None:
+            return
+        if not self.server.gone:
+            self.server.send({"kill": int(signal.SIGKILL), "launch": self.launch, "rank": rank})
+            return
+        pid = self.pids.get(rank)
+        if pid and pid_running(pid):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
 
     def handles(self) -> list[NodeProcess]:
         """One handle per rank (``pid`` None for a rank not reported started yet)."""
@@ -156,12 +178,19 @@ class ForkServer:
         with self.lock:
             launch, self.next_launch = self.next_launch, self.next_launch + 1
             nodes = self.launches[launch] = ForkedNodes(self, launch, request["world"])
-            try:
-                self.proc.stdin.write(json.dumps({**request, "launch": launch}) + "\n")
-                self.proc.stdin.flush()
-            except (BrokenPipeError, OSError):
-                self.gone = True
+            self._write({**request, "launch": launch})
         return nodes
+
+    def send(self, request: dict) -> None:
+        with self.lock:
+            self._write(request)
+
+    def _write(self, request: dict) -> None:
+        try:
+            self.proc.stdin.write(json.dumps(request) + "\n")
+            self.proc.stdin.flush()
+        except (BrokenPipeError, OSError, ValueError):      # (ValueError: the pipe was closed)
+            self.gone = True
 
 
 def _start_in_lasting_thread(cmd: list[str], env: dict) -> subprocess.Popen:
@@ -325,6 +354,18 @@ def _fork_launch(req: dict, children: dict[int, tuple[int, int]], server: int, c
         _report(f"started {req['launch']} {r} {pid}")
 
 
+def _kill(req: dict, children: dict[int, tuple[int, int]]) -> None:
+    """Signal the node ``(req["launch"], req["rank"])`` if it is a child not reaped yet (so its PID
+    is still its own: an exited child stays a zombie until :func:`_reap`, in this same thread)."""
+    for pid, key in children.items():
+        if key == (req["launch"], req["rank"]):
+            try:
+                os.kill(pid, int(req["kill"]))
+            except ProcessLookupError:
+                pass
+            return
+
+
 def _reap(children: dict[int, tuple[int, int]]) -> None:
     while children:
         pid, status = os.waitpid(-1, os.WNOHANG)
@@ -336,8 +377,9 @@ def _reap(children: dict[int, tuple[int, int]]) -> None:
 
 
 def serve() -> int:
-    """The fork server: preload, then fork the nodes of each request on stdin and report their
-    starts and exits, until stdin closes and the last child has exited."""
+    """The fork server: preload, then carry out each request on stdin (fork a launch's nodes, or
+    kill one) and report the nodes' starts and exits, until stdin closes and the last child has
+    exited."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     set_parent_death_signal()
     preload()
@@ -356,7 +398,10 @@ def serve() -> int:
                     print(f"skiptrain fork server: ignored a request that is not JSON: {line[:80]!r}",
                           file=sys.stderr, flush=True)
                     continue
-                _fork_launch(req, children, server, cuda)
+                if "kill" in req:
+                    _kill(req, children)
+                else:
+                    _fork_launch(req, children, server, cuda)
         elif not reading:
             time.sleep(0.02)
         _reap(children)
