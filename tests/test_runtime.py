@@ -228,6 +228,19 @@ def test_the_start_margin_follows_the_slowest_receipt_of_the_start_time(swarm):
         assert rows[i]["start_margin_s"] == pytest.approx(want, abs=2e-6), (i, rows[i], delays)
 
 
+def test_metrics_split_each_iteration_into_its_pipeline_and_the_sync_after_it(swarm):
+    """``iteration_s`` ends with the last event of the iteration (the data-parallel syncs and the
+    optimizer step included), ``pipeline_s`` with its last compute task (forward, loss,
+    backward): both read off the recorded timeline, rounded as the metrics are."""
+    for phase in ("full", "skip", "train"):
+        for i, row in enumerate(swarm["res"].phase_iterations(phase)):
+            ev = swarm["res"].timeline(phase, i)
+            compute = [e for e in ev if e.kind in ("fwd", "loss", "bwd")]
+            assert row["iteration_s"] == pytest.approx(max(e.end for e in ev), abs=1e-4), (phase, i)
+            assert row["pipeline_s"] == pytest.approx(max(e.end for e in compute), abs=1e-4), (phase, i)
+            assert 0 < row["pipeline_s"] <= row["iteration_s"]
+
+
 def test_timeline_is_recorded_in_simulator_format(swarm):
     ev = swarm["res"].timeline("skip", 0)
     kinds = {e.kind for e in ev}

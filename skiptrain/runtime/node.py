@@ -61,8 +61,9 @@ from .membership import coordinator_key, open_value, read_raw, set_member
 # columns of the per-iteration stats every node gathers (then the drift monitor's, the freeze
 # rule's layer norms, the checkpoint digest and the re-plan flag): loss sum, losses, iteration
 # end, overruns, overrun s, max in flight, sync payload bytes, received bytes, sync seconds,
-# start delay (rank 0's clock to this node's receipt)
-N_STATS = 10
+# pipeline end (the last compute task, before the sync and the optimizer step), start
+# delay (rank 0's clock to this node's receipt)
+N_STATS = 11
 
 # every iteration starts at rank 0's clock plus a margin that lets the start time reach every
 # node first: twice the slowest receipt of the last START_WINDOW iterations, within these bounds
@@ -621,6 +622,7 @@ class Node:
         events += self.tr.take_events()
         a.entry["events"] = [e.to_dict() for e in events]
         a.entry["t_end"] = max((e.end for e in events), default=0.0)
+        a.entry["pipe_end"] = max((e.end for e in a.res.events), default=0.0)
         # a checkpoint at this boundary: every node's save-plan digest rides on the stats gather
         snap = self._checkpoint_state(st) if self.ckpt.due(st.it + 1, st.ph.iterations) else None
         allst = self._gather_stats(st, a, events, snap[3] if snap else 0)
@@ -738,7 +740,8 @@ class Node:
         sync = a.entry.get("sync") or {}
         stats = torch.tensor([res.loss_sum, res.n_loss, a.entry["t_end"], st.padding.overruns, st.padding.overrun_s,
                               res.max_in_flight, sync.get("payload", 0), sync.get("received", 0),
-                              sync.get("comm_s", 0.0), a.start_delay], dtype=torch.float64)
+                              sync.get("comm_s", 0.0), a.entry.get("pipe_end", 0.0), a.start_delay],
+                             dtype=torch.float64)
         if st.drift is not None:
             stats = torch.cat([stats, st.drift.observe(events)])
         if st.elastic is not None:
@@ -761,6 +764,7 @@ class Node:
                    "overruns": int(g[:, 3].sum()), "overrun_s": round(float(g[:, 4].sum()), 4),
                    "max_in_flight": int(g[:, 5].max()), "payload_bytes": int(g[:, 6].max()),
                    "received_bytes": int(g[:, 7].max()), "comm_s": round(float(g[:, 8].max()), 6),
+                   "pipeline_s": round(float(g[:, 9].max()), 4),
                    "start_margin_s": round(margin, 6), "start_delay_s": round(delay, 6)}
             if self.job.rt.recover:
                 row.update(gen=self.gen, nodes=len(self.alive))
