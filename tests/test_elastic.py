@@ -174,6 +174,26 @@ def test_freeze_guard_confirm_ignores_a_one_window_blip_and_undoes_a_lasting_exc
         FreezeRule(6, guard_confirm=0)
 
 
+def test_the_first_window_the_guard_does_not_doubt_is_found_in_the_history():
+    """A window above the guard's projection that does not undo yet (guard_confirm 2) is a
+    doubted one: the swarm puts a cache prefill for the depth off until the first window that
+    is not (``first_undoubted``); the count is in each decision, so it survives a checkpoint."""
+    import json
+    rule = FreezeRule(6, alpha=0.2, check_every=1, tol=1.0, min_active=1, start_window=1, guard=True,
+                      guard_tol=0.01, guard_delay=0, stable_windows=1, guard_ref=2, guard_confirm=2)
+    norms = {l: 1.0 for l in range(6)}
+    _window(rule, 1, norms, val=3.0)
+    assert _window(rule, 2, norms, val=2.9).action == "freeze"
+    assert rule.first_undoubted(2) == 2
+    assert (_window(rule, 3, norms, val=3.5).above, rule.first_undoubted(3)) == (1, None)
+    clone = FreezeRule(6, alpha=0.2, check_every=1, tol=1.0, min_active=1, start_window=1, guard=True,
+                       guard_tol=0.01, guard_delay=0, stable_windows=1, guard_ref=2, guard_confirm=2)
+    clone.load_state_dict(json.loads(json.dumps(rule.state_dict())))
+    for r in (rule, clone):
+        assert _window(r, 4, norms, val=2.5).above == 0
+        assert r.first_undoubted(3) == 4 and r.first_undoubted(5) is None
+
+
 # ---- AutoPipe -----------------------------------------------------------------------------
 
 

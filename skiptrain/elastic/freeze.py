@@ -63,6 +63,7 @@ class Decision:
     stable: dict[str, int] = field(default_factory=dict)     # layer -> consecutive windows <= tol
     val_loss: float | None = None
     projected: float | None = None  # the reference trajectory's loss at this step (guard)
+    above: int = 0                  # consecutive windows above the projection, this one included
     reason: str = ""
 
     def to_dict(self) -> dict[str, Any]:
@@ -139,6 +140,12 @@ class FreezeRule:
         a, b = log_fit(pts)
         return a + b * math.log(max(clock, 1e-12))
 
+    def first_undoubted(self, step: int) -> int | None:
+        """The step of the first window ending at or after ``step`` whose validation loss was not
+        above the guard's projection (with ``guard_confirm > 1`` a window above it may be followed
+        by an undo of the newest freeze); None while there is none yet."""
+        return next((h["step"] for h in self.history if h["step"] >= step and not h.get("above", 0)), None)
+
     def observe(self, grad_norms: Mapping[int, float]) -> None:
         """Add one step's per-layer gradient norms (active layers only)."""
         for layer, g in grad_norms.items():
@@ -189,6 +196,7 @@ class FreezeRule:
                 d.projected = proj
                 over = proj is not None and vl > proj * (1 + self.guard_tol) and bool(self.freezes)
                 self.above = self.above + 1 if over else 0
+                d.above = self.above
                 if over and self.above < self.guard_confirm:
                     d.action = "delay"
                     d.reason = (f"validation loss {vl:.4f} > {proj:.4f} * (1 + {self.guard_tol}) for {self.above} "

@@ -214,12 +214,15 @@ class SwarmFreezing:
         """Every node's same answer, at the end of a window that keeps the frozen depth: has the
         depth, recomputed so far, now held for ``elastic.prefill_hold`` windows, with a prefill
         allowed (:meth:`_will_prefill`)?  Then the next iteration starts with the layout planned
-        again with the prefix cached (the gate may still decline).  Asked once per depth."""
+        again with the prefix cached (the gate may still decline).  A window whose validation
+        loss is above the guard's projection puts it off to the next window that is not (with
+        ``elastic.guard_confirm > 1`` an undo may follow and discard the prefill).  Asked once
+        per depth."""
         e = self.cfg.elastic
         if not (e.prefill_hold and self.frozen and not self.prefix_cached):
             return False
         since = max((t["step"] for t in self.transitions if t["frozen_before"] != t["frozen_after"]), default=None)
-        return (since is not None and step == since + e.prefill_hold * e.check_every
+        return (since is not None and step == self.rule.first_undoubted(since + e.prefill_hold * e.check_every)
                 and self._will_prefill(self.frozen, step))
 
     def _location(self, rank: int) -> str | None:
