@@ -59,7 +59,7 @@ from skiptrain.elastic.costs import (N_DEV, Scale, elastic_times, iteration, pap
 from skiptrain.train.elastic_trainer import ElasticTrainer  # noqa: E402
 from skiptrain.optim import build_adamw  # noqa: E402
 from skiptrain.train.trainer import Trainer  # noqa: E402
-from bench.elastic_swarm import print_swarm, swarm_half  # noqa: E402
+from bench.elastic_swarm import GUARD_WINDOWS, print_swarm, swarm_half  # noqa: E402
 
 
 # ---------------------------------------------------------------------------------------------
@@ -91,13 +91,14 @@ def subset(path: str, first: int, count: int | None, seq_len: int, source: str =
 
 
 OOD_VAL = 0.05
+REAL_MICRO_BATCH = 4      # windows per micro-batch of the real half
 
 
 def real_config(args, steps: int, elastic: dict | None):
     base = {"data": {"path": args.data},
             "model": {"d_model": 128, "n_layers": 8, "n_heads": 4, "n_kv_heads": 2, "seq_len": 64,
                       "n_stages": 4, "stage0_layers": -1},
-            "train": {"steps": steps, "micro_batch": 4, "n_micro": 4, "lr": args.lr, "warmup_steps": args.warmup,
+            "train": {"steps": steps, "micro_batch": REAL_MICRO_BATCH, "n_micro": 4, "lr": args.lr, "warmup_steps": args.warmup,
                       "eval_every": 0, "eval_batches": args.eval_batches, "progress": False, "seed": args.seed},
             "checkpoint": {"every": 0, "final": False}}
     return build_config(overrides={**base, **({"elastic": elastic} if elastic else {})})
@@ -119,7 +120,7 @@ def real_runs_in(args, tmp: Path) -> dict:
     el = {"enabled": True, "alpha": args.alpha, "check_every": args.check_every, "tol": args.tol,
           "min_active": 2, "start_window": args.start_window, "stable_windows": args.stable_windows,
           "guard": True, "guard_tol": args.guard_tol, "guard_confirm": args.guard_confirm, "guard_ref": 4,
-          "guard_min_ref": args.guard_min_ref, "guard_batches": 4, "nodes": N_DEV}
+          "guard_min_ref": args.guard_min_ref, "guard_batches": GUARD_WINDOWS // REAL_MICRO_BATCH, "nodes": N_DEV}
     trainers = {}
     for name, e in [("baseline", None), ("freeze_only", {**el, "cache": "off"}),
                     ("elastic", {**el, "cache": "auto", "cache_dir": str(tmp / "cache")})]:

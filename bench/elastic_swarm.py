@@ -53,6 +53,7 @@ from skiptrain.schedule.schedule import Schedule
 from skiptrain.schedule.simulator import simulate
 
 GLOBAL_BATCH = 16
+GUARD_WINDOWS = 16      # the real half's guard: 4 validation micro-batches of 4 windows
 
 
 def swarm_config(args, best: dict, seed: int, iterations: int, data: str):
@@ -72,11 +73,14 @@ def swarm_config(args, best: dict, seed: int, iterations: int, data: str):
         "checkpoint": {"every": 0, "final": False}})
 
 
-def elastic_settings(args) -> dict:
+def elastic_settings(args, micro_batch: int) -> dict:
+    """The real half's rule and guard; the guard validates the same 16 windows (4 micro-batches of
+    4 there), in micro-batches of this layout's size."""
     return {"enabled": True, "alpha": args.alpha, "check_every": args.swarm_check_every, "tol": args.tol,
             "min_active": 2, "start_window": args.start_window, "stable_windows": args.stable_windows,
             "guard": True, "guard_tol": args.guard_tol, "guard_confirm": args.guard_confirm, "guard_ref": 4,
-            "guard_min_ref": args.guard_min_ref, "guard_batches": 4, "cache": args.swarm_cache,
+            "guard_min_ref": args.guard_min_ref, "guard_batches": max(1, GUARD_WINDOWS // micro_batch),
+            "cache": args.swarm_cache,
             "cache_share": args.swarm_cache_share, "prefill_min_gain": args.swarm_prefill_min_gain,
             "prefill_hold": args.swarm_prefill_hold}
 
@@ -94,7 +98,8 @@ def run_seed(args, best: dict, seed: int, iterations: int, data: str, init: str 
     common = dict(schedule=sched.to_dict(), iterations=iterations, cost=cost.to_dict(), topology=topo.to_dict(),
                   wan=False, emulate_compute=True)
     phases = [Phase(name="static", dump=True, **common),
-              Phase(name="elastic", config={"elastic": elastic_settings(args)}, dump=True, **common)]
+              Phase(name="elastic", config={"elastic": elastic_settings(args, cfg.train.micro_batch)}, dump=True,
+                    **common)]
     with tempfile.TemporaryDirectory(prefix="bench-elastic-swarm-") as tmp:
         run = Path(args.swarm_keep) / f"seed{seed}" if args.swarm_keep else Path(tmp) / "run"
         job = Job(config=with_runtime(cfg.to_dict(), heartbeat_s=0.5), data_path=data, run_dir=str(run),
