@@ -5,6 +5,7 @@ from __future__ import annotations
 import socket
 import threading
 
+import numpy as np
 import pytest
 import torch
 
@@ -420,6 +421,32 @@ def test_a_shared_cache_is_prefilled_once_per_window_by_its_processes_in_disjoin
     assert runs[2].complete() is False and torch.equal(runs[2](tokens[union], union), ref.compute(tokens[union]))
     with pytest.raises(ValueError, match="room for all"):
         ActivationCache(tmp_path / "small", n_win, T, d, 10 * T * d * 4, shared=True)
+
+
+def test_validating_a_shared_cache_while_another_process_invalidates_its_rows(tmp_path):
+    """Every originator sharing a location's cache validates it after a freeze change, at the
+    same time: a row another process invalidates (window tag -1) between this one's index and
+    its read of the tags is dropped, not looked up as window -1.  The other process's write is
+    made in the gap (after the index is read); the reference is the rows' own validity."""
+    n_win, T, d = 6, 4, 2
+    mine = ActivationCache(tmp_path / "loc", n_win, T, d, n_win * T * d * 4, shared=True)
+    other = ActivationCache(tmp_path / "loc", n_win, T, d, n_win * T * d * 4, shared=True)
+    row = torch.zeros(T, d)
+    for w in range(n_win):
+        mine.write(w, 2 if w < 3 else 1, 7, row)          # windows 0-2 at depth 2, 3-5 at depth 1
+    mine.flush()
+    reindex = mine._reindex
+
+    def index_then_the_other_process_invalidates():
+        reindex()
+        other.tags[[0, 1]] = -1                          # (what its validate writes for rows it drops)
+        other.flush()
+
+    mine._reindex = index_then_the_other_process_invalidates
+    dropped = mine.validate({1: 7}, frozen=1)            # depth 2 no longer valid: rows 0-2 go
+    assert dropped == 3 and sorted(mine.slot_of) == [3, 4, 5]
+    assert [x is not None for x in mine.lookup(range(n_win))] == [False] * 3 + [True] * 3
+    assert (np.asarray(other.tags[:3, 0]) == -1).all()
 
 
 def test_cache_decision_rule():

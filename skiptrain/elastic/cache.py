@@ -124,11 +124,15 @@ class ActivationCache:
         return self.entries * self.row_bytes
 
     def validate(self, fingerprints: dict[int, int], frozen: int) -> int:
-        """Drop entries deeper than ``frozen`` or whose weights changed; returns how many."""
+        """Drop entries deeper than ``frozen`` or whose weights changed; returns how many.  In a
+        shared cache the processes sharing it validate at the same time: a row another one has
+        invalidated since this one read the index (its window tag no longer the window) is
+        dropped from the index too."""
         if self.shared:
             self._reindex()
         if not self.slot_of:
             return 0
+        windows = np.fromiter(self.slot_of.keys(), dtype=np.int64, count=len(self.slot_of))
         slots = np.fromiter(self.slot_of.values(), dtype=np.int64, count=len(self.slot_of))
         tags = np.asarray(self.tags[slots])                     # (window, depth, fingerprint) rows
         depth = tags[:, 1]
@@ -136,12 +140,12 @@ class ActivationCache:
         for d, fp in fingerprints.items():
             if 1 <= d <= frozen:
                 want[d] = fp
-        ok = (depth >= 1) & (depth <= frozen)
+        ok = (tags[:, 0] == windows) & (depth >= 1) & (depth <= frozen)
         ok[ok] = want[depth[ok]] == tags[ok, 2]
         bad = slots[~ok]
         if len(bad):
             self.tags[bad] = -1
-            for w in tags[~ok, 0]:
+            for w in windows[~ok]:
                 del self.slot_of[int(w)]
             self.free.extend(bad.tolist())
         return len(bad)
