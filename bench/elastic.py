@@ -462,6 +462,8 @@ def main(argv=None) -> int:
     ap.add_argument("--swarm-prefill-hold", type=int, default=1,
                     help="windows a new frozen depth must hold before the swarm prefills its cache "
                          "(elastic.prefill_hold; 0 = at the freeze)")
+    ap.add_argument("--swarm-guard-windows", type=int, default=GUARD_WINDOWS,
+                    help="validation windows of the swarm's guard check (default: the real half's, 4 micro-batches of 4)")
     ap.add_argument("--swarm-keep", default="", help="keep the swarm's run directories under this path")
     ap.add_argument("--swarm-only", default="", metavar="S,R,M",
                     help="run only the swarm half, against the static layout S stages x R replicas x M "

@@ -74,12 +74,12 @@ def swarm_config(args, best: dict, seed: int, iterations: int, data: str):
 
 
 def elastic_settings(args, micro_batch: int) -> dict:
-    """The real half's rule and guard; the guard validates the same 16 windows (4 micro-batches of
-    4 there), in micro-batches of this layout's size."""
+    """The real half's rule and guard; the guard validates ``--swarm-guard-windows`` windows
+    (default the real half's 16: 4 micro-batches of 4 there), in micro-batches of this layout's size."""
     return {"enabled": True, "alpha": args.alpha, "check_every": args.swarm_check_every, "tol": args.tol,
             "min_active": 2, "start_window": args.start_window, "stable_windows": args.stable_windows,
             "guard": True, "guard_tol": args.guard_tol, "guard_confirm": args.guard_confirm, "guard_ref": 4,
-            "guard_min_ref": args.guard_min_ref, "guard_batches": max(1, GUARD_WINDOWS // micro_batch),
+            "guard_min_ref": args.guard_min_ref, "guard_batches": max(1, args.swarm_guard_windows // micro_batch),
             "cache": args.swarm_cache,
             "cache_share": args.swarm_cache_share, "prefill_min_gain": args.swarm_prefill_min_gain,
             "prefill_hold": args.swarm_prefill_hold}
@@ -303,7 +303,7 @@ def seeds_and_mean(args, best: dict, seeds: list[int], iterations: int, data: st
     out = {"pretrained": init is not None, "best_static": {k: best[k] for k in ("stages", "replicas", "n_micro")}, "iterations": iterations,
            "s_per_sample_layer": args.swarm_spl, "check_every": args.swarm_check_every, "cache": args.swarm_cache,
            "cache_share": args.swarm_cache_share, "prefill_min_gain": args.swarm_prefill_min_gain,
-           "prefill_hold": args.swarm_prefill_hold, "seeds": {}}
+           "prefill_hold": args.swarm_prefill_hold, "guard_windows": args.swarm_guard_windows, "seeds": {}}
     for seed in seeds:
         print(f"  swarm seed {seed}: 16 node processes, {iterations} iterations x 2 phases ...", flush=True)
         out["seeds"][str(seed)] = run_seed(args, best, seed, iterations, data, init)
@@ -327,7 +327,8 @@ def print_swarm(sw: dict) -> None:
           f"activation cache {sw['cache']}"
           f"{', one per ' + sw.get('cache_share', 'node') if sw['cache'] == 'on' else ''}"
           f"{', prefilled at a gain >= %g' % sw['prefill_min_gain'] if 'prefill_min_gain' in sw and sw['cache'] == 'on' else ''}"
-          f"{', once a depth held %d window(s)' % sw['prefill_hold'] if sw.get('prefill_hold') and sw['cache'] == 'on' else ''})")
+          f"{', once a depth held %d window(s)' % sw['prefill_hold'] if sw.get('prefill_hold') and sw['cache'] == 'on' else ''}"
+          f"; guard on {sw.get('guard_windows', 4)} validation windows)")
     seeds = list(sw["seeds"])
     head = f"{'figure':<44}" + "".join(f"{'seed ' + s:>12}" for s in seeds) + f"{'mean':>10}"
     print(head + "\n" + "-" * len(head))
