@@ -28,7 +28,8 @@ Sharing.  ``shared=True``: several processes open one directory (the node proces
 machine in a swarm).  The cache must then hold every window, and window ``w`` lives in slot
 ``w``, so no process allocates a slot another uses; a lookup reads the tags from the file (it
 sees rows other processes wrote), and :meth:`refresh` re-reads the whole index.  Writers must
-write disjoint windows (the swarm's prefill deals them; its training steps only read).
+write disjoint windows (the swarm's prefill deals them; its training steps only read); every
+process may :meth:`validate` at the same time (each only invalidates rows).
 
 Prefill.  When the whole training split fits, a freeze brings every window to the new depth at
 once (:meth:`PrefixRunner.prefill`, forward only, data parallel over the nodes) instead of one
