@@ -38,6 +38,7 @@ the optimizer step, which the simulator runs without).
 from __future__ import annotations
 
 import json
+import math
 import statistics
 import tempfile
 import time
@@ -45,6 +46,8 @@ from pathlib import Path
 
 from skiptrain.config import build_config
 from skiptrain.elastic.costs import N_DEV, sim_topology
+from skiptrain.elastic.freeze import log_fit
+from skiptrain.optim import lr_clock
 from skiptrain.runtime.job import Job, Phase, build_cost, with_runtime
 from skiptrain.runtime.launcher import launch
 from skiptrain.runtime.transition import layout_cost
@@ -78,7 +81,7 @@ def elastic_settings(args, micro_batch: int) -> dict:
     (default the real half's 16: 4 micro-batches of 4 there), in micro-batches of this layout's size."""
     return {"enabled": True, "alpha": args.alpha, "check_every": args.swarm_check_every, "tol": args.tol,
             "min_active": 2, "start_window": args.start_window, "stable_windows": args.stable_windows,
-            "guard": True, "guard_tol": args.guard_tol, "guard_confirm": args.guard_confirm, "guard_ref": 4,
+            "guard": True, "guard_tol": args.guard_tol, "guard_confirm": args.guard_confirm, "guard_ref": GUARD_REF,
             "guard_min_ref": args.guard_min_ref, "guard_batches": max(1, args.swarm_guard_windows // micro_batch),
             "cache": args.swarm_cache,
             "cache_share": args.swarm_cache_share, "prefill_min_gain": args.swarm_prefill_min_gain,
@@ -195,6 +198,30 @@ def val_target(evals: dict, elapsed: dict) -> dict:
             "validation_s": {p: round(sum(v.get("seconds", 0.0) for v in evals[p]), 3) for p in evals}}
 
 
+def guard_projection_error(cfg, evals: dict, log: list[dict], guard_ref: int) -> dict | None:
+    """How far the unfrozen run itself strays above the guard's kind of projection: the fit
+    ``FreezeRule.projected`` makes (``v = a + b ln(clock)``, the learning-rate clock), through the
+    static phase's in-loop validation points at the elastic guard's reference steps before its
+    first freeze (its last ``guard_ref``), against static's later points.  A largest excess above
+    ``guard_tol`` means the guard can undo a freeze for its projection's error alone; None when
+    the elastic run never froze."""
+    first = next((d for d in log if d.get("action") == "freeze"), None)
+    if first is None:
+        return None
+    refs = [d["step"] for d in log if d.get("frozen_before") == 0 and d.get("val_loss") is not None
+            and d["step"] <= first["step"] and d.get("action") not in ("undo", "transition")][-guard_ref:]
+    curve = {v["step"]: v["val_loss"] for v in evals["static"]}
+    if len(refs) < 2 or any(s not in curve for s in refs):
+        return None
+    a, b = log_fit([(lr_clock(s, cfg.train), curve[s]) for s in refs])
+    excess = {s: v / (a + b * math.log(lr_clock(s, cfg.train))) - 1 for s, v in curve.items() if s > refs[-1]}
+    worst = max(excess, key=excess.get) if excess else None
+    first_check = min(excess) if excess else None
+    return {"ref_steps": refs, "first_check": None if first_check is None else round(excess[first_check], 5),
+            "max_excess": None if worst is None else round(excess[worst], 5), "at_step": worst,
+            "excess_by_step": {str(s): round(e, 5) for s, e in excess.items()}}
+
+
 def figures(cfg, cost, topo, sched, rows: dict, walls: dict, evals: dict, log: list[dict], launch_s: float,
             w: int) -> dict:
     """The seed's figures from the two phases' metrics, clocks, validation points and the
@@ -265,7 +292,9 @@ def figures(cfg, cost, topo, sched, rows: dict, walls: dict, evals: dict, log: l
         "static_iteration_s": {"measured_median": r(statistics.median(x["iteration_s"] for x in rows["static"])),
                                "simulated": r(static_sim)},
         "elastic_layouts": per_layout,
-        "decisions": [{k: d.get(k) for k in ("step", "action", "frozen_before", "frozen_after", "val_loss", "reason")}
+        "guard_projection_error": guard_projection_error(cfg, evals, log, GUARD_REF),
+        "decisions": [{k: d.get(k) for k in ("step", "action", "frozen_before", "frozen_after", "val_loss",
+                                             "projected", "above", "reason")}
                       for d in log if d.get("action") not in (None, "transition")],
         "overruns": {p: rows[p][-1]["overruns"] for p in rows},
         "elapsed_s": {p: [r(x) for x in v] for p, v in elapsed.items()},
@@ -312,6 +341,8 @@ def seeds_and_mean(args, best: dict, seeds: list[int], iterations: int, data: st
     for k in MEAN_KEYS:
         vals = [p[k] for p in per if p[k] is not None]
         mean[k] = round(statistics.fmean(vals), 4) if vals else None
+    errs = [x["guard_projection_error"]["max_excess"] for x in per if x.get("guard_projection_error")]
+    mean["guard_projection_error"] = round(statistics.fmean(errs), 5) if errs else None
     for p in ("static", "elastic"):
         mean[f"measured_vs_sim_{p}"] = round(statistics.fmean(x["measured_vs_sim"][p] for x in per), 4)
         mean[f"pipeline_vs_sim_{p}"] = round(statistics.fmean(x["pipeline_vs_sim"][p] for x in per), 4)
@@ -349,6 +380,10 @@ def print_swarm(sw: dict) -> None:
                                                              for p in ("static", "elastic")), fmt="{}")
     row("time to target, train loss (x static)", lambda x: x["time_to_train_target_speedup"],
         "time_to_train_target_speedup", "{:.2f}x")
+    row("static above the guard's projection: next", lambda x: (x.get("guard_projection_error") or {}).get("first_check"),
+        fmt="{:+.2%}")
+    row("  largest, over the run", lambda x: (x.get("guard_projection_error") or {}).get("max_excess"),
+        "guard_projection_error", "{:+.2%}")
     row("transitions / elastic wall", lambda x: x["transition_fraction"], "transition_fraction", "{:.4f}")
     row("cache prefills / elastic wall", lambda x: x["prefill_fraction"], "prefill_fraction", "{:.4f}")
     row("iterations measured / simulated: static", lambda x: x["measured_vs_sim"]["static"],

@@ -90,6 +90,12 @@ def lr_at(step: int, cfg: TrainConfig) -> float:
     return floor + (cfg.lr - floor) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
+def lr_clock(step: int, cfg: TrainConfig) -> float:
+    """The learning rate summed over optimizer steps ``0..step-1``, in units of the peak rate:
+    training progress follows the integrated rate, so the freeze guard takes it as its time axis."""
+    return sum(lr_at(s, cfg) for s in range(step)) / cfg.lr
+
+
 def set_lr(opt: torch.optim.Optimizer, lr: float) -> None:
     for g in opt.param_groups:
         g["lr"] = lr

@@ -4,7 +4,7 @@ from skiptrain.config import build_config
 from skiptrain.data.loader import shard_indices
 from skiptrain.model import StagedLM
 from skiptrain.train.metrics import read_metrics
-from skiptrain.optim import lr_at
+from skiptrain.optim import lr_at, lr_clock
 from skiptrain.train.trainer import Trainer
 
 
@@ -66,3 +66,10 @@ def test_lr_schedule():
     assert lr_at(0, cfg) == 0.1 and lr_at(9, cfg) == 1.0
     assert abs(lr_at(100, cfg) - 0.1) < 1e-9
     assert all(lr_at(i, cfg) >= lr_at(i + 1, cfg) for i in range(10, 100))
+
+
+def test_lr_clock_is_the_learning_rate_summed_in_units_of_the_peak():
+    cfg = build_config("tiny", overrides={"train": {"steps": 100, "warmup_steps": 10, "lr": 0.5, "min_lr_frac": 1.0}}).train
+    assert lr_clock(0, cfg) == 0.0
+    assert abs(lr_clock(10, cfg) - 5.5) < 1e-12          # the warm-up: (1 + ... + 10) / 10
+    assert abs(lr_clock(30, cfg) - 25.5) < 1e-12         # then a step per step (no decay at min_lr_frac 1)

@@ -50,7 +50,7 @@ from ..elastic.freeze import FreezeRule
 from ..elastic.repartition import ElasticLayout
 from ..layout.transfer import transfer_plan
 from ..model.partition import Partition, partition_layers
-from ..optim import build_optimizer, lr_at
+from ..optim import build_optimizer, lr_clock
 from ..schedule.schedule import Schedule
 from ..schedule.simulator import simulate
 from .evaluate import pipelined_evaluate_sum
@@ -151,8 +151,8 @@ class SwarmFreezing:
         step = st.it + 1
         if not self.rule.window_done(step):
             return
-        clock = sum(lr_at(s, t) for s in range(step)) / t.lr
-        d = self.rule.decide(step, val_loss=self.guard_loss if self.cfg.elastic.guard else None, clock=clock)
+        d = self.rule.decide(step, val_loss=self.guard_loss if self.cfg.elastic.guard else None,
+                             clock=lr_clock(step, t))
         if d.frozen_after != self.frozen:
             self.pending = d.frozen_after
         elif self._cache_in_due(step):

@@ -49,7 +49,7 @@ from ..elastic.replicas import assign_nodes
 from ..layout import is_frozen
 from ..layout.transfer import transfer_plan
 from ..model.partition import Partition
-from ..optim import lr_at
+from ..optim import lr_clock
 from ..runtime.evaluate import evaluate
 from ..schedule.routes import balanced_routes, full_route
 from .trainer import StepResult, Trainer
@@ -196,8 +196,8 @@ class ElasticTrainer(Trainer):
 
     def _window(self) -> None:
         t = self.cfg.train
-        clock = sum(lr_at(s, t) for s in range(self.step)) / t.lr  # the guard's time: integrated lr
-        d = self.rule.decide(self.step, val_loss=self._guard_val if self.cfg.elastic.guard else None, clock=clock)
+        d = self.rule.decide(self.step, val_loss=self._guard_val if self.cfg.elastic.guard else None,
+                             clock=lr_clock(self.step, t))
         rec = d.to_dict()
         if d.frozen_after != d.frozen_before:
             rec["transition"] = self._transition()
