@@ -172,14 +172,22 @@ class CheckpointMeta:
         return sum(t.nbytes for t in self.tensors.values())
 
     def to_json(self) -> dict[str, Any]:
-        body = {"format": FORMAT_NAME, "version": FORMAT_VERSION, "step": self.step,
-                "files": self.files, "layout": self.layout, "state": self.state,
-                "tensors": {n: t.to_json() for n, t in sorted(self.tensors.items())}}
+        body = self._body()
         body["checksum"] = _meta_crc(body)
         return body
 
+    def _body(self) -> dict[str, Any]:
+        return {"format": FORMAT_NAME, "version": FORMAT_VERSION, "step": self.step,
+                "files": self.files, "layout": self.layout, "state": self.state,
+                "tensors": {n: t.to_json() for n, t in sorted(self.tensors.items())}}
+
     def encode(self) -> bytes:
-        return (json.dumps(self.to_json(), indent=1, sort_keys=True) + "\n").encode()
+        """``metadata.json``: the body in its checksummed form (one line, keys sorted), the
+        checksum appended as its last key.  Encoded once, by json's C encoder: an indent would
+        take the pure-Python one, several times slower (tens of milliseconds per save of a
+        9-node job, on the committing node's GIL)."""
+        text = _canonical(self._body())
+        return (text[:-1] + f',"checksum":{checksum(text.encode())}}}\n').encode()
 
     @classmethod
     def decode(cls, raw: bytes, where: str) -> "CheckpointMeta":
@@ -212,5 +220,9 @@ class CheckpointMeta:
             raise CheckpointFormatError(f"{where}/{METADATA_FILE}: malformed entry ({e!r})") from None
 
 
+def _canonical(body: dict[str, Any]) -> str:
+    return json.dumps(body, sort_keys=True, separators=(",", ":"))
+
+
 def _meta_crc(body: dict[str, Any]) -> int:
-    return checksum(json.dumps(body, sort_keys=True, separators=(",", ":")).encode())
+    return checksum(_canonical(body).encode())

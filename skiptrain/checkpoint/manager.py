@@ -128,7 +128,7 @@ class CheckpointManager:
     def save(self, step: int, tensors: Mapping[str, torch.Tensor], state: dict[str, Any] | None = None,
              *, specs: Sequence[TensorSpec] | None = None, holders: Mapping[str, Sequence[int]] | None = None,
              rank_state: dict[str, Any] | None = None, layout: dict[str, Any] | None = None,
-             blocking: bool = False, overlap: bool = False) -> float:
+             blocking: bool = False, overlap: bool = False, plan: SavePlan | None = None) -> float:
         """Snapshot this rank's share of ``tensors`` and write it in the background.
 
         ``tensors`` are this rank's live tensors by global name; ``specs``/``holders`` describe
@@ -139,19 +139,22 @@ class CheckpointManager:
         ``overlap=True`` moves the snapshot copy onto the background thread too, so it runs while
         the next forward/backward does; the caller must then call :meth:`wait_snapshot` before
         changing any saved tensor in place (``save_training`` hooks ``optimizer.step`` to do it).
-        JSON ``state`` is captured at the call either way.
+        JSON ``state`` is captured at the call either way.  ``plan``: the :meth:`plan` of the
+        run's specs and holders, kept by a caller that saves the same tensors again and again
+        (``specs`` and ``holders`` are then not read).
         """
         t0 = time.perf_counter()
         self.writer.wait()
         if (self.root / step_dir_name(step) / "metadata.json").is_file():
             self.last_stall_s = time.perf_counter() - t0
             return self.last_stall_s
-        specs = list(specs) if specs is not None else specs_of(tensors)
-        if holders is None and len(self.ranks) > 1:
-            raise ValueError("several writer ranks need holders (tensor name -> ranks)")
-        if holders is None:
-            holders = {s.name: [self.rank] for s in specs}
-        plan = self.plan(specs, holders)
+        if plan is None:
+            specs = list(specs) if specs is not None else specs_of(tensors)
+            if holders is None and len(self.ranks) > 1:
+                raise ValueError("several writer ranks need holders (tensor name -> ranks)")
+            if holders is None:
+                holders = {s.name: [self.rank] for s in specs}
+            plan = self.plan(specs, holders)
         mine = plan.names_for(self.rank)
         missing = [n for n in mine if n not in tensors]
         if missing:

@@ -15,8 +15,9 @@ Protocol for step ``s`` with writer ranks ``R`` (one process each, or simulated 
 A crash (even SIGKILL) before the rename leaves only a ``.tmp-`` directory, which readers ignore
 and the next coordinator removes; after it, the checkpoint is complete and fsynced.
 
-Throughput: one sequential file per rank; the CRC-32 of each shard is computed on a helper thread
-while the writer thread writes (both release the GIL), so checksumming hides behind the disk.
+Throughput: one sequential file per rank; the CRC-32 of each shard of a large part is computed on
+a helper thread while the writer thread writes (both release the GIL), so checksumming hides
+behind the disk (a part under ``CRC_THREAD_BYTES`` is checksummed in line: cheaper than a thread).
 
 This module uses only the standard library and numpy (buffers are anything with the buffer
 protocol), so a writer can run in a light child process.
@@ -31,6 +32,7 @@ import queue
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
@@ -40,6 +42,19 @@ from .format import (METADATA_FILE, CheckpointError, CheckpointMeta, ShardMeta, 
 from .plan import SavePlan
 
 _ZEROS = bytes(64)
+
+
+CRC_THREAD_BYTES = 16 << 20     # parts at least this large are checksummed on a helper thread
+
+
+class _Done:
+    """A checksum already computed, read like the helper thread's future."""
+
+    def __init__(self, value: int):
+        self.value = value
+
+    def result(self) -> int:
+        return self.value
 
 
 def part_name(rank: int) -> str:
@@ -75,8 +90,11 @@ def write_part(root: str | Path, step: int, rank: int, plan: SavePlan,
     fname = data_name(rank)
     shards: dict[str, list[dict[str, Any]]] = {}
     written: list[dict[str, Any]] = []  # shard records in write order, CRCs filled in below
-    with ThreadPoolExecutor(1, thread_name_prefix="ckpt-crc") as pool:
-        crcs = [pool.submit(checksum, v) for v in views]
+    # a helper thread checksums while this one writes; a small part is checksummed here (handing
+    # it over would cost more than the checksums: a thread start and a GIL switch per shard)
+    helper = sum(len(v) for v in views) >= CRC_THREAD_BYTES
+    with ThreadPoolExecutor(1, thread_name_prefix="ckpt-crc") if helper else nullcontext() as pool:
+        crcs = [pool.submit(checksum, v) for v in views] if helper else [_Done(checksum(v)) for v in views]
         fd = os.open(tmp / fname, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         pos = 0
         try:

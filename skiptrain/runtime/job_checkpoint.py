@@ -45,7 +45,7 @@ import torch
 
 from ..checkpoint.format import CheckpointError
 from ..checkpoint.manager import CheckpointManager, optimizer_record
-from ..checkpoint.plan import TensorSpec
+from ..checkpoint.plan import SavePlan, TensorSpec
 from ..checkpoint.reader import CheckpointReader, dtype_name
 from ..checkpoint.state import (decode_torch_rng, encode_torch_rng, load_optimizer, model_tensors,
                                 optimizer_tensors, split_optim_name)
@@ -184,6 +184,7 @@ class JobCheckpointer:
         self._digests: list[tuple[int, int]] | None = None
         self._specs: list[TensorSpec] = []
         self._holders: dict[str, list[int]] = {}
+        self._save_plan: SavePlan | None = None     # the manager's plan of _specs/_holders
         self.saved_step = -1
         self.skipped: list[int] = []
 
@@ -227,9 +228,12 @@ class JobCheckpointer:
         if self.mgr is None:
             self.mgr = CheckpointManager(self.root, keep=self.cfg.keep, rank=self.node, ranks=list(writers),
                                          commit_timeout=max(600.0, self.timeout_s), clean=False)
+            self._save_plan = None
+        if self._save_plan is None:
+            self._save_plan = self.mgr.plan(self._specs, self._holders)
         stall = self.mgr.save(iteration, tensors, {**position, "step": iteration, "contents": CONTENTS},
-                              specs=self._specs, holders=self._holders, rank_state=node_state,
-                              layout={"placement": placement}, overlap=self.cfg.overlap)
+                              plan=self._save_plan, rank_state=node_state, layout={"placement": placement},
+                              overlap=self.cfg.overlap)
         self.saved_step = iteration
         return stall
 
@@ -256,7 +260,6 @@ class JobCheckpointer:
               digests: list[tuple[int, int]] | None) -> None:
         """Every node's tensor specs, gathered again only when some node's changed (always with
         new writers: that all-gather also ends :meth:`_hand_over`'s cleaning)."""
-        desc = _describe(tensors)
         if digests is None:
             mine = self.digest(tensors, placement).to_bytes(4, "little")
             digests = [(n, int.from_bytes(b, "little")) for n, b in self.gather(mine, 4)]
@@ -264,11 +267,12 @@ class JobCheckpointer:
             return
         specs: dict[str, TensorSpec] = {}
         holders: dict[str, list[int]] = {}
-        for node, blob in self.gather(desc):
+        for node, blob in self.gather(_describe(tensors)):
             for name, dt, shape in json.loads(blob.decode()):
                 specs[name] = TensorSpec(name, dt, tuple(shape))
                 holders.setdefault(name, []).append(node)
         self._specs, self._holders, self._digests = list(specs.values()), holders, digests
+        self._save_plan = None
 
     def wait_snapshot(self) -> None:
         """Before anything saved changes in place (the optimizer step): the snapshot is taken."""

@@ -251,6 +251,7 @@ class Node:
             self.cfg.model = model_config_for_data(self.cfg.train.init_from, self.cfg.model, self.ds.vocab_size)
         else:
             self.cfg.model.vocab_size = self.ds.vocab_size
+        self.cfg_json = self.cfg.to_dict()    # what every checkpoint of the phase records (set only here)
         self.src = SampleSource(self.ds.tokens("train"), self.cfg.model.seq_len, seed=self.cfg.train.seed)
         self.val_src = SampleSource(self.ds.tokens("val"), self.cfg.model.seq_len, shuffle=False)
 
@@ -520,7 +521,7 @@ class Node:
         tensors, node_state, placement, _ = snap or self._checkpoint_state(st)
         position = {"phase": st.idx, "phase_name": st.ph.name, "iteration": done, "gen": self.gen,
                     "data": {"cursor": cursor, "global_batch": st.gb, "seed": self.cfg.train.seed},
-                    "config": self.cfg.to_dict(), "placement": placement}
+                    "config": self.cfg_json, "placement": placement}
         if st.elastic is not None:
             position["elastic"] = st.elastic.state_dict()
         self.ckpt.save(done, position, tensors, node_state, placement, self.gen, digests)
