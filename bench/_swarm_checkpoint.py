@@ -2,7 +2,8 @@
 whether a job killed at random moments during its saves always resumes.
 
 * stall: a 9-node swarm (stages 3/2/2/2, the tiny model, k=0) run with a checkpoint every
-  iteration and without checkpoints, alternately, in one run.  The iteration period is the time
+  iteration and without checkpoints, alternately, in one launch (phases of the same node
+  processes, placed alike on the cores for both kinds).  The iteration period is the time
   between the common start times of consecutive iterations (so it counts the save at the
   boundary and any wait for the snapshot before the next optimizer step); the slowdown is the
   ratio of the median periods minus 1.
@@ -15,6 +16,7 @@ whether a job killed at random moments during its saves always resumes.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import random
 import signal
@@ -47,25 +49,29 @@ def _job(data: Path, run: Path, nodes: int, sizes: str, iterations: int, every: 
                phases=[phase_for(cfg, sched, topo, cost, "train", iterations)], resume=resume)
 
 
-def _periods(run: Path, skip: int) -> list[float]:
-    """Seconds between consecutive iterations' common start times (rank 0's record)."""
+def _periods(run: Path, skip: int, phase: str = "train") -> list[float]:
+    """Seconds between consecutive iterations' common start times (rank 0's record of ``phase``)."""
     import json
 
-    t0 = [it["t0"] for it in json.loads((run / "phases" / "train" / "node0.json").read_text())["iterations"]]
+    t0 = [it["t0"] for it in json.loads((run / "phases" / phase / "node0.json").read_text())["iterations"]]
     return [b - a for a, b in zip(t0[skip:], t0[skip + 1:])]
 
 
 def swarm_stall(data: Path, work: Path, iterations: int, reps: int) -> dict:
-    """Median iteration period with a checkpoint every iteration vs none (alternating runs)."""
+    """Median iteration period with a checkpoint every iteration vs none: ``reps`` pairs of
+    phases of one launch, alternating."""
     from skiptrain.runtime.launcher import launch
 
-    per = {"save": [], "none": []}
-    for rep in range(reps):
-        for kind, every in (("save", 1), ("none", 0)):
-            run = work / f"stall-{kind}-{rep}"
-            launch(_job(data, run, 9, "3,2,2,2", iterations, every), timeout_s=900)
-            per[kind] += _periods(run, skip=2)
-            print(f"[bench] swarm {kind}: median period {statistics.median(per[kind]):.4f} s", flush=True)
+    run = work / "stall"
+    job = _job(data, run, 9, "3,2,2,2", iterations, 0)
+    kinds = [(f"{kind}{rep}", kind, every) for rep in range(reps) for kind, every in (("save", 1), ("none", 0))]
+    job.phases = [dataclasses.replace(job.phases[0], name=name, config={"checkpoint": {"every": every, "final": False}})
+                  for name, _, every in kinds]
+    launch(job, timeout_s=900)
+    per: dict[str, list[float]] = {"save": [], "none": []}
+    for name, kind, _ in kinds:
+        per[kind] += _periods(run, skip=2, phase=name)
+        print(f"[bench] swarm {name}: median period {statistics.median(_periods(run, 2, name)):.4f} s", flush=True)
     save, none = statistics.median(per["save"]), statistics.median(per["none"])
     return {"nodes": 9, "iterations": iterations, "reps": reps, "period_save_s": save, "period_none_s": none,
             "swarm_stall_fraction": save / none - 1}
