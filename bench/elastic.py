@@ -59,7 +59,7 @@ from skiptrain.elastic.costs import (N_DEV, Scale, elastic_times, iteration, pap
 from skiptrain.train.elastic_trainer import ElasticTrainer  # noqa: E402
 from skiptrain.optim import build_adamw  # noqa: E402
 from skiptrain.train.trainer import Trainer  # noqa: E402
-from bench.elastic_swarm import GUARD_WINDOWS, print_swarm, swarm_half  # noqa: E402
+from bench.elastic_swarm import GUARD_REF, GUARD_WINDOWS, print_swarm, swarm_half  # noqa: E402
 
 
 # ---------------------------------------------------------------------------------------------
@@ -119,8 +119,8 @@ def real_runs_in(args, tmp: Path) -> dict:
         init, pre_s = pretrain(args, tmp)
     el = {"enabled": True, "alpha": args.alpha, "check_every": args.check_every, "tol": args.tol,
           "min_active": 2, "start_window": args.start_window, "stable_windows": args.stable_windows,
-          "guard": True, "guard_tol": args.guard_tol, "guard_confirm": args.guard_confirm, "guard_ref": 4,
-          "guard_min_ref": args.guard_min_ref, "guard_batches": GUARD_WINDOWS // REAL_MICRO_BATCH, "nodes": N_DEV}
+          "guard": True, "guard_tol": args.guard_tol, "guard_confirm": args.guard_confirm,
+          "guard_ref": GUARD_REF, "guard_min_ref": args.guard_min_ref, "guard_batches": GUARD_WINDOWS // REAL_MICRO_BATCH, "nodes": N_DEV}
     trainers = {}
     for name, e in [("baseline", None), ("freeze_only", {**el, "cache": "off"}),
                     ("elastic", {**el, "cache": "auto", "cache_dir": str(tmp / "cache")})]:

@@ -60,6 +60,7 @@ from skiptrain.schedule.simulator import simulate
 
 GLOBAL_BATCH = 16
 GUARD_WINDOWS = 16      # the real half's guard: 4 validation micro-batches of 4 windows
+GUARD_REF = 4           # unfrozen validation points the guard's projection fits (the last of them)
 
 
 def swarm_config(args, best: dict, seed: int, iterations: int, data: str):

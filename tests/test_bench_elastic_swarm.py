@@ -45,3 +45,15 @@ def test_a_run_that_levels_off_strays_above_the_projection_more_the_longer_it_go
 
 def test_no_freeze_no_figure():
     assert es.guard_projection_error(CFG, _static(lambda s: 4.0), [], guard_ref=4) is None
+
+
+def test_the_swarm_guard_takes_the_benchs_reference_points_and_windows():
+    from argparse import Namespace
+
+    args = Namespace(alpha=0.5, swarm_check_every=10, tol=0.2, start_window=3, stable_windows=2, guard_tol=0.005,
+                     guard_confirm=1, guard_min_ref=2, swarm_guard_windows=16, swarm_cache="on",
+                     swarm_cache_share="location", swarm_prefill_min_gain=1.0, swarm_prefill_hold=1)
+    e = es.elastic_settings(args, micro_batch=1)
+    assert e["guard_ref"] == es.GUARD_REF and e["guard_batches"] == 16
+    assert es.elastic_settings(args, micro_batch=4)["guard_batches"] == 4
+    build_config("tiny", overrides={"elastic": e})        # a valid elastic section
