@@ -120,7 +120,8 @@ def real_runs_in(args, tmp: Path) -> dict:
     el = {"enabled": True, "alpha": args.alpha, "check_every": args.check_every, "tol": args.tol,
           "min_active": 2, "start_window": args.start_window, "stable_windows": args.stable_windows,
           "guard": True, "guard_tol": args.guard_tol, "guard_confirm": args.guard_confirm,
-          "guard_ref": GUARD_REF, "guard_min_ref": args.guard_min_ref, "guard_batches": GUARD_WINDOWS // REAL_MICRO_BATCH, "nodes": N_DEV}
+          "guard_ref": GUARD_REF, "guard_min_ref": args.guard_min_ref,
+          "guard_batches": GUARD_WINDOWS // REAL_MICRO_BATCH, "nodes": N_DEV}
     trainers = {}
     for name, e in [("baseline", None), ("freeze_only", {**el, "cache": "off"}),
                     ("elastic", {**el, "cache": "auto", "cache_dir": str(tmp / "cache")})]:

@@ -32,10 +32,11 @@ iteration times next to the simulator's for the same layouts (``simulate`` of ea
 schedule and cost model, summed over the iterations it was in force; the transitions' wire time
 by ``topo.transfer_s`` of their messages), whole and their pipeline part alone (metrics
 ``pipeline_s``: to the end of the last forward/backward task, before the data-parallel sync and
-the optimizer step, which the simulator runs without).  And how far the unfrozen run strays above the guard's kind of
-projection (``guard_projection_error``): static's validation curve against the fit through its
-own points at the elastic guard's reference steps, at the next check and the largest over the
-run; above ``--guard-tol``, the guard can undo a freeze for its projection's error alone.
+the optimizer step, which the simulator runs without).  And how far the unfrozen run strays
+above the guard's kind of projection (``guard_projection_error``): static's validation curve
+against the fit through its own points at the elastic guard's reference steps, at the next
+check and the largest over the run; above ``--guard-tol``, the guard can undo a freeze for its
+projection's error alone.
 """
 
 from __future__ import annotations

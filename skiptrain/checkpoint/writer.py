@@ -31,7 +31,7 @@ import os
 import queue
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import nullcontext
 from pathlib import Path
 from typing import Any, Callable, Mapping
@@ -47,14 +47,11 @@ _ZEROS = bytes(64)
 CRC_THREAD_BYTES = 16 << 20     # parts at least this large are checksummed on a helper thread
 
 
-class _Done:
-    """A checksum already computed, read like the helper thread's future."""
-
-    def __init__(self, value: int):
-        self.value = value
-
-    def result(self) -> int:
-        return self.value
+def _done(value: int) -> Future:
+    """A checksum already computed, read like the helper thread's."""
+    f: Future = Future()
+    f.set_result(value)
+    return f
 
 
 def part_name(rank: int) -> str:
@@ -94,7 +91,7 @@ def write_part(root: str | Path, step: int, rank: int, plan: SavePlan,
     # it over would cost more than the checksums: a thread start and a GIL switch per shard)
     helper = sum(len(v) for v in views) >= CRC_THREAD_BYTES
     with ThreadPoolExecutor(1, thread_name_prefix="ckpt-crc") if helper else nullcontext() as pool:
-        crcs = [pool.submit(checksum, v) for v in views] if helper else [_Done(checksum(v)) for v in views]
+        crcs = [pool.submit(checksum, v) for v in views] if helper else [_done(checksum(v)) for v in views]
         fd = os.open(tmp / fname, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         pos = 0
         try:
