@@ -70,8 +70,9 @@ def swarm_stall(data: Path, work: Path, iterations: int, reps: int) -> dict:
     launch(job, timeout_s=900)
     per: dict[str, list[float]] = {"save": [], "none": []}
     for name, kind, _ in kinds:
-        per[kind] += _periods(run, skip=2, phase=name)
-        print(f"[bench] swarm {name}: median period {statistics.median(_periods(run, 2, name)):.4f} s", flush=True)
+        periods = _periods(run, skip=2, phase=name)
+        per[kind] += periods
+        print(f"[bench] swarm {name}: median period {statistics.median(periods):.4f} s", flush=True)
     save, none = statistics.median(per["save"]), statistics.median(per["none"])
     return {"nodes": 9, "iterations": iterations, "reps": reps, "period_save_s": save, "period_none_s": none,
             "swarm_stall_fraction": save / none - 1}
