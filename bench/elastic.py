@@ -447,8 +447,9 @@ def main(argv=None) -> int:
     ap.add_argument("--swarm-seeds", default="1234,3,7", help="seeds of the swarm runs (--quick: --seed only)")
     ap.add_argument("--swarm-check-every", type=int, default=None, help="the swarm's freeze-rule window (iterations; default: --check-every)")
     ap.add_argument("--swarm-warmup", type=int, default=None, help="the swarm's learning-rate warm-up (iterations; default: --warmup)")
-    ap.add_argument("--swarm-spl", type=float, default=0.05,
-                    help="emulated seconds per sample per layer forward in the swarm (compute is padded to it)")
+    ap.add_argument("--swarm-spl", type=float, default=None,
+                    help="emulated seconds per sample per layer forward in the swarm (compute is padded to it; "
+                         "default 0.05, --quick 0.02)")
     ap.add_argument("--swarm-timeout", type=float, default=None, help="seconds per launch (default: 10 per iteration)")
     ap.add_argument("--swarm-cache", choices=("on", "off"), default="on",
                     help="the swarm's activation cache (on: the originators serve the frozen prefix from it, "
@@ -471,8 +472,11 @@ def main(argv=None) -> int:
                          "micro-batches (the real half's best static configuration, e.g. 4,4,4), from the same "
                          "pre-trained weights (--pretrain-cache) and fine-tuning windows")
     args = ap.parse_args(argv)
-    for k, quick, full in [("steps", 80, 400), ("pretrain", 50, 400), ("check_every", 10, 10),
-                           ("eval_every", 10, 10), ("lr", 1e-3, 1e-3), ("warmup", 10, 20)]:
+    # --quick: the same code path on a short budget -- windows of 5 so that the rule freezes,
+    # transitions and (in the swarm) prefills its cache within 60 steps
+    for k, quick, full in [("steps", 60, 400), ("pretrain", 50, 400), ("check_every", 5, 10),
+                           ("eval_every", 5, 10), ("lr", 1e-3, 1e-3), ("warmup", 5, 20),
+                           ("swarm_spl", 0.02, 0.05)]:
         if getattr(args, k) is None:
             setattr(args, k, quick if args.quick else full)
     # the swarm runs the real half's budget and rule windows: with fewer, shorter windows the
