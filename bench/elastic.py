@@ -409,7 +409,8 @@ def swarm_only(args) -> int:
     return 0
 
 
-def main(argv=None) -> int:
+def parse_args(argv=None) -> argparse.Namespace:
+    """The command line, with the ``--quick`` / full defaults resolved."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--json", type=Path)
     ap.add_argument("--quick", action="store_true")
@@ -489,24 +490,16 @@ def main(argv=None) -> int:
         args.swarm_timeout = max(600.0, 10.0 * args.swarm_iterations)
     if args.data and not (Path(args.data) / "manifest.json").is_file():
         raise SystemExit(f"--data {args.data}: no prepared data set there (run `skiptrain prepare` first)")
-    if args.swarm_only:
-        return swarm_only(args)
-    t_start = time.time()
-    print(f"real runs: {'pre-train ' + str(args.pretrain) + ' steps, then ' if args.pretrain else ''}"
-          f"{args.steps} steps on {args.windows} samples of 64 tokens of "
-          f"{'Shakespeare' if args.finetune == 'train' else 'Milton (domain shift)'}, 3 trainers interleaved", flush=True)
-    real = real_runs(args)
-    c = real["curves"]
-    final = {n: c[n][-1]["val_loss"] for n in c}
-    target = round(final["baseline"] * 1.01, 5)
-    st = {n: time_to(c[n], target) for n in c}
-    steps_b, steps_e = st["baseline"], st["elastic"]
+    return args
 
+
+def print_real(real: dict, final: dict, target: float, st: dict, sec: dict) -> None:
+    """The 1-node table: final validation loss, steps and CPU seconds to the target per run, then
+    the freeze schedule, the decisions and the elastic run's overheads."""
     print(f"\nREAL, 1 node (this machine, 1 thread, measured CPU seconds of the training thread; "
           f"target val loss {target} = baseline final x 1.01)")
     print(f"{'run':<12} {'final val':>9} {'vs base':>8} {'train s':>8} {'steps→tgt':>9} {'s→tgt':>7} {'speed-up':>8}")
-    sec = {n: (sum(real["step_s"][n][:st[n]]) if st[n] else None) for n in c}
-    for n in c:
+    for n in final:
         sp = sec["baseline"] / sec[n] if (sec[n] and sec["baseline"]) else None
         print(f"{n:<12} {final[n]:>9.4f} {final[n] / final['baseline']:>8.4f} {real['train_s'][n]:>8.1f} "
               f"{str(st[n]):>9} {(f'{sec[n]:.1f}' if sec[n] else '-'):>7} {(f'{sp:.2f}x' if sp else '-'):>8}")
@@ -520,9 +513,10 @@ def main(argv=None) -> int:
           f"{real['train_s']['elastic']:.1f}s; cache {real['cache']}; freeze-only == elastic losses "
           f"bit-identical: {real['bit_identical_freeze_vs_cache']}")
 
-    # ---- emulated 16 nodes with the measured costs, and the overlap check -------------------
-    small = small_scale(real)
-    topo = sim_topology()
+
+def overlap_check(real: dict, small: Scale, topo) -> list[dict]:
+    """The 1-node emulation (the measured costs, S=1 R=1 M=4) against the measured median step,
+    per run and frozen count with at least 3 steps; printed, and returned for the JSON."""
     co = real["costs"]
     print(f"\nmeasured costs per sample: layer fwd {co['fwd_s'] * 1e3:.3f} ms, backward x{co['backward_factor']:.2f}, "
           f"head fwd+bwd {co['head_s'] * 1e3:.3f} ms, cached row read {co['read_s'] * 1e3:.4f} ms, "
@@ -541,56 +535,60 @@ def main(argv=None) -> int:
                             "emulated_s": round(pred, 5), "ratio": round(pred / meas, 3)})
             print(f"  {n:<12} F={F} hit={hit:.2f}: measured {meas * 1e3:7.1f} ms, emulated {pred * 1e3:7.1f} ms "
                   f"({pred / meas:.2f}x)")
+    return overlap
 
-    def overhead(sc, e, best, upto, cpu=True):
-        """Seconds the elastic run spends outside its steps up to step ``upto``: the transitions
-        (their measured CPU on the small scale, and the wire time of their transfers), the cache
-        prefills (:func:`prefill_seconds`, variants with the cache) and the guard's validation
-        passes (16 samples spread over the replicas of the layout in force at each check; the
-        guard keeps its windows' frozen-prefix outputs, see
-        ElasticTrainer._guard_from_prefix, so a check runs the active layers and the head, and
-        the prefix once per new depth)."""
-        if not upto:
-            return 0.0
-        trans = sum(t["cpu_s"] for t in real["transitions"] if t["step"] <= upto) if cpu else 0.0
-        wire = sum(h.get("wire_s", 0.0) for h in e["history"] if h["step"] <= upto)
-        L, L_real = sc.model.n_layers, real["model"].n_layers
-        head_fwd = sc.head_s / (1 + sc.backward_factor)
-        g, kept = 0.0, None
-        for d in real["decisions"]:
-            if d["step"] <= upto and d["val_loss"] is not None:
-                # the check precedes the transition it may trigger: the layout before that step
-                R = max((h for h in e["history"] if h["step"] < d["step"] or h["step"] == 0),
-                        key=lambda h: h["step"])["replicas"]
-                F = round(d["frozen_before"] / L_real * L)
-                layers = (L - F) + (F if F and F != kept else 0)
-                kept = F or None
-                g += math.ceil(16 / R) * (layers * sc.fwd_s + head_fwd)
-        return trans + wire + g + (prefill_seconds(sc, real, upto) if e["cache"] else 0.0)
 
-    # the headline target's sensitivity: other levels, and the baseline's best loss (it overfits late)
+def elastic_overhead(real: dict, sc: Scale, e: dict, best, upto: int | None, cpu: bool = True) -> float:
+    """Seconds the elastic run spends outside its steps up to step ``upto``: the transitions
+    (their measured CPU on the small scale, and the wire time of their transfers), the cache
+    prefills (:func:`prefill_seconds`, variants with the cache) and the guard's validation
+    passes (16 samples spread over the replicas of the layout in force at each check; the
+    guard keeps its windows' frozen-prefix outputs, see
+    ElasticTrainer._guard_from_prefix, so a check runs the active layers and the head, and
+    the prefix once per new depth)."""
+    if not upto:
+        return 0.0
+    trans = sum(t["cpu_s"] for t in real["transitions"] if t["step"] <= upto) if cpu else 0.0
+    wire = sum(h.get("wire_s", 0.0) for h in e["history"] if h["step"] <= upto)
+    L, L_real = sc.model.n_layers, real["model"].n_layers
+    head_fwd = sc.head_s / (1 + sc.backward_factor)
+    g, kept = 0.0, None
+    for d in real["decisions"]:
+        if d["step"] <= upto and d["val_loss"] is not None:
+            # the check precedes the transition it may trigger: the layout before that step
+            R = max((h for h in e["history"] if h["step"] < d["step"] or h["step"] == 0),
+                    key=lambda h: h["step"])["replicas"]
+            F = round(d["frozen_before"] / L_real * L)
+            layers = (L - F) + (F if F and F != kept else 0)
+            kept = F or None
+            g += math.ceil(16 / R) * (layers * sc.fwd_s + head_fwd)
+    return trans + wire + g + (prefill_seconds(sc, real, upto) if e["cache"] else 0.0)
+
+
+def target_levels(c: dict, final: dict) -> tuple[dict, dict]:
+    """The headline target's sensitivity: other levels of the baseline's final loss and of its
+    best (it overfits late); (levels, steps to each for baseline and elastic)."""
     best_b = min(p["val_loss"] for p in c["baseline"])
     levels = {f"final x {m}": final["baseline"] * m for m in (1.005, 1.01, 1.02, 1.03)}
     levels.update({f"best x {m}": best_b * m for m in (1.01, 1.02)})
-    others = {k: (time_to(c["baseline"], v), time_to(c["elastic"], v)) for k, v in levels.items()}
-    em = half(small, real, steps_b, steps_e, topo, overhead, others)
-    print_half("REAL, 16 emulated nodes (losses and steps from the runs above; per-node compute measured on "
-               "this machine; device memory = largest stage of the 4-stage start)", em)
-    paper = half(paper_scale(), real, steps_b, steps_e, topo, functools.partial(overhead, cpu=False), others)
-    print_half("SIMULATED, paper scale (32 layers d=2048, 16 devices = 2 machines x 8, 24 GiB each, global "
-               "batch 128 x 1024 tokens; freeze schedule mapped by layer fraction)", paper)
+    return levels, {k: (time_to(c["baseline"], v), time_to(c["elastic"], v)) for k, v in levels.items()}
 
+
+def print_levels(levels: dict, em: dict, paper: dict) -> None:
+    """The speed-up at each of the other target levels, emulated and simulated."""
     print("\nspeed-up to other target levels (steps baseline / elastic: emulated, sim):")
     for k, v in levels.items():
         a, b = em["speedup_by_target"][k], paper["speedup_by_target"][k]
         print(f"  {k:<16} {v:.4f}: steps {a['steps_baseline']} / {a['steps_elastic']}: "
               f"{a['speedup_vs_best_static']}x, {b['speedup_vs_best_static']}x")
+
+
+def result_of(args, real: dict, target: float, final: dict, st: dict, sec: dict, em: dict, paper: dict,
+              levels: dict, others: dict, overlap: list, swarm: dict | None, t_start: float) -> dict:
+    """The JSON of the whole bench."""
+    c = real["curves"]
     ev, pv = em["variants"]["all"], paper["variants"]["all"]
-    swarm = None
-    if args.swarm_iterations:
-        swarm = run_swarm(args, em["best_static"], real["init"])
-        print_swarm(swarm)
-    result = {
+    return {
         "speedup_vs_best_static": ev["speedup_vs_best_static"],
         "speedup_vs_best_static_sim": pv["speedup_vs_best_static"],
         "final_loss_ratio": round(final["elastic"] / final["baseline"], 5),
@@ -627,6 +625,9 @@ def main(argv=None) -> int:
         "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
         "bench_seconds": round(time.time() - t_start, 1),
     }
+
+
+def print_summary(result: dict) -> None:
     print(f"\nspeedup_vs_best_static {result['speedup_vs_best_static']} (16 emulated nodes) / "
           f"{result['speedup_vs_best_static_sim']} (paper-scale sim); whole run at equal tokens "
           f"{result['whole_run_speedup_vs_best_static']} / {result['whole_run_speedup_vs_best_static_sim']}; "
@@ -636,6 +637,44 @@ def main(argv=None) -> int:
           f"(1 node, + guard {result['guard_fraction_real_1node']}); cache prefill {result['prefill_fraction']} "
           f"(emulated) / {result['prefill_fraction_sim']} (sim) / {result['prefill_fraction_real_1node']} (1 node); "
           f"bench {result['bench_seconds']:.0f}s")
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args.swarm_only:
+        return swarm_only(args)
+    t_start = time.time()
+    print(f"real runs: {'pre-train ' + str(args.pretrain) + ' steps, then ' if args.pretrain else ''}"
+          f"{args.steps} steps on {args.windows} samples of 64 tokens of "
+          f"{'Shakespeare' if args.finetune == 'train' else 'Milton (domain shift)'}, 3 trainers interleaved", flush=True)
+    real = real_runs(args)
+    c = real["curves"]
+    final = {n: c[n][-1]["val_loss"] for n in c}
+    target = round(final["baseline"] * 1.01, 5)
+    st = {n: time_to(c[n], target) for n in c}
+    sec = {n: (sum(real["step_s"][n][:st[n]]) if st[n] else None) for n in c}
+    print_real(real, final, target, st, sec)
+
+    # ---- emulated 16 nodes with the measured costs, and the overlap check -------------------
+    small = small_scale(real)
+    topo = sim_topology()
+    overlap = overlap_check(real, small, topo)
+    overhead = functools.partial(elastic_overhead, real)
+    levels, others = target_levels(c, final)
+    em = half(small, real, st["baseline"], st["elastic"], topo, overhead, others)
+    print_half("REAL, 16 emulated nodes (losses and steps from the runs above; per-node compute measured on "
+               "this machine; device memory = largest stage of the 4-stage start)", em)
+    paper = half(paper_scale(), real, st["baseline"], st["elastic"], topo, functools.partial(overhead, cpu=False),
+                 others)
+    print_half("SIMULATED, paper scale (32 layers d=2048, 16 devices = 2 machines x 8, 24 GiB each, global "
+               "batch 128 x 1024 tokens; freeze schedule mapped by layer fraction)", paper)
+    print_levels(levels, em, paper)
+    swarm = None
+    if args.swarm_iterations:
+        swarm = run_swarm(args, em["best_static"], real["init"])
+        print_swarm(swarm)
+    result = result_of(args, real, target, final, st, sec, em, paper, levels, others, overlap, swarm, t_start)
+    print_summary(result)
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(result, indent=1, default=str))
