@@ -194,6 +194,28 @@ def test_a_second_sigterm_stops_at_once_and_salvages_the_job_checkpoint(byte_dat
     assert processes_of_run(run) == []
 
 
+@pytest.mark.slow
+def test_ctrl_c_while_the_nodes_start_stops_every_node(byte_data, tmp_path, monkeypatch):
+    """Ctrl-C after the node processes were requested, before their starts are reported: every
+    one is stopped (none trains on behind the interrupt) and the interrupt goes up."""
+    from skiptrain.runtime.node_processes import ForkedNodes
+
+    def interrupted(self, timeout_s: float = 0.0):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(ForkedNodes, "wait_started", interrupted)
+    run = tmp_path / "run"
+    job = Job(config=with_runtime(_cfg().to_dict(), timeout_s=15.0), data_path=str(byte_data), run_dir=str(run),
+              phases=[Phase("train", _sched().to_dict(), iterations=20)])
+    t0 = time.time()
+    with pytest.raises(KeyboardInterrupt):
+        launch(job, timeout_s=120)
+    assert time.time() - t0 < 30
+    time.sleep(1.0)
+    assert processes_of_run(run) == []
+    assert not any('"loss"' in line for line in (run / "metrics.jsonl").read_text().splitlines())
+
+
 def _default_sigint() -> None:
     """In the child: Ctrl-C's default action, even when the tests run as a background job (a
     shell starts those with SIGINT ignored, and Python then keeps ignoring it)."""
@@ -201,16 +223,21 @@ def _default_sigint() -> None:
 
 
 @pytest.mark.slow
-def test_ctrl_c_of_a_swarm_training_writes_a_final_checkpoint(byte_data, tmp_path):
-    """`skiptrain train --nodes 4` and SIGINT: exit 130 with one line naming the resume point, a
+@pytest.mark.parametrize("to", ["launcher", "terminal"])
+def test_ctrl_c_of_a_swarm_training_writes_a_final_checkpoint(byte_data, tmp_path, to):
+    """`skiptrain train --nodes 4` and SIGINT, to the launcher alone or, as a terminal's Ctrl-C
+    does, to its whole process group: exit 130 with one line naming the resume point, a
     checkpoint whose step is the iterations done and whose weights are the merged model's."""
     out = tmp_path / "swarm"
     p = subprocess.Popen([sys.executable, "-m", "skiptrain.cli", "train", "--preset", "tiny", "--data", str(byte_data),
                           "--out", str(out), "--nodes", "4", "--steps", "300", "--set", "runtime.stage_sizes=1,1,1,1"],
                          env=dict(os.environ, PYTHONPATH=str(REPO)), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                         text=True, preexec_fn=_default_sigint)
+                         text=True, preexec_fn=_default_sigint, start_new_session=True)
     wait_for(lambda: (out / "metrics.jsonl").exists() and len((out / "metrics.jsonl").read_text().splitlines()) >= 2)
-    p.send_signal(signal.SIGINT)
+    if to == "launcher":
+        p.send_signal(signal.SIGINT)
+    else:
+        os.killpg(p.pid, signal.SIGINT)      # the session leader's group: the launcher and its fork server
     _, err = p.communicate(timeout=120)
     assert p.returncode == 130, err[-2000:]
     summary = json.loads((out / "run.json").read_text())

@@ -273,10 +273,12 @@ def _node_env(job: Job, run_dir: Path, world: int, port: int, detached: bool, jo
 
 
 def _stop_children(procs) -> set[int]:
-    """SIGKILL the node processes still running and wait for all; returns the ranks killed here."""
+    """SIGKILL the node processes still running and wait for all; returns the ranks killed here.
+    A rank whose start is not reported yet (a launch interrupted while starting) is killed too:
+    the fork server forks every rank of a launch before it reads the kill."""
     killed = set()
     for r, p in enumerate(procs):
-        if p.poll() is None and p.pid:
+        if p.poll() is None:
             killed.add(r)
             p.kill()
     for p in procs:

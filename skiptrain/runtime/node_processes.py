@@ -11,8 +11,9 @@ which starts a thread or initialises CUDA on import.  Each child is what ``pytho
 environment (its own ``RANK`` and ``LOCAL_RANK``), working directory and ``sys.path``; it
 imports ``job.node_module`` itself (already loaded for ``skiptrain.runtime.node``); output in
 ``RUN_DIR/logs/node<r>.log``, whose first line gives its PID (:func:`node_pids` reads them);
-stdin from ``/dev/null``; the default Ctrl-C handler; its own session when the launch is
-detached.  With ``SKIPTRAIN_FRESH_NODES=1``, or if CUDA was initialised in the fork server,
+stdin from ``/dev/null``; the default Ctrl-C handler; its own process group (its own session
+when the launch is detached), so the Ctrl-C of the launcher's terminal reaches the launcher
+alone, which stops the nodes at an iteration boundary (``runtime.launcher.launch``).  With ``SKIPTRAIN_FRESH_NODES=1``, or if CUDA was initialised in the fork server,
 each child execs a new interpreter instead (slower starts, nothing shared).
 
 The launcher gets one :class:`NodeProcess` per rank with the part of ``subprocess.Popen`` it
@@ -23,7 +24,7 @@ go to its stdin, one JSON line each (a launch, or a kill).  ``kill()`` is carrie
 server, which signals a node only while it has not reaped it: as with ``Popen.kill``, the PID of
 a node that has exited is never signalled, whatever process may have it since.
 
-Failure semantics: the fork server ignores Ctrl-C (its children get it) and asks for SIGKILL
+Failure semantics: the fork server ignores Ctrl-C and asks for SIGKILL
 when the launcher process dies (``PR_SET_PDEATHSIG``, from a thread that lives as long as the
 process); so do the nodes of a launch that is not detached, when the fork server dies.  A
 detached launch's nodes outlive both.  A node module that cannot be imported: that launch's
@@ -282,6 +283,7 @@ def _child(rank: int, req: dict, server: int, fresh: bool) -> None:
         if req["detached"]:
             os.setsid()
         else:
+            os.setpgid(0, 0)        # out of the terminal's foreground group: Ctrl-C is the launcher's
             set_parent_death_signal()
             if os.getppid() != server:          # the fork server died before the line above
                 os._exit(1)
