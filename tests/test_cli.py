@@ -239,3 +239,30 @@ def test_a_swarm_with_absurd_runtime_scales_is_refused_before_it_starts(trained,
     one_line_error(capsys, [*cmd, "--preset", "tiny", "--data", str(data), "--steps", "1", "--out", str(out),
                             "--set", override], needle)
     assert not out.exists()
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["simulate", "--methods", "planner", "--max-evals", "0", "--json", "FILE/x.json"],
+     "cannot write --json 'FILE/x.json': 'FILE' is a file, not a directory"),
+    (["simulate", "--methods", "planner", "--max-evals", "0", "--schedule-out", "DIR"],
+     "cannot write --schedule-out 'DIR': it is a directory; pass a file path"),
+    (["simulate", "--methods", "planner", "--max-evals", "0", "--gantt", "/proc/skiptrain-gantt.png"],
+     "cannot write --gantt '/proc/skiptrain-gantt.png': No such file or directory"),
+    (["simulate", "--methods", "planner", "--max-evals", "0", "--gantt", "chart.xyz"],
+     "--gantt 'chart.xyz': the file type is given by its suffix, one of .png, .svg, .pdf; name it e.g. 'chart.png'"),
+    (["launch", "--preset", "tiny", "--nodes", "4", "--data", "DATA", "--steps", "1", "--out", "OUT", "--json", "DIR"],
+     "cannot write --json 'DIR': it is a directory"),
+    (["eval", "RUN", "--batches", "1", "--json", "FILE/r.json"], "'FILE' is a file, not a directory"),
+])
+def test_an_output_file_that_cannot_be_written_is_refused_before_any_work(trained, capsys, monkeypatch, tmp_path,
+                                                                          argv, needle):
+    """An output file under a file, that is a directory, in a place that cannot be written, or
+    of an image type the chart cannot have: one line before the command plans or trains anything
+    (the launch's run directory is not even created)."""
+    data, run = trained
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "FILE").write_text("not a directory")
+    (tmp_path / "DIR").mkdir()
+    sub = {"DATA": str(data), "RUN": str(run), "OUT": str(tmp_path / "out")}
+    one_line_error(capsys, [sub.get(a, a) for a in argv], needle)
+    assert not (tmp_path / "out").exists()

@@ -348,3 +348,24 @@ def test_kill_9_of_the_only_stage_2_node_in_a_2_2_1_1_swarm_still_gives_a_usable
     assert list(notes) == ["2"] and "from the checkpoint after iteration" in notes["2"]
     assert main(["eval", str(run), "--batches", "1"]) == 0
     assert processes_of_run(run) == []
+
+
+@pytest.mark.slow
+def test_an_interrupt_before_the_first_checkpoint_says_how_to_train_again(byte_data, tmp_path):
+    """SIGTERM before any checkpoint: the weights so far are written, and the one line says what
+    works next (--overwrite), not a --resume that has nothing to resume; that command then runs."""
+    run = tmp_path / "run"
+    args = ["--preset", "tiny", "--quiet", "--data", str(byte_data), "--out", str(run), "--set", "checkpoint.every=0",
+            "--set", "checkpoint.final=false", "--set", "train.eval_every=0", "--set", "train.eval_batches=1"]
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    p = subprocess.Popen([sys.executable, "-m", "skiptrain.cli", "train", *args, "--steps", "100000"], env=env,
+                         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    wait_for(lambda: (run / "metrics.jsonl").exists() and len((run / "metrics.jsonl").read_text().splitlines()) >= 2)
+    p.send_signal(signal.SIGTERM)
+    _, err = p.communicate(timeout=60)
+    assert p.returncode == 130, err[-2000:]
+    assert "model.safetensors holds its weights; no checkpoint was written yet" in err
+    assert "train again with --overwrite" in err and "Traceback" not in err
+    again = subprocess.run([sys.executable, "-m", "skiptrain.cli", "train", *args, "--steps", "2", "--overwrite"],
+                           env=env, capture_output=True, text=True, timeout=120)
+    assert again.returncode == 0, again.stderr[-2000:]

@@ -14,7 +14,7 @@ import importlib
 import sys
 
 from ..errors import UserError
-from .options import refuse_empty_paths
+from .options import check_output_files, refuse_empty_paths
 
 COMMAND_MODULES = [
     "skiptrain.cli.data",        # prepare
@@ -67,6 +67,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         refuse_empty_paths(args)
+        check_output_files(args)
         rc = args.func(args)
     except UserError as e:
         print(f"skiptrain {args.command}: error: {e}", file=sys.stderr)

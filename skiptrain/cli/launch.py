@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 
 from ..errors import UserError
+from .options import write_output
 
 
 def train_swarm(cfg, data: str, out: str, steps: int | None = None, echo: bool = True,
@@ -243,8 +244,7 @@ def cmd_launch(args: argparse.Namespace) -> int:
     summary = train_swarm(cfg, cfg.data.path, args.out, echo=True, restartable=args.restartable, resume=args.resume,
                           overwrite=args.overwrite)
     if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(summary, indent=1))
+        write_output("--json", args.json, json.dumps(summary, indent=1))
     return 0
 
 
@@ -292,4 +292,4 @@ def register(sub) -> None:
     g.add_argument("--join-secret-file", default=None, metavar="PATH",
                    help="with --join: the run's secret (RUN_DIR/join_secret), else SKIPTRAIN_JOIN_SECRET")
     p.add_argument("--json", default=None, help="write the run summary here")
-    p.set_defaults(func=cmd_launch, written_paths=("--out", "--json"))
+    p.set_defaults(func=cmd_launch, written_paths=("--out", "--json"), output_files={"--json": ()})

@@ -17,6 +17,7 @@ from ..schedule.actcodec import CODECS
 from ..schedule.compare import METHODS, compare, format_table
 from ..schedule.cost import DP_MODES, CostModel
 from ..schedule.gantt import draw_gantt
+from .options import IMAGE_SUFFIXES, write_output
 from ..schedule.placement import check_sizes
 from ..schedule.planner import PlanConfig
 from ..schedule.schedule import ScheduleError
@@ -102,7 +103,8 @@ def register(subparsers) -> None:
     p.add_argument("--json", default=None, help="write results as JSON here")
     p.add_argument("--gantt", default=None, help="write the planner's Gantt chart PNG here")
     p.add_argument("--schedule-out", default=None, help="write the planner's schedule JSON here")
-    p.set_defaults(func=run, written_paths=("--json", "--gantt", "--schedule-out"))
+    p.set_defaults(func=run, written_paths=("--json", "--gantt", "--schedule-out"),
+                   output_files={"--json": (), "--schedule-out": (), "--gantt": IMAGE_SUFFIXES})
 
 
 def run(args: argparse.Namespace) -> int:
@@ -135,11 +137,10 @@ def run(args: argparse.Namespace) -> int:
     print(format_table({"iteration_s": cmp.iteration_s()}))
     print(f"planner time: {cmp.planner_s:.2f} s")
     if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(cmp.to_dict(), indent=1, default=str))
+        write_output("--json", args.json, json.dumps(cmp.to_dict(), indent=1, default=str))
         print(f"wrote {args.json}")
     if args.schedule_out:
-        cmp.schedules["planner"].save(args.schedule_out)
+        write_output("--schedule-out", args.schedule_out, json.dumps(cmp.schedules["planner"].to_dict(), indent=1))
         print(f"wrote {args.schedule_out}")
     if args.gantt:
         labels = {nd.id: f"{nd.id} {nd.location} s{s}" for s, p in enumerate(cmp.schedules["planner"].placement)

@@ -12,7 +12,7 @@ from pathlib import Path
 from ..errors import UserError
 from ..signals import sigterm_as_interrupt
 from ..train.generate import MAX_NEW_TOKENS
-from .options import add_config_args, config_from_args
+from .options import add_config_args, config_from_args, write_output
 
 
 def cmd_train(args: argparse.Namespace) -> int:
@@ -56,8 +56,11 @@ def cmd_train(args: argparse.Namespace) -> int:
             s = trainer.fit()
     except KeyboardInterrupt:          # Ctrl-C or SIGTERM: fit() wrote the weights before stopping
         latest = trainer.ckpt.manager.latest() if trainer.ckpt is not None else None
+        then = (f"--resume continues from {latest}" if latest else
+                "no checkpoint was written yet, so nothing can be resumed: train again with --overwrite "
+                "(--set checkpoint.every=N checkpoints every N steps)")
         print(f"skiptrain train: interrupted at step {trainer.step}: {args.out}/model.safetensors holds its "
-              f"weights; --resume continues from {latest or 'the start (no checkpoint yet)'}", file=sys.stderr)
+              f"weights; {then}", file=sys.stderr)
         raise
     except FloatingPointError as e:   # the loss became inf/nan: the weights written are not usable
         raise UserError(f"training diverged: {e}; the last checkpoint (if any) is under {args.out}/checkpoints")
@@ -134,11 +137,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
               "samples": min(args.batches * cfg.train.micro_batch, src.n)}
     print(f"{args.split} loss {loss:.4f}, perplexity {result['perplexity']:.2f}, body stages {result['route']}")
     if args.json:
-        try:
-            Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-            Path(args.json).write_text(json.dumps(result, indent=1))
-        except OSError as e:
-            raise UserError(f"cannot write --json {args.json!r}: {e.strerror}; pass a writable file path") from None
+        write_output("--json", args.json, json.dumps(result, indent=1))
     return 0
 
 
@@ -283,7 +282,7 @@ def register(sub) -> None:
     p.add_argument("--batches", type=int, default=16, help="micro-batches to evaluate")
     p.add_argument("--json", metavar="PATH", help='write {"val_loss": ..., "perplexity": ...}')
     _add_drop_args(p)
-    p.set_defaults(func=cmd_eval, written_paths=("--json",))
+    p.set_defaults(func=cmd_eval, written_paths=("--json",), output_files={"--json": ()})
 
     p = sub.add_parser("generate", help="sample text from a trained run")
     p.add_argument("run_dir")
