@@ -67,6 +67,9 @@ def test_generate(trained, capsys):
     (["prepare", "--text", "/nonexistent.txt", "--out", "/tmp/x"], "does not exist"),
     (["eval", "/nonexistent/run"], "is not a run directory"),
     (["train", "--preset", "tiny", "--nodes", "6", "--resume", "--out", "/tmp/x-none"], "--resume: no committed checkpoint under"),
+    (["train", "--preset", "tiny", "--resume", "--overwrite", "--out", "/tmp/x-none"],
+     "--resume continues the run in --out and --overwrite replaces it: pass one of them"),
+    (["launch", "--resume", "--overwrite", "--out", "/tmp/x-none"], "pass one of them"),
 ])
 def test_errors_are_one_line_with_a_fix(args, needle):
     r = run_cli(*args)
@@ -266,3 +269,13 @@ def test_an_output_file_that_cannot_be_written_is_refused_before_any_work(traine
     sub = {"DATA": str(data), "RUN": str(run), "OUT": str(tmp_path / "out")}
     one_line_error(capsys, [sub.get(a, a) for a in argv], needle)
     assert not (tmp_path / "out").exists()
+
+
+def test_a_split_shorter_than_one_sample_is_named_with_its_data_set(capsys, tmp_path):
+    text = tmp_path / "short.txt"
+    text.write_text("Hello there, friend. This is a very short text indeed, with few tokens in it at all.\n")
+    assert main(["prepare", "--text", str(text), "--tokenizer", "byte", "--out", str(tmp_path / "d")]) == 0
+    capsys.readouterr()
+    one_line_error(capsys, ["train", "--preset", "tiny", "--data", str(tmp_path / "d"), "--steps", "1", "--out",
+                            str(tmp_path / "r")],
+                   f"the 'val' split of data set {tmp_path / 'd'} has 7 tokens, fewer than one sample of 65")

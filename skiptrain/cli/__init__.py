@@ -63,10 +63,16 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
+    try:
+        parser = build_parser()
+    except KeyboardInterrupt:       # Ctrl-C while the commands' modules import
+        print("skiptrain: interrupted", file=sys.stderr)
+        return 130
     args = parser.parse_args(argv)
     try:
         refuse_empty_paths(args)
+        if getattr(args, "resume", None) is not None and getattr(args, "overwrite", False):
+            raise UserError("--resume continues the run in --out and --overwrite replaces it: pass one of them")
         check_output_files(args)
         rc = args.func(args)
     except UserError as e:

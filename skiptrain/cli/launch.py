@@ -86,7 +86,7 @@ def train_swarm(cfg, data: str, out: str, steps: int | None = None, echo: bool =
         _finish_interrupted(cfg, model, outp, done, steps, str(ds.path), t0)
     from ..data.loader import SampleSource
 
-    val = evaluate(model, SampleSource(ds.tokens("val"), cfg.model.seq_len, shuffle=False),
+    val = evaluate(model, SampleSource(ds.tokens("val"), cfg.model.seq_len, shuffle=False, name=ds.split_name("val")),
                    cfg.train.eval_batches, cfg.train.micro_batch)
     if not any("val_loss" in r and r["step"] == steps for r in res.phase_metrics("train")):
         with open(outp / "metrics.jsonl", "a") as f:       # (the loop validated at its last step otherwise)

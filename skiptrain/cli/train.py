@@ -127,7 +127,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
         raise UserError(f"data set {ds.path} has vocabulary {ds.vocab_size} but the run was trained with "
                         f"{cfg.model.vocab_size}; pass the --data the run was trained on")
     route = _route_from_args(args, cfg.model.n_stages)
-    src = SampleSource(ds.tokens(args.split), cfg.model.seq_len, shuffle=False)
+    src = SampleSource(ds.tokens(args.split), cfg.model.seq_len, shuffle=False, name=ds.split_name(args.split))
     loss = evaluate(model, src, args.batches, cfg.train.micro_batch, route=route)
     if not math.isfinite(loss):
         raise UserError(f"{args.split} loss is {loss}: the model's weights diverged (too large to give a finite "

@@ -201,6 +201,10 @@ class TokenDataset:
             self.checked.add(split)
         return arr
 
+    def split_name(self, split: str) -> str:
+        """How errors name ``split`` of this data set."""
+        return f"the {split!r} split of data set {self.path}"
+
     def check_ids(self, split: str, arr: np.ndarray) -> None:
         """Every token id of ``arr`` must be below the vocabulary size (else the embedding would fail)."""
         top = int(arr.max())

@@ -25,14 +25,14 @@ from ..errors import DataError
 class SampleSource:
     """Fixed-length windows over one token array, in a seeded per-epoch order."""
 
-    def __init__(self, tokens: np.ndarray, seq_len: int, seed: int = 0, shuffle: bool = True):
+    def __init__(self, tokens: np.ndarray, seq_len: int, seed: int = 0, shuffle: bool = True, name: str = "split"):
         self.tokens = tokens
         self.seq_len = seq_len
         self.seed = seed
         self.shuffle = shuffle
         self.n = (len(tokens) - 1) // seq_len
         if self.n < 1:
-            raise DataError(f"split has {len(tokens)} tokens, fewer than one sample of {seq_len + 1}; "
+            raise DataError(f"{name} has {len(tokens)} tokens, fewer than one sample of {seq_len + 1}; "
                             "use more text or a shorter model.seq_len")
         self._perm = lru_cache(maxsize=2)(self._make_perm)
 

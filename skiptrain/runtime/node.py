@@ -252,8 +252,10 @@ class Node:
         else:
             self.cfg.model.vocab_size = self.ds.vocab_size
         self.cfg_json = self.cfg.to_dict()    # what every checkpoint of the phase records (set only here)
-        self.src = SampleSource(self.ds.tokens("train"), self.cfg.model.seq_len, seed=self.cfg.train.seed)
-        self.val_src = SampleSource(self.ds.tokens("val"), self.cfg.model.seq_len, shuffle=False)
+        self.src = SampleSource(self.ds.tokens("train"), self.cfg.model.seq_len, seed=self.cfg.train.seed,
+                                 name=self.ds.split_name("train"))
+        self.val_src = SampleSource(self.ds.tokens("val"), self.cfg.model.seq_len, shuffle=False,
+                                     name=self.ds.split_name("val"))
 
     def pick_device(self) -> torch.device:
         """This node's device (:func:`device_of_node`), made current when it is a GPU."""

@@ -108,8 +108,10 @@ class Trainer:
         self.executor = Executor(0, LocalTransport(0, hop), self.model)
         self.reconfigure(Layout(self.model.partition, [[0] for _ in stages]))
         self.opt = build_optimizer(self.model.named_parameters(), t, self.syncs[0].update_rule)
-        self.train_src = SampleSource(self.ds.tokens("train"), cfg.model.seq_len, seed=t.seed)
-        self.val_src = SampleSource(self.ds.tokens("val"), cfg.model.seq_len, shuffle=False)
+        self.train_src = SampleSource(self.ds.tokens("train"), cfg.model.seq_len, seed=t.seed,
+                                       name=self.ds.split_name("train"))
+        self.val_src = SampleSource(self.ds.tokens("val"), cfg.model.seq_len, shuffle=False,
+                                     name=self.ds.split_name("val"))
         self.loader = ShardedLoader(self.train_src, t.micro_batch * t.n_micro)
         self.route_rng = random.Random(t.seed)
         self.step = 0
