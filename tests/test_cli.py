@@ -70,6 +70,7 @@ def test_generate(trained, capsys):
     (["train", "--preset", "tiny", "--resume", "--overwrite", "--out", "/tmp/x-none"],
      "--resume continues the run in --out and --overwrite replaces it: pass one of them"),
     (["launch", "--resume", "--overwrite", "--out", "/tmp/x-none"], "pass one of them"),
+    (["launch", "--join-secret-file", "/tmp/x-secret", "--out", "/tmp/x-none"], "drop the flag, or add --join"),
 ])
 def test_errors_are_one_line_with_a_fix(args, needle):
     r = run_cli(*args)
@@ -279,3 +280,9 @@ def test_a_split_shorter_than_one_sample_is_named_with_its_data_set(capsys, tmp_
     one_line_error(capsys, ["train", "--preset", "tiny", "--data", str(tmp_path / "d"), "--steps", "1", "--out",
                             str(tmp_path / "r")],
                    f"the 'val' split of data set {tmp_path / 'd'} has 7 tokens, fewer than one sample of 65")
+
+
+def test_prepare_into_a_run_directory_is_refused(trained, capsys):
+    _, run = trained
+    one_line_error(capsys, ["prepare", "--text", *TRAIN_TEXTS, "--tokenizer", "byte", "--out", str(run)],
+                   f"--out {str(run)!r} holds a training run")

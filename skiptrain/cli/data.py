@@ -10,6 +10,14 @@ from ..errors import DataError
 
 
 def cmd_prepare(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from ..train.rundir import RUN_MARKERS
+
+    found = [m for m in RUN_MARKERS if (Path(args.out) / m).exists()]
+    if found:
+        raise DataError(f"--out {args.out!r} holds a training run ({', '.join(found)}), not a data set; "
+                        "pass another directory for the data")
     if args.text:
         docs = read_documents(args.text)
         ood = read_documents(args.ood_text, "--ood-text") if args.ood_text else []

@@ -215,6 +215,9 @@ def cmd_launch(args: argparse.Namespace) -> int:
 
     if args.join:
         return cmd_join(args.join, args.join_secret_file)
+    if args.join_secret_file:
+        raise UserError("--join-secret-file is the secret of a run to --join HOST:PORT; a launch makes its own "
+                        "(RUN_DIR/join_secret): drop the flag, or add --join")
     if args.out is None:
         raise UserError("skiptrain launch needs --out RUN_DIR (or --join HOST:PORT to join a running job)")
     if args.resume is not None and args.config is None and (Path(args.out) / "config.toml").is_file():

@@ -67,6 +67,9 @@ def cmd_train(args: argparse.Namespace) -> int:
     if s["step"] > start and not math.isfinite(s["val_loss"]):  # (no step run: nothing was validated)
         raise UserError(f"training diverged: the final validation loss is {s['val_loss']}; retrain with a lower "
                         "train.lr (the run directory holds the diverged weights)")
+    if s["step"] == start:
+        print(f"done: no step to train (at step {s['step']} of --steps {cfg.train.steps}); run directory: {args.out}")
+        return 0
     print(f"done: step {s['step']}, validation loss {s['val_loss']:.4f} "
           f"(unigram baseline {s['unigram_val_loss']:.4f}), {s['seconds']:.0f} s; run directory: {args.out}")
     return 0
