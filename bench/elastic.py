@@ -446,7 +446,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help="iterations per phase of the 16-process swarm runs (default: --steps, the real half's "
                          "budget, so the rule sees as many windows; 0 = no swarm half)")
     ap.add_argument("--swarm-seeds", default="1234,3,7", help="seeds of the swarm runs (--quick: --seed only)")
-    ap.add_argument("--swarm-check-every", type=int, default=None, help="the swarm's freeze-rule window (iterations; default: --check-every)")
+    ap.add_argument("--swarm-check-every", type=int, default=None, help="the swarm's freeze-rule and validation window (iterations; default 5)")
     ap.add_argument("--swarm-warmup", type=int, default=None, help="the swarm's learning-rate warm-up (iterations; default: --warmup)")
     ap.add_argument("--swarm-spl", type=float, default=None,
                     help="emulated seconds per sample per layer forward in the swarm (compute is padded to it; "
@@ -480,10 +480,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                            ("swarm_spl", 0.02, 0.05)]:
         if getattr(args, k) is None:
             setattr(args, k, quick if args.quick else full)
-    # the swarm runs the real half's budget and rule windows: with fewer, shorter windows the
-    # gradient-norm changes the rule reads are noisier and fewer layers freeze, later
-    for k, like in (("swarm_iterations", args.steps), ("swarm_check_every", args.check_every),
-                    ("swarm_warmup", args.warmup)):
+    # the swarm runs the real half's budget and warm-up, its rule in windows of 5 iterations (80
+    # samples each): the guard's reference points are then 25 and 30, so freezing can start at 30
+    for k, like in (("swarm_iterations", args.steps), ("swarm_check_every", 5), ("swarm_warmup", args.warmup)):
         if getattr(args, k) is None:
             setattr(args, k, like)
     if args.swarm_timeout is None:
