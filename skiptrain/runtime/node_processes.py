@@ -13,8 +13,9 @@ imports ``job.node_module`` itself (already loaded for ``skiptrain.runtime.node`
 ``RUN_DIR/logs/node<r>.log``, whose first line gives its PID (:func:`node_pids` reads them);
 stdin from ``/dev/null``; the default Ctrl-C handler; its own process group (its own session
 when the launch is detached), so the Ctrl-C of the launcher's terminal reaches the launcher
-alone, which stops the nodes at an iteration boundary (``runtime.launcher.launch``).  With ``SKIPTRAIN_FRESH_NODES=1``, or if CUDA was initialised in the fork server,
-each child execs a new interpreter instead (slower starts, nothing shared).
+alone, which stops the nodes at an iteration boundary (``runtime.launcher.launch``).  With
+``SKIPTRAIN_FRESH_NODES=1``, or if CUDA was initialised in the fork server, each child execs a
+new interpreter instead (slower starts, nothing shared).
 
 The launcher gets one :class:`NodeProcess` per rank with the part of ``subprocess.Popen`` it
 uses (``pid``, ``poll``, ``wait``, ``kill``, ``returncode``): the fork server reaps its children

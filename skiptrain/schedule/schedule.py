@@ -178,8 +178,11 @@ class Schedule:
         except (KeyError, TypeError, ValueError) as e:
             raise ScheduleError(f"not a schedule: {e}") from None
 
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=1)
+
     def save(self, path: str | Path) -> None:
-        Path(path).write_text(json.dumps(self.to_dict(), indent=1))
+        Path(path).write_text(self.to_json())
 
     @classmethod
     def load(cls, path: str | Path) -> "Schedule":
