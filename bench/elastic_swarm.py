@@ -32,7 +32,10 @@ iteration times next to the simulator's for the same layouts (``simulate`` of ea
 schedule and cost model, summed over the iterations it was in force; the transitions' wire time
 by ``topo.transfer_s`` of their messages), whole and their pipeline part alone (metrics
 ``pipeline_s``: to the end of the last forward/backward task, before the data-parallel sync and
-the optimizer step, which the simulator runs without).  And how far the unfrozen run strays
+the optimizer step, which the simulator runs without), next to this host's CPU floor
+(``launcher.host_floor_s``: the node processes' CPU seconds over the cores they share, the
+fewest seconds this machine can run an iteration in) and the measured time over the larger of
+the simulated time and that floor (how far the runtime is from what the machine allows).  And how far the unfrozen run strays
 above the guard's kind of projection (``guard_projection_error``): static's validation curve
 against the fit through its own points at the elastic guard's reference steps, at the next
 check and the largest over the run; above ``--guard-tol``, the guard can undo a freeze for its
@@ -53,7 +56,7 @@ from skiptrain.elastic.costs import N_DEV, sim_topology
 from skiptrain.elastic.freeze import log_fit
 from skiptrain.optim import lr_clock
 from skiptrain.runtime.job import Job, Phase, build_cost, with_runtime
-from skiptrain.runtime.launcher import launch
+from skiptrain.runtime.launcher import host_floor_s, launch
 from skiptrain.runtime.transition import layout_cost
 from skiptrain.schedule.baselines import full_pipeline
 from skiptrain.schedule.schedule import Schedule
@@ -257,18 +260,20 @@ def figures(cfg, cost, topo, sched, rows: dict, walls: dict, evals: dict, log: l
     for i, (F, counts, pl, cached, s, c) in enumerate(el):
         key = f"F={F} {len(counts)}x{min(len(p) for p in pl)}" + (" cached" if cached else "")
         d = per_layout.setdefault(key, {"frozen": F, "counts": counts, "iterations": 0, "measured_s": [],
-                                        "pipeline_s": [], "simulated_s": sim(s, c)})
+                                        "pipeline_s": [], "host_floor_s": [], "simulated_s": sim(s, c)})
         d["iterations"] += 1
-        d["measured_s"].append(rows["elastic"][i]["iteration_s"])
-        d["pipeline_s"].append(rows["elastic"][i]["pipeline_s"])
+        for k in ("measured_s", "pipeline_s", "host_floor_s"):
+            d[k].append(per_iteration(rows["elastic"][i], k))
     for d in per_layout.values():
-        d["measured_s"] = round(statistics.median(d["measured_s"]), 4)
-        d["pipeline_s"] = round(statistics.median(d["pipeline_s"]), 4)
+        for k in ("measured_s", "pipeline_s", "host_floor_s"):
+            d[k] = round(statistics.median(d[k]), 4)
         d["ratio"] = round(d["measured_s"] / d["simulated_s"], 3)
         d["pipeline_ratio"] = round(d["pipeline_s"] / d["simulated_s"], 3)
+    sims = {"static": [static_sim] * n_it, "elastic": [sim(s, c) for *_, s, c in el]}
     meas_it = {p: sum(r["iteration_s"] for r in rows[p]) for p in rows}
     pipe_it = {p: sum(r["pipeline_s"] for r in rows[p]) for p in rows}
-    sim_it = {"static": static_sim * n_it, "elastic": sum(sim(s, c) for *_, s, c in el)}
+    sim_it = {p: sum(v) for p, v in sims.items()}
+    floor = {p: [per_iteration(r, "host_floor_s") for r in rows[p]] for p in rows}
     wire = sum(transfer_wire_s(t, topo) for t in trans)
     r = lambda x: round(x, 4) if x is not None else None  # noqa: E731
     return {
@@ -293,6 +298,8 @@ def figures(cfg, cost, topo, sched, rows: dict, walls: dict, evals: dict, log: l
         "measured_vs_sim": {p: r(meas_it[p] / sim_it[p]) for p in rows},
         "iteration_s_pipeline": {p: r(v) for p, v in pipe_it.items()},
         "pipeline_vs_sim": {p: r(pipe_it[p] / sim_it[p]) for p in rows},
+        "host_floor_vs_sim": {p: r(sum(floor[p]) / sim_it[p]) for p in rows},
+        "measured_vs_attainable": {p: r(meas_it[p] / sum(map(max, sims[p], floor[p]))) for p in rows},
         "elastic_measured_vs_sim_with_transitions": r((meas_it["elastic"] + trans_s) / (sim_it["elastic"] + wire)),
         "static_iteration_s": {"measured_median": r(statistics.median(x["iteration_s"] for x in rows["static"])),
                                "simulated": r(static_sim)},
@@ -305,6 +312,13 @@ def figures(cfg, cost, topo, sched, rows: dict, walls: dict, evals: dict, log: l
         "elapsed_s": {p: [r(x) for x in v] for p, v in elapsed.items()},
         "losses": {p: [x["loss"] for x in rows[p]] for p in rows},
     }
+
+
+def per_iteration(row: dict, key: str) -> float:
+    """``key`` of one iteration's metrics line (``host_floor_s``: see ``launcher.host_floor_s``)."""
+    if key == "host_floor_s":
+        return host_floor_s(row)
+    return row["iteration_s" if key == "measured_s" else key]
 
 
 def transfer_wire_s(t: dict, topo) -> float:
@@ -351,6 +365,8 @@ def seeds_and_mean(args, best: dict, seeds: list[int], iterations: int, data: st
     for p in ("static", "elastic"):
         mean[f"measured_vs_sim_{p}"] = round(statistics.fmean(x["measured_vs_sim"][p] for x in per), 4)
         mean[f"pipeline_vs_sim_{p}"] = round(statistics.fmean(x["pipeline_vs_sim"][p] for x in per), 4)
+        for k in ("host_floor_vs_sim", "measured_vs_attainable"):
+            mean[f"{k}_{p}"] = round(statistics.fmean(x[k][p] for x in per), 4)
     out["mean"] = mean
     return out
 
@@ -399,10 +415,16 @@ def print_swarm(sw: dict) -> None:
         "pipeline_vs_sim_static")
     row("  their pipeline part / simulated: elastic", lambda x: x["pipeline_vs_sim"]["elastic"],
         "pipeline_vs_sim_elastic")
+    for p in ("static", "elastic"):
+        row(f"  host CPU floor / simulated: {p}", lambda x, p=p: x["host_floor_vs_sim"][p], f"host_floor_vs_sim_{p}")
+    for p in ("static", "elastic"):
+        row(f"  measured / max(simulated, floor): {p}", lambda x, p=p: x["measured_vs_attainable"][p],
+            f"measured_vs_attainable_{p}")
     row("transitions (iteration: F; c = cache-in)", lambda x: ",".join(
         f"{t['step']}:{t['frozen_after']}" + ("c" if t["frozen_before"] == t["frozen_after"] else "")
         for t in x["transitions"]) or "none", fmt="{}")
     for s in seeds:
-        print(f"  seed {s} layouts (median s per iteration, measured (its pipeline part) / simulated): " + "; ".join(
-            f"{k} x{v['iterations']}: {v['measured_s']:.3f} ({v['pipeline_s']:.3f})/{v['simulated_s']:.3f}"
+        print(f"  seed {s} layouts (median s per iteration, measured (its pipeline part) / simulated, host floor): "
+              + "; ".join(f"{k} x{v['iterations']}: {v['measured_s']:.3f} ({v['pipeline_s']:.3f})/{v['simulated_s']:.3f}, "
+                          f"{v['host_floor_s']:.3f}"
             for k, v in sw["seeds"][s]["elastic_layouts"].items()))

@@ -3,6 +3,8 @@ single-process trainer, a short training run, and failure handling (killed and h
 
 from __future__ import annotations
 
+import json
+import os
 from pathlib import Path
 
 import pytest
@@ -10,11 +12,12 @@ import torch
 
 from fault_node import faulty_job
 from conftest import processes_of_run
+from skiptrain.cli.launch import warn_host_bound
 from skiptrain.config import build_config
 from skiptrain.runtime.executor import node_plan
 from skiptrain.runtime.failure import RuntimeFailure
 from skiptrain.runtime.job import Job, build_cost, build_schedule, build_topology, phase_for, with_runtime
-from skiptrain.runtime.launcher import launch
+from skiptrain.runtime.launcher import host_floor_s, launch
 from skiptrain.runtime.transport import ACT, GRAD, LocalTransport, TransportError, decode_header, encode_header
 from skiptrain.runtime.wan import LinkFifo
 from skiptrain.schedule.schedule import MicroBatch, Schedule
@@ -239,6 +242,29 @@ def test_metrics_split_each_iteration_into_its_pipeline_and_the_sync_after_it(sw
             assert row["iteration_s"] == pytest.approx(max(e.end for e in ev), abs=1e-4), (phase, i)
             assert row["pipeline_s"] == pytest.approx(max(e.end for e in compute), abs=1e-4), (phase, i)
             assert 0 < row["pipeline_s"] <= row["iteration_s"]
+
+
+def test_cpu_seconds_are_those_each_iteration_used(swarm):
+    """``cpu_s`` sums the node processes' CPU seconds from an iteration's common start to its
+    stats gather: above zero (they computed) and within what this machine's cores can give
+    between that start and the next one (not a count since the process started)."""
+    cores = len(os.sched_getaffinity(0))
+    for phase in ("full", "skip", "train"):
+        rows = swarm["res"].phase_iterations(phase)
+        recs = [json.loads(f.read_text()) for f in (swarm["dir"] / "phases" / phase).glob("node*.json")]
+        starts = [it["t0"] for it in recs[0]["iterations"]]
+        for i, row in enumerate(rows[:-1]):
+            assert 0 < row["cpu_s"] <= cores * (starts[i + 1] - starts[i]) + 0.05, (phase, i, row["cpu_s"])
+            assert host_floor_s(row) == pytest.approx(row["cpu_s"] / cores)
+
+
+def test_a_host_bound_run_is_named_and_a_run_within_the_simulation_is_not(capsys):
+    warn_host_bound(0.2, 0.25, emulated=True)
+    assert capsys.readouterr().err == ""
+    warn_host_bound(0.33, 0.275, emulated=True)
+    err = capsys.readouterr().err
+    assert "at least 0.330 s per iteration" in err and "simulated 0.275 s" in err
+    assert "runtime.s_per_sample_layer" in err and err.count("\n") == 1
 
 
 def test_timeline_is_recorded_in_simulator_format(swarm):

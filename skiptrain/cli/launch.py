@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -36,7 +38,7 @@ def train_swarm(cfg, data: str, out: str, steps: int | None = None, echo: bool =
     from ..train.metrics import plot_loss
     from ..train.rundir import claim_run_dir, load_run, prepare_run_dir, write_summary
     from ..runtime.job import Job, build_cost, build_schedule, build_topology, phase_for
-    from ..runtime.launcher import launch
+    from ..runtime.launcher import host_floor_s, launch
     from ..runtime.node import check_swarm_memory
 
     rt = cfg.runtime
@@ -107,6 +109,7 @@ def train_swarm(cfg, data: str, out: str, steps: int | None = None, echo: bool =
                "unigram_val_loss": baseline, "first_loss": rows[0]["loss"], "last_loss": rows[-1]["loss"],
                "params": model.num_parameters(), "placement": sched.placement,
                "median_iteration_s": sorted(it_s)[len(it_s) // 2], "simulated_iteration_s": sim.iteration_s,
+               "median_host_floor_s": round(statistics.median(map(host_floor_s, rows)), 4),
                "seconds": round(time.time() - t0, 2), "launch_s": round(res.wall_s, 2), "data": str(ds.path)}
     write_summary(outp, summary)
     if echo:
@@ -114,7 +117,20 @@ def train_swarm(cfg, data: str, out: str, steps: int | None = None, echo: bool =
               f"validation loss {val:.4f} (unigram baseline {baseline:.4f}), median iteration "
               f"{summary['median_iteration_s']:.3f} s (simulated {sim.iteration_s:.3f} s), "
               f"{summary['seconds']:.0f} s; run directory: {out}", flush=True)
+        warn_host_bound(summary["median_host_floor_s"], sim.iteration_s, rt.emulate_compute)
     return summary
+
+
+def warn_host_bound(floor_s: float, simulated_s: float, emulated: bool) -> None:
+    """Say so when this machine's cores alone cannot run an iteration in the simulated time:
+    the measured times then follow the machine, not the cost model."""
+    if floor_s <= simulated_s:
+        return
+    fix = ", or pad compute more (a larger runtime.s_per_sample_layer)" if emulated else ""
+    print(f"skiptrain launch: note: this machine's {len(os.sched_getaffinity(0))} cores need at least "
+          f"{floor_s:.3f} s per iteration for the node processes' CPU seconds, more than the simulated "
+          f"{simulated_s:.3f} s: measured times follow this machine, not the cost model (run fewer node "
+          f"processes per machine{fix})", file=sys.stderr, flush=True)
 
 
 def ckpt_every_for(cfg, placement: list[list[int]], steps: int) -> int:

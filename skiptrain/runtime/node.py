@@ -63,7 +63,7 @@ from .membership import coordinator_key, open_value, read_raw, set_member
 # end, overruns, overrun s, max in flight, sync payload bytes, received bytes, sync seconds,
 # pipeline end (the last compute task, before the sync and the optimizer step), start
 # delay (rank 0's clock to this node's receipt)
-N_STATS = 11
+N_STATS = 12
 
 # every iteration starts at rank 0's clock plus a margin that lets the start time reach every
 # node first: twice the slowest receipt of the last START_WINDOW iterations, within these bounds
@@ -145,6 +145,7 @@ class Attempt:
     res: Any = None
     outcome: Any = None
     start_delay: float = 0.0     # seconds from rank 0's start stamp to this node's receipt
+    cpu0: float = 0.0            # this process's CPU clock at the common start
     norm_cols: slice | None = None   # the freeze rule's layer norms in the gathered stats
 
 
@@ -598,6 +599,7 @@ class Node:
             raise StopRequested(f"node {self.rank}: the launcher asked to stop")
         a.start_delay = time.time() - stamp
         time.sleep(max(0.0, t0 - time.time()))
+        a.cpu0 = time.process_time()
         mbsz, c = self.cfg.train.micro_batch, st.cursor
 
         def batch_fn(mb_id: int):
@@ -743,7 +745,8 @@ class Node:
         sync = a.entry.get("sync") or {}
         stats = torch.tensor([res.loss_sum, res.n_loss, a.entry["t_end"], st.padding.overruns, st.padding.overrun_s,
                               res.max_in_flight, sync.get("payload", 0), sync.get("received", 0),
-                              sync.get("comm_s", 0.0), a.entry.get("pipe_end", 0.0), a.start_delay],
+                              sync.get("comm_s", 0.0), a.entry.get("pipe_end", 0.0),
+                              time.process_time() - a.cpu0, a.start_delay],
                              dtype=torch.float64)
         if st.drift is not None:
             stats = torch.cat([stats, st.drift.observe(events)])
@@ -767,7 +770,7 @@ class Node:
                    "overruns": int(g[:, 3].sum()), "overrun_s": round(float(g[:, 4].sum()), 4),
                    "max_in_flight": int(g[:, 5].max()), "payload_bytes": int(g[:, 6].max()),
                    "received_bytes": int(g[:, 7].max()), "comm_s": round(float(g[:, 8].max()), 6),
-                   "pipeline_s": round(float(g[:, 9].max()), 4),
+                   "pipeline_s": round(float(g[:, 9].max()), 4), "cpu_s": round(float(g[:, 10].sum()), 4),
                    "start_margin_s": round(margin, 6), "start_delay_s": round(delay, 6)}
             if self.job.rt.recover:
                 row.update(gen=self.gen, nodes=len(self.alive))
