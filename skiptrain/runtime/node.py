@@ -61,8 +61,8 @@ from .membership import coordinator_key, open_value, read_raw, set_member
 # columns of the per-iteration stats every node gathers (then the drift monitor's, the freeze
 # rule's layer norms, the checkpoint digest and the re-plan flag): loss sum, losses, iteration
 # end, overruns, overrun s, max in flight, sync payload bytes, received bytes, sync seconds,
-# pipeline end (the last compute task, before the sync and the optimizer step), start
-# delay (rank 0's clock to this node's receipt)
+# pipeline end (the last compute task, before the sync and the optimizer step), CPU seconds
+# of this process since the common start, start delay (rank 0's clock to this node's receipt)
 N_STATS = 12
 
 # every iteration starts at rank 0's clock plus a margin that lets the start time reach every
