@@ -35,11 +35,11 @@ by ``topo.transfer_s`` of their messages), whole and their pipeline part alone (
 the optimizer step, which the simulator runs without), next to this host's CPU floor
 (``launcher.host_floor_s``: the node processes' CPU seconds over the cores they share, the
 fewest seconds this machine can run an iteration in) and the measured time over the larger of
-the simulated time and that floor (how far the runtime is from what the machine allows).  And how far the unfrozen run strays
-above the guard's kind of projection (``guard_projection_error``): static's validation curve
-against the fit through its own points at the elastic guard's reference steps, at the next
-check and the largest over the run; above ``--guard-tol``, the guard can undo a freeze for its
-projection's error alone.
+the simulated time and that floor (how far the runtime is from what the machine allows).  And
+how far the unfrozen run strays above the guard's kind of projection
+(``guard_projection_error``): static's validation curve against the fit through its own points
+at the elastic guard's reference steps, at the next check and the largest over the run; above
+``--guard-tol``, the guard can undo a freeze for its projection's error alone.
 """
 
 from __future__ import annotations
@@ -261,9 +261,11 @@ def figures(cfg, cost, topo, sched, rows: dict, walls: dict, evals: dict, log: l
         key = f"F={F} {len(counts)}x{min(len(p) for p in pl)}" + (" cached" if cached else "")
         d = per_layout.setdefault(key, {"frozen": F, "counts": counts, "iterations": 0, "measured_s": [],
                                         "pipeline_s": [], "host_floor_s": [], "simulated_s": sim(s, c)})
+        row = rows["elastic"][i]
         d["iterations"] += 1
-        for k in ("measured_s", "pipeline_s", "host_floor_s"):
-            d[k].append(per_iteration(rows["elastic"][i], k))
+        d["measured_s"].append(row["iteration_s"])
+        d["pipeline_s"].append(row["pipeline_s"])
+        d["host_floor_s"].append(host_floor_s(row))
     for d in per_layout.values():
         for k in ("measured_s", "pipeline_s", "host_floor_s"):
             d[k] = round(statistics.median(d[k]), 4)
@@ -273,7 +275,7 @@ def figures(cfg, cost, topo, sched, rows: dict, walls: dict, evals: dict, log: l
     meas_it = {p: sum(r["iteration_s"] for r in rows[p]) for p in rows}
     pipe_it = {p: sum(r["pipeline_s"] for r in rows[p]) for p in rows}
     sim_it = {p: sum(v) for p, v in sims.items()}
-    floor = {p: [per_iteration(r, "host_floor_s") for r in rows[p]] for p in rows}
+    floor = {p: [host_floor_s(r) for r in rows[p]] for p in rows}
     wire = sum(transfer_wire_s(t, topo) for t in trans)
     r = lambda x: round(x, 4) if x is not None else None  # noqa: E731
     return {
@@ -312,13 +314,6 @@ def figures(cfg, cost, topo, sched, rows: dict, walls: dict, evals: dict, log: l
         "elapsed_s": {p: [r(x) for x in v] for p, v in elapsed.items()},
         "losses": {p: [x["loss"] for x in rows[p]] for p in rows},
     }
-
-
-def per_iteration(row: dict, key: str) -> float:
-    """``key`` of one iteration's metrics line (``host_floor_s``: see ``launcher.host_floor_s``)."""
-    if key == "host_floor_s":
-        return host_floor_s(row)
-    return row["iteration_s" if key == "measured_s" else key]
 
 
 def transfer_wire_s(t: dict, topo) -> float:
@@ -424,7 +419,7 @@ def print_swarm(sw: dict) -> None:
         f"{t['step']}:{t['frozen_after']}" + ("c" if t["frozen_before"] == t["frozen_after"] else "")
         for t in x["transitions"]) or "none", fmt="{}")
     for s in seeds:
+        layouts = sw["seeds"][s]["elastic_layouts"].items()
         print(f"  seed {s} layouts (median s per iteration, measured (its pipeline part) / simulated, host floor): "
-              + "; ".join(f"{k} x{v['iterations']}: {v['measured_s']:.3f} ({v['pipeline_s']:.3f})/{v['simulated_s']:.3f}, "
-                          f"{v['host_floor_s']:.3f}"
-            for k, v in sw["seeds"][s]["elastic_layouts"].items()))
+              + "; ".join(f"{k} x{v['iterations']}: {v['measured_s']:.3f} ({v['pipeline_s']:.3f})/"
+                          f"{v['simulated_s']:.3f}, {v['host_floor_s']:.3f}" for k, v in layouts))

@@ -46,7 +46,8 @@ from .progress import SwarmProgress
 def host_floor_s(row: dict) -> float:
     """The fewest seconds this machine can run the iteration of a metrics line in, whatever the
     schedule: the CPU seconds its node processes used (``cpu_s``, summed over the nodes), over
-    the cores they share (this machine's: the launcher starts every node here).  Above the simulated time, measured times follow the machine."""
+    the cores they share (this machine's: the launcher starts every node here).  Above the
+    simulated time, measured times follow the machine."""
     return row.get("cpu_s", 0.0) / len(os.sched_getaffinity(0))
 
 
