@@ -10,7 +10,7 @@ from skiptrain.config import ConfigError, DPConfig, TrainConfig, build_config
 from skiptrain.dp import make_strategy
 from skiptrain.errors import UserError
 from skiptrain.model.device import node_device, to_host_async
-from skiptrain.runtime.node import device_of_node
+from skiptrain.runtime.preflight import device_of_node
 
 NO_CUDA = not torch.cuda.is_available()
 
@@ -125,7 +125,7 @@ def test_a_swarm_node_s_stages_are_checked_together_on_its_device(monkeypatch):
     that node, whether the layout is the planned one or runtime.node_stages."""
     import skiptrain.model.device as device
     from skiptrain.model.memory import StageMemoryError, estimate_node_memory
-    from skiptrain.runtime.node import check_swarm_memory
+    from skiptrain.runtime.preflight import check_swarm_memory
 
     cfg = _cfg(runtime={"nodes": 4, "memory": 64}, train={"device": "cpu"})
     t = cfg.train

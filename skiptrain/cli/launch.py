@@ -39,7 +39,7 @@ def train_swarm(cfg, data: str, out: str, steps: int | None = None, echo: bool =
     from ..train.rundir import claim_run_dir, load_run, prepare_run_dir, write_summary
     from ..runtime.job import Job, build_cost, build_schedule, build_topology, phase_for
     from ..runtime.launcher import host_floor_s, launch
-    from ..runtime.node import check_swarm_memory
+    from ..runtime.preflight import check_swarm_memory
 
     rt = cfg.runtime
     start = _resume_point(cfg, out, resume, cfg.train.steps if steps is None else steps) if resume else None

@@ -171,3 +171,21 @@ class SyncStrategy:
 
     def summary(self) -> dict:
         return self.tr.acct.summary()
+
+
+def sync_summary(strats: list, n_params: int) -> dict:
+    """What a node's sync strategies did over the phase (one per stage it serves): bytes per
+    step summed over them, counts of the first, the parameter hashes of all (replica checks)."""
+    from .consistency import param_hashes
+
+    parts = [x.summary() for x in strats]
+    out = dict(parts[0])
+    for k in ("params", "payload_bytes_per_step", "payload_bytes_per_sync", "received_bytes_per_step",
+              "control_bytes_per_step", "dense_fp32_payload_bytes", "dense_fp32_received_bytes"):
+        out[k] = sum(p[k] for p in parts)
+    for k, num, den in (("ratio_payload_vs_fp32", "dense_fp32_payload_bytes", "payload_bytes_per_step"),
+                        ("ratio_received_vs_fp32", "dense_fp32_received_bytes", "received_bytes_per_step")):
+        out[k] = out[num] / out[den] if out[den] else float("inf")
+    out.update(emulated_link_s=sum(x.tr.emulated_s for x in strats), n_params=n_params,
+               param_hashes=param_hashes([kv for x in strats for kv in x.named]).tolist())
+    return out

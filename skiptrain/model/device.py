@@ -100,7 +100,7 @@ def check_stages_fit(cfg: ModelConfig, stages: list[int], device: str | torch.de
     samples, refused (one-line :class:`~skiptrain.model.memory.StageMemoryError`, nothing
     allocated) when it exceeds the memory of ``device`` (named ``where`` in the message, default
     the device): the check of every process that builds stages, and of a launch before it starts
-    any (:func:`skiptrain.runtime.node.check_swarm_memory`)."""
+    any (:func:`skiptrain.runtime.preflight.check_swarm_memory`)."""
     est = estimate_node_memory(cfg, stages, micro_batch, in_flight, precision, partition=partition)
     check_fits(est, device_memory_bytes(device), where or str(device))
     return est

@@ -99,8 +99,8 @@ class Topology:
         self.bandwidth_Bps = bw
         self.name = name
         # Python lists for the simulator's hot loops (numpy scalar indexing is slow).
-        self._lat = lat.tolist()
-        self._inv_bw = (1.0 / bw).tolist()
+        self.lat_rows = lat.tolist()
+        self.inv_bw_rows = (1.0 / bw).tolist()
 
     @property
     def n(self) -> int:
@@ -113,7 +113,7 @@ class Topology:
         """Time to move ``nbytes`` from ``a`` to ``b`` over an idle link (latency + bytes / bandwidth)."""
         if a == b:
             return 0.0
-        return self._lat[a][b] + nbytes * self._inv_bw[a][b]
+        return self.lat_rows[a][b] + nbytes * self.inv_bw_rows[a][b]
 
     def subset(self, node_ids: Sequence[int]) -> "Topology":
         """The topology restricted to ``node_ids`` (renumbered 0..len-1 in that order)."""

@@ -3,12 +3,17 @@ one; in a swarm, through the pipeline of the nodes that hold the stages."""
 
 from __future__ import annotations
 
+import json
+import time
 from typing import Callable, Iterable, Sequence
 
 import torch
+import torch.distributed as dist
 
 from ..data.loader import SampleSource
 from ..model import StagedLM
+
+EVAL_TAG = 14          # activations of an in-loop validation pass (the guard uses 13, state moves 11, 12)
 
 
 @torch.no_grad()
@@ -89,3 +94,33 @@ def pipelined_evaluate_sum(model: StagedLM | None, rank: int, placement: Sequenc
             count += len(idx)
     model.train(was_training)
     return total, count
+
+
+def validate_in_loop(node, st) -> None:
+    """Validation inside the loop, every ``train.eval_every`` iterations and after the last:
+    the fixed ``train.eval_batches`` validation micro-batches through the layout in force
+    (:func:`~skiptrain.runtime.evaluate.pipelined_evaluate_sum`: with one stage each node
+    validates its share; through a pipeline each micro-batch visits one replica of every
+    stage), summed over the swarm; rank 0 writes the ``val_loss`` line with the seconds it
+    took.  A layout with a stage left without a node is not validated."""
+    t, n_it = node.cfg.train, st.it + 1
+    if not (n_it == st.ph.iterations or (t.eval_every and n_it % t.eval_every == 0)):
+        return
+    if any(not p for p in st.sched.placement):
+        return
+    from ..model.device import autocast
+    from .transition import Activations
+
+    t0 = time.perf_counter()
+    p2p = Activations(node.control.rank_of, EVAL_TAG, node.control.check_generation)
+    with autocast(node.device, t.precision):
+        part = pipelined_evaluate_sum(st.model, node.rank, st.sched.placement, node.val_src,
+                                      range(t.eval_batches), t.micro_batch, p2p.send, p2p.recv)
+    tot = torch.tensor(part, dtype=torch.float64)
+    node.control.sync(dist.all_reduce, tot)
+    if node.control.is_root():
+        row = {"phase": st.ph.name, "step": n_it, "tokens": n_it * st.gb * node.cfg.model.seq_len,
+               "val_loss": round(float(tot[0] / max(tot[1], 1)), 5),
+               "seconds": round(time.perf_counter() - t0, 4)}
+        with open(node.run_dir / "metrics.jsonl", "a") as metrics:
+            metrics.write(json.dumps(row) + "\n")

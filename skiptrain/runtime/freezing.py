@@ -34,7 +34,6 @@ loads the saved state.  Decisions and transitions go to ``RUN_DIR/elastic.jsonl`
 from __future__ import annotations
 
 import json
-import math
 import sys
 import time
 from pathlib import Path
@@ -52,10 +51,9 @@ from ..layout.transfer import transfer_plan
 from ..model.partition import Partition, partition_layers
 from ..optim import build_optimizer, lr_clock
 from ..schedule.schedule import Schedule
-from ..schedule.simulator import simulate
 from .evaluate import pipelined_evaluate_sum
+from .freeze_cache import PrefixCaching
 from .job_checkpoint import load_sync
-from .prefill import prefill_plan, run_prefill
 from .transition import (Activations, build_stage, freeze_parameters, gather_state, layout_cost, layout_schedule,
                          move_state, plan_layout, reseat, stage_names, stage_sizes, sync_state)
 
@@ -72,7 +70,7 @@ def log_position(row: dict[str, Any]) -> float:
     return row.get("step", 0) + (0.5 if str(row.get("action", "")).startswith("transition") else 0.0)
 
 
-class SwarmFreezing:
+class SwarmFreezing(PrefixCaching):
     """One node's side of elastic freezing in the swarm (see the module docstring)."""
 
     def __init__(self, node, st):
@@ -155,25 +153,25 @@ class SwarmFreezing:
                              clock=lr_clock(step, t))
         if d.frozen_after != self.frozen:
             self.pending = d.frozen_after
-        elif self._cache_in_due(step):
+        elif self.cache_in_due(step):
             self.pending_cache = True
-        self._log(d.to_dict())
+        self.log(d.to_dict())
 
     def guard_loss(self) -> float:
         """The validation loss of the guard's micro-batches (``elastic.guard_batches``) through
         the layout in force, every node taking part (:func:`pipelined_evaluate_sum`)."""
         t0 = time.perf_counter()
         st, node, cfg = self.st, self.node, self.cfg
-        p2p = Activations(node._rank, GUARD_TAG, node.check_generation)
+        p2p = Activations(node.control.rank_of, GUARD_TAG, node.control.check_generation)
         part = pipelined_evaluate_sum(st.model, node.rank, st.sched.placement, node.val_src,
                                       range(cfg.elastic.guard_batches), cfg.train.micro_batch, p2p.send, p2p.recv)
         total = torch.tensor(part, dtype=torch.float64)
-        node._sync(dist.all_reduce, total)
+        node.control.sync(dist.all_reduce, total)
         self.guard_s += time.perf_counter() - t0
         return float(total[0] / total[1])
 
-    def _log(self, rec: dict[str, Any]) -> None:
-        if self.node.rank == min(self.node.alive):
+    def log(self, rec: dict[str, Any]) -> None:
+        if self.node.rank == min(self.node.control.alive):
             with open(Path(self.node.run_dir) / "elastic.jsonl", "a") as f:
                 f.write(json.dumps(rec) + "\n")
 
@@ -189,164 +187,7 @@ class SwarmFreezing:
             self.pending_cache = False
             self._transition(self.frozen, cache_in=True)
         if self.prefix_due:
-            self._prepare_prefix()
-
-    # ---- the activation cache -------------------------------------------------------------
-
-    def _cache_on(self, F: int) -> bool:
-        """Whether the stage-0 nodes serve the frozen prefix from the activation cache: with
-        ``elastic.cache=on`` (``auto`` recomputes: its measurement would differ between nodes)."""
-        return F > 0 and self.cfg.elastic.cache == "on"
-
-    def _will_prefill(self, F: int, step: int) -> bool:
-        """Every node's same answer: does the layout for ``F`` frozen layers start with each
-        originator's windows prefilled (cache on, ``elastic.prefill``, room for the whole split,
-        and no guard undo in the last ``prefill_after_undo`` windows: an undo discards it)?"""
-        e, m = self.cfg.elastic, self.cfg.model
-        if not (self._cache_on(F) and e.prefill):
-            return False
-        if int(e.cache_mb * 2**20) // (m.seq_len * m.d_model * 4) < self.node.src.n:
-            return False
-        return not any(d["action"] == "undo" and d["step"] > step - e.prefill_after_undo * e.check_every
-                       for d in self.rule.history)
-
-    def _cache_in_due(self, step: int) -> bool:
-        """Every node's same answer, at the end of a window that keeps the frozen depth: has the
-        depth, recomputed so far, now held for ``elastic.prefill_hold`` windows, with a prefill
-        allowed (:meth:`_will_prefill`)?  Then the next iteration starts with the layout planned
-        again with the prefix cached (the gate may still decline).  A window whose validation
-        loss is above the guard's projection puts it off to the next window that is not (with
-        ``elastic.guard_confirm > 1`` an undo may follow and discard the prefill).  Asked once
-        per depth."""
-        e = self.cfg.elastic
-        if not (e.prefill_hold and self.frozen and not self.prefix_cached):
-            return False
-        since = max((t["step"] for t in self.transitions if t["frozen_before"] != t["frozen_after"]), default=None)
-        return (since is not None and step == self.rule.first_undoubted(since + e.prefill_hold * e.check_every)
-                and self._will_prefill(self.frozen, step))
-
-    def _location(self, rank: int) -> str | None:
-        """The topology location whose originators share one activation cache with ``rank``
-        (``elastic.cache_share=location``, room for the whole split, ``rank`` in the phase's
-        topology), else None: the node keeps a cache of its own."""
-        e, m, topo = self.cfg.elastic, self.cfg.model, self.st.topo
-        if e.cache_share != "location" or topo is None or rank >= topo.n:
-            return None
-        if int(e.cache_mb * 2**20) // (m.seq_len * m.d_model * 4) < self.node.src.n:
-            return None
-        return topo.nodes[rank].location
-
-    def _open_cache(self) -> ActivationCache:
-        """This originator's cache (``elastic.cache_dir`` or ``RUN_DIR/elastic_cache``; one
-        directory per node, or per location when shared), keyed by training window like the
-        single-process trainer's."""
-        if self.cache is None:
-            e, m, node = self.cfg.elastic, self.cfg.model, self.node
-            root = Path(e.cache_dir) if e.cache_dir else Path(node.run_dir) / "elastic_cache"
-            loc = self._location(node.rank)
-            name = f"loc-{''.join(c if c.isalnum() else '_' for c in loc)}" if loc is not None else f"node{node.rank}"
-            self.cache = ActivationCache(root / name, node.src.n, m.seq_len, m.d_model, int(e.cache_mb * 2**20),
-                                         shared=loc is not None)
-        return self.cache
-
-    def share(self, rank: int | None = None, sched: Schedule | None = None) -> list[int]:
-        """The training windows node ``rank`` (default this node) starts micro-batches of, from
-        this iteration to the end of the phase, under ``sched`` (default the schedule in force),
-        in first-visit order, each once."""
-        st, node, mbsz = self.st, self.node, self.cfg.train.micro_batch
-        rank = node.rank if rank is None else rank
-        sched = st.sched if sched is None else sched
-        mine = sorted(st.order[mb.id] for mb in sched.micro_batches if mb.originator == rank)
-        out: dict[int, None] = {}
-        for it in range(st.it, st.ph.iterations):
-            c = st.cursor + (it - st.it) * st.gb
-            for i in mine:
-                out.update((node.src.window(g), None) for g in range(c + i * mbsz, c + (i + 1) * mbsz))
-        return list(out)
-
-    def prefill_gain(self, F: int, on: tuple[ElasticLayout, dict], off: tuple[ElasticLayout, dict],
-                     keep: dict[int, int]) -> float:
-        """What a prefill buys, as a ratio of modelled seconds: the iteration time the layout
-        ``on`` (planned with the prefix cached) saves over ``off`` (prefix recomputed), times the
-        iterations left in the phase, over the prefill's time.  The prefill's time is the
-        slowest cache's: its windows until the end of the phase (:meth:`share`, each once per
-        cache: one per originator, or one per location when shared) run through all ``F``
-        frozen layers, forward only, spread over the originators sharing it, at the slowest of
-        their speeds (pessimistic: the prefill extends shallower rows and sends rows between caches).
-        Iteration times are the simulator's when the phase has a topology (holding every node of
-        both layouts) and a cost model, else AutoPipe's estimates; both sides are then in
-        sample-layer units."""
-        st = self.st
-        s_on, s_off = self._schedule(on[0], keep), self._schedule(off[0], keep)
-        groups: dict[tuple[str, Any], set[int]] = {}
-        for mb in s_on.micro_batches:
-            loc = self._location(mb.originator)
-            groups.setdefault(("loc", loc) if loc is not None else ("node", mb.originator), set()).add(mb.originator)
-        modelled = (self.base_cost is not None and st.topo is not None
-                    and all(n < st.topo.n for s in (s_on, s_off) for p in s.placement for n in p))
-        unit = self.base_cost.s_per_sample_per_layer if modelled else 1.0
-        prefill = max((len({w for r in members for w in self.share(r, s_on)}) * F * unit
-                       / (len(members) * min(st.topo.speed(r) if modelled else 1.0 for r in members))
-                       for members in groups.values()), default=0.0)
-        saved = (self._iteration_s(off, s_off, F, False, modelled)
-                 - self._iteration_s(on, s_on, F, True, modelled))
-        if not math.isfinite(saved):
-            return 0.0
-        return saved * (st.ph.iterations - st.it) / prefill if prefill > 0 else math.inf
-
-    def _schedule(self, layout: ElasticLayout, keep: dict[int, int]) -> Schedule:
-        """The full-route schedule of one iteration over ``layout`` (the originators keeping ``keep``)."""
-        return layout_schedule(layout.placement, sorted(self.st.order), 0.0, 0, self.memory,
-                               self.cfg.train.seed + self.st.it, keep)
-
-    def _iteration_s(self, planned: tuple[ElasticLayout, dict], sched: Schedule, F: int, cached: bool,
-                     modelled: bool) -> float:
-        """A planned layout's iteration time: ``sched`` simulated with the phase's topology and
-        cost model when ``modelled``, else AutoPipe's estimate (infinite when it has none)."""
-        layout, evidence = planned
-        if not modelled:
-            return min((t["estimate"] for t in evidence["tried"] if t["counts"] == layout.counts
-                        and t["estimate"] is not None), default=math.inf)
-        cost = layout_cost(self.base_cost, self.cfg.model, layout.counts, F, hit=1.0 if cached else 0.0)
-        return simulate(sched, self.st.topo, cost, contention=True, dp_sync=False, record=False).iteration_s
-
-    def cache_of(self, rank: int) -> str:
-        """The key of the cache originator ``rank`` reads: its location's, or its own."""
-        loc = self._location(rank)
-        return f"loc:{loc}" if loc is not None else f"node:{rank}"
-
-    def _prepare_prefix(self) -> None:
-        """Every node, before the first iteration of a layout with a frozen prefix (the weights are
-        loaded by then): the originators fingerprint the prefix (dropping stale cache entries) and,
-        when the layout was planned with the prefix cached, every node waits for that, then takes
-        part in the prefill (:mod:`skiptrain.runtime.prefill`: each window computed once, on a
-        cache that holds it deepest, data parallel over the originators, forward only, padded to
-        the cost model like any compute task; its row sent to the other caches that need it).
-        The counts and the slowest node's time are all-reduced and logged."""
-        st, node = self.st, self.node
-        t0 = time.time()
-        done = torch.zeros(5, dtype=torch.float64)   # rows, layer rows, received rows, dropped, (max) seconds
-        if self.runner is not None:
-            done[3] = self.runner.set_frozen(self.frozen)
-        if self.prefix_cached:
-            node._sync(dist.barrier)                   # no cache is read while one still drops stale rows
-            n = run_prefill(self, prefill_plan(self), t0)
-            done[0], done[1], done[2] = n["rows"], n["layer_rows"], n["received"]
-            if self.cache is not None:
-                self.cache.flush()
-        done[4] = time.time() - t0
-        if self.prefix_cached:
-            mx = done[4:].clone()
-            node._sync(dist.all_reduce, done)
-            node._sync(dist.all_reduce, mx, dist.ReduceOp.MAX)
-            if self.cache is not None and self.cache.shared:
-                self.cache.refresh()
-            rec = {"step": st.it, "action": "prefill", "frozen": self.frozen, "rows": int(done[0]),
-                   "layer_rows": int(done[1]), "received_rows": int(done[2]), "dropped": int(done[3]),
-                   "seconds": round(float(mx[0]), 6)}
-            st.record.setdefault("prefills", []).append(rec)
-            self._log(rec)
-        self.prefix_due = False
+            self.prepare_prefix()
 
     def _transition(self, F: int, cache_in: bool = False) -> None:
         """Every node: plan the layout for ``F`` frozen layers, move the state, commit, switch.
@@ -357,16 +198,16 @@ class SwarmFreezing:
         t0 = time.perf_counter()
         pl = st.sched.placement
         if any(not p for p in pl):
-            self._log({"step": st.it, "action": "transition_skipped", "frozen": F,
+            self.log({"step": st.it, "action": "transition_skipped", "frozen": F,
                        "reason": f"placement {pl}: a stage has no node, so its state cannot move"})
             return
         sizes: dict[str, int] = {}
-        for _, blob in node._gather_bytes(json.dumps(stage_sizes(st.model, st.opt, st.strat)).encode()):
+        for _, blob in node.control.gather_bytes(json.dumps(stage_sizes(st.model, st.opt, st.strat)).encode()):
             sizes.update(json.loads(blob.decode()))
         keep = {mb.id: mb.originator for mb in st.sched.micro_batches}   # originators keep their windows
         new, evidence, cached, gain = self._plan(F, pl, sizes, keep, cache_in)
         if cache_in and not cached:
-            self._log({"step": st.it, "action": "prefill_declined", "frozen": F,
+            self.log({"step": st.it, "action": "prefill_declined", "frozen": F,
                        "prefill_gain": None if gain is None else round(gain, 3)})
             return
         if cache_in and list(new.counts) == self.counts and [list(p) for p in new.placement] == [list(p) for p in pl]:
@@ -375,7 +216,7 @@ class SwarmFreezing:
         old = ElasticLayout.of(self.frozen, self.counts, 1, len(st.order), pl)
         plan = transfer_plan(sizes, old, new)
         node.hook(st.ph.name, st.it, "transition", st)
-        blobs = move_state(node.rank, plan, node._rank, st.model, st.opt, st.strat, node.check_generation)
+        blobs = move_state(node.rank, plan, node.control.rank_of, st.model, st.opt, st.strat, node.control.check_generation)
         stage = {n: s for s, p in enumerate(new.placement) for n in p}.get(node.rank)
         tensors, record, scalars = gather_state(st.model, st.opt, st.strat, blobs,
                                                 stage_names(sizes, new.partition, stage))
@@ -383,7 +224,7 @@ class SwarmFreezing:
         if stage is not None:
             rule = st.strat.update_rule if st.strat is not None else "adamw"
             model, opt = build_stage(cfg, stage, new.partition, F, tensors, record, rule)
-        node._sync(dist.barrier)                # commit: every node holds its new stage
+        node.control.sync(dist.barrier)                # commit: every node holds its new stage
         moved_s = time.perf_counter() - t0
         cost = layout_cost(self.base_cost, cfg.model, new.counts, F, hit=1.0 if cached else 0.0)
         sched = self._routes(layout_schedule(new.placement, sorted(st.order), cfg.train.skip_ratio,
@@ -406,7 +247,7 @@ class SwarmFreezing:
     def _record_transition(self, rec: dict[str, Any]) -> None:
         self.transitions.append(rec)
         self.st.record.setdefault("transitions", []).append({k: v for k, v in rec.items() if k != "autopipe"})
-        self._log(rec)
+        self.log(rec)
 
     def _cache_in_place(self, gain: float | None, t0: float) -> None:
         """Every node, when the layout planned with the prefix cached is the one in force: only
@@ -415,13 +256,8 @@ class SwarmFreezing:
         transition of the same depth."""
         st, node, F = self.st, self.node, self.frozen
         cost = layout_cost(self.base_cost, self.cfg.model, self.counts, F, hit=1.0)
-        st.sched = self._routes(st.sched, cost)
-        st.cost = cost
-        if st.drift is not None:
-            st.drift.cost = cost
         self.prefix_cached = self.prefix_due = True
-        st.ex = node._executor(st)
-        node._publish_sched(st.sched, st.idx, cost)
+        node.layout.adopt(st, self._routes(st.sched, cost), cost=cost)
         pl = st.sched.placement
         rec = {"step": st.it, "action": "transition", "frozen_before": F, "frozen_after": F,
                "stages_before": len(pl), "stages_after": len(pl), "counts": self.counts, "placement": pl,
@@ -434,7 +270,7 @@ class SwarmFreezing:
     def _plan(self, F: int, pl: list[list[int]], sizes: dict[str, int], keep: dict[int, int],
               cache_in: bool = False):
         """AutoPipe + AutoDP for ``F`` frozen layers over the nodes alive.  When a prefill is due
-        (:meth:`_will_prefill`, and at a changed depth only with ``elastic.prefill_hold`` 0;
+        (:meth:`will_prefill`, and at a changed depth only with ``elastic.prefill_hold`` 0;
         ``cache_in``: the depth held that long) the layout is planned both with the prefix cached and recomputed,
         and the cached one is taken when what it saves until the end of the phase is at least
         ``elastic.prefill_min_gain`` times its prefill's time (:meth:`prefill_gain`).  Returns
@@ -442,10 +278,10 @@ class SwarmFreezing:
         st, node, cfg = self.st, self.node, self.cfg
 
         def plan(cached: bool):
-            return plan_layout(cfg.model, F, self.counts, pl, list(node.alive), sizes, self.start_stages, st.gb,
+            return plan_layout(cfg.model, F, self.counts, pl, list(node.control.alive), sizes, self.start_stages, st.gb,
                                len(st.order), st.it, hit=1.0 if cached else 0.0, prefix_cached=cached)
 
-        if not (self._will_prefill(F, st.it) and (cache_in or not cfg.elastic.prefill_hold)):
+        if not (self.will_prefill(F, st.it) and (cache_in or not cfg.elastic.prefill_hold)):
             return (*plan(False), False, None)
         on, off = plan(True), plan(False)
         gain = self.prefill_gain(F, on, off, keep)
@@ -460,7 +296,7 @@ class SwarmFreezing:
         if sched.skip_ratio <= 0 or st.topo is None or cost is None:
             return sched
         adopted = None
-        if dist.get_rank() == 0:
+        if node.control.is_root():
             from .drift import replan_routes
             try:
                 new, cur, ns = replan_routes(sched, st.topo, cost, self.cfg, max_evals=ROUTE_EVALS)
@@ -470,7 +306,7 @@ class SwarmFreezing:
                       flush=True)
             if new is not None:
                 adopted = new, {"trigger": "freeze", "simulated_current_s": cur, "simulated_new_s": ns}
-        new, _ = node._broadcast_schedule(adopted)
+        new, _ = node.control.broadcast_schedule(adopted)
         return new if new is not None else sched
 
     def _switch(self, sched: Schedule, stage, model, opt, cost, F: int, counts: list[int],
@@ -478,29 +314,24 @@ class SwarmFreezing:
                 prefix_cached: bool) -> None:
         """Every node switches to the new layout together (groups are a collective).  The stage-0
         nodes get a prefix runner (through this node's activation cache when it is on); its depth
-        and any prefill are set before the next iteration (:meth:`_prepare_prefix`)."""
+        and any prefill are set before the next iteration (:meth:`prepare_prefix`)."""
         st, node = self.st, self.node
-        groups, strat = node._stage_groups(sched, stage, model, None)
+        groups, strat = node.layout.stage_groups(sched, stage, model, None)
         if strat is not None and scalars:
             load_sync(strat, sync_state(tensors or {}, strat, self.frozen), scalars)
-        node._drop_groups(st.groups)
-        st.sched, st.stage, st.model, st.opt, st.strat, st.groups = sched, stage, model, opt, strat, groups
-        st.cost = cost
+        node.layout.drop_groups(st.groups)
         if st.drift is not None:    # drift re-planning goes on, measured against the new layout
-            st.drift.cost = cost
             st.drift_state = {"home": [list(p) for p in sched.placement]}
-        node.stage_of = sched.stage_of()
         st.record["stage"] = stage
         self.frozen, self.counts = F, list(counts)
         self.runner = None
         self.prefix_cached = prefix_cached
         if model is not None and stage == 0 and F > 0:
-            cache = self._open_cache() if self._cache_on(F) else None
+            cache = self.open_cache() if self.cache_on(F) else None
             # a shared cache is written by the prefill only (each window by one originator)
             self.runner = PrefixRunner(model, cache, store=cache is None or not cache.shared)
         self.prefix_due = F > 0
-        st.ex = node._executor(st)
-        node._publish_sched(sched, st.idx, cost)
+        node.layout.adopt(st, sched, cost=cost, stage=stage, model=model, opt=opt, strat=strat, groups=groups)
 
     # ---- checkpoints ----------------------------------------------------------------------
 
@@ -519,7 +350,7 @@ class SwarmFreezing:
             return
         st, node = self.st, self.node
         self._load_rule(saved)
-        if node.rank == min(node.alive):
+        if node.rank == min(node.control.alive):
             truncate_metrics(Path(node.run_dir) / "elastic.jsonl", int(node.job.resume["iteration"]), log_position)
         F, counts = int(saved["frozen"]), list(saved["counts"])
         if F == self.frozen and counts == self.counts:
@@ -537,7 +368,7 @@ class SwarmFreezing:
         stage = sched.stage_of().get(node.rank)
         model = opt = None
         if stage is not None:
-            model = node.build_stage(stage, sched.memory, Partition(tuple(counts)))
+            model = node.layout.build_stage(stage, sched.memory, Partition(tuple(counts)))
             opt = build_optimizer(model.named_parameters(), self.cfg.train,
                                   st.strat.update_rule if st.strat is not None else "adamw")
             freeze_parameters(model, F)
@@ -550,7 +381,7 @@ class SwarmFreezing:
         self.pending, self.guard_s = saved.get("pending"), float(saved.get("guard_s", 0.0))
         self.pending_cache = bool(saved.get("pending_cache"))
 
-    def adopt(self, saved: dict[str, Any]) -> None:
+    def take_layout(self, saved: dict[str, Any]) -> None:
         """A node joining the job: the rule's state and the layout in force, ``state_dict()`` of
         a live node (this node's stage was built for that partition and frozen depth; the caller
         builds the executor after this).  A joiner on stage 0 recomputes the frozen prefix (its

@@ -354,3 +354,51 @@ def resume_point(path: str | Path) -> dict[str, Any]:
                               "resume from a checkpoint written by `skiptrain train` or `skiptrain launch`")
     return {"path": str(reader.path), "phase": int(st.get("phase", 0)), "iteration": int(st.get("iteration", reader.step)),
             "cursor": int(data["cursor"])}
+
+
+# ---- a node process's checkpoints (the node loop calls these) ----------------------------
+
+def open_node_checkpoints(node, ph) -> "JobCheckpointer":
+    """Node ``node``'s checkpointer for phase ``ph``; the root must be writable here."""
+    root = checkpoint_root(node.job, ph.name)
+    c = node.cfg.checkpoint
+    if c.every or c.final or node.job.rt.recover:
+        check_root_writable(root, node.rank)
+    return JobCheckpointer(root, node.rank, c, node.job.rt.timeout_s, node.control.gather_bytes)
+
+
+def resume_node(node, st) -> None:
+    """Continue the job from its checkpoint (``job.resume``): position, and this node's stage
+    state under the current layout."""
+    r = node.job.resume
+    st.it, st.cursor = int(r["iteration"]), int(r["cursor"])
+    if st.model is not None:
+        slot = st.slot(node.rank)
+        reader = load_node_state(r["path"], st.model, st.opt, list(st.strats.values()), slot)
+        restore_rng(reader, node.rank, slot)
+    node.ckpt.saved_step = st.it
+    print(f"skiptrain node {node.rank}: resumed at iteration {st.it} (data cursor {st.cursor}) from {r['path']}",
+          file=sys.stderr, flush=True)
+
+
+def node_checkpoint_state(node, st) -> tuple:
+    """(tensors, node JSON, placement, digest) node ``node`` saves of its phase state ``st``."""
+    tensors, node_state = {}, {}
+    if st.model is not None:
+        slot = st.slot(node.rank)
+        tensors, node_state = stage_state(st.model, st.opt, list(st.strats.values()), slot)
+        node_state.update(node=node.rank, stage=st.stage, stages=st.stages)
+    return tensors, node_state, st.sched.placement, node.ckpt.digest(tensors, st.sched.placement)
+
+
+def save_node_checkpoint(node, st, done: int, cursor: int, snap: tuple | None = None,
+                         digests: list | None = None) -> None:
+    """The job's checkpoint after ``done`` iterations of the phase (every node calls this);
+    ``digests``: every node's, from the stats gather (else gathered here)."""
+    tensors, node_state, placement, _ = snap or node_checkpoint_state(node, st)
+    position = {"phase": st.idx, "phase_name": st.ph.name, "iteration": done, "gen": node.control.gen,
+                "data": {"cursor": cursor, "global_batch": st.gb, "seed": node.cfg.train.seed},
+                "config": node.cfg_json, "placement": placement}
+    if st.elastic is not None:
+        position["elastic"] = st.elastic.state_dict()
+    node.ckpt.save(done, position, tensors, node_state, placement, node.control.gen, digests)

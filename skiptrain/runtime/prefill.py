@@ -52,7 +52,7 @@ def prefill_plan(fr) -> PrefillPlan:
         union = sorted({w for ws in needs.values() for w in ws})
         mine[k] = {w: f[1] for w, f in zip(union, fr.cache.lookup(union)) if f is not None}
     depth: dict[str, dict[int, int]] = {}
-    for _, blob in node._gather_bytes(json.dumps(mine).encode()):
+    for _, blob in node.control.gather_bytes(json.dumps(mine).encode()):
         depth.update({c: {int(w): int(d) for w, d in v.items()} for c, v in json.loads(blob.decode()).items()})
     topo, cost = st.topo, fr.base_cost
     priced = cost is not None and topo is not None and all(r < topo.n for rs in workers.values() for r in rs)
@@ -88,7 +88,7 @@ def run_prefill(fr, plan: PrefillPlan, t0: float) -> dict[str, int]:
         outgoing = {d: _pack_rows(fr, ws[i * per:(i + 1) * per]) for d, ws in plan.sent(me).items()
                     if len(ws) > i * per}
         incoming = sorted(s for s, ws in plan.received(me).items() if len(ws) > i * per)
-        got = exchange(outgoing, incoming, node._rank, node.check_generation)
+        got = exchange(outgoing, incoming, node.control.rank_of, node.control.check_generation)
         for src, blob in got.items():
             out["received"] += _write_rows(fr, src, blob)
             if st.topo is not None and fr.base_cost is not None and src < st.topo.n and me < st.topo.n:

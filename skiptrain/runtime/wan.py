@@ -59,7 +59,7 @@ class LinkFifo:
     @classmethod
     def from_topology(cls, topo: Topology, src: int, bytes_scale: float = 1.0,
                       hop_overhead_s: float = 0.0) -> "LinkFifo":
-        return cls(src, topo._lat, topo._inv_bw, bytes_scale, hop_overhead_s)
+        return cls(src, topo.lat_rows, topo.inv_bw_rows, bytes_scale, hop_overhead_s)
 
     def schedule(self, dst: int, nbytes: int, now: float) -> tuple[float, float]:
         """Queue ``nbytes`` real bytes on ``src -> dst`` at ``now`` (seconds, any clock).

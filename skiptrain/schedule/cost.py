@@ -235,7 +235,7 @@ def ring_order(topo: Topology, nodes: Sequence[int]) -> list[int]:
     nodes = list(nodes)
     if len(nodes) <= 3:
         return nodes
-    inv = topo._inv_bw
+    inv = topo.inv_bw_rows
 
     def key(ring: Sequence[int]) -> tuple[float, float]:
         links = [inv[ring[i]][ring[(i + 1) % len(ring)]] for i in range(len(ring))]

@@ -147,7 +147,7 @@ class _Run:
     def _links(self):
         """``push(t, event...)`` and ``send(a, b, bytes, t) -> (start, delivery)`` over the links."""
         ev, counts, link_free = self.ev, self.counts, {}
-        lat, inv_bw = self.topo._lat, self.topo._inv_bw
+        lat, inv_bw = self.topo.lat_rows, self.topo.inv_bw_rows
         contention = self.contention
 
         def push(t: float, etype: int, a: Any, b: Any = None, c: Any = None, d: Any = None) -> None:

@@ -1,0 +1,444 @@
+"""The node's loop: one phase as a fixed order of component calls.
+
+Per phase (:meth:`Node.run_phase`): build this node's stages, groups, strategy, optimizer and
+executor and adopt the layout; then per iteration (:meth:`Node._iterate`):
+
+1. heal at the boundary (:meth:`~.healing.Healer.at_boundary`: a pending join) and apply a
+   pending freeze transition;
+2. start together (:meth:`~.control.ControlPlane.start_together`: the common start time, or a
+   stop every node agrees on);
+3. run the executor over the schedule; commit (a barrier in recovery mode);
+4. step (:func:`~skiptrain.runtime.step.optimizer_step`: the data-parallel sync and the one
+   optimizer step);
+5. report statistics (:mod:`.stats`, gathered by the control plane; rank 0 writes
+   ``metrics.jsonl``);
+6. re-plan (:mod:`.replan`), feed the freeze rule, validate, checkpoint.
+
+A recoverable failure anywhere in 1-6 goes to :meth:`~.healing.Healer.recover`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from ..failure import EXIT_PEER_FAILED, NodeFailure, abort_process, write_error
+from ...dp.strategy import sync_summary
+from ..job import Job, Phase
+from ..preflight import device_of_node
+from ..evaluate import validate_in_loop
+from ..job_checkpoint import node_checkpoint_state, open_node_checkpoints, resume_node, save_node_checkpoint
+from .control import ControlPlane
+from .healing import Healer
+from .layout import NodeLayout
+from .replan import Replanner
+from .state import Attempt, PhaseState
+from .stats import IterationStats, StatsTable
+
+
+class StopRequested(Exception):
+    """Every node agreed, at an iteration boundary, that the launcher asked to stop."""
+
+
+class Node:
+    """One node process of a job: the components it is made of, and the loop of a phase over them
+    (:meth:`run_phase`; one iteration: :meth:`_iterate`)."""
+
+    def __init__(self, job: Job, rank: int, world: int, addr: str, port: int, store=None):
+        from ...data.dataset import TokenDataset
+        # ``store`` given: a node joining a running job (rank = the id it was handed, see main)
+        self.job, self.rank, self.world = job, rank, world
+        self.stopped = False           # the launcher asked to stop; the phase ended early
+        self.run_dir = Path(job.run_dir)
+        self.err_path = self.run_dir / "errors" / f"node{rank}.json"
+        self.stage_of: dict[int, int] = {}
+        self.control = ControlPlane(job, rank, world, addr, port, store,
+                                    self._peer_failed_soft if job.rt.recover else self._peer_failed, self.describe)
+        self.store = self.control.store
+        self.joining = self.control.admit(joining=store is not None) if job.rt.recover else None
+        self.control.form_groups()
+        self.control.hb.arm()
+        self.ds = TokenDataset.open(job.data_path)
+        self._use_config(None)
+        self.device = self.pick_device()
+        self.tr = self.make_transport()
+        self.layout = NodeLayout(self)
+        self.healer = Healer(self)
+        self.replanner = Replanner(self)
+        if job.rt.recover:
+            self.control.watch_generations(self._membership_changed)
+            if self.joining is None:
+                self.control.ack()
+
+    def _use_config(self, phase_config: dict | None) -> None:
+        """The job's config with the phase's overrides; the data sources that depend on it."""
+        from ...config import apply_dict, config_from_dict
+        from ...data.loader import SampleSource
+
+        self.cfg = config_from_dict(self.job.config)
+        if phase_config:
+            apply_dict(self.cfg, phase_config, "phase config")
+        if self.cfg.train.init_from:     # a pre-trained model decides the shapes
+            from ...checkpoint.hf_import import model_config_for_data
+            self.cfg.model = model_config_for_data(self.cfg.train.init_from, self.cfg.model, self.ds.vocab_size)
+        else:
+            self.cfg.model.vocab_size = self.ds.vocab_size
+        self.cfg_json = self.cfg.to_dict()    # what every checkpoint of the phase records (set only here)
+        self.src = SampleSource(self.ds.tokens("train"), self.cfg.model.seq_len, seed=self.cfg.train.seed,
+                                 name=self.ds.split_name("train"))
+        self.val_src = SampleSource(self.ds.tokens("val"), self.cfg.model.seq_len, shuffle=False,
+                                     name=self.ds.split_name("val"))
+
+    def pick_device(self) -> torch.device:
+        """This node's device (:func:`device_of_node`), made current when it is a GPU."""
+        dev = device_of_node(self.cfg, self.rank, int(os.environ.get("LOCAL_RANK", self.rank)))
+        if dev.type == "cuda":
+            torch.cuda.set_device(dev)
+        return dev
+
+    def make_transport(self):
+        """The pipeline transport over this generation's p2p group (a fault-injecting wrapper of the
+        node may wrap it)."""
+        from ..transport import P2PTransport
+
+        control = self.control
+        return P2PTransport(self.rank, control.p2p_group, stage_of=lambda n: self.stage_of.get(n, -1),
+                            rank_of=control.rank_of.__getitem__, node_of=control.alive.__getitem__, device=self.device)
+
+    def regroup(self, gen: int, alive: list[int]) -> None:
+        """Re-form every process group over ``alive`` for generation ``gen``
+        (:meth:`~.control.ControlPlane.regroup`) and make the transport anew on them."""
+        self.control.regroup(gen, alive)
+        self.tr = self.make_transport()
+
+    def _peer_failed_soft(self, node: int, reason: str) -> None:
+        """Recovery mode: the coordinator decides membership; only a lost store stops the node."""
+        if node == -1:
+            self._peer_failed(node, reason)
+
+    def _membership_changed(self, gen: int) -> None:
+        """A new generation: make the executor abandon the current iteration at once.  The watch
+        thread may report a generation this node already re-formed into (it recovered from its own
+        transport error meanwhile): that one is ignored, or it would abort the re-run iteration."""
+        from ..transport import TransportError
+
+        tr = self.tr                   # read first: regroup sets the generation before the new transport
+        if gen <= self.control.gen:
+            return
+        tr.inbox.put(TransportError(f"node {self.rank}: membership generation {gen} announced; "
+                                    "abandoning the iteration", peer=None))
+
+    def describe(self, n: int) -> str:
+        s = self.stage_of.get(n)
+        return f"node {n}" + (f" (stage {s})" if s is not None else "")
+
+    def _peer_failed(self, node: int, reason: str) -> None:
+        write_error(self.err_path, self.rank, NodeFailure(f"node {self.rank}: {reason}", node), node)
+        abort_process(EXIT_PEER_FAILED)
+
+    def hook(self, phase: str, iteration: int, where: str, state: "PhaseState | None" = None) -> None:
+        """A point where a wrapper of the node may act (fault injection in the tests,
+        ``tests/fault_node.py``): ``where`` is ``start`` (an iteration begins), ``after_pipeline``
+        (its pipeline tasks are done, before the commit) or ``recover`` (a recovery attempt).
+        The node itself does nothing here."""
+
+    def run_phase(self, ph: Phase, phase_idx: int = 0) -> None:
+        """Run every iteration of one phase: set up the stage, loop (recovering from failures in
+        recovery mode), then write the phase's outputs."""
+        st = self._begin_phase(ph, phase_idx)
+        try:
+            while st.it < ph.iterations:
+                self._run_iteration(st)
+        except StopRequested:
+            self.stopped = True
+            st.record["stopped_at"] = st.it
+            print(f"skiptrain node {self.rank}: stop requested: ending after iteration {st.it} of phase "
+                  f"{ph.name}", file=sys.stderr, flush=True)
+        finally:
+            st.record["stages"] = list(st.stages)      # the stages served at the end
+            (st.out_dir / f"node{self.rank}.json").write_text(json.dumps(st.record))
+        self._end_phase(st)
+
+    def _begin_phase(self, ph: Phase, phase_idx: int) -> "PhaseState":
+        """Build this node's stage, groups, strategy, optimizer and executor for ``ph``; a node
+        joining a running job also takes its state and position from a live replica here."""
+        from ...net.topology import Topology
+        from ...schedule.cost import CostModel
+        from ..wan import ComputePadding
+
+        if ph.config or phase_idx:
+            self._use_config(ph.config)
+        cfg, rank = self.cfg, self.rank
+        joining = self.joining if self.joining is not None and self.joining["phase"] == phase_idx else None
+        self.joining = None
+        sched = self._phase_schedule(ph, joining)
+        self.stage_of = sched.stage_of()
+        stages = sched.stages_of().get(rank, [])
+        cost = CostModel.from_dict(ph.cost) if ph.cost else None
+        topo = Topology.from_dict(ph.topology) if ph.topology else None
+        # joining a freezing job: the freeze rule's state and the layout in force (partition,
+        # frozen depth) from the lowest node, before this node builds its stage
+        frozen = self.control.broadcast_json(None) if joining is not None and cfg.elastic.enabled else None
+        model = self.layout.build_phase_model(stages, sched.memory, frozen) if stages else None
+        # the stage's data-parallel collectives delayed as on the topology's links (every strategy's
+        # real bytes, each replica group a ring: :class:`skiptrain.dp.link.RingLinks`)
+        self.layout.sync_topo = (topo, ph.bytes_scale) if ph.emulate_sync and topo is not None else None
+        groups, strats = self.layout.hosted_groups(sched, stages, model, {})
+        out_dir = self.run_dir / "phases" / ph.name
+        out_dir.mkdir(parents=True, exist_ok=True)
+        st = PhaseState(ph=ph, idx=phase_idx, sched=sched, stages=stages, model=model, strats=strats,
+                        opt=self.layout.optimizer(model, next(iter(strats.values()), None)), groups=groups, cost=cost,
+                        topo=topo,
+                        speed=topo.speed(rank) if topo is not None and rank < topo.n else 1.0,
+                        padding=ComputePadding(ph.emulate_compute and cost is not None), out_dir=out_dir,
+                        order={mb.id: i for i, mb in enumerate(sorted(sched.micro_batches, key=lambda m: m.id))},
+                        record={"rank": rank, "stage": stages[0] if stages else None, "stages": stages,
+                                "iterations": [], "recoveries": []},
+                        # after a recovery generation (or a join) the planner re-plans the routes for
+                        # the nodes that remain; every node sets this flag on its own and the stats
+                        # gather makes them agree (a column of the gathered stats)
+                        replan_pending=joining is not None)
+        st.gb = len(st.order) * cfg.train.micro_batch
+        self.ckpt = open_node_checkpoints(self, ph)
+        self._phase_components(st, frozen)
+        if joining is not None:
+            self.healer.join_phase(st, joining)
+        elif self.job.resume and self.job.resume["phase"] == phase_idx:
+            resume_node(self, st)
+        # after the freezing state (stage 0 may start from the frozen prefix; a resumed freezing job:
+        # the layout it was in); a joiner's layout is the coordinator's already
+        self.layout.adopt(st, st.sched, publish=joining is None)
+        return st
+
+    def _phase_schedule(self, ph: Phase, joining: dict | None):
+        """The schedule this node starts ``ph`` in: the coordinator's for a joiner, else the
+        phase's, repaired for the nodes alive when some are missing."""
+        from ...schedule.schedule import Schedule
+
+        if joining is not None:
+            return Schedule.from_dict(joining["schedule"])
+        sched = Schedule.from_dict(ph.schedule)
+        if sorted(self.control.alive) != list(range(self.world)):
+            from ..recovery import replan
+            sched = replan(sched, self.control.alive)
+        return sched
+
+    def _phase_components(self, st: "PhaseState", frozen: dict | None) -> None:
+        """The phase's optional components: the drift monitor and the swarm's freezing (a resumed
+        job: the layout the checkpoint was in; a joiner: the layout the lowest node sent)."""
+        ph, cost, topo = st.ph, st.cost, st.topo
+        if self.job.rt.drift_threshold > 0 and cost is not None and topo is not None:
+            from ..drift import DriftMonitor
+            st.drift = DriftMonitor(self.rank, topo.n, cost, topo, ph.bytes_scale, self.job.rt.drift_alpha)
+        if self.cfg.elastic.enabled:
+            from ..freezing import SwarmFreezing
+            st.elastic = SwarmFreezing(self, st)
+            if frozen is not None:
+                st.elastic.take_layout(frozen)
+
+    def _run_iteration(self, st: "PhaseState") -> None:
+        """One attempt at iteration ``st.it``; on a recoverable failure, recover and advance past
+        it when some node committed it."""
+        from ...optim import lr_at
+
+        a = Attempt(step_count=st.strat.step_count if st.strat is not None else 0, lr=lr_at(st.it, self.cfg.train))
+        try:
+            self._iterate(st, a)
+        except Exception as e:  # noqa: BLE001 - classified below
+            if not self.healer.recoverable(e):
+                raise
+            self.healer.recover(st, a, e)
+            if not (a.committed or self.healer.any_committed):
+                return
+        st.it += 1
+        st.cursor += st.gb
+
+    def _iterate(self, st: "PhaseState", a: "Attempt") -> None:
+        """Switch to a pending join, start together, execute the schedule, commit, step, gather."""
+        from ...model.device import autocast, to_device
+
+        self.hook(st.ph.name, st.it, "start", st)
+        if self.control.watch is not None:
+            self.healer.at_boundary(st, a)
+        if st.elastic is not None:
+            st.elastic.apply_pending()      # a freeze transition decided at the last boundary
+        # common start: everyone present (and agreed whether the launcher asked to stop: then every
+        # node ends the phase here, writes its stage and exits), then rank 0's clock + a margin
+        stop, t0, stamp = self.control.start_together()
+        if stop:
+            raise StopRequested(f"node {self.rank}: the launcher asked to stop")
+        a.start_delay = time.time() - stamp
+        time.sleep(max(0.0, t0 - time.time()))
+        a.cpu0 = time.process_time()
+        mbsz, c = self.cfg.train.micro_batch, st.cursor
+
+        def batch_fn(mb_id: int):
+            i = st.order[mb_id]
+            a.samples.extend(range(c + i * mbsz, c + (i + 1) * mbsz))
+            if st.elastic is not None:
+                x, y = st.elastic.batch(self.src, range(c + i * mbsz, c + (i + 1) * mbsz))
+            else:
+                x, y = self.src.batch(range(c + i * mbsz, c + (i + 1) * mbsz))
+            return to_device(x, self.device), to_device(y, self.device)
+
+        with autocast(self.device, self.cfg.train.precision):     # every forward and backward
+            a.res = st.ex.run_iteration(st.it, st.sched, t0, batch_fn)
+        self.hook(st.ph.name, st.it, "after_pipeline", st)
+        if self.job.rt.recover:
+            self.control.sync(dist.barrier)   # commit point: every node finished its pipeline tasks
+        a.committed = True
+        a.entry = {"events": [], "n_processed": a.res.n_processed, "t_end": 0.0, "samples": sorted(a.samples),
+                   "gen": self.control.gen, "t0": t0}
+        st.record["iterations"].append(a.entry)
+        self.log_samples(st.out_dir, st.ph.name, st.it, a.samples)
+        events = list(a.res.events) + self._step(st, a, t0)
+        a.stepped = True
+        self.tr.wait_sent(self.job.rt.timeout_s)
+        events += self.tr.take_events()
+        a.entry["events"] = [e.to_dict() for e in events]
+        a.entry["t_end"] = max((e.end for e in events), default=0.0)
+        a.entry["pipe_end"] = max((e.end for e in a.res.events), default=0.0)
+        # a checkpoint at this boundary: every node's save-plan digest rides on the stats gather
+        snap = node_checkpoint_state(self, st) if self.ckpt.due(st.it + 1, st.ph.iterations) else None
+        table = self._gather_stats(st, a, events, snap[3] if snap else 0)
+        placement = [list(p) for p in st.sched.placement]
+        self.replanner.after_gather(st, table)
+        if st.elastic is not None:          # the freeze rule's evidence and, at a window's end, its decision
+            st.elastic.after_iteration(table["norms"].sum(0))
+        validate_in_loop(self, st)
+        if snap is not None:
+            t = time.perf_counter()
+            same = st.sched.placement == placement
+            save_node_checkpoint(self, st, st.it + 1, st.cursor + st.gb, snap,
+                                  [(n, int(d)) for n, d in table.of_node("ckpt_digest").items()] if same else None)
+            a.entry["ckpt_s"] = time.perf_counter() - t
+
+    def _step(self, st: "PhaseState", a: "Attempt", t0: float) -> list:
+        """The one optimizer step (:func:`~skiptrain.runtime.step.optimizer_step`) for the stages
+        this node serves; a node without a stage still takes part in the global clip's sum.
+        Returns the sync events for the timeline (one per served stage that has replicas)."""
+        from ...schedule.timeline import Event
+        from ..recovery import stage_grad_norms
+        from ..step import HostedStage, optimizer_step
+
+        ph, model = st.ph, st.model
+        if model is None:
+            a.outcome = optimizer_step([], None, a.lr, self.cfg.train.grad_clip, self.control.sum_across)
+            return []
+        processed = a.res.processed
+        if ph.dump and st.it == 0:
+            torch.save({"n": a.res.n_processed, "stage": st.stage, "processed": processed,
+                        "grads": {n: (p.grad.detach().cpu().clone() if p.grad is not None else None)
+                                  for n, p in model.named_parameters()}},
+                       st.out_dir / f"grads_node{self.rank}.pt")
+        self.healer.last_gnorm = stage_grad_norms(model, st.stages)   # CheckFree's weights
+        self.ckpt.wait_snapshot()
+        ts = time.time()
+        hosted = [HostedStage(s, strat, processed.get(s, 0), len(st.sched.placement[s])) for s, strat in
+                  sorted(st.strats.items())]
+        a.outcome = optimizer_step(hosted, st.opt, a.lr, self.cfg.train.grad_clip, self.control.sum_across,
+                                   inspect=st.elastic.observe if st.elastic is not None else None)
+        stats = [a.outcome.stats[h.stage] for h in hosted]
+        a.entry["sync"] = {"payload": sum(x.payload_bytes for x in stats),
+                           "received": sum(x.received_bytes for x in stats),
+                           "comm_s": round(sum(x.comm_s for x in stats), 6), "synced": all(x.synced for x in stats),
+                           "n_total": sum(x.n_total for x in stats)}
+        te = time.time()
+        for p in model.parameters():
+            p.grad = None
+        return [Event(self.rank, "sync", None, h.stage, ts - t0, te - t0, x.payload_bytes)
+                for h, x in zip(hosted, stats) if h.replicas > 1]
+
+    def _gather_stats(self, st: "PhaseState", a: "Attempt", events: list, ckpt_digest: int = 0) -> StatsTable:
+        """Every node's statistics of the iteration as named columns (:mod:`.stats`): the
+        pipeline's, the sync's, the drift monitor's and the freeze rule's layer norms when they are
+        on, the checkpoint's save-plan digest and the re-plan flag; gathered by the control plane,
+        rank 0 appends the metrics line.  Every node then sets the next iteration's start margin
+        from the slowest receipt of the start time (:meth:`~.control.ControlPlane.observe_start_delay`)."""
+        res, sync = a.res, a.entry.get("sync") or {}
+        stats = IterationStats()
+        for name, value in (("loss_sum", res.loss_sum), ("n_loss", res.n_loss), ("t_end", a.entry["t_end"]),
+                            ("overruns", st.padding.overruns), ("overrun_s", st.padding.overrun_s),
+                            ("max_in_flight", res.max_in_flight), ("payload_bytes", sync.get("payload", 0)),
+                            ("received_bytes", sync.get("received", 0)), ("comm_s", sync.get("comm_s", 0.0)),
+                            ("pipe_end", a.entry.get("pipe_end", 0.0)), ("cpu_s", time.process_time() - a.cpu0),
+                            ("start_delay", a.start_delay), ("ckpt_digest", float(ckpt_digest)),
+                            ("replan", 1.0 if st.replan_pending else 0.0)):
+            stats.add(name, value)
+        if st.drift is not None:
+            stats.add("drift", st.drift.observe(events))
+        if st.elastic is not None:
+            stats.add("norms", st.elastic.take_norms())
+        table = stats.table(self.control.all_gather_small(stats.packed()), self.control.alive)
+        margin, delay = self.control.start_margin, table.max("start_delay")
+        self.control.observe_start_delay(delay)
+        if self.control.is_root():
+            self._write_metrics(st, a, table, margin, delay)
+        return table
+
+    def _write_metrics(self, st: "PhaseState", a: "Attempt", table: StatsTable, margin: float, delay: float) -> None:
+        """Rank 0: the iteration's line of ``metrics.jsonl`` from the swarm's statistics."""
+        n = table.sum("n_loss")
+        row = {"phase": st.ph.name, "step": st.it + 1, "loss": round(table.sum("loss_sum") / max(n, 1), 5),
+               "iteration_s": round(table.max("t_end"), 4), "lr": a.lr, "grad_norm": round(a.outcome.grad_norm, 5),
+               "tokens": (st.it + 1) * st.gb * self.cfg.model.seq_len,
+               "overruns": int(table.sum("overruns")), "overrun_s": round(table.sum("overrun_s"), 4),
+               "max_in_flight": int(table.max("max_in_flight")), "payload_bytes": int(table.max("payload_bytes")),
+               "received_bytes": int(table.max("received_bytes")), "comm_s": round(table.max("comm_s"), 6),
+               "pipeline_s": round(table.max("pipe_end"), 4), "cpu_s": round(table.sum("cpu_s"), 4),
+               "start_margin_s": round(margin, 6), "start_delay_s": round(delay, 6)}
+        if self.job.rt.recover:
+            row.update(gen=self.control.gen, nodes=len(self.control.alive))
+        with open(self.run_dir / "metrics.jsonl", "a") as metrics:
+            metrics.write(json.dumps(row) + "\n")
+
+    def _end_phase(self, st: "PhaseState") -> None:
+        """The final checkpoint (also when stopped early), dumps (tests), the stage's weights
+        (first replica), and the phase's groups torn down."""
+        model = st.model
+        if self.stopped or self.cfg.checkpoint.final:
+            save_node_checkpoint(self, st, st.it, st.cursor)
+        self.ckpt.close()
+        if st.strats:
+            st.record["sync_summary"] = sync_summary(list(st.strats.values()), model.num_parameters())
+            (st.out_dir / f"node{self.rank}.json").write_text(json.dumps(st.record))
+        if model is not None:
+            if st.ph.dump:
+                torch.save({n: p.detach().cpu().clone() for n, p in model.named_parameters()},
+                           st.out_dir / f"params_node{self.rank}.pt")
+            for stage in st.stages if st.ph.save_weights else ():
+                if self.rank == st.sched.placement[stage][0]:
+                    from safetensors.torch import save_file
+
+                    parts = self.run_dir / "parts"
+                    parts.mkdir(parents=True, exist_ok=True)
+                    names = {n for n, _ in model.stage_named_parameters(stage)}
+                    save_file({n: p.detach().cpu().contiguous() for n, p in model.state_dict().items()
+                               if n in names}, str(parts / f"stage{stage}.safetensors"))
+        dist.barrier()
+        self.layout.drop_groups(st.groups)
+
+    def log_samples(self, out_dir: Path, phase: str, it: int, samples: list[int]) -> None:
+        """Append the global sample indices this node trained in committed iteration ``it``
+        (``samples_node<r>.jsonl``, flushed at once so it survives a SIGKILL of this node)."""
+        if samples:
+            with open(out_dir / f"samples_node{self.rank}.jsonl", "a") as f:
+                f.write(json.dumps({"iteration": it, "gen": self.control.gen, "samples": sorted(samples)}) + "\n")
+
+    def check_payload(self, m) -> None:
+        from ..recovery import check_payload
+
+        c = self.cfg
+        check_payload(m.kind, m.tensor, m.src, (c.train.micro_batch, c.model.seq_len, c.model.d_model), m.mb,
+                      self.rank)
+
+    def finish(self) -> None:
+        self.tr.close()
+        dist.barrier()
+        self.control.hb.finish()
