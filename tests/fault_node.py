@@ -94,7 +94,7 @@ class FaultyNode(Node):
 
     def hook(self, phase, iteration, where, state=None):
         if state is not None and self.slowdown != 1.0:
-            state.ex.speed = state.speed / self.slowdown
+            state.emulation.speed = state.emulation.base_speed / self.slowdown
         for i, f in _faults_of(self.job, self.rank):
             if i in self.fired or f.get("phase", phase) != phase or f.get("iteration", 0) != iteration \
                     or f.get("where", "start") != where or f["kind"] == "wrong_secret":
@@ -111,7 +111,7 @@ class FaultyNode(Node):
             self._mark()
             self.slowdown = float(f.get("factor", 4.0))
             if state is not None:
-                state.ex.speed = state.speed / self.slowdown
+                state.emulation.speed = state.emulation.base_speed / self.slowdown
         elif kind in ("nan", "shape"):
             self._mark()
             self.corrupt = kind

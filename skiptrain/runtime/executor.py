@@ -47,7 +47,6 @@ from ..schedule.schedule import Schedule, pop_next_task
 from ..schedule.timeline import Event
 from .failure import NodeFailure
 from .transport import ACT, GRAD, KIND_NAMES, Message, P2PTransport, TransportError
-from .wan import ComputePadding
 
 FWD, LOSS, BWD = 0, 1, 2
 _NAMES = ("fwd", "loss", "bwd")
@@ -211,33 +210,23 @@ class _Run:
 
 class Executor:
     """Runs iterations for one node.  ``model`` holds this node's stages (a
-    :class:`~skiptrain.model.transformer.StagedLM` built with those ``stages``); ``cost`` gives
-    the emulated task durations when ``padding.enabled``; ``describe(node)`` names nodes in
-    errors; ``embed`` (default ``model.embed``) maps a micro-batch's inputs to stage 0's output."""
+    :class:`~skiptrain.model.transformer.StagedLM` built with those ``stages``); ``timer(kind,
+    stage, start)`` says when a task that started at ``start`` ends (default: now, when its
+    compute is done; :meth:`skiptrain.runtime.emulation.Emulation.finish` pads it to an emulated
+    duration); ``describe(node)`` names nodes in errors; ``embed`` (default ``model.embed``) maps
+    a micro-batch's inputs to stage 0's output."""
 
-    def __init__(self, rank: int, transport: P2PTransport, model=None, cost=None, speed: float = 1.0,
-                 padding: ComputePadding | None = None,
+    def __init__(self, rank: int, transport: P2PTransport, model=None,
+                 timer: Callable[[int, int, float], float] | None = None,
                  timeout_s: float = 30.0, describe: Callable[[int], str] = lambda n: f"node {n}",
                  check: Callable[[Message], None] | None = None,
                  embed: Callable[[torch.Tensor], torch.Tensor] | None = None):
         self.rank, self.tr, self.model = rank, transport, model
         self.embed = embed
         self.check = check              # payload check (raises NodeFailure naming the sender)
-        self.cost, self.speed = cost, speed
-        self.padding = padding or ComputePadding(False)
+        self.timer = timer or (lambda kind, stage, start: time.time())
         self.timeout_s = timeout_s
         self.describe = describe
-
-    # ---- durations -------------------------------------------------------------------------
-
-    def _emulated(self, kind: int, stage: int) -> float:
-        if self.cost is None:
-            return 0.0
-        if kind == FWD:
-            return self.cost.fwd_s(stage, self.speed)
-        if kind == BWD:
-            return self.cost.bwd_s(stage, self.speed)
-        return self.cost.loss_s(self.speed)
 
     # ---- one iteration -------------------------------------------------------------------
 
@@ -317,7 +306,7 @@ class Executor:
             else:
                 b.backward(tensor)           # a = received input (leaf), b = this stage's output
                 out_msgs.append((path[pos - 1], GRAD, pos - 1, a.grad))
-        end = self.padding.pad(start, self._emulated(kind, stage))
+        end = self.timer(kind, stage, start)
         res.events.append(Event(self.rank, _NAMES[kind], mb.id, stage, start - t0, end - t0))
         for dst, k, p, t in out_msgs:
             self.tr.send(dst, k, mb.id, p, t)

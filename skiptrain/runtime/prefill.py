@@ -79,7 +79,7 @@ def run_prefill(fr, plan: PrefillPlan, t0: float) -> dict[str, int]:
                                 plan.work[me])
         out["rows"], out["layer_rows"] = rec["rows"], rec["layer_rows"]
     if plan.layers.get(me, 0) > 0:
-        st.padding.pad(t0, _compute_s(fr, plan, me))
+        st.emulation.pad(t0, _compute_s(fr, plan, me))
     m = fr.cfg.model
     per = max(1, ROW_MESSAGE_BYTES // (m.seq_len * m.d_model * 4))
     rounds = max((math.ceil(len(ws) / per) for ws in plan.sends.values()), default=0)
@@ -94,7 +94,7 @@ def run_prefill(fr, plan: PrefillPlan, t0: float) -> dict[str, int]:
             if st.topo is not None and fr.base_cost is not None and src < st.topo.n and me < st.topo.n:
                 arrive = max(arrive, _compute_s(fr, plan, src) + st.topo.transfer_s(src, me, len(blob)))
     if arrive > 0:
-        st.padding.pad(t0, arrive)
+        st.emulation.pad(t0, arrive)
     return out
 
 

@@ -21,9 +21,9 @@ the sender from the completed work, then receives the payload from exactly that 
 matches messages per (pair, tag) in FIFO order and each destination has exactly one sender
 thread, so a header is always followed by its own payload.  No tensor is pickled.
 
-Threads: one **sender thread per destination** (created on first use) holds messages until their
-emulated delivery time (:class:`~skiptrain.runtime.wan.LinkFifo`; immediately without emulation)
-and sends them in FIFO order; one **receiver thread** receives exactly as many messages as the
+Threads: one **sender thread per destination** (created on first use) holds messages until the
+delivery time its pacing gives (the emulated links of :mod:`skiptrain.runtime.emulation`;
+immediately without) and sends them in FIFO order; one **receiver thread** receives exactly as many messages as the
 executor announced with :meth:`P2PTransport.expect` (so no receive is ever posted when none is
 due, and a receive that waits longer than the group timeout really means a stuck peer).
 
@@ -48,7 +48,6 @@ import torch.distributed as dist
 from ..model.device import to_device, to_host_async
 from ..schedule import actcodec
 from ..schedule.timeline import Event
-from .wan import LinkFifo
 
 HEADER_LEN = 10
 TAG_HEADER, TAG_PAYLOAD = 11, 12
@@ -118,7 +117,7 @@ class P2PTransport:
     """See the module docstring.  ``clock()`` returns seconds relative to the iteration start;
     ``record`` (optional) receives timeline events for sends and receives."""
 
-    def __init__(self, rank: int, group=None, link: LinkFifo | None = None,
+    def __init__(self, rank: int, group=None,
                  stage_of: Callable[[int], int] | None = None,
                  rank_of: Callable[[int], int] | None = None, node_of: Callable[[int], int] | None = None,
                  codec_of: Callable[[int], str] | None = None, device: torch.device | None = None):
@@ -130,7 +129,10 @@ class P2PTransport:
         self.rank_of = rank_of or (lambda n: n)
         self.node_of = node_of or (lambda r: r)
         self.group = group
-        self.link = link
+        # when a message may leave and when it arrives, ``schedule(dst, nbytes, now) -> (start,
+        # deliver)`` with ``reset()`` per iteration; None: at once (set only by the emulation seam,
+        # :meth:`skiptrain.runtime.emulation.Emulation.pace`)
+        self.pacing = None
         self.stage_of = stage_of or (lambda n: -1)
         self.inbox: "queue.Queue[Message | TransportError]" = queue.Queue()
         self.events: list[Event] = []
@@ -150,8 +152,8 @@ class P2PTransport:
     def begin_iteration(self, iteration: int, t0: float) -> None:
         """New iteration: times are recorded relative to ``t0``; link FIFOs start idle."""
         self.iteration, self.t0 = iteration, t0
-        if self.link is not None:
-            self.link.reset()
+        if self.pacing is not None:
+            self.pacing.reset()
         with self._events_lock:
             self.events = []
 
@@ -179,8 +181,8 @@ class P2PTransport:
         payload, copied = to_host_async(encode_payload(tensor, codec))
         nbytes = payload.numel() * payload.element_size()
         now = time.time()
-        if self.link is not None:
-            start, deliver = self.link.schedule(dst, nbytes, now)
+        if self.pacing is not None:
+            start, deliver = self.pacing.schedule(dst, nbytes, now)
         else:
             start, deliver = now, now
         hdr = encode_header(kind, self.iteration, mb, pos, tuple(tensor.shape), codec)
@@ -295,7 +297,6 @@ class LocalTransport:
         actcodec.check_codec(codec)
         self.rank = rank
         self.codec = codec
-        self.link = None
         self.inbox: "queue.Queue[Message | TransportError]" = queue.Queue()
         self.iteration = 0
 

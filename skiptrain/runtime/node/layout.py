@@ -26,9 +26,8 @@ class NodeLayout:
     def __init__(self, node):
         self.node = node
         self.control = node.control
-        # the phase's topology and byte scale when its data-parallel collectives are delayed as on
-        # the topology's links (``Phase.emulate_sync``), else None
-        self.sync_topo = None
+        # the phase's emulation seam (:mod:`skiptrain.runtime.emulation`), set when a phase begins
+        self.emulation = None
 
     def adopt(self, st, sched, *, cost=_KEEP, publish: bool = True, **parts) -> None:
         """Make ``sched`` the layout in force on this node: ``parts`` (any of ``model``,
@@ -114,7 +113,7 @@ class NodeLayout:
         for s in stages if model is not None else ():
             named = model.named_parameters() if len(stages) == 1 else model.stage_named_parameters(s)
             strats[s] = make_strategy(self.node.cfg.dp, [(n, p) for n, p in named if p.requires_grad], groups[s],
-                                      self.node.cfg.train, link=self.sync_link(sched.placement[s]))
+                                      self.node.cfg.train, link=self.emulation.sync_link(sched.placement[s]))
             if old.get(s) is not None:
                 sd = old[s].state_dict()
                 if step_count is not None:
@@ -128,34 +127,14 @@ class NodeLayout:
                                              {} if old_strat is None else {stage: old_strat}, step_count)
         return groups, strats.get(stage)
 
-    def sync_link(self, replicas: list[int]):
-        """The emulated links of a replica group's collectives (``Phase.emulate_sync``): the ring
-        over ``replicas`` on the phase's topology; None (the ``dp`` config's links) otherwise."""
-        topo_scale = self.sync_topo
-        if topo_scale is None or len(replicas) < 2:
-            return None
-        from ...dp.link import RingLinks
-        from ...schedule.cost import ring_order
-
-        topo, scale = topo_scale
-        if max(replicas) >= topo.n:
-            return None
-        ring = ring_order(topo, sorted(replicas))
-        pairs = [(ring[i], ring[(i + 1) % len(ring)]) for i in range(len(ring))]
-        return RingLinks(tuple(float(topo.latency_s[a][b]) for a, b in pairs),
-                         tuple(1.0 / float(topo.bandwidth_Bps[a][b]) for a, b in pairs), float(scale))
-
     def executor(self, st: "PhaseState"):
-        """The executor of ``st``'s stages, with the transport's emulated links and codecs."""
+        """The executor of ``st``'s stages, timed and paced by the phase's emulation seam."""
         from ..executor import Executor
-        from ..wan import LinkFifo
 
-        ph, topo, cost = st.ph, st.topo, st.cost
         node = self.node
-        node.tr.link = (LinkFifo.from_topology(topo, node.rank, ph.bytes_scale, cost.hop_overhead_s if cost else 0.0)
-                        if ph.wan and topo is not None and node.rank < topo.n else None)
+        st.emulation.pace(node.tr)
         node.tr.codec_of = self.codec_of(st)
-        return Executor(node.rank, node.tr, st.model, cost, st.speed, st.padding, node.job.rt.timeout_s,
+        return Executor(node.rank, node.tr, st.model, st.emulation.finish, node.job.rt.timeout_s,
                         node.describe, check=node.check_payload,
                         embed=st.elastic.embed if st.elastic is not None else None)
 

@@ -32,6 +32,7 @@ from ..failure import EXIT_PEER_FAILED, NodeFailure, abort_process, write_error
 from ...dp.strategy import sync_summary
 from ..job import Job, Phase
 from ..preflight import device_of_node
+from ..emulation import Emulation
 from ..evaluate import validate_in_loop
 from ..job_checkpoint import node_checkpoint_state, open_node_checkpoints, resume_node, save_node_checkpoint
 from .control import ControlPlane
@@ -170,7 +171,6 @@ class Node:
         joining a running job also takes its state and position from a live replica here."""
         from ...net.topology import Topology
         from ...schedule.cost import CostModel
-        from ..wan import ComputePadding
 
         if ph.config or phase_idx:
             self._use_config(ph.config)
@@ -186,17 +186,14 @@ class Node:
         # frozen depth) from the lowest node, before this node builds its stage
         frozen = self.control.broadcast_json(None) if joining is not None and cfg.elastic.enabled else None
         model = self.layout.build_phase_model(stages, sched.memory, frozen) if stages else None
-        # the stage's data-parallel collectives delayed as on the topology's links (every strategy's
-        # real bytes, each replica group a ring: :class:`skiptrain.dp.link.RingLinks`)
-        self.layout.sync_topo = (topo, ph.bytes_scale) if ph.emulate_sync and topo is not None else None
+        emulation = self.layout.emulation = Emulation(ph, topo, cost, rank)
         groups, strats = self.layout.hosted_groups(sched, stages, model, {})
         out_dir = self.run_dir / "phases" / ph.name
         out_dir.mkdir(parents=True, exist_ok=True)
         st = PhaseState(ph=ph, idx=phase_idx, sched=sched, stages=stages, model=model, strats=strats,
                         opt=self.layout.optimizer(model, next(iter(strats.values()), None)), groups=groups, cost=cost,
                         topo=topo,
-                        speed=topo.speed(rank) if topo is not None and rank < topo.n else 1.0,
-                        padding=ComputePadding(ph.emulate_compute and cost is not None), out_dir=out_dir,
+                        emulation=emulation, out_dir=out_dir,
                         order={mb.id: i for i, mb in enumerate(sorted(sched.micro_batches, key=lambda m: m.id))},
                         record={"rank": rank, "stage": stages[0] if stages else None, "stages": stages,
                                 "iterations": [], "recoveries": []},
@@ -273,9 +270,8 @@ class Node:
         stop, t0, stamp = self.control.start_together()
         if stop:
             raise StopRequested(f"node {self.rank}: the launcher asked to stop")
-        a.start_delay = time.time() - stamp
+        st.emulation.iteration_started(stamp)
         time.sleep(max(0.0, t0 - time.time()))
-        a.cpu0 = time.process_time()
         mbsz, c = self.cfg.train.micro_batch, st.cursor
 
         def batch_fn(mb_id: int):
@@ -364,13 +360,12 @@ class Node:
         res, sync = a.res, a.entry.get("sync") or {}
         stats = IterationStats()
         for name, value in (("loss_sum", res.loss_sum), ("n_loss", res.n_loss), ("t_end", a.entry["t_end"]),
-                            ("overruns", st.padding.overruns), ("overrun_s", st.padding.overrun_s),
                             ("max_in_flight", res.max_in_flight), ("payload_bytes", sync.get("payload", 0)),
                             ("received_bytes", sync.get("received", 0)), ("comm_s", sync.get("comm_s", 0.0)),
-                            ("pipe_end", a.entry.get("pipe_end", 0.0)), ("cpu_s", time.process_time() - a.cpu0),
-                            ("start_delay", a.start_delay), ("ckpt_digest", float(ckpt_digest)),
+                            ("pipe_end", a.entry.get("pipe_end", 0.0)), ("ckpt_digest", float(ckpt_digest)),
                             ("replan", 1.0 if st.replan_pending else 0.0)):
             stats.add(name, value)
+        st.emulation.add_stats(stats)
         if st.drift is not None:
             stats.add("drift", st.drift.observe(events))
         if st.elastic is not None:

@@ -27,8 +27,7 @@ class PhaseState:
     groups: dict
     cost: Any
     topo: Any
-    speed: float
-    padding: Any
+    emulation: Any           # runtime.emulation.Emulation: the phase's emulation and measurement seam
     out_dir: Path
     order: dict[int, int]
     record: dict
@@ -74,5 +73,3 @@ class Attempt:
     entry: dict | None = None
     res: Any = None
     outcome: Any = None
-    start_delay: float = 0.0     # seconds from rank 0's start stamp to this node's receipt
-    cpu0: float = 0.0            # this process's CPU clock at the common start

@@ -1,0 +1,102 @@
+"""The one seam for emulation and measurement on one machine.
+
+A swarm on one host (tests, benchmarks, the demo) plays a wide-area network and unequal devices
+in user space (:mod:`skiptrain.runtime.wan`): messages leave on per-link FIFOs with the
+topology's latency and bandwidth, compute tasks are padded to the cost model's durations at the
+node's speed, replica groups' collectives are delayed as rings on the topology's links.  All of
+that enters the node's production code here and only here:
+
+* the executor gets :meth:`Emulation.finish` as its task timer (a real run: a task ends when its
+  compute ends);
+* the pipeline transport gets its pacing (:meth:`Emulation.pace`; a real run sends at once);
+* a replica group's sync strategy gets its emulated ring (:meth:`Emulation.sync_link`);
+* the prefill of the activation cache pads its compute (:meth:`Emulation.pad`);
+* it registers its own statistics columns (:meth:`Emulation.add_stats`): tasks that overran their
+  emulated duration, the process's CPU seconds of the iteration, and how late the common start
+  time reached this node.
+
+A phase asks for emulation with its ``wan``, ``bytes_scale``, ``emulate_compute`` and
+``emulate_sync`` settings (:class:`~skiptrain.runtime.job.Phase`); with none of them the object
+only measures.
+"""
+
+from __future__ import annotations
+
+import time
+
+from .executor import BWD, FWD
+from .wan import ComputePadding, LinkFifo
+
+
+class Emulation:
+    """What phase ``ph`` emulates on node ``rank`` (topology ``topo``, cost model ``cost``)."""
+
+    def __init__(self, ph, topo, cost, rank: int):
+        self.rank, self.topo, self.cost = rank, topo, cost
+        self.in_topology = topo is not None and rank < topo.n
+        self.base_speed = topo.speed(rank) if self.in_topology else 1.0
+        self.speed = self.base_speed          # what the cost model's durations are divided by
+        self.links = ph.wan and self.in_topology
+        self.bytes_scale = ph.bytes_scale
+        self.padding = ComputePadding(ph.emulate_compute and cost is not None)
+        self.sync_topo = topo if ph.emulate_sync and topo is not None else None
+        self.start_delay = 0.0
+        self.cpu0 = time.process_time()
+
+    # ---- compute -------------------------------------------------------------------------
+
+    def task_s(self, kind: int, stage: int) -> float:
+        """The emulated seconds of one task (0 without a cost model)."""
+        if self.cost is None:
+            return 0.0
+        if kind == FWD:
+            return self.cost.fwd_s(stage, self.speed)
+        if kind == BWD:
+            return self.cost.bwd_s(stage, self.speed)
+        return self.cost.loss_s(self.speed)
+
+    def finish(self, kind: int, stage: int, start: float) -> float:
+        """The executor's task timer: when a task that started at ``start`` ends (padded to its
+        emulated duration when compute is emulated; now otherwise)."""
+        return self.padding.pad(start, self.task_s(kind, stage))
+
+    def pad(self, start: float, seconds: float) -> float:
+        """Wait until ``start + seconds`` when compute is emulated; returns the end time."""
+        return self.padding.pad(start, seconds)
+
+    # ---- links ---------------------------------------------------------------------------
+
+    def pace(self, transport) -> None:
+        """Set the pipeline transport's pacing: the phase's emulated links, else none."""
+        hop = self.cost.hop_overhead_s if self.cost else 0.0
+        transport.pacing = (LinkFifo.from_topology(self.topo, self.rank, self.bytes_scale, hop)
+                            if self.links else None)
+
+    def sync_link(self, replicas: list[int]):
+        """The emulated links of a replica group's collectives (``Phase.emulate_sync``): the ring
+        over ``replicas`` on the phase's topology; None (the ``dp`` config's links) otherwise."""
+        topo = self.sync_topo
+        if topo is None or len(replicas) < 2 or max(replicas) >= topo.n:
+            return None
+        from ..dp.link import RingLinks
+        from ..schedule.cost import ring_order
+
+        ring = ring_order(topo, sorted(replicas))
+        pairs = [(ring[i], ring[(i + 1) % len(ring)]) for i in range(len(ring))]
+        return RingLinks(tuple(float(topo.latency_s[a][b]) for a, b in pairs),
+                         tuple(1.0 / float(topo.bandwidth_Bps[a][b]) for a, b in pairs), float(self.bytes_scale))
+
+    # ---- measurement ---------------------------------------------------------------------
+
+    def iteration_started(self, stamp: float) -> None:
+        """The common start time arrived (``stamp``: rank 0's clock when it sent it); the
+        iteration's CPU seconds count from now."""
+        self.start_delay = time.time() - stamp
+        self.cpu0 = time.process_time()
+
+    def add_stats(self, stats) -> None:
+        """This node's emulation and measurement columns of the iteration's statistics."""
+        stats.add("overruns", self.padding.overruns)
+        stats.add("overrun_s", self.padding.overrun_s)
+        stats.add("cpu_s", time.process_time() - self.cpu0)
+        stats.add("start_delay", self.start_delay)
