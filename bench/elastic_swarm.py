@@ -55,7 +55,7 @@ from skiptrain.config import build_config
 from skiptrain.elastic.costs import N_DEV, sim_topology
 from skiptrain.elastic.freeze import log_fit
 from skiptrain.optim import lr_clock
-from skiptrain.runtime.job import Job, Phase, build_cost, with_runtime
+from skiptrain.runtime.job import EmulationSpec, Job, Phase, build_cost, with_runtime
 from skiptrain.runtime.launcher import host_floor_s, launch
 from skiptrain.runtime.transition import layout_cost
 from skiptrain.schedule.baselines import full_pipeline
@@ -107,7 +107,7 @@ def run_seed(args, best: dict, seed: int, iterations: int, data: str, init: str 
     placement = [[s * R + i for i in range(R)] for s in range(S)]
     sched = full_pipeline(topo, cost, [R] * S, R * M, S, dp_sync=False, placement=placement)
     common = dict(schedule=sched.to_dict(), iterations=iterations, cost=cost.to_dict(), topology=topo.to_dict(),
-                  wan=False, emulate_compute=True)
+                  emulation=EmulationSpec(compute=True))
     phases = [Phase(name="static", dump=True, **common),
               Phase(name="elastic", config={"elastic": elastic_settings(args, cfg.train.micro_batch)}, dump=True,
                     **common)]

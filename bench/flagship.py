@@ -8,7 +8,7 @@ Shakespeare text (``data/shakespeare``), geo12 links emulated in the transport
 scaled by ``--time-scale``; ``bytes_scale`` emulated bytes per real byte so a hop carries
 SkipPipe's 32 MiB), compute padded to the cost model (a stage's forward of a micro-batch takes
 SkipPipe's 1.76 s x time scale), and every replica group's data-parallel collectives delayed
-as a ring over its geo12 links for the bytes they really move (``Phase.emulate_sync``).
+as a ring over its geo12 links for the bytes they really move (``EmulationSpec.sync``).
 
 * **flagship**: the planner's skip routes (k = 0.33, <= 2 swaps), DeMo (top-8 of 64x64 DCT
   chunks, 1-bit signs, 12-bit indices), int8 activations and gradients on links slower than

@@ -23,7 +23,7 @@ from conftest import launch_in_a_process, metrics_lines, processes_of_run, wait_
 from skiptrain.config import build_config
 from skiptrain.runtime.failure import RuntimeFailure
 from skiptrain.runtime.join import respond, verify
-from skiptrain.runtime.job import Job, Phase, with_runtime
+from skiptrain.runtime.job import EmulationSpec, Job, Phase, with_runtime
 from skiptrain.runtime.launcher import launch
 from skiptrain.runtime.recovery import (BadPayload, RecoveryError, check_payload, checkfree_combine, replan,
                                         stage_grad_norms, stage_tensors, trained_samples)
@@ -315,7 +315,8 @@ def _drift_with_node_3_slowed(cfg, sched: Schedule, byte_data, run, iters: int =
     job = Job(config=with_runtime(cfg.to_dict(), timeout_s=15.0, drift_threshold=0.5, **rt),
               data_path=str(byte_data), run_dir=str(run),
               phases=[Phase("p", sched.to_dict(), iterations=iters, cost=build_cost(cfg).to_dict(),
-                            topology=load_topology("cluster", 6).to_dict(), emulate_compute=True)],
+                            topology=load_topology("cluster", 6).to_dict(),
+                            emulation=EmulationSpec(compute=True))],
               **faulty_job({"node": 3, "kind": "slow", "factor": 6.0, "iteration": 2}))
     res = launch(job, timeout_s=180)
     assert [r["step"] for r in res.phase_iterations("p")] == list(range(1, iters + 1))

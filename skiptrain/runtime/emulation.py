@@ -15,9 +15,8 @@ that enters the node's production code here and only here:
   emulated duration, the process's CPU seconds of the iteration, and how late the common start
   time reached this node.
 
-A phase asks for emulation with its ``wan``, ``bytes_scale``, ``emulate_compute`` and
-``emulate_sync`` settings (:class:`~skiptrain.runtime.job.Phase`); with none of them the object
-only measures.
+A phase asks for emulation with its :class:`~skiptrain.runtime.job.EmulationSpec`
+(``Phase.emulation``); without one the object only measures.
 """
 
 from __future__ import annotations
@@ -25,6 +24,7 @@ from __future__ import annotations
 import time
 
 from .executor import BWD, FWD
+from .job import EmulationSpec
 from .wan import ComputePadding, LinkFifo
 
 
@@ -36,10 +36,11 @@ class Emulation:
         self.in_topology = topo is not None and rank < topo.n
         self.base_speed = topo.speed(rank) if self.in_topology else 1.0
         self.speed = self.base_speed          # what the cost model's durations are divided by
-        self.links = ph.wan and self.in_topology
-        self.bytes_scale = ph.bytes_scale
-        self.padding = ComputePadding(ph.emulate_compute and cost is not None)
-        self.sync_topo = topo if ph.emulate_sync and topo is not None else None
+        spec = ph.emulation or EmulationSpec()
+        self.links = spec.links and self.in_topology
+        self.bytes_scale = spec.bytes_scale
+        self.padding = ComputePadding(spec.compute and cost is not None)
+        self.sync_topo = topo if spec.sync and topo is not None else None
         self.start_delay = 0.0
         self.cpu0 = time.process_time()
 
@@ -73,7 +74,7 @@ class Emulation:
                             if self.links else None)
 
     def sync_link(self, replicas: list[int]):
-        """The emulated links of a replica group's collectives (``Phase.emulate_sync``): the ring
+        """The emulated links of a replica group's collectives (``EmulationSpec.sync``): the ring
         over ``replicas`` on the phase's topology; None (the ``dp`` config's links) otherwise."""
         topo = self.sync_topo
         if topo is None or len(replicas) < 2 or max(replicas) >= topo.n:

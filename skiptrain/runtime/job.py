@@ -39,16 +39,22 @@ from .wan import scale_topology
 
 
 @dataclass
+class EmulationSpec:
+    """What a phase emulates on one machine (:mod:`skiptrain.runtime.emulation` carries it out)."""
+    links: bool = False          # the pipeline's messages on ``topology``'s links (per-link FIFOs)
+    compute: bool = False        # every task padded to the cost model's duration at the node's speed
+    sync: bool = False           # replica groups' collectives delayed as rings on ``topology``'s links
+    bytes_scale: float = 1.0     # emulated bytes per real byte
+
+
+@dataclass
 class Phase:
     name: str
     schedule: dict[str, Any]
     iterations: int = 1
     cost: dict[str, Any] | None = None        # CostModel.to_dict(): emulated durations, sync bytes
     topology: dict[str, Any] | None = None    # Topology.to_dict() of the (time-scaled) network
-    wan: bool = False                         # emulate links of ``topology``
-    bytes_scale: float = 1.0
-    emulate_compute: bool = False
-    emulate_sync: bool = False               # replica groups' collectives delayed as on ``topology``'s links
+    emulation: EmulationSpec | None = None    # None: nothing emulated (a real deployment)
     dump: bool = False                        # write parameters and pre-sync gradients (tests)
     save_weights: bool = False                # first replica of each stage writes its tensors
     config: dict[str, Any] | None = None      # {section: {key: value}} over the job's config for this phase
@@ -81,7 +87,8 @@ class Job:
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "Job":
         d = dict(d)
-        d["phases"] = [Phase(**p) for p in d["phases"]]
+        d["phases"] = [Phase(**{**p, "emulation": EmulationSpec(**p["emulation"]) if p.get("emulation") else None})
+                       for p in d["phases"]]
         return cls(**d)
 
     def save(self, path: str | Path) -> Path:
@@ -185,12 +192,14 @@ def build_schedule(cfg: Config, method: str, topo: Topology, cost: CostModel,
 
 def phase_for(cfg: Config, schedule: Schedule, topo: Topology, cost: CostModel, name: str,
               iterations: int, **kw: Any) -> Phase:
-    """A phase running ``schedule``; emulation switches from ``cfg.runtime`` unless given."""
+    """A phase running ``schedule``; what it emulates from ``cfg.runtime`` (``wan``,
+    ``emulate_compute``, ``bytes_scale``) unless given (``wan``, ``emulate_compute``,
+    ``emulate_sync`` keywords)."""
     rt = cfg.runtime
+    emulation = EmulationSpec(links=kw.pop("wan", rt.wan), compute=kw.pop("emulate_compute", rt.emulate_compute),
+                              sync=kw.pop("emulate_sync", False), bytes_scale=float(rt.bytes_scale))
     return Phase(name=name, schedule=schedule.to_dict(), iterations=iterations, cost=cost.to_dict(),
-                 topology=topo.to_dict(), wan=kw.pop("wan", rt.wan), bytes_scale=float(rt.bytes_scale),
-                 emulate_compute=kw.pop("emulate_compute", rt.emulate_compute),
-                 emulate_sync=kw.pop("emulate_sync", False), **kw)
+                 topology=topo.to_dict(), emulation=emulation, **kw)
 
 
 def data_parallel_phase(cfg: Config, name: str, nodes: int, **kw: Any) -> Phase:

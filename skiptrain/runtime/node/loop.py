@@ -229,10 +229,10 @@ class Node:
     def _phase_components(self, st: "PhaseState", frozen: dict | None) -> None:
         """The phase's optional components: the drift monitor and the swarm's freezing (a resumed
         job: the layout the checkpoint was in; a joiner: the layout the lowest node sent)."""
-        ph, cost, topo = st.ph, st.cost, st.topo
+        cost, topo = st.cost, st.topo
         if self.job.rt.drift_threshold > 0 and cost is not None and topo is not None:
             from ..drift import DriftMonitor
-            st.drift = DriftMonitor(self.rank, topo.n, cost, topo, ph.bytes_scale, self.job.rt.drift_alpha)
+            st.drift = DriftMonitor(self.rank, topo.n, cost, topo, st.emulation.bytes_scale, self.job.rt.drift_alpha)
         if self.cfg.elastic.enabled:
             from ..freezing import SwarmFreezing
             st.elastic = SwarmFreezing(self, st)
