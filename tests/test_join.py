@@ -24,7 +24,8 @@ from skiptrain.net.topology import load_topology
 from skiptrain.runtime.job import Job, Phase, build_cost, with_runtime
 from skiptrain.runtime.join import EXIT_REFUSED
 from skiptrain.runtime.launcher import launch
-from skiptrain.runtime.recovery import add_replica, choose_stage, join_transfers, replan, trained_samples
+from skiptrain.runtime.join_placement import add_replica, choose_stage, join_transfers
+from skiptrain.runtime.recovery import replan, trained_samples
 from skiptrain.schedule.schedule import MicroBatch, Schedule
 
 REPO = Path(__file__).resolve().parents[1]

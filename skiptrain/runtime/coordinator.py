@@ -290,7 +290,7 @@ class _Joins:
     """Nodes joining the running job (``python -m skiptrain.runtime.node --join``; protocol in
     :mod:`skiptrain.runtime.join`).  One join at a time, only while every node has acknowledged
     the current generation: challenge -> (refused: logged, never signalled) -> admitted -> stage chosen
-    on the current schedule (:func:`~skiptrain.runtime.recovery.choose_stage`) -> a *join*
+    on the current schedule (:func:`~skiptrain.runtime.join_placement.choose_stage`) -> a *join*
     generation with the new schedule -> every node switches at its next iteration boundary and
     acknowledges; the joiner then has its state.  A failure before every node acknowledged
     cancels the join (the joiner is fenced; it may try again)."""
@@ -381,7 +381,7 @@ class _Joins:
             return False
         from ..net.topology import Topology
         from ..schedule.cost import CostModel
-        from .recovery import add_replica, choose_stage
+        from .join_placement import add_replica, choose_stage
 
         ph = self.job.phases[0]
         sched = Schedule.from_dict(cur["schedule"])

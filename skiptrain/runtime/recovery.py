@@ -107,33 +107,25 @@ def replan(schedule: Schedule, alive: set[int] | list[int], takeover: bool = Fal
         raise RecoveryError(f"no stage-0 node left among {sorted(alive)}: nobody holds the embedding "
                             "and head; the run cannot continue", node=None)
     moved = _take_over_empty_stages(placement) if takeover else {}
+    meta = dict(schedule.meta)
+    meta["replanned_for"] = sorted(alive)
+    meta["takeover"] = moved
+    return Schedule(placement=placement, micro_batches=_reassign_micro_batches(schedule, placement, alive),
+                    memory=schedule.memory, skip_ratio=schedule.skip_ratio, max_swaps=schedule.max_swaps,
+                    policy=schedule.policy, method=(schedule.method or "schedule") + "+replan",
+                    meta=meta).keep_on_nodes()
+
+
+def _reassign_micro_batches(schedule: Schedule, placement: list[list[int]], alive: set[int]) -> list[MicroBatch]:
+    """:func:`replan`'s micro-batches on the surviving ``placement``: every route re-routed
+    (:func:`_surviving_route`), a dead originator's micro-batches handed, in their order, to the
+    stage-0 node with the fewest so far (ties: lowest id) and put after the kept ones."""
     serves = {(s, n) for s, p in enumerate(placement) for n in p}
-    load: Counter = Counter({n: 0 for p in placement for n in p})
-    per_orig: Counter = Counter({n: 0 for n in placement[0]})
-
-    def ok(s: int, n: int) -> bool:
-        return (s, n) in serves
-
-    for mb in schedule.micro_batches:
-        if mb.originator in alive:
-            per_orig[mb.originator] += 1
-            load[mb.originator] += 1
-        for s, n in mb.route:
-            if ok(s, n):
-                load[n] += 1
+    load, per_orig = _surviving_loads(schedule, placement, alive, serves)
     kept: list[MicroBatch] = []
     moved_mbs: list[MicroBatch] = []
     for mb in schedule.micro_batches:
-        route: list[tuple[int, int]] = []
-        for s, n in mb.route:
-            if ok(s, n):
-                route.append((s, n))
-                continue
-            if not placement[s]:
-                continue                                     # stage gone: skip it
-            r = min(placement[s], key=lambda x: (load[x], x))
-            load[r] += 1
-            route.append((s, r))
+        route = _surviving_route(mb.route, placement, serves, load)
         if mb.originator in alive:
             kept.append(MicroBatch(mb.id, mb.originator, route, 0.0))
         else:
@@ -141,12 +133,41 @@ def replan(schedule: Schedule, alive: set[int] | list[int], takeover: bool = Fal
             per_orig[o] += 1
             load[o] += 1
             moved_mbs.append(MicroBatch(mb.id, o, route, 0.0))
-    meta = dict(schedule.meta)
-    meta["replanned_for"] = sorted(alive)
-    meta["takeover"] = moved
-    return Schedule(placement=placement, micro_batches=kept + moved_mbs, memory=schedule.memory,
-                    skip_ratio=schedule.skip_ratio, max_swaps=schedule.max_swaps, policy=schedule.policy,
-                    method=(schedule.method or "schedule") + "+replan", meta=meta).keep_on_nodes()
+    return kept + moved_mbs
+
+
+def _surviving_loads(schedule: Schedule, placement: list[list[int]], alive: set[int],
+                     serves: set[tuple[int, int]]) -> tuple[Counter, Counter]:
+    """What the survivors already carry of ``schedule``: forward passes per node (originated
+    micro-batches and hops they still serve) and micro-batches per surviving originator."""
+    load: Counter = Counter({n: 0 for p in placement for n in p})
+    per_orig: Counter = Counter({n: 0 for n in placement[0]})
+    for mb in schedule.micro_batches:
+        if mb.originator in alive:
+            per_orig[mb.originator] += 1
+            load[mb.originator] += 1
+        for s, n in mb.route:
+            if (s, n) in serves:
+                load[n] += 1
+    return load, per_orig
+
+
+def _surviving_route(route: list[tuple[int, int]], placement: list[list[int]], serves: set[tuple[int, int]],
+                     load: Counter) -> list[tuple[int, int]]:
+    """``route`` on the survivors: a hop a survivor still serves stays; one on a lost node moves
+    to the replica of its stage with the fewest forward passes (ties: lowest id; ``load`` counts
+    it); one of a stage with no replica left is dropped."""
+    out: list[tuple[int, int]] = []
+    for s, n in route:
+        if (s, n) in serves:
+            out.append((s, n))
+            continue
+        if not placement[s]:
+            continue                                     # stage gone: skip it
+        r = min(placement[s], key=lambda x: (load[x], x))
+        load[r] += 1
+        out.append((s, r))
+    return out
 
 
 def _take_over_empty_stages(placement: list[list[int]]) -> dict[int, list[int]]:
@@ -406,129 +427,3 @@ def abandon_process_groups() -> int:
     c10d._unregister_all_process_groups()
     w.group_count = 0
     return len(pgs)
-
-
-# ---- joining a running job ----------------------------------------------------------------------
-
-def add_replica(schedule: Schedule, node: int, stage: int, original: Schedule | None = None) -> Schedule:
-    """The schedule with ``node`` added as a replica of body ``stage`` (a node joining the run).
-
-    * ``stage`` has replicas: forward hops of that stage move, last micro-batches first, from the
-      most-loaded replica to ``node`` until their counts differ by at most one.
-    * ``stage`` has none (it was lost and is skipped by every route): it goes back into every
-      route that visited it in ``original`` (the phase's schedule; every route when ``None``),
-      at the position that keeps ``original``'s visit order, on ``node``.
-
-    * ``stage`` 0 of a schedule of one stage (plain data parallelism, e.g. after freezing shrank
-      the pipeline): micro-batches move, last first, from the originator with the most to
-      ``node``, which originates them, until the counts differ by at most one.
-
-    Micro-batch ids never change (same samples), nor do originators of a pipeline.  Every route
-    is then kept on its nodes (:meth:`Schedule.keep_on_nodes`): where other nodes serve several
-    stages, a hop of ``stage`` whose previous node also serves it stays there, so ``node`` gets
-    only the hops that reach ``stage`` from a node that does not serve it.  Deterministic."""
-    S = len(schedule.placement)
-    if not (1 <= stage < S or (stage == 0 and S == 1)):
-        raise ValueError(f"a joining node takes a body stage (1..{S - 1}), or stage 0 of a schedule of one stage; "
-                         f"not stage {stage} of {S}")
-    if node in schedule.stage_of():
-        raise ValueError(f"node {node} is already in the schedule")
-    placement = [list(p) for p in schedule.placement]
-    mbs = [MicroBatch(m.id, m.originator, list(m.route), m.start_s) for m in schedule.micro_batches]
-    if stage == 0:
-        load = Counter({n: 0 for n in placement[0]})
-        load.update(m.originator for m in mbs)
-        load[node] = 0
-        while True:
-            top = max(placement[0], key=lambda x: (load[x], -x))
-            if load[top] - load[node] <= 1:
-                break
-            i = max(i for i, m in enumerate(mbs) if m.originator == top)
-            mbs[i] = MicroBatch(mbs[i].id, node, mbs[i].route, mbs[i].start_s)
-            load[top] -= 1
-            load[node] += 1
-    elif placement[stage]:
-        load = Counter({n: 0 for n in placement[stage]})
-        for m in mbs:
-            for s, n in m.route:
-                if s == stage:
-                    load[n] += 1
-        load[node] = 0
-        while True:
-            top = max(placement[stage], key=lambda x: (load[x], -x))
-            if load[top] - load[node] <= 1:
-                break
-            m = next(m for m in reversed(mbs) if (stage, top) in m.route)
-            m.route[m.route.index((stage, top))] = (stage, node)
-            load[top] -= 1
-            load[node] += 1
-    else:
-        orig = {m.id: m.stages for m in original.micro_batches} if original is not None else {}
-        for m in mbs:
-            order = orig.get(m.id, list(range(1, len(placement)))) if original is not None else \
-                list(range(1, len(placement)))
-            if stage not in order or stage in m.stages:
-                continue
-            before = set(order[:order.index(stage)])
-            pos = sum(1 for s in m.stages if s in before)
-            m.route.insert(pos, (stage, node))
-    placement[stage].append(node)
-    meta = dict(schedule.meta)
-    meta["joined"] = {**meta.get("joined", {}), str(node): stage}
-    meta["takeover"] = {}
-    return Schedule(placement=placement, micro_batches=mbs, memory=schedule.memory,
-                    skip_ratio=schedule.skip_ratio, max_swaps=schedule.max_swaps, policy=schedule.policy,
-                    method=schedule.method, meta=meta).keep_on_nodes()
-
-
-def choose_stage(schedule: Schedule, node: int, original: Schedule | None = None, topo=None,
-                 cost=None) -> tuple[int, dict]:
-    """Where a joining ``node`` shortens the iteration most: a body stage with no replica left
-    first (the routes skip it today), else (stage 0 when it is the only stage) the body stage
-    whose extra replica gives the lowest
-    simulated iteration time (:func:`~skiptrain.schedule.simulator.simulate` with the phase's
-    topology and cost model, link contention on, no DP sync, like the runtime's planning).
-    Without a topology covering ``node`` (or a cost model) the stage with the most forward hops
-    per replica is taken.  Returns ``(stage, report)``; the report lists every candidate's score."""
-    from ..schedule.simulator import simulate
-
-    S = len(schedule.placement)
-    empty = [s for s in range(1, S) if not schedule.placement[s]]
-    pool = empty or list(range(1, S)) or [0]     # one stage: one more data-parallel replica
-    scores: dict[int, float] = {}
-    rule = "empty stage" if empty else "simulated iteration time"
-    if topo is not None and cost is not None and node < topo.n:
-        for s in pool:
-            scores[s] = simulate(add_replica(schedule, node, s, original), topo, cost, contention=True,
-                                 dp_sync=False, record=False).iteration_s
-        best = min(pool, key=lambda s: (scores[s], s))
-        base = simulate(schedule, topo, cost, contention=True, dp_sync=False, record=False).iteration_s
-    else:
-        hops = Counter(s for m in schedule.micro_batches for s in m.stages)
-        per = {s: (hops[s] / len(schedule.placement[s]) if schedule.placement[s] else float("inf")) for s in pool}
-        best = max(pool, key=lambda s: (per[s], -s))
-        base = None
-        if not empty:
-            rule = "most forward hops per replica (no topology or cost model covering this node)"
-    return best, {"stage": best, "rule": rule, "candidates": pool,
-                  "simulated_s": {str(k): round(v, 6) for k, v in scores.items()},
-                  "simulated_before_s": None if base is None else round(base, 6)}
-
-
-def join_transfers(sizes: dict[str, int], partition, placement: list[list[int]], joins: dict[int, int],
-                   drift: bool = False) -> list:
-    """The messages that give joining nodes (``joins``: node -> stage, already in ``placement``)
-    their stage's state, planned by the layout-change core
-    (:func:`skiptrain.layout.transfer.transfer_plan`): each tensor from the least-loaded live
-    replica, so the sends spread over a stage's replicas.  With ``drift`` (replicas differ
-    between syncs: DiLoCo, SparseLoCo) every tensor of a stage comes from its first live replica,
-    so a joiner becomes a copy of one replica.  Stages with no live replica are left out (the
-    caller initialises them another way)."""
-    from ..layout import Layout
-    from ..layout.transfer import transfer_plan
-
-    live = [[n for n in p if n not in joins] for p in placement]
-    old = [p[:1] if drift else p for p in live]
-    new = [[n for n in p if n in joins] if live[s] else [] for s, p in enumerate(placement)]
-    return transfer_plan(sizes, Layout(partition, old), Layout(partition, new))
-

@@ -350,14 +350,14 @@ class Healer:
         """Collective over the new generation: rank 0 (the lowest existing node) broadcasts where
         the run is (phase, iteration, data cursor); every node shares the byte sizes of its
         stage's state by name; then the layout-change core plans the moves
-        (:func:`~skiptrain.runtime.recovery.join_transfers`: each tensor from the least-loaded live
+        (:func:`~skiptrain.runtime.join_placement.join_transfers`: each tensor from the least-loaded live
         replica) and they travel point to point in the one wire format (weights, optimizer and
         sync state by name, :func:`~skiptrain.runtime.transition.move_state`).  A joiner on a
         stage with no live replica initialises it by :meth:`init_stage` (checkpoint or CheckFree).
         Returns (resume info, report on a joiner)."""
         from ...model.partition import partition_layers
         from ..job_checkpoint import load_stage_state, replicas_drift
-        from ..recovery import join_transfers
+        from ..join_placement import join_transfers
         from ..transition import gather_state, move_state, stage_sizes
 
         pos = torch.tensor([phase_idx, it, cursor], dtype=torch.int64)
