@@ -17,7 +17,7 @@ import pytest
 
 from conftest import launch_in_a_process, metrics_lines, processes_of_run, wait_for
 from skiptrain.config import build_config
-from skiptrain.runtime.coordinator import verified_pid
+from skiptrain.runtime.fencing import verified_pid
 from skiptrain.runtime.job import Job, Phase, with_runtime
 from skiptrain.runtime.launcher import launch
 from skiptrain.runtime.membership import (Verifier, host_store, member_key, open_signed, parse_heartbeat, sign,

@@ -24,9 +24,10 @@ launcher, and ``python -m skiptrain.runtime.coordinator --run RUN_DIR`` (:func:`
 coordinator that died: every piece of its state is in the store (generation records, node PIDs,
 strikes, joins under way).
 
-Joining (:class:`_Joins`): nodes started with ``--join HOST:PORT`` are challenged, placed on the
-stage where they shorten the iteration most and announced in a *join* generation that the nodes
-take up at their next iteration boundary.
+Joining (:class:`~skiptrain.runtime.joiners.Joiners`): nodes started with ``--join HOST:PORT``
+are challenged, placed on the stage where they shorten the iteration most and announced in a
+*join* generation that the nodes take up at their next iteration boundary.  Which node processes
+still run, and fencing them: :mod:`skiptrain.runtime.fencing`.
 
 Failure semantics: returns ``None`` when every surviving node exited 0, else a failure dict for
 the launcher's error (no stage-0 node left, every node gone, or the run's time limit).
@@ -36,82 +37,22 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import signal
 import sys
 import time
 from pathlib import Path
 
 from ..schedule.schedule import Schedule
+from .event_log import log_event
 from .failure import RuntimeFailure, describe_exit, pid_running
+from .fencing import Members, verified_pid
 from .job import Job
+from .joiners import Joiners
 from .membership import COORDINATOR, Verifier, sign
 from .recovery import publish_generation
 
 
 #: Seconds a node refused at admission has to exit by itself before it is killed.
 REFUSED_GRACE_S = 2.0
-
-
-class _Members:
-    """Exit status of the launched children and of joined (external) node processes."""
-
-    def __init__(self, procs, store, verifier: Verifier):
-        self.procs, self.store, self.verifier = procs, store, verifier
-        self.ext: dict[int, int] = {}            # joined node -> pid (0: unverified, never signalled)
-
-    def code(self, r: int) -> int | None:
-        if r < len(self.procs):
-            return self.procs[r].poll()
-        pid = self.ext.get(r)
-        if pid and pid_running(pid):
-            return None
-        hb = self.verifier.read(self.store, r, f"hb/{r}")
-        if hb is not None and hb.endswith(":done"):
-            return 0
-        # no verified PID: running until its signed heartbeat says done (or goes stale: hung)
-        return None if not pid else -signal.SIGKILL
-
-    def wait(self, nodes: set[int], timeout_s: float) -> None:
-        """Wait until every one of ``nodes`` exited, at most ``timeout_s``."""
-        end = time.time() + timeout_s
-        while time.time() < end and any(self.code(r) is None for r in nodes):
-            time.sleep(0.01)
-
-    def kill(self, r: int) -> None:
-        """SIGKILL node ``r``: only a child this coordinator started, or a process whose PID came
-        signed with the node's member key (a joiner's hello, a node's ``pid/<r>``)."""
-        pid = self.procs[r].pid if r < len(self.procs) else self.ext.get(r)
-        if pid is None or pid <= 1 or pid == os.getpid():
-            return
-        if r < len(self.procs):
-            self.procs[r].kill()
-            try:
-                self.procs[r].wait(timeout=10)
-            except Exception:  # noqa: BLE001
-                pass
-            return
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            return
-        end = time.time() + 5
-        while pid_running(pid) and time.time() < end:
-            time.sleep(0.01)
-
-
-def verified_pid(verifier: Verifier, store, node: int) -> int:
-    """The PID node ``node`` wrote (signed) to ``pid/<node>``; 0 (never signalled) when absent,
-    forged or implausible."""
-    raw = verifier.read(store, node, f"pid/{node}")
-    try:
-        pid = int(raw) if raw is not None else 0
-    except ValueError:
-        pid = 0
-    if pid <= 1 or pid == os.getpid() or pid > 2 ** 22:
-        print(f"[coordinator] node {node}: no verified PID; it will not be signalled", file=sys.stderr, flush=True)
-        return 0
-    return pid
 
 
 def _read_reports(store, verifier: Verifier, gen: int, alive: set[int], strikes: dict[int, int],
@@ -142,11 +83,6 @@ def _read_reports(store, verifier: Verifier, gen: int, alive: set[int], strikes:
             struck[bad] = (cause + f"; strike {strikes[bad]} of {strikes_needed}", t)
 
 
-def _log(log_path: Path, row: dict) -> None:
-    with open(log_path, "a") as f:
-        f.write(json.dumps(row) + "\n")
-
-
 def coordinate(job: Job, procs, store, world: int, t_start: float, timeout_s: float,
                run_dir: Path, join_secret: str, resume: bool = False) -> dict | None:
     from .join import admit
@@ -158,7 +94,7 @@ def coordinate(job: Job, procs, store, world: int, t_start: float, timeout_s: fl
         stage0 |= set(Schedule.from_dict(ph.schedule).placement[0])
     log_path = Path(run_dir) / "recoveries.jsonl"
     fenced: set[int] = set()
-    members = _Members(procs, store, Verifier(join_secret, Path(run_dir) / "rejected_writes.jsonl"))
+    members = Members(procs, store, Verifier(join_secret, Path(run_dir) / "rejected_writes.jsonl"))
     if resume:
         from .recovery import latest_generation
         if latest_generation(store, members.verifier.key(COORDINATOR)) < 0:
@@ -180,8 +116,8 @@ def coordinate(job: Job, procs, store, world: int, t_start: float, timeout_s: fl
             fenced.add(n)
             members.kill(n)
         print(f"[coordinator] node {n}: {v}; not admitted", file=sys.stderr, flush=True)
-        _log(log_path, {"gen": 0, "node": n, "cause": v, "refused": True, "t_detect": time.time(),
-                        "detect_s": time.time() - t_adm, "fenced": n in fenced, "alive": sorted(alive)})
+        log_event(log_path, {"gen": 0, "node": n, "cause": v, "refused": True, "t_detect": time.time(),
+                             "detect_s": time.time() - t_adm, "fenced": n in fenced, "alive": sorted(alive)})
     if not (alive & stage0):
         return {"kind": "exit", "node": min(set(range(world)) - alive), "t": time.time(),
                 "code": procs[min(set(range(world)) - alive)].poll()}
@@ -195,282 +131,140 @@ def _loop(job, store, members, stage0, deadline, strikes_needed, log_path, fence
           join_secret, alive: set[int] | None = None, resume: bool = False) -> dict | None:
     """The coordinator's watch loop.  ``resume``: a restarted coordinator; everything it needs
     is read back from the store (generation, alive set, node PIDs, strikes, joins under way)."""
-    from .recovery import latest_generation, read_generation
-
-    gen = 0
-    key = members.verifier.key(COORDINATOR)     # signs the generations the nodes act on
-    strikes: dict[int, int] = {}
-    joins = _Joins(job, store, members, join_secret, log_path, world)
+    watch = _Watch(job, store, members, stage0, deadline, strikes_needed, log_path, fenced, t_start, timeout_s,
+                   Joiners(job, store, members, join_secret, log_path, world), alive)
     if resume:
-        gen = latest_generation(store, key)
-        alive = set(read_generation(store, gen, key)["alive"])
+        watch.restore()
+    return watch.run()
+
+
+class _Watch:
+    """The watch loop's state (the generation in force, the alive set, the strikes, the joins
+    under way) and its passes: detect, fence, log and publish the next generation."""
+
+    def __init__(self, job, store, members: Members, stage0: set[int], deadline: float, strikes_needed: int,
+                 log_path: Path, fenced: set[int], t_start: float, timeout_s: float, joins: Joiners,
+                 alive: set[int] | None):
+        self.job, self.store, self.members, self.stage0 = job, store, members, stage0
+        self.deadline, self.strikes_needed, self.log_path, self.fenced = deadline, strikes_needed, log_path, fenced
+        self.t_start, self.timeout_s, self.joins, self.alive = t_start, timeout_s, joins, alive
+        self.gen = 0
+        self.key = members.verifier.key(COORDINATOR)     # signs the generations the nodes act on
+        self.strikes: dict[int, int] = {}
+
+    def restore(self) -> None:
+        """A restarted coordinator: read its state back from the store."""
+        from .recovery import latest_generation, read_generation
+
+        store, members = self.store, self.members
+        self.gen = gen = latest_generation(store, self.key)
+        self.alive = alive = set(read_generation(store, gen, self.key)["alive"])
         store.set("gen", str(gen))       # (its predecessor may have died between a record and the counter)
         for r in sorted(alive):
             members.ext[r] = verified_pid(members.verifier, store, r)
         saved = members.verifier.read(store, COORDINATOR, "coord/strikes")
         if saved is not None:
-            strikes = {int(k): v for k, v in json.loads(saved).items()}
-        joins.resume(gen, alive)
+            self.strikes = {int(k): v for k, v in json.loads(saved).items()}
+        self.joins.resume(gen, alive)
         print(f"[coordinator] restarted: generation {gen}, alive {sorted(alive)}, node PIDs "
               f"{[members.ext[r] for r in sorted(alive)]}", file=sys.stderr, flush=True)
-        _log(log_path, {"gen": gen, "node": None, "cause": "coordinator restarted", "restart": True,
-                        "t_detect": time.time(), "alive": sorted(alive)})
-    next_hb = time.time() + job.rt.heartbeat_s
-    while True:
-        codes = {r: members.code(r) for r in alive}
-        if all(codes[r] == 0 for r in alive - joins.placed()):
-            cancelled = joins.end_of_run()     # the run is over: joins no node took up are cancelled
-            members.wait(cancelled, 5.0)       # (they read why before the store stops)
-            alive -= cancelled
-            if all(codes[r] == 0 for r in alive):
+        log_event(self.log_path, {"gen": gen, "node": None, "cause": "coordinator restarted", "restart": True,
+                                  "t_detect": time.time(), "alive": sorted(alive)})
+
+    def run(self) -> dict | None:
+        """Watch until the run ends: None when every surviving node exited 0, else the failure."""
+        next_hb = time.time() + self.job.rt.heartbeat_s
+        while True:
+            codes = {r: self.members.code(r) for r in self.alive}
+            if self._finished(codes):
                 return None
-        now = time.time()
-        if now - t_start > timeout_s:
-            return {"kind": "timeout", "t": now}
-        found: dict[int, tuple[str, float | None]] = {}     # node -> (cause, reference time)
-        struck: dict[int, tuple[str, float | None]] = {}    # bad peers below the strike limit
-        for r in sorted(alive):
-            if codes[r] not in (None, 0):
-                found[r] = (f"died ({describe_exit(codes[r])})", None)
-        if now >= next_hb:
-            next_hb = now + job.rt.heartbeat_s
-            for r in sorted(alive - set(found)):
-                hb = None if codes[r] is not None else members.verifier.heartbeat(store, r)
-                if hb is None:                # absent, forged or replayed: no decision on it
-                    continue
-                t, state = hb
-                if state != "done" and now - t > deadline:
-                    found[r] = (f"stopped responding: no heartbeat for {now - t:.2f} s "
-                                f"(deadline {deadline:g} s)", t)
-            _read_reports(store, members.verifier, gen, alive, strikes, strikes_needed, found, struck)
-        if not found and not struck:
-            if joins.step(gen, alive):
-                gen += 1
-                alive.add(joins.last_added)
-            time.sleep(0.02)
-            continue
+            now = time.time()
+            if now - self.t_start > self.timeout_s:
+                return {"kind": "timeout", "t": now}
+            found: dict[int, tuple[str, float | None]] = {}     # node -> (cause, reference time)
+            struck: dict[int, tuple[str, float | None]] = {}    # bad peers below the strike limit
+            for r in sorted(self.alive):
+                if codes[r] not in (None, 0):
+                    found[r] = (f"died ({describe_exit(codes[r])})", None)
+            if now >= next_hb:
+                next_hb = now + self.job.rt.heartbeat_s
+                self._check_heartbeats(codes, now, found)
+                _read_reports(self.store, self.members.verifier, self.gen, self.alive, self.strikes,
+                              self.strikes_needed, found, struck)
+            if not found and not struck:
+                if self.joins.step(self.gen, self.alive):
+                    self.gen += 1
+                    self.alive.add(self.joins.last_added)
+                time.sleep(0.02)
+                continue
+            failure = self._act(found, struck, codes)
+            if failure is not None:
+                return failure
+
+    def _finished(self, codes: dict[int, int | None]) -> bool:
+        """Whether every node exited 0.  Once every node but the placed joiners did, the run is
+        over: the joins no node took up are cancelled (and their joiners waited for briefly)."""
+        if not all(codes[r] == 0 for r in self.alive - self.joins.placed()):
+            return False
+        cancelled = self.joins.end_of_run()     # the run is over: joins no node took up are cancelled
+        self.members.wait(cancelled, 5.0)       # (they read why before the store stops)
+        self.alive -= cancelled
+        return all(codes[r] == 0 for r in self.alive)
+
+    def _check_heartbeats(self, codes: dict[int, int | None], now: float, found: dict) -> None:
+        """Add to ``found`` every running node whose signed heartbeat is older than the deadline."""
+        for r in sorted(self.alive - set(found)):
+            hb = None if codes[r] is not None else self.members.verifier.heartbeat(self.store, r)
+            if hb is None:                # absent, forged or replayed: no decision on it
+                continue
+            t, state = hb
+            if state != "done" and now - t > self.deadline:
+                found[r] = (f"stopped responding: no heartbeat for {now - t:.2f} s "
+                            f"(deadline {self.deadline:g} s)", t)
+
+    def _act(self, found: dict, struck: dict, codes: dict[int, int | None]) -> dict | None:
+        """Fence the ``found`` nodes, log every detection and publish the next generation; the
+        failure of the run when no stage-0 node (or no node) is left, else None."""
         t_detect = time.time()
-        cancelled = joins.cancel(alive)                    # a join not yet taken up by every node
+        cancelled = self.joins.cancel(self.alive)                    # a join not yet taken up by every node
         found.update(cancelled)
         for n in found:
-            if members.code(n) is None:
-                fenced.add(n)
-                members.kill(n)
-        alive -= set(found)
-        gen += 1
-        rows = []
-        for n, (cause, ref) in sorted({**found, **struck}.items()):
-            fault_t = None
-            try:
-                if store.check([f"fault/{n}"]):
-                    fault_t = float(store.get(f"fault/{n}").decode())
-            except Exception:  # noqa: BLE001
-                pass
-            since = fault_t if fault_t is not None else ref
-            row = {"gen": gen, "node": n, "cause": cause, "t_detect": t_detect, "fault_t": fault_t,
-                   "detect_s": (t_detect - since) if since is not None else None, "fenced": n in fenced,
-                   "alive": sorted(alive)}
-            if n in struck:
-                row["strike"] = strikes[n]
-            rows.append(row)
-            took = f"{row['detect_s']:.3f} s after the fault" if row["detect_s"] is not None else "time unknown"
-            print(f"[coordinator] node {n}: {cause}; detected {took}; generation {gen}: "
-                  f"{len(alive)} node(s) left", file=sys.stderr, flush=True)
+            if self.members.code(n) is None:
+                self.fenced.add(n)
+                self.members.kill(n)
+        self.alive -= set(found)
+        self.gen += 1
+        rows = [self._detection(n, cause, ref, t_detect, struck)
+                for n, (cause, ref) in sorted({**found, **struck}.items())]
         for row in rows:
-            _log(log_path, row)
-        if not alive or not (alive & stage0):
+            log_event(self.log_path, row)
+        if not self.alive or not (self.alive & self.stage0):
             n0 = min(found) if found else min(struck)
             return {"kind": "exit", "node": n0, "code": codes.get(n0), "t": t_detect,
-                    "msg": "no stage-0 node left" if alive else "no node left"}
-        publish_generation(store, gen, sorted(alive), {n: c for n, (c, _) in found.items()},
-                           {"cancelled": sorted(cancelled)}, key=key)
+                    "msg": "no stage-0 node left" if self.alive else "no node left"}
+        publish_generation(self.store, self.gen, sorted(self.alive), {n: c for n, (c, _) in found.items()},
+                           {"cancelled": sorted(cancelled)}, key=self.key)
+        return None
 
-
-class _Joins:
-    """Nodes joining the running job (``python -m skiptrain.runtime.node --join``; protocol in
-    :mod:`skiptrain.runtime.join`).  One join at a time, only while every node has acknowledged
-    the current generation: challenge -> (refused: logged, never signalled) -> admitted -> stage chosen
-    on the current schedule (:func:`~skiptrain.runtime.join_placement.choose_stage`) -> a *join*
-    generation with the new schedule -> every node switches at its next iteration boundary and
-    acknowledges; the joiner then has its state.  A failure before every node acknowledged
-    cancels the join (the joiner is fenced; it may try again)."""
-
-    def __init__(self, job: Job, store, members: _Members, secret: str, log_path: Path, world: int):
-        self.job, self.store, self.members, self.secret = job, store, members, secret
-        self.log_path, self.world = log_path, world
-        self.seen: set[int] = set()
-        self.pending: dict[int, dict] = {}       # node -> state
-        self.last_added = -1
-
-    def _ids(self) -> list[int]:
+    def _detection(self, n: int, cause: str, ref: float | None, t_detect: float, struck: dict) -> dict:
+        """The log row of node ``n``'s detection (said on stderr too), timed from its injected
+        fault when known, else from ``ref``."""
+        fault_t = None
         try:
-            top = self.store.add("nodes/next", 0)
+            if self.store.check([f"fault/{n}"]):
+                fault_t = float(self.store.get(f"fault/{n}").decode())
         except Exception:  # noqa: BLE001
-            return []
-        # ids are handed out one by one by `request_node_id`; a forged huge counter costs a bounded scan
-        top = min(top, self.world + len(self.seen) + 64)
-        return [j for j in range(self.world, top) if j not in self.seen]
-
-    def _refuse(self, j: int, why: str, st: dict) -> None:
-        from .join import refuse
-
-        refuse(self.store, j, self.secret)
-        now = time.time()
-        # Not killed: it exits by itself on "refused" and never entered a group; a refused
-        # process proved nothing, so the PID in its hello is not acted on.
-        print(f"[coordinator] joining node {j}: {why}; not admitted", file=sys.stderr, flush=True)
-        _log(self.log_path, {"gen": None, "node": j, "cause": why, "refused": True, "join": True, "t_detect": now,
-                             "detect_s": now - st["t_hello"], "pid": st.get("pid")})
-        self.pending.pop(j, None)
-
-    def step(self, gen: int, alive: set[int]) -> bool:
-        """Advance the joins; returns True when it published generation ``gen + 1``."""
-        from .join import assign_join, challenge, check_response, hello_pid
-
-        now = time.time()
-        for j in self._ids():
-            hello = self.store.check([f"join/hello/{j}"]) and self.store.get(f"join/hello/{j}").decode(errors="replace")
-            if not hello:
-                continue
-            self.seen.add(j)
-            pid = hello_pid(self.secret, j, hello)
-            self.pending[j] = {"t_hello": now, "pid": pid, "nonce": challenge(self.store, j), "state": "challenged"}
-        for j, st in sorted(self.pending.items()):
-            if st["state"] == "challenged":
-                ok = check_response(self.store, j, st["nonce"], self.secret)
-                if ok is None:
-                    if now - st["t_hello"] > max(60.0, self.job.rt.timeout_s):
-                        self._refuse(j, "refused: no challenge response in time", st)
-                    continue
-                if not ok:
-                    self._refuse(j, "refused: wrong challenge response", st)
-                    continue
-                if len(self.job.phases) != 1:
-                    self._refuse(j, "refused: joining needs a single-phase job", st)
-                    continue
-                st.update(state="admitted", t_admit=now)
-                self.members.ext[j] = st["pid"]
-                print(f"[coordinator] joining node {j}: challenge answered, admitted "
-                      f"({now - st['t_hello']:.3f} s)", file=sys.stderr, flush=True)
-            elif st["state"] == "published":
-                if self.store.check([f"ack/{st['gen']}/{n}" for n in sorted(alive)]):
-                    st["t_ready"] = time.time()
-                    row = {"gen": st["gen"], "node": j, "cause": f"joined: stage {st['stage']}", "join": True,
-                           "t_detect": st["t_admit"], "detect_s": st["t_admit"] - st["t_hello"],
-                           "recover_s": st["t_ready"] - st["t_pub"], "t_published": st["t_pub"],
-                           "t_ready": st["t_ready"], "choice": st["choice"], "alive": sorted(alive)}
-                    _log(self.log_path, row)
-                    print(f"[coordinator] node {j} joined stage {st['stage']} in generation {st['gen']} "
-                          f"({row['recover_s']:.3f} s after publishing)", file=sys.stderr, flush=True)
-                    del self.pending[j]                    # (a joiner that dies meanwhile: the caller's next pass)
-        if any(st["state"] == "published" for st in self.pending.values()):
-            return False
-        ready = [j for j, st in sorted(self.pending.items()) if st["state"] == "admitted"]
-        if not ready or not self.store.check([f"ack/{gen}/{n}" for n in sorted(alive)]):
-            return False
-        raw = self.members.verifier.read(self.store, min(alive), "sched/cur")   # the lowest node's, signed
-        try:
-            cur = json.loads(raw) if raw is not None else {}
-        except ValueError:
-            cur = {}
-        if not isinstance(cur, dict) or cur.get("gen") != gen:
-            return False
-        j = ready[0]
-        if self.members.code(j) is not None:
-            self._refuse(j, "refused: exited before it was placed", self.pending[j])
-            return False
-        from ..net.topology import Topology
-        from ..schedule.cost import CostModel
-        from .join_placement import add_replica, choose_stage
-
-        ph = self.job.phases[0]
-        sched = Schedule.from_dict(cur["schedule"])
-        topo = Topology.from_dict(ph.topology) if ph.topology else None
-        # the cost model of the layout in force (freezing changes it), else the phase's
-        cost = CostModel.from_dict(cur["cost"]) if cur.get("cost") else CostModel.from_dict(ph.cost) if ph.cost else None
-        stage, choice = choose_stage(sched, j, Schedule.from_dict(ph.schedule), topo, cost)
-        new = add_replica(sched, j, stage, Schedule.from_dict(ph.schedule))
-        st = self.pending[j]
-        st.update(state="published", gen=gen + 1, stage=stage, choice=choice, t_pub=time.time())
-        # assign first: a coordinator restarted between the two finds an assignment without its
-        # generation and publishes the join again (the joiner waits for a record that places it)
-        assign_join(self.store, j, self.secret, gen + 1)
-        publish_generation(self.store, gen + 1, sorted(alive | {j}), {},
-                           {"kind": "join", "join": {str(j): stage}, "schedule": new.to_dict(), "phase": 0,
-                            "choice": choice}, key=self.members.verifier.key(COORDINATOR))
-        print(f"[coordinator] joining node {j} -> stage {stage} ({choice['rule']}; simulated "
-              f"{choice['simulated_s']}); generation {gen + 1}", file=sys.stderr, flush=True)
-        self.last_added = j
-        return True
-
-    def resume(self, gen: int, alive: set[int]) -> None:
-        """A restarted coordinator: rebuild the joins under way from the store's join keys."""
-        from .join import hello_pid, read_result
-        from .recovery import generation_record
-
-        key = self.members.verifier.key(COORDINATOR)
-        try:
-            top = self.store.add("nodes/next", 0)
-        except Exception:  # noqa: BLE001
-            return
-        now = time.time()
-        for j in range(self.world, top):
-            if not self.store.check([f"join/hello/{j}"]):
-                continue
-            self.seen.add(j)
-            pid = hello_pid(self.secret, j, self.store.get(f"join/hello/{j}").decode(errors="replace"))
-            res = (read_result(self.secret, j, self.store.get(f"join/result/{j}").decode(errors="replace"))
-                   if self.store.check([f"join/result/{j}"]) else None)
-            assigned = self.members.verifier.read(self.store, COORDINATOR, f"join/assign/{j}")
-            rec = generation_record(self.store, int(assigned), key) if assigned and assigned.isdigit() else None
-            if rec is not None and str(j) in (rec.get("join") or {}):
-                if j in alive and not self.store.check([f"ack/{assigned}/{n}" for n in sorted(alive)]):
-                    self.pending[j] = {"t_hello": now, "t_admit": now, "pid": pid, "state": "published",
-                                       "gen": int(assigned), "stage": rec["join"][str(j)],
-                                       "choice": rec.get("choice"), "t_pub": now}
-            elif res == "ok":       # admitted, perhaps assigned but never published: placed again
-                self.pending[j] = {"t_hello": now, "t_admit": now, "pid": pid, "state": "admitted"}
-                self.members.ext[j] = pid
-            elif res is None and self.store.check([f"join/nonce/{j}"]):
-                self.pending[j] = {"t_hello": now, "pid": pid, "state": "challenged",
-                                   "nonce": self.store.get(f"join/nonce/{j}").decode()}
-
-    def placed(self) -> set[int]:
-        """Joiners placed in a published generation (in the alive set, perhaps not yet taken up)."""
-        return {j for j, st in self.pending.items() if st["state"] == "published"}
-
-    def end_of_run(self) -> set[int]:
-        """Every node but the placed joiners finished: no node takes a join up any more.  Each join
-        of a node that proved the secret (admitted, or published but not taken up) is cancelled
-        and its joiner told why (signed ``join/cancel/<node>``: it exits at once
-        instead of waiting for groups no node will form).  A published join was taken up once the
-        lowest node wrote ``join/go/<generation>`` (the nodes switch together or not at all).
-        Returns the cancelled joiners."""
-        from .join import cancel_join
-
-        out = set()
-        why = "the run ended before its nodes took this join up"
-        for j, st in sorted(self.pending.items()):
-            taken_up = st["state"] == "published" and self.store.check([f"join/go/{st['gen']}"])
-            if st["state"] == "challenged" or taken_up:
-                continue        # unproven (told nothing: it sees the store go), or trains to the end
-            cancel_join(self.store, j, self.secret, why)
-            now = time.time()
-            print(f"[coordinator] joining node {j}: join cancelled: {why}", file=sys.stderr, flush=True)
-            _log(self.log_path, {"gen": st.get("gen"), "node": j, "cause": f"join cancelled: {why}",
-                                 "cancelled": True, "t_detect": now, "detect_s": now - st["t_hello"]})
-            del self.pending[j]
-            out.add(j)
-        return out
-
-    def cancel(self, alive: set[int]) -> dict[int, tuple[str, float | None]]:
-        """A failure happened: a join published but not yet taken up everywhere is cancelled."""
-        out = {}
-        for j, st in list(self.pending.items()):
-            if st["state"] == "published":
-                out[j] = ("join cancelled: a failure happened before every node took it up", None)
-                del self.pending[j]
-        return out
+            pass
+        since = fault_t if fault_t is not None else ref
+        row = {"gen": self.gen, "node": n, "cause": cause, "t_detect": t_detect, "fault_t": fault_t,
+               "detect_s": (t_detect - since) if since is not None else None, "fenced": n in self.fenced,
+               "alive": sorted(self.alive)}
+        if n in struck:
+            row["strike"] = self.strikes[n]
+        took = f"{row['detect_s']:.3f} s after the fault" if row["detect_s"] is not None else "time unknown"
+        print(f"[coordinator] node {n}: {cause}; detected {took}; generation {self.gen}: "
+              f"{len(self.alive)} node(s) left", file=sys.stderr, flush=True)
+        return row
 
 
 def main(argv: list[str] | None = None) -> int:

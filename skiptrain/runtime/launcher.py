@@ -106,19 +106,34 @@ def launch(job: Job, nodes: int | None = None, timeout_s: float = 3600.0, grace_
 
 def _launch(job: Job, nodes: int | None, timeout_s: float, grace_s: float, echo: bool,
             join_secret: str | None) -> LaunchResult:
-    import torch.distributed as dist
-
     world = nodes or job.world
     if world < job.world:
         raise RuntimeFailure(f"the job's schedules use {job.world} nodes but only {world} were requested")
     run_dir = Path(job.run_dir)
     prepare_outputs(job, run_dir)
     job_path = job.save(run_dir / "job.json")
-    store_proc = None
-    failure = err = None
     if job.rt.recover:
         from .join import new_secret
         join_secret = join_secret or new_secret()        # recovery mode always admits by challenge
+    store, store_proc, listening = _open_store(job, run_dir, world, join_secret)  # noqa: F841 - kept while it serves
+    (run_dir / "join.json").unlink(missing_ok=True)
+    if job.rt.recover:
+        _publish_for_joiners(job, store, world, join_secret)
+    base_env = _node_env(job, run_dir, world, store.port, store_proc is not None, join_secret)
+    t_start = time.time()
+    interrupted, err = _run_nodes(job, job_path, world, run_dir, base_env, store, store_proc, join_secret,
+                                  t_start, timeout_s, grace_s, echo)
+    wall = time.time() - t_start
+    if err is not None:
+        raise err
+    return _result(job, run_dir, world, wall, interrupted, echo)
+
+
+def _open_store(job: Job, run_dir: Path, world: int, join_secret: str | None):
+    """The run's rendezvous store: ``(store, store process or None, listening socket or None)``;
+    the caller keeps the socket referenced as long as the store serves."""
+    import torch.distributed as dist
+
     if job.rt.recover and job.rt.restartable:
         # the store in a process of its own: this launcher (the coordinator) may die and be
         # replaced (``python -m skiptrain.runtime.coordinator --run RUN_DIR``) without losing the run
@@ -126,22 +141,32 @@ def _launch(job: Job, nodes: int | None, timeout_s: float, grace_s: float, echo:
         store_proc, _, port = start_store(run_dir, secret=join_secret)
         store = dist.TCPStore("127.0.0.1", port, world, is_master=False, wait_for_workers=False,
                               timeout=timedelta(seconds=max(job.rt.timeout_s, 60.0)))
-    else:
-        from .membership import host_store
-        store, listening = host_store(world, max(job.rt.timeout_s, 60.0))  # noqa: F841 - loopback only
-    (run_dir / "join.json").unlink(missing_ok=True)
-    if job.rt.recover:
-        # nodes joining later (``--join HOST:PORT``, announced in join.json below) take ids from
-        # here on and read the job here, signed by the coordinator (a joiner trusts no job a
-        # process without the secret wrote)
-        from .join import publish_job
-        store.add("nodes/next", world)
-        publish_job(store, job.to_dict(), join_secret)
-    base_env = _node_env(job, run_dir, world, store.port, store_proc is not None, join_secret)
+        return store, store_proc, None
+    from .membership import host_store
+    store, listening = host_store(world, max(job.rt.timeout_s, 60.0))   # loopback only
+    return store, None, listening
+
+
+def _publish_for_joiners(job: Job, store, world: int, join_secret: str) -> None:
+    """Nodes joining later (``--join HOST:PORT``, announced in join.json by :func:`_node_env`)
+    take ids from ``world`` on and read the job here, signed by the coordinator (a joiner trusts
+    no job a process without the secret wrote)."""
+    from .join import publish_job
+
+    store.add("nodes/next", world)
+    publish_job(store, job.to_dict(), join_secret)
+
+
+def _run_nodes(job: Job, job_path: Path, world: int, run_dir: Path, base_env: dict, store, store_proc,
+               join_secret: str | None, t_start: float, timeout_s: float, grace_s: float,
+               echo: bool) -> tuple[bool, RuntimeFailure | None]:
+    """Start the node processes, watch them until the run ends, then stop every one that is left
+    and end the run (its secret, its join announcement, its store process).  Returns whether it
+    was interrupted and the error to raise for a failed run (None: none)."""
     procs: list = []
     forked = None
+    failure = err = None
     interrupted = False
-    t_start = time.time()
     killed_by_us: set[int] = set()
     try:
         forked = start_nodes(job_path, job.node_module, world, run_dir / "logs", base_env,
@@ -150,11 +175,7 @@ def _launch(job: Job, nodes: int | None, timeout_s: float, grace_s: float, echo:
         with SwarmProgress(run_dir / "metrics.jsonl", sum(ph.iterations for ph in job.phases), enabled=echo,
                            initial=job.resume["iteration"] if job.resume else 0):
             try:
-                if job.rt.recover:
-                    from .coordinator import coordinate
-                    failure = coordinate(job, procs, store, world, t_start, timeout_s, run_dir, join_secret)
-                else:
-                    failure = _monitor(job, procs, store, world, t_start, timeout_s)
+                failure = _watch(job, procs, store, world, t_start, timeout_s, run_dir, join_secret)
             except KeyboardInterrupt:
                 interrupted = True
                 failure = _stop_at_boundary(job, procs, store, join_secret)
@@ -174,9 +195,21 @@ def _launch(job: Job, nodes: int | None, timeout_s: float, grace_s: float, echo:
             err = _explain(job, procs, failure, run_dir, store, killed_by_us)
         if store_proc is not None:
             stop_store(store_proc, store, join_secret)
-    wall = time.time() - t_start
-    if err is not None:
-        raise err
+    return interrupted, err
+
+
+def _watch(job: Job, procs, store, world: int, t_start: float, timeout_s: float, run_dir: Path,
+           join_secret: str | None) -> dict | None:
+    """Watch the nodes until the run ends: the coordinator in recovery mode, else the fail-fast
+    monitor; None on success, else a failure description."""
+    if job.rt.recover:
+        from .coordinator import coordinate
+        return coordinate(job, procs, store, world, t_start, timeout_s, run_dir, join_secret)
+    return _monitor(job, procs, store, world, t_start, timeout_s)
+
+
+def _result(job: Job, run_dir: Path, world: int, wall: float, interrupted: bool, echo: bool) -> LaunchResult:
+    """Merge the nodes' outputs and read the metrics back into the launch's result."""
     merge_outputs(job, run_dir)
     metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
     done = max((m["step"] for m in metrics if "loss" in m), default=0)
@@ -229,7 +262,7 @@ def _stop_at_boundary(job: Job, procs, store, secret: str | None) -> dict | None
     run with a secret) and wait for them to exit; None when all did cleanly, else a failure description (the launch then stops
     hard).  A second Ctrl-C while waiting goes up at once."""
     from .membership import coordinator_key, sign
-    from .node import STOP_KEY
+    from .node.control import STOP_KEY
 
     print("[launch] stopping: every node ends at the next iteration boundary and writes its stage "
           "(Ctrl-C again to stop at once)", file=sys.stderr, flush=True)
