@@ -112,3 +112,66 @@ def test_functions_stay_under_the_limit():
                 if lines > MAX_FUNCTION_LINES:
                     long.append(f"{p.relative_to(ROOT)}:{n.lineno} {n.name} ({lines} lines)")
     assert long == []
+
+
+# private names of other libraries the runtime relies on knowingly: os._exit (the documented way to
+# leave without interpreter teardown) and torch.distributed internals (abandoning process groups
+# whose threads may block, the source rank of a receive from any peer)
+FOREIGN_PRIVATE = {"os._exit", "c10d._world", "c10d._update_default_pg", "c10d._unregister_all_process_groups",
+                   "work._source_rank"}
+
+
+def _names_defined(tree: ast.AST) -> set[str]:
+    """Every name a module defines: functions, classes, assigned names and attributes, arguments."""
+    out = set()
+    for n in ast.walk(tree):
+        if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            out.add(n.name)
+        elif isinstance(n, ast.Attribute) and isinstance(n.ctx, ast.Store):
+            out.add(n.attr)
+        elif isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store):
+            out.add(n.id)
+        elif isinstance(n, ast.arg):
+            out.add(n.arg)
+    return out
+
+
+def _private_attributes_of_others(source: str) -> list[str]:
+    """``x._name`` reads and calls where ``x`` is not ``self``/``cls`` and the module does not
+    define ``_name`` itself: a private name of another module reached by attribute."""
+    tree = ast.parse(source)
+    own = _names_defined(tree)
+    out = []
+    for n in ast.walk(tree):
+        if not (isinstance(n, ast.Attribute) and n.attr.startswith("_") and not n.attr.startswith("__")):
+            continue
+        if isinstance(n.value, ast.Name) and n.value.id in ("self", "cls") or n.attr in own:
+            continue
+        if ast.unparse(n) not in FOREIGN_PRIVATE:
+            out.append(f"{n.lineno}: {ast.unparse(n)}")
+    return out
+
+
+def test_the_checker_finds_a_private_attribute_of_another_module():
+    assert _private_attributes_of_others("def f(node):\n    node._sync(1)\n") == ["2: node._sync"]
+    assert _private_attributes_of_others("class A:\n    def f(self, o):\n        self._x = o._x\n") == []
+
+
+def test_no_private_names_reached_by_attribute_from_another_module():
+    bad = []
+    for p in sorted((ROOT / "skiptrain").rglob("*.py")):
+        bad += [f"{p.relative_to(ROOT)}:{x}" for x in _private_attributes_of_others(p.read_text())]
+    assert bad == []
+
+
+def test_runtime_modules_and_functions_stay_small():
+    """No file of the runtime is over 450 lines, and no function there over 60."""
+    big, long = [], []
+    for p in sorted((ROOT / "skiptrain" / "runtime").rglob("*.py")):
+        text = p.read_text()
+        if len(text.splitlines()) > 450:
+            big.append(f"{p.relative_to(ROOT)} ({len(text.splitlines())} lines)")
+        for n in ast.walk(ast.parse(text)):
+            if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)) and n.end_lineno - n.lineno + 1 > 60:
+                long.append(f"{p.relative_to(ROOT)}:{n.lineno} {n.name} ({n.end_lineno - n.lineno + 1} lines)")
+    assert big == [] and long == []
