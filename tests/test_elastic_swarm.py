@@ -207,7 +207,7 @@ def test_an_undo_after_a_one_stage_layout_gives_the_pipeline_back_its_memory_cre
     has the phase's 3 credits again, not the one-stage layout's 1, and every sample is trained
     once.  Under DeMo the layers trainable again had no sync state while frozen: theirs starts
     afresh (zero momentum) on every replica, which stay bit-identical."""
-    from fault_node import faulty_job
+    from skiptrain.runtime.faults import faulty_job
 
     cfg = _cfg(runtime={"nodes": 4, "stage_sizes": "2,2"})
     cfg.dp.strategy = strategy
@@ -274,7 +274,7 @@ def test_a_node_killed_mid_transition_is_recovered_and_training_goes_on(byte_dat
     the plan, before its messages): the survivors abandon the transition, re-form without it,
     plan the transition again over the five of them and train to the end; every sample is
     trained once and the replicas of every final stage are bit-identical."""
-    from fault_node import faulty_job
+    from skiptrain.runtime.faults import faulty_job
 
     cfg = _cfg(runtime={"recover": True, "heartbeat_s": 0.2, "heartbeat_deadline_s": 4.0})
     probe = _job(cfg, byte_data, tmp_path / "probe")
@@ -534,7 +534,7 @@ def test_a_node_joins_a_freezing_job_after_its_transitions_and_trains_the_frozen
     ``--join``: it gets the rule's state and the layout in force from the lowest node, builds its
     stage for that partition and frozen depth, takes a live replica's state and trains; its
     stage's replicas end bit-identical, every sample is trained once."""
-    from fault_node import faulty_job
+    from skiptrain.runtime.faults import faulty_job
     from test_join import _joiner
 
     iters = 16
@@ -586,7 +586,7 @@ def test_a_freezing_demo_job_saved_after_a_failure_resumes_on_all_its_nodes(byte
     it holds a layout without that node.  The job resumed from it with all six nodes seats the
     saved layout on them (the node left over becomes a replica), trains to the end, and no
     sample is lost or repeated over both launches."""
-    from fault_node import faulty_job
+    from skiptrain.runtime.faults import faulty_job
 
     cfg = _cfg(runtime={"recover": True, "heartbeat_s": 0.2, "heartbeat_deadline_s": 4.0})
     cfg.dp.strategy = "demo"

@@ -18,10 +18,10 @@ from collections import Counter
 import pytest
 import torch
 
-from fault_node import faulty_job
 from conftest import launch_in_a_process, metrics_lines, processes_of_run, wait_for
 from skiptrain.config import build_config
 from skiptrain.runtime.failure import RuntimeFailure
+from skiptrain.runtime.faults import faulty_job
 from skiptrain.runtime.join import respond, verify
 from skiptrain.runtime.job import Job, Phase, with_runtime
 from skiptrain.runtime.launcher import launch

@@ -283,7 +283,7 @@ def test_a_node_placed_as_the_run_ends_is_told_the_join_was_cancelled(byte_data,
 
     import torch.distributed as dist
 
-    from fault_node import faulty_job
+    from skiptrain.runtime.faults import faulty_job
 
     cfg = build_config("tiny", overrides={"train": {"grad_clip": 0.0, "steps": 40, "warmup_steps": 1}})
     run = tmp_path / "run"
@@ -342,7 +342,7 @@ def test_a_join_its_dead_coordinator_left_half_published_is_taken_up_under_the_r
     import torch.distributed as dist
 
     from conftest import launch_in_a_process, wait_for
-    from fault_node import faulty_job
+    from skiptrain.runtime.faults import faulty_job
     from skiptrain.runtime.join import assign_join, challenge, check_response
     from skiptrain.runtime.membership import COORDINATOR, member_key, strip_tag
     from skiptrain.runtime.recovery import publish_generation

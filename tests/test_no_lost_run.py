@@ -17,8 +17,8 @@ import pytest
 import torch
 
 from conftest import launch_in_a_process, metrics_lines, processes_of_run, wait_for
-from fault_node import faulty_job
 from skiptrain.config import build_config
+from skiptrain.runtime.faults import faulty_job
 from skiptrain.runtime.job import Job, Phase, with_runtime
 from skiptrain.runtime.launcher import launch
 from skiptrain.runtime.node_processes import node_pids

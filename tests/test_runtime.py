@@ -10,12 +10,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from fault_node import faulty_job
 from conftest import processes_of_run
 from skiptrain.cli.launch import warn_host_bound
 from skiptrain.config import build_config
 from skiptrain.runtime.executor import node_plan
 from skiptrain.runtime.failure import RuntimeFailure
+from skiptrain.runtime.faults import faulty_job
 from skiptrain.runtime.job import Job, build_cost, build_schedule, build_topology, phase_for, with_runtime
 from skiptrain.runtime.launcher import host_floor_s, launch
 from skiptrain.runtime.transport import ACT, GRAD, LocalTransport, TransportError, decode_header, encode_header
