@@ -1,5 +1,6 @@
 """The code's standing rules, checked on the source: imports run one way (no module imports
-itself through others), no module uses another module's private names, functions stay short.
+itself through others), no module uses another module's private names, functions stay short,
+the benchmarks import nothing from the tests.
 (The layer order itself is import-linter's contract, `lint-imports`, run by `make test`.)"""
 
 from __future__ import annotations
@@ -112,3 +113,13 @@ def test_functions_stay_under_the_limit():
                 if lines > MAX_FUNCTION_LINES:
                     long.append(f"{p.relative_to(ROOT)}:{n.lineno} {n.name} ({lines} lines)")
     assert long == []
+
+
+def test_bench_imports_nothing_from_tests():
+    """The benchmarks run without the test suite: nothing under bench/ imports from tests/ (what
+    both use, such as the fault-injecting node ``skiptrain.runtime.faults``, lives in the package)."""
+    mods = _modules("skiptrain")
+    test_modules = {"tests"} | {p.stem for p in (ROOT / "tests").rglob("*.py")}
+    bad = [f"{p.relative_to(ROOT)}: {target}" for m, p in _modules("bench").items()
+           for target, _ in _imports(m, p, mods) if target.split(".")[0] in test_modules]
+    assert bad == []
