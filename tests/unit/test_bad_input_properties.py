@@ -2,10 +2,7 @@
 or unusable paths), the result is a config / a run, or one clear error line, never a traceback.
 
 The CLI is driven in-process through :func:`skiptrain.cli.main`; runs are 1-2 steps of the tiny
-preset, and ``max_examples`` is small, so the file stays within seconds on two cores.
-
-Here the units, which start no process; the tests that start processes are in
-tests/integration/test_bad_input_properties.py."""
+preset, and ``max_examples`` is small, so the file stays within seconds on two cores."""
 
 from __future__ import annotations
 
@@ -22,13 +19,17 @@ from hypothesis import HealthCheck, event, given, settings, strategies as st
 from skiptrain.cli import main
 from skiptrain.config import Config, ConfigError, build_config
 
-
 ODD = ["nan", "NaN", "inf", "-inf", "-0", "1e400", "-1e400", "-1", "0", "1", "0.5", "3.5", "1_000", "0x10", "1e3",
        "", " ", "true", "False", "\u00e9", "\x00", "\u0663", "\uff11", "1e-400", "9" * 30, "-" + "9" * 30,
        "\udcff".encode("utf-8", "surrogatepass").decode("utf-8", "replace"), "1,2", "[1]", "{}"]
 VALUES = st.one_of(st.sampled_from(ODD), st.floats().map(repr), st.integers(-2**80, 2**80).map(str),
                    st.text(max_size=6))
 ALL_FIELDS = sorted(f"{sec}.{name}" for sec, d in Config().to_dict().items() for name in d)
+# fields that keep a 1-2 step tiny run cheap whatever finite value they take
+CHEAP = ["train.lr", "train.grad_clip", "train.skip_ratio", "train.weight_decay", "train.beta1", "train.beta2",
+         "train.min_lr_frac", "train.warmup_steps", "train.seed", "train.max_swaps", "train.eval_every",
+         "checkpoint.every", "checkpoint.keep", "model.rope_theta", "model.norm_eps", "model.init_std",
+         "data.tokenizer", "checkpoint.overlap"]
 
 
 def _finite_floats(cfg: Config) -> bool:
@@ -76,6 +77,41 @@ def places(tmp_path_factory, byte_data):
     (d / "bad.toml").write_bytes(b"[train]\nlr = \xff\xfe\n")
     return {"data": str(byte_data), "missing": str(d / "nope"), "file": str(d / "a_file"),
             "empty": str(d / "empty"), "under_file": str(d / "a_file" / "sub"), "bad_toml": str(d / "bad.toml")}
+
+
+TRAIN_ODD = {"steps": st.sampled_from(["-1", "0", "x", "1.5", "", "1e3"]),
+             "data": st.sampled_from(["missing", "file", "empty"]),
+             "out": st.sampled_from(["existing", "under_file"]),
+             "config": st.sampled_from(["missing", "bad_toml", "file"]),
+             "resume": st.just(True)}
+
+
+@settings(max_examples=16, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(key=st.sampled_from(CHEAP), value=VALUES, odd=st.sampled_from(["none", "none", "set", *TRAIN_ODD]),
+       data=st.data())
+def test_train_with_any_input_is_a_run_or_one_error_line(places, key, value, odd, data):
+    """One thing at a time is odd (a --set value, the steps, a path, --resume), the rest is sound."""
+    bad = data.draw(TRAIN_ODD[odd]) if odd in TRAIN_ODD else None
+    with tempfile.TemporaryDirectory() as tmp:
+        run = Path(tmp) / "run"
+        if odd == "out" and bad == "existing":
+            run.mkdir()
+            (run / "config.toml").write_text("")
+        outp = places["under_file"] if bad == "under_file" else str(run)
+        argv = ["train", "--preset", "tiny", "--quiet", "--data", places[bad] if odd == "data" else places["data"],
+                "--steps", bad if odd == "steps" else "2", "--out", outp, "--set", "train.eval_batches=1"]
+        if odd == "set":
+            argv += ["--set", f"{key}={value}"]
+        if odd == "config":
+            argv += ["--config", places[bad]]
+        if odd == "resume":
+            argv.append("--resume")
+        rc, lines = cli(argv)
+        check_outcome(rc, lines, "train")
+        if rc == 0:
+            assert (run / "run.json").is_file() and (run / "model.safetensors").is_file()
+        else:
+            assert odd != "none", lines
 
 
 @pytest.fixture(scope="module")
