@@ -1,13 +1,15 @@
 # Two commands do all the set-up on a fresh machine:
 #   make demo   installs into .venv, prepares the Shakespeare data set and trains the default model
-#   make test   installs into .venv (with dev extras) and runs the test suite
+#   make test   installs into .venv (with dev extras), checks the import layers and runs both test
+#               layers: tests/unit (no process started; about a minute) then tests/integration
+# make test-unit runs the unit layer alone.
 PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 DATA   ?= data/shakespeare
 RUN    ?= runs/demo
 
-.PHONY: install demo test bench-quick clean
+.PHONY: install demo test test-unit bench-quick clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -24,7 +26,10 @@ demo: install
 
 test: install
 	$(VENV)/bin/lint-imports --no-cache
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q tests/unit tests/integration
+
+test-unit: install
+	$(PY) -m pytest -q tests/unit
 
 bench-quick: install
 	for b in bench/[!_]*.py; do $(PY) $$b --quick --json runs/bench/$$(basename $$b .py).json || exit 1; done

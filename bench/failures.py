@@ -32,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from skiptrain.config import build_config  # noqa: E402
 from skiptrain.data.corpus import read_documents  # noqa: E402
 from skiptrain.data.dataset import write_dataset  # noqa: E402
-from tests.fault_node import faulty_job  # noqa: E402  (the test-only fault-injecting node)
+from skiptrain.runtime.faults import faulty_job  # noqa: E402
 from skiptrain.runtime.job import Job, Phase, with_runtime  # noqa: E402
 from skiptrain.runtime.launcher import launch  # noqa: E402
 from skiptrain.runtime.recovery import trained_samples  # noqa: E402

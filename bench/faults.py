@@ -58,9 +58,9 @@ from skiptrain.config import build_config  # noqa: E402
 from skiptrain.data.corpus import read_documents  # noqa: E402
 from skiptrain.data.dataset import TokenDataset, write_dataset  # noqa: E402
 from skiptrain.net.topology import load_topology  # noqa: E402
-from tests.fault_node import faulty_job  # noqa: E402  (the test-only fault-injecting node)
 from bench._events import spawn_joiner, steps_done, validation_loss  # noqa: E402
 from bench._workdir import work_dir  # noqa: E402
+from skiptrain.runtime.faults import faulty_job  # noqa: E402
 from skiptrain.runtime.job import Job, build_cost, build_schedule, phase_for, with_runtime  # noqa: E402
 from skiptrain.runtime.join import EXIT_REFUSED  # noqa: E402
 from skiptrain.runtime.launcher import launch  # noqa: E402

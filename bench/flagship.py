@@ -57,11 +57,11 @@ from skiptrain.checkpoint.reader import CheckpointReader  # noqa: E402
 from skiptrain.config import build_config  # noqa: E402
 from skiptrain.data.dataset import TokenDataset  # noqa: E402
 from skiptrain.net.topology import load_topology  # noqa: E402
+from skiptrain.runtime.faults import faulty_job  # noqa: E402
 from skiptrain.runtime.job import Job, build_cost, build_schedule, phase_for, with_runtime  # noqa: E402
 from skiptrain.runtime.job_checkpoint import checkpoint_root, is_weight_name, resume_point  # noqa: E402
 from skiptrain.runtime.recovery import trained_samples  # noqa: E402
 from skiptrain.runtime.wan import scale_topology  # noqa: E402
-from tests.fault_node import faulty_job  # noqa: E402  (the test-only fault-injecting node)
 
 STAGE_FWD_S = 1.76        # SkipPipe: a stage's forward of one micro-batch (4 layers x 8 samples x 0.055 s)
 HOP_BYTES = 32 * 2 ** 20  # SkipPipe: one hop's activations

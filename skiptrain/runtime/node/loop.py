@@ -145,7 +145,7 @@ class Node:
 
     def hook(self, phase: str, iteration: int, where: str, state: "PhaseState | None" = None) -> None:
         """A point where a wrapper of the node may act (fault injection in the tests,
-        ``tests/fault_node.py``): ``where`` is ``start`` (an iteration begins), ``after_pipeline``
+        ``skiptrain/runtime/faults.py``): ``where`` is ``start`` (an iteration begins), ``after_pipeline``
         (its pipeline tasks are done, before the commit) or ``recover`` (a recovery attempt).
         The node itself does nothing here."""
 

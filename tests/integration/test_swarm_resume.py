@@ -1,4 +1,6 @@
-"""A swarm job survives a crash: whole-job checkpoints, exact resume, resume under other layouts."""
+"""A swarm job survives a crash: whole-job checkpoints, exact resume, resume under other layouts.
+
+The units (no process started) are in tests/unit/test_swarm_resume_units.py."""
 
 from __future__ import annotations
 
@@ -14,7 +16,6 @@ import pytest
 import torch
 
 from conftest import launch_in_a_process, metrics_lines, processes_of_run, wait_for
-from skiptrain.checkpoint.format import CheckpointError
 from skiptrain.checkpoint.reader import CheckpointReader
 from skiptrain.checkpoint.weights import load_weights
 from skiptrain.config import build_config
@@ -22,10 +23,10 @@ from skiptrain.data.dataset import TokenDataset
 from skiptrain.data.loader import SampleSource
 from skiptrain.model.transformer import StagedLM
 from skiptrain.runtime.job import Job, build_cost, build_schedule, build_topology, phase_for
-from skiptrain.runtime.job_checkpoint import (check_root_writable, is_weight_name, load_node_state,
-                                              replica_name, resume_point)
+from skiptrain.runtime.job_checkpoint import load_node_state, resume_point
 from skiptrain.runtime.launcher import launch
 from skiptrain.runtime.recovery import trained_samples
+
 
 ITERS = 20
 
@@ -137,21 +138,3 @@ def test_a_checkpoint_resumes_under_other_layouts(byte_data, tmp_path):
     assert first == pytest.approx(_fresh_loss(ckpt, t.cfg, byte_data, 128, t.loader.global_batch), abs=1e-4)
     later = [t.train_step().loss for _ in range(5)]
     assert sum(later[-2:]) / 2 < first
-
-
-def test_checkpoint_names_and_resume_points(tmp_path):
-    assert replica_name(0, "layers.1.mlp.w1.weight") == "layers.1.mlp.w1.weight"
-    assert replica_name(2, "sync.momentum_coeffs.embed.weight") == "replica2.sync.momentum_coeffs.embed.weight"
-    assert is_weight_name("layers.0.attn.wq.weight") and is_weight_name("embed.weight")
-    assert not any(is_weight_name(n) for n in ("optim.step.embed.weight", "sync.anchor.x", "replica1.embed.weight"))
-    with pytest.raises(CheckpointError, match="no committed checkpoint at"):
-        resume_point(tmp_path)
-
-
-def test_a_checkpoint_root_a_node_cannot_write_is_refused_in_one_line(tmp_path):
-    blocker = tmp_path / "file"
-    blocker.write_text("x")
-    with pytest.raises(CheckpointError) as e:
-        check_root_writable(blocker / "ckpt", 3)
-    msg = str(e.value)
-    assert "node 3 cannot write the checkpoint root" in msg and "checkpoint.dir" in msg and "\n" not in msg

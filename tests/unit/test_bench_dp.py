@@ -3,7 +3,7 @@
 import importlib.util
 from pathlib import Path
 
-SPEC = importlib.util.spec_from_file_location("bench_dp", Path(__file__).parents[1] / "bench" / "dp_compression.py")
+SPEC = importlib.util.spec_from_file_location("bench_dp", Path(__file__).parents[2] / "bench" / "dp_compression.py")
 dp = importlib.util.module_from_spec(SPEC)
 SPEC.loader.exec_module(dp)
 

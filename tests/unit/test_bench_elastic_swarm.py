@@ -7,7 +7,7 @@ from pathlib import Path
 from skiptrain.config import build_config
 from skiptrain.optim import lr_clock
 
-BENCH = Path(__file__).parents[1] / "bench"
+BENCH = Path(__file__).parents[2] / "bench"
 SPEC = importlib.util.spec_from_file_location("bench_elastic_swarm", BENCH / "elastic_swarm.py")
 es = importlib.util.module_from_spec(SPEC)
 SPEC.loader.exec_module(es)

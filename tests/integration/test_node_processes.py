@@ -161,7 +161,7 @@ def test_later_launches_reuse_the_fork_server_with_their_own_environment_even_fr
             try:
                 forked, procs = _start(job, "probe_node", 2, run / "logs", env)
             finally:
-                os.chdir(Path(__file__).parent.parent)
+                os.chdir(Path(__file__).parents[2])
         assert [p.wait(timeout=60) for p in procs] == [0, 3]
         forked.close()
         pids.append(forked.server.proc.pid)

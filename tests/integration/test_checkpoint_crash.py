@@ -22,7 +22,7 @@ from skiptrain.checkpoint.reader import CheckpointReader
 
 KILLS = 100
 WORKER = Path(__file__).with_name("ckpt_crash_worker.py")
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def _check(path: Path) -> int:

@@ -1,8 +1,9 @@
-"""A node process that injects faults: ``python -m tests.fault_node --job JOB.json``.
+"""The fault-injection wrapper of the node, used by the tests and the benchmarks: a node process
+that injects faults, ``python -m skiptrain.runtime.faults --job JOB.json``.
 
-Test-only.  The node runtime (:mod:`skiptrain.runtime.node`) has no fault code of its own; this
-wrapper subclasses :class:`~skiptrain.runtime.node.Node` and acts at its ``hook`` points.  A job
-asks for it with :func:`faulty_job` (``job.node_module`` and ``job.meta["faults"]``).  Each fault
+The node itself (:mod:`skiptrain.runtime.node`) has no fault code; this wrapper subclasses
+:class:`~skiptrain.runtime.node.Node` and acts only at its ``hook`` points.  A job asks for it
+with :func:`faulty_job` (``job.node_module`` and ``job.meta["faults"]``).  Each fault
 is ``{"node", "kind", "phase", "iteration", "where", "delay_s", "factor"}``:
 
 * ``kill`` / ``hang``: SIGKILL / SIGSTOP this process (after ``delay_s``: mid-iteration);
@@ -36,7 +37,7 @@ from skiptrain.runtime.failure import NodeFailure
 from skiptrain.runtime.job import Job
 from skiptrain.runtime.node import Node, main as node_main
 
-MODULE = "tests.fault_node"
+MODULE = "skiptrain.runtime.faults"
 
 
 def faulty_job(faults) -> dict:

@@ -1,6 +1,8 @@
 """Elastic freezing in a swarm of node processes: the rule decides for the whole swarm, the
 pipeline shrinks across processes, state moves between them by name, checkpoints resume into
-the transitioned layout, and a node killed mid-transition is recovered like any failure."""
+the transitioned layout, and a node killed mid-transition is recovered like any failure.
+
+The units (no process started) are in tests/unit/test_elastic_swarm_units.py."""
 
 from __future__ import annotations
 
@@ -16,34 +18,12 @@ import torch
 
 from skiptrain.checkpoint.reader import CheckpointReader
 from skiptrain.checkpoint.weights import load_weights
-from skiptrain.config import build_config
 from skiptrain.data.dataset import TokenDataset
-from skiptrain.elastic.costs import sim_topology
-from skiptrain.elastic.repartition import ElasticLayout
-from skiptrain.layout.transfer import transfer_plan
 from skiptrain.runtime.job import Job, build_cost, build_schedule, build_topology, phase_for
 from skiptrain.runtime.job_checkpoint import resume_point
 from skiptrain.runtime.launcher import launch
 from skiptrain.runtime.recovery import trained_samples
-from skiptrain.runtime.transition import deal_originators, layout_cost, layout_schedule, plan_layout
-from skiptrain.schedule.simulator import simulate
-
-ITERS = 10
-GB = 4 * 8          # 2 originators x 2 micro-batches x micro_batch 8
-
-# windows of 2 steps; every layer "stable" (tol 100), alpha 1/2 of the 2 freezable layers: the
-# rule freezes layer 0 after step 4 and layer 1 after step 6; the guard measures every window
-# (reference points from step 2) and never undoes (guard_tol 1.0)
-ELASTIC = {"enabled": True, "check_every": 2, "tol": 100.0, "stable_windows": 1, "start_window": 2,
-           "alpha": 0.5, "min_active": 2, "guard": True, "guard_tol": 1.0, "guard_batches": 2, "cache": "off"}
-
-
-def _cfg(runtime: dict | None = None, **train):
-    return build_config("tiny", overrides={
-        "model": {"n_stages": 4},
-        "runtime": {"nodes": 6, "stage_sizes": "2,2,1,1", "mb_per_originator": 2, "timeout_s": 20, **(runtime or {})},
-        "train": {"steps": ITERS, "warmup_steps": 1, "grad_clip": 1.0, **train},
-        "checkpoint": {"every": 2, "keep": 10}, "elastic": ELASTIC})
+from unit.test_elastic_swarm_units import GB, ITERS, _cfg
 
 
 def _job(cfg, data: Path, run: Path, iterations: int = ITERS, resume: dict | None = None,
@@ -68,77 +48,6 @@ def _node_params(run: Path) -> dict[int, tuple[int, dict]]:
         rec = json.loads((run / "phases" / "p" / f"node{r}.json").read_text())
         out[r] = (rec["stage"], torch.load(f))
     return out
-
-
-# ---- units ------------------------------------------------------------------------------------
-
-def test_a_shrinking_layout_keeps_every_node_busy_and_moves_only_what_is_missing():
-    cfg = _cfg()
-    pl = [[0, 1], [2, 3], [4], [5]]
-    sizes = {f"layers.{i}.w": 100 for i in range(4)} | {f"optim.exp_avg.layers.{i}.w": 100 for i in range(4)} | \
-        {"tok_emb.weight": 1000, "head.weight": 1000, "sync.m.layers.3.w": 10}
-    new, ev = plan_layout(cfg.model, 2, [1, 1, 1, 1], pl, list(range(6)), sizes, 4, GB, 4, 6)
-    assert new.frozen == 2 and sum(new.counts) == 4 and new.counts[0] >= 2 and ev["tried"]
-    assert sorted(n for p in new.placement for n in p) == list(range(6 // new.n_stages * new.n_stages))
-    old = ElasticLayout.of(0, [1, 1, 1, 1], 1, 4, pl)
-    held = old.node_tensors(sizes)
-    plan = transfer_plan(sizes, old, new)
-    assert plan and all(not set(t.names) & held[t.dst] for t in plan)   # only what the receiver lacks
-    # survivors only: a dead node gets no stage
-    new2, _ = plan_layout(cfg.model, 2, [1, 1, 1, 1], [[0], [2, 3], [4], [5]], [0, 2, 3, 4, 5], sizes, 4, GB, 4, 6)
-    assert 1 not in {n for p in new2.placement for n in p}
-
-
-def test_the_new_schedule_keeps_the_micro_batches_and_routes_through_the_new_stages():
-    s = layout_schedule([[0, 1, 2], [3, 4, 5]], [3, 0, 2, 1], 0.5, 2, 3, seed=1)
-    assert sorted(m.id for m in s.micro_batches) == [0, 1, 2, 3]
-    assert [m.originator for m in s.micro_batches] == [0, 1, 2, 0]
-    assert all(m.stages == [1] for m in s.micro_batches) and s.skip_ratio == 0.0
-    s.validate(claims=("placement", "originators", "stage0_ends", "no_repeat"))
-    s4 = layout_schedule([[0, 1], [2], [3], [4, 5]], list(range(8)), 0.34, 2, 3, seed=1)
-    s4.validate(claims=("placement", "originators", "stage0_ends", "no_repeat", "balanced", "skip_count"))
-    # after a layout change the originators keep their micro-batches (so their cached windows)
-    # as far as an even deal allows
-    kept = layout_schedule([[0, 2, 4], [1, 3, 5]], list(range(4)), 0.0, 2, 3, seed=1, keep={0: 2, 1: 4, 2: 2, 3: 4})
-    assert [m.originator for m in kept.micro_batches] == [2, 4, 0, 4]
-    assert deal_originators([0, 1], list(range(6)), {i: 7 for i in range(6)}) == {0: 0, 1: 1, 2: 0, 3: 1, 4: 0, 5: 1}
-    one = layout_schedule([list(range(6))], list(range(4)), 0.0, 2, 3, seed=1)
-    assert [m.route for m in one.micro_batches] == [[]] * 4 and one.memory == 1
-
-
-def test_each_replica_gets_one_micro_batch_of_each_injection_round():
-    """An originator injects its micro-batches in id order, so its k-th arrives about k forwards
-    late: a replica served only late ones would idle until then.  After a layout change that
-    keeps originators (2 x 8 from 4 x 4: originators 0-3 keep 0/4, 1/5, 2/6, 3/7, the rest go
-    to 4-7), every stage-1 replica gets one micro-batch of each round, and the iteration
-    simulates as fast as with round-robin originators."""
-    placement = [list(range(8)), list(range(8, 16))]
-    keep = {i: i % 4 for i in range(16)}
-    s = layout_schedule(placement, list(range(16)), 0.0, 0, 2, seed=1, keep=keep)
-    order = {}
-    for mb in s.micro_batches:
-        order.setdefault(mb.originator, []).append(mb.id)
-    rounds = {n: sorted(order[mb.originator].index(mb.id) for mb in s.micro_batches if mb.route[0][1] == n)
-              for n in placement[1]}
-    assert all(r == [0, 1] for r in rounds.values()), rounds
-    topo = sim_topology()
-    cfg = _cfg()
-    cfg.model.vocab_size = 256
-    half = cfg.model.n_layers // 2
-    cost = layout_cost(build_cost(cfg, s_per_sample_layer=0.05), cfg.model, [half, cfg.model.n_layers - half], 0)
-    rr = layout_schedule(placement, list(range(16)), 0.0, 0, 2, seed=1)
-    t_keep = simulate(s, topo, cost, contention=True, dp_sync=False, record=False).iteration_s
-    t_rr = simulate(rr, topo, cost, contention=True, dp_sync=False, record=False).iteration_s
-    assert t_keep <= t_rr * 1.001, (t_keep, t_rr)
-
-
-def test_the_layout_cost_charges_frozen_layers_their_forward_only():
-    cfg = _cfg()
-    cfg.model.vocab_size = 256
-    cost = build_cost(cfg, s_per_sample_layer=0.001)
-    c = layout_cost(cost, cfg.model, [3, 1], 2)
-    assert c.layers_per_stage == pytest.approx([1 + 2 / 2.5, 1]) and len(c.params_per_stage) == 2
-    assert layout_cost(cost, cfg.model, [3, 1], 2, hit=1.0).layers_per_stage == [1, 1]
 
 
 # ---- the swarm -------------------------------------------------------------------------------
@@ -207,7 +116,7 @@ def test_an_undo_after_a_one_stage_layout_gives_the_pipeline_back_its_memory_cre
     has the phase's 3 credits again, not the one-stage layout's 1, and every sample is trained
     once.  Under DeMo the layers trainable again had no sync state while frozen: theirs starts
     afresh (zero momentum) on every replica, which stay bit-identical."""
-    from fault_node import faulty_job
+    from skiptrain.runtime.faults import faulty_job
 
     cfg = _cfg(runtime={"nodes": 4, "stage_sizes": "2,2"})
     cfg.dp.strategy = strategy
@@ -274,7 +183,7 @@ def test_a_node_killed_mid_transition_is_recovered_and_training_goes_on(byte_dat
     the plan, before its messages): the survivors abandon the transition, re-form without it,
     plan the transition again over the five of them and train to the end; every sample is
     trained once and the replicas of every final stage are bit-identical."""
-    from fault_node import faulty_job
+    from skiptrain.runtime.faults import faulty_job
 
     cfg = _cfg(runtime={"recover": True, "heartbeat_s": 0.2, "heartbeat_deadline_s": 4.0})
     probe = _job(cfg, byte_data, tmp_path / "probe")
@@ -515,26 +424,13 @@ def test_drift_re_planning_goes_on_after_a_transition(byte_data, tmp_path):
     assert any(i > 6 for i in checks), f"drift checks at iterations {checks}: none after the last transition"
 
 
-def test_a_layout_saved_by_other_nodes_is_reseated_on_the_nodes_of_the_resumed_job():
-    from skiptrain.runtime.transition import reseat
-
-    # node 3 failed and node 6 joined before the save; the resumed job has nodes 0..5
-    assert reseat([[0, 1, 6], [2, 4], [5]], list(range(6))) == [[0, 1, 3], [2, 4], [5]]
-    # fewer nodes than places: the layout shrinks where a node is gone
-    assert reseat([[0, 7], [1], [2]], [0, 1, 2]) == [[0], [1], [2]]
-    # nodes left over join the stage with the fewest replicas
-    assert reseat([[0, 1], [2]], [0, 1, 2, 3, 4]) == [[0, 1, 4], [2, 3]]
-    with pytest.raises(ValueError, match="none of the nodes"):
-        reseat([[0], [9]], [0])
-
-
 @pytest.mark.slow
 def test_a_node_joins_a_freezing_job_after_its_transitions_and_trains_the_frozen_layout(byte_data, tmp_path):
     """Recovery mode, DeMo: after both freezes (iterations 4 and 6) a node joins with
     ``--join``: it gets the rule's state and the layout in force from the lowest node, builds its
     stage for that partition and frozen depth, takes a live replica's state and trains; its
     stage's replicas end bit-identical, every sample is trained once."""
-    from fault_node import faulty_job
+    from skiptrain.runtime.faults import faulty_job
     from test_join import _joiner
 
     iters = 16
@@ -586,7 +482,7 @@ def test_a_freezing_demo_job_saved_after_a_failure_resumes_on_all_its_nodes(byte
     it holds a layout without that node.  The job resumed from it with all six nodes seats the
     saved layout on them (the node left over becomes a replica), trains to the end, and no
     sample is lost or repeated over both launches."""
-    from fault_node import faulty_job
+    from skiptrain.runtime.faults import faulty_job
 
     cfg = _cfg(runtime={"recover": True, "heartbeat_s": 0.2, "heartbeat_deadline_s": 4.0})
     cfg.dp.strategy = "demo"
@@ -606,15 +502,3 @@ def test_a_freezing_demo_job_saved_after_a_failure_resumes_on_all_its_nodes(byte
     assert stages[victim] is not None          # the node left over trains as a replica
     per_it = trained_samples(run / "phases" / "p")
     assert sorted(i for s in per_it.values() for i in s) == list(range(ITERS * GB))
-
-
-def test_a_resumed_freezing_job_keeps_the_decisions_before_its_checkpoint_and_drops_the_transitions_at_it(tmp_path):
-    from skiptrain.checkpoint.training import truncate_metrics
-    from skiptrain.runtime.freezing import log_position
-
-    log = tmp_path / "elastic.jsonl"
-    rows = [{"step": 6, "action": "freeze"}, {"step": 6, "action": "transition"}, {"step": 8, "action": "freeze"},
-            {"step": 8, "action": "transition"}, {"step": 8, "action": "transition_skipped"}, {"step": 10}]
-    log.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    truncate_metrics(log, 8, log_position)
-    assert [json.loads(x) for x in log.read_text().splitlines()] == rows[:3]

@@ -1,5 +1,6 @@
 """The code's standing rules, checked on the source: imports run one way (no module imports
-itself through others), no module uses another module's private names, functions stay short.
+itself through others), no module uses another module's private names, functions stay short,
+the benchmarks import nothing from the tests.
 (The layer order itself is import-linter's contract, `lint-imports`, run by `make test`.)"""
 
 from __future__ import annotations
@@ -7,7 +8,7 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 MAX_FUNCTION_LINES = 100
 
 
@@ -175,3 +176,13 @@ def test_runtime_modules_and_functions_stay_small():
             if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)) and n.end_lineno - n.lineno + 1 > 60:
                 long.append(f"{p.relative_to(ROOT)}:{n.lineno} {n.name} ({n.end_lineno - n.lineno + 1} lines)")
     assert big == [] and long == []
+
+
+def test_bench_imports_nothing_from_tests():
+    """The benchmarks run without the test suite: nothing under bench/ imports from tests/ (what
+    both use, such as the fault-injecting node ``skiptrain.runtime.faults``, lives in the package)."""
+    mods = _modules("skiptrain")
+    test_modules = {"tests"} | {p.stem for p in (ROOT / "tests").rglob("*.py")}
+    bad = [f"{p.relative_to(ROOT)}: {target}" for m, p in _modules("bench").items()
+           for target, _ in _imports(m, p, mods) if target.split(".")[0] in test_modules]
+    assert bad == []

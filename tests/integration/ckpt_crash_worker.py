@@ -1,4 +1,4 @@
-"""Child process for tests/test_checkpoint_crash.py: a zygote that forks savers on request.
+"""Child process for tests/integration/test_checkpoint_crash.py: a zygote that forks savers on request.
 
 Imports only numpy and skiptrain's torch-free writer modules, so it starts fast; each ``go``
 line on stdin forks a saver process (prints its pid), which cleans stale entries like a restarted

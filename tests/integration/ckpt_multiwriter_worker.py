@@ -1,4 +1,4 @@
-"""One writer process of tests/test_checkpoint.py::test_separate_writer_processes.
+"""One writer process of tests/integration/test_checkpoint.py::test_separate_writer_processes.
 
 Usage: python ckpt_multiwriter_worker.py ROOT RANK N_STAGES REPLICAS.  Every process computes the
 same plan from the global specs and placement (no communication), writes only its assigned

@@ -1,6 +1,8 @@
 """No run is lost: a recovering swarm whose body stage has a single node keeps per-stage
 checkpoints by default, so losing that node still ends in a complete, loadable model; SIGTERM to
-the launcher stops every process it started and saves the newest complete set of stage checkpoints."""
+the launcher stops every process it started and saves the newest complete set of stage checkpoints.
+
+The units (no process started) are in tests/unit/test_no_lost_run_units.py."""
 
 from __future__ import annotations
 
@@ -17,16 +19,17 @@ import pytest
 import torch
 
 from conftest import launch_in_a_process, metrics_lines, processes_of_run, wait_for
-from fault_node import faulty_job
 from skiptrain.config import build_config
+from skiptrain.runtime.faults import faulty_job
 from skiptrain.runtime.job import Job, Phase, with_runtime
 from skiptrain.runtime.launcher import launch
 from skiptrain.runtime.node_processes import node_pids
 from skiptrain.schedule.schedule import MicroBatch, Schedule
 from skiptrain.train.rundir import load_run
+from unit.test_no_lost_run_units import PLACEMENT
 
-REPO = Path(__file__).resolve().parents[1]
-PLACEMENT = [[0, 1], [2, 3], [4], [5]]          # the documented 2,2,1,1 layout
+
+REPO = Path(__file__).resolve().parents[2]
 
 
 def _sched() -> Schedule:
@@ -37,18 +40,6 @@ def _sched() -> Schedule:
 def _cfg(every: int = 100):
     return build_config("tiny", overrides={"train": {"grad_clip": 0.0, "steps": 20, "warmup_steps": 1},
                                           "checkpoint": {"every": every}})
-
-
-def test_single_copy_stages_are_checkpointed_often_under_recover():
-    from skiptrain.cli.launch import ckpt_every_for
-
-    cfg = build_config("tiny", overrides=["runtime.recover=true"])
-    assert ckpt_every_for(cfg, PLACEMENT, 20) == 2 and ckpt_every_for(cfg, PLACEMENT, 3) == 1
-    assert ckpt_every_for(cfg, PLACEMENT, 1000) == 10
-    assert ckpt_every_for(cfg, [[0, 1], [2, 3], [4, 5]], 20) == 100          # every body stage replicated
-    cfg.checkpoint.every = 1
-    assert ckpt_every_for(cfg, PLACEMENT, 20) == 1                            # a shorter interval stands
-    assert ckpt_every_for(build_config("tiny"), PLACEMENT, 20) == 100         # no recovery: as configured
 
 
 @pytest.mark.slow

@@ -6,11 +6,11 @@ import json
 
 import pytest
 
-from fault_node import faulty_job
 from skiptrain.config import build_config
 from skiptrain.data.corpus import Document
 from skiptrain.data.dataset import write_dataset
 from skiptrain.runtime.failure import RuntimeFailure
+from skiptrain.runtime.faults import faulty_job
 from skiptrain.runtime.job import Job, data_parallel_phase, with_runtime
 from skiptrain.runtime.launcher import launch
 
