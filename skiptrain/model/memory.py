@@ -8,7 +8,7 @@
 * activations: what autograd keeps per layer for each of ``in_flight`` micro-batches (the
   node's memory credits, ``runtime.memory``): per token and layer, the tensors autograd saves
   (:func:`activation_bytes_per_token_layer`, within 10% of the saved tensors measured on the
-  CPU, ``tests/test_model.py``); under bf16 also autocast's bf16 copies of the weights (once per
+  CPU, ``tests/unit/test_model.py``); under bf16 also autocast's bf16 copies of the weights (once per
   iteration); stage 0 also holds one micro-batch's logits and their fp32 log-softmax for the
   loss (the loss runs one micro-batch at a time).
 

@@ -15,6 +15,8 @@ One module per job:
 * :mod:`.evaluate` -- validation loss;
 * :mod:`.launcher`, :mod:`.outputs` -- start N local node processes, watch them, stop all on a
   failure; merge what they leave;
+* :mod:`.faults` -- the fault-injecting wrapper of the node (tests and benchmarks); :mod:`.netns` --
+  emulated hosts (network namespaces on a bridge) for multi-host tests and benchmarks;
 * :mod:`.coordinator`, :mod:`.recovery`, :mod:`.join`, :mod:`.joiners`, :mod:`.join_placement`,
   :mod:`.fencing`, :mod:`.event_log`, :mod:`.membership`, :mod:`.store`, :mod:`.drift` -- recovery
   mode: membership, re-planning, admission and placement of joiners, fencing, signed writes;

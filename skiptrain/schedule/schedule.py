@@ -259,7 +259,7 @@ def keep_on_node(originator: int, route: Sequence[tuple[int, int]],
     (``runtime.node_stages``), ascending routes kept this way cannot deadlock the memory credits,
     whatever the timing: a micro-batch holding a node's credit while it waits elsewhere has left
     that node for a stage beyond every stage the node serves, so each wait is for a later stage
-    than the waiter's own, and backward passes take no credit (``tests/test_simulator.py``).  A
+    than the waiter's own, and backward passes take no credit (``tests/unit/test_simulator.py``).  A
     node that serves a stage alone then gets only the micro-batches that reach the stage from a
     node that does not serve it."""
     out, prev = [], originator
