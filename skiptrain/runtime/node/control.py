@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 from ..failure import Heartbeat, NodeFailure
-from ..membership import coordinator_key, open_value, read_raw, set_member
+from ..membership import open_value, read_raw, set_member
 
 # every iteration starts at rank 0's clock plus a margin that lets the start time reach every
 # node first: twice the slowest receipt of the last START_WINDOW iterations, within these bounds
@@ -66,38 +66,12 @@ class ControlPlane:
 
     # ---- membership ----------------------------------------------------------------------
 
-    def admit(self, joining: bool) -> dict | None:
-        """Recovery mode: admission by challenge-response before any process group; then the
-        generation's alive set decides the ranks.  A node joining a running job (``joining``)
-        waits until the coordinator placed it and its nodes took the join up; returns its
-        placement (``gen``, ``schedule``, ``phase``, ``stage``, ``choice``), else None."""
-        from ..join import JoinRefused, node_join, secret_from_env, wait_for_join, wait_for_placement
-        from ..recovery import wait_record
-
-        rank, store, wait_s = self.rank, self.store, max(60.0, self.job.rt.timeout_s)
-        set_member(store, rank, f"pid/{rank}", str(os.getpid()))  # signed: a restarted coordinator fences by PID
-        secret = secret_from_env()
-        self.coord_key = coordinator_key(secret)   # it signs the generations
-        node_join(store, rank, secret, wait_s)
-        placed = None
-        if joining:
-            self.gen, info = wait_for_placement(store, rank, secret, max(600.0, self.job.rt.timeout_s))
-            placed = {"gen": self.gen, "schedule": info["schedule"], "phase": int(info["phase"]),
-                      "stage": int(info["join"][str(rank)]), "choice": info.get("choice")}
-            print(f"skiptrain node {rank}: admitted; joins generation {self.gen} as a replica of stage "
-                  f"{placed['stage']} ({(info.get('choice') or {}).get('rule')})", file=sys.stderr, flush=True)
-        else:
-            info = wait_record(store, 0, self.coord_key, wait_s)
-        self.alive = info["alive"]
-        if rank not in self.alive:
-            raise JoinRefused(f"node {rank}: not admitted to generation {self.gen}", node=rank)
-        if placed is not None and wait_for_join(store, rank, secret, f"join/go/{self.gen}",
-                                                max(600.0, self.job.rt.timeout_s)) is None:
-            raise JoinRefused(f"node {rank}: placed in generation {self.gen}, but its nodes never took "
-                              "the join up", node=rank)
+    def set_members(self, gen: int, alive: list[int]) -> None:
+        """Generation ``gen`` with the nodes ``alive`` (ranks are positions in that list), for
+        the heartbeat too."""
+        self.gen, self.alive = gen, list(alive)
         self.rank_of = {n: i for i, n in enumerate(self.alive)}
         self.hb.membership.alive = set(self.alive)
-        return placed
 
     def form_groups(self) -> None:
         """The default process group of the generation in force (store prefix ``g<gen>/pg``, or
@@ -122,10 +96,7 @@ class ControlPlane:
         from ..recovery import abandon_process_groups
 
         abandon_process_groups()   # not destroy_process_group(): its shutdown() can block (see there)
-        self.gen = gen
-        self.alive = sorted(alive)
-        self.rank_of = {n: i for i, n in enumerate(self.alive)}
-        self.hb.membership.alive = set(self.alive)
+        self.set_members(gen, sorted(alive))
         self.form_groups()
         if self.watch is not None:
             self.watch.gen = gen

@@ -29,18 +29,18 @@ import torch
 import torch.distributed as dist
 
 from ..failure import EXIT_PEER_FAILED, NodeFailure, abort_process, write_error
-from ...dp.strategy import sync_summary
 from ..job import Job, Phase
 from ..preflight import device_of_node
-from ..emulation import Emulation
 from ..evaluate import validate_in_loop
-from ..job_checkpoint import node_checkpoint_state, open_node_checkpoints, resume_node, save_node_checkpoint
+from ..job_checkpoint import node_checkpoint_state, save_node_checkpoint
 from .control import ControlPlane
+from .admission import admit
 from .healing import Healer
 from .layout import NodeLayout
+from .phase import begin_phase, end_phase
 from .replan import Replanner
 from .state import Attempt, PhaseState
-from .stats import IterationStats, StatsTable
+from .stats import IterationStats, StatsTable, metrics_row
 
 
 class StopRequested(Exception):
@@ -62,11 +62,11 @@ class Node:
         self.control = ControlPlane(job, rank, world, addr, port, store,
                                     self._peer_failed_soft if job.rt.recover else self._peer_failed, self.describe)
         self.store = self.control.store
-        self.joining = self.control.admit(joining=store is not None) if job.rt.recover else None
+        self.joining = admit(self.control, joining=store is not None) if job.rt.recover else None
         self.control.form_groups()
         self.control.hb.arm()
         self.ds = TokenDataset.open(job.data_path)
-        self._use_config(None)
+        self.use_config(None)
         self.device = self.pick_device()
         self.tr = self.make_transport()
         self.layout = NodeLayout(self)
@@ -77,7 +77,7 @@ class Node:
             if self.joining is None:
                 self.control.ack()
 
-    def _use_config(self, phase_config: dict | None) -> None:
+    def use_config(self, phase_config: dict | None) -> None:
         """The job's config with the phase's overrides; the data sources that depend on it."""
         from ...config import apply_dict, config_from_dict
         from ...data.loader import SampleSource
@@ -152,7 +152,7 @@ class Node:
     def run_phase(self, ph: Phase, phase_idx: int = 0) -> None:
         """Run every iteration of one phase: set up the stage, loop (recovering from failures in
         recovery mode), then write the phase's outputs."""
-        st = self._begin_phase(ph, phase_idx)
+        st = begin_phase(self, ph, phase_idx)
         try:
             while st.it < ph.iterations:
                 self._run_iteration(st)
@@ -164,80 +164,7 @@ class Node:
         finally:
             st.record["stages"] = list(st.stages)      # the stages served at the end
             (st.out_dir / f"node{self.rank}.json").write_text(json.dumps(st.record))
-        self._end_phase(st)
-
-    def _begin_phase(self, ph: Phase, phase_idx: int) -> "PhaseState":
-        """Build this node's stage, groups, strategy, optimizer and executor for ``ph``; a node
-        joining a running job also takes its state and position from a live replica here."""
-        from ...net.topology import Topology
-        from ...schedule.cost import CostModel
-
-        if ph.config or phase_idx:
-            self._use_config(ph.config)
-        cfg, rank = self.cfg, self.rank
-        joining = self.joining if self.joining is not None and self.joining["phase"] == phase_idx else None
-        self.joining = None
-        sched = self._phase_schedule(ph, joining)
-        self.stage_of = sched.stage_of()
-        stages = sched.stages_of().get(rank, [])
-        cost = CostModel.from_dict(ph.cost) if ph.cost else None
-        topo = Topology.from_dict(ph.topology) if ph.topology else None
-        # joining a freezing job: the freeze rule's state and the layout in force (partition,
-        # frozen depth) from the lowest node, before this node builds its stage
-        frozen = self.control.broadcast_json(None) if joining is not None and cfg.elastic.enabled else None
-        model = self.layout.build_phase_model(stages, sched.memory, frozen) if stages else None
-        emulation = self.layout.emulation = Emulation(ph, topo, cost, rank)
-        groups, strats = self.layout.hosted_groups(sched, stages, model, {})
-        out_dir = self.run_dir / "phases" / ph.name
-        out_dir.mkdir(parents=True, exist_ok=True)
-        st = PhaseState(ph=ph, idx=phase_idx, sched=sched, stages=stages, model=model, strats=strats,
-                        opt=self.layout.optimizer(model, next(iter(strats.values()), None)), groups=groups, cost=cost,
-                        topo=topo,
-                        emulation=emulation, out_dir=out_dir,
-                        order={mb.id: i for i, mb in enumerate(sorted(sched.micro_batches, key=lambda m: m.id))},
-                        record={"rank": rank, "stage": stages[0] if stages else None, "stages": stages,
-                                "iterations": [], "recoveries": []},
-                        # after a recovery generation (or a join) the planner re-plans the routes for
-                        # the nodes that remain; every node sets this flag on its own and the stats
-                        # gather makes them agree (a column of the gathered stats)
-                        replan_pending=joining is not None)
-        st.gb = len(st.order) * cfg.train.micro_batch
-        self.ckpt = open_node_checkpoints(self, ph)
-        self._phase_components(st, frozen)
-        if joining is not None:
-            self.healer.join_phase(st, joining)
-        elif self.job.resume and self.job.resume["phase"] == phase_idx:
-            resume_node(self, st)
-        # after the freezing state (stage 0 may start from the frozen prefix; a resumed freezing job:
-        # the layout it was in); a joiner's layout is the coordinator's already
-        self.layout.adopt(st, st.sched, publish=joining is None)
-        return st
-
-    def _phase_schedule(self, ph: Phase, joining: dict | None):
-        """The schedule this node starts ``ph`` in: the coordinator's for a joiner, else the
-        phase's, repaired for the nodes alive when some are missing."""
-        from ...schedule.schedule import Schedule
-
-        if joining is not None:
-            return Schedule.from_dict(joining["schedule"])
-        sched = Schedule.from_dict(ph.schedule)
-        if sorted(self.control.alive) != list(range(self.world)):
-            from ..recovery import replan
-            sched = replan(sched, self.control.alive)
-        return sched
-
-    def _phase_components(self, st: "PhaseState", frozen: dict | None) -> None:
-        """The phase's optional components: the drift monitor and the swarm's freezing (a resumed
-        job: the layout the checkpoint was in; a joiner: the layout the lowest node sent)."""
-        cost, topo = st.cost, st.topo
-        if self.job.rt.drift_threshold > 0 and cost is not None and topo is not None:
-            from ..drift import DriftMonitor
-            st.drift = DriftMonitor(self.rank, topo.n, cost, topo, st.emulation.bytes_scale, self.job.rt.drift_alpha)
-        if self.cfg.elastic.enabled:
-            from ..freezing import SwarmFreezing
-            st.elastic = SwarmFreezing(self, st)
-            if frozen is not None:
-                st.elastic.take_layout(frozen)
+        end_phase(self, st)
 
     def _run_iteration(self, st: "PhaseState") -> None:
         """One attempt at iteration ``st.it``; on a recoverable failure, recover and advance past
@@ -257,49 +184,17 @@ class Node:
         st.cursor += st.gb
 
     def _iterate(self, st: "PhaseState", a: "Attempt") -> None:
-        """Switch to a pending join, start together, execute the schedule, commit, step, gather."""
-        from ...model.device import autocast, to_device
-
+        """One iteration as a fixed order of component calls."""
         self.hook(st.ph.name, st.it, "start", st)
         if self.control.watch is not None:
-            self.healer.at_boundary(st, a)
+            self.healer.at_boundary(st, a)       # a join the coordinator published
         if st.elastic is not None:
-            st.elastic.apply_pending()      # a freeze transition decided at the last boundary
-        # common start: everyone present (and agreed whether the launcher asked to stop: then every
-        # node ends the phase here, writes its stage and exits), then rank 0's clock + a margin
-        stop, t0, stamp = self.control.start_together()
-        if stop:
-            raise StopRequested(f"node {self.rank}: the launcher asked to stop")
-        st.emulation.iteration_started(stamp)
-        time.sleep(max(0.0, t0 - time.time()))
-        mbsz, c = self.cfg.train.micro_batch, st.cursor
-
-        def batch_fn(mb_id: int):
-            i = st.order[mb_id]
-            a.samples.extend(range(c + i * mbsz, c + (i + 1) * mbsz))
-            if st.elastic is not None:
-                x, y = st.elastic.batch(self.src, range(c + i * mbsz, c + (i + 1) * mbsz))
-            else:
-                x, y = self.src.batch(range(c + i * mbsz, c + (i + 1) * mbsz))
-            return to_device(x, self.device), to_device(y, self.device)
-
-        with autocast(self.device, self.cfg.train.precision):     # every forward and backward
-            a.res = st.ex.run_iteration(st.it, st.sched, t0, batch_fn)
+            st.elastic.apply_pending()           # a freeze transition decided at the last boundary
+        t0 = self._start_together(st)
+        self._run_pipeline(st, a, t0)
         self.hook(st.ph.name, st.it, "after_pipeline", st)
-        if self.job.rt.recover:
-            self.control.sync(dist.barrier)   # commit point: every node finished its pipeline tasks
-        a.committed = True
-        a.entry = {"events": [], "n_processed": a.res.n_processed, "t_end": 0.0, "samples": sorted(a.samples),
-                   "gen": self.control.gen, "t0": t0}
-        st.record["iterations"].append(a.entry)
-        self.log_samples(st.out_dir, st.ph.name, st.it, a.samples)
-        events = list(a.res.events) + self._step(st, a, t0)
-        a.stepped = True
-        self.tr.wait_sent(self.job.rt.timeout_s)
-        events += self.tr.take_events()
-        a.entry["events"] = [e.to_dict() for e in events]
-        a.entry["t_end"] = max((e.end for e in events), default=0.0)
-        a.entry["pipe_end"] = max((e.end for e in a.res.events), default=0.0)
+        self._commit(st, a, t0)
+        events = self._step_and_record(st, a, t0)
         # a checkpoint at this boundary: every node's save-plan digest rides on the stats gather
         snap = node_checkpoint_state(self, st) if self.ckpt.due(st.it + 1, st.ph.iterations) else None
         table = self._gather_stats(st, a, events, snap[3] if snap else 0)
@@ -312,8 +207,59 @@ class Node:
             t = time.perf_counter()
             same = st.sched.placement == placement
             save_node_checkpoint(self, st, st.it + 1, st.cursor + st.gb, snap,
-                                  [(n, int(d)) for n, d in table.of_node("ckpt_digest").items()] if same else None)
+                                 [(n, int(d)) for n, d in table.of_node("ckpt_digest").items()] if same else None)
             a.entry["ckpt_s"] = time.perf_counter() - t
+
+    def _start_together(self, st: "PhaseState") -> float:
+        """The common start: everyone present (and agreed whether the launcher asked to stop: then
+        every node ends the phase here, writes its stage and exits), then rank 0's clock plus a
+        margin, which this node waits for.  Returns that start time."""
+        stop, t0, stamp = self.control.start_together()
+        if stop:
+            raise StopRequested(f"node {self.rank}: the launcher asked to stop")
+        st.emulation.iteration_started(stamp)
+        time.sleep(max(0.0, t0 - time.time()))
+        return t0
+
+    def _run_pipeline(self, st: "PhaseState", a: "Attempt", t0: float) -> None:
+        """This node's tasks of the schedule (every forward and backward under the precision's
+        autocast); each micro-batch's global samples recorded as it starts."""
+        from ...model.device import autocast, to_device
+
+        mbsz, c = self.cfg.train.micro_batch, st.cursor
+
+        def batch_fn(mb_id: int):
+            i = st.order[mb_id]
+            samples = range(c + i * mbsz, c + (i + 1) * mbsz)
+            a.samples.extend(samples)
+            x, y = st.elastic.batch(self.src, samples) if st.elastic is not None else self.src.batch(samples)
+            return to_device(x, self.device), to_device(y, self.device)
+
+        with autocast(self.device, self.cfg.train.precision):
+            a.res = st.ex.run_iteration(st.it, st.sched, t0, batch_fn)
+
+    def _commit(self, st: "PhaseState", a: "Attempt", t0: float) -> None:
+        """The commit point (recovery mode: every node finished its pipeline tasks); the
+        iteration's record and its samples, flushed at once."""
+        if self.job.rt.recover:
+            self.control.sync(dist.barrier)
+        a.committed = True
+        a.entry = {"events": [], "n_processed": a.res.n_processed, "t_end": 0.0, "samples": sorted(a.samples),
+                   "gen": self.control.gen, "t0": t0}
+        st.record["iterations"].append(a.entry)
+        self.log_samples(st.out_dir, st.ph.name, st.it, a.samples)
+
+    def _step_and_record(self, st: "PhaseState", a: "Attempt", t0: float) -> list:
+        """The step, then every send finished; the iteration's events (pipeline, sync, sends) in
+        its record.  Returns the events."""
+        events = list(a.res.events) + self._step(st, a, t0)
+        a.stepped = True
+        self.tr.wait_sent(self.job.rt.timeout_s)
+        events += self.tr.take_events()
+        a.entry["events"] = [e.to_dict() for e in events]
+        a.entry["t_end"] = max((e.end for e in events), default=0.0)
+        a.entry["pipe_end"] = max((e.end for e in a.res.events), default=0.0)
+        return events
 
     def _step(self, st: "PhaseState", a: "Attempt", t0: float) -> list:
         """The one optimizer step (:func:`~skiptrain.runtime.step.optimizer_step`) for the stages
@@ -379,45 +325,12 @@ class Node:
 
     def _write_metrics(self, st: "PhaseState", a: "Attempt", table: StatsTable, margin: float, delay: float) -> None:
         """Rank 0: the iteration's line of ``metrics.jsonl`` from the swarm's statistics."""
-        n = table.sum("n_loss")
-        row = {"phase": st.ph.name, "step": st.it + 1, "loss": round(table.sum("loss_sum") / max(n, 1), 5),
-               "iteration_s": round(table.max("t_end"), 4), "lr": a.lr, "grad_norm": round(a.outcome.grad_norm, 5),
-               "tokens": (st.it + 1) * st.gb * self.cfg.model.seq_len,
-               "overruns": int(table.sum("overruns")), "overrun_s": round(table.sum("overrun_s"), 4),
-               "max_in_flight": int(table.max("max_in_flight")), "payload_bytes": int(table.max("payload_bytes")),
-               "received_bytes": int(table.max("received_bytes")), "comm_s": round(table.max("comm_s"), 6),
-               "pipeline_s": round(table.max("pipe_end"), 4), "cpu_s": round(table.sum("cpu_s"), 4),
-               "start_margin_s": round(margin, 6), "start_delay_s": round(delay, 6)}
+        row = metrics_row(table, phase=st.ph.name, step=st.it + 1, lr=a.lr, grad_norm=a.outcome.grad_norm,
+                          tokens=(st.it + 1) * st.gb * self.cfg.model.seq_len, margin=margin, delay=delay)
         if self.job.rt.recover:
             row.update(gen=self.control.gen, nodes=len(self.control.alive))
         with open(self.run_dir / "metrics.jsonl", "a") as metrics:
             metrics.write(json.dumps(row) + "\n")
-
-    def _end_phase(self, st: "PhaseState") -> None:
-        """The final checkpoint (also when stopped early), dumps (tests), the stage's weights
-        (first replica), and the phase's groups torn down."""
-        model = st.model
-        if self.stopped or self.cfg.checkpoint.final:
-            save_node_checkpoint(self, st, st.it, st.cursor)
-        self.ckpt.close()
-        if st.strats:
-            st.record["sync_summary"] = sync_summary(list(st.strats.values()), model.num_parameters())
-            (st.out_dir / f"node{self.rank}.json").write_text(json.dumps(st.record))
-        if model is not None:
-            if st.ph.dump:
-                torch.save({n: p.detach().cpu().clone() for n, p in model.named_parameters()},
-                           st.out_dir / f"params_node{self.rank}.pt")
-            for stage in st.stages if st.ph.save_weights else ():
-                if self.rank == st.sched.placement[stage][0]:
-                    from safetensors.torch import save_file
-
-                    parts = self.run_dir / "parts"
-                    parts.mkdir(parents=True, exist_ok=True)
-                    names = {n for n, _ in model.stage_named_parameters(stage)}
-                    save_file({n: p.detach().cpu().contiguous() for n, p in model.state_dict().items()
-                               if n in names}, str(parts / f"stage{stage}.safetensors"))
-        dist.barrier()
-        self.layout.drop_groups(st.groups)
 
     def log_samples(self, out_dir: Path, phase: str, it: int, samples: list[int]) -> None:
         """Append the global sample indices this node trained in committed iteration ``it``

@@ -62,3 +62,18 @@ class StatsTable:
     def of_node(self, name: str) -> dict[int, float]:
         """A scalar column by node id."""
         return {n: float(v) for n, v in zip(self.nodes, self[name])}
+
+
+def metrics_row(table: StatsTable, *, phase: str, step: int, lr: float, grad_norm: float, tokens: int,
+                margin: float, delay: float) -> dict:
+    """One iteration's line of ``metrics.jsonl`` from the swarm's statistics: the loss over every
+    node's losses, the slowest node's times, the summed overruns and CPU seconds, the largest
+    byte counts (one node's sync), the start margin used and the slowest start receipt."""
+    n = table.sum("n_loss")
+    return {"phase": phase, "step": step, "loss": round(table.sum("loss_sum") / max(n, 1), 5),
+            "iteration_s": round(table.max("t_end"), 4), "lr": lr, "grad_norm": round(grad_norm, 5),
+            "tokens": tokens, "overruns": int(table.sum("overruns")), "overrun_s": round(table.sum("overrun_s"), 4),
+            "max_in_flight": int(table.max("max_in_flight")), "payload_bytes": int(table.max("payload_bytes")),
+            "received_bytes": int(table.max("received_bytes")), "comm_s": round(table.max("comm_s"), 6),
+            "pipeline_s": round(table.max("pipe_end"), 4), "cpu_s": round(table.sum("cpu_s"), 4),
+            "start_margin_s": round(margin, 6), "start_delay_s": round(delay, 6)}
