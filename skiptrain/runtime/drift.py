@@ -20,9 +20,9 @@ the routes are re-planned when the measured iteration time drifts past a thresho
   last freeze transition (``runtime.freezing``: the monitor then measures against the new
   layout's cost model), is in force (after a
   failure the repair of :func:`~skiptrain.runtime.recovery.replan` is followed once by a
-  post-recovery :func:`replan_routes` of the survivors, ``Node._recovery_replan``); only with a
+  post-recovery :func:`replan_routes` of the survivors, ``Replanner.recovery_replan``); only with a
   topology and cost model in the phase; the re-plan (about 1 s of planner time on rank 0 for 12
-  nodes, capped at ``node.RECOVERY_PLAN_TIME_S`` CPU seconds) stalls the swarm for that time once.
+  nodes, capped at ``node.replan.RECOVERY_PLAN_TIME_S`` CPU seconds) stalls the swarm for that time once.
 """
 
 from __future__ import annotations

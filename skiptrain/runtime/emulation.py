@@ -89,10 +89,10 @@ class Emulation:
 
     # ---- measurement ---------------------------------------------------------------------
 
-    def iteration_started(self, stamp: float) -> None:
-        """The common start time arrived (``stamp``: rank 0's clock when it sent it); the
-        iteration's CPU seconds count from now."""
-        self.start_delay = time.time() - stamp
+    def iteration_started(self, start_delay: float) -> None:
+        """The iteration starts (at the common start time, which reached this node
+        ``start_delay`` seconds after rank 0 sent it); its CPU seconds count from now."""
+        self.start_delay = start_delay
         self.cpu0 = time.process_time()
 
     def add_stats(self, stats) -> None:

@@ -256,8 +256,9 @@ class SwarmFreezing(PrefixCaching):
         transition of the same depth."""
         st, node, F = self.st, self.node, self.frozen
         cost = layout_cost(self.base_cost, self.cfg.model, self.counts, F, hit=1.0)
+        sched = self._routes(st.sched, cost)      # a collective: a failure leaves everything as it was
         self.prefix_cached = self.prefix_due = True
-        node.layout.adopt(st, self._routes(st.sched, cost), cost=cost)
+        node.layout.adopt(st, sched, cost=cost)
         pl = st.sched.placement
         rec = {"step": st.it, "action": "transition", "frozen_before": F, "frozen_after": F,
                "stages_before": len(pl), "stages_after": len(pl), "counts": self.counts, "placement": pl,

@@ -60,6 +60,18 @@ class Phase:
     config: dict[str, Any] | None = None      # {section: {key: value}} over the job's config for this phase
 
 
+#: a phase's emulation settings as job files before ``EmulationSpec`` named them
+LEGACY_EMULATION = {"wan": "links", "emulate_compute": "compute", "emulate_sync": "sync", "bytes_scale": "bytes_scale"}
+
+
+def phase_from_dict(p: dict[str, Any]) -> Phase:
+    """A :class:`Phase` from its JSON (a job file written before ``EmulationSpec`` too)."""
+    p = dict(p)
+    legacy = {new: p.pop(old) for old, new in LEGACY_EMULATION.items() if old in p}
+    spec = p.pop("emulation", None) or (legacy or None)
+    return Phase(**p, emulation=EmulationSpec(**spec) if spec else None)
+
+
 @dataclass
 class Job:
     config: dict[str, Any]
@@ -87,8 +99,7 @@ class Job:
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "Job":
         d = dict(d)
-        d["phases"] = [Phase(**{**p, "emulation": EmulationSpec(**p["emulation"]) if p.get("emulation") else None})
-                       for p in d["phases"]]
+        d["phases"] = [phase_from_dict(p) for p in d["phases"]]
         return cls(**d)
 
     def save(self, path: str | Path) -> Path:

@@ -34,8 +34,8 @@ class NodeLayout:
         ``stages``, ``stage``, ``opt``, ``strats``, ``strat``, ``groups``: built by the caller,
         collectively where they are groups) and ``cost`` replace those of ``st``; then the stage
         map, the executor and its codecs follow the schedule, and (``publish``) the lowest node
-        tells the coordinator.  Nothing here is a collective, so a failure before it leaves
-        every node in the old layout."""
+        tells the coordinator.  Nothing here is a collective: callers build the parts that
+        change (collectively, in the same order on every node) before they call it."""
         for name in ("model", "stages", "stage", "opt", "strats", "strat", "groups"):
             if name in parts:
                 setattr(st, name, parts.pop(name))
@@ -132,6 +132,7 @@ class NodeLayout:
         from ..executor import Executor
 
         node = self.node
+        st.emulation.cost = st.cost        # tasks last what the layout in force costs (a freeze changes it)
         st.emulation.pace(node.tr)
         node.tr.codec_of = self.codec_of(st)
         return Executor(node.rank, node.tr, st.model, st.emulation.finish, node.job.rt.timeout_s,

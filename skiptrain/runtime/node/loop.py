@@ -217,8 +217,9 @@ class Node:
         stop, t0, stamp = self.control.start_together()
         if stop:
             raise StopRequested(f"node {self.rank}: the launcher asked to stop")
-        st.emulation.iteration_started(stamp)
+        delay = time.time() - stamp
         time.sleep(max(0.0, t0 - time.time()))
+        st.emulation.iteration_started(delay)
         return t0
 
     def _run_pipeline(self, st: "PhaseState", a: "Attempt", t0: float) -> None:
@@ -347,6 +348,7 @@ class Node:
                       self.rank)
 
     def finish(self) -> None:
+        """The end of the job on this node: the transport closed, every node at a last barrier,
+        the heartbeat stopped."""
         self.tr.close()
-        dist.barrier()
-        self.control.hb.finish()
+        self.control.finish()
