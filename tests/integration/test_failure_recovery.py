@@ -1,15 +1,13 @@
-"""Issue 8: training that survives killed, hung and bad peers without a restart, and admits
-only nodes that answer the join challenge.
+"""Training that survives killed, hung and bad peers without a restart, and admits only nodes
+that answer the join challenge: one 8-node run where one node lacks the join secret (refused
+before any process group) and with four faults at four iterations (a killed sole replica of a
+body stage mid-iteration, a killed stage-0 originator, a hung node found by the heartbeat
+deadline, a peer sending NaN activations); the run finishes, every detection is logged with node,
+cause and time, and the samples trained over the whole run are exactly the global sample
+cursor's, none lost, none repeated.
 
-Units: the re-plan for surviving nodes, payload checks, the HMAC challenge-response.
-Multi-process: one 8-node run where one node lacks the join secret (refused before any process
-group) and with four
-faults at four iterations (a killed sole replica of a body stage mid-iteration, a killed stage-0
-originator, a hung node found by the heartbeat deadline, a peer sending NaN activations); the run
-finishes, every detection is logged with node, cause and time, and the samples trained over the
-whole run are exactly the global sample cursor's, none lost, none repeated.
-
-The units (no process started) are in tests/unit/test_failure_recovery_units.py."""
+The units (the re-plan for surviving nodes, payload checks, the HMAC challenge-response; no
+process started) are in tests/unit/test_failure_recovery_units.py."""
 
 from __future__ import annotations
 

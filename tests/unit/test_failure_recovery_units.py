@@ -1,16 +1,6 @@
-"""Issue 8: training that survives killed, hung and bad peers without a restart, and admits
-only nodes that answer the join challenge.
-
-Units: the re-plan for surviving nodes, payload checks, the HMAC challenge-response.
-Multi-process: one 8-node run where one node lacks the join secret (refused before any process
-group) and with four
-faults at four iterations (a killed sole replica of a body stage mid-iteration, a killed stage-0
-originator, a hung node found by the heartbeat deadline, a peer sending NaN activations); the run
-finishes, every detection is logged with node, cause and time, and the samples trained over the
-whole run are exactly the global sample cursor's, none lost, none repeated.
-
-Here the units, which start no process; the tests that start processes are in
-tests/integration/test_failure_recovery.py."""
+"""Surviving killed, hung and bad peers, the units (no process started): the re-plan for
+surviving nodes, payload checks, the HMAC challenge-response.  The tests that start processes
+are in tests/integration/test_failure_recovery.py."""
 
 from __future__ import annotations
 
