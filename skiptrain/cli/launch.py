@@ -38,6 +38,7 @@ def train_swarm(cfg, data: str, out: str, steps: int | None = None, echo: bool =
     from ..train.metrics import plot_loss
     from ..train.rundir import claim_run_dir, load_run, prepare_run_dir, write_summary
     from ..runtime.job import Job, build_cost, build_schedule, build_topology, phase_for
+    from ..runtime.event_log import membership_events
     from ..runtime.launcher import host_floor_s, launch
     from ..runtime.preflight import check_swarm_memory
 
@@ -92,7 +93,8 @@ def train_swarm(cfg, data: str, out: str, steps: int | None = None, echo: bool =
                    cfg.train.eval_batches, cfg.train.micro_batch)
     if not any("val_loss" in r and r["step"] == steps for r in res.phase_metrics("train")):
         with open(outp / "metrics.jsonl", "a") as f:       # (the loop validated at its last step otherwise)
-            f.write(json.dumps({"step": steps, "tokens": steps * mbs * cfg.train.micro_batch * cfg.model.seq_len,
+            f.write(json.dumps({"step": steps, "time": round(time.time(), 3),
+                                "tokens": steps * mbs * cfg.train.micro_batch * cfg.model.seq_len,
                                 "val_loss": round(val, 5)}) + "\n")
     plot_loss(outp / "metrics.jsonl", outp / "loss.png",
               title=f"skiptrain swarm: {rt.nodes} nodes, {model.num_parameters() / 1e6:.1f}M params, "
@@ -110,7 +112,8 @@ def train_swarm(cfg, data: str, out: str, steps: int | None = None, echo: bool =
                "params": model.num_parameters(), "placement": sched.placement,
                "median_iteration_s": sorted(it_s)[len(it_s) // 2], "simulated_iteration_s": sim.iteration_s,
                "median_host_floor_s": round(statistics.median(map(host_floor_s, rows)), 4),
-               "seconds": round(time.time() - t0, 2), "launch_s": round(res.wall_s, 2), "data": str(ds.path)}
+               "seconds": round(time.time() - t0, 2), "launch_s": round(res.wall_s, 2), "data": str(ds.path),
+               "membership": membership_events(outp)}
     write_summary(outp, summary)
     if echo:
         print(f"done: {steps} steps on {rt.nodes} nodes, loss {rows[0]['loss']:.3f} -> {rows[-1]['loss']:.3f}, "
@@ -196,10 +199,12 @@ def _checked_swarm_config(cfg, data: str, steps: int | None):
 def _finish_interrupted(cfg, model, outp: Path, done: int, steps: int, data: str, t0: float) -> None:
     """After a stop at an iteration boundary (the nodes checkpointed there): run.json, one line,
     and the interrupt goes on up (exit status 130)."""
+    from ..runtime.event_log import membership_events
     from ..train.rundir import write_summary
 
     write_summary(outp, {"step": done, "nodes": cfg.runtime.nodes, "interrupted": True, "data": data,
-                         "params": model.num_parameters(), "seconds": round(time.time() - t0, 2)})
+                         "params": model.num_parameters(), "seconds": round(time.time() - t0, 2),
+                         "membership": membership_events(outp)})
     print(f"skiptrain launch: interrupted after iteration {done} of {steps}: weights in "
           f"{outp / 'model.safetensors'}; `skiptrain launch --resume --out {outp}` continues from the checkpoint "
           f"of iteration {done}", file=sys.stderr, flush=True)

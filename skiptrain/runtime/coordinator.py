@@ -42,7 +42,7 @@ import time
 from pathlib import Path
 
 from ..schedule.schedule import Schedule
-from .event_log import log_event
+from .event_log import LOG_NAME, log_event
 from .failure import RuntimeFailure, describe_exit, pid_running
 from .fencing import Members, verified_pid
 from .job import Job
@@ -92,7 +92,7 @@ def coordinate(job: Job, procs, store, world: int, t_start: float, timeout_s: fl
     stage0 = set()
     for ph in job.phases:
         stage0 |= set(Schedule.from_dict(ph.schedule).placement[0])
-    log_path = Path(run_dir) / "recoveries.jsonl"
+    log_path = Path(run_dir) / LOG_NAME
     fenced: set[int] = set()
     members = Members(procs, store, Verifier(join_secret, Path(run_dir) / "rejected_writes.jsonl"))
     if resume:

@@ -119,7 +119,8 @@ def validate_in_loop(node, st) -> None:
     tot = torch.tensor(part, dtype=torch.float64)
     node.control.sync(dist.all_reduce, tot)
     if node.control.is_root():
-        row = {"phase": st.ph.name, "step": n_it, "tokens": n_it * st.gb * node.cfg.model.seq_len,
+        row = {"phase": st.ph.name, "step": n_it, "time": round(time.time(), 3),
+               "tokens": n_it * st.gb * node.cfg.model.seq_len,
                "val_loss": round(float(tot[0] / max(tot[1], 1)), 5),
                "seconds": round(time.perf_counter() - t0, 4)}
         with open(node.run_dir / "metrics.jsonl", "a") as metrics:

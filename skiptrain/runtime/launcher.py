@@ -35,6 +35,7 @@ from pathlib import Path
 from ..schedule.schedule import Schedule
 from ..schedule.timeline import Event
 from ..signals import sigterm_as_interrupt
+from .event_log import LOG_NAME
 from .failure import RuntimeFailure, describe_exit
 from .job import Job
 from .membership import parse_heartbeat
@@ -228,7 +229,7 @@ def prepare_outputs(job: Job, run_dir: Path) -> None:
     from ..checkpoint.training import truncate_metrics
 
     run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "recoveries.jsonl").unlink(missing_ok=True)
+    (run_dir / LOG_NAME).unlink(missing_ok=True)
     r = job.resume
     keep = {}
     if r:

@@ -15,7 +15,9 @@ def test_launch_swarm_leaves_a_complete_run_directory(byte_data, tmp_path):
     assert main(["launch", "--preset", "tiny", "--data", str(byte_data), "--out", str(out), "--nodes", "6",
                  "--set", "runtime.stage_sizes=2,2,1,1", "--skip-ratio", "0.5", "--steps", "3"]) == 0
     summary = json.loads((out / "run.json").read_text())
-    assert summary["step"] == 3 and summary["nodes"] == 6
+    assert summary["step"] == 3 and summary["nodes"] == 6 and summary["membership"] == []
+    times = [json.loads(x)["time"] for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert len(times) >= 4 and times == sorted(times) and times[-1] - times[0] < summary["seconds"]
     for f in ("metrics.jsonl", "loss.png", "gantt.png", "model.safetensors", "schedule.json", "config.toml"):
         assert (out / f).is_file(), f
     latest = (out / "checkpoints" / "LATEST").read_text().strip()

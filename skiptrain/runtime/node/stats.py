@@ -10,6 +10,8 @@ per node in rank order.  No reader knows another component's position in the row
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 
@@ -68,9 +70,10 @@ def metrics_row(table: StatsTable, *, phase: str, step: int, lr: float, grad_nor
                 margin: float, delay: float) -> dict:
     """One iteration's line of ``metrics.jsonl`` from the swarm's statistics: the loss over every
     node's losses, the slowest node's times, the summed overruns and CPU seconds, the largest
-    byte counts (one node's sync), the start margin used and the slowest start receipt."""
+    byte counts (one node's sync), the start margin used and the slowest start receipt; ``time``:
+    rank 0's wall clock when it wrote the line (unix seconds; a stall shows as a gap)."""
     n = table.sum("n_loss")
-    return {"phase": phase, "step": step, "loss": round(table.sum("loss_sum") / max(n, 1), 5),
+    return {"phase": phase, "step": step, "time": round(time.time(), 3), "loss": round(table.sum("loss_sum") / max(n, 1), 5),
             "iteration_s": round(table.max("t_end"), 4), "lr": lr, "grad_norm": round(grad_norm, 5),
             "tokens": tokens, "overruns": int(table.sum("overruns")), "overrun_s": round(table.sum("overrun_s"), 4),
             "max_in_flight": int(table.max("max_in_flight")), "payload_bytes": int(table.max("payload_bytes")),
