@@ -284,6 +284,9 @@ class RuntimeConfig:
     recover: bool = _f(False, "survive failed nodes: fence, re-plan, go on; nodes may join (--join)")
     heartbeat_deadline_s: float = _f(0.0, "recover: a node without heartbeat this long is hung (0 = timeout_s)",
                                      min=0.0, max=MAX_TIMEOUT_S)
+    lease_max_s: float = _f(60.0, "recover: the longest a node's lease may grow to on slow links (its floor is "
+                            "heartbeat_deadline_s); a node that cannot renew stops its own work within its lease",
+                            min=0.0, max=MAX_TIMEOUT_S)
     strikes: int = _f(1, "recover: rejected payloads (bad shape/dtype/non-finite) from a node before it is banned; "
                       f"at most {MAX_STRIKES}: each one re-runs the iteration with the same nodes, so a node that "
                       "keeps sending bad payloads holds the run on one iteration this many times", min=1,

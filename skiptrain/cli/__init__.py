@@ -22,6 +22,7 @@ COMMAND_MODULES = [
     "skiptrain.cli.schedule",    # simulate
     "skiptrain.cli.checkpoint",  # ckpt ls|inspect|verify|reshard, export
     "skiptrain.cli.launch",      # launch (multi-process skip-pipeline runtime)
+    "skiptrain.cli.hosts",       # coordinator, node (one run across hosts)
 ]
 
 

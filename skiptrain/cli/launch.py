@@ -24,13 +24,15 @@ from .options import write_output
 
 
 def train_swarm(cfg, data: str, out: str, steps: int | None = None, echo: bool = True,
-                restartable: bool = False, resume: str | None = None, overwrite: bool = False) -> dict:
+                restartable: bool = False, resume: str | None = None, overwrite: bool = False,
+                hosts: dict | None = None) -> dict:
     """Plan, launch, collect: returns the run summary (also written to ``OUT/run.json``).
 
     ``resume`` (a checkpoint directory or root; ``"latest"``: the run's own) continues the job
     from that checkpoint under this config's layout, re-planned, with the exact data cursor.
     ``overwrite`` replaces a run already in ``out`` (:func:`claim_run_dir`), once the swarm is
-    known to fit its nodes."""
+    known to fit its nodes.  ``hosts`` (``skiptrain coordinator``): ``{"bind": (host, port),
+    "secret": ...}``; no node process starts here, every node comes from its own host."""
     from ..schedule.gantt import draw_side_by_side
     from ..schedule.simulator import simulate
     from ..train.evaluate import unigram_loss
@@ -63,21 +65,20 @@ def train_swarm(cfg, data: str, out: str, steps: int | None = None, echo: bool =
               f"method {sched.method}, k={sched.skip_ratio}, m={sched.memory}, {steps} steps, "
               f"topology {topo.name}{' (emulated)' if rt.wan else ''} -> {out}", flush=True)
     rt.restartable = rt.recover and restartable
-    every = ckpt_every_for(cfg, sched.placement, steps)
-    if every != cfg.checkpoint.every and echo:
-        print(f"body stage(s) {[s for s, n in enumerate(sched.placement) if s and len(n) == 1]} have a single "
-              f"node: checkpoints every {every} iterations, so a lost stage keeps its progress", flush=True)
+    every = _checkpoint_every(cfg, sched.placement, steps, bool(hosts), echo)
     cfg.checkpoint.every = every
     job = Job(config=cfg.to_dict(), data_path=str(ds.path), run_dir=str(outp),
-              phases=[phase_for(cfg, sched, topo, cost, "train", steps, save_weights=True)], resume=start)
-    if echo:
+              phases=[phase_for(cfg, sched, topo, cost, "train", steps, save_weights=True)], resume=start,
+              meta={"data_fingerprint": ds.fingerprint()})
+    if echo and not hosts:
         _describe_checkpoints(cfg, outp, steps, start)
-    if rt.recover and echo:
+    if rt.recover and echo and not hosts:
         print(f"recovery on: hung-peer deadline {rt.heartbeat_deadline_s or rt.timeout_s:g} s, {rt.strikes} "
               f"strike(s) for bad peers, takeover {'on' if rt.takeover else 'off'}; a stage left without replicas "
               f"starts from a checkpoint at most {rt.ckpt_max_age} iterations old, else CheckFree; nodes may join "
               f"with `skiptrain launch --join HOST:PORT` (address and secret file: {outp / 'join.json'})", flush=True)
-    res = launch(job, timeout_s=max(3600.0, steps * 60.0), echo=echo)
+    res = launch(job, timeout_s=max(3600.0, steps * 60.0), echo=echo, **(
+        {"bind": hosts["bind"], "join_secret": hosts["secret"], "local": False} if hosts else {}))
     rows = [r for r in res.phase_metrics("train") if "loss" in r]   # (not the in-loop validation lines)
     if (outp / "lost_stages.json").is_file():
         for s, note in json.loads((outp / "lost_stages.json").read_text()).items():
@@ -134,6 +135,21 @@ def warn_host_bound(floor_s: float, simulated_s: float, emulated: bool) -> None:
           f"{floor_s:.3f} s per iteration for the node processes' CPU seconds, more than the simulated "
           f"{simulated_s:.3f} s: measured times follow this machine, not the cost model (run fewer node "
           f"processes per machine{fix})", file=sys.stderr, flush=True)
+
+
+def _checkpoint_every(cfg, placement: list[list[int]], steps: int, hosts: bool, echo: bool) -> int:
+    """The swarm's checkpoint interval (:func:`ckpt_every_for`), said when it differs from the config's."""
+    every = ckpt_every_for(cfg, placement, steps)
+    if hosts:     # a job checkpoint commits once every part is in one directory: hosts share none
+        cfg.checkpoint.final = False
+        if echo:
+            print("checkpoints: none in a run across hosts (job checkpoints need one directory for every "
+                  "node's part); a stage that loses every replica restarts by CheckFree", flush=True)
+        return 0
+    if every != cfg.checkpoint.every and echo:
+        print(f"body stage(s) {[s for s, n in enumerate(placement) if s and len(n) == 1]} have a single "
+              f"node: checkpoints every {every} iterations, so a lost stage keeps its progress", flush=True)
+    return every
 
 
 def ckpt_every_for(cfg, placement: list[list[int]], steps: int) -> int:

@@ -182,6 +182,15 @@ class TokenDataset:
                                 f"re-run `skiptrain prepare --out {p}`")
         return ds
 
+    def fingerprint(self) -> str:
+        """What makes two copies of this data set the same (its sources, tokenizer, split rule and
+        token counts; not when or how fast it was prepared): a SHA-256 hex digest, so hosts that
+        each prepared their own copy can check they hold the same data."""
+        import hashlib
+
+        same = {k: v for k, v in self.manifest.items() if k not in ("created_unix", "created_by", "seconds")}
+        return hashlib.sha256(json.dumps(same, sort_keys=True).encode()).hexdigest()
+
     @property
     def vocab_size(self) -> int:
         return int(self.manifest["tokenizer"]["vocab_size"])

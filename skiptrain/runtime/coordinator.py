@@ -1,16 +1,19 @@
 """The coordinator of a recovering run (``job.rt.recover``): membership authority, no model state.
 
 :func:`coordinate` replaces the launcher's fail-fast monitor.  It watches the node processes it
-started (exit status), their heartbeats (``hb/<r>``, deadline ``job.rt.heartbeat_deadline_s`` or
-``job.rt.timeout_s``) and the nodes' failure reports (``report/<gen>/<r>``; a report of a rejected
+started (exit status), every node's lease (``hb/<r>``: :mod:`.lease`, timed on this process's
+clock; floor ``job.rt.heartbeat_deadline_s`` or ``job.rt.timeout_s``, ceiling
+``job.rt.lease_max_s``), the exit reports of other hosts' supervisors (``exit/<r>``) and the nodes' failure reports (``report/<gen>/<r>``; a report of a rejected
 payload names a *bad peer*).  On a detection it
 
 0. (at the start) admits the nodes by challenge-response (:mod:`skiptrain.runtime.join`):
    only admitted nodes are in generation 0, and groups are formed over that set;
 1. logs the node, the cause and the time it took (from the injected fault's time when known,
    else from the last heartbeat), to stderr and ``RUN_DIR/recoveries.jsonl``;
-2. fences the node: SIGKILL by PID if it still runs (a hung or bad node never comes back, and
-   every gloo connection to it resets so survivors blocked on it fail at once);
+2. fences the node: leaves it out of the next generation; a node process this coordinator's
+   launcher started is also SIGKILLed if it still runs (its gloo connections reset, so survivors
+   blocked on it fail at once); any other node has stopped its own work when its lease ran out
+   (:mod:`.fencing`);
 3. publishes the next generation (:func:`~skiptrain.runtime.recovery.publish_generation`);
    the survivors re-form and re-plan themselves (see :mod:`skiptrain.runtime.recovery`).
 
@@ -21,8 +24,8 @@ coordinator's state (alive set, generation) is tiny and lives in the store; it h
 By default the store lives in the launcher process (and nodes die with it); with
 ``job.rt.restartable`` it runs in a process of its own (:mod:`.store`), nodes are not tied to the
 launcher, and ``python -m skiptrain.runtime.coordinator --run RUN_DIR`` (:func:`main`) replaces a
-coordinator that died: every piece of its state is in the store (generation records, node PIDs,
-strikes, joins under way).
+coordinator that died: every piece of its state is in the store (generation records, strikes,
+joins under way).
 
 Joining (:class:`~skiptrain.runtime.joiners.Joiners`): nodes started with ``--join HOST:PORT``
 are challenged, placed on the stage where they shorten the iteration most and announced in a
@@ -44,9 +47,10 @@ from pathlib import Path
 from ..schedule.schedule import Schedule
 from .event_log import LOG_NAME, log_event
 from .failure import RuntimeFailure, describe_exit, pid_running
-from .fencing import Members, verified_pid
+from .fencing import Members
 from .job import Job
 from .joiners import Joiners
+from .lease import LeaseTable
 from .membership import COORDINATOR, Verifier, sign
 from .recovery import publish_generation
 
@@ -94,7 +98,8 @@ def coordinate(job: Job, procs, store, world: int, t_start: float, timeout_s: fl
         stage0 |= set(Schedule.from_dict(ph.schedule).placement[0])
     log_path = Path(run_dir) / LOG_NAME
     fenced: set[int] = set()
-    members = Members(procs, store, Verifier(join_secret, Path(run_dir) / "rejected_writes.jsonl"))
+    members = Members(procs, store, Verifier(join_secret, Path(run_dir) / "rejected_writes.jsonl"),
+                      LeaseTable(deadline, max(deadline, job.rt.lease_max_s)))
     if resume:
         from .recovery import latest_generation
         if latest_generation(store, members.verifier.key(COORDINATOR)) < 0:
@@ -106,13 +111,13 @@ def coordinate(job: Job, procs, store, world: int, t_start: float, timeout_s: fl
     # admission: only nodes that answer the join challenge enter generation 0 (and any group)
     t_adm = time.time()
     adm = admit(store, list(range(world)), join_secret, max(60.0, job.rt.timeout_s),
-                alive=lambda n: procs[n].poll() is None)
+                alive=lambda n: members.code(n) is None)
     alive = {n for n, v in adm.items() if v == "ok"}
     for n, v in sorted(adm.items()):
         if v == "ok":
             continue
         members.wait({n}, REFUSED_GRACE_S)   # it reads its refusal, says why in its log and exits
-        if procs[n].poll() is None:
+        if members.is_child(n) and members.code(n) is None:
             fenced.add(n)
             members.kill(n)
         print(f"[coordinator] node {n}: {v}; not admitted", file=sys.stderr, flush=True)
@@ -120,7 +125,9 @@ def coordinate(job: Job, procs, store, world: int, t_start: float, timeout_s: fl
                              "detect_s": time.time() - t_adm, "fenced": n in fenced, "alive": sorted(alive)})
     if not (alive & stage0):
         return {"kind": "exit", "node": min(set(range(world)) - alive), "t": time.time(),
-                "code": procs[min(set(range(world)) - alive)].poll()}
+                "code": members.code(min(set(range(world)) - alive))}
+    for n in alive:
+        members.leases.watch(n)
     publish_generation(store, 0, sorted(alive), {n: v for n, v in adm.items() if v != "ok"},
                        key=members.verifier.key(COORDINATOR))
     return _loop(job, store, members, stage0, deadline, strikes_needed, log_path, fenced, world, t_start,
@@ -161,13 +168,12 @@ class _Watch:
         self.alive = alive = set(read_generation(store, gen, self.key)["alive"])
         store.set("gen", str(gen))       # (its predecessor may have died between a record and the counter)
         for r in sorted(alive):
-            members.ext[r] = verified_pid(members.verifier, store, r)
+            members.leases.watch(r)
         saved = members.verifier.read(store, COORDINATOR, "coord/strikes")
         if saved is not None:
             self.strikes = {int(k): v for k, v in json.loads(saved).items()}
         self.joins.resume(gen, alive)
-        print(f"[coordinator] restarted: generation {gen}, alive {sorted(alive)}, node PIDs "
-              f"{[members.ext[r] for r in sorted(alive)]}", file=sys.stderr, flush=True)
+        print(f"[coordinator] restarted: generation {gen}, alive {sorted(alive)}", file=sys.stderr, flush=True)
         log_event(self.log_path, {"gen": gen, "node": None, "cause": "coordinator restarted", "restart": True,
                                   "t_detect": time.time(), "alive": sorted(alive)})
 
@@ -212,15 +218,17 @@ class _Watch:
         return all(codes[r] == 0 for r in self.alive)
 
     def _check_heartbeats(self, codes: dict[int, int | None], now: float, found: dict) -> None:
-        """Add to ``found`` every running node whose signed heartbeat is older than the deadline."""
-        for r in sorted(self.alive - set(found)):
-            hb = None if codes[r] is not None else self.members.verifier.heartbeat(self.store, r)
-            if hb is None:                # absent, forged or replayed: no decision on it
-                continue
-            t, state = hb
-            if state != "done" and now - t > self.deadline:
-                found[r] = (f"stopped responding: no heartbeat for {now - t:.2f} s "
-                            f"(deadline {self.deadline:g} s)", t)
+        """Add to ``found`` every running node whose lease ran out (on this process's clock, plus
+        a margin: it has stopped its own work by then), or whose identity a second process claims."""
+        running = {r for r in self.alive - set(found) if codes[r] is None}
+        for r, seen in self.members.renew(running).items():
+            if seen == "conflict":
+                found[r] = ("two processes claim this node's identity (each with the run's secret): "
+                            "start every host's node once, with its own --work-dir", None)
+        for r in sorted(running - set(found)):
+            why = self.members.lease_lost(r, self.job.rt.heartbeat_s)
+            if why is not None:
+                found[r] = (why, now - self.members.leases.age(r))
 
     def _act(self, found: dict, struck: dict, codes: dict[int, int | None]) -> dict | None:
         """Fence the ``found`` nodes, log every detection and publish the next generation; the

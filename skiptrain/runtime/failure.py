@@ -41,10 +41,12 @@ from pathlib import Path
 from typing import Callable
 
 from ..errors import UserError
-from .membership import key_from_env, member_key, open_signed, parse_heartbeat, secret_from_env, sign
+from .lease import LeaseKeeper, LeaseTable, parse_renewal
+from .membership import key_from_env, member_key, open_signed, secret_from_env, sign
 
 EXIT_FAILED = 3            # this node hit an error (its own or a peer's)
 EXIT_PEER_FAILED = 4       # this node stopped because a peer failed
+EXIT_FENCED = 6            # this node's lease ran out: it stopped its own work (self-fencing)
 
 
 class NodeFailure(RuntimeError):
@@ -87,24 +89,38 @@ class Membership:
 
 
 class Heartbeat:
-    """Writes ``hb/<rank> = "<wall-clock seconds>:<state>"`` into the store every ``interval_s``.
+    """Renews this node's lease, ``hb/<rank>`` in the store, every ``interval_s``
+    (:mod:`~skiptrain.runtime.lease`: a sequence number, never a wall-clock time).
 
     Once :meth:`arm` is called (after every node has joined the process group, so every key
-    exists) it also reads all peers' keys in one ``multi_get`` and reports a peer whose key is
-    older than ``timeout_s`` once through ``on_failure(node, reason)``; peers in state ``done``
-    are not watched.  A failing store write reports node ``-1`` (the store host is gone).
-    ``describe(node)`` names a node in messages (e.g. with its stage)."""
+    exists) it also reads all peers' keys in one ``multi_get`` and reports a peer whose renewals
+    have not advanced for ``timeout_s`` on this process's own clock, once, through
+    ``on_failure(node, reason)``; peers in state ``done`` are not watched.  A failing store write
+    reports node ``-1`` (the store host is gone).  ``describe(node)`` names a node in messages.
+
+    ``on_expired`` (a run whose membership a coordinator decides): a watchdog thread, which
+    never touches the store, calls it once when this node's own lease has run out because no
+    renewal got through (a cut link, a stopped process resumed): the node must stop its work
+    before the coordinator gives its place to another node (self-fencing).  ``lease_floor_s`` and
+    ``lease_ceiling_s`` bound the lease (it follows the renewals' round trip in between)."""
 
     def __init__(self, store, rank: int, world: int, interval_s: float, timeout_s: float,
                  on_failure: Callable[[int, str], None],
-                 describe: Callable[[int], str] = lambda n: f"node {n}"):
+                 describe: Callable[[int], str] = lambda n: f"node {n}",
+                 lease_floor_s: float | None = None, lease_ceiling_s: float | None = None,
+                 on_expired: Callable[[str], None] | None = None):
         self.store, self.rank, self.world = store, rank, world
         self.interval_s, self.timeout_s = interval_s, timeout_s
         self.on_failure = on_failure
+        self.on_expired = on_expired
         self.describe = describe
         self.membership = Membership(world)
         self.key = key_from_env(rank)        # heartbeats are signed when the run has a secret
         self.secret = secret_from_env()
+        floor = lease_floor_s or timeout_s
+        self.keeper = LeaseKeeper(floor, max(floor, lease_ceiling_s or floor))
+        self.peers = LeaseTable(timeout_s, timeout_s)
+        self.gen = 0
         self.state = "run"
         self._armed = False
         self._stop = threading.Event()
@@ -112,15 +128,27 @@ class Heartbeat:
 
     def beat(self) -> None:
         name = f"hb/{self.rank}"
-        self.store.set(name, sign(self.key, name, f"{time.time()!r}:{self.state}"))
+        renewal, sent = self.keeper.next(self.gen, self.state)
+        self.store.set(name, sign(self.key, name, renewal.encode()))
+        self.keeper.acknowledged(renewal, sent)
 
     def start(self) -> "Heartbeat":
         self.beat()
         self._thread.start()
+        if self.on_expired is not None:
+            threading.Thread(target=self._watchdog, name="lease-watchdog", daemon=True).start()
         return self
 
     def arm(self) -> None:
+        for n in range(self.world):
+            if n != self.rank:
+                self.peers.watch(n)
         self._armed = True
+
+    def lease_holds(self) -> bool:
+        """Whether this node's lease still holds (it may go on working)."""
+        left = self.keeper.remaining()
+        return left is None or left > 0
 
     def finish(self) -> None:
         """This node is done: peers stop watching it; the thread stops."""
@@ -134,6 +162,15 @@ class Heartbeat:
     def stop(self) -> None:
         self._stop.set()
 
+    def _watchdog(self) -> None:
+        while not self._stop.wait(min(0.05, self.interval_s)):
+            if not self.lease_holds():
+                sent, lease = self.keeper.held
+                self.on_expired(f"node {self.rank}: no lease renewal got through for "
+                                f"{self.keeper.clock() - sent:.1f} s (lease {lease:g} s); stopping its work "
+                                "before the coordinator gives its place to another node")
+                return
+
     def _loop(self) -> None:
         peers = [n for n in range(self.world) if n != self.rank]
         keys = [f"hb/{n}" for n in peers]
@@ -146,28 +183,27 @@ class Heartbeat:
                     self.on_failure(-1, f"lost the rendezvous store ({str(e).splitlines()[0][:120]}); "
                                         "the launcher or the store host is gone")
                 return
-            now = time.time()
             for n, raw in zip(peers, vals):
-                hb = self._peer_beat(n, f"hb/{n}", raw.decode(errors="replace"))
-                if hb is None or hb[1] == "done" or n not in self.membership.alive:
-                    continue
-                age = now - hb[0]
-                if age > self.timeout_s:
-                    reason = (f"{self.describe(n)} stopped responding: no heartbeat for {age:.1f} s "
-                              f"(timeout {self.timeout_s:g} s)")
-                    if self.membership.mark_failed(n, reason):
-                        self.on_failure(n, reason)
+                self._check_peer(n, raw.decode(errors="replace"))
 
-    def _peer_beat(self, node: int, name: str, raw: str) -> tuple[float, str] | None:
-        """A peer's heartbeat, or None when the run has a secret and its tag does not verify."""
+    def _check_peer(self, node: int, raw: str) -> None:
+        renewal = self._peer_renewal(node, f"hb/{node}", raw)
+        if renewal is not None:
+            self.peers.observe(node, renewal)
+        if node not in self.membership.alive or not self.peers.expired(node):
+            return
+        reason = (f"{self.describe(node)} stopped responding: no heartbeat for {self.peers.age(node):.1f} s "
+                  f"(timeout {self.timeout_s:g} s)")
+        if self.membership.mark_failed(node, reason):
+            self.on_failure(node, reason)
+
+    def _peer_renewal(self, node: int, name: str, raw: str):
+        """A peer's renewal, or None when the run has a secret and its tag does not verify."""
         if self.secret:
             raw = open_signed(member_key(self.secret, node), name, raw)
             if raw is None:
                 return None
-        try:
-            return parse_heartbeat(raw)
-        except ValueError:
-            return None
+        return parse_renewal(raw)
 
 
 def write_error(path: str | Path | None, rank: int, exc: BaseException, node_at_fault: int | None) -> None:

@@ -1,41 +1,78 @@
-"""The coordinator's hold on a run's node processes: whether each still runs, and fencing one.
+"""The coordinator's view of which node processes still run, and fencing without signals.
 
-:class:`Members` answers for the children the coordinator launched (their exit status) and for
-nodes that joined from outside (a PID that came signed with the node's member key, else the
-node's signed heartbeat); it SIGKILLs only such processes.  :func:`verified_pid` reads the PID a
-node wrote, signed, to ``pid/<node>``; one that is absent, forged or implausible is never
-signalled.
+:class:`Members` answers for the children the coordinator's own launcher started (their exit
+status) and for every other node by what reaches the store from its host: its lease renewals
+(:mod:`~skiptrain.runtime.lease`, timed on the coordinator's clock) and the exit report that the
+node's supervisor on its own host (``skiptrain node``) signs when the process ends
+(``exit/<node>``, :func:`report_exit`).
+
+Fencing a node means leaving it out of the next generation.  The coordinator signals only
+processes it started itself (:meth:`Members.kill`); every other node stops its own work when its
+lease runs out (:class:`~skiptrain.runtime.failure.Heartbeat`'s watchdog), which is before the
+coordinator's deadline for it, so the two never train side by side.  No PID ever crosses a host.
 """
 
 from __future__ import annotations
 
-import os
-import signal
-import sys
+import json
 import time
 
-from .failure import pid_running
-from .membership import Verifier
+from .lease import FENCE_MARGIN_S, LeaseTable, parse_renewal
+from .membership import Verifier, sign
+
+
+def report_exit(store, key: bytes | None, node: int, code: int) -> None:
+    """Supervisor side: node ``node``'s process ended with ``code`` (negative: killed by that
+    signal), signed with the node's member key."""
+    name = f"exit/{node}"
+    store.set(name, sign(key, name, json.dumps({"code": int(code)})))
 
 
 class Members:
-    """Exit status of the launched children and of joined (external) node processes."""
+    """Exit status and leases of the run's node processes (see the module's docstring)."""
 
-    def __init__(self, procs, store, verifier: Verifier):
-        self.procs, self.store, self.verifier = procs, store, verifier
-        self.ext: dict[int, int] = {}            # joined node -> pid (0: unverified, never signalled)
+    def __init__(self, procs, store, verifier: Verifier, leases: LeaseTable):
+        self.procs, self.store, self.verifier, self.leases = procs, store, verifier, leases
+
+    def is_child(self, r: int) -> bool:
+        return r < len(self.procs)
 
     def code(self, r: int) -> int | None:
-        if r < len(self.procs):
+        """``r``'s exit status (None: running, as far as the coordinator knows)."""
+        if self.is_child(r):
             return self.procs[r].poll()
-        pid = self.ext.get(r)
-        if pid and pid_running(pid):
+        raw = self.verifier.read(self.store, r, f"exit/{r}") if self.store.check([f"exit/{r}"]) else None
+        if raw is not None:
+            try:
+                return int(json.loads(raw)["code"])
+            except (ValueError, KeyError, TypeError):
+                pass
+        last = self.leases.last.get(r)
+        return 0 if last is not None and last.state == "done" else None
+
+    def renew(self, nodes) -> dict[int, str]:
+        """Read the renewals of ``nodes`` into the lease table; returns the nodes whose value was
+        not a newer renewal of the incarnation known (``"stale"``: written back; ``"conflict"``:
+        a second process claims the identity)."""
+        odd = {}
+        for r in sorted(nodes):
+            value = self.verifier.read(self.store, r, f"hb/{r}")
+            renewal = parse_renewal(value) if value is not None else None
+            if renewal is None:
+                continue
+            seen = self.leases.observe(r, renewal)
+            if seen == "stale":
+                self.verifier.reject(f"hb/{r}", value, "an older lease renewal written back over a newer one")
+            if seen in ("stale", "conflict"):
+                odd[r] = seen
+        return odd
+
+    def lease_lost(self, r: int, margin_s: float) -> str | None:
+        """Why ``r``'s lease is over (its renewals stopped for its lease plus ``margin_s``), else None."""
+        if not self.leases.expired(r, FENCE_MARGIN_S + margin_s):
             return None
-        hb = self.verifier.read(self.store, r, f"hb/{r}")
-        if hb is not None and hb.endswith(":done"):
-            return 0
-        # no verified PID: running until its signed heartbeat says done (or goes stale: hung)
-        return None if not pid else -signal.SIGKILL
+        return (f"stopped responding: no lease renewal for {self.leases.age(r):.2f} s "
+                f"(lease {self.leases.lease_of(r):g} s)")
 
     def wait(self, nodes: set[int], timeout_s: float) -> None:
         """Wait until every one of ``nodes`` exited, at most ``timeout_s``."""
@@ -44,36 +81,12 @@ class Members:
             time.sleep(0.01)
 
     def kill(self, r: int) -> None:
-        """SIGKILL node ``r``: only a child this coordinator started, or a process whose PID came
-        signed with the node's member key (a joiner's hello, a node's ``pid/<r>``)."""
-        pid = self.procs[r].pid if r < len(self.procs) else self.ext.get(r)
-        if pid is None or pid <= 1 or pid == os.getpid():
+        """SIGKILL node ``r`` if it is a child this coordinator's launcher started; any other node
+        is never signalled (it fences itself)."""
+        if not self.is_child(r):
             return
-        if r < len(self.procs):
-            self.procs[r].kill()
-            try:
-                self.procs[r].wait(timeout=10)
-            except Exception:  # noqa: BLE001
-                pass
-            return
+        self.procs[r].kill()
         try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            return
-        end = time.time() + 5
-        while pid_running(pid) and time.time() < end:
-            time.sleep(0.01)
-
-
-def verified_pid(verifier: Verifier, store, node: int) -> int:
-    """The PID node ``node`` wrote (signed) to ``pid/<node>``; 0 (never signalled) when absent,
-    forged or implausible."""
-    raw = verifier.read(store, node, f"pid/{node}")
-    try:
-        pid = int(raw) if raw is not None else 0
-    except ValueError:
-        pid = 0
-    if pid <= 1 or pid == os.getpid() or pid > 2 ** 22:
-        print(f"[coordinator] node {node}: no verified PID; it will not be signalled", file=sys.stderr, flush=True)
-        return 0
-    return pid
+            self.procs[r].wait(timeout=10)
+        except Exception:  # noqa: BLE001
+            pass

@@ -14,14 +14,13 @@ Protocol (over the rendezvous store, keys under ``join/``):
 A node joining a *running* job (``python -m skiptrain.runtime.node --join HOST:PORT``, or
 ``skiptrain launch --join HOST:PORT``) first takes a fresh node id (:func:`request_node_id`),
 then runs the same exchange with the coordinator's main loop (:func:`challenge`,
-:func:`check_response`); its ``hello`` carries its PID, signed with its member key
-(:mod:`skiptrain.runtime.membership`), so the coordinator can fence it (same host only) and a
-PID written by anyone else is never signalled (:func:`hello_pid`).
+:func:`check_response`); its ``hello`` is signed with its member key
+(:mod:`skiptrain.runtime.membership`).  No PID is ever sent: a node on another host fences
+itself when its lease runs out (:mod:`skiptrain.runtime.fencing`).
 
 Failure semantics: a node whose response is wrong, or that does not answer within the timeout,
 is refused; the node raises :class:`JoinRefused` and exits without calling
-``init_process_group`` (exit status :data:`EXIT_REFUSED`); the coordinator also SIGKILLs it by PID
-if it is still running.  A join the run's nodes will never take up (they all finished first) is
+``init_process_group`` (exit status :data:`EXIT_REFUSED`).  A join the run's nodes will never take up (they all finished first) is
 cancelled: the coordinator writes the reason, signed, to ``join/cancel/<node>``
 (:func:`cancel_join`), and the joiner, which waits for its placement (:func:`wait_for_placement`:
 the coordinator's signed ``join/assign/<node>`` and the signed generation record behind it) and
@@ -36,7 +35,6 @@ from __future__ import annotations
 import hashlib
 import json
 import hmac
-import os
 import secrets
 import time
 
@@ -49,7 +47,7 @@ from .recovery import generation_record
 JOB_KEY = "job"
 
 __all__ = ["SECRET_ENV", "JOB_KEY", "publish_job", "read_job", "EXIT_REFUSED", "JoinRefused", "secret_from_env", "new_secret", "respond", "verify",
-           "node_join", "admit", "challenge", "check_response", "refuse", "request_node_id", "hello_pid",
+           "node_join", "admit", "challenge", "check_response", "refuse", "request_node_id",
            "wait_for_join", "assign_join", "wait_for_placement", "cancel_join", "set_result", "read_result"]
 
 EXIT_REFUSED = 5
@@ -158,7 +156,7 @@ def node_join(store, node: int, secret: str | None, timeout_s: float) -> None:
     """Node side: answer the coordinator's challenge; raise :class:`JoinRefused` if refused."""
     name = f"join/hello/{node}"
     store.set(name, sign(member_key(secret, node) if secret else None, name,
-                         json.dumps({"t": time.time(), "pid": os.getpid()})))
+                         json.dumps({"t": time.time()})))
     nonce = wait_for_join(store, node, secret, f"join/nonce/{node}", timeout_s)
     if nonce is None:
         raise JoinRefused(f"node {node}: no challenge from the coordinator within {timeout_s:g} s", node=node)
@@ -237,16 +235,3 @@ def request_node_id(store) -> int:
     return int(store.add("nodes/next", 1)) - 1
 
 
-def hello_pid(secret: str, node: int, raw: str) -> int:
-    """The PID a joining node's hello claims, if its tag verifies with the node's member key; else 0
-    (a process that does not know the secret cannot make the coordinator signal anything)."""
-    value = open_signed(member_key(secret, node), f"join/hello/{node}", raw)
-    if value is None:
-        return 0
-    try:
-        pid = json.loads(value).get("pid")
-    except (ValueError, AttributeError):
-        return 0
-    if not isinstance(pid, int) or isinstance(pid, bool) or pid <= 1 or pid == os.getpid() or pid > 2 ** 22:
-        return 0
-    return pid

@@ -52,11 +52,10 @@ class Joiners:
 
         refuse(self.store, j, self.secret)
         now = time.time()
-        # Not killed: it exits by itself on "refused" and never entered a group; a refused
-        # process proved nothing, so the PID in its hello is not acted on.
+        # Not killed: it exits by itself on "refused" and never entered a group.
         print(f"[coordinator] joining node {j}: {why}; not admitted", file=sys.stderr, flush=True)
         log_event(self.log_path, {"gen": None, "node": j, "cause": why, "refused": True, "join": True, "t_detect": now,
-                                  "detect_s": now - st["t_hello"], "pid": st.get("pid")})
+                                  "detect_s": now - st["t_hello"]})
         self.pending.pop(j, None)
 
     def step(self, gen: int, alive: set[int]) -> bool:
@@ -85,15 +84,13 @@ class Joiners:
 
     def _challenge_new(self, now: float) -> None:
         """Challenge every node that said hello since the last pass."""
-        from .join import challenge, hello_pid
+        from .join import challenge
 
         for j in self._ids():
-            hello = self.store.check([f"join/hello/{j}"]) and self.store.get(f"join/hello/{j}").decode(errors="replace")
-            if not hello:
+            if not self.store.check([f"join/hello/{j}"]):
                 continue
             self.seen.add(j)
-            pid = hello_pid(self.secret, j, hello)
-            self.pending[j] = {"t_hello": now, "pid": pid, "nonce": challenge(self.store, j), "state": "challenged"}
+            self.pending[j] = {"t_hello": now, "nonce": challenge(self.store, j), "state": "challenged"}
 
     def _check_challenged(self, j: int, st: dict, now: float) -> None:
         """A challenged node: admitted on the right response, refused on a wrong or a late one."""
@@ -111,7 +108,7 @@ class Joiners:
             self._refuse(j, "refused: joining needs a single-phase job", st)
             return
         st.update(state="admitted", t_admit=now)
-        self.members.ext[j] = st["pid"]
+        self.members.leases.watch(j)
         print(f"[coordinator] joining node {j}: challenge answered, admitted "
               f"({now - st['t_hello']:.3f} s)", file=sys.stderr, flush=True)
 
@@ -169,7 +166,7 @@ class Joiners:
 
     def resume(self, gen: int, alive: set[int]) -> None:
         """A restarted coordinator: rebuild the joins under way from the store's join keys."""
-        from .join import hello_pid, read_result
+        from .join import read_result
         from .recovery import generation_record
 
         key = self.members.verifier.key(COORDINATOR)
@@ -182,21 +179,20 @@ class Joiners:
             if not self.store.check([f"join/hello/{j}"]):
                 continue
             self.seen.add(j)
-            pid = hello_pid(self.secret, j, self.store.get(f"join/hello/{j}").decode(errors="replace"))
             res = (read_result(self.secret, j, self.store.get(f"join/result/{j}").decode(errors="replace"))
                    if self.store.check([f"join/result/{j}"]) else None)
             assigned = self.members.verifier.read(self.store, COORDINATOR, f"join/assign/{j}")
             rec = generation_record(self.store, int(assigned), key) if assigned and assigned.isdigit() else None
             if rec is not None and str(j) in (rec.get("join") or {}):
                 if j in alive and not self.store.check([f"ack/{assigned}/{n}" for n in sorted(alive)]):
-                    self.pending[j] = {"t_hello": now, "t_admit": now, "pid": pid, "state": "published",
+                    self.pending[j] = {"t_hello": now, "t_admit": now, "state": "published",
                                        "gen": int(assigned), "stage": rec["join"][str(j)],
                                        "choice": rec.get("choice"), "t_pub": now}
             elif res == "ok":       # admitted, perhaps assigned but never published: placed again
-                self.pending[j] = {"t_hello": now, "t_admit": now, "pid": pid, "state": "admitted"}
-                self.members.ext[j] = pid
+                self.pending[j] = {"t_hello": now, "t_admit": now, "state": "admitted"}
+                self.members.leases.watch(j)
             elif res is None and self.store.check([f"join/nonce/{j}"]):
-                self.pending[j] = {"t_hello": now, "pid": pid, "state": "challenged",
+                self.pending[j] = {"t_hello": now, "state": "challenged",
                                    "nonce": self.store.get(f"join/nonce/{j}").decode()}
 
     def placed(self) -> set[int]:

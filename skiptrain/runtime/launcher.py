@@ -38,10 +38,11 @@ from ..signals import sigterm_as_interrupt
 from .event_log import LOG_NAME
 from .failure import RuntimeFailure, describe_exit
 from .job import Job
-from .membership import parse_heartbeat
+from .lease import LeaseTable, parse_renewal
 from .node_processes import start_nodes
 from .outputs import load_phase_timeline, merge_outputs, salvage_checkpoint, stop_store
 from .progress import SwarmProgress
+from .shipping import collect_run_outputs
 
 
 def host_floor_s(row: dict) -> float:
@@ -83,7 +84,8 @@ def _describe(job: Job, node: int) -> str:
 
 
 def launch(job: Job, nodes: int | None = None, timeout_s: float = 3600.0, grace_s: float = 3.0,
-           echo: bool = False, join_secret: str | None = None) -> LaunchResult:
+           echo: bool = False, join_secret: str | None = None, bind: tuple[str, int] | None = None,
+           local: bool = True) -> LaunchResult:
     """Run ``job`` on ``nodes`` local processes (default: the schedules' node count); see module doc.
 
     Ctrl-C or SIGTERM (in the main thread) first asks the nodes to stop: they agree at the next
@@ -96,17 +98,22 @@ def launch(job: Job, nodes: int | None = None, timeout_s: float = 3600.0, grace_
 
     ``job.resume`` continues a job from a checkpoint: the metrics and sample logs written after
     it (by the run that was interrupted) are dropped, every node loads its part and goes on.
+
+    ``bind`` (host, port): the store listens there instead of on a free loopback port.  ``local``
+    False (a coordinator of hosts, ``skiptrain coordinator``): no node process is started here;
+    every node arrives from its own host (``skiptrain node``), takes an id from 0 on, and ships
+    its outputs here when it ends (:mod:`.shipping`).
     """
     with sigterm_as_interrupt():
         try:
-            return _launch(job, nodes, timeout_s, grace_s, echo, join_secret)
+            return _launch(job, nodes, timeout_s, grace_s, echo, join_secret, bind, local)
         except KeyboardInterrupt:
             print(f"[launch] interrupted: {salvage_checkpoint(job)}", file=sys.stderr, flush=True)
             raise
 
 
 def _launch(job: Job, nodes: int | None, timeout_s: float, grace_s: float, echo: bool,
-            join_secret: str | None) -> LaunchResult:
+            join_secret: str | None, bind: tuple[str, int] | None, local: bool) -> LaunchResult:
     world = nodes or job.world
     if world < job.world:
         raise RuntimeFailure(f"the job's schedules use {job.world} nodes but only {world} were requested")
@@ -116,25 +123,32 @@ def _launch(job: Job, nodes: int | None, timeout_s: float, grace_s: float, echo:
     if job.rt.recover:
         from .join import new_secret
         join_secret = join_secret or new_secret()        # recovery mode always admits by challenge
-    store, store_proc, listening = _open_store(job, run_dir, world, join_secret)  # noqa: F841 - kept while it serves
+    store, store_proc, listening = _open_store(job, run_dir, world, join_secret, bind)  # noqa: F841 - kept while it serves
     (run_dir / "join.json").unlink(missing_ok=True)
     if job.rt.recover:
-        _publish_for_joiners(job, store, world, join_secret)
-    base_env = _node_env(job, run_dir, world, store.port, store_proc is not None, join_secret)
+        _publish_for_joiners(job, store, world if local else 0, join_secret)
+    base_env = _node_env(job, run_dir, world, store.port, store_proc is not None, join_secret,
+                         bind[0] if bind else "127.0.0.1")
     t_start = time.time()
-    interrupted, err = _run_nodes(job, job_path, world, run_dir, base_env, store, store_proc, join_secret,
-                                  t_start, timeout_s, grace_s, echo)
+    interrupted, err = _run_nodes(job, job_path, world, run_dir, base_env, store, store_proc,
+                                  join_secret, t_start, timeout_s, grace_s, echo, local)
+    if not local:          # (the last generation's members are waited for: they ship as their process ends)
+        collect_run_outputs(store, join_secret, run_dir, max(30.0, job.rt.timeout_s))
     wall = time.time() - t_start
     if err is not None:
         raise err
     return _result(job, run_dir, world, wall, interrupted, echo)
 
 
-def _open_store(job: Job, run_dir: Path, world: int, join_secret: str | None):
+def _open_store(job: Job, run_dir: Path, world: int, join_secret: str | None, bind: tuple[str, int] | None):
     """The run's rendezvous store: ``(store, store process or None, listening socket or None)``;
     the caller keeps the socket referenced as long as the store serves."""
     import torch.distributed as dist
 
+    from .membership import host_store
+    if bind is not None:          # (a store of its own here: the coordinator of hosts is not restartable yet)
+        store, listening = host_store(world, max(job.rt.timeout_s, 60.0), bind[0], bind[1])
+        return store, None, listening
     if job.rt.recover and job.rt.restartable:
         # the store in a process of its own: this launcher (the coordinator) may die and be
         # replaced (``python -m skiptrain.runtime.coordinator --run RUN_DIR``) without losing the run
@@ -143,36 +157,37 @@ def _open_store(job: Job, run_dir: Path, world: int, join_secret: str | None):
         store = dist.TCPStore("127.0.0.1", port, world, is_master=False, wait_for_workers=False,
                               timeout=timedelta(seconds=max(job.rt.timeout_s, 60.0)))
         return store, store_proc, None
-    from .membership import host_store
     store, listening = host_store(world, max(job.rt.timeout_s, 60.0))   # loopback only
     return store, None, listening
 
 
-def _publish_for_joiners(job: Job, store, world: int, join_secret: str) -> None:
-    """Nodes joining later (``--join HOST:PORT``, announced in join.json by :func:`_node_env`)
-    take ids from ``world`` on and read the job here, signed by the coordinator (a joiner trusts
-    no job a process without the secret wrote)."""
+def _publish_for_joiners(job: Job, store, first_id: int, join_secret: str) -> None:
+    """Nodes joining (``--join HOST:PORT``, announced in join.json by :func:`_node_env`) take
+    ids from ``first_id`` on (the launched nodes' count; 0 when every node comes from another
+    host) and read the job here, signed by the coordinator (a joiner trusts no job a process
+    without the secret wrote)."""
     from .join import publish_job
 
-    store.add("nodes/next", world)
+    store.add("nodes/next", first_id)
     publish_job(store, job.to_dict(), join_secret)
 
 
 def _run_nodes(job: Job, job_path: Path, world: int, run_dir: Path, base_env: dict, store, store_proc,
                join_secret: str | None, t_start: float, timeout_s: float, grace_s: float,
-               echo: bool) -> tuple[bool, RuntimeFailure | None]:
-    """Start the node processes, watch them until the run ends, then stop every one that is left
-    and end the run (its secret, its join announcement, its store process).  Returns whether it
-    was interrupted and the error to raise for a failed run (None: none)."""
+               echo: bool, local: bool = True) -> tuple[bool, RuntimeFailure | None]:
+    """Start the node processes (none unless ``local``), watch them until the run ends, then stop
+    every one that is left and end the run (its secret, its join announcement, its store
+    process).  Returns whether it was interrupted and the error to raise for a failed run (None: none)."""
     procs: list = []
     forked = None
     failure = err = None
     interrupted = False
     killed_by_us: set[int] = set()
     try:
-        forked = start_nodes(job_path, job.node_module, world, run_dir / "logs", base_env,
-                             detached=store_proc is not None)
-        procs = forked.wait_started()
+        if local:
+            forked = start_nodes(job_path, job.node_module, world, run_dir / "logs", base_env,
+                                 detached=store_proc is not None)
+            procs = forked.wait_started()
         with SwarmProgress(run_dir / "metrics.jsonl", sum(ph.iterations for ph in job.phases), enabled=echo,
                            initial=job.resume["iteration"] if job.resume else 0):
             try:
@@ -295,7 +310,8 @@ def _members_now(job: Job, store, n_procs: int, secret: str | None) -> list[int]
     return [r for r in range(n_procs) if r in rec["alive"]]
 
 
-def _node_env(job: Job, run_dir: Path, world: int, port: int, detached: bool, join_secret: str | None) -> dict:
+def _node_env(job: Job, run_dir: Path, world: int, port: int, detached: bool, join_secret: str | None,
+              host: str) -> dict:
     """The node processes' environment; in recovery mode also the run's join secret (written to
     ``RUN_DIR/join_secret``, mode 0600, and announced in ``join.json``)."""
     repo_root = str(Path(__file__).resolve().parents[2])
@@ -310,7 +326,7 @@ def _node_env(job: Job, run_dir: Path, world: int, port: int, detached: bool, jo
         fd = os.open(sf, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)   # readable by this user only
         os.write(fd, join_secret.encode())
         os.close(fd)
-        (run_dir / "join.json").write_text(json.dumps({"host": "127.0.0.1", "port": port, "secret_file": str(sf)}))
+        (run_dir / "join.json").write_text(json.dumps({"host": host, "port": port, "secret_file": str(sf)}))
     return env
 
 
@@ -333,20 +349,24 @@ def _stop_children(procs) -> set[int]:
 
 def _monitor(job: Job, procs, store, world: int, t_start: float, timeout_s: float) -> dict | None:
     """Wait for all processes; return None on success or a failure description."""
-    def stalest(codes, now: float, older_than: float) -> dict | None:
-        """The running node whose heartbeat is oldest, if older than ``older_than`` seconds."""
+    leases = LeaseTable(job.rt.timeout_s, job.rt.timeout_s)
+    for r in range(world):
+        leases.watch(r)
+
+    def stalest(codes, older_than: float) -> dict | None:
+        """The running node whose renewals stopped longest ago, if longer than ``older_than`` s."""
         worst = None
         for r in range(world):
-            key = f"hb/{r}"
             try:
-                if not store.check([key]):
-                    continue
-                t, state = parse_heartbeat(store.get(key).decode())
+                renewal = parse_renewal(store.get(f"hb/{r}").decode()) if store.check([f"hb/{r}"]) else None
             except Exception:  # noqa: BLE001
-                continue
-            age = now - float(t)
-            if state != "done" and codes[r] is None and age > older_than and (worst is None or age > worst["age"]):
-                worst = {"kind": "hung", "node": r, "age": age, "t": now}
+                renewal = None
+            if renewal is not None:
+                leases.observe(r, renewal)
+            age = leases.age(r)
+            done = renewal is not None and renewal.state == "done"
+            if not done and codes[r] is None and age > older_than and (worst is None or age > worst["age"]):
+                worst = {"kind": "hung", "node": r, "age": age, "t": time.time()}
         return worst
 
     next_hb = time.time() + job.rt.heartbeat_s
@@ -356,7 +376,7 @@ def _monitor(job: Job, procs, store, world: int, t_start: float, timeout_s: floa
         if bad:
             # a peer that timed out waiting on a hung node may exit first (gloo's timeout and the
             # heartbeat deadline are the same length): blame a node that has stopped heartbeating
-            hung = stalest(codes, time.time(), 0.5 * job.rt.timeout_s)
+            hung = stalest(codes, 0.5 * job.rt.timeout_s)
             return hung or {"kind": "exit", "node": bad[0][0], "code": bad[0][1], "t": time.time()}
         if all(c == 0 for c in codes):
             return None
@@ -365,7 +385,7 @@ def _monitor(job: Job, procs, store, world: int, t_start: float, timeout_s: floa
             return {"kind": "timeout", "t": now}
         if now >= next_hb:
             next_hb = now + job.rt.heartbeat_s
-            hung = stalest(codes, now, job.rt.timeout_s)
+            hung = stalest(codes, job.rt.timeout_s)
             if hung:
                 return hung
         time.sleep(0.05)
@@ -403,7 +423,8 @@ def _explain(job: Job, procs, failure: dict, run_dir: Path, store, killed_by_us:
         blamed = [d["node"] for d in reports.values() if d.get("node") is not None and d["node"] >= 0]
         node = self_blamed[0] if self_blamed else (blamed[0] if blamed else failure.get("node"))
         d = reports.get(node) or (reports.get(failure.get("node")) if failure.get("node") is not None else None)
-        why = f"{d['type']}: {d['msg']}" if d else describe_exit(procs[node].returncode if node is not None else None)
+        code = procs[node].returncode if node is not None and node < len(procs) else failure.get("code")
+        why = f"{d['type']}: {d['msg']}" if d else describe_exit(code)
         head = f"{_describe(job, node) if node is not None else 'a node'} failed: {why}"
     lines = [head]
     for r, d in sorted(reports.items()):

@@ -15,7 +15,8 @@ read and write any key.  So
   make the tag, and the tag covers the key name, so a value cannot be moved to another key or
   node;
 * the coordinator reads these keys through :class:`Verifier`: a value whose tag does not verify
-  (or an older heartbeat replayed over a newer one) is ignored and logged, never acted on; nodes
+  is ignored and logged (an older lease renewal written back over a newer one is the
+  coordinator's :class:`~skiptrain.runtime.lease.LeaseTable`'s to refuse), never acted on; nodes
   read the coordinator's the same way (``recovery.generation_record``, ``join.read_job``).
 
 A signed value is ``<value>#sig=<64 hex digits>``.  Runs without a secret (no ``--recover``)
@@ -113,24 +114,16 @@ def set_member(store, node: int, name: str, value: str) -> None:
     store.set(name, sign(key_from_env(node), name, value))
 
 
-def parse_heartbeat(raw: str) -> tuple[float, str]:
-    """``(time, state)`` of a heartbeat value ``"<time>:<state>"`` (tag stripped)."""
-    t, _, state = strip_tag(raw).partition(":")
-    return float(t), state
-
-
 class Verifier:
     """Coordinator side: reads node-written keys and keeps only what the writer's key signed.
 
-    A value that fails (missing or wrong tag, a heartbeat older than one already seen) is
-    ignored; each distinct forgery is printed to stderr and logged to ``log_path`` once.
+    A value that fails (missing or wrong tag) is ignored; each distinct forgery is printed to stderr and logged to ``log_path`` once.
     """
 
     def __init__(self, secret: str, log_path: Path | None = None):
         self.secret = secret
         self.log_path = log_path
         self.keys: dict[int, bytes] = {}
-        self.last_hb: dict[int, float] = {}
         self.logged: set[tuple[str, str]] = set()
         self.forged = 0
 
@@ -150,21 +143,6 @@ class Verifier:
                         f"{node}: not written by an admitted node")
         return value
 
-    def heartbeat(self, store, node: int) -> tuple[float, str] | None:
-        """A verified heartbeat that is not older than the newest one seen (else None)."""
-        value = self.read(store, node, f"hb/{node}")
-        if value is None:
-            return None
-        try:
-            t, state = parse_heartbeat(value)
-        except ValueError:
-            return None
-        if t < self.last_hb.get(node, float("-inf")):
-            self.reject(f"hb/{node}", value, "an older heartbeat replayed over a newer one")
-            return None
-        self.last_hb[node] = t
-        return t, state
-
     def reject(self, name: str, raw: str, why: str) -> None:
         self.forged += 1
         if (name, raw) in self.logged:
@@ -176,25 +154,26 @@ class Verifier:
                 f.write(json.dumps({"forged": name, "why": why, "value": raw[:200], "t": time.time()}) + "\n")
 
 
-def listen_socket(host: str = "127.0.0.1") -> socket.socket:
-    """A TCP socket listening on ``host`` only (port chosen by the OS)."""
+def listen_socket(host: str = "127.0.0.1", port: int = 0) -> socket.socket:
+    """A TCP socket listening on ``host`` only (``port`` 0: chosen by the OS)."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     s = socket.socket(family, socket.SOCK_STREAM)
     s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    s.bind((host, 0))
+    s.bind((host, port))
     s.listen(512)
     return s
 
 
-def host_store(world: int, timeout_s: float, host: str = "127.0.0.1"):
-    """Host a ``TCPStore`` that listens on ``host`` only; returns ``(store, socket)``.
+def host_store(world: int, timeout_s: float, host: str = "127.0.0.1", port: int = 0):
+    """Host a ``TCPStore`` that listens on ``host`` only (``port`` 0: any free one); returns
+    ``(store, socket)``.
 
     A ``TCPStore`` server binds every interface by itself; here it serves on a socket bound to
     ``host``.  The caller keeps the socket referenced as long as the store serves.
     """
     import torch.distributed as dist
 
-    s = listen_socket(host)
+    s = listen_socket(host, port)
     store = dist.TCPStore(host, s.getsockname()[1], world, is_master=True, wait_for_workers=False,
                           timeout=timedelta(seconds=timeout_s), master_listen_fd=s.fileno())
     return store, s

@@ -39,6 +39,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--idle-exit", type=float, default=IDLE_EXIT_S, metavar="S",
                     help="exit when every node has been done or silent for S seconds (nobody left to serve)")
     args = ap.parse_args(argv)
+    from .lease import LeaseTable
     from .membership import coordinator_key, host_store, open_value, read_raw, secret_from_env
 
     store, listening = host_store(1, 60.0, args.host)  # noqa: F841 - the socket must stay open
@@ -52,9 +53,10 @@ def main(argv: list[str] | None = None) -> int:
         raw = read_raw(store, STOP_KEY)
         return raw is not None and open_value(key, STOP_KEY, raw) is not None
 
+    leases = LeaseTable(args.idle_exit, args.idle_exit)
     while not stop_requested():
         time.sleep(args.poll)
-        ended_since = (ended_since or time.time()) if run_ended(store, args.idle_exit) else None
+        ended_since = (ended_since or time.time()) if run_ended(store, leases) else None
         if ended_since is not None and time.time() - ended_since >= args.idle_exit:
             print(f"store: every node has been done or silent for {args.idle_exit:g} s and no coordinator "
                   "stopped the store; exiting", flush=True)
@@ -63,17 +65,21 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def run_ended(store, silent_s: float) -> bool:
-    """Whether every node that ever beat is done, or has not beaten for ``silent_s`` seconds."""
-    from .membership import parse_heartbeat
+def run_ended(store, leases) -> bool:
+    """Whether every node that ever renewed its lease is done, or has not renewed for
+    ``leases``' deadline (a :class:`~skiptrain.runtime.lease.LeaseTable`, timed on this
+    process's clock)."""
+    from .lease import parse_renewal
 
     try:
         ids = range(int(store.add("nodes/next", 0)))
-        beats = [store.get(f"hb/{r}").decode(errors="replace") for r in ids if store.check([f"hb/{r}"])]
-        if not beats:
-            return False
-        now = time.time()
-        return all(state == "done" or now - t >= silent_s for t, state in map(parse_heartbeat, beats))
+        seen = False
+        for r in ids:
+            renewal = parse_renewal(store.get(f"hb/{r}").decode(errors="replace")) if store.check([f"hb/{r}"]) else None
+            if renewal is not None:
+                seen = True
+                leases.observe(r, renewal)
+        return seen and all(r not in leases.last or leases.last[r].state == "done" or leases.expired(r) for r in ids)
     except (ValueError, RuntimeError):
         return False
 

@@ -132,10 +132,11 @@ def test_forged_store_writes_kill_nothing_and_are_logged(byte_data, tmp_path):
 
 
 @pytest.mark.slow
-def test_a_restarted_coordinator_never_signals_a_forged_pid(byte_data, tmp_path):
-    """restartable=True: the launcher is SIGKILLed, a process without the secret overwrites two
-    nodes' ``pid/<r>`` with an unrelated process's PID, then the replacement coordinator takes
-    over: it does not use those PIDs (logged), the unrelated process lives, and the run finishes."""
+def test_a_restarted_coordinator_never_signals_a_process_it_did_not_start(byte_data, tmp_path):
+    """restartable=True: the launcher is SIGKILLed, a process without the secret writes an
+    unrelated process's PID where older versions kept node PIDs (``pid/<r>``), then the
+    replacement coordinator takes over: it signals no process at all (it started none), the
+    unrelated process lives, and the run finishes."""
     import os
     import signal
 
@@ -165,7 +166,6 @@ def test_a_restarted_coordinator_never_signals_a_forged_pid(byte_data, tmp_path)
         coord = subprocess.run([sys.executable, "-m", "skiptrain.runtime.coordinator", "--run", str(run)], env=env,
                                capture_output=True, text=True, timeout=240)
         assert coord.returncode == 0, coord.stderr[-2000:]
-        assert "ignored a write to pid/2" in coord.stderr and "node 2: no verified PID" in coord.stderr
         assert sentinel.poll() is None, "an unrelated process was signalled"
     finally:
         sentinel.kill()

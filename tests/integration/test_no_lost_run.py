@@ -279,6 +279,7 @@ def test_a_store_left_behind_exits_once_every_node_is_done_or_silent(tmp_path):
 
     import torch.distributed as dist
 
+    from skiptrain.runtime.lease import Renewal
     from skiptrain.runtime.store import start
 
     (tmp_path / "logs").mkdir()
@@ -286,10 +287,11 @@ def test_a_store_left_behind_exits_once_every_node_is_done_or_silent(tmp_path):
     try:
         client = dist.TCPStore(host, port, 1, is_master=False, wait_for_workers=False, timeout=timedelta(seconds=10))
         client.add("nodes/next", 2)
-        client.set("hb/0", f"{time.time()!r}:done")
-        t_end = time.time() + 3
-        while time.time() < t_end:                        # node 1 keeps beating: the store serves on
-            client.set("hb/1", f"{time.time()!r}:run")
+        client.set("hb/0", Renewal("a", 1, 0, "done", 1.0).encode())
+        t_end, seq = time.time() + 3, 0
+        while time.time() < t_end:                        # node 1 keeps renewing: the store serves on
+            seq += 1
+            client.set("hb/1", Renewal("b", seq, 0, "run", 1.0).encode())
             time.sleep(0.2)
         assert proc.poll() is None
         proc.wait(timeout=10)                             # node 1 falls silent: the store exits by itself

@@ -61,10 +61,8 @@ def test_choose_stage_takes_the_empty_stage_first_else_the_best_simulated():
     assert rep["simulated_before_s"] >= sims[stage]
 
 
-def test_garbled_join_input_is_refused_not_a_crash_and_claimed_pids_are_never_dangerous():
-    from skiptrain.runtime.failure import pid_running
-    from skiptrain.runtime.join import hello_pid, respond, verify
-    from skiptrain.runtime.membership import member_key, sign
+def test_garbled_join_input_is_refused_not_a_crash():
+    from skiptrain.runtime.join import respond, verify
 
     nonce = "ab" * 32
     good = respond("s3cret", nonce, 7)
@@ -72,18 +70,6 @@ def test_garbled_join_input_is_refused_not_a_crash_and_claimed_pids_are_never_da
     assert not verify("s3cret", nonce, 8, good) and not verify("other", nonce, 7, good)
     for bad in ["", "\u00e9" * 64, "\ufffd", good[:-1], good + "0", None, 12]:
         assert verify("s3cret", nonce, 7, bad) is False          # wrong, never an exception
-    def signed(value, node=7, secret="s3cret"):
-        return sign(member_key(secret, node), f"join/hello/{node}", value)
-
-    assert hello_pid("s3cret", 7, signed(json.dumps({"pid": 4321}))) == 4321
-    for hello in ['{"pid": -1}', '{"pid": 0}', '{"pid": 1}', '{"pid": [1]}', '{"pid": 1e400}', '{"pid": true}',
-                  json.dumps({"pid": os.getpid()}), '{"pid": "12"}', "not json", "[]", '{"pid": 99999999999}']:
-        assert hello_pid("s3cret", 7, signed(hello)) == 0, hello
-    # a PID not signed with node 7's member key (no tag, another node's key, another secret) is never used
-    for forged in [json.dumps({"pid": 4321}), signed(json.dumps({"pid": 4321}), node=8),
-                   signed(json.dumps({"pid": 4321}), secret="guess"), signed(json.dumps({"pid": 4321})) + "0"]:
-        assert hello_pid("s3cret", 7, forged) == 0, forged
-    assert not pid_running(-1) and not pid_running(0) and not pid_running(1)
 
 
 def test_join_transfers_spread_over_live_replicas_and_keep_one_source_when_replicas_drift():

@@ -15,9 +15,8 @@ import time
 import pytest
 
 from conftest import wait_for
-from skiptrain.runtime.fencing import verified_pid
-from skiptrain.runtime.membership import (Verifier, host_store, member_key, open_signed, parse_heartbeat, sign,
-                                          strip_tag)
+from skiptrain.runtime.lease import Renewal, parse_renewal
+from skiptrain.runtime.membership import Verifier, host_store, member_key, open_signed, sign, strip_tag
 
 
 def _listening_addresses(port: int) -> list[str]:
@@ -58,22 +57,20 @@ class FakeStore(dict):
 
 def test_signed_values_verify_only_with_the_writers_key_and_name(tmp_path, capsys):
     k3 = member_key("s3cret", 3)
-    raw = sign(k3, "hb/3", "12.5:run")
-    assert open_signed(k3, "hb/3", raw) == "12.5:run" and parse_heartbeat(raw) == (12.5, "run")
+    beat = Renewal("a1", 4, 0, "run", 3.0).encode()
+    raw = sign(k3, "hb/3", beat)
+    assert open_signed(k3, "hb/3", raw) == beat and parse_renewal(raw) == Renewal("a1", 4, 0, "run", 3.0)
     assert open_signed(member_key("s3cret", 4), "hb/3", raw) is None      # another node's key
     assert open_signed(member_key("guess", 3), "hb/3", raw) is None       # another secret
     assert open_signed(k3, "hb/4", raw) is None                           # moved to another key
-    assert open_signed(k3, "hb/3", "12.5:run") is None and strip_tag(raw) == "12.5:run"
+    assert open_signed(k3, "hb/3", beat) is None and strip_tag(raw) == beat
     v = Verifier("s3cret", tmp_path / "rejected.jsonl")
-    st = FakeStore({"hb/3": sign(k3, "hb/3", "20.0:run"), "pid/3": "4321", "pid/4": sign(member_key("s3cret", 4),
-                                                                                        "pid/4", "4321")})
-    assert v.heartbeat(st, 3) == (20.0, "run")
-    st["hb/3"] = sign(k3, "hb/3", "10.0:run")                                # replayed older beat
-    assert v.heartbeat(st, 3) is None
-    assert verified_pid(v, st, 3) == 0 and verified_pid(v, st, 4) == 4321   # unsigned pid: never used
+    st = FakeStore({"hb/3": raw, "report/0/3": '{"node": 1}'})
+    assert v.read(st, 3, "hb/3") == beat
+    assert v.read(st, 3, "report/0/3") is None                            # unsigned: never acted on
     rows = [json.loads(x) for x in (tmp_path / "rejected.jsonl").read_text().splitlines()]
-    assert [r["forged"] for r in rows] == ["hb/3", "pid/3"]
-    assert "ignored a write to pid/3" in capsys.readouterr().err
+    assert [r["forged"] for r in rows] == ["report/0/3"]
+    assert "ignored a write to report/0/3" in capsys.readouterr().err
 
 
 def test_nodes_act_only_on_generation_records_the_coordinator_signed():
@@ -166,5 +163,5 @@ def test_a_joiner_accepts_only_a_join_result_the_coordinator_signed():
     node_join(real, 7, "s3cret", timeout_s=1.0)                               # admitted
     assert read_result("s3cret", 7, real["join/result/7"]) == "ok"
     assert read_result("s3cret", 8, real["join/result/7"]) is None           # not movable to another node
-    hello = open_signed(member_key("s3cret", 7), "join/hello/7", real["join/hello/7"])   # the joiner signs its PID
-    assert json.loads(hello)["pid"] == os.getpid()
+    hello = open_signed(member_key("s3cret", 7), "join/hello/7", real["join/hello/7"])   # signed, and no PID in it
+    assert "pid" not in json.loads(hello)

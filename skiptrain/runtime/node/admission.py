@@ -1,6 +1,6 @@
 """Admission of a node to a run in recovery mode, once, before it creates any process group.
 
-The node signs its PID for the coordinator, answers the join challenge (HMAC of a fresh nonce
+The node answers the join challenge (HMAC of a fresh nonce
 with the run's secret: :func:`~skiptrain.runtime.join.node_join`), and waits for the first
 generation's record, signed by the coordinator; a node joining a running job waits instead until
 the coordinator placed it and its nodes took the join up.
@@ -12,10 +12,9 @@ a wait that runs out raises as the store's wait does.
 
 from __future__ import annotations
 
-import os
 import sys
 
-from ..membership import coordinator_key, set_member
+from ..membership import coordinator_key
 
 
 def admit(control, joining: bool) -> dict | None:
@@ -27,7 +26,6 @@ def admit(control, joining: bool) -> dict | None:
     from ..recovery import wait_record
 
     rank, store, wait_s = control.rank, control.store, max(60.0, control.job.rt.timeout_s)
-    set_member(store, rank, f"pid/{rank}", str(os.getpid()))  # signed: a restarted coordinator fences by PID
     secret = secret_from_env()
     control.coord_key = coordinator_key(secret)   # it signs the generations
     node_join(store, rank, secret, wait_s)

@@ -21,11 +21,12 @@ import sys
 import time
 from collections import deque
 from datetime import timedelta
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-from ..failure import Heartbeat, NodeFailure
+from ..failure import EXIT_FENCED, Heartbeat, NodeFailure, abort_process, write_error
 from ..membership import open_value, read_raw, set_member
 
 # every iteration starts at rank 0's clock plus a margin that lets the start time reach every
@@ -43,6 +44,7 @@ class ControlPlane:
         hosted = os.environ.get("SKIPTRAIN_STORE_HOSTED") == "1" or \
             os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
         self.job, self.rank, self.world = job, rank, world
+        self.err_path = Path(job.run_dir) / "errors" / f"node{rank}.json"
         self.timeout = timedelta(seconds=job.rt.timeout_s)
         store_timeout = timedelta(seconds=max(job.rt.timeout_s, 60.0))
         self.store = store or dist.TCPStore(addr, port, world, is_master=(rank == 0 and not hosted),
@@ -61,14 +63,26 @@ class ControlPlane:
         # re-forming groups) must not stall the heartbeat
         self.hb_store = dist.TCPStore(addr, port, world, is_master=False, timeout=store_timeout,
                                       wait_for_workers=False)
-        self.hb = Heartbeat(self.hb_store, rank, world, job.rt.heartbeat_s, job.rt.timeout_s, on_peer_failed,
-                            describe=describe).start()
+        rt = job.rt
+        self.hb = Heartbeat(self.hb_store, rank, world, rt.heartbeat_s, rt.timeout_s, on_peer_failed,
+                            describe=describe, lease_floor_s=rt.heartbeat_deadline_s or rt.timeout_s,
+                            lease_ceiling_s=rt.lease_max_s,
+                            on_expired=self._lease_expired if rt.recover else None).start()
 
     # ---- membership ----------------------------------------------------------------------
+
+    def _lease_expired(self, why: str) -> None:
+        """Self-fencing (the heartbeat's watchdog thread): this node's lease ran out, so the
+        coordinator is about to give its place to another node; it stops at once, leaving its
+        error report, with :data:`~skiptrain.runtime.failure.EXIT_FENCED` (its supervisor may
+        bring it back as a new node)."""
+        write_error(self.err_path, self.rank, NodeFailure(why, node=self.rank), self.rank)
+        abort_process(EXIT_FENCED)
 
     def set_members(self, gen: int, alive: list[int]) -> None:
         """Generation ``gen`` with the nodes ``alive`` (ranks are positions in that list), for
         the heartbeat too."""
+        self.hb.gen = gen
         self.gen, self.alive = gen, list(alive)
         self.rank_of = {n: i for i, n in enumerate(self.alive)}
         self.hb.membership.alive = set(self.alive)
@@ -136,7 +150,10 @@ class ControlPlane:
 
     def start_together(self) -> tuple[bool, float, float]:
         """An iteration's common start: every node's stop flag gathered at rank 0, which answers
-        with one broadcast of (any stop, start time = its clock + the start margin, its clock)."""
+        with one broadcast of (any stop, start time = its clock + the start margin, its clock).
+        A node whose lease ran out (its watchdog is about to end it) starts nothing."""
+        if self.watch is not None and not self.hb.lease_holds():
+            self._lease_expired(f"node {self.rank}: its lease ran out before an iteration's start")
         flags = self.gather_at_root(torch.tensor([1.0 if self.stop_requested() else 0.0], dtype=torch.float64))
         tt = torch.zeros(3, dtype=torch.float64)
         if flags is not None:

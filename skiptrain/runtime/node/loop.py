@@ -53,7 +53,7 @@ class Node:
 
     def __init__(self, job: Job, rank: int, world: int, addr: str, port: int, store=None):
         from ...data.dataset import TokenDataset
-        # ``store`` given: a node joining a running job (rank = the id it was handed, see main)
+        # ``store`` given: a node that connected to a running job's store (rank = the id it was handed, see main)
         self.job, self.rank, self.world = job, rank, world
         self.stopped = False           # the launcher asked to stop; the phase ended early
         self.run_dir = Path(job.run_dir)
@@ -62,7 +62,8 @@ class Node:
         self.control = ControlPlane(job, rank, world, addr, port, store,
                                     self._peer_failed_soft if job.rt.recover else self._peer_failed, self.describe)
         self.store = self.control.store
-        self.joining = admit(self.control, joining=store is not None) if job.rt.recover else None
+        joining = store is not None and rank >= job.world   # (ids below the job's world: its first members)
+        self.joining = admit(self.control, joining=joining) if job.rt.recover else None
         self.control.form_groups()
         self.control.hb.arm()
         self.ds = TokenDataset.open(job.data_path)
@@ -213,11 +214,15 @@ class Node:
     def _start_together(self, st: "PhaseState") -> float:
         """The common start: everyone present (and agreed whether the launcher asked to stop: then
         every node ends the phase here, writes its stage and exits), then rank 0's clock plus a
-        margin, which this node waits for.  Returns that start time."""
+        margin, which this node waits for (on its own clock: at most the margin).  Returns that start time."""
         stop, t0, stamp = self.control.start_together()
         if stop:
             raise StopRequested(f"node {self.rank}: the launcher asked to stop")
-        delay = time.time() - stamp
+        # rank 0's clock is trusted only within the margin: a host whose clock is off waits at most
+        # the margin after the start reached it (on one host this is exactly rank 0's start time)
+        now = time.time()
+        delay = min(max(now - stamp, 0.0), t0 - stamp)
+        t0 = now + (t0 - stamp) - delay
         time.sleep(max(0.0, t0 - time.time()))
         st.emulation.iteration_started(delay)
         return t0

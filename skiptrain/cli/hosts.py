@@ -1,0 +1,125 @@
+"""``skiptrain coordinator`` and ``skiptrain node``: one run across hosts, one command per host.
+
+On one machine, the coordinator: it plans the job, publishes it, admits nodes by the join
+challenge, decides generations and re-plans, and assembles the run directory (it holds no model
+state)::
+
+    skiptrain coordinator --bind 10.1.0.1:29500 --out runs/h --join-secret-file run.secret --preset tiny
+
+On every other machine, in any order (each retries until the coordinator answers)::
+
+    skiptrain node --coordinator 10.1.0.1:29500 --join-secret-file run.secret
+
+The secret file is made by the coordinator when it does not exist yet (copy it to the hosts), or
+by the user beforehand.  docs/multihost.md: ports, addresses, what happens when a host or the
+link goes away.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+from ..errors import UserError
+
+
+def read_or_make_secret(path: str, make: bool) -> str:
+    """The run's secret from ``path``; when it does not exist and ``make``, a new one written
+    there (mode 0600)."""
+    from ..runtime.join import new_secret
+
+    p = Path(path)
+    if not p.exists() and make:
+        secret = new_secret()
+        fd = os.open(p, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        os.write(fd, secret.encode())
+        os.close(fd)
+        print(f"skiptrain coordinator: wrote a new join secret to {p}; copy it to every host", file=sys.stderr)
+        return secret
+    try:
+        secret = p.read_text().strip()
+    except OSError as e:
+        raise UserError(f"cannot read the join secret file {path!r} ({e.strerror}); copy the run's secret file "
+                        "from the coordinator's host") from None
+    if not secret:
+        raise UserError(f"the join secret file {path!r} is empty; copy the run's secret file from the coordinator's host")
+    return secret
+
+
+def cmd_coordinator(args: argparse.Namespace) -> int:
+    from ..runtime.addresses import AddressError, resolve
+    from ..runtime.store_client import parse_address
+    from ..train.rundir import claim_run_dir
+    from .launch import train_swarm
+    from .options import config_from_args
+
+    try:
+        host, port = parse_address(args.bind)
+        host = resolve(host)
+    except (ValueError, AddressError) as e:
+        raise UserError(f"--bind: {e}") from None
+    cfg = config_from_args(args, **{"data.path": args.data, "train.steps": args.steps,
+                                    "runtime.nodes": args.nodes, "runtime.heartbeat_deadline_s": args.heartbeat_deadline})
+    cfg.runtime.recover = True          # a run across hosts always survives failed nodes
+    cfg.check()
+    if not args.overwrite:      # (a run already there is refused before anything is written)
+        claim_run_dir(args.out)
+    secret = read_or_make_secret(args.join_secret_file, make=True)
+    try:
+        train_swarm(cfg, cfg.data.path, args.out, echo=True, overwrite=args.overwrite,
+                    hosts={"bind": (host, port), "secret": secret})
+    except OSError as e:
+        if e.errno is None or "address" not in str(e).lower():
+            raise
+        raise UserError(f"cannot listen on {host}:{port} ({e.strerror or e}); pick a free port, or an address "
+                        "of this host") from None
+    return 0
+
+
+def cmd_node(args: argparse.Namespace) -> int:
+    from ..runtime.addresses import AddressError
+    from ..runtime.agent import AgentOptions, NodeAgent
+
+    secret = read_or_make_secret(args.join_secret_file, make=False)
+    try:
+        agent = NodeAgent(AgentOptions(args.coordinator, secret, Path(args.work_dir), data=args.data,
+                                       advertise=args.advertise, wait_s=args.wait, rejoins=args.rejoins))
+        return agent.run()
+    except (ValueError, AddressError) as e:
+        raise UserError(str(e)) from None
+
+
+def register(sub) -> None:
+    from .options import add_config_args
+
+    p = sub.add_parser("coordinator", help="coordinate a run whose nodes are on other hosts (no model state here)",
+                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_config_args(p, default_preset="tiny")
+    p.add_argument("--bind", required=True, metavar="HOST:PORT",
+                   help="the address the nodes reach this coordinator at (one address of this host, a free port)")
+    p.add_argument("--out", required=True, help="run directory: the whole run is assembled here")
+    p.add_argument("--overwrite", action="store_true", help="replace the run already in --out")
+    p.add_argument("--join-secret-file", required=True, metavar="F",
+                   help="the run's secret; a new one is written there when F does not exist")
+    p.add_argument("--nodes", type=int, default=None, help="nodes the job is planned for (config runtime.nodes)")
+    p.add_argument("--data", default=None, help="prepared data directory (config data.path)")
+    p.add_argument("--steps", type=int, default=None)
+    p.add_argument("--heartbeat-deadline", type=float, default=None, metavar="S",
+                   help="the shortest lease of a node, in seconds (config runtime.heartbeat_deadline_s)")
+    p.set_defaults(func=cmd_coordinator, written_paths=("--out",))
+
+    p = sub.add_parser("node", help="run this host's node of a run that a `skiptrain coordinator` coordinates",
+                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--coordinator", required=True, metavar="HOST:PORT", help="the coordinator's --bind address")
+    p.add_argument("--join-secret-file", required=True, metavar="F", help="the run's secret (copied from the coordinator)")
+    p.add_argument("--data", default=None, help="this host's copy of the prepared data set (default: the job's path)")
+    p.add_argument("--advertise", default=None, metavar="ADDR",
+                   help="the address peers reach this host at (default: this host's address on its route to the coordinator)")
+    p.add_argument("--work-dir", default="skiptrain-node", help="where this host keeps its node's files and logs")
+    p.add_argument("--wait", type=float, default=120.0, metavar="S",
+                   help="keep trying to reach the coordinator this long before giving up")
+    p.add_argument("--rejoins", type=int, default=3,
+                   help="times this host's node joins again as a new node after it was cut off or failed")
+    p.set_defaults(func=cmd_node, written_paths=("--work-dir",))

@@ -1,0 +1,155 @@
+"""``skiptrain node``: the supervisor of one host's node in a run that spans hosts.
+
+It is started on its own on each host, in any order, and shares nothing with the coordinator but
+the network and the run's secret.  :class:`NodeAgent` loops:
+
+1. connect to the coordinator's store, retrying with backoff until it answers (at most
+   ``wait_s``), and read the job the coordinator signed (a wrong secret is refused here);
+2. check this host's data set against the job's (by fingerprint), pick the address to advertise
+   (the route to the coordinator, or ``--advertise``) and the interface that holds it, for gloo;
+3. take a node id and start the node process, ``python -m skiptrain.runtime.node --join``, with
+   its own run directory under ``work_dir`` (no file system is shared), and wait for it;
+4. ship the node's outputs to the coordinator and sign its exit report (:mod:`.shipping`,
+   :func:`~skiptrain.runtime.fencing.report_exit`);
+5. when the node finished the job: exit 0.  When it stopped because its lease ran out (a cut
+   link, a stopped host) or failed on its own while the run goes on, start again as a new node
+   (a new id and incarnation, healed from a live replica by the join), at most ``rejoins`` times.
+
+Failure semantics: bad input (an address, a data set, a secret) ends it with exit status 2 and
+one line; a refused admission with :data:`~skiptrain.runtime.join.EXIT_REFUSED`; a coordinator
+that does not answer within ``wait_s`` with status 2.  It signals only the node process it
+started itself, which also dies with it (``PR_SET_PDEATHSIG``).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..errors import UserError
+from .addresses import check_advertised, interface_of, route_address
+from .failure import EXIT_FENCED, describe_exit
+from .fencing import report_exit
+from .join import EXIT_REFUSED, SECRET_ENV, request_node_id
+from .membership import member_key
+from .shipping import ship_outputs
+from .store_client import open_run, parse_address
+
+#: First and longest pause between attempts to reach the coordinator (seconds).
+BACKOFF_S = (0.25, 3.0)
+
+
+@dataclass
+class AgentOptions:
+    coordinator: str                  # HOST:PORT of the coordinator's store
+    secret: str
+    work_dir: Path
+    data: str | None = None           # this host's copy of the data set (default: the job's path)
+    advertise: str | None = None      # the address peers reach this host at (default: the route's)
+    wait_s: float = 120.0             # how long to keep trying to reach the coordinator
+    rejoins: int = 3                  # new incarnations after a self-fencing or a failure
+
+
+class NodeAgent:
+    """One host's node supervisor (see the module's docstring)."""
+
+    def __init__(self, opts: AgentOptions):
+        self.opts = opts
+        self.host, self.port = parse_address(opts.coordinator)
+        self.child: subprocess.Popen | None = None
+
+    def run(self) -> int:
+        os.environ[SECRET_ENV] = self.opts.secret
+        code = 1
+        for attempt in range(self.opts.rejoins + 1):
+            store, job = self.connect()
+            env, data = self.prepare(job)
+            node = request_node_id(store)
+            code = self.run_node(node, env, data)
+            if not self.after(store, node, code):       # (the link may have broken: once more, anew)
+                self.after(self.connect()[0], node, code, last_try=True)
+            if code in (0, EXIT_REFUSED):
+                return code
+            if attempt < self.opts.rejoins:
+                why = "its lease ran out" if code == EXIT_FENCED else describe_exit(code)
+                print(f"skiptrain node: node {node} stopped ({why}); joining again as a new node",
+                      file=sys.stderr, flush=True)
+        return code
+
+    def connect(self):
+        """The store client and the job, retrying with backoff until the coordinator answers."""
+        from .join import JoinRefused
+        from .job import Job
+
+        end = time.monotonic() + self.opts.wait_s
+        pause = BACKOFF_S[0]
+        while True:
+            try:
+                _, _, store, job = open_run(self.opts.coordinator)
+                return store, Job.from_dict(job)
+            except JoinRefused as e:
+                raise UserError(f"the coordinator at {self.opts.coordinator} refused this node: {e}") from None
+            except RuntimeError as e:
+                if time.monotonic() + pause > end:
+                    raise UserError(f"no coordinator answered at {self.opts.coordinator} within "
+                                    f"{self.opts.wait_s:g} s ({str(e).splitlines()[0]}); start it with "
+                                    "`skiptrain coordinator --bind HOST:PORT`, or check the address") from None
+                time.sleep(pause)
+                pause = min(BACKOFF_S[1], pause * 1.5)
+
+    def prepare(self, job) -> tuple[dict, str]:
+        """The node process's environment and this host's data set, checked against the job."""
+        from ..data.dataset import TokenDataset
+
+        data = self.opts.data or job.data_path
+        want = job.meta.get("data_fingerprint")
+        have = TokenDataset.open(data).fingerprint()
+        if want and have != want:
+            raise UserError(f"the data set at {data} is not the job's (fingerprint {have[:12]} here, {want[:12]} "
+                            "in the job): prepare the same data set on this host, or point --data at it")
+        addr = self.opts.advertise or route_address(self.host, self.port)
+        check_advertised(addr, self.host)
+        env = dict(os.environ, GLOO_SOCKET_IFNAME=interface_of(addr), SKIPTRAIN_ADVERTISE=addr,
+                   SKIPTRAIN_STORE_HOSTED="1", SKIPTRAIN_DETACHED="0", OMP_NUM_THREADS="1")
+        env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).resolve().parents[2]),
+                                             os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+        return env, data
+
+    def run_node(self, node: int, env: dict, data: str) -> int:
+        """Start node ``node``'s process and wait for it; its exit status."""
+        run_dir = self.opts.work_dir / f"node{node}"
+        (run_dir / "logs").mkdir(parents=True, exist_ok=True)
+        env = dict(env, SKIPTRAIN_NODE_ID=str(node), SKIPTRAIN_WORK_DIR=str(run_dir), SKIPTRAIN_DATA=data)
+        print(f"skiptrain node: node {node} starting (advertising {env['SKIPTRAIN_ADVERTISE']} on "
+              f"{env['GLOO_SOCKET_IFNAME']}); log: {run_dir / 'logs' / 'node.log'}", file=sys.stderr, flush=True)
+        with open(run_dir / "logs" / "node.log", "ab") as log:
+            self.child = subprocess.Popen([sys.executable, "-m", "skiptrain.runtime.node", "--join",
+                                           self.opts.coordinator], env=env, stdout=log, stderr=subprocess.STDOUT,
+                                          stdin=subprocess.DEVNULL)
+        try:
+            return self.child.wait()
+        except KeyboardInterrupt:
+            self.child.send_signal(signal.SIGTERM)
+            raise
+
+    def after(self, store, node: int, code: int, last_try: bool = False) -> bool:
+        """Ship the node's outputs and sign its exit report; False when the store could not be
+        reached (on the last try the outputs then stay in the work directory, said in one line)."""
+        key = member_key(self.opts.secret, node)
+        try:
+            sent = ship_outputs(store, key, node, self.opts.work_dir / f"node{node}")
+            report_exit(store, key, node, code)
+        except Exception as e:  # noqa: BLE001 - the coordinator or the link is gone
+            if last_try:
+                print(f"skiptrain node: could not send node {node}'s outputs to the coordinator "
+                      f"({str(e).splitlines()[0][:120]}); they stay in {self.opts.work_dir / f'node{node}'}",
+                      file=sys.stderr, flush=True)
+            return False
+        print(f"skiptrain node: node {node} {describe_exit(code)}; sent {sent} bytes of outputs",
+              file=sys.stderr, flush=True)
+        return True

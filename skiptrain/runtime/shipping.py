@@ -1,0 +1,140 @@
+"""A node's outputs sent to the coordinator's run directory over the store (no shared file system).
+
+A node on another host writes its outputs (metrics rows while it was rank 0, its stage's final
+weights under ``parts/``, timelines and sample logs under ``phases/``, error reports) into its
+own run directory.  When the node process ends, however it ended, its supervisor on the same host
+ships them (:func:`ship_outputs`): every file's bytes to ``out/<node>/f/<path>``, then a manifest
+``out/<node>`` of paths and SHA-256 digests, signed with the node's member key.  The coordinator
+assembles them in its ``RUN_DIR`` (:func:`collect_outputs`): a file whose digest does not match
+the signed manifest is refused, JSON-lines files from several nodes are merged (metrics in step
+order, without duplicate rows), any other file is taken as it is.  Logs stay on their hosts.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import sys
+import time
+from pathlib import Path
+
+from .membership import Verifier, open_value, sign
+
+#: What a node ships, relative to its run directory (checkpoints and logs stay on the host).
+SHIPPED = ("metrics.jsonl", "elastic.jsonl", "parts/*.safetensors", "phases/**/*", "errors/*.json")
+#: A file larger than this is not shipped (said once on stderr): the store holds values in memory.
+MAX_FILE_BYTES = 512 << 20
+
+
+def _files(root: Path) -> list[Path]:
+    out = []
+    for pattern in SHIPPED:
+        out += [p for p in sorted(root.glob(pattern)) if p.is_file()]
+    return list(dict.fromkeys(out))
+
+
+def ship_outputs(store, key: bytes | None, node: int, root: Path) -> int:
+    """Send node ``node``'s outputs under ``root`` to the store, then their signed manifest;
+    returns the bytes sent."""
+    manifest, sent = {}, 0
+    for path in _files(Path(root)):
+        data = path.read_bytes()
+        rel = path.relative_to(root).as_posix()
+        if len(data) > MAX_FILE_BYTES:
+            print(f"skiptrain node {node}: not shipping {rel} ({len(data) >> 20} MiB): it stays in {root}",
+                  file=sys.stderr, flush=True)
+            continue
+        store.set(f"out/{node}/f/{rel}", data)
+        manifest[rel] = hashlib.sha256(data).hexdigest()
+        sent += len(data)
+    name = f"out/{node}"
+    store.set(name, sign(key, name, json.dumps(manifest)))
+    return sent
+
+
+def shipped(store, verifier: Verifier | None, node: int) -> dict[str, str] | None:
+    """Node ``node``'s verified manifest (path -> SHA-256), None when absent or forged."""
+    name = f"out/{node}"
+    if not store.check([name]):
+        return None
+    raw = store.get(name).decode(errors="replace")
+    value = verifier.read(store, node, name) if verifier is not None else open_value(None, name, raw)
+    try:
+        return dict(json.loads(value)) if value is not None else None
+    except (ValueError, TypeError):
+        return None
+
+
+def wait_shipped(store, verifier: Verifier | None, nodes, timeout_s: float) -> set[int]:
+    """Wait up to ``timeout_s`` for the manifests of ``nodes``; returns those still missing."""
+    end = time.time() + timeout_s
+    missing = set(nodes)
+    while missing and time.time() < end:
+        missing = {n for n in missing if shipped(store, verifier, n) is None}
+        time.sleep(0.05)
+    return missing
+
+
+def collect_outputs(store, verifier: Verifier | None, nodes, run_dir: Path) -> dict[int, int]:
+    """Write the outputs every node of ``nodes`` shipped into ``run_dir``; returns node -> files
+    taken.  JSON-lines files are merged with what is there already (rows in step order, each
+    once); a file whose bytes do not match the signed digest is refused (said on stderr)."""
+    run_dir = Path(run_dir)
+    lines: dict[str, list[str]] = {}
+    taken = {}
+    for n in sorted(nodes):
+        manifest = shipped(store, verifier, n) or {}
+        taken[n] = 0
+        for rel, digest in sorted(manifest.items()):
+            data = store.get(f"out/{n}/f/{rel}")
+            if hashlib.sha256(data).hexdigest() != digest or ".." in Path(rel).parts or rel.startswith("/"):
+                print(f"[coordinator] refused {rel} from node {n}: it does not match the node's signed manifest",
+                      file=sys.stderr, flush=True)
+                continue
+            taken[n] += 1
+            if rel.endswith(".jsonl"):
+                lines.setdefault(rel, []).extend(data.decode(errors="replace").splitlines())
+                continue
+            dest = run_dir / rel
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            dest.write_bytes(data)
+    for rel, rows in lines.items():
+        _merge_lines(run_dir / rel, rows)
+    return taken
+
+
+def _merge_lines(dest: Path, rows: list[str]) -> None:
+    """``dest`` with ``rows`` added: every distinct line once, in order of their ``step`` (or
+    ``iteration``) field where they have one (hosts' clocks may differ: never by time)."""
+    have = dest.read_text().splitlines() if dest.is_file() else []
+    seen, out = set(), []
+    for line in have + rows:
+        if line.strip() and line not in seen:
+            seen.add(line)
+            out.append(line)
+
+    def when(line: str) -> float:
+        try:
+            d = json.loads(line)
+            return float(d.get("step", d.get("iteration", 0.0)))
+        except (ValueError, TypeError, AttributeError):
+            return 0.0
+
+    out.sort(key=when)
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    dest.write_text("".join(line + "\n" for line in out))
+
+
+def collect_run_outputs(store, secret: str, run_dir: Path, wait_s: float) -> None:
+    """Coordinator side, at the end of a run across hosts: wait up to ``wait_s`` for the outputs
+    of the last generation's members, then take every node's that arrived."""
+    from .recovery import generation_record, latest_generation
+    from .membership import coordinator_key
+
+    verifier = Verifier(secret, Path(run_dir) / "rejected_writes.jsonl")
+    key = coordinator_key(secret)
+    rec = generation_record(store, latest_generation(store, key), key)
+    missing = wait_shipped(store, verifier, (rec or {}).get("alive", []), wait_s)
+    if missing:
+        print(f"[coordinator] no outputs arrived from node(s) {sorted(missing)}", file=sys.stderr, flush=True)
+    collect_outputs(store, verifier, range(int(store.add("nodes/next", 0))), run_dir)

@@ -1,0 +1,124 @@
+"""Leases are timed on the reader's own clock: a replayed or skewed renewal never keeps a node
+alive, a node that cannot renew stops before any reader sees its lease end, and the lease adapts
+to the renewal round trip within its floor and ceiling."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from skiptrain.runtime.lease import (FENCE_MARGIN_S, RTT_FACTOR, LeaseKeeper, LeaseTable, Renewal, clamp_lease,
+                                     parse_renewal)
+from skiptrain.runtime.membership import member_key, sign
+
+
+class Clock:
+    def __init__(self, t: float = 1000.0):
+        self.t = t
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def test_a_renewal_survives_its_encoding_and_its_tag():
+    r = Renewal("ab12", 7, 3, "run", 4.0)
+    assert parse_renewal(r.encode()) == r
+    assert parse_renewal(sign(member_key("s", 1), "hb/1", r.encode())) == r
+    for junk in ("", "12.5:run", "{}", '{"inc":"a","seq":"x","gen":0,"state":"run","lease":1}',
+                 '{"inc":"a","seq":1,"gen":0,"state":"run","lease":0}', "[1,2]"):
+        assert parse_renewal(junk) is None, junk
+
+
+def test_the_reader_times_leases_on_its_own_clock_whatever_the_writer_claims():
+    clock = Clock()
+    table = LeaseTable(3.0, 30.0, clock)
+    table.watch(1)
+    clock.t += 2.9
+    assert not table.expired(1)
+    clock.t += 0.2
+    assert table.expired(1)                   # admitted, never renewed: one floor after it was watched
+    assert table.observe(1, Renewal("a", 1, 0, "run", 3.0)) == "advanced"
+    assert not table.expired(1)
+    clock.t += 2.0
+    assert table.observe(1, Renewal("a", 1, 0, "run", 3.0)) == "same"     # read again: no refresh
+    clock.t += 1.1
+    assert table.expired(1) and not table.expired(1, margin_s=0.5)
+
+
+def test_a_replayed_renewal_never_refreshes_a_lease():
+    clock = Clock()
+    table = LeaseTable(3.0, 30.0, clock)
+    table.observe(1, Renewal("a", 5, 0, "run", 3.0))
+    clock.t += 2.5
+    assert table.observe(1, Renewal("a", 4, 0, "run", 3.0)) == "stale"
+    clock.t += 1.0
+    assert table.expired(1)
+
+
+def test_a_second_incarnation_on_one_identity_is_a_conflict():
+    table = LeaseTable(3.0, 30.0, Clock())
+    table.observe(2, Renewal("a", 1, 0, "run", 3.0))
+    assert table.observe(2, Renewal("b", 99, 0, "run", 3.0)) == "conflict"
+    assert table.last[2].inc == "a"
+
+
+def test_a_node_cannot_claim_a_lease_outside_the_readers_bounds():
+    clock = Clock()
+    table = LeaseTable(3.0, 10.0, clock)
+    table.observe(1, Renewal("a", 1, 0, "run", 1e9))
+    assert table.lease_of(1) == 10.0
+    table.observe(2, Renewal("a", 1, 0, "run", 0.01))
+    assert table.lease_of(2) == 3.0
+
+
+def test_done_never_expires():
+    clock = Clock()
+    table = LeaseTable(3.0, 10.0, clock)
+    table.observe(1, Renewal("a", 1, 0, "done", 3.0))
+    clock.t += 100
+    assert not table.expired(1)
+
+
+def test_the_lease_follows_the_slowest_recent_round_trip_within_bounds():
+    clock = Clock()
+    keeper = LeaseKeeper(2.0, 20.0, clock)
+    assert keeper.remaining() is None
+    r, sent = keeper.next(0, "run")
+    clock.t += 0.01
+    keeper.acknowledged(r, sent)
+    assert keeper.lease_s() == 2.0
+    r, sent = keeper.next(0, "run")
+    clock.t += 1.0
+    keeper.acknowledged(r, sent)
+    assert keeper.lease_s() == pytest.approx(RTT_FACTOR * 1.0)
+    r, sent = keeper.next(0, "run")
+    clock.t += 10.0
+    keeper.acknowledged(r, sent)
+    assert keeper.lease_s() == 20.0
+    assert [keeper.next(0, "run")[0].seq for _ in range(2)] == [4, 5]
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.floats(0.0, 3.0), st.floats(0.0, 2.0), st.booleans()), min_size=1, max_size=30),
+       st.floats(1.0, 5.0), st.floats(0.0, 2.0))
+def test_the_writer_stops_before_any_reader_sees_its_lease_end(steps, floor_s, read_delay):
+    """Against a simple reference: every acknowledged renewal was read at least ``read_delay``
+    after it was sent (the reader's clock starts then); the writer's deadline is always at least
+    FENCE_MARGIN_S before the reader's."""
+    clock = Clock(0.0)
+    keeper = LeaseKeeper(floor_s, 4 * floor_s, clock)
+    reader_deadline = None
+    for wait, rtt, acked in steps:
+        clock.t += wait
+        r, sent = keeper.next(0, "run")
+        if not acked:
+            continue
+        clock.t += rtt
+        keeper.acknowledged(r, sent)
+        read_at = sent + min(read_delay, rtt)           # the store had it no later than the ack came back
+        reader_deadline = read_at + clamp_lease(r.lease, floor_s, 4 * floor_s)
+    if reader_deadline is None:
+        assert keeper.remaining() is None
+        return
+    writer_deadline = clock.t + keeper.remaining()
+    assert writer_deadline <= reader_deadline - FENCE_MARGIN_S + 1e-9
