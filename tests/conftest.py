@@ -77,3 +77,16 @@ def wait_for(cond, seconds: float = 120) -> None:
 def metrics_lines(run: Path) -> int:
     m = run / "metrics.jsonl"
     return len(m.read_text().splitlines()) if m.exists() else 0
+
+
+class FakeStore(dict):
+    """A store's key-value calls (``check``, ``get``, ``set``) over a dict, values as written."""
+
+    def check(self, keys):
+        return all(k in self for k in keys)
+
+    def get(self, k):
+        return dict.__getitem__(self, k).encode()
+
+    def set(self, k, v):
+        self[k] = v

@@ -4,11 +4,11 @@ On one machine, the coordinator: it plans the job, publishes it, admits nodes by
 challenge, decides generations and re-plans, and assembles the run directory (it holds no model
 state)::
 
-    skiptrain coordinator --bind 10.1.0.1:29500 --out runs/h --join-secret-file run.secret --preset tiny
+    skiptrain coordinator --bind HOST0:29500 --out runs/h --join-secret-file run.secret --preset tiny
 
 On every other machine, in any order (each retries until the coordinator answers)::
 
-    skiptrain node --coordinator 10.1.0.1:29500 --join-secret-file run.secret
+    skiptrain node --coordinator HOST0:29500 --join-secret-file run.secret
 
 The secret file is made by the coordinator when it does not exist yet (copy it to the hosts), or
 by the user beforehand.  docs/multihost.md: ports, addresses, what happens when a host or the

@@ -6,7 +6,8 @@ user names (``--advertise``), and points gloo at the interface that holds it
 (:func:`interface_of`, passed as ``GLOO_SOCKET_IFNAME``): gloo would otherwise advertise the
 address its host name resolves to, which on many machines is a loopback address that no peer can
 reach.  A loopback address is refused when the coordinator is not on loopback
-(:func:`check_advertised`).
+(:func:`check_advertised`), and so is one from which the coordinator cannot be reached
+(:func:`check_reachable`).
 """
 
 from __future__ import annotations
@@ -76,3 +77,14 @@ def check_advertised(addr: str, coordinator_host: str) -> None:
     if is_loopback(addr) and not is_loopback(resolve(coordinator_host)):
         raise AddressError(f"this node would advertise the loopback address {addr}, which its peers on other hosts "
                            "cannot reach; give this host's network address with --advertise")
+
+
+def check_reachable(addr: str, host: str, port: int, timeout_s: float = 5.0) -> None:
+    """Refuse ``addr`` when a connection from it to the coordinator at ``host:port`` fails: peers
+    on the coordinator's network could not reach this host there either."""
+    try:
+        socket.create_connection((resolve(host), port), timeout=timeout_s, source_address=(addr, 0)).close()
+    except OSError as e:
+        raise AddressError(f"the coordinator at {host}:{port} cannot be reached from {addr} ({e.strerror or e}), so "
+                           "this node's peers could not reach it there either; give this host's address on the "
+                           "coordinator's network with --advertise") from None

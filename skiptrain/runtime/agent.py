@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import UserError
-from .addresses import check_advertised, interface_of, route_address
+from .addresses import check_advertised, check_reachable, interface_of, route_address
 from .failure import EXIT_FENCED, describe_exit
 from .fencing import report_exit
 from .join import EXIT_REFUSED, SECRET_ENV, request_node_id
@@ -114,6 +114,7 @@ class NodeAgent:
                             "in the job): prepare the same data set on this host, or point --data at it")
         addr = self.opts.advertise or route_address(self.host, self.port)
         check_advertised(addr, self.host)
+        check_reachable(addr, self.host, self.port)
         env = dict(os.environ, GLOO_SOCKET_IFNAME=interface_of(addr), SKIPTRAIN_ADVERTISE=addr,
                    SKIPTRAIN_STORE_HOSTED="1", SKIPTRAIN_DETACHED="0", OMP_NUM_THREADS="1")
         env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).resolve().parents[2]),
@@ -142,8 +143,8 @@ class NodeAgent:
         reached (on the last try the outputs then stay in the work directory, said in one line)."""
         key = member_key(self.opts.secret, node)
         try:
+            report_exit(store, key, node, code)        # (first: the coordinator acts on it at once)
             sent = ship_outputs(store, key, node, self.opts.work_dir / f"node{node}")
-            report_exit(store, key, node, code)
         except Exception as e:  # noqa: BLE001 - the coordinator or the link is gone
             if last_try:
                 print(f"skiptrain node: could not send node {node}'s outputs to the coordinator "

@@ -28,6 +28,7 @@ import os
 import subprocess
 import sys
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
@@ -39,10 +40,11 @@ from .event_log import LOG_NAME
 from .failure import RuntimeFailure, describe_exit
 from .job import Job
 from .lease import LeaseTable, parse_renewal
+from .membership import Verifier
 from .node_processes import start_nodes
 from .outputs import load_phase_timeline, merge_outputs, salvage_checkpoint, stop_store
 from .progress import SwarmProgress
-from .shipping import collect_run_outputs
+from .shipping import RowMirror, collect_run_outputs
 
 
 def host_floor_s(row: dict) -> float:
@@ -130,8 +132,10 @@ def _launch(job: Job, nodes: int | None, timeout_s: float, grace_s: float, echo:
     base_env = _node_env(job, run_dir, world, store.port, store_proc is not None, join_secret,
                          bind[0] if bind else "127.0.0.1")
     t_start = time.time()
-    interrupted, err = _run_nodes(job, job_path, world, run_dir, base_env, store, store_proc,
-                                  join_secret, t_start, timeout_s, grace_s, echo, local)
+    with (nullcontext() if local else RowMirror(store, Verifier(join_secret, run_dir / "rejected_writes.jsonl"),
+                                                 run_dir / "metrics.jsonl")):
+        interrupted, err = _run_nodes(job, job_path, world, run_dir, base_env, store, store_proc,
+                                      join_secret, t_start, timeout_s, grace_s, echo, local)
     if not local:          # (the last generation's members are waited for: they ship as their process ends)
         collect_run_outputs(store, join_secret, run_dir, max(30.0, job.rt.timeout_s))
     wall = time.time() - t_start

@@ -23,15 +23,24 @@ from .failure import pid_running
 from .job import Job
 
 
-def load_phase_timeline(run_dir: str | Path, phase: str, iteration: int) -> list[Event]:
-    """All nodes' events of one iteration of ``phase``, sorted by start (simulator format)."""
+def load_phase_records(run_dir: str | Path, phase: str) -> list[dict]:
+    """Every node's record of ``phase`` (``phases/<phase>/node<r>.json``), each read once."""
+    return [json.loads(f.read_text()) for f in sorted((Path(run_dir) / "phases" / phase).glob("node*.json"))]
+
+
+def iteration_events(records: list[dict], iteration: int) -> list[Event]:
+    """All nodes' events of one iteration in ``records``, sorted by start (simulator format)."""
     events: list[Event] = []
-    for f in sorted((Path(run_dir) / "phases" / phase).glob("node*.json")):
-        rec = json.loads(f.read_text())
+    for rec in records:
         if iteration < len(rec["iterations"]):
             events += from_dicts(rec["iterations"][iteration]["events"])
     events.sort(key=lambda e: (e.start, e.node))
     return events
+
+
+def load_phase_timeline(run_dir: str | Path, phase: str, iteration: int) -> list[Event]:
+    """All nodes' events of one iteration of ``phase``, sorted by start (simulator format)."""
+    return iteration_events(load_phase_records(run_dir, phase), iteration)
 
 def latest_job_checkpoint(job: Job):
     """A reader of the newest committed checkpoint of the job's last phase, or None."""
@@ -87,8 +96,9 @@ def stop_store(store_proc, store, secret: str | None) -> None:
 def merge_outputs(job: Job, run_dir: Path) -> None:
     """Per-iteration merged timelines, and the stage weights merged into model.safetensors."""
     for ph in job.phases:
+        records = load_phase_records(run_dir, ph.name)       # (read once: they hold every iteration)
         for it in range(ph.iterations):
-            ev = load_phase_timeline(run_dir, ph.name, it)
+            ev = iteration_events(records, it)
             if ev:
                 save_timeline(ev, run_dir / "phases" / ph.name / f"timeline_it{it}.json")
     parts = sorted((run_dir / "parts").glob("stage*.safetensors")) if (run_dir / "parts").is_dir() else []

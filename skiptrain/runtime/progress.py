@@ -9,6 +9,7 @@ on the next poll.  Stopping it is idempotent.
 from __future__ import annotations
 
 import json
+import sys
 import threading
 import time
 from pathlib import Path
@@ -44,7 +45,9 @@ class SwarmProgress:
     def _run(self) -> None:
         from tqdm import tqdm
 
-        bar = tqdm(total=self.total, initial=self.initial, unit="it", dynamic_ncols=True, desc="swarm")
+        # (a log file rather than a terminal, as for a coordinator started by a service: a line every 30 s)
+        bar = tqdm(total=self.total, initial=self.initial, unit="it", dynamic_ncols=True, desc="swarm",
+                   mininterval=0.1 if sys.stderr.isatty() else 30.0)
         offset, t0, tokens0 = 0, time.time(), None
         if self.initial:
             try:

@@ -1,6 +1,9 @@
 """A node's outputs sent to the coordinator's run directory over the store (no shared file system).
 
-A node on another host writes its outputs (metrics rows while it was rank 0, its stage's final
+While the run goes on, rank 0 of each generation also sends every metrics row it writes
+(:func:`publish_row`: ``metrics/<i>``, signed), and the coordinator appends them to its
+``metrics.jsonl`` as they come (:class:`RowMirror`), so a run's progress is visible where it is
+coordinated.  A node on another host writes its outputs (metrics rows while it was rank 0, its stage's final
 weights under ``parts/``, timelines and sample logs under ``phases/``, error reports) into its
 own run directory.  When the node process ends, however it ended, its supervisor on the same host
 ships them (:func:`ship_outputs`): every file's bytes to ``out/<node>/f/<path>``, then a manifest
@@ -15,10 +18,11 @@ from __future__ import annotations
 import hashlib
 import json
 import sys
+import threading
 import time
 from pathlib import Path
 
-from .membership import Verifier, open_value, sign
+from .membership import Verifier, open_value, sign, strip_tag
 
 #: What a node ships, relative to its run directory (checkpoints and logs stay on the host).
 SHIPPED = ("metrics.jsonl", "elastic.jsonl", "parts/*.safetensors", "phases/**/*", "errors/*.json")
@@ -138,3 +142,66 @@ def collect_run_outputs(store, secret: str, run_dir: Path, wait_s: float) -> Non
     if missing:
         print(f"[coordinator] no outputs arrived from node(s) {sorted(missing)}", file=sys.stderr, flush=True)
     collect_outputs(store, verifier, range(int(store.add("nodes/next", 0))), run_dir)
+
+
+def publish_row(store, key: bytes | None, node: int, line: str) -> None:
+    """Node side: one metrics row for the coordinator's ``metrics.jsonl``, signed."""
+    i = int(store.add("metrics/n", 1)) - 1
+    name = f"metrics/{i}"
+    store.set(name, sign(key, name, json.dumps({"node": node, "row": line})))
+
+
+class RowMirror:
+    """Coordinator side: a thread that appends the rows nodes publish to ``path`` as they come
+    (a row whose tag does not verify with its node's key is dropped, logged by the verifier)."""
+
+    def __init__(self, store, verifier: Verifier, path: Path, poll_s: float = 0.25):
+        self.store, self.verifier, self.path, self.poll_s = store, verifier, Path(path), poll_s
+        self.next = 0
+        self.stop_event = threading.Event()
+        self.thread = threading.Thread(target=self._loop, name="row-mirror", daemon=True)
+
+    def __enter__(self) -> "RowMirror":
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop_event.set()
+        self.thread.join(timeout=5)
+        self.poll()
+
+    def _loop(self) -> None:
+        while not self.stop_event.wait(self.poll_s):
+            self.poll()
+
+    def poll(self) -> None:
+        try:
+            top = int(self.store.add("metrics/n", 0))
+            rows = []
+            for i in range(self.next, top):
+                row = self._row(i)
+                if row is None and not self.store.check([f"metrics/{i}"]):
+                    break              # (counted, not yet written: next time)
+                self.next = i + 1
+                if row is not None:
+                    rows.append(row)
+        except Exception:  # noqa: BLE001 - the store is going away with the run
+            return
+        if rows:
+            with open(self.path, "a") as f:
+                f.write("".join(r + "\n" for r in rows))
+
+    def _row(self, i: int) -> str | None:
+        name = f"metrics/{i}"
+        if not self.store.check([name]):
+            return None
+        raw = self.store.get(name).decode(errors="replace")
+        try:
+            node = int(json.loads(strip_tag(raw))["node"])
+        except (ValueError, KeyError, TypeError):
+            return None
+        value = self.verifier.read(self.store, node, name)
+        try:
+            return str(json.loads(value)["row"]) if value is not None else None
+        except (ValueError, KeyError, TypeError):
+            return None

@@ -5,6 +5,7 @@ to the renewal round trip within its floor and ceiling."""
 from __future__ import annotations
 
 import pytest
+from conftest import FakeStore
 from hypothesis import given, settings, strategies as st
 
 from skiptrain.runtime.lease import (FENCE_MARGIN_S, RTT_FACTOR, LeaseKeeper, LeaseTable, Renewal, clamp_lease,
@@ -122,3 +123,27 @@ def test_the_writer_stops_before_any_reader_sees_its_lease_end(steps, floor_s, r
         return
     writer_deadline = clock.t + keeper.remaining()
     assert writer_deadline <= reader_deadline - FENCE_MARGIN_S + 1e-9
+
+
+def test_the_coordinator_sees_a_replay_and_a_second_claim_on_one_identity(tmp_path):
+    from skiptrain.runtime.fencing import Members, report_exit
+    from skiptrain.runtime.membership import Verifier
+
+    clock = Clock()
+    key = member_key("s", 3)
+    members = Members([], FakeStore(), Verifier("s", tmp_path / "rejected.jsonl"), LeaseTable(3.0, 30.0, clock))
+    st = members.store
+    st["hb/3"] = sign(key, "hb/3", Renewal("a", 5, 0, "run", 3.0).encode())
+    assert members.renew({3}) == {} and members.code(3) is None
+    st["hb/3"] = sign(key, "hb/3", Renewal("a", 2, 0, "run", 3.0).encode())
+    assert members.renew({3}) == {3: "stale"}
+    clock.t += 3.5
+    assert members.lease_lost(3, 0.0) is not None and "no lease renewal for 3.50 s" in members.lease_lost(3, 0.0)
+    st["hb/3"] = sign(key, "hb/3", Renewal("b", 9, 0, "run", 3.0).encode())
+    assert members.renew({3}) == {3: "conflict"}
+    st["hb/3"] = Renewal("a", 99, 0, "run", 3.0).encode()               # unsigned: not node 3's
+    assert members.renew({3}) == {}
+    report_exit(st, key, 3, -9)
+    assert members.code(3) == -9
+    report_exit(st, member_key("s", 4), 3, 0)                           # signed by another node: ignored
+    assert members.code(3) is None

@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-from conftest import wait_for
+from conftest import FakeStore, wait_for
 from skiptrain.runtime.lease import Renewal, parse_renewal
 from skiptrain.runtime.membership import Verifier, host_store, member_key, open_signed, sign, strip_tag
 
@@ -42,17 +42,6 @@ def test_the_store_listens_on_loopback_only():
     store.set("k", "v")
     assert store.get("k") == b"v"
     sock.close()
-
-
-class FakeStore(dict):
-    def check(self, keys):
-        return all(k in self for k in keys)
-
-    def get(self, k):
-        return dict.__getitem__(self, k).encode()
-
-    def set(self, k, v):
-        self[k] = v
 
 
 def test_signed_values_verify_only_with_the_writers_key_and_name(tmp_path, capsys):

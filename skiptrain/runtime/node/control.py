@@ -27,7 +27,8 @@ import torch
 import torch.distributed as dist
 
 from ..failure import EXIT_FENCED, Heartbeat, NodeFailure, abort_process, write_error
-from ..membership import open_value, read_raw, set_member
+from ..membership import key_from_env, open_value, read_raw, set_member
+from ..shipping import publish_row
 
 # every iteration starts at rank 0's clock plus a margin that lets the start time reach every
 # node first: twice the slowest receipt of the last START_WINDOW iterations, within these bounds
@@ -91,6 +92,7 @@ class ControlPlane:
         """The default process group of the generation in force (store prefix ``g<gen>/pg``, or
         ``pg`` for generation 0) and a separate gloo group for pipeline messages, so collectives
         never share tags with them."""
+        self.store.set(f"g{self.gen}/here/{self.rank}", "1")     # (for those re-forming: :meth:`await_members`)
         prefix = f"g{self.gen}/pg" if self.gen else "pg"
         dist.init_process_group("gloo", store=dist.PrefixStore(prefix, self.store),
                                 rank=self.rank_of[self.rank], world_size=len(self.alive), timeout=self.timeout)
@@ -111,9 +113,24 @@ class ControlPlane:
 
         abandon_process_groups()   # not destroy_process_group(): its shutdown() can block (see there)
         self.set_members(gen, sorted(alive))
-        self.form_groups()
         if self.watch is not None:
             self.watch.gen = gen
+            self.await_members()
+        self.form_groups()
+
+    def await_members(self) -> None:
+        """Every member of the generation in force present before the groups' rendezvous (which
+        would wait the whole ``timeout_s`` for a member that failed meanwhile); raises
+        :class:`NodeFailure` as soon as a newer generation is announced, or after ``timeout_s``."""
+        here = f"g{self.gen}/here"
+        self.store.set(f"{here}/{self.rank}", "1")
+        keys = [f"{here}/{n}" for n in self.alive]
+        end = time.monotonic() + self.timeout.total_seconds()
+        while not self.store.check(keys):
+            if self.watch.newer() or time.monotonic() > end:
+                raise NodeFailure(f"node {self.rank}: not every member of generation {self.gen} came to re-form "
+                                  "the groups; abandoning it", node=None)
+            time.sleep(0.005)
 
     def newer_generation(self) -> bool:
         return self.watch is not None and self.watch.newer()
@@ -250,6 +267,13 @@ class ControlPlane:
             print(f"skiptrain node {self.rank}: ignored a stop request not signed by the run's coordinator "
                   "(written by a process without the run's secret)", file=sys.stderr, flush=True)
         return False
+
+    def publish_row(self, line: str) -> None:
+        """A node on another host than its coordinator (``SKIPTRAIN_WORK_DIR``: its own run
+        directory) also sends each metrics row it writes, so the coordinator's run directory
+        follows the run as it goes (:class:`~skiptrain.runtime.shipping.RowMirror`)."""
+        if os.environ.get("SKIPTRAIN_WORK_DIR"):
+            publish_row(self.store, key_from_env(self.rank), self.rank, line)
 
     def publish_sched(self, sched, phase_idx: int, cost=None) -> None:
         """The lowest node of the generation tells the coordinator the schedule in force and,

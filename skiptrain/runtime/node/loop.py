@@ -337,6 +337,7 @@ class Node:
             row.update(gen=self.control.gen, nodes=len(self.control.alive))
         with open(self.run_dir / "metrics.jsonl", "a") as metrics:
             metrics.write(json.dumps(row) + "\n")
+        self.control.publish_row(json.dumps(row))
 
     def log_samples(self, out_dir: Path, phase: str, it: int, samples: list[int]) -> None:
         """Append the global sample indices this node trained in committed iteration ``it``

@@ -1,0 +1,261 @@
+"""Multi-host bench: one run across emulated hosts (a network namespace, PID and UTS namespace per
+host, on one bridge), started with the commands a user types, with the faults a real network has.
+
+Set-up: a coordinator (``skiptrain coordinator --bind``) on host 0 and one ``skiptrain node`` per
+host 1..N (N = 6; each with its own work directory: no file system is shared; each host's
+uplink shaped to 100 Mbit/s with ``tc`` HTB), the ``tiny``
+preset on a byte-level data set of the test excerpts, the planner's schedule, leases of 5 s
+(``--heartbeat-deadline 5``), renewals every 0.25 s.  Host 1 runs with its wall
+clock 60 s ahead for the whole run (``time.time`` shifted in its Python processes:
+libfaketime cannot skew a Python 3.11 process here, see :mod:`skiptrain.runtime.host_swarm`).
+
+Per seed, two runs of the same job: one without events (the reference loss), one with, in order,
+each after the swarm is back at full strength:
+
+1. the N hosts are started in random order within 10 s;
+2. ``kill -9`` of a node process (host 2);
+3. a 2 s link blip (host 3);
+4. a 20 s partition of one host (host 4);
+5. ``SIGSTOP`` of a node process for 20 s (host 5);
+6. a fresh host (N + 1) starts ``skiptrain node`` mid-run.
+
+Per event: ``detect_s`` (the fault to the coordinator's decision, from ``recoveries.jsonl``),
+``resume_s`` (the fault to the first iteration the survivors finish in the new generation),
+``back_s`` (the fault to the first iteration with the host back, as a new node) and whether
+anything was fenced that should not have been.  Over the run: ``false_fencings``,
+``samples_lost`` and ``samples_repeated`` (the sample logs of every node, against the job's
+order), ``final_loss_ratio`` (validation loss with events over without), and
+``iteration_measured_over_simulated`` (median iteration of the run without events over the
+simulator's).  Median and maximum over the seeds.  Not measured: the coordinator's death (a run
+across hosts has no ``--resume`` yet: docs/multihost.md).
+
+    .venv/bin/python bench/multihost.py [--quick] [--json PATH] [--keep DIR]
+
+``--quick``: one seed and fewer steps (same code path).  The run directories stay in ``--keep``
+(default ``runs/bench/multihost``), one new folder per bench run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import signal
+import statistics
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from skiptrain.data.corpus import read_documents  # noqa: E402
+from skiptrain.data.dataset import write_dataset  # noqa: E402
+from skiptrain.runtime.host_swarm import HostSwarm, children  # noqa: E402
+from skiptrain.runtime.netns import Hosts  # noqa: E402
+from skiptrain.runtime.recovery import trained_samples  # noqa: E402
+
+NODES = 6
+RATE_MBIT = 100.0
+EVENTS = ("kill -9 of a node process", "2 s link blip", "20 s partition of a host", "SIGSTOP of a node for 20 s",
+          "a fresh host joins")
+
+
+def make_data(root: Path) -> Path:
+    t = REPO / "tests" / "data"
+    data = root / "data"
+    if not (data / "manifest.json").is_file():
+        write_dataset(data, read_documents([str(t / "hamlet_excerpt.txt"), str(t / "macbeth_excerpt.txt")]),
+                      read_documents([str(t / "milton_excerpt.txt")]), tokenizer="byte", val_fraction=0.1,
+                      source="test excerpts")
+    return data
+
+
+def coordinator_args(steps: int, seed: int) -> list[str]:
+    return ["--nodes", str(NODES), "--steps", str(steps), "--heartbeat-deadline", "5",
+            "--set", "runtime.heartbeat_s=0.25", "--set", "train.eval_batches=4", "--set", f"train.seed={seed}"]
+
+
+def full_strength(swarm: HostSwarm, n: int, after: float):
+    """The first metrics row after ``after`` (unix s) with ``n`` nodes in its generation."""
+    return next((r for r in swarm.rows() if "loss" in r and r.get("nodes") == n and r["time"] > after), None)
+
+
+def detection(swarm: HostSwarm, node: int):
+    return next((e for e in swarm.events() if e.get("node") == node and not e.get("join")), None)
+
+
+def fault_event(swarm: HostSwarm, kind: str, host: int, inject, heal, n: int) -> dict:
+    """Inject a fault on ``host``'s current node, time its detection, the survivors' resumption
+    and the host's return as a new node; ``heal`` (after 20 s) undoes a cut or a stop."""
+    node = swarm.node_ids(host)[-1]
+    before = len(swarm.node_ids(host))
+    t = time.time()
+    inject()
+    row = swarm.wait(lambda: detection(swarm, node), 60, f"{kind}'s detection")
+    resumed = swarm.wait(lambda: next((r for r in swarm.rows() if "loss" in r and r.get("gen", 0) >= row["gen"]
+                                       and r["time"] > row["t_detect"]), None), 90, f"training after {kind}")
+    if heal is not None:
+        time.sleep(max(0.0, 20.0 - (time.time() - t)))
+        heal()
+    swarm.wait(lambda: len(swarm.node_ids(host)) > before, 120, f"host {host}'s new node")
+    back = swarm.wait(lambda: full_strength(swarm, n, t), 180, f"full strength after {kind}")
+    return {"kind": kind, "host": host, "node": node, "detect_s": round(row["t_detect"] - t, 3),
+            "resume_s": round(resumed["time"] - t, 3), "back_s": round(back["time"] - t, 3), "cause": row["cause"]}
+
+
+def blip(swarm: HostSwarm, hosts: Hosts, host: int) -> dict:
+    """A 2 s cut of ``host``: nothing may be fenced."""
+    seen = len(swarm.events())
+    t = time.time()
+    hosts.cut(host)
+    time.sleep(2.0)
+    hosts.restore(host)
+    time.sleep(8.0)                       # longer than the lease: a fencing would show by now
+    fenced = [e for e in swarm.events()[seen:] if not e.get("join")]
+    return {"kind": EVENTS[1], "host": host, "detect_s": None, "resume_s": None, "back_s": None,
+            "fenced": [e["node"] for e in fenced], "new_generation": bool(fenced), "t": t}
+
+
+def join_event(swarm: HostSwarm, host: int, n: int) -> dict:
+    t = time.time()
+    swarm.start_node(host)
+    back = swarm.wait(lambda: full_strength(swarm, n + 1, t), 180, "the fresh host's first iteration")
+    joined = next((e for e in swarm.events() if e.get("join") and e.get("node") in swarm.node_ids(host)), {})
+    return {"kind": EVENTS[4], "host": host, "node": (swarm.node_ids(host) or [None])[-1], "detect_s": None,
+            "resume_s": None, "back_s": round(back["time"] - t, 3), "transfer_s": joined.get("transfer_s")}
+
+
+def run_once(root: Path, data: Path, steps: int, seed: int, events: bool) -> dict:
+    """One run (with or without the events) under ``root``; its figures."""
+    skew = {1: 60.0} if events else {}
+    rng = random.Random(seed)
+    with Hosts(NODES + 2) as hosts:
+        for i in range(1, NODES + 2):
+            hosts.shape(i, RATE_MBIT)             # every node host's uplink
+        swarm = HostSwarm(hosts, root, str(data), coordinator_args(steps, seed), skewed=skew)
+        swarm.start_coordinator()
+        swarm.wait_secret()
+        order = list(range(1, NODES + 1))
+        rng.shuffle(order)
+        t0 = time.time()
+        for i in order:
+            time.sleep(rng.uniform(0, 10.0 / NODES) if events else 0.0)
+            swarm.start_node(i)
+        first = swarm.wait(lambda: full_strength(swarm, NODES, t0), 180, "every host in the first generation")
+        rows = [{"kind": "hosts started in any order", "detect_s": None, "resume_s": None,
+                 "back_s": round(first["time"] - t0, 3), "order": order}] if events else []
+        if events:
+            rows.append(fault_event(swarm, EVENTS[0], 2, lambda: swarm.signal_node(2, signal.SIGKILL), None, NODES))
+            rows.append(blip(swarm, hosts, 3))
+            rows.append(fault_event(swarm, EVENTS[2], 4, lambda: hosts.cut(4), lambda: hosts.restore(4), NODES))
+            rows.append(fault_event(swarm, EVENTS[3], 5, lambda: swarm.signal_node(5, signal.SIGSTOP),
+                                    lambda: _cont(swarm, 5), NODES))
+            rows.append(join_event(swarm, NODES + 1, NODES))
+            if swarm.last_step() >= steps:
+                raise SystemExit(f"the run ended before the events did: give more --steps than {steps}")
+        rc = swarm.finish(timeout_s=3600)
+        if rc != 0:
+            raise SystemExit(f"the coordinator failed ({rc}): {swarm.log('coordinator')[-3000:]}")
+        addresses = [line.split("advertising ")[1].split()[0] for i in range(1, NODES + 2)
+                     for line in swarm.log(f"node_h{i}").splitlines() if "advertising " in line]
+    return {"rows": rows, "summary": json.loads((root / "run" / "run.json").read_text()),
+            "events": swarm.events(), "addresses": addresses, "skewed": skew,
+            "samples": trained_samples(root / "run" / "phases" / "train"), "steps": steps}
+
+
+def _cont(swarm: HostSwarm, host: int) -> None:
+    """SIGCONT to the node process stopped on ``host`` (it finds its lease gone and stops)."""
+    agent = swarm.agents[host].program_pid(timeout=5)
+    for pid in children(agent) if agent else []:
+        os.kill(pid, signal.SIGCONT)
+
+
+def figures(base: dict, ev: dict, gb: int) -> dict:
+    faulted = {r.get("node") for r in ev["rows"] if r.get("node") is not None}
+    fenced = [e for e in ev["events"] if not e.get("join") and not e.get("restart") and e.get("node") not in faulted]
+    samples = [i for s in ev["samples"].values() for i in s]
+    want = set(range(ev["steps"] * gb))
+    return {"events": ev["rows"], "false_fencings": len(fenced) + sum(len(r.get("fenced", [])) for r in ev["rows"]),
+            "samples_lost": len(want - set(samples)), "samples_repeated": len(samples) - len(set(samples)),
+            "final_loss_ratio": ev["summary"]["val_loss"] / base["summary"]["val_loss"],
+            "iteration_measured_over_simulated": base["summary"]["median_iteration_s"]
+            / base["summary"]["simulated_iteration_s"],
+            "loopback_addresses": [a for a in ev["addresses"] if a.startswith("127.")],
+            "clock_skew": ev["skewed"]}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--quick", action="store_true", help="one seed, fewer steps")
+    ap.add_argument("--json", type=Path, help="write the results here")
+    ap.add_argument("--keep", type=Path, default=REPO / "runs" / "bench" / "multihost", help="the runs go here")
+    ap.add_argument("--seeds", type=int, default=None)
+    ap.add_argument("--steps", type=int, default=None)
+    args = ap.parse_args()
+    ok, why = Hosts.available()
+    if not ok:
+        raise SystemExit(f"bench/multihost.py needs network namespaces: {why}")
+    seeds = args.seeds or (1 if args.quick else 5)
+    steps = args.steps or (1500 if args.quick else 2000)
+    data = make_data(args.keep)
+    keep = args.keep / time.strftime("%Y%m%d-%H%M%S")       # (a new folder per bench run: nothing is replaced)
+    per_seed = []
+    for k in range(seeds):
+        seed = 1234 + k
+        base = run_once(keep / f"seed{seed}" / "no_events", data, steps, seed, events=False)
+        ev = run_once(keep / f"seed{seed}" / "events", data, steps, seed, events=True)
+        per_seed.append(figures(base, ev, _global_batch(keep / f"seed{seed}" / "events")))
+        print(f"seed {seed}: done", flush=True)
+    out = summarize(per_seed)
+    out.update(quick=args.quick, seeds=seeds, steps=steps, nodes=NODES, runs=str(keep), per_seed=per_seed)
+    print_table(out)
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(out, indent=1))
+    return 0
+
+
+def _global_batch(root: Path) -> int:
+    job = json.loads((root / "run" / "job.json").read_text())
+    sched = job["phases"][0]["schedule"]
+    return len(sched["micro_batches"]) * int(job["config"]["train"]["micro_batch"])
+
+
+def summarize(per_seed: list[dict]) -> dict:
+    def stat(values):
+        values = [v for v in values if v is not None]
+        return {"median": statistics.median(values), "max": max(values)} if values else None
+
+    kinds = [r["kind"] for r in per_seed[0]["events"]]
+    events = []
+    for kind in kinds:
+        rs = [r for s in per_seed for r in s["events"] if r["kind"] == kind]
+        events.append({"kind": kind, **{k: stat([r.get(k) for r in rs]) for k in ("detect_s", "resume_s", "back_s")},
+                       "fenced": sorted({n for r in rs for n in r.get("fenced", [])})})
+    out = {"events": events}
+    for key in ("false_fencings", "samples_lost", "samples_repeated", "final_loss_ratio",
+                "iteration_measured_over_simulated"):
+        out[key] = stat([s[key] for s in per_seed])
+    out["loopback_addresses"] = sorted({a for s in per_seed for a in s["loopback_addresses"]})
+    return out
+
+
+def print_table(out: dict) -> None:
+    def fmt(st):
+        return "-" if st is None else f"{st['median']:.2f} / {st['max']:.2f}"
+
+    print(f"\n{'event':32s} {'detect s':>14s} {'training again s':>17s} {'back as new node s':>19s}")
+    for e in out["events"]:
+        print(f"{e['kind'][:32]:32s} {fmt(e['detect_s']):>14s} {fmt(e['resume_s']):>17s} {fmt(e['back_s']):>19s}"
+              + (f"  fenced {e['fenced']}" if e["fenced"] else ""))
+    print("(median / max over seeds)")
+    for key in ("false_fencings", "samples_lost", "samples_repeated", "final_loss_ratio",
+                "iteration_measured_over_simulated"):
+        print(f"{key:36s} {fmt(out[key])}")
+    print(f"{'loopback addresses advertised':36s} {out['loopback_addresses'] or 'none'}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,173 @@
+"""A run across emulated hosts, for tests and benchmarks: a coordinator on host 0 of
+:class:`~skiptrain.runtime.netns.Hosts` and one ``skiptrain node`` per other host, each with its
+own work directory, plus the faults a real network has (a killed node process, a cut link, a
+stopped process, a new host, a host whose clock is off) and what the coordinator's run directory
+says about them as the run goes (``metrics.jsonl``, ``recoveries.jsonl``).
+
+Everything runs as separate programs with the command lines a user types; this module only
+starts them, injects the faults from outside, and reads files.  It signals only the processes it
+started and the node processes those started (found through ``/proc``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from .event_log import LOG_NAME
+from .netns import Hosts
+
+PORT = 29500
+
+
+def children(pid: int) -> list[int]:
+    """The direct children of ``pid`` (empty when it is gone)."""
+    try:
+        return [int(w) for w in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+    except OSError:
+        return []
+
+
+class HostSwarm:
+    """Host 0 coordinates; hosts 1..n run nodes (see the module's docstring).  ``root`` gets the
+    run directory (``run``), the secret, each host's work directory (``work/h<i>``) and logs."""
+
+    def __init__(self, hosts: Hosts, root: Path, data: str, coordinator_args: list[str],
+                 python: str = sys.executable, skewed: dict[int, str] | None = None):
+        self.hosts, self.root, self.data, self.python = hosts, Path(root), data, python
+        self.coordinator_args = coordinator_args
+        self.skewed = skewed or {}               # host -> its wall clock's offset in seconds
+        self.run_dir = self.root / "run"
+        self.secret = self.root / "secret"
+        self.coordinator = None
+        self.agents: dict[int, subprocess.Popen] = {}
+        self.env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[2]))
+
+    @property
+    def address(self) -> str:
+        return f"{self.hosts.addr(0)}:{PORT}"
+
+    def start_coordinator(self) -> None:
+        self.root.mkdir(parents=True, exist_ok=True)
+        log = open(self.root / "coordinator.log", "w")
+        self.coordinator = self.hosts.popen(0, [self.python, "-m", "skiptrain.cli", "coordinator", "--bind", self.address,
+                                                "--out", str(self.run_dir), "--join-secret-file", str(self.secret),
+                                                "--data", self.data, *self.coordinator_args],
+                                            env=self.env, stdout=log, stderr=subprocess.STDOUT)
+
+    def wait_secret(self, timeout_s: float = 60.0) -> None:
+        end = time.time() + timeout_s
+        while not self.secret.exists():
+            if time.time() > end or self.coordinator.poll() is not None:
+                raise RuntimeError(f"the coordinator wrote no secret: {self.log('coordinator')[-2000:]}")
+            time.sleep(0.05)
+
+    def start_node(self, i: int, *extra: str) -> subprocess.Popen:
+        """``skiptrain node`` on host ``i`` (its wall clock off when ``skewed`` names it)."""
+        argv = [self.python, "-m", "skiptrain.cli", "node", "--coordinator", self.address, "--join-secret-file",
+                str(self.secret), "--work-dir", str(self.root / "work" / f"h{i}"), "--data", self.data, *extra]
+        env = self.env
+        if i in self.skewed:
+            env = dict(env, PYTHONPATH=os.pathsep.join([str(self._skew_module(self.skewed[i])), env["PYTHONPATH"]]))
+        log = open(self.root / f"node_h{i}.log", "a")
+        self.agents[i] = self.hosts.popen(i, argv, env=env, stdout=log, stderr=subprocess.STDOUT)
+        return self.agents[i]
+
+    def _skew_module(self, offset_s: float) -> Path:
+        """A folder whose ``sitecustomize`` shifts this host's wall clock (``time.time``,
+        ``time.time_ns``) by ``offset_s`` in every Python process started with it on the path,
+        the node processes its supervisor starts included; the monotonic clock is left alone,
+        as on a host whose clock is wrong.  (libfaketime cannot do this for Python 3.11: with
+        the monotonic clock faked, timed waits stretch by the offset; without, ``time.sleep``
+        fails with EINVAL.)"""
+        d = self.root / f"clock{offset_s:+g}"
+        d.mkdir(parents=True, exist_ok=True)
+        (d / "sitecustomize.py").write_text(
+            "import time\n"
+            f"_OFFSET = {float(offset_s)!r}\n"
+            "_time, _time_ns = time.time, time.time_ns\n"
+            "time.time = lambda: _time() + _OFFSET\n"
+            "time.time_ns = lambda: _time_ns() + int(_OFFSET * 1e9)\n")
+        return d
+
+    def log(self, name: str) -> str:
+        try:
+            return (self.root / f"{name}.log").read_text(errors="replace")
+        except OSError:
+            return ""
+
+    # ---- what the run directory says
+
+    def rows(self) -> list[dict]:
+        return _jsonl(self.run_dir / "metrics.jsonl")
+
+    def events(self) -> list[dict]:
+        return _jsonl(self.run_dir / LOG_NAME)
+
+    def wait(self, predicate, timeout_s: float, what: str, poll_s: float = 0.05):
+        end = time.time() + timeout_s
+        while time.time() < end:
+            got = predicate()
+            if got:
+                return got
+            if self.coordinator.poll() is not None:
+                raise RuntimeError(f"the coordinator ended while waiting for {what}: {self.log('coordinator')[-3000:]}")
+            time.sleep(poll_s)
+        raise TimeoutError(f"no {what} within {timeout_s:g} s")
+
+    def wait_step(self, step: int, timeout_s: float = 120.0) -> dict:
+        return self.wait(lambda: next((r for r in self.rows() if r.get("step", 0) >= step and "loss" in r), None),
+                         timeout_s, f"training step {step}")
+
+    def last_step(self) -> int:
+        return max((r["step"] for r in self.rows() if "loss" in r), default=0)
+
+    # ---- nodes and faults
+
+    def node_ids(self, i: int) -> list[int]:
+        """The node ids host ``i`` has run, oldest first (its work directory's ``node<id>``)."""
+        d = self.root / "work" / f"h{i}"
+        return sorted(int(p.name[4:]) for p in d.glob("node*")) if d.is_dir() else []
+
+    def node_pid(self, i: int) -> int | None:
+        """The PID of the node process host ``i``'s supervisor runs now."""
+        agent = self.agents[i].program_pid(timeout=5)
+        if agent is None:
+            return None
+        kids = children(agent)
+        return kids[0] if kids else None
+
+    def signal_node(self, i: int, sig: int) -> None:
+        pid = self.node_pid(i)
+        if pid is None:
+            raise RuntimeError(f"host {i} runs no node process")
+        os.kill(pid, sig)
+
+    def finish(self, timeout_s: float) -> int:
+        """Wait for the coordinator and every supervisor; the coordinator's exit status."""
+        rc = self.coordinator.wait(timeout=timeout_s)
+        for p in self.agents.values():
+            try:
+                p.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                p.send_signal(signal.SIGKILL)
+        return rc
+
+
+def _jsonl(path: Path) -> list[dict]:
+    try:
+        lines = path.read_text().splitlines()
+    except OSError:
+        return []
+    out = []
+    for line in lines:
+        try:
+            out.append(json.loads(line))
+        except ValueError:
+            continue
+    return out

@@ -1,0 +1,69 @@
+"""One run across hosts: a coordinator and one ``skiptrain node`` per host, each in its own
+network, PID and UTS namespace (:mod:`skiptrain.runtime.netns`), sharing no file system with the
+coordinator.  A killed node process and a 20 s partition of another host: training goes on, each
+comes back as a new node, and the coordinator's run directory is complete.  Skipped (with the
+reason) where namespaces cannot be made."""
+
+from __future__ import annotations
+
+import json
+import signal
+import time
+
+import pytest
+
+from skiptrain.runtime.host_swarm import HostSwarm
+from skiptrain.runtime.netns import Hosts
+from skiptrain.runtime.recovery import trained_samples
+
+OK, WHY = Hosts.available()
+pytestmark = [pytest.mark.skipif(not OK, reason=f"cannot emulate hosts as network namespaces here: {WHY}"),
+              pytest.mark.slow]
+
+NODES = 5
+
+
+def test_a_run_across_hosts_survives_a_kill_and_a_partition(bpe_data, tmp_path):
+    with Hosts(NODES + 1) as hosts:
+        swarm = HostSwarm(hosts, tmp_path, str(bpe_data),
+                          ["--nodes", str(NODES), "--steps", "300", "--heartbeat-deadline", "5",
+                           "--set", "train.eval_batches=2", "--set", "runtime.heartbeat_s=0.25"])
+        swarm.start_coordinator()
+        swarm.wait_secret()
+        for i in (3, 1, 5, 2, 4):                       # any order
+            swarm.start_node(i)
+        swarm.wait_step(3, timeout_s=120)
+        # a kill -9 of host 2's node process: its supervisor reports it and it joins again
+        killed = swarm.node_ids(2)[-1]
+        t_kill = time.time()
+        swarm.signal_node(2, signal.SIGKILL)
+        row = swarm.wait(lambda: next((e for e in swarm.events() if e.get("node") == killed), None), 30,
+                         "the kill's detection")
+        assert row["t_detect"] - t_kill < 3.0 and "SIGKILL" in row["cause"]
+        swarm.wait(lambda: len(swarm.node_ids(2)) == 2, 60, "host 2's new node")
+        swarm.wait(lambda: any(r.get("nodes") == NODES and r["time"] > t_kill for r in swarm.rows()), 120,
+                   "the swarm back at full strength")
+        # a 20 s partition of host 4: fenced by its lease, back as a new node after the link returns
+        cut = swarm.node_ids(4)[-1]
+        hosts.cut(4)
+        t_cut = time.time()
+        row = swarm.wait(lambda: next((e for e in swarm.events() if e.get("node") == cut), None), 30,
+                         "the partition's detection")
+        step = swarm.last_step()
+        swarm.wait_step(step + 3, timeout_s=60)          # the others keep training while it is cut off
+        time.sleep(max(0.0, 20 - (time.time() - t_cut)))
+        hosts.restore(4)
+        swarm.wait(lambda: len(swarm.node_ids(4)) == 2, 120, "host 4's new node")
+        rc = swarm.finish(timeout_s=600)
+    assert rc == 0, swarm.log("coordinator")[-3000:]
+    run = swarm.run_dir
+    for name in ("config.toml", "model.safetensors", "run.json", "metrics.jsonl", "schedule.json"):
+        assert (run / name).is_file(), name
+    steps = [r["step"] for r in swarm.rows() if "loss" in r]
+    assert steps == list(range(1, 301))
+    summary = json.loads((run / "run.json").read_text())
+    kinds = [e["kind"] for e in summary["membership"]]
+    assert kinds.count("failed") >= 2 and "joined" in kinds, kinds
+    assert "no lease renewal" in row["cause"]
+    samples = [i for s in trained_samples(run / "phases" / "train").values() for i in s]
+    assert len(samples) == len(set(samples))                  # nothing trained twice

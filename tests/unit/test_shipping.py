@@ -1,0 +1,129 @@
+"""A node's outputs reach the coordinator's run directory over the store, only as its signed
+manifest says, and metrics rows are mirrored as they come; a supervisor refuses bad input in one
+line (a coordinator that never answers, a data set that is not the job's, an address no peer can
+reach).  In-process stores only: nothing here starts a process."""
+
+from __future__ import annotations
+
+import json
+import socket
+
+import pytest
+
+from skiptrain.errors import UserError
+from skiptrain.runtime.addresses import AddressError, check_advertised, interface_of, route_address
+from skiptrain.runtime.membership import Verifier, host_store, member_key, sign
+from skiptrain.runtime.shipping import RowMirror, collect_outputs, publish_row, ship_outputs
+
+SECRET = "s3cret"
+
+
+@pytest.fixture
+def store():
+    st, sock = host_store(1, 10.0)
+    yield st
+    sock.close()
+
+
+def _node_dir(root, rows, weights=b"w" * 100):
+    (root / "parts").mkdir(parents=True)
+    (root / "parts" / "stage1.safetensors").write_bytes(weights)
+    (root / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (root / "checkpoints").mkdir()
+    (root / "checkpoints" / "big.bin").write_bytes(b"x")        # stays on the host
+    return root
+
+
+def test_outputs_arrive_as_the_signed_manifest_says_and_metrics_merge_in_step_order(store, tmp_path):
+    a = _node_dir(tmp_path / "a", [{"step": 1, "loss": 3.0}, {"step": 3, "loss": 2.0}])
+    b = _node_dir(tmp_path / "b", [{"step": 2, "loss": 2.5}, {"step": 3, "loss": 2.0}], weights=b"v" * 10)
+    ship_outputs(store, member_key(SECRET, 0), 0, a)
+    ship_outputs(store, member_key(SECRET, 1), 1, b)
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text(json.dumps({"step": 1, "loss": 3.0}) + "\n")    # mirrored already
+    taken = collect_outputs(store, Verifier(SECRET), [0, 1, 2], run)
+    assert taken == {0: 2, 1: 2, 2: 0}
+    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3]                  # each row once, by step
+    assert (run / "parts" / "stage1.safetensors").read_bytes() in (b"w" * 100, b"v" * 10)
+    assert not (run / "checkpoints").exists()
+
+
+def test_a_file_changed_in_the_store_or_a_forged_manifest_is_refused(store, tmp_path, capsys):
+    a = _node_dir(tmp_path / "a", [{"step": 1}])
+    ship_outputs(store, member_key(SECRET, 0), 0, a)
+    store.set("out/0/f/parts/stage1.safetensors", b"evil")
+    store.set("out/1", json.dumps({"parts/stage9.safetensors": "0" * 64}))    # no tag: not node 1's
+    store.set("out/1/f/parts/stage9.safetensors", b"evil")
+    run = tmp_path / "run"
+    run.mkdir()
+    taken = collect_outputs(store, Verifier(SECRET), [0, 1], run)
+    assert taken == {0: 1, 1: 0}
+    assert not (run / "parts").exists()
+    assert "does not match the node's signed manifest" in capsys.readouterr().err
+
+
+def test_a_manifest_cannot_write_outside_the_run_directory(store, tmp_path):
+    name = "out/0"
+    data = b"x"
+    import hashlib
+    store.set("out/0/f/../escape.txt", data)
+    store.set(name, sign(member_key(SECRET, 0), name, json.dumps({"../escape.txt": hashlib.sha256(data).hexdigest()})))
+    run = tmp_path / "run"
+    run.mkdir()
+    assert collect_outputs(store, Verifier(SECRET), [0], run) == {0: 0}
+    assert not (tmp_path / "escape.txt").exists()
+
+
+def test_metrics_rows_are_mirrored_as_they_come_and_forged_rows_dropped(store, tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    mirror = RowMirror(store, Verifier(SECRET), path)
+    publish_row(store, member_key(SECRET, 2), 2, json.dumps({"step": 1}))
+    mirror.poll()
+    assert [json.loads(x)["step"] for x in path.read_text().splitlines()] == [1]
+    i = int(store.add("metrics/n", 1)) - 1
+    store.set(f"metrics/{i}", json.dumps({"node": 2, "row": json.dumps({"step": 99})}))     # no tag
+    publish_row(store, member_key(SECRET, 3), 3, json.dumps({"step": 2}))
+    mirror.poll()
+    assert [json.loads(x)["step"] for x in path.read_text().splitlines()] == [1, 2]
+
+
+def test_addresses_a_node_may_not_advertise():
+    assert route_address("127.0.0.1", 9) == "127.0.0.1"
+    assert interface_of("127.0.0.1") == "lo"
+    with pytest.raises(AddressError, match="no network interface of this host has the address 192.0.2.254"):
+        interface_of("192.0.2.254")
+    check_advertised("127.0.0.1", "127.0.0.1")                     # a coordinator on loopback: fine
+    with pytest.raises(AddressError, match="loopback address 127.0.0.1, which its peers on other hosts cannot"):
+        check_advertised("127.0.0.1", "192.0.2.1")
+
+
+def test_a_node_supervisor_refuses_bad_input_in_one_line(tmp_path, byte_data):
+    from skiptrain.runtime.agent import AgentOptions, NodeAgent
+    from skiptrain.runtime.job import Job
+
+    with socket.socket() as s:                                     # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    agent = NodeAgent(AgentOptions(f"127.0.0.1:{port}", SECRET, tmp_path, wait_s=0.5))
+    with pytest.raises(UserError, match=f"no coordinator answered at 127.0.0.1:{port} within 0.5 s"):
+        agent.connect()
+    job = Job(config={}, data_path=str(byte_data), run_dir=str(tmp_path), phases=[],
+              meta={"data_fingerprint": "f" * 64})
+    with pytest.raises(UserError, match="is not the job's .*point --data at it"):
+        agent.prepare(job)
+
+
+def test_an_advertised_address_from_which_the_coordinator_is_unreachable_is_refused():
+    from skiptrain.runtime.addresses import check_reachable
+
+    with socket.socket() as srv:
+        srv.bind(("127.0.0.1", 0))
+        srv.listen(1)
+        port = srv.getsockname()[1]
+        check_reachable("127.0.0.1", "127.0.0.1", port)
+        with pytest.raises(AddressError, match="cannot be reached from 127.0.0.2 .*--advertise"):
+            with socket.socket() as closed:           # a port nothing listens on, from another source
+                closed.bind(("127.0.0.1", 0))
+                check_reachable("127.0.0.2", "127.0.0.1", closed.getsockname()[1], timeout_s=1.0)
