@@ -18,38 +18,15 @@ link goes away.
 from __future__ import annotations
 
 import argparse
-import os
-import sys
 from pathlib import Path
 
 from ..errors import UserError
 
 
-def read_or_make_secret(path: str, make: bool) -> str:
-    """The run's secret from ``path``; when it does not exist and ``make``, a new one written
-    there (mode 0600)."""
-    from ..runtime.join import new_secret
-
-    p = Path(path)
-    if not p.exists() and make:
-        secret = new_secret()
-        fd = os.open(p, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        os.write(fd, secret.encode())
-        os.close(fd)
-        print(f"skiptrain coordinator: wrote a new join secret to {p}; copy it to every host", file=sys.stderr)
-        return secret
-    try:
-        secret = p.read_text().strip()
-    except OSError as e:
-        raise UserError(f"cannot read the join secret file {path!r} ({e.strerror}); copy the run's secret file "
-                        "from the coordinator's host") from None
-    if not secret:
-        raise UserError(f"the join secret file {path!r} is empty; copy the run's secret file from the coordinator's host")
-    return secret
-
-
 def cmd_coordinator(args: argparse.Namespace) -> int:
     from ..runtime.addresses import AddressError, resolve
+    from ..runtime.join import read_secret_file
+    from ..runtime.membership import listen_socket
     from ..runtime.store_client import parse_address
     from ..train.rundir import claim_run_dir
     from .launch import train_swarm
@@ -66,15 +43,14 @@ def cmd_coordinator(args: argparse.Namespace) -> int:
     cfg.check()
     if not args.overwrite:      # (a run already there is refused before anything is written)
         claim_run_dir(args.out)
-    secret = read_or_make_secret(args.join_secret_file, make=True)
     try:
-        train_swarm(cfg, cfg.data.path, args.out, echo=True, overwrite=args.overwrite,
-                    hosts={"bind": (host, port), "secret": secret})
+        listen_socket(host, port).close()        # (the store binds there once the job is planned)
     except OSError as e:
-        if e.errno is None or "address" not in str(e).lower():
-            raise
         raise UserError(f"cannot listen on {host}:{port} ({e.strerror or e}); pick a free port, or an address "
                         "of this host") from None
+    secret = read_secret_file(args.join_secret_file, make=True)
+    train_swarm(cfg, cfg.data.path, args.out, echo=True, overwrite=args.overwrite,
+                hosts={"bind": (host, port), "secret": secret})
     return 0
 
 
@@ -82,7 +58,9 @@ def cmd_node(args: argparse.Namespace) -> int:
     from ..runtime.addresses import AddressError
     from ..runtime.agent import AgentOptions, NodeAgent
 
-    secret = read_or_make_secret(args.join_secret_file, make=False)
+    from ..runtime.join import read_secret_file
+
+    secret = read_secret_file(args.join_secret_file, make=False)
     try:
         agent = NodeAgent(AgentOptions(args.coordinator, secret, Path(args.work_dir), data=args.data,
                                        advertise=args.advertise, wait_s=args.wait, rejoins=args.rejoins))
@@ -98,7 +76,7 @@ def register(sub) -> None:
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_config_args(p, default_preset="tiny")
     p.add_argument("--bind", required=True, metavar="HOST:PORT",
-                   help="the address the nodes reach this coordinator at (one address of this host, a free port)")
+                   help="the IPv4 address the nodes reach this coordinator at (one address of this host) and a free port")
     p.add_argument("--out", required=True, help="run directory: the whole run is assembled here")
     p.add_argument("--overwrite", action="store_true", help="replace the run already in --out")
     p.add_argument("--join-secret-file", required=True, metavar="F",

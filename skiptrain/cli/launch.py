@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import secrets
 import statistics
 import sys
 import time
@@ -69,7 +70,7 @@ def train_swarm(cfg, data: str, out: str, steps: int | None = None, echo: bool =
     cfg.checkpoint.every = every
     job = Job(config=cfg.to_dict(), data_path=str(ds.path), run_dir=str(outp),
               phases=[phase_for(cfg, sched, topo, cost, "train", steps, save_weights=True)], resume=start,
-              meta={"data_fingerprint": ds.fingerprint()})
+              meta={"data_fingerprint": ds.fingerprint(), "run_id": secrets.token_hex(6)})
     if echo and not hosts:
         _describe_checkpoints(cfg, outp, steps, start)
     if rt.recover and echo and not hosts:
@@ -138,7 +139,8 @@ def warn_host_bound(floor_s: float, simulated_s: float, emulated: bool) -> None:
 
 
 def _checkpoint_every(cfg, placement: list[list[int]], steps: int, hosts: bool, echo: bool) -> int:
-    """The swarm's checkpoint interval (:func:`ckpt_every_for`), said when it differs from the config's."""
+    """The swarm's checkpoint interval (:func:`ckpt_every_for`), said when it differs from the
+    config's.  A run across hosts takes no checkpoint: 0, and ``cfg.checkpoint.final`` is turned off."""
     every = ckpt_every_for(cfg, placement, steps)
     if hosts:     # a job checkpoint commits once every part is in one directory: hosts share none
         cfg.checkpoint.final = False
@@ -234,11 +236,8 @@ def cmd_join(target: str, secret_file: str | None) -> int:
     from ..runtime.node import main as node_main
 
     if secret_file:
-        try:
-            os.environ["SKIPTRAIN_JOIN_SECRET"] = Path(secret_file).read_text().strip()
-        except OSError as e:
-            raise UserError(f"cannot read the join secret file {secret_file!r}: {e.strerror}; pass the run's "
-                            "RUN_DIR/join_secret (or set SKIPTRAIN_JOIN_SECRET)") from None
+        from ..runtime.join import read_secret_file
+        os.environ["SKIPTRAIN_JOIN_SECRET"] = read_secret_file(secret_file)
     if not os.environ.get("SKIPTRAIN_JOIN_SECRET"):
         raise UserError("joining needs the run's secret: --join-secret-file RUN_DIR/join_secret, or "
                         "SKIPTRAIN_JOIN_SECRET in the environment")

@@ -12,12 +12,15 @@ the network and the run's secret.  :class:`NodeAgent` loops:
 4. ship the node's outputs to the coordinator and sign its exit report (:mod:`.shipping`,
    :func:`~skiptrain.runtime.fencing.report_exit`);
 5. when the node finished the job: exit 0.  When it stopped because its lease ran out (a cut
-   link, a stopped host) or failed on its own while the run goes on, start again as a new node
-   (a new id and incarnation, healed from a live replica by the join), at most ``rejoins`` times.
+   link, a stopped host), was not admitted (it came after the first generation had formed) or
+   failed on its own while the run goes on, start again as a new node (a new id and incarnation,
+   healed from a live replica by the join), at most ``rejoins`` times.
 
 Failure semantics: bad input (an address, a data set, a secret) ends it with exit status 2 and
-one line; a refused admission with :data:`~skiptrain.runtime.join.EXIT_REFUSED`; a coordinator
-that does not answer within ``wait_s`` with status 2.  It signals only the node process it
+one line, and so does a coordinator that does not answer within ``wait_s``; after ``rejoins``
+new nodes it exits with the last node's status.  Each node's files live in
+``work_dir/<run id>/node<id>``, so an earlier run's are never sent to a new coordinator.
+It signals only the node process it
 started itself, which also dies with it (``PR_SET_PDEATHSIG``).
 """
 
@@ -62,6 +65,7 @@ class NodeAgent:
         self.opts = opts
         self.host, self.port = parse_address(opts.coordinator)
         self.child: subprocess.Popen | None = None
+        self.run_dir = opts.work_dir
 
     def run(self) -> int:
         os.environ[SECRET_ENV] = self.opts.secret
@@ -69,17 +73,32 @@ class NodeAgent:
         for attempt in range(self.opts.rejoins + 1):
             store, job = self.connect()
             env, data = self.prepare(job)
-            node = request_node_id(store)
+            try:
+                node = request_node_id(store)
+            except RuntimeError:             # (the store went away between the two calls: anew)
+                continue
+            self.run_dir = self.opts.work_dir / str(job.meta.get("run_id", "run")) / f"node{node}"
             code = self.run_node(node, env, data)
-            if not self.after(store, node, code):       # (the link may have broken: once more, anew)
-                self.after(self.connect()[0], node, code, last_try=True)
-            if code in (0, EXIT_REFUSED):
-                return code
+            self.deliver(store, node, code)
+            if code == 0:
+                return 0
             if attempt < self.opts.rejoins:
-                why = "its lease ran out" if code == EXIT_FENCED else describe_exit(code)
+                why = {EXIT_FENCED: "its lease ran out", EXIT_REFUSED: "not admitted"}.get(code, describe_exit(code))
                 print(f"skiptrain node: node {node} stopped ({why}); joining again as a new node",
                       file=sys.stderr, flush=True)
         return code
+
+    def deliver(self, store, node: int, code: int) -> None:
+        """The node's exit report and outputs to the coordinator, through a new connection when
+        the old one broke; a coordinator that is gone leaves them in the work directory."""
+        if self.after(store, node, code):
+            return
+        try:
+            store = self.connect()[0]
+        except UserError as e:
+            print(f"skiptrain node: node {node}'s outputs stay in {self.run_dir}: {e}", file=sys.stderr, flush=True)
+            return
+        self.after(store, node, code, last_try=True)
 
     def connect(self):
         """The store client and the job, retrying with backoff until the coordinator answers."""
@@ -122,8 +141,9 @@ class NodeAgent:
         return env, data
 
     def run_node(self, node: int, env: dict, data: str) -> int:
-        """Start node ``node``'s process and wait for it; its exit status."""
-        run_dir = self.opts.work_dir / f"node{node}"
+        """Start node ``node``'s process (its files under ``self.run_dir``: one folder per run and
+        node, never one an earlier run wrote) and wait for it; its exit status."""
+        run_dir = self.run_dir
         (run_dir / "logs").mkdir(parents=True, exist_ok=True)
         env = dict(env, SKIPTRAIN_NODE_ID=str(node), SKIPTRAIN_WORK_DIR=str(run_dir), SKIPTRAIN_DATA=data)
         print(f"skiptrain node: node {node} starting (advertising {env['SKIPTRAIN_ADVERTISE']} on "
@@ -144,11 +164,11 @@ class NodeAgent:
         key = member_key(self.opts.secret, node)
         try:
             report_exit(store, key, node, code)        # (first: the coordinator acts on it at once)
-            sent = ship_outputs(store, key, node, self.opts.work_dir / f"node{node}")
+            sent = ship_outputs(store, key, node, self.run_dir)
         except Exception as e:  # noqa: BLE001 - the coordinator or the link is gone
             if last_try:
                 print(f"skiptrain node: could not send node {node}'s outputs to the coordinator "
-                      f"({str(e).splitlines()[0][:120]}); they stay in {self.opts.work_dir / f'node{node}'}",
+                      f"({str(e).splitlines()[0][:120]}); they stay in {self.run_dir}",
                       file=sys.stderr, flush=True)
             return False
         print(f"skiptrain node: node {node} {describe_exit(code)}; sent {sent} bytes of outputs",

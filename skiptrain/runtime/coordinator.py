@@ -128,6 +128,8 @@ def coordinate(job: Job, procs, store, world: int, t_start: float, timeout_s: fl
                 "code": members.code(min(set(range(world)) - alive))}
     for n in alive:
         members.leases.watch(n)
+    top = int(store.add("nodes/next", 0))        # a node that comes later joins the running job:
+    store.add("nodes/next", max(0, world - top))   # (an id from the job's world on, never one refused here)
     publish_generation(store, 0, sorted(alive), {n: v for n, v in adm.items() if v != "ok"},
                        key=members.verifier.key(COORDINATOR))
     return _loop(job, store, members, stage0, deadline, strikes_needed, log_path, fenced, world, t_start,

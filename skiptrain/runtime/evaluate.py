@@ -3,7 +3,6 @@ one; in a swarm, through the pipeline of the nodes that hold the stages."""
 
 from __future__ import annotations
 
-import json
 import time
 from typing import Callable, Iterable, Sequence
 
@@ -123,5 +122,4 @@ def validate_in_loop(node, st) -> None:
                "tokens": n_it * st.gb * node.cfg.model.seq_len,
                "val_loss": round(float(tot[0] / max(tot[1], 1)), 5),
                "seconds": round(time.perf_counter() - t0, 4)}
-        with open(node.run_dir / "metrics.jsonl", "a") as metrics:
-            metrics.write(json.dumps(row) + "\n")
+        node.write_row(row)

@@ -130,9 +130,9 @@ class HostSwarm:
     # ---- nodes and faults
 
     def node_ids(self, i: int) -> list[int]:
-        """The node ids host ``i`` has run, oldest first (its work directory's ``node<id>``)."""
+        """The node ids host ``i`` has run, oldest first (its work directory's ``<run>/node<id>``)."""
         d = self.root / "work" / f"h{i}"
-        return sorted(int(p.name[4:]) for p in d.glob("node*")) if d.is_dir() else []
+        return sorted(int(p.name[4:]) for p in d.glob("*/node*")) if d.is_dir() else []
 
     def node_pid(self, i: int) -> int | None:
         """The PID of the node process host ``i``'s supervisor runs now."""

@@ -35,7 +35,9 @@ from __future__ import annotations
 import hashlib
 import json
 import hmac
+import os
 import secrets
+import sys
 import time
 
 from .failure import NodeFailure
@@ -235,3 +237,34 @@ def request_node_id(store) -> int:
     return int(store.add("nodes/next", 1)) - 1
 
 
+
+
+def read_secret_file(path: str, make: bool = False) -> str:
+    """The run's secret from the file ``path``; when it does not exist and ``make``, a new one
+    written there (mode 0600, readable by this user only).  Raises
+    :class:`~skiptrain.errors.UserError` (one line naming the fix) when it cannot."""
+    from pathlib import Path
+
+    from ..errors import UserError
+
+    p = Path(path)
+    if make and not p.exists():
+        secret = new_secret()
+        try:
+            fd = os.open(p, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        except OSError as e:
+            raise UserError(f"cannot write the join secret file {path!r} ({e.strerror}); give a path in an "
+                            "existing folder this user can write") from None
+        os.write(fd, secret.encode())
+        os.close(fd)
+        print(f"skiptrain: wrote a new join secret to {p}; copy it to every host that runs a node",
+              file=sys.stderr, flush=True)
+        return secret
+    try:
+        secret = p.read_text().strip()
+    except (OSError, UnicodeDecodeError) as e:
+        raise UserError(f"cannot read the join secret file {path!r} ({getattr(e, 'strerror', None) or e}); copy the "
+                        "run's secret file from the coordinator's host (RUN_DIR/join_secret for `skiptrain launch`)") from None
+    if not secret:
+        raise UserError(f"the join secret file {path!r} is empty; copy the run's secret file from the coordinator's host")
+    return secret

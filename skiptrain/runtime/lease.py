@@ -18,6 +18,11 @@ value that does not advance (the same renewal read again, an old one written bac
 that copied it) never refreshes a lease; a second incarnation writing the same node's key is
 reported as a conflict (two processes claiming one identity).
 
+Failure semantics: parsing never raises (a value that is not a renewal is None); a reader
+never trusts a writer's clock or a lease outside its bounds; a writer whose lease ran out
+reports it for good (:meth:`LeaseKeeper.remaining`), and its clock counts a suspended host's
+sleep (:func:`boot_clock`).
+
 Why the writer can stop in time: the reader's clock for a renewal starts when it *reads* it,
 which is after the writer sent it; the writer counts from its send.  So a node that cannot renew
 stops at least :data:`FENCE_MARGIN_S` before any reader can see its lease expire, and a
@@ -124,19 +129,28 @@ class LeaseTable:
         self.since.pop(node, None)
 
 
+def boot_clock() -> float:
+    """Seconds on a clock that keeps counting while the host is suspended (``CLOCK_BOOTTIME``
+    where there is one, else the monotonic clock): a host that slept past its lease knows it."""
+    return time.clock_gettime(time.CLOCK_BOOTTIME) if hasattr(time, "CLOCK_BOOTTIME") else time.monotonic()
+
+
 class LeaseKeeper:
     """Writer side: the next renewal, the round trips measured, and whether the lease still holds.
 
     Call :meth:`next` for the value to write, then :meth:`acknowledged` with the send time the
     value came with once the store took it.  :meth:`remaining` is how long this process may
-    still work (negative: it must stop now)."""
+    still work (negative: it must stop now).  A lease that ran out stays out: a renewal that
+    gets through afterwards (a stopped process resumed, a link back) does not revive it, since
+    the coordinator may have given the node's place away by then."""
 
-    def __init__(self, floor_s: float, ceiling_s: float, clock=time.monotonic):
+    def __init__(self, floor_s: float, ceiling_s: float, clock=boot_clock):
         self.floor_s, self.ceiling_s, self.clock = floor_s, ceiling_s, clock
         self.inc = secrets.token_hex(6)
         self.seq = 0
         self.rtts: deque[float] = deque(maxlen=RTT_WINDOW)
         self.held: tuple[float, float] | None = None   # (send time, lease) of the last acknowledged renewal
+        self.lapsed = False
 
     def lease_s(self) -> float:
         slowest = max(self.rtts, default=0.0)
@@ -148,13 +162,18 @@ class LeaseKeeper:
         return Renewal(self.inc, self.seq, gen, state, self.lease_s()), self.clock()
 
     def acknowledged(self, renewal: Renewal, sent: float) -> None:
+        left = self.remaining()
+        if left is not None and left <= 0:
+            self.lapsed = True          # (checked before the renewal counts: it came too late)
         self.rtts.append(self.clock() - sent)
         if self.held is None or sent >= self.held[0]:
             self.held = (sent, renewal.lease)
 
     def remaining(self) -> float | None:
-        """Seconds of work left under the lease (None before the first acknowledged renewal)."""
+        """Seconds of work left under the lease (None before the first acknowledged renewal;
+        negative for good once it ran out)."""
         if self.held is None:
             return None
         sent, lease = self.held
-        return sent + lease - FENCE_MARGIN_S - self.clock()
+        left = sent + lease - FENCE_MARGIN_S - self.clock()
+        return min(left, -1.0) if self.lapsed else left

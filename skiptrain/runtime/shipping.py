@@ -11,21 +11,33 @@ ships them (:func:`ship_outputs`): every file's bytes to ``out/<node>/f/<path>``
 assembles them in its ``RUN_DIR`` (:func:`collect_outputs`): a file whose digest does not match
 the signed manifest is refused, JSON-lines files from several nodes are merged (metrics in step
 order, without duplicate rows), any other file is taken as it is.  Logs stay on their hosts.
+
+Failure semantics: nothing here raises on what another process wrote: a forged, malformed or
+tampered value is skipped (said on stderr, or in ``rejected_writes.jsonl`` by the verifier); a
+node whose outputs never arrive is named once; a metrics slot never written is skipped after
+:data:`GAP_S`.  A store that goes away stops the mirror quietly (the rows are shipped at the end).
 """
 
 from __future__ import annotations
 
+import fnmatch
 import hashlib
 import json
+import queue
 import sys
 import threading
 import time
+from datetime import timedelta
 from pathlib import Path
 
 from .membership import Verifier, open_value, sign, strip_tag
 
 #: What a node ships, relative to its run directory (checkpoints and logs stay on the host).
 SHIPPED = ("metrics.jsonl", "elastic.jsonl", "parts/*.safetensors", "phases/**/*", "errors/*.json")
+#: What the coordinator takes, as :mod:`fnmatch` patterns (``*`` crosses folders).
+ACCEPTED = ("metrics.jsonl", "elastic.jsonl", "parts/stage*.safetensors", "phases/*", "errors/node*.json")
+#: A metrics slot counted but not written this long is skipped by the mirror (its writer died).
+GAP_S = 10.0
 #: A file larger than this is not shipped (said once on stderr): the store holds values in memory.
 MAX_FILE_BYTES = 512 << 20
 
@@ -80,20 +92,24 @@ def wait_shipped(store, verifier: Verifier | None, nodes, timeout_s: float) -> s
 
 
 def collect_outputs(store, verifier: Verifier | None, nodes, run_dir: Path) -> dict[int, int]:
-    """Write the outputs every node of ``nodes`` shipped into ``run_dir``; returns node -> files
-    taken.  JSON-lines files are merged with what is there already (rows in step order, each
-    once); a file whose bytes do not match the signed digest is refused (said on stderr)."""
+    """Write the outputs every node of ``nodes`` shipped into ``run_dir``, in that order (a later
+    node's file replaces an earlier one's); returns node -> files taken.  JSON-lines files are
+    merged with what is there already (rows in step order, each once).  A path that is not a
+    node's output or lies outside ``run_dir``, or bytes that do not match the signed digest, are
+    refused (one line on stderr each)."""
     run_dir = Path(run_dir)
     lines: dict[str, list[str]] = {}
     taken = {}
-    for n in sorted(nodes):
+    for n in nodes:
         manifest = shipped(store, verifier, n) or {}
         taken[n] = 0
         for rel, digest in sorted(manifest.items()):
-            data = store.get(f"out/{n}/f/{rel}")
-            if hashlib.sha256(data).hexdigest() != digest or ".." in Path(rel).parts or rel.startswith("/"):
-                print(f"[coordinator] refused {rel} from node {n}: it does not match the node's signed manifest",
-                      file=sys.stderr, flush=True)
+            why = _refused(run_dir, rel)
+            data = store.get(f"out/{n}/f/{rel}") if why is None and store.check([f"out/{n}/f/{rel}"]) else None
+            if why is None and (data is None or hashlib.sha256(data).hexdigest() != digest):
+                why = "its bytes do not match the node's signed manifest"
+            if why is not None:
+                print(f"[coordinator] refused {rel!r} from node {n}: {why}", file=sys.stderr, flush=True)
                 continue
             taken[n] += 1
             if rel.endswith(".jsonl"):
@@ -105,6 +121,15 @@ def collect_outputs(store, verifier: Verifier | None, nodes, run_dir: Path) -> d
     for rel, rows in lines.items():
         _merge_lines(run_dir / rel, rows)
     return taken
+
+
+def _refused(run_dir: Path, rel: str) -> str | None:
+    """Why a shipped path may not be written into ``run_dir`` (None: it may)."""
+    if not isinstance(rel, str) or not any(fnmatch.fnmatchcase(rel, pat) for pat in ACCEPTED):
+        return "not one of the outputs a node ships"
+    if not (run_dir / rel).resolve().is_relative_to(run_dir.resolve()):
+        return "outside the run directory"
+    return None
 
 
 def _merge_lines(dest: Path, rows: list[str]) -> None:
@@ -141,7 +166,9 @@ def collect_run_outputs(store, secret: str, run_dir: Path, wait_s: float) -> Non
     missing = wait_shipped(store, verifier, (rec or {}).get("alive", []), wait_s)
     if missing:
         print(f"[coordinator] no outputs arrived from node(s) {sorted(missing)}", file=sys.stderr, flush=True)
-    collect_outputs(store, verifier, range(int(store.add("nodes/next", 0))), run_dir)
+    alive = set((rec or {}).get("alive", []))
+    everyone = range(int(store.add("nodes/next", 0)))      # the last generation's last: its stage weights win
+    collect_outputs(store, verifier, [n for n in everyone if n not in alive] + sorted(alive), run_dir)
 
 
 def publish_row(store, key: bytes | None, node: int, line: str) -> None:
@@ -151,6 +178,33 @@ def publish_row(store, key: bytes | None, node: int, line: str) -> None:
     store.set(name, sign(key, name, json.dumps({"node": node, "row": line})))
 
 
+class RowPublisher:
+    """Node side: :func:`publish_row` from a thread of its own, on a store connection of its own
+    (made in that thread).  A row that cannot be sent is dropped here: it is in the node's own
+    ``metrics.jsonl``, which is shipped when the node ends."""
+
+    def __init__(self, host: str, port: int, key: bytes | None, node: int):
+        self.host, self.port, self.key, self.node = host, port, key, node
+        self.queue: queue.Queue[str] = queue.Queue()
+        threading.Thread(target=self._loop, name="row-publisher", daemon=True).start()
+
+    def put(self, line: str) -> None:
+        self.queue.put(line)
+
+    def _loop(self) -> None:
+        import torch.distributed as dist
+
+        store = None
+        while True:
+            line = self.queue.get()
+            try:
+                store = store or dist.TCPStore(self.host, self.port, 1, is_master=False, wait_for_workers=False,
+                                               timeout=timedelta(seconds=30))
+                publish_row(store, self.key, self.node, line)
+            except Exception:  # noqa: BLE001 - the coordinator's store is away: the row waits for the shipping
+                store = None
+
+
 class RowMirror:
     """Coordinator side: a thread that appends the rows nodes publish to ``path`` as they come
     (a row whose tag does not verify with its node's key is dropped, logged by the verifier)."""
@@ -158,6 +212,7 @@ class RowMirror:
     def __init__(self, store, verifier: Verifier, path: Path, poll_s: float = 0.25):
         self.store, self.verifier, self.path, self.poll_s = store, verifier, Path(path), poll_s
         self.next = 0
+        self.missing: dict[int, float] = {}
         self.stop_event = threading.Event()
         self.thread = threading.Thread(target=self._loop, name="row-mirror", daemon=True)
 
@@ -180,7 +235,7 @@ class RowMirror:
             rows = []
             for i in range(self.next, top):
                 row = self._row(i)
-                if row is None and not self.store.check([f"metrics/{i}"]):
+                if row is None and not self.store.check([f"metrics/{i}"]) and not self._given_up(i):
                     break              # (counted, not yet written: next time)
                 self.next = i + 1
                 if row is not None:
@@ -191,6 +246,12 @@ class RowMirror:
             with open(self.path, "a") as f:
                 f.write("".join(r + "\n" for r in rows))
 
+    def _given_up(self, i: int) -> bool:
+        """Whether slot ``i``, counted but never written (its writer died between the two), has
+        been waited for long enough (:data:`GAP_S`)."""
+        since = self.missing.setdefault(i, time.monotonic())
+        return time.monotonic() - since > GAP_S
+
     def _row(self, i: int) -> str | None:
         name = f"metrics/{i}"
         if not self.store.check([name]):
@@ -198,7 +259,7 @@ class RowMirror:
         raw = self.store.get(name).decode(errors="replace")
         try:
             node = int(json.loads(strip_tag(raw))["node"])
-        except (ValueError, KeyError, TypeError):
+        except (ValueError, KeyError, TypeError, OverflowError):
             return None
         value = self.verifier.read(self.store, node, name)
         try:

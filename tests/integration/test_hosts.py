@@ -65,5 +65,7 @@ def test_a_run_across_hosts_survives_a_kill_and_a_partition(bpe_data, tmp_path):
     kinds = [e["kind"] for e in summary["membership"]]
     assert kinds.count("failed") >= 2 and "joined" in kinds, kinds
     assert "no lease renewal" in row["cause"]
+    stopped = json.loads((run / "errors" / f"node{cut}.json").read_text())       # shipped once the link was back
+    assert "lease" in stopped["msg"] and stopped["time"] < row["t_detect"]     # it stopped itself first
     samples = [i for s in trained_samples(run / "phases" / "train").values() for i in s]
     assert len(samples) == len(set(samples))                  # nothing trained twice

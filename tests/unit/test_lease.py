@@ -147,3 +147,20 @@ def test_the_coordinator_sees_a_replay_and_a_second_claim_on_one_identity(tmp_pa
     assert members.code(3) == -9
     report_exit(st, member_key("s", 4), 3, 0)                           # signed by another node: ignored
     assert members.code(3) is None
+
+
+def test_a_lease_that_ran_out_is_not_revived_by_a_late_renewal():
+    """A process stopped past its lease (or a host suspended) that renews as soon as it resumes
+    must still stop: the coordinator may have given its place away."""
+    clock = Clock()
+    keeper = LeaseKeeper(3.0, 30.0, clock)
+    r, sent = keeper.next(0, "run")
+    keeper.acknowledged(r, sent)
+    clock.t += 100.0                                  # stopped (SIGSTOP, suspend) for 100 s
+    r, sent = keeper.next(0, "run")
+    clock.t += 0.01
+    keeper.acknowledged(r, sent)                      # the first renewal after it resumed gets through
+    assert keeper.remaining() < 0
+    r, sent = keeper.next(0, "run")
+    keeper.acknowledged(r, sent)
+    assert keeper.remaining() < 0                     # and stays out

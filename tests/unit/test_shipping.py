@@ -61,7 +61,7 @@ def test_a_file_changed_in_the_store_or_a_forged_manifest_is_refused(store, tmp_
     taken = collect_outputs(store, Verifier(SECRET), [0, 1], run)
     assert taken == {0: 1, 1: 0}
     assert not (run / "parts").exists()
-    assert "does not match the node's signed manifest" in capsys.readouterr().err
+    assert "do not match the node's signed manifest" in capsys.readouterr().err
 
 
 def test_a_manifest_cannot_write_outside_the_run_directory(store, tmp_path):
@@ -127,3 +127,19 @@ def test_an_advertised_address_from_which_the_coordinator_is_unreachable_is_refu
             with socket.socket() as closed:           # a port nothing listens on, from another source
                 closed.bind(("127.0.0.1", 0))
                 check_reachable("127.0.0.2", "127.0.0.1", closed.getsockname()[1], timeout_s=1.0)
+
+
+def test_only_a_nodes_outputs_are_taken(store, tmp_path, capsys):
+    import hashlib
+
+    files = {"": b"x", "run.json": b"{}", "join_secret": b"s", "recoveries.jsonl": b"{}\n",
+             "phases/train/node0.json": b"{}", "../escape.txt": b"x"}
+    for rel, data in files.items():
+        store.set(f"out/0/f/{rel}", data)
+    manifest = {rel: hashlib.sha256(data).hexdigest() for rel, data in files.items()}
+    store.set("out/0", sign(member_key(SECRET, 0), "out/0", json.dumps(manifest)))
+    run = tmp_path / "run"
+    run.mkdir()
+    assert collect_outputs(store, Verifier(SECRET), [0], run) == {0: 1}
+    assert sorted(p.relative_to(run).as_posix() for p in run.rglob("*") if p.is_file()) == ["phases/train/node0.json"]
+    assert capsys.readouterr().err.count("not one of the outputs a node ships") == 5

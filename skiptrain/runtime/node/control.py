@@ -28,7 +28,7 @@ import torch.distributed as dist
 
 from ..failure import EXIT_FENCED, Heartbeat, NodeFailure, abort_process, write_error
 from ..membership import key_from_env, open_value, read_raw, set_member
-from ..shipping import publish_row
+from ..shipping import RowPublisher
 
 # every iteration starts at rank 0's clock plus a margin that lets the start time reach every
 # node first: twice the slowest receipt of the last START_WINDOW iterations, within these bounds
@@ -45,6 +45,7 @@ class ControlPlane:
         hosted = os.environ.get("SKIPTRAIN_STORE_HOSTED") == "1" or \
             os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
         self.job, self.rank, self.world = job, rank, world
+        self.addr, self.port, self.rows = addr, port, None
         self.err_path = Path(job.run_dir) / "errors" / f"node{rank}.json"
         self.timeout = timedelta(seconds=job.rt.timeout_s)
         store_timeout = timedelta(seconds=max(job.rt.timeout_s, 60.0))
@@ -270,10 +271,14 @@ class ControlPlane:
 
     def publish_row(self, line: str) -> None:
         """A node on another host than its coordinator (``SKIPTRAIN_WORK_DIR``: its own run
-        directory) also sends each metrics row it writes, so the coordinator's run directory
-        follows the run as it goes (:class:`~skiptrain.runtime.shipping.RowMirror`)."""
-        if os.environ.get("SKIPTRAIN_WORK_DIR"):
-            publish_row(self.store, key_from_env(self.rank), self.rank, line)
+        directory) also sends each metrics row it writes, from a thread of its own on a store
+        connection of its own, so the coordinator's run directory follows the run as it goes
+        (:class:`~skiptrain.runtime.shipping.RowMirror`) and training never waits on it."""
+        if not os.environ.get("SKIPTRAIN_WORK_DIR"):
+            return
+        if self.rows is None:
+            self.rows = RowPublisher(self.addr, self.port, key_from_env(self.rank), self.rank)
+        self.rows.put(line)
 
     def publish_sched(self, sched, phase_idx: int, cost=None) -> None:
         """The lowest node of the generation tells the coordinator the schedule in force and,

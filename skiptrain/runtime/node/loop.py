@@ -335,9 +335,15 @@ class Node:
                           tokens=(st.it + 1) * st.gb * self.cfg.model.seq_len, margin=margin, delay=delay)
         if self.job.rt.recover:
             row.update(gen=self.control.gen, nodes=len(self.control.alive))
+        self.write_row(row)
+
+    def write_row(self, row: dict) -> None:
+        """Rank 0: one line of ``metrics.jsonl`` (an iteration's, or a validation point), also sent
+        to the coordinator when the run directory is not shared with it."""
+        line = json.dumps(row)
         with open(self.run_dir / "metrics.jsonl", "a") as metrics:
-            metrics.write(json.dumps(row) + "\n")
-        self.control.publish_row(json.dumps(row))
+            metrics.write(line + "\n")
+        self.control.publish_row(line)
 
     def log_samples(self, out_dir: Path, phase: str, it: int, samples: list[int]) -> None:
         """Append the global sample indices this node trained in committed iteration ``it``
