@@ -143,3 +143,26 @@ def test_only_a_nodes_outputs_are_taken(store, tmp_path, capsys):
     assert collect_outputs(store, Verifier(SECRET), [0], run) == {0: 1}
     assert sorted(p.relative_to(run).as_posix() for p in run.rglob("*") if p.is_file()) == ["phases/train/node0.json"]
     assert capsys.readouterr().err.count("not one of the outputs a node ships") == 5
+
+
+def test_rows_are_sent_from_a_thread_of_their_own_and_a_slot_never_written_is_skipped(store, tmp_path, monkeypatch):
+    import time
+
+    from conftest import wait_for
+
+    from skiptrain.runtime import shipping
+
+    pub = shipping.RowPublisher("127.0.0.1", store.port, member_key(SECRET, 1), 1)
+    pub.put(json.dumps({"step": 1}))
+    wait_for(lambda: store.check(["metrics/0"]), 10)
+    store.add("metrics/n", 1)                           # slot 1 counted, its writer gone before writing it
+    pub.put(json.dumps({"step": 3}))
+    wait_for(lambda: store.check(["metrics/2"]), 10)
+    path = tmp_path / "metrics.jsonl"
+    mirror = RowMirror(store, Verifier(SECRET), path)
+    mirror.poll()
+    assert [json.loads(x)["step"] for x in path.read_text().splitlines()] == [1]     # waits for slot 1
+    monkeypatch.setattr(shipping, "GAP_S", 0.0)
+    time.sleep(0.01)
+    mirror.poll()
+    assert [json.loads(x)["step"] for x in path.read_text().splitlines()] == [1, 3]
