@@ -127,6 +127,26 @@ class HostSwarm:
     def last_step(self) -> int:
         return max((r["step"] for r in self.rows() if "loss" in r), default=0)
 
+    def placement(self) -> list[list[int]]:
+        """The stages' node ids now: the planned placement, less the nodes the coordinator
+        fenced, plus the nodes it placed since (``recoveries.jsonl``)."""
+        stages = [list(p) for p in json.loads((self.run_dir / "schedule.json").read_text())["placement"]]
+        for e in self.events():
+            if e.get("join") and str(e.get("cause", "")).startswith("joined: stage"):
+                stages[int(e["cause"].rsplit(" ", 1)[1])].append(e["node"])
+            elif not e.get("join") and not e.get("restart"):
+                stages = [[n for n in p if n != e.get("node")] for p in stages]
+        return stages
+
+    def replicated_host(self, exclude: set[int]) -> int:
+        """A host (not in ``exclude``) whose node holds a stage that has other replicas."""
+        for stage in self.placement():
+            for node in stage if len(stage) > 1 else []:
+                host = next((i for i in self.agents if i not in exclude and self.node_ids(i)[-1:] == [node]), None)
+                if host is not None:
+                    return host
+        raise RuntimeError(f"no host outside {sorted(exclude)} holds a replicated stage: {self.placement()}")
+
     # ---- nodes and faults
 
     def node_ids(self, i: int) -> list[int]:
