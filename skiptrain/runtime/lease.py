@@ -8,7 +8,8 @@ secret): ``{"inc", "seq", "gen", "state", "lease"}``.
 * ``lease`` is the number of seconds the writer promises to stop its own work within, counted
   from the moment it *sent* its last renewal that the store acknowledged, less
   :data:`FENCE_MARGIN_S` (:class:`LeaseKeeper`).  It adapts to the measured round trip of the
-  renewals (:data:`RTT_FACTOR` times the slowest recent one) within a floor and a ceiling.
+  renewals (:data:`RTT_FACTOR` times the 90th percentile of the recent ones) within a floor and
+  a ceiling.
 
 Readers (the coordinator, and the peers of a run without a coordinator) keep a
 :class:`LeaseTable`: it notes on the reader's *monotonic* clock when each node's ``seq`` last
@@ -40,7 +41,7 @@ from dataclasses import dataclass
 
 from .membership import strip_tag
 
-#: A renewal's lease is this many times the slowest of the recent renewal round trips (at least the floor).
+#: A renewal's lease is this many times the 90th percentile of the recent renewal round trips (at least the floor).
 RTT_FACTOR = 8.0
 #: Round trips remembered for the adaptive lease.
 RTT_WINDOW = 32
@@ -153,8 +154,13 @@ class LeaseKeeper:
         self.lapsed = False
 
     def lease_s(self) -> float:
-        slowest = max(self.rtts, default=0.0)
-        return clamp_lease(RTT_FACTOR * slowest, self.floor_s, self.ceiling_s)
+        """:data:`RTT_FACTOR` times the 90th percentile of the recent round trips, within the
+        bounds: a slow link lengthens the lease, one renewal held up by a blip does not."""
+        if not self.rtts:
+            return clamp_lease(0.0, self.floor_s, self.ceiling_s)
+        ordered = sorted(self.rtts)
+        slow = ordered[min(len(ordered) - 1, int(0.9 * len(ordered)))]
+        return clamp_lease(RTT_FACTOR * slow, self.floor_s, self.ceiling_s)
 
     def next(self, gen: int, state: str) -> tuple[Renewal, float]:
         """The next renewal and its send time."""

@@ -80,23 +80,29 @@ def test_done_never_expires():
     assert not table.expired(1)
 
 
-def test_the_lease_follows_the_slowest_recent_round_trip_within_bounds():
+def test_the_lease_follows_the_recent_round_trips_within_bounds_and_ignores_one_blip():
     clock = Clock()
     keeper = LeaseKeeper(2.0, 20.0, clock)
     assert keeper.remaining() is None
-    r, sent = keeper.next(0, "run")
-    clock.t += 0.01
-    keeper.acknowledged(r, sent)
+
+    def renew(rtt: float) -> None:
+        r, sent = keeper.next(0, "run")
+        clock.t += rtt
+        keeper.acknowledged(r, sent)
+
+    renew(0.01)
     assert keeper.lease_s() == 2.0
-    r, sent = keeper.next(0, "run")
-    clock.t += 1.0
-    keeper.acknowledged(r, sent)
+    for _ in range(20):
+        renew(0.01)
+    renew(3.0)                                        # one renewal held up by a 3 s blip
+    assert keeper.lease_s() == 2.0
+    for _ in range(40):                               # a link that is slow for good
+        renew(1.0)
     assert keeper.lease_s() == pytest.approx(RTT_FACTOR * 1.0)
-    r, sent = keeper.next(0, "run")
-    clock.t += 10.0
-    keeper.acknowledged(r, sent)
+    for _ in range(40):
+        renew(10.0)
     assert keeper.lease_s() == 20.0
-    assert [keeper.next(0, "run")[0].seq for _ in range(2)] == [4, 5]
+    assert [keeper.next(0, "run")[0].seq for _ in range(2)] == [103, 104]
 
 
 @settings(max_examples=200, deadline=None)
