@@ -38,7 +38,8 @@ across hosts has no ``--resume`` yet: docs/multihost.md).
 
     .venv/bin/python bench/multihost.py [--quick] [--json PATH] [--keep DIR]
 
-``--quick``: one seed and fewer steps (same code path).  The run directories stay in ``--keep``
+``--quick``: one seed and 900 steps (same code path).  Each seed's figures are written to its
+folder as soon as it is done.  The run directories stay in ``--keep``
 (default ``runs/bench/multihost``), one new folder per bench run.
 """
 
@@ -243,7 +244,7 @@ def main() -> int:
     if not ok:
         raise SystemExit(f"bench/multihost.py needs network namespaces: {why}")
     seeds = args.seeds or (1 if args.quick else 5)
-    steps = args.steps or (600 if args.quick else 1500)
+    steps = args.steps or (900 if args.quick else 1500)
     data = make_data(args.keep)
     keep = args.keep / time.strftime("%Y%m%d-%H%M%S")       # (a new folder per bench run: nothing is replaced)
     per_seed = []
@@ -252,7 +253,8 @@ def main() -> int:
         base = run_once(keep / f"seed{seed}" / "no_events", data, steps, seed, events=False)
         ev = run_once(keep / f"seed{seed}" / "events", data, steps, seed, events=True)
         per_seed.append(figures(base, ev, _global_batch(keep / f"seed{seed}" / "events")))
-        print(f"seed {seed}: done", flush=True)
+        (keep / f"seed{seed}" / "figures.json").write_text(json.dumps(per_seed[-1], indent=1))   # (as it goes)
+        print(f"seed {seed}: done ({keep / f'seed{seed}' / 'figures.json'})", flush=True)
     out = summarize(per_seed)
     out.update(quick=args.quick, seeds=seeds, steps=steps, nodes=NODES, runs=str(keep), per_seed=per_seed)
     print_table(out)
