@@ -60,8 +60,8 @@ sys.path.insert(0, str(REPO))
 
 from skiptrain.data.corpus import read_documents  # noqa: E402
 from skiptrain.data.dataset import write_dataset  # noqa: E402
-from skiptrain.runtime.host_swarm import HostSwarm, children  # noqa: E402
-from skiptrain.runtime.netns import Hosts  # noqa: E402
+from skiptrain.runtime.host_swarm import HostSwarm  # noqa: E402
+from skiptrain.runtime.netns import Hosts, children  # noqa: E402
 from skiptrain.runtime.recovery import trained_samples  # noqa: E402
 
 NODES = 6

@@ -20,17 +20,9 @@ import time
 from pathlib import Path
 
 from .event_log import LOG_NAME
-from .netns import Hosts
+from .netns import Hosts, children
 
 PORT = 29500
-
-
-def children(pid: int) -> list[int]:
-    """The direct children of ``pid`` (empty when it is gone)."""
-    try:
-        return [int(w) for w in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
-    except OSError:
-        return []
 
 
 class HostSwarm:

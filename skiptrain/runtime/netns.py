@@ -114,7 +114,7 @@ def existing_names() -> tuple[set[str], set[str]]:
     return ns, links
 
 
-def _children(pid: int) -> list[int]:
+def children(pid: int) -> list[int]:
     """PIDs of the direct children of ``pid`` (empty if it is gone)."""
     try:
         with open(f"/proc/{pid}/task/{pid}/children") as f:
@@ -153,8 +153,8 @@ class HostProcess(subprocess.Popen):
         to ``timeout`` seconds for it)."""
         deadline = time.monotonic() + timeout
         while self.poll() is None:
-            init = _children(self.pid)
-            program = _children(init[0]) if init else []
+            init = children(self.pid)
+            program = children(init[0]) if init else []
             if program:
                 return program[0]
             if time.monotonic() >= deadline:
