@@ -43,17 +43,18 @@ def test_a_run_across_hosts_survives_a_kill_and_a_partition(bpe_data, tmp_path):
         swarm.wait(lambda: len(swarm.node_ids(2)) == 2, 60, "host 2's new node")
         swarm.wait(lambda: any(r.get("nodes") == NODES and r["time"] > t_kill for r in swarm.rows()), 120,
                    "the swarm back at full strength")
-        # a 20 s partition of host 4: fenced by its lease, back as a new node after the link returns
-        cut = swarm.node_ids(4)[-1]
-        hosts.cut(4)
+        # a 20 s partition of another host: fenced by its lease, back as a new node after the link returns
+        h = swarm.replicated_host({2})                   # (a stage that keeps a replica: stage 0 must live on)
+        cut = swarm.node_ids(h)[-1]
+        hosts.cut(h)
         t_cut = time.time()
         row = swarm.wait(lambda: next((e for e in swarm.events() if e.get("node") == cut), None), 30,
                          "the partition's detection")
         step = swarm.last_step()
         swarm.wait_step(step + 3, timeout_s=60)          # the others keep training while it is cut off
         time.sleep(max(0.0, 20 - (time.time() - t_cut)))
-        hosts.restore(4)
-        swarm.wait(lambda: len(swarm.node_ids(4)) == 2, 120, "host 4's new node")
+        hosts.restore(h)
+        swarm.wait(lambda: len(swarm.node_ids(h)) == 2, 120, f"host {h}'s new node")
         rc = swarm.finish(timeout_s=600)
     assert rc == 0, swarm.log("coordinator")[-3000:]
     run = swarm.run_dir
