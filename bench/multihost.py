@@ -17,12 +17,16 @@ each after the swarm is back at full strength:
 3. a 2 s link blip;
 4. a 20 s partition of one host;
 5. ``SIGSTOP`` of a node process for 20 s;
-6. a fresh host (N + 1) starts ``skiptrain node`` mid-run.
+6. a fresh host (N + 1) starts ``skiptrain node`` mid-run;
+7. ``kill -9`` of the coordinator (its host's whole process tree), and once every node has
+   stopped (its lease ran out: 6 s), a new ``skiptrain coordinator --resume`` on the same address,
+   which takes the run over from its newest checkpoint (committed in its run directory: every node
+   sends its part).
 
 Events 2-5 hit a different host each, whose node holds a stage with other replicas where there
 is one, so the stage lives on and the host comes back as a new node that takes its state from a
-live replica; a stage that loses its only node restarts by CheckFree (a run across hosts has no
-job checkpoint yet), which costs loss this bench does not measure.
+live replica; a stage that loses its only node restarts from the job's checkpoint when it is
+young enough, else by CheckFree, which costs loss this bench does not measure.
 
 Per event: ``self_stop_s`` (the fault to the moment the node stopped its own work because its
 lease ran out, from its error report; for a stopped process that is when it resumes),
@@ -33,8 +37,10 @@ anything was fenced that should not have been.  Over the run: ``false_fencings``
 ``samples_lost`` and ``samples_repeated`` (the sample logs of every node, against the job's
 order), ``final_loss_ratio`` (validation loss with events over without), and
 ``iteration_measured_over_simulated`` (median iteration of the run without events over the
-simulator's).  Median and maximum over the seeds.  Not measured: the coordinator's death (a run
-across hosts has no ``--resume`` yet: docs/multihost.md).
+simulator's).  For the coordinator's death, ``resume_s`` and ``back_s`` are from the kill to
+the first iteration after the checkpoint, and at full strength, as this bench sees them (it
+restarts the coordinator 6 s after the kill), and ``redone_iterations`` the iterations done after
+the checkpoint, which are done again.  Median and maximum over the seeds.
 
     .venv/bin/python bench/multihost.py [--quick] [--json PATH] [--keep DIR]
 
@@ -69,7 +75,9 @@ RATE_MBIT = 100.0
 #: Forward seconds per sample per layer of the cost model (the tiny preset on this machine's CPU).
 S_PER_SAMPLE_LAYER = 3e-4
 EVENTS = ("kill -9 of a node process", "2 s link blip", "20 s partition of a host", "SIGSTOP of a node for 20 s",
-          "a fresh host joins")
+          "a fresh host joins", "kill -9 of the coordinator")
+#: Seconds between the coordinator's death and its replacement: every node has stopped by then.
+RESTART_AFTER_S = 6.0
 
 
 def make_data(root: Path) -> Path:
@@ -165,7 +173,25 @@ def scripted_events(swarm: HostSwarm, hosts: Hosts) -> list[dict]:
     rows.append(fault_event(swarm, EVENTS[3], h3, lambda: swarm.signal_node(h3, signal.SIGSTOP),
                             lambda: _cont(swarm, h3), NODES))
     rows.append(join_event(swarm, NODES + 1, NODES))
+    rows.append(coordinator_event(swarm, NODES + 1))
     return rows
+
+
+def coordinator_event(swarm: HostSwarm, n: int) -> dict:
+    """The coordinator's host dies; a new coordinator takes the run over with ``--resume``."""
+    swarm.wait(lambda: swarm.committed_step() > 0, 180, "a committed checkpoint")
+    step, ckpt = swarm.last_step(), swarm.committed_step()
+    t = time.time()
+    swarm.kill_coordinator()
+    time.sleep(RESTART_AFTER_S)
+    swarm.start_coordinator("--resume")
+    swarm.wait(lambda: swarm.last_step() <= ckpt, 60, "the resumed run's metrics")
+    swarm.wait(lambda: swarm.last_step() > ckpt, 180, "the first iteration after the checkpoint")
+    resumed = time.time()
+    swarm.wait(lambda: any(r.get("nodes") == n and r["step"] > ckpt for r in swarm.rows() if "loss" in r), 180,
+               "full strength after the coordinator's death")
+    return {"kind": EVENTS[5], "host": 0, "detect_s": None, "resume_s": round(resumed - t, 3),
+            "back_s": round(time.time() - t, 3), "redone_iterations": step - ckpt, "checkpoint": ckpt}
 
 
 def _take(swarm: HostSwarm, used: set[int]) -> int:
@@ -280,7 +306,7 @@ def summarize(per_seed: list[dict]) -> dict:
     for kind in kinds:
         rs = [r for s in per_seed for r in s["events"] if r["kind"] == kind]
         events.append({"kind": kind, **{k: stat([r.get(k) for r in rs])
-                                        for k in ("detect_s", "resume_s", "back_s", "self_stop_s")},
+                                        for k in ("detect_s", "resume_s", "back_s", "self_stop_s", "redone_iterations")},
                        "fenced": sorted({n for r in rs for n in r.get("fenced", [])})})
     out = {"events": events}
     for key in ("false_fencings", "samples_lost", "samples_repeated", "final_loss_ratio",
@@ -301,6 +327,9 @@ def print_table(out: dict) -> None:
               f"{fmt(e['back_s']):>19s}"
               + (f"  fenced {e['fenced']}" if e["fenced"] else ""))
     print("(median / max over seeds)")
+    for e in out["events"]:
+        if e.get("redone_iterations"):
+            print(f"{e['kind']}: iterations done again after the resume {fmt(e['redone_iterations'])}")
     for key in ("false_fencings", "samples_lost", "samples_repeated", "final_loss_ratio",
                 "iteration_measured_over_simulated"):
         print(f"{key:36s} {fmt(out[key])}")

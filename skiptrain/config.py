@@ -292,6 +292,8 @@ class RuntimeConfig:
                       "keeps sending bad payloads holds the run on one iteration this many times", min=1,
                       max=MAX_STRIKES)
     takeover: bool = _f(False, "recover: a replica of the most replicated body stage takes over a stage left empty")
+    min_nodes: int = _f(0, "recover: below this many live nodes training pauses at an iteration boundary until "
+                        "joining nodes bring the swarm back to it (0 = never pause)", min=0, max=MAX_NODES)
     ckpt_max_age: int = _f(10, "recover: the job's checkpoint, when at most this many iterations old, "
                            "initialises a stage left without replicas (older: CheckFree from the neighbours)", min=0)
     act_codec: str = _f("fp32", "encoding of activations and their gradients on slow links: fp32, bf16, int8 or "
@@ -310,6 +312,9 @@ class RuntimeConfig:
                       "the GPUs a node sees")
 
     def check(self) -> None:
+        if self.nodes and self.min_nodes > self.nodes:
+            raise ConfigError(f"runtime.min_nodes={self.min_nodes} is more than runtime.nodes={self.nodes}: the "
+                              "run could never start training; give at most the nodes it is planned for")
         devs = node_devices(self.devices)
         if devs and self.nodes and len(devs) != self.nodes:
             raise ConfigError(f"runtime.devices lists {len(devs)} device(s) for runtime.nodes={self.nodes}; "

@@ -12,7 +12,9 @@ A multi-process run gives every node the same ``ranks`` (all writers), the globa
 (every tensor's name, dtype and shape) and ``holders`` (tensor name -> ranks holding a replica).
 Each node then computes the same :func:`~skiptrain.checkpoint.plan.plan_save`, snapshots only the
 pieces assigned to it, writes them in the background, and the coordinator (lowest rank) commits
-once every rank's part is on disk.  Nodes need no process group to save.
+once every rank's part is on disk.  Nodes need no process group to save.  Writers that share no
+file system give a ``sink`` (:class:`PartSink`): each sends its part there once it is on its
+disk, and the lowest writer sends the commit's record instead of committing.
 
 Semantics of :meth:`CheckpointManager.save`:
 
@@ -32,7 +34,7 @@ import shutil
 import threading
 import time
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any, Mapping, Protocol, Sequence
 
 import torch
 
@@ -49,11 +51,23 @@ def specs_of(tensors: Mapping[str, torch.Tensor]) -> list[TensorSpec]:
     return [TensorSpec(n, dtype_name(t.dtype), tuple(t.shape)) for n, t in tensors.items()]
 
 
+class PartSink(Protocol):
+    """Where a writer's parts go when the commit is made elsewhere (writers on hosts that share
+    no file system): :meth:`part` after the rank's part is on its local disk (``tmp``: the step's
+    temporary directory), :meth:`commit` from the lowest writer with what the commit writes."""
+
+    def part(self, step: int, rank: int, tmp: Path) -> None: ...
+
+    def commit(self, step: int, ranks: list[int], state: dict[str, Any], layout: dict[str, Any],
+               names: list[str]) -> None: ...
+
+
 class CheckpointManager:
     def __init__(self, root: str | Path, keep: int = 3, rank: int = 0, ranks: Sequence[int] | None = None,
                  chunk_bytes: int = DEFAULT_CHUNK_BYTES, commit_timeout: float = 600.0,
-                 clean: bool = True):
+                 clean: bool = True, sink: "PartSink | None" = None):
         self.root = Path(root)
+        self.sink = sink
         self.keep = keep
         self.rank = rank
         self.ranks = sorted(set(ranks or [rank]))
@@ -169,7 +183,7 @@ class CheckpointManager:
         lay = {"writers": self.ranks, "bytes_per_rank": {str(r): b for r, b in plan.bytes_per_rank().items()},
                **(layout or {})}
         root, rank, ranks, keep, timeout = self.root, self.rank, self.ranks, self.keep, self.commit_timeout
-        coordinator = self.is_coordinator
+        coordinator, sink = self.is_coordinator, self.sink
         self._cancel = cancel = threading.Event()
         st = dict(state or {})
         if overlap:
@@ -189,6 +203,11 @@ class CheckpointManager:
             try:
                 write_part(root, step, rank, plan, buffers, rank_state)
                 timings["written"] = time.perf_counter()
+                if sink is not None:            # (the commit is made where the parts are sent)
+                    sink.part(step, rank, root / tmp_dir_name(step))
+                    if coordinator:
+                        sink.commit(step, ranks, st, lay, sorted(plan.specs))
+                    return None
                 if coordinator:
                     return commit(root, step, ranks, plan, st, lay, keep, timeout, timings, cancel)
             except OSError as e:

@@ -124,12 +124,12 @@ def write_part(root: str | Path, step: int, rank: int, plan: SavePlan,
 def commit(root: str | Path, step: int, ranks: list[int], plan: SavePlan | None = None,
            state: dict[str, Any] | None = None, layout: dict[str, Any] | None = None,
            keep: int = 0, timeout: float = 600.0, timings: dict[str, float] | None = None,
-           cancel: threading.Event | None = None) -> Path:
+           cancel: threading.Event | None = None, expect: list[str] | None = None) -> Path:
     """Coordinator: wait for every rank's part, write metadata, rename into place, update LATEST.
 
     Raises CheckpointError if a part is missing after ``timeout`` seconds or once ``cancel`` is
     set (a writer died: the ``.tmp-`` directory stays uncommitted), or if the parts do not cover
-    every tensor of ``plan`` exactly once.
+    every tensor of ``plan`` (without a plan: the names ``expect``) exactly once.
     """
     root = Path(root)
     tmp = root / tmp_dir_name(step)
@@ -165,7 +165,7 @@ def commit(root: str | Path, step: int, ranks: list[int], plan: SavePlan | None 
             t.shards.extend(ShardMeta.from_json(s) for s in shard_list)
     for t in tensors.values():
         t.shards.sort(key=lambda s: s.offsets)
-    _check_coverage(tensors, plan, tmp)
+    _check_coverage(tensors, set(plan.specs) if plan is not None else expect, tmp)
     st = dict(state or {})
     if rank_state:
         st["ranks"] = rank_state
@@ -186,10 +186,10 @@ def commit(root: str | Path, step: int, ranks: list[int], plan: SavePlan | None 
     return final
 
 
-def _check_coverage(tensors: dict[str, TensorMeta], plan: SavePlan | None, where: Path) -> None:
-    if plan is not None:
-        missing = sorted(set(plan.specs) - set(tensors))
-        extra = sorted(set(tensors) - set(plan.specs))
+def _check_coverage(tensors: dict[str, TensorMeta], names, where: Path) -> None:
+    if names is not None:
+        missing = sorted(set(names) - set(tensors))
+        extra = sorted(set(tensors) - set(names))
         if missing or extra:
             raise CheckpointError(f"save into {where}: parts miss tensors {missing[:5]} / have unplanned {extra[:5]}")
     for name, t in tensors.items():

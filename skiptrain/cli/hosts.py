@@ -10,6 +10,10 @@ On every other machine, in any order (each retries until the coordinator answers
 
     skiptrain node --coordinator HOST0:29500 --join-secret-file run.secret
 
+Checkpoints are committed in the coordinator's run directory.  If the coordinator dies, the nodes
+stop and wait for one (``--wait``); ``skiptrain coordinator --bind HOST0:29500 --out runs/h
+--join-secret-file run.secret --resume`` takes the run over from its newest checkpoint.
+
 The secret file is made by the coordinator when it does not exist yet (copy it to the hosts), or
 by the user beforehand.  docs/multihost.md: ports, addresses, what happens when a host or the
 link goes away.
@@ -37,19 +41,22 @@ def cmd_coordinator(args: argparse.Namespace) -> int:
         host = resolve(host)
     except (ValueError, AddressError) as e:
         raise UserError(f"--bind: {e}") from None
+    if args.resume is not None and args.config is None and (Path(args.out) / "config.toml").is_file():
+        args.config = str(Path(args.out) / "config.toml")        # (the run's own config, --set on top)
     cfg = config_from_args(args, **{"data.path": args.data, "train.steps": args.steps,
-                                    "runtime.nodes": args.nodes, "runtime.heartbeat_deadline_s": args.heartbeat_deadline})
+                                    "runtime.nodes": args.nodes, "runtime.heartbeat_deadline_s": args.heartbeat_deadline,
+                                    "runtime.min_nodes": args.min_nodes})
     cfg.runtime.recover = True          # a run across hosts always survives failed nodes
     cfg.check()
     if not args.overwrite:      # (a run already there is refused before anything is written)
-        claim_run_dir(args.out)
+        claim_run_dir(args.out, resume=args.resume is not None)
     try:
         listen_socket(host, port).close()        # (the store binds there once the job is planned)
     except OSError as e:
         raise UserError(f"cannot listen on {host}:{port} ({e.strerror or e}); pick a free port, or an address "
                         "of this host") from None
     secret = read_secret_file(args.join_secret_file, make=True)
-    train_swarm(cfg, cfg.data.path, args.out, echo=True, overwrite=args.overwrite,
+    train_swarm(cfg, cfg.data.path, args.out, echo=True, overwrite=args.overwrite, resume=args.resume,
                 hosts={"bind": (host, port), "secret": secret})
     return 0
 
@@ -79,11 +86,16 @@ def register(sub) -> None:
                    help="the IPv4 address the nodes reach this coordinator at (one address of this host) and a free port")
     p.add_argument("--out", required=True, help="run directory: the whole run is assembled here")
     p.add_argument("--overwrite", action="store_true", help="replace the run already in --out")
+    p.add_argument("--resume", nargs="?", const="latest", default=None, metavar="CHECKPOINT",
+                   help="take over the run in --out (its config.toml unless --config is given) from its newest "
+                        "committed checkpoint, or from CHECKPOINT; the nodes waiting for a coordinator join it")
     p.add_argument("--join-secret-file", required=True, metavar="F",
                    help="the run's secret; a new one is written there when F does not exist")
     p.add_argument("--nodes", type=int, default=None, help="nodes the job is planned for (config runtime.nodes)")
     p.add_argument("--data", default=None, help="prepared data directory (config data.path)")
     p.add_argument("--steps", type=int, default=None)
+    p.add_argument("--min-nodes", type=int, default=None, metavar="N",
+                   help="below N live nodes, training pauses until nodes join (config runtime.min_nodes; 0: never)")
     p.add_argument("--heartbeat-deadline", type=float, default=None, metavar="S",
                    help="the shortest lease of a node, in seconds (config runtime.heartbeat_deadline_s)")
     p.set_defaults(func=cmd_coordinator, written_paths=("--out",))

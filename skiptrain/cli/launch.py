@@ -66,13 +66,13 @@ def train_swarm(cfg, data: str, out: str, steps: int | None = None, echo: bool =
               f"method {sched.method}, k={sched.skip_ratio}, m={sched.memory}, {steps} steps, "
               f"topology {topo.name}{' (emulated)' if rt.wan else ''} -> {out}", flush=True)
     rt.restartable = rt.recover and restartable
-    every = _checkpoint_every(cfg, sched.placement, steps, bool(hosts), echo)
+    every = _checkpoint_every(cfg, sched.placement, steps, echo)
     cfg.checkpoint.every = every
     job = Job(config=cfg.to_dict(), data_path=str(ds.path), run_dir=str(outp),
               phases=[phase_for(cfg, sched, topo, cost, "train", steps, save_weights=True)], resume=start,
               meta={"data_fingerprint": ds.fingerprint(), "run_id": secrets.token_hex(6)})
-    if echo and not hosts:
-        _describe_checkpoints(cfg, outp, steps, start)
+    if echo:
+        _describe_checkpoints(cfg, outp, steps, start, "coordinator" if hosts else "launch")
     if rt.recover and echo and not hosts:
         print(f"recovery on: hung-peer deadline {rt.heartbeat_deadline_s or rt.timeout_s:g} s, {rt.strikes} "
               f"strike(s) for bad peers, takeover {'on' if rt.takeover else 'off'}; a stage left without replicas "
@@ -138,16 +138,10 @@ def warn_host_bound(floor_s: float, simulated_s: float, emulated: bool) -> None:
           f"processes per machine{fix})", file=sys.stderr, flush=True)
 
 
-def _checkpoint_every(cfg, placement: list[list[int]], steps: int, hosts: bool, echo: bool) -> int:
+def _checkpoint_every(cfg, placement: list[list[int]], steps: int, echo: bool) -> int:
     """The swarm's checkpoint interval (:func:`ckpt_every_for`), said when it differs from the
-    config's.  A run across hosts takes no checkpoint: 0, and ``cfg.checkpoint.final`` is turned off."""
+    config's."""
     every = ckpt_every_for(cfg, placement, steps)
-    if hosts:     # a job checkpoint commits once every part is in one directory: hosts share none
-        cfg.checkpoint.final = False
-        if echo:
-            print("checkpoints: none in a run across hosts (job checkpoints need one directory for every "
-                  "node's part); a stage that loses every replica restarts by CheckFree", flush=True)
-        return 0
     if every != cfg.checkpoint.every and echo:
         print(f"body stage(s) {[s for s, n in enumerate(placement) if s and len(n) == 1]} have a single "
               f"node: checkpoints every {every} iterations, so a lost stage keeps its progress", flush=True)
@@ -184,13 +178,13 @@ def _resume_point(cfg, out: str, resume: str, steps: int) -> dict:
     return start
 
 
-def _describe_checkpoints(cfg, outp: Path, steps: int, start: dict | None) -> None:
+def _describe_checkpoints(cfg, outp: Path, steps: int, start: dict | None, command: str) -> None:
     c = cfg.checkpoint
     root = c.dir or outp / "checkpoints"
     when = (f"every {c.every} iterations" if c.every and c.every < steps else "") + \
         (" and at the end" if c.final else "")
     print(f"checkpoints: {when.strip() or 'off'} in {root} (weights, optimizer and sync state of every stage; "
-          f"`skiptrain launch --resume --out {outp}` continues from the latest)"
+          f"`skiptrain {command} --resume --out {outp}` continues from the latest)"
           + (f"; resuming from {start['path']} at iteration {start['iteration']}" if start else ""), flush=True)
 
 

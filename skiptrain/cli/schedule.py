@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import json
-from pathlib import Path
 
 from ..config import MAX_MB_PER_ORIGINATOR, MAX_MEMORY_CREDITS, MAX_NODES, MAX_TASK_S, ConfigError, skip_count
 from ..net.topology import load_topology

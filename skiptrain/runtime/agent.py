@@ -12,7 +12,8 @@ the network and the run's secret.  :class:`NodeAgent` loops:
 4. ship the node's outputs to the coordinator and sign its exit report (:mod:`.shipping`,
    :func:`~skiptrain.runtime.fencing.report_exit`);
 5. when the node finished the job: exit 0.  When it stopped because its lease ran out (a cut
-   link, a stopped host), was not admitted (it came after the first generation had formed) or
+   link, a stopped host, a coordinator that died: then it waits for one started with
+   ``--resume``), was not admitted (it came after the first generation had formed) or
    failed on its own while the run goes on, start again as a new node (a new id and incarnation,
    healed from a live replica by the join), at most ``rejoins`` times.
 
@@ -77,9 +78,10 @@ class NodeAgent:
                 node = request_node_id(store)
             except RuntimeError:             # (the store went away between the two calls: anew)
                 continue
-            self.run_dir = self.opts.work_dir / str(job.meta.get("run_id", "run")) / f"node{node}"
+            run_id = str(job.meta.get("run_id", "run"))
+            self.run_dir = self.opts.work_dir / run_id / f"node{node}"
             code = self.run_node(node, env, data)
-            self.deliver(store, node, code)
+            self.deliver(store, node, code, run_id)
             if code == 0:
                 return 0
             if attempt < self.opts.rejoins:
@@ -88,15 +90,21 @@ class NodeAgent:
                       file=sys.stderr, flush=True)
         return code
 
-    def deliver(self, store, node: int, code: int) -> None:
+    def deliver(self, store, node: int, code: int, run_id: str) -> None:
         """The node's exit report and outputs to the coordinator, through a new connection when
-        the old one broke; a coordinator that is gone leaves them in the work directory."""
+        the old one broke.  A coordinator that is gone, or was replaced by one that took the run
+        over from a checkpoint (another run id: these outputs are past its checkpoint), leaves
+        them in the work directory."""
         if self.after(store, node, code):
             return
         try:
-            store = self.connect()[0]
+            store, job = self.connect()
         except UserError as e:
             print(f"skiptrain node: node {node}'s outputs stay in {self.run_dir}: {e}", file=sys.stderr, flush=True)
+            return
+        if str(job.meta.get("run_id", "run")) != run_id:
+            print(f"skiptrain node: node {node}'s outputs stay in {self.run_dir}: a new coordinator took the run "
+                  "over from its checkpoint", file=sys.stderr, flush=True)
             return
         self.after(store, node, code, last_try=True)
 

@@ -18,7 +18,8 @@ is ``{"node", "kind", "phase", "iteration", "where", "delay_s", "factor"}``:
 * ``diverge``: this node's copy of ``tensor`` (default ``norm.weight``) drifts by ``by`` (default
   1e-3) before the iteration's step (replicas no longer identical, unless every replica drifts).
 
-``where`` is ``start`` (default), ``after_pipeline`` or ``recover``; each fault fires once.
+``where`` is ``start`` (default), ``after_pipeline``, ``after_commit`` or ``recover``; each fault
+fires once.
 The time a fault fires is written to the store as ``fault/<node>`` (the benches measure
 detection from it).
 """

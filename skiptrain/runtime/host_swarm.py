@@ -44,13 +44,27 @@ class HostSwarm:
     def address(self) -> str:
         return f"{self.hosts.addr(0)}:{PORT}"
 
-    def start_coordinator(self) -> None:
+    def start_coordinator(self, *extra: str) -> None:
+        """``skiptrain coordinator`` on host 0 (``extra``: e.g. ``--resume`` to take a run over)."""
         self.root.mkdir(parents=True, exist_ok=True)
-        log = open(self.root / "coordinator.log", "w")
+        log = open(self.root / "coordinator.log", "a")
         self.coordinator = self.hosts.popen(0, [self.python, "-m", "skiptrain.cli", "coordinator", "--bind", self.address,
                                                 "--out", str(self.run_dir), "--join-secret-file", str(self.secret),
-                                                "--data", self.data, *self.coordinator_args],
+                                                "--data", self.data, *self.coordinator_args, *extra],
                                             env=self.env, stdout=log, stderr=subprocess.STDOUT)
+
+    def kill_coordinator(self) -> None:
+        """``kill -9`` of the coordinator: its host's whole process tree ends with it."""
+        self.coordinator.kill()
+        self.coordinator.wait(timeout=30)
+
+    def committed_step(self) -> int:
+        """The newest checkpoint step committed in the coordinator's run directory (0: none)."""
+        latest = self.run_dir / "checkpoints" / "LATEST"
+        try:
+            return int(latest.read_text().strip().rsplit("-", 1)[1])
+        except (OSError, ValueError, IndexError):
+            return 0
 
     def wait_secret(self, timeout_s: float = 60.0) -> None:
         end = time.time() + timeout_s

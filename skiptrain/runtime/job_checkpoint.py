@@ -38,6 +38,7 @@ import json
 import os
 import sys
 import zlib
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
@@ -149,6 +150,11 @@ def checkpoint_root(job, phase_name: str) -> Path:
     return root / phase_name if len(job.phases) > 1 else root
 
 
+def checkpoint_roots(job) -> dict[str, Path]:
+    """Every phase's :func:`checkpoint_root`, by phase name."""
+    return {ph.name: checkpoint_root(job, ph.name) for ph in job.phases}
+
+
 def check_root_writable(root: Path, node: int) -> None:
     """Refuse, with one line, a checkpoint root this node cannot create or write."""
     probe = root / f".probe-node{node}-{os.getpid()}"
@@ -175,8 +181,9 @@ class JobCheckpointer:
     :meth:`save` at the same iteration boundaries."""
 
     def __init__(self, root: Path, node: int, cfg, timeout_s: float,
-                 gather: Callable[..., list[tuple[int, bytes]]]):
+                 gather: Callable[..., list[tuple[int, bytes]]], relay: "Relay | None" = None):
         self.root, self.node, self.cfg = Path(root), node, cfg
+        self.relay = relay
         self.timeout_s = timeout_s
         self.gather = gather
         self.mgr: CheckpointManager | None = None
@@ -227,7 +234,8 @@ class JobCheckpointer:
             return 0.0
         if self.mgr is None:
             self.mgr = CheckpointManager(self.root, keep=self.cfg.keep, rank=self.node, ranks=list(writers),
-                                         commit_timeout=max(600.0, self.timeout_s), clean=False)
+                                         commit_timeout=max(600.0, self.timeout_s), clean=False,
+                                         sink=self.relay.sink if self.relay is not None else None)
             self._save_plan = None
         if self._save_plan is None:
             self._save_plan = self.mgr.plan(self._specs, self._holders)
@@ -280,10 +288,11 @@ class JobCheckpointer:
             self.mgr.wait_snapshot()
 
     def latest(self) -> tuple[int, Path] | None:
-        """(iteration, path) of the newest committed checkpoint, or None."""
+        """(iteration, path) of the newest committed checkpoint, or None (across hosts: the one the
+        coordinator committed last, fetched here)."""
         from ..checkpoint import store
 
-        p = store.latest(self.root, warn=False)
+        p = self.relay.fetch(self.root / "fetched") if self.relay is not None else store.latest(self.root, warn=False)
         return None if p is None else (CheckpointReader(p).step, p)
 
     def close(self) -> None:
@@ -358,13 +367,49 @@ def resume_point(path: str | Path) -> dict[str, Any]:
 
 # ---- a node process's checkpoints (the node loop calls these) ----------------------------
 
+@dataclass
+class Relay:
+    """A node on another host than its coordinator: where its parts go (``sink``) and how it gets
+    the checkpoint the coordinator committed last (``fetch(dest_root) -> path or None``)."""
+    sink: Any
+    fetch: Callable[[Path], Path | None]
+
+
 def open_node_checkpoints(node, ph) -> "JobCheckpointer":
-    """Node ``node``'s checkpointer for phase ``ph``; the root must be writable here."""
-    root = checkpoint_root(node.job, ph.name)
+    """Node ``node``'s checkpointer for phase ``ph``; the root must be writable here.  A node on
+    another host than the coordinator (its own run directory) writes its parts under that
+    directory and sends them to the coordinator, which commits (:mod:`.checkpoint_relay`)."""
+    relay = None
+    if node.control.remote:
+        from .checkpoint_relay import PartShipper, fetch_checkpoint
+        from .membership import coordinator_key, key_from_env, secret_from_env
+
+        sink = PartShipper(node.control.addr, node.control.port, key_from_env(node.rank), node.rank, ph.name,
+                           node.control.row_publisher().flush)
+        coord = coordinator_key(secret_from_env())
+        relay = Relay(sink, lambda dest: fetch_checkpoint(node.control.store, coord, ph.name, dest))
+    root = Path(node.job.run_dir) / "checkpoints" / ph.name if relay is not None else checkpoint_root(node.job, ph.name)
     c = node.cfg.checkpoint
     if c.every or c.final or node.job.rt.recover:
         check_root_writable(root, node.rank)
-    return JobCheckpointer(root, node.rank, c, node.job.rt.timeout_s, node.control.gather_bytes)
+    return JobCheckpointer(root, node.rank, c, node.job.rt.timeout_s, node.control.gather_bytes, relay)
+
+
+def fetch_resume_point(job, store):
+    """``job`` with its resume checkpoint copied to this host (a node on another host than its
+    coordinator: the coordinator published it, :mod:`.checkpoint_relay`)."""
+    import dataclasses
+
+    from .checkpoint_relay import fetch_checkpoint
+    from .membership import coordinator_key, secret_from_env
+
+    phase = job.phases[int(job.resume["phase"])].name
+    dest = Path(job.run_dir) / "checkpoints" / phase / "fetched"
+    path = fetch_checkpoint(store, coordinator_key(secret_from_env()), phase, dest)
+    if path is None or CheckpointReader(path).step != int(job.resume["iteration"]):
+        raise CheckpointError(f"the coordinator has not published the checkpoint of iteration {job.resume['iteration']} "
+                              "this job resumes from; restart the coordinator with --resume")
+    return dataclasses.replace(job, resume={**job.resume, "path": str(path)})
 
 
 def resume_node(node, st) -> None:

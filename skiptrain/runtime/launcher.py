@@ -36,15 +36,16 @@ from pathlib import Path
 from ..schedule.schedule import Schedule
 from ..schedule.timeline import Event
 from ..signals import sigterm_as_interrupt
-from .event_log import LOG_NAME
+from .checkpoint_relay import coordinator_relays
+from .event_log import LOG_NAME, log_event
 from .failure import RuntimeFailure, describe_exit
 from .job import Job
+from .job_checkpoint import checkpoint_roots
 from .lease import LeaseTable, parse_renewal
-from .membership import Verifier
 from .node_processes import start_nodes
 from .outputs import load_phase_timeline, merge_outputs, salvage_checkpoint, stop_store
 from .progress import SwarmProgress
-from .shipping import RowMirror, collect_run_outputs
+from .shipping import collect_run_outputs
 
 
 def host_floor_s(row: dict) -> float:
@@ -132,8 +133,7 @@ def _launch(job: Job, nodes: int | None, timeout_s: float, grace_s: float, echo:
     base_env = _node_env(job, run_dir, world, store.port, store_proc is not None, join_secret,
                          bind[0] if bind else "127.0.0.1")
     t_start = time.time()
-    with (nullcontext() if local else RowMirror(store, Verifier(join_secret, run_dir / "rejected_writes.jsonl"),
-                                                 run_dir / "metrics.jsonl")):
+    with (nullcontext() if local else coordinator_relays(job, store, join_secret, checkpoint_roots(job))):
         interrupted, err = _run_nodes(job, job_path, world, run_dir, base_env, store, store_proc,
                                       join_secret, t_start, timeout_s, grace_s, echo, local)
     if not local:          # (the last generation's members are waited for: they ship as their process ends)
@@ -244,12 +244,16 @@ def _result(job: Job, run_dir: Path, world: int, wall: float, interrupted: bool,
 
 def prepare_outputs(job: Job, run_dir: Path) -> None:
     """Clear what an earlier launch into ``run_dir`` left; when resuming, keep its metrics and
-    sample logs up to the checkpoint."""
+    sample logs up to the checkpoint, and its membership events (the resume logged as one)."""
     from ..checkpoint.training import truncate_metrics
 
     run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / LOG_NAME).unlink(missing_ok=True)
     r = job.resume
+    if r:                   # (the run's membership events go on: the resume is one of them)
+        log_event(run_dir / LOG_NAME, {"gen": 0, "node": None, "restart": True, "t_detect": time.time(),
+                                       "cause": f"resumed from the checkpoint of iteration {r['iteration']}"})
+    else:
+        (run_dir / LOG_NAME).unlink(missing_ok=True)
     keep = {}
     if r:
         for f in (run_dir / "phases").glob("*/samples_node*.jsonl"):

@@ -1,9 +1,9 @@
 """A node's outputs sent to the coordinator's run directory over the store (no shared file system).
 
 While the run goes on, rank 0 of each generation also sends every metrics row it writes
-(:func:`publish_row`: ``metrics/<i>``, signed), and the coordinator appends them to its
-``metrics.jsonl`` as they come (:class:`RowMirror`), so a run's progress is visible where it is
-coordinated.  A node on another host writes its outputs (metrics rows while it was rank 0, its stage's final
+(:func:`publish_row`: ``metrics/<i>``, signed), and every node its sample log's rows; the
+coordinator appends them to its ``metrics.jsonl`` and sample logs as they come
+(:class:`RowMirror`), so a run's progress is visible, and kept, where it is coordinated.  A node on another host writes its outputs (metrics rows while it was rank 0, its stage's final
 weights under ``parts/``, timelines and sample logs under ``phases/``, error reports) into its
 own run directory.  When the node process ends, however it ended, its supervisor on the same host
 ships them (:func:`ship_outputs`): every file's bytes to ``out/<node>/f/<path>``, then a manifest
@@ -171,89 +171,104 @@ def collect_run_outputs(store, secret: str, run_dir: Path, wait_s: float) -> Non
     collect_outputs(store, verifier, [n for n in everyone if n not in alive] + sorted(alive), run_dir)
 
 
-def publish_row(store, key: bytes | None, node: int, line: str) -> None:
-    """Node side: one metrics row for the coordinator's ``metrics.jsonl``, signed."""
-    i = int(store.add("metrics/n", 1)) - 1
-    name = f"metrics/{i}"
-    store.set(name, sign(key, name, json.dumps({"node": node, "row": line})))
+def claim_slot(store, prefix: str) -> int:
+    """The next slot of the signed log ``prefix`` (``prefix/0``, ``prefix/1``, ...)."""
+    return int(store.add(f"{prefix}/n", 1)) - 1
+
+
+def write_slot(store, key: bytes | None, node: int, prefix: str, i: int, payload: dict) -> None:
+    """Slot ``i`` of ``prefix``: ``payload`` from ``node``, signed with its member key."""
+    name = f"{prefix}/{i}"
+    store.set(name, sign(key, name, json.dumps({**payload, "node": node})))
+
+
+def publish_row(store, key: bytes | None, node: int, line: str, file: str = "metrics.jsonl") -> None:
+    """Node side: one row for the coordinator's ``file`` (``metrics.jsonl``, or the node's own
+    sample log), signed."""
+    write_slot(store, key, node, "metrics", claim_slot(store, "metrics"), {"row": line, "file": file})
+
+
+def mirrored_file(run_dir: Path, node: int, file) -> Path | None:
+    """Where in ``run_dir`` a row node ``node`` sent for ``file`` goes: ``metrics.jsonl``, or its
+    own ``phases/<phase>/samples_node<node>.jsonl``; None for any other file."""
+    parts = file.split("/") if isinstance(file, str) else []
+    ok = file == "metrics.jsonl" or (len(parts) == 3 and parts[0] == "phases" and parts[1] not in ("", ".", "..")
+                                     and parts[2] == f"samples_node{node}.jsonl")
+    return run_dir / file if ok and _refused(run_dir, file) is None else None
 
 
 class RowPublisher:
     """Node side: :func:`publish_row` from a thread of its own, on a store connection of its own
     (made in that thread).  A row that cannot be sent is dropped here: it is in the node's own
-    ``metrics.jsonl``, which is shipped when the node ends."""
+    file, which is shipped when the node ends."""
 
     def __init__(self, host: str, port: int, key: bytes | None, node: int):
         self.host, self.port, self.key, self.node = host, port, key, node
-        self.queue: queue.Queue[str] = queue.Queue()
+        self.queue: queue.Queue[tuple[str, str] | threading.Event] = queue.Queue()
         threading.Thread(target=self._loop, name="row-publisher", daemon=True).start()
 
-    def put(self, line: str) -> None:
-        self.queue.put(line)
+    def put(self, line: str, file: str = "metrics.jsonl") -> None:
+        self.queue.put((line, file))
+
+    def flush(self, timeout_s: float = 60.0) -> bool:
+        """Wait until every row put so far was sent (or dropped); False after ``timeout_s``."""
+        done = threading.Event()
+        self.queue.put(done)
+        return done.wait(timeout_s)
 
     def _loop(self) -> None:
         import torch.distributed as dist
 
         store = None
         while True:
-            line = self.queue.get()
+            item = self.queue.get()
+            if isinstance(item, threading.Event):
+                item.set()
+                continue
+            line, file = item
             try:
                 store = store or dist.TCPStore(self.host, self.port, 1, is_master=False, wait_for_workers=False,
                                                timeout=timedelta(seconds=30))
-                publish_row(store, self.key, self.node, line)
+                publish_row(store, self.key, self.node, line, file)
             except Exception:  # noqa: BLE001 - the coordinator's store is away: the row waits for the shipping
                 store = None
 
 
-class RowMirror:
-    """Coordinator side: a thread that appends the rows nodes publish to ``path`` as they come
-    (a row whose tag does not verify with its node's key is dropped, logged by the verifier)."""
+class SlotReader:
+    """Coordinator side: the slots of a signed log (:func:`claim_slot`, :func:`write_slot`) in
+    order, each once.  A slot whose tag does not verify with its node's key is dropped (logged by
+    the verifier); a slot counted but not written is waited for, then skipped after
+    :data:`GAP_S` (its writer died between the two)."""
 
-    def __init__(self, store, verifier: Verifier, path: Path, poll_s: float = 0.25):
-        self.store, self.verifier, self.path, self.poll_s = store, verifier, Path(path), poll_s
+    def __init__(self, store, verifier: Verifier, prefix: str):
+        self.store, self.verifier, self.prefix = store, verifier, prefix
         self.next = 0
+        self.top = 0                     # the slots counted at the last poll
         self.missing: dict[int, float] = {}
-        self.stop_event = threading.Event()
-        self.thread = threading.Thread(target=self._loop, name="row-mirror", daemon=True)
 
-    def __enter__(self) -> "RowMirror":
-        self.thread.start()
-        return self
+    def caught_up(self) -> bool:
+        """Whether the last poll took every slot counted by then."""
+        return self.next >= self.top
 
-    def __exit__(self, *exc) -> None:
-        self.stop_event.set()
-        self.thread.join(timeout=5)
-        self.poll()
-
-    def _loop(self) -> None:
-        while not self.stop_event.wait(self.poll_s):
-            self.poll()
-
-    def poll(self) -> None:
-        try:
-            top = int(self.store.add("metrics/n", 0))
-            rows = []
-            for i in range(self.next, top):
-                row = self._row(i)
-                if row is None and not self.store.check([f"metrics/{i}"]) and not self._given_up(i):
-                    break              # (counted, not yet written: next time)
-                self.next = i + 1
-                if row is not None:
-                    rows.append(row)
-        except Exception:  # noqa: BLE001 - the store is going away with the run
-            return
-        if rows:
-            with open(self.path, "a") as f:
-                f.write("".join(r + "\n" for r in rows))
+    def poll(self) -> list[tuple[int, dict]]:
+        """The (node, payload) of every slot ready since the last call; raises what the store raises."""
+        top = self.top = int(self.store.add(f"{self.prefix}/n", 0))
+        out = []
+        for i in range(self.next, top):
+            got = self._slot(i)
+            if got is None and not self.store.check([f"{self.prefix}/{i}"]) and not self._given_up(i):
+                break              # (counted, not yet written: next time)
+            self.next = i + 1
+            if got is not None:
+                out.append(got)
+        return out
 
     def _given_up(self, i: int) -> bool:
-        """Whether slot ``i``, counted but never written (its writer died between the two), has
-        been waited for long enough (:data:`GAP_S`)."""
         since = self.missing.setdefault(i, time.monotonic())
         return time.monotonic() - since > GAP_S
 
-    def _row(self, i: int) -> str | None:
-        name = f"metrics/{i}"
+    def _slot(self, i: int) -> tuple[int, dict] | None:
+        name = f"{self.prefix}/{i}"
         if not self.store.check([name]):
             return None
         raw = self.store.get(name).decode(errors="replace")
@@ -263,6 +278,57 @@ class RowMirror:
             return None
         value = self.verifier.read(self.store, node, name)
         try:
-            return str(json.loads(value)["row"]) if value is not None else None
-        except (ValueError, KeyError, TypeError):
+            payload = json.loads(value) if value is not None else None
+        except ValueError:
             return None
+        return (node, payload) if isinstance(payload, dict) else None
+
+
+class Poller:
+    """A thread calling :meth:`poll` every ``poll_s`` seconds while in its ``with`` block, and
+    once more at its end."""
+
+    poll_s = 0.25
+
+    def __enter__(self):
+        self.stop_event = threading.Event()
+        self.thread = threading.Thread(target=self._loop, name=type(self).__name__, daemon=True)
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop_event.set()
+        self.thread.join(timeout=30)
+        self.poll()
+
+    def _loop(self) -> None:
+        while not self.stop_event.wait(self.poll_s):
+            self.poll()
+
+    def poll(self) -> None:
+        raise NotImplementedError
+
+
+class RowMirror(Poller):
+    """Coordinator side: a thread that appends the rows nodes publish to the files of
+    ``run_dir`` they name (:func:`mirrored_file`) as they come (a row whose tag does not verify
+    with its node's key is dropped, logged by the verifier)."""
+
+    def __init__(self, store, verifier: Verifier, run_dir: Path):
+        self.slots = SlotReader(store, verifier, "metrics")
+        self.run_dir = Path(run_dir)
+
+    def poll(self) -> None:
+        try:
+            got = self.slots.poll()
+        except Exception:  # noqa: BLE001 - the store is going away with the run
+            return
+        rows: dict[Path, list[str]] = {}
+        for node, p in got:
+            dest = mirrored_file(self.run_dir, node, p.get("file", "metrics.jsonl"))
+            if dest is not None and "row" in p:
+                rows.setdefault(dest, []).append(str(p["row"]))
+        for dest, lines in rows.items():
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            with open(dest, "a") as f:
+                f.write("".join(r + "\n" for r in lines))

@@ -74,6 +74,20 @@ def test_run_refuses_a_node_without_the_secret_and_survives_kill_originator_kill
     assert processes_of_run(run) == []
 
 
+def test_an_iteration_committed_before_a_peer_died_keeps_its_metrics_line(byte_data, tmp_path):
+    """A replica dies after the commit, before the step and the statistics: the survivors finish
+    the iteration's sync and still write its metrics line (marked ``recovered``)."""
+    run = tmp_path / "run"
+    res = launch(_job(byte_data, run, [{"node": 5, "kind": "kill", "iteration": 1, "where": "after_commit"}], 3),
+                 timeout_s=240)
+    rows = res.phase_iterations("p")
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    assert rows[1].get("recovered") and rows[1]["nodes"] == 7 and rows[1]["loss"] < 10
+    assert not rows[0].get("recovered") and not rows[2].get("recovered")
+    gb = 6 * build_config("tiny").train.micro_batch
+    assert sorted(i for s in trained_samples(run / "phases" / "p").values() for i in s) == list(range(3 * gb))
+
+
 def test_losing_every_stage0_node_stops_the_run(byte_data, tmp_path):
     faults = [{"node": n, "kind": "kill", "iteration": 1} for n in (0, 1, 2)]
     run = tmp_path / "run"

@@ -11,6 +11,7 @@ import signal
 import time
 
 import pytest
+import torch
 
 from skiptrain.runtime.host_swarm import HostSwarm
 from skiptrain.runtime.netns import Hosts
@@ -70,3 +71,38 @@ def test_a_run_across_hosts_survives_a_kill_and_a_partition(bpe_data, tmp_path):
     assert "lease" in stopped["msg"] and stopped["time"] < row["t_detect"]     # it stopped itself first
     samples = [i for s in trained_samples(run / "phases" / "train").values() for i in s]
     assert len(samples) == len(set(samples))                  # nothing trained twice
+
+
+def _run_across_hosts(hosts, root, data, kill_coordinator: bool) -> HostSwarm:
+    swarm = HostSwarm(hosts, root, data, ["--nodes", "4", "--steps", "60", "--heartbeat-deadline", "5",
+                                          "--set", "train.eval_batches=2", "--set", "runtime.heartbeat_s=0.25"])
+    swarm.start_coordinator()
+    swarm.wait_secret()
+    for i in range(1, 5):
+        swarm.start_node(i)
+    if kill_coordinator:
+        swarm.wait(lambda: swarm.committed_step() >= 16, 240, "a checkpoint at step 16")
+        swarm.kill_coordinator()                          # its host's whole process tree with it
+        time.sleep(6)                                     # the nodes stop: nobody renews their leases
+        swarm.start_coordinator("--resume")
+    assert swarm.finish(timeout_s=600) == 0, swarm.log("coordinator")[-3000:]
+    return swarm
+
+
+def test_a_new_coordinator_resumes_the_run_exactly_from_its_checkpoint(bpe_data, tmp_path):
+    """The coordinator's host dies; a new coordinator started with ``--resume`` takes the run over
+    from the checkpoint committed in its run directory (the nodes sent their parts there), the
+    nodes waiting for it join, and the run ends bit-identical to one that was never interrupted."""
+    from safetensors.torch import load_file
+
+    with Hosts(5) as hosts:
+        ref = _run_across_hosts(hosts, tmp_path / "ref", str(bpe_data), kill_coordinator=False)
+        run = _run_across_hosts(hosts, tmp_path / "killed", str(bpe_data), kill_coordinator=True)
+    assert "resuming from" in run.log("coordinator")
+    losses = [{r["step"]: r["loss"] for r in s.rows() if "loss" in r} for s in (ref, run)]
+    assert sorted(losses[1]) == list(range(1, 61)) and losses[0] == losses[1]
+    a, b = load_file(ref.run_dir / "model.safetensors"), load_file(run.run_dir / "model.safetensors")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    samples = [i for s in trained_samples(run.run_dir / "phases" / "train").values() for i in s]
+    assert len(samples) == len(set(samples)) == 60 * 16             # each once, across both coordinators
+    assert (run.run_dir / "checkpoints" / "LATEST").read_text().strip() == "step-00000060"

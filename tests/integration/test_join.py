@@ -268,3 +268,36 @@ def test_a_join_its_dead_coordinator_left_half_published_is_taken_up_under_the_r
         left = [p.pid for p in (launcher, joiner, coord) if p is not None and p.poll() is None]
         for pid in processes_of_run(run) + left:
             os.kill(pid, signal.SIGKILL)
+
+
+def test_below_min_nodes_the_swarm_pauses_until_a_node_joins(byte_data, tmp_path):
+    """``runtime.min_nodes=5`` on 5 nodes: a killed stage-0 replica leaves 4, so the survivors
+    train nothing and wait at the next boundary; a node that joins brings the swarm back to 5 and
+    training goes on from there.  No iteration is trained by 4 nodes, every sample once."""
+    from skiptrain.runtime.faults import faulty_job
+
+    cfg = build_config("tiny", overrides={"train": {"grad_clip": 0.0, "steps": 40, "warmup_steps": 1}})
+    run, iters = tmp_path / "run", 8
+    job = Job(config=with_runtime(cfg.to_dict(), timeout_s=15.0, heartbeat_s=0.2, heartbeat_deadline_s=4.0,
+                                  recover=True, min_nodes=5),
+              data_path=str(byte_data), run_dir=str(run), phases=[Phase("p", _sched().to_dict(), iterations=iters)],
+              **faulty_job({"node": 1, "kind": "kill", "iteration": 2}))
+    th, out, info = _launch_joinable(job, run)
+    log0 = run / "logs" / "node0.log"
+    deadline = time.time() + 120
+    while "paused before iteration" not in (log0.read_text() if log0.exists() else "") and time.time() < deadline:
+        time.sleep(0.1)
+    time.sleep(3.0)                                     # paused: nothing trains meanwhile
+    rows_paused = out.get("res") is None and len((run / "metrics.jsonl").read_text().splitlines())
+    good = _joiner(run, info, Path(info["secret_file"]).read_text(), "joiner")
+    th.join(timeout=240)
+    good.wait(timeout=30)
+    assert "res" in out and good.returncode == 0, "the launch did not finish"
+    rows = out["res"].phase_iterations("p")
+    assert [r["step"] for r in rows] == list(range(1, iters + 1))
+    assert all(r["nodes"] == 5 for r in rows) and rows_paused == 2     # iterations 1-2, then the pause
+    n0 = json.loads((run / "phases" / "p" / "node0.json").read_text())
+    assert n0["pauses"][0]["iteration"] == 2 and n0["pauses"][0]["paused_s"] > 3.0
+    trained = [i for s in trained_samples(run / "phases" / "p").values() for i in s]
+    assert sorted(trained) == list(range(iters * 4 * cfg.train.micro_batch))
+    assert processes_of_run(run) == []

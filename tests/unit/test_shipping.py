@@ -78,7 +78,7 @@ def test_a_manifest_cannot_write_outside_the_run_directory(store, tmp_path):
 
 def test_metrics_rows_are_mirrored_as_they_come_and_forged_rows_dropped(store, tmp_path):
     path = tmp_path / "metrics.jsonl"
-    mirror = RowMirror(store, Verifier(SECRET), path)
+    mirror = RowMirror(store, Verifier(SECRET), tmp_path)
     publish_row(store, member_key(SECRET, 2), 2, json.dumps({"step": 1}))
     mirror.poll()
     assert [json.loads(x)["step"] for x in path.read_text().splitlines()] == [1]
@@ -87,6 +87,19 @@ def test_metrics_rows_are_mirrored_as_they_come_and_forged_rows_dropped(store, t
     publish_row(store, member_key(SECRET, 3), 3, json.dumps({"step": 2}))
     mirror.poll()
     assert [json.loads(x)["step"] for x in path.read_text().splitlines()] == [1, 2]
+
+
+def test_sample_log_rows_are_mirrored_into_the_senders_own_file_only(store, tmp_path):
+    mirror = RowMirror(store, Verifier(SECRET), tmp_path)
+    key = member_key(SECRET, 3)
+    publish_row(store, key, 3, '{"iteration": 0}', "phases/train/samples_node3.jsonl")
+    for bad in ("phases/train/samples_node4.jsonl", "phases/../samples_node3.jsonl", "phases/a/b/samples_node3.jsonl",
+                "config.toml", "../metrics.jsonl"):
+        publish_row(store, key, 3, '{"iteration": 9}', bad)
+    mirror.poll()
+    assert (tmp_path / "phases" / "train" / "samples_node3.jsonl").read_text() == '{"iteration": 0}\n'
+    assert sorted(p.relative_to(tmp_path).as_posix() for p in tmp_path.rglob("*") if p.is_file()) == \
+        ["phases/train/samples_node3.jsonl"]
 
 
 def test_addresses_a_node_may_not_advertise():
@@ -159,7 +172,7 @@ def test_rows_are_sent_from_a_thread_of_their_own_and_a_slot_never_written_is_sk
     pub.put(json.dumps({"step": 3}))
     wait_for(lambda: store.check(["metrics/2"]), 10)
     path = tmp_path / "metrics.jsonl"
-    mirror = RowMirror(store, Verifier(SECRET), path)
+    mirror = RowMirror(store, Verifier(SECRET), tmp_path)
     mirror.poll()
     assert [json.loads(x)["step"] for x in path.read_text().splitlines()] == [1]     # waits for slot 1
     monkeypatch.setattr(shipping, "GAP_S", 0.0)

@@ -46,8 +46,8 @@ The node is a loop over components, each a module of this package:
 """
 
 from .control import STOP_KEY
-from .loop import Node, StopRequested
-from .state import PhaseState
+from .loop import Node
+from .state import PhaseState, StopRequested
 from .main import main
 
 __all__ = ["Node", "PhaseState", "STOP_KEY", "StopRequested", "main"]

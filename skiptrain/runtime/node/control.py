@@ -46,6 +46,7 @@ class ControlPlane:
             os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
         self.job, self.rank, self.world = job, rank, world
         self.addr, self.port, self.rows = addr, port, None
+        self.remote = bool(os.environ.get("SKIPTRAIN_WORK_DIR"))    # on another host than the coordinator
         self.err_path = Path(job.run_dir) / "errors" / f"node{rank}.json"
         self.timeout = timedelta(seconds=job.rt.timeout_s)
         store_timeout = timedelta(seconds=max(job.rt.timeout_s, 60.0))
@@ -269,16 +270,18 @@ class ControlPlane:
                   "(written by a process without the run's secret)", file=sys.stderr, flush=True)
         return False
 
-    def publish_row(self, line: str) -> None:
+    def publish_row(self, line: str, file: str = "metrics.jsonl") -> None:
         """A node on another host than its coordinator (``SKIPTRAIN_WORK_DIR``: its own run
         directory) also sends each metrics row it writes, from a thread of its own on a store
         connection of its own, so the coordinator's run directory follows the run as it goes
         (:class:`~skiptrain.runtime.shipping.RowMirror`) and training never waits on it."""
-        if not os.environ.get("SKIPTRAIN_WORK_DIR"):
-            return
+        if self.remote:
+            self.row_publisher().put(line, file)
+
+    def row_publisher(self) -> RowPublisher:
         if self.rows is None:
             self.rows = RowPublisher(self.addr, self.port, key_from_env(self.rank), self.rank)
-        self.rows.put(line)
+        return self.rows
 
     def publish_sched(self, sched, phase_idx: int, cost=None) -> None:
         """The lowest node of the generation tells the coordinator the schedule in force and,

@@ -30,7 +30,7 @@ import torch.distributed as dist
 
 from ..failure import NodeFailure
 from .layout import warm_up
-from .state import Attempt, PhaseState
+from .state import Attempt, PhaseState, StopRequested
 
 
 class Healer:
@@ -49,11 +49,16 @@ class Healer:
         together, before any work of the iteration (a joined node enters here: the all-reduce is
         repeated after a join).  A failure during the switch raises; the caller recovers
         (:meth:`recover`) and the node keeps the layout it had."""
+        paused = None
         while True:
             flag = torch.tensor([self.control.watch.join_seen], dtype=torch.int64)
             self.control.sync(dist.all_reduce, flag, dist.ReduceOp.MAX)
             if int(flag.item()) <= self.control.gen:
-                return
+                if len(self.control.alive) >= self.node.job.rt.min_nodes:
+                    self.resume_after_pause(st, paused)
+                    return
+                paused = self.pause(st, paused)
+                continue
             self.apply_join(st, int(flag.item()), a.step_count)
             st.record.setdefault("joins", []).append({"gen": self.control.gen, "iteration": st.it,
                                                       "placement": st.sched.placement})
@@ -310,6 +315,28 @@ class Healer:
         print(f"skiptrain node {self.node.rank}: joined at iteration {st.it} as a replica of stage {st.stage}; "
               f"state: {(rep or {}).get('init')}", file=sys.stderr, flush=True)
         self.control.ack()
+
+    def pause(self, st: "PhaseState", since: float | None) -> float:
+        """Fewer live nodes than ``runtime.min_nodes``: the swarm trains nothing and waits at this
+        boundary, all nodes together, for nodes to join (a stop request still ends it).  Returns
+        when the pause began."""
+        if since is None:
+            since = time.time()
+            print(f"skiptrain node {self.node.rank}: paused before iteration {st.it}: {len(self.control.alive)} live "
+                  f"node(s), fewer than runtime.min_nodes = {self.node.job.rt.min_nodes}; waiting for nodes to join",
+                  file=sys.stderr, flush=True)
+        stop, _, _ = self.control.start_together()
+        if stop:
+            raise StopRequested(f"node {self.node.rank}: the launcher asked to stop")
+        time.sleep(self.node.job.rt.heartbeat_s)
+        return since
+
+    def resume_after_pause(self, st: "PhaseState", since: float | None) -> None:
+        if since is not None:
+            st.record.setdefault("pauses", []).append({"iteration": st.it, "paused_s": round(time.time() - since, 3),
+                                                       "nodes": len(self.control.alive)})
+            print(f"skiptrain node {self.node.rank}: resumed after a pause of {time.time() - since:.1f} s with "
+                  f"{len(self.control.alive)} live nodes", file=sys.stderr, flush=True)
 
     def apply_join(self, st: "PhaseState", target: int, step_count: int) -> None:
         """At an iteration boundary, every node switches to join generation ``target``: re-forms

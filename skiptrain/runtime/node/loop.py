@@ -39,12 +39,8 @@ from .healing import Healer
 from .layout import NodeLayout
 from .phase import begin_phase, end_phase
 from .replan import Replanner
-from .state import Attempt, PhaseState
+from .state import Attempt, PhaseState, StopRequested
 from .stats import IterationStats, StatsTable, metrics_row
-
-
-class StopRequested(Exception):
-    """Every node agreed, at an iteration boundary, that the launcher asked to stop."""
 
 
 class Node:
@@ -56,6 +52,7 @@ class Node:
         # ``store`` given: a node that connected to a running job's store (rank = the id it was handed, see main)
         self.job, self.rank, self.world = job, rank, world
         self.stopped = False           # the launcher asked to stop; the phase ended early
+        self.row_step = 0              # the step of the last metrics line this node wrote
         self.run_dir = Path(job.run_dir)
         self.err_path = self.run_dir / "errors" / f"node{rank}.json"
         self.stage_of: dict[int, int] = {}
@@ -147,7 +144,8 @@ class Node:
     def hook(self, phase: str, iteration: int, where: str, state: "PhaseState | None" = None) -> None:
         """A point where a wrapper of the node may act (fault injection in the tests,
         ``skiptrain/runtime/faults.py``): ``where`` is ``start`` (an iteration begins), ``after_pipeline``
-        (its pipeline tasks are done, before the commit) or ``recover`` (a recovery attempt).
+        (its pipeline tasks are done, before the commit), ``after_commit`` (committed, before the
+        step and the statistics) or ``recover`` (a recovery attempt).
         The node itself does nothing here."""
 
     def run_phase(self, ph: Phase, phase_idx: int = 0) -> None:
@@ -181,6 +179,7 @@ class Node:
             self.healer.recover(st, a, e)
             if not (a.committed or self.healer.any_committed):
                 return
+            self._row_after_recovery(st, a)
         st.it += 1
         st.cursor += st.gb
 
@@ -195,6 +194,7 @@ class Node:
         self._run_pipeline(st, a, t0)
         self.hook(st.ph.name, st.it, "after_pipeline", st)
         self._commit(st, a, t0)
+        self.hook(st.ph.name, st.it, "after_commit", st)
         events = self._step_and_record(st, a, t0)
         # a checkpoint at this boundary: every node's save-plan digest rides on the stats gather
         snap = node_checkpoint_state(self, st) if self.ckpt.due(st.it + 1, st.ph.iterations) else None
@@ -303,21 +303,28 @@ class Node:
         return [Event(self.rank, "sync", None, h.stage, ts - t0, te - t0, x.payload_bytes)
                 for h, x in zip(hosted, stats) if h.replicas > 1]
 
+    def _base_stats(self, st: "PhaseState", a: "Attempt", ckpt_digest: int = 0) -> IterationStats:
+        """The columns every metrics line needs: the pipeline's, the sync's, the emulation's (zeros
+        for what this attempt did not get to)."""
+        res, entry = a.res, a.entry or {}
+        sync = entry.get("sync") or {}
+        stats = IterationStats()
+        for name, value in (("loss_sum", res.loss_sum if res else 0.0), ("n_loss", res.n_loss if res else 0),
+                            ("t_end", entry.get("t_end", 0.0)), ("max_in_flight", res.max_in_flight if res else 0),
+                            ("payload_bytes", sync.get("payload", 0)), ("received_bytes", sync.get("received", 0)),
+                            ("comm_s", sync.get("comm_s", 0.0)), ("pipe_end", entry.get("pipe_end", 0.0)),
+                            ("ckpt_digest", float(ckpt_digest)), ("replan", 1.0 if st.replan_pending else 0.0)):
+            stats.add(name, value)
+        st.emulation.add_stats(stats)
+        return stats
+
     def _gather_stats(self, st: "PhaseState", a: "Attempt", events: list, ckpt_digest: int = 0) -> StatsTable:
         """Every node's statistics of the iteration as named columns (:mod:`.stats`): the
         pipeline's, the sync's, the drift monitor's and the freeze rule's layer norms when they are
         on, the checkpoint's save-plan digest and the re-plan flag; gathered by the control plane,
         rank 0 appends the metrics line.  Every node then sets the next iteration's start margin
         from the slowest receipt of the start time (:meth:`~.control.ControlPlane.observe_start_delay`)."""
-        res, sync = a.res, a.entry.get("sync") or {}
-        stats = IterationStats()
-        for name, value in (("loss_sum", res.loss_sum), ("n_loss", res.n_loss), ("t_end", a.entry["t_end"]),
-                            ("max_in_flight", res.max_in_flight), ("payload_bytes", sync.get("payload", 0)),
-                            ("received_bytes", sync.get("received", 0)), ("comm_s", sync.get("comm_s", 0.0)),
-                            ("pipe_end", a.entry.get("pipe_end", 0.0)), ("ckpt_digest", float(ckpt_digest)),
-                            ("replan", 1.0 if st.replan_pending else 0.0)):
-            stats.add(name, value)
-        st.emulation.add_stats(stats)
+        stats = self._base_stats(st, a, ckpt_digest)
         if st.drift is not None:
             stats.add("drift", st.drift.observe(events))
         if st.elastic is not None:
@@ -329,13 +336,37 @@ class Node:
             self._write_metrics(st, a, table, margin, delay)
         return table
 
-    def _write_metrics(self, st: "PhaseState", a: "Attempt", table: StatsTable, margin: float, delay: float) -> None:
+    def _row_after_recovery(self, st: "PhaseState", a: "Attempt") -> None:
+        """A committed iteration whose statistics a peer's failure cut short: the survivors
+        gather what they have (a node that got no loss counts none) and rank 0 writes its
+        metrics line, marked ``recovered`` (without ``loss`` when no survivor had one), unless it
+        wrote one before the failure.  A failure during this gather is recovered from like any
+        other (the line is then left out)."""
+        stats = self._base_stats(st, a)
+        try:
+            table = stats.table(self.control.all_gather_small(stats.packed()), self.control.alive)
+        except Exception as e:  # noqa: BLE001 - classified as in _run_iteration
+            if not self.healer.recoverable(e):
+                raise
+            self.healer.recover(st, a, e)
+            return
+        if self.control.is_root() and self.row_step != st.it + 1:
+            self._write_metrics(st, a, table, self.control.start_margin, table.max("start_delay"), recovered=True)
+
+    def _write_metrics(self, st: "PhaseState", a: "Attempt", table: StatsTable, margin: float, delay: float,
+                       recovered: bool = False) -> None:
         """Rank 0: the iteration's line of ``metrics.jsonl`` from the swarm's statistics."""
-        row = metrics_row(table, phase=st.ph.name, step=st.it + 1, lr=a.lr, grad_norm=a.outcome.grad_norm,
+        row = metrics_row(table, phase=st.ph.name, step=st.it + 1, lr=a.lr,
+                          grad_norm=a.outcome.grad_norm if a.outcome is not None else None,
                           tokens=(st.it + 1) * st.gb * self.cfg.model.seq_len, margin=margin, delay=delay)
         if self.job.rt.recover:
             row.update(gen=self.control.gen, nodes=len(self.control.alive))
+        if recovered:
+            row["recovered"] = True
+            if not table.sum("n_loss"):
+                del row["loss"]
         self.write_row(row)
+        self.row_step = st.it + 1
 
     def write_row(self, row: dict) -> None:
         """Rank 0: one line of ``metrics.jsonl`` (an iteration's, or a validation point), also sent
@@ -347,10 +378,14 @@ class Node:
 
     def log_samples(self, out_dir: Path, phase: str, it: int, samples: list[int]) -> None:
         """Append the global sample indices this node trained in committed iteration ``it``
-        (``samples_node<r>.jsonl``, flushed at once so it survives a SIGKILL of this node)."""
+        (``samples_node<r>.jsonl``, flushed at once so it survives a SIGKILL of this node; also sent
+        to the coordinator when the run directory is not shared with it)."""
         if samples:
-            with open(out_dir / f"samples_node{self.rank}.jsonl", "a") as f:
-                f.write(json.dumps({"iteration": it, "gen": self.control.gen, "samples": sorted(samples)}) + "\n")
+            path = out_dir / f"samples_node{self.rank}.jsonl"
+            line = json.dumps({"iteration": it, "gen": self.control.gen, "samples": sorted(samples)})
+            with open(path, "a") as f:
+                f.write(line + "\n")
+            self.control.publish_row(line, path.relative_to(self.run_dir).as_posix())
 
     def check_payload(self, m) -> None:
         from ..recovery import check_payload

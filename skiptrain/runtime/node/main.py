@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from ...checkpoint.format import CheckpointError
 from ..failure import EXIT_FAILED, NodeFailure, abort_process, set_parent_death_signal, write_error
 from ..job import Job
 from .loop import Node
@@ -62,9 +63,9 @@ def _join_target(target: str):
 
     try:
         addr, port, store, job = open_run(target)
-        job = Job.from_dict(job)
+        job = _on_this_host(Job.from_dict(job), store)
         rank = int(os.environ["SKIPTRAIN_NODE_ID"]) if "SKIPTRAIN_NODE_ID" in os.environ else request_node_id(store)
-    except (ValueError, RuntimeError, OSError) as e:
+    except (ValueError, RuntimeError, OSError, CheckpointError) as e:
         from ..join import EXIT_REFUSED, JoinRefused
         print(f"skiptrain node: cannot join {target}: {e}", file=sys.stderr)
         code = EXIT_REFUSED if isinstance(e, JoinRefused) else 2
@@ -73,11 +74,20 @@ def _join_target(target: str):
             sys.stderr.flush()
             os._exit(code)
         return code
+    return addr, port, store, job, rank, job.world
+
+
+def _on_this_host(job: Job, store) -> Job:
+    """``job`` as a node on another host than its coordinator runs it: its own run directory and
+    data set, and a copy of the checkpoint it resumes from (the coordinator published it)."""
     if os.environ.get("SKIPTRAIN_WORK_DIR"):
         job = dataclasses.replace(job, run_dir=os.environ["SKIPTRAIN_WORK_DIR"])
     if os.environ.get("SKIPTRAIN_DATA"):
         job = dataclasses.replace(job, data_path=os.environ["SKIPTRAIN_DATA"])
-    return addr, port, store, job, rank, job.world
+    if job.resume and os.environ.get("SKIPTRAIN_WORK_DIR"):
+        from ..job_checkpoint import fetch_resume_point
+        job = fetch_resume_point(job, store)
+    return job
 
 
 def _launch_target(job_path: str):

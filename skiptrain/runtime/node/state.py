@@ -73,3 +73,7 @@ class Attempt:
     entry: dict | None = None
     res: Any = None
     outcome: Any = None
+
+
+class StopRequested(Exception):
+    """Every node agreed, at an iteration boundary, that the launcher asked to stop."""

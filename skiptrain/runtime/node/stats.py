@@ -66,7 +66,7 @@ class StatsTable:
         return {n: float(v) for n, v in zip(self.nodes, self[name])}
 
 
-def metrics_row(table: StatsTable, *, phase: str, step: int, lr: float, grad_norm: float, tokens: int,
+def metrics_row(table: StatsTable, *, phase: str, step: int, lr: float, grad_norm: float | None, tokens: int,
                 margin: float, delay: float) -> dict:
     """One iteration's line of ``metrics.jsonl`` from the swarm's statistics: the loss over every
     node's losses, the slowest node's times, the summed overruns and CPU seconds, the largest
@@ -74,7 +74,7 @@ def metrics_row(table: StatsTable, *, phase: str, step: int, lr: float, grad_nor
     rank 0's wall clock when it wrote the line (unix seconds; a stall shows as a gap)."""
     n = table.sum("n_loss")
     return {"phase": phase, "step": step, "time": round(time.time(), 3), "loss": round(table.sum("loss_sum") / max(n, 1), 5),
-            "iteration_s": round(table.max("t_end"), 4), "lr": lr, "grad_norm": round(grad_norm, 5),
+            "iteration_s": round(table.max("t_end"), 4), "lr": lr, "grad_norm": None if grad_norm is None else round(grad_norm, 5),
             "tokens": tokens, "overruns": int(table.sum("overruns")), "overrun_s": round(table.sum("overrun_s"), 4),
             "max_in_flight": int(table.max("max_in_flight")), "payload_bytes": int(table.max("payload_bytes")),
             "received_bytes": int(table.max("received_bytes")), "comm_s": round(table.max("comm_s"), 6),

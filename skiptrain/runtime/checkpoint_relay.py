@@ -1,0 +1,292 @@
+"""Job checkpoints of a run across hosts: every node sends its part, the coordinator commits.
+
+Nodes on other hosts share no file system with the coordinator, so a job checkpoint
+(:mod:`~skiptrain.runtime.job_checkpoint`) is committed in the coordinator's run directory:
+
+* **node side** (:class:`PartShipper`, the checkpoint manager's
+  :class:`~skiptrain.checkpoint.manager.PartSink`): each writer writes its part to its own disk
+  as it would in a shared directory, waits until the rows it published so far are sent, then,
+  from its checkpoint writer thread and on a store
+  connection of its own, sends the part's two files (``ckpt/f/<node>/<phase>/<step>/<file>``)
+  and a slot of the signed ``ckpt`` log naming them with their SHA-256, and deletes its local
+  copy.  The lowest writer also sends the commit's record: the writers, the job's position, the
+  layout and the names of every tensor the parts must cover.
+* **coordinator side** (:class:`CheckpointCollector`, a thread that also runs the
+  :class:`~skiptrain.runtime.shipping.RowMirror`): takes each verified part into
+  ``ROOT/.tmp-step-N/`` (a node may send only its own rank's two files), and once the record and
+  every writer's part of a step are there, and every row the nodes sent before them (metrics,
+  sample logs) is in the run directory, commits it with
+  :func:`~skiptrain.checkpoint.writer.commit`: metadata fsynced, the directory renamed into
+  place, ``LATEST`` replaced, old steps pruned, as in one directory, so a crash at any moment
+  leaves the previous ``LATEST`` loadable.  A step some writer never sent stays uncommitted and is
+  dropped once a later step of its phase commits.  Every commit is then published
+  (:func:`publish_checkpoint`: ``ckpt/latest/<phase>`` signed by the coordinator, and the
+  checkpoint's files), which a node fetches (:func:`fetch_checkpoint`) to restart a stage that
+  lost every replica or to resume the job (``skiptrain coordinator --resume``).
+
+Failure semantics: nothing here raises on what another process wrote: a forged slot is dropped
+(the verifier logs it), bytes that do not match their signed digest are refused (one line), a
+commit that fails its checks is refused (one line) and leaves the previous ``LATEST``.  A node
+that cannot reach the coordinator says so in one line and leaves that step uncommitted; the run
+goes on.  The store holds values in memory: one published checkpoint, plus the parts in flight.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+import sys
+from contextlib import contextmanager
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, Callable
+
+from ..checkpoint import store as ckpt_store
+from ..checkpoint.format import METADATA_FILE, CheckpointError, step_dir_name, tmp_dir_name
+from ..checkpoint.writer import commit, data_name, part_name
+from .membership import Verifier, coordinator_key, open_value, sign
+from .shipping import Poller, RowMirror, SlotReader, claim_slot, write_slot
+
+LOG = "ckpt"
+
+
+def file_key(node: int, phase: str, step: int, name: str) -> str:
+    return f"{LOG}/f/{node}/{phase}/{step}/{name}"
+
+
+def _sha(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+class PartShipper:
+    """Node side (see the module doc): the sink of node ``node``'s checkpoint parts of ``phase``,
+    sent to the store at ``host:port``; runs on the checkpoint writer's thread."""
+
+    def __init__(self, host: str, port: int, key: bytes | None, node: int, phase: str,
+                 flush_rows: Callable[[], Any] | None = None):
+        self.host, self.port, self.key, self.node, self.phase = host, port, key, node, phase
+        self.flush_rows = flush_rows
+        self.store = None
+
+    def _store(self):
+        import torch.distributed as dist
+
+        if self.store is None:
+            self.store = dist.TCPStore(self.host, self.port, 1, is_master=False, wait_for_workers=False,
+                                       timeout=timedelta(seconds=60))
+        return self.store
+
+    def _send(self, step: int, payload: dict) -> bool:
+        try:
+            st = self._store()
+            write_slot(st, self.key, self.node, LOG, claim_slot(st, LOG), {"phase": self.phase, "step": step, **payload})
+            return True
+        except Exception as e:  # noqa: BLE001 - the coordinator or the link is gone: this step stays uncommitted
+            self.store = None
+            print(f"skiptrain node {self.node}: could not send checkpoint step {step} to the coordinator "
+                  f"({str(e).splitlines()[0][:120]}); it stays uncommitted", file=sys.stderr, flush=True)
+            return False
+
+    def part(self, step: int, rank: int, tmp: Path) -> None:
+        files = {}
+        try:
+            st = self._store()
+            for name in (part_name(rank), data_name(rank)):
+                data = (tmp / name).read_bytes() if (tmp / name).is_file() else b""
+                st.set(file_key(self.node, self.phase, step, name), data)
+                files[name] = _sha(data)
+        except Exception as e:  # noqa: BLE001 - said by _send below
+            self.store = None
+            files = {}
+            print(f"skiptrain node {self.node}: could not send its checkpoint part of step {step} "
+                  f"({str(e).splitlines()[0][:120]})", file=sys.stderr, flush=True)
+        if files:
+            if self.flush_rows is not None:
+                self.flush_rows()              # (the rows of the iterations saved reach the store first)
+            self._send(step, {"kind": "part", "files": files})
+        shutil.rmtree(tmp, ignore_errors=True)           # (the coordinator holds it now)
+
+    def commit(self, step: int, ranks: list[int], state: dict[str, Any], layout: dict[str, Any],
+               names: list[str]) -> None:
+        self._send(step, {"kind": "commit", "ranks": list(ranks), "state": state, "layout": layout, "names": names})
+
+
+class CheckpointCollector(Poller):
+    """Coordinator side (see the module doc): a thread taking shipped parts into ``roots[phase]``
+    and committing complete steps (``keep`` newest kept); ``key`` signs what it publishes."""
+
+    def __init__(self, store, verifier: Verifier, key: bytes | None, roots: dict[str, Path], keep: int,
+                 mirror: RowMirror | None = None):
+        self.store, self.key, self.roots, self.keep, self.mirror = store, key, dict(roots), keep, mirror
+        self.slots = SlotReader(store, verifier, LOG)
+        self.pending: dict[tuple[str, int], dict] = {}
+        self.committed: list[Path] = []
+        for root in self.roots.values():
+            root.mkdir(parents=True, exist_ok=True)
+            ckpt_store.clean_stale(root)            # (what an earlier coordinator left uncommitted)
+
+    def __exit__(self, *exc) -> None:
+        self.stop_event.set()
+        self.thread.join(timeout=30)
+        self.poll(final=True)
+
+    def poll(self, final: bool = False) -> None:
+        """Checkpoint slots, then rows: a node sends the rows of the iterations it saves before
+        its part, so a step commits once the rows counted by then are taken, and the run
+        directory holds every row up to its newest checkpoint.  (``final``: the run is over and
+        every node's own files are collected anyway: commit what is complete.)"""
+        try:
+            got = self.slots.poll()
+        except Exception:  # noqa: BLE001 - the store is going away with the run
+            return
+        for node, payload in got:
+            self.take(node, payload)
+        if self.mirror is not None:
+            self.mirror.poll()
+            if not self.mirror.slots.caught_up() and not final:
+                return                  # (a row slot still to come: commit next time)
+        self.commit_ready()
+
+    def _refuse(self, node: int, what: str, why: str) -> None:
+        print(f"[coordinator] refused {what} from node {node}: {why}", file=sys.stderr, flush=True)
+
+    def take(self, node: int, p: dict) -> None:
+        phase, step, kind = p.get("phase"), p.get("step"), p.get("kind")
+        if phase not in self.roots or not isinstance(step, int) or step < 0:
+            return self._refuse(node, "a checkpoint slot", f"phase {phase!r} / step {step!r} is not of this job")
+        pend = self.pending.setdefault((phase, step), {"parts": set(), "commit": None})
+        if kind == "commit":
+            pend["commit"], pend["from"] = p, node
+        elif kind == "part" and self._take_files(node, phase, step, p.get("files")):
+            pend["parts"].add(node)
+
+    def _take_files(self, node: int, phase: str, step: int, files) -> bool:
+        """Node ``node``'s part of ``step``, its bytes checked against the signed digests, into the
+        step's temporary directory; False (said once) when refused."""
+        if not isinstance(files, dict) or set(files) != {part_name(node), data_name(node)}:
+            self._refuse(node, f"checkpoint part of step {step}", "a node sends its own rank's two files only")
+            return False
+        tmp = self.roots[phase] / tmp_dir_name(step)
+        got = {}
+        for name, digest in files.items():
+            k = file_key(node, phase, step, name)
+            data = self.store.get(k) if self.store.check([k]) else None
+            if data is None or _sha(data) != digest:
+                self._refuse(node, f"checkpoint part of step {step}", f"{name}: its bytes do not match the signed digest")
+                return False
+            got[name] = data
+        tmp.mkdir(parents=True, exist_ok=True)
+        ckpt_store.write_file(tmp / data_name(node), got[data_name(node)])              # fsynced
+        ckpt_store.atomic_write(tmp / part_name(node), got[part_name(node)], durable=False)
+        for name in files:
+            self.store.delete_key(file_key(node, phase, step, name))
+        return True
+
+    def commit_ready(self) -> None:
+        """Commit every step whose record and parts are all here, oldest first."""
+        for (phase, step) in sorted(self.pending, key=lambda k: k[1]):
+            pend = self.pending.get((phase, step))
+            rec = (pend or {}).get("commit")
+            if rec is None or not set(rec.get("ranks") or [-1]) <= pend["parts"]:
+                continue
+            del self.pending[(phase, step)]
+            root = self.roots[phase]
+            try:
+                if pend["from"] != min(rec["ranks"]):
+                    raise CheckpointError(f"the commit of step {step} came from node {pend['from']}, not its lowest writer")
+                path = commit(root, step, [int(r) for r in rec["ranks"]], None, dict(rec["state"]), dict(rec["layout"]),
+                              self.keep, timeout=1.0, expect=list(rec["names"]))
+            except (CheckpointError, OSError, KeyError, TypeError, ValueError) as e:
+                print(f"[coordinator] checkpoint step {step} not committed: {e}", file=sys.stderr, flush=True)
+                continue
+            self._drop_older(phase, step)
+            self.committed.append(path)
+            publish_checkpoint(self.store, self.key, phase, path)
+            print(f"[coordinator] committed checkpoint {path} (parts of nodes {sorted(pend['parts'])})", flush=True)
+
+    def _drop_older(self, phase: str, step: int) -> None:
+        """Steps of ``phase`` older than the one just committed will never complete: their writers
+        left (a new generation saves anew)."""
+        for key in [k for k in self.pending if k[0] == phase and k[1] < step]:
+            del self.pending[key]
+            shutil.rmtree(self.roots[phase] / tmp_dir_name(key[1]), ignore_errors=True)
+
+
+@contextmanager
+def coordinator_relays(job, store, secret: str, roots: dict[str, Path]):
+    """A coordinator of hosts while the run goes on: the metrics rows its nodes send go to its
+    ``metrics.jsonl`` (:class:`~skiptrain.runtime.shipping.RowMirror`), their checkpoint parts are
+    committed under ``roots`` (phase name -> checkpoint root), and the checkpoint a resumed job
+    starts from is published for them."""
+    from ..config import config_from_dict
+
+    run_dir = Path(job.run_dir)
+    verifier = Verifier(secret, run_dir / "rejected_writes.jsonl")
+    if job.resume:
+        publish_checkpoint(store, coordinator_key(secret), job.phases[int(job.resume["phase"])].name,
+                           Path(job.resume["path"]))
+    keep = config_from_dict(job.config).checkpoint.keep
+    with CheckpointCollector(store, verifier, coordinator_key(secret), roots, keep, RowMirror(store, verifier, run_dir)):
+        yield
+
+
+def _checkpoint_files(path: Path) -> list[Path]:
+    return sorted(p for p in Path(path).iterdir() if p.is_file())
+
+
+def publish_checkpoint(store, key: bytes | None, phase: str, path: Path) -> None:
+    """Make the committed checkpoint ``path`` of ``phase`` the one nodes fetch: its files under
+    ``ckpt/pub/<phase>/<step>/``, then ``ckpt/latest/<phase>`` (signed), then the previous
+    one's files are removed."""
+    name = f"{LOG}/latest/{phase}"
+    step = ckpt_store.step_of(Path(path).name)
+    old = None
+    if store.check([name]):
+        try:
+            old = json.loads(open_value(key, name, store.get(name).decode(errors="replace")) or "null")
+        except ValueError:
+            old = None
+    files = {}
+    for f in _checkpoint_files(path):
+        data = f.read_bytes()
+        store.set(f"{LOG}/pub/{phase}/{step}/{f.name}", data)
+        files[f.name] = _sha(data)
+    store.set(name, sign(key, name, json.dumps({"step": step, "files": files})))
+    if isinstance(old, dict) and old.get("step") != step:
+        for f in old.get("files", {}):
+            store.delete_key(f"{LOG}/pub/{phase}/{old['step']}/{f}")
+
+
+def fetch_checkpoint(store, key: bytes | None, phase: str, dest_root: Path, tries: int = 3) -> Path | None:
+    """Node side: the checkpoint the coordinator published for ``phase``, copied into
+    ``dest_root/step-N`` (every file checked against the coordinator's signed digest); None when
+    none was published.  Raises :class:`CheckpointError` when no consistent copy could be had."""
+    name = f"{LOG}/latest/{phase}"
+    for _ in range(tries):
+        if not store.check([name]):
+            return None
+        value = open_value(key, name, store.get(name).decode(errors="replace"))
+        rec = json.loads(value) if value is not None else None
+        if not isinstance(rec, dict):
+            raise CheckpointError(f"the published checkpoint of phase {phase!r} is not signed by the run's coordinator")
+        dest = Path(dest_root) / step_dir_name(int(rec["step"]))
+        if (dest / METADATA_FILE).is_file():
+            return dest
+        tmp = Path(dest_root) / tmp_dir_name(int(rec["step"]))
+        tmp.mkdir(parents=True, exist_ok=True)
+        ok = True
+        for fname, digest in rec["files"].items():
+            k = f"{LOG}/pub/{phase}/{rec['step']}/{fname}"
+            data = store.get(k) if store.check([k]) else None     # (replaced by a newer one meanwhile: again)
+            if data is None or _sha(data) != digest or "/" in fname:
+                ok = False
+                break
+            ckpt_store.write_file(tmp / fname, data, durable=False)
+        if ok:
+            shutil.rmtree(dest, ignore_errors=True)
+            tmp.rename(dest)
+            return dest
+        shutil.rmtree(tmp, ignore_errors=True)
+    raise CheckpointError(f"could not fetch the published checkpoint of phase {phase!r} from the coordinator "
+                          f"in {tries} tries")

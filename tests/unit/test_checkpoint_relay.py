@@ -1,0 +1,180 @@
+"""Job checkpoints across hosts: writers that share no directory send their parts over the store
+and the coordinator commits; the result is the checkpoint the same writers commit in one shared
+directory (the reference), and nothing forged, tampered or incomplete is ever committed.
+In-process stores only: nothing here starts a process."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from skiptrain.checkpoint import store as ckpt_store
+from skiptrain.checkpoint.format import CheckpointError
+from skiptrain.checkpoint.manager import CheckpointManager
+from skiptrain.checkpoint.plan import TensorSpec
+from skiptrain.checkpoint.reader import CheckpointReader
+from skiptrain.runtime.checkpoint_relay import (CheckpointCollector, PartShipper, fetch_checkpoint, file_key,
+                                                publish_checkpoint)
+from skiptrain.runtime.membership import Verifier, coordinator_key, host_store, member_key, sign
+from skiptrain.runtime.shipping import claim_slot, write_slot
+
+SECRET = "s3cret"
+PHASE = "train"
+
+
+@pytest.fixture
+def store():
+    st, sock = host_store(1, 10.0)
+    yield st
+    sock.close()
+
+
+def _tensors(seed: int) -> dict[int, dict[str, torch.Tensor]]:
+    """What each of two writers holds: its own tensor and a shared one (replicas)."""
+    g = torch.Generator().manual_seed(seed)
+    shared = torch.randn(64, 8, generator=g)
+    return {0: {"a": torch.randn(10, 3, generator=g), "s": shared},
+            1: {"b": torch.arange(12, dtype=torch.int64), "s": shared.clone()}}
+
+
+def _specs(held):
+    specs = {n: TensorSpec(n, str(t.dtype).removeprefix("torch."), tuple(t.shape)) for ts in held.values()
+             for n, t in ts.items()}
+    holders = {n: [r for r in held if n in held[r]] for n in specs}
+    return list(specs.values()), holders
+
+
+def _save(roots, step, held, sinks=None, chunk=256):
+    """Writer 1 then writer 0 (the committer) save ``step`` into their roots."""
+    specs, holders = _specs(held)
+    for r in (1, 0):
+        mgr = CheckpointManager(roots[r], rank=r, ranks=[0, 1], chunk_bytes=chunk, clean=False,
+                                sink=None if sinks is None else sinks[r])
+        mgr.save(step, held[r], {"iteration": step}, specs=specs, holders=holders, rank_state={"node": r},
+                 blocking=r == 1 or sinks is not None)
+        if r == 0:
+            mgr.wait()
+
+
+def _shippers(store):
+    return {r: PartShipper("127.0.0.1", store.port, member_key(SECRET, r), r, PHASE) for r in (0, 1)}
+
+
+def _collector(store, tmp_path, keep=3):
+    return CheckpointCollector(store, Verifier(SECRET), coordinator_key(SECRET), {PHASE: tmp_path / "coord"}, keep)
+
+
+def _same(a, b):
+    ra, rb = CheckpointReader(a), CheckpointReader(b)
+    assert sorted(ra.meta.tensors) == sorted(rb.meta.tensors)
+    for n in ra.meta.tensors:
+        assert torch.equal(ra.read(n), rb.read(n)), n
+    assert ra.state == rb.state
+
+
+def test_relayed_commit_equals_the_shared_directory_commit(store, tmp_path):
+    held = _tensors(0)
+    ref = tmp_path / "ref"
+    _save({0: ref, 1: ref}, 5, held)
+    col = _collector(store, tmp_path)
+    _save({0: tmp_path / "n0", 1: tmp_path / "n1"}, 5, held, _shippers(store))
+    col.poll()
+    got = ckpt_store.latest(tmp_path / "coord")
+    assert got is not None and got.name == "step-00000005"
+    _same(got, ckpt_store.latest(ref))
+    assert not list((tmp_path / "n0").glob(".tmp-*")) and not list((tmp_path / "n1").glob(".tmp-*"))
+    assert not store.check([file_key(1, PHASE, 5, "data-r1.bin")])       # taken, then freed
+
+
+def test_a_step_with_a_part_missing_is_not_committed_and_is_dropped_by_a_later_one(store, tmp_path):
+    held = _tensors(1)
+    col = _collector(store, tmp_path)
+    sinks = _shippers(store)
+    specs, holders = _specs(held)
+    mgr0 = CheckpointManager(tmp_path / "n0", rank=0, ranks=[0, 1], chunk_bytes=256, clean=False, sink=sinks[0])
+    mgr0.save(3, held[0], {"iteration": 3}, specs=specs, holders=holders, blocking=True)   # writer 1 never sends
+    col.poll()
+    assert ckpt_store.latest(tmp_path / "coord", warn=False) is None
+    assert (tmp_path / "coord" / ".tmp-step-00000003").is_dir()
+    _save({0: tmp_path / "n0", 1: tmp_path / "n1"}, 6, held, sinks)
+    col.poll()
+    assert ckpt_store.latest(tmp_path / "coord").name == "step-00000006"
+    assert not (tmp_path / "coord" / ".tmp-step-00000003").exists()
+
+
+def test_forged_tampered_and_foreign_parts_are_refused(store, tmp_path, capsys):
+    held = _tensors(2)
+    col = _collector(store, tmp_path)
+    _save({0: tmp_path / "n0", 1: tmp_path / "n1"}, 4, held, _shippers(store))
+    # before the coordinator reads them: node 1's data bytes are replaced by a process without the secret
+    store.set(file_key(1, PHASE, 4, "data-r1.bin"), b"garbage")
+    col.poll()
+    assert ckpt_store.latest(tmp_path / "coord", warn=False) is None
+    assert "do not match the signed digest" in capsys.readouterr().err
+    # a slot claiming another node's files, and an unsigned commit record
+    i = claim_slot(store, "ckpt")
+    write_slot(store, member_key(SECRET, 1), 1, "ckpt", i,
+               {"phase": PHASE, "step": 4, "kind": "part", "files": {"part-r0.json": "x", "data-r0.bin": "y"}})
+    i = claim_slot(store, "ckpt")
+    store.set(f"ckpt/{i}", json.dumps({"node": 0, "phase": PHASE, "step": 4, "kind": "commit"}))
+    col.poll()
+    assert "its own rank's two files only" in capsys.readouterr().err
+    assert ckpt_store.latest(tmp_path / "coord", warn=False) is None
+
+
+def test_a_commit_record_from_another_writer_than_the_lowest_is_refused(store, tmp_path, capsys):
+    held = _tensors(3)
+    col = _collector(store, tmp_path)
+    sinks = _shippers(store)
+    _save({0: tmp_path / "n0", 1: tmp_path / "n1"}, 2, held, sinks)
+    col.poll()                                             # step 2 commits
+
+    class CommitAsNode1:                                   # node 0's part, but the record signed by node 1
+        def part(self, *a):
+            sinks[0].part(*a)
+
+        def commit(self, *a):
+            sinks[1].commit(*a)
+
+    _save({0: tmp_path / "n0", 1: tmp_path / "n1"}, 7, held, {0: CommitAsNode1(), 1: sinks[1]})
+    col.poll()
+    assert ckpt_store.latest(tmp_path / "coord").name == "step-00000002"
+    assert "came from node 1, not its lowest writer" in capsys.readouterr().err
+
+
+def test_published_checkpoint_is_fetched_verified_and_replaced(store, tmp_path):
+    held = _tensors(4)
+    ref = tmp_path / "ref"
+    _save({0: ref, 1: ref}, 5, held)
+    key = coordinator_key(SECRET)
+    publish_checkpoint(store, key, PHASE, ckpt_store.latest(ref))
+    got = fetch_checkpoint(store, key, PHASE, tmp_path / "node")
+    _same(got, ckpt_store.latest(ref))
+    assert fetch_checkpoint(store, key, "other", tmp_path / "node") is None
+    _save({0: ref, 1: ref}, 8, _tensors(5))
+    publish_checkpoint(store, key, PHASE, ckpt_store.latest(ref))
+    assert not store.check(["ckpt/pub/train/5/metadata.json"])             # the older one is freed
+    store.set("ckpt/pub/train/8/metadata.json", b"{}")                      # tampered
+    with pytest.raises(CheckpointError, match="could not fetch"):
+        fetch_checkpoint(store, key, PHASE, tmp_path / "node2")
+    store.set("ckpt/latest/train", sign(member_key(SECRET, 3), "ckpt/latest/train", json.dumps({"step": 1, "files": {}})))
+    with pytest.raises(CheckpointError, match="not signed by the run's coordinator"):
+        fetch_checkpoint(store, key, PHASE, tmp_path / "node3")
+
+
+def test_a_step_commits_only_once_the_rows_sent_before_its_parts_are_in_the_run_directory(store, tmp_path):
+    from skiptrain.runtime.shipping import RowMirror, publish_row
+
+    col = CheckpointCollector(store, Verifier(SECRET), coordinator_key(SECRET), {PHASE: tmp_path / "coord"}, 3,
+                              RowMirror(store, Verifier(SECRET), tmp_path))
+    publish_row(store, member_key(SECRET, 0), 0, json.dumps({"step": 5}))
+    slot = claim_slot(store, "metrics")                 # a row counted, not written yet
+    _save({0: tmp_path / "n0", 1: tmp_path / "n1"}, 5, _tensors(6), _shippers(store))
+    col.poll()
+    assert ckpt_store.latest(tmp_path / "coord", warn=False) is None
+    write_slot(store, member_key(SECRET, 1), 1, "metrics", slot, {"row": json.dumps({"step": 5, "x": 1})})
+    col.poll()
+    assert ckpt_store.latest(tmp_path / "coord").name == "step-00000005"
+    assert len((tmp_path / "metrics.jsonl").read_text().splitlines()) == 2
