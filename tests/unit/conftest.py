@@ -118,3 +118,13 @@ def pytest_runtest_makereport(item, call):
             report.longrepr = swallowed + (f"\n\n{report.longrepr}" if report.longrepr else "")
         guard.started.clear()
     return report
+
+
+@pytest.fixture
+def store():
+    """A run's store in this process (one client: the test), on a free loopback port."""
+    from skiptrain.runtime.membership import host_store
+
+    st, sock = host_store(1, 10.0)
+    yield st
+    sock.close()

@@ -17,18 +17,11 @@ from skiptrain.checkpoint.plan import TensorSpec
 from skiptrain.checkpoint.reader import CheckpointReader
 from skiptrain.runtime.checkpoint_relay import (CheckpointCollector, PartShipper, fetch_checkpoint, file_key,
                                                 publish_checkpoint)
-from skiptrain.runtime.membership import Verifier, coordinator_key, host_store, member_key, sign
+from skiptrain.runtime.membership import Verifier, coordinator_key, member_key, sign
 from skiptrain.runtime.shipping import claim_slot, write_slot
 
 SECRET = "s3cret"
 PHASE = "train"
-
-
-@pytest.fixture
-def store():
-    st, sock = host_store(1, 10.0)
-    yield st
-    sock.close()
 
 
 def _tensors(seed: int) -> dict[int, dict[str, torch.Tensor]]:

@@ -12,17 +12,10 @@ import pytest
 
 from skiptrain.errors import UserError
 from skiptrain.runtime.addresses import AddressError, check_advertised, interface_of, route_address
-from skiptrain.runtime.membership import Verifier, host_store, member_key, sign
+from skiptrain.runtime.membership import Verifier, member_key, sign
 from skiptrain.runtime.shipping import RowMirror, collect_outputs, publish_row, ship_outputs
 
 SECRET = "s3cret"
-
-
-@pytest.fixture
-def store():
-    st, sock = host_store(1, 10.0)
-    yield st
-    sock.close()
 
 
 def _node_dir(root, rows, weights=b"w" * 100):
