@@ -63,6 +63,19 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _run_dir_writer(args: argparse.Namespace):
+    """The one-writer lock of the run directory a command trains into (parsers that do set
+    ``writes_run_dir``; a ``--join`` writes none)."""
+    from contextlib import nullcontext
+
+    from ..train.rundir import run_dir_writer
+
+    out = getattr(args, "out", None)
+    if not getattr(args, "writes_run_dir", False) or not out or getattr(args, "join", None):
+        return nullcontext()
+    return run_dir_writer(out)
+
+
 def main(argv: list[str] | None = None) -> int:
     try:
         parser = build_parser()
@@ -75,7 +88,8 @@ def main(argv: list[str] | None = None) -> int:
         if getattr(args, "resume", None) is not None and getattr(args, "overwrite", False):
             raise UserError("--resume continues the run in --out and --overwrite replaces it: pass one of them")
         check_output_files(args)
-        rc = args.func(args)
+        with _run_dir_writer(args):
+            rc = args.func(args)
     except UserError as e:
         print(f"skiptrain {args.command}: error: {e}", file=sys.stderr)
         return 2

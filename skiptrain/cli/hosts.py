@@ -98,7 +98,7 @@ def register(sub) -> None:
                    help="below N live nodes, training pauses until nodes join (config runtime.min_nodes; 0: never)")
     p.add_argument("--heartbeat-deadline", type=float, default=None, metavar="S",
                    help="the shortest lease of a node, in seconds (config runtime.heartbeat_deadline_s)")
-    p.set_defaults(func=cmd_coordinator, written_paths=("--out",))
+    p.set_defaults(func=cmd_coordinator, written_paths=("--out",), writes_run_dir=True)
 
     p = sub.add_parser("node", help="run this host's node of a run that a `skiptrain coordinator` coordinates",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)

@@ -325,4 +325,4 @@ def register(sub) -> None:
     g.add_argument("--join-secret-file", default=None, metavar="PATH",
                    help="with --join: the run's secret (RUN_DIR/join_secret), else SKIPTRAIN_JOIN_SECRET")
     p.add_argument("--json", default=None, help="write the run summary here")
-    p.set_defaults(func=cmd_launch, written_paths=("--out", "--json"), output_files={"--json": ()})
+    p.set_defaults(func=cmd_launch, written_paths=("--out", "--json"), output_files={"--json": ()}, writes_run_dir=True)

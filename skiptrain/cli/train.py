@@ -276,7 +276,7 @@ def register(sub) -> None:
     p.add_argument("--resume", nargs="?", const="latest", default=None, metavar="CHECKPOINT",
                    help="continue from the latest checkpoint under OUT/checkpoints (or the given checkpoint "
                         "directory or root): same loss curve as an uninterrupted run")
-    p.set_defaults(func=cmd_train, written_paths=("--out",))
+    p.set_defaults(func=cmd_train, written_paths=("--out",), writes_run_dir=True)
 
     p = sub.add_parser("eval", help="validation loss/perplexity of a trained run, optionally with stages removed")
     p.add_argument("run_dir")
@@ -303,4 +303,4 @@ def register(sub) -> None:
     p.add_argument("--steps", type=int, default=None)
     p.add_argument("--nodes", type=int, default=None,
                    help="node processes of the local swarm (default: 9 on a planned skip schedule; 1 = single process)")
-    p.set_defaults(func=cmd_demo, written_paths=("--out",))
+    p.set_defaults(func=cmd_demo, written_paths=("--out",), writes_run_dir=True)

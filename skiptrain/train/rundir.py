@@ -13,12 +13,18 @@ safetensors metadata under ``skiptrain.sha256``; :func:`load_weights` (used by `
 
 A directory that already holds a run is never trained into again by accident: ``train --out``
 refuses it unless ``--resume`` continues it or ``--overwrite`` replaces it (:func:`claim_run_dir`).
+A run directory has one writer at a time: the command that trains into it holds an exclusive
+``flock`` on the directory (the kernel releases it however the process ends), and any other
+process that would write it is refused in one line before it touches anything.
 """
 
 from __future__ import annotations
 
+import fcntl
 import json
+import os
 import shutil
+from contextlib import contextmanager
 from pathlib import Path
 
 from ..checkpoint.weights import WEIGHTS, WeightsError, load_weights, save_weights_file
@@ -31,7 +37,7 @@ class RunError(UserError):
     """A run directory that is missing or incomplete."""
 
 
-__all__ = ["RunError", "WeightsError", "claim_run_dir", "load_run", "load_weights", "prepare_run_dir",
+__all__ = ["RunError", "WeightsError", "claim_run_dir", "run_dir_writer", "load_run", "load_weights", "prepare_run_dir",
            "save_weights", "save_weights_file", "write_summary"]
 
 
@@ -43,6 +49,33 @@ RUN_ENTRIES = ("config.toml", "tokenizer.json", WEIGHTS, WEIGHTS + ".tmp", "metr
                "elastic_cache")
 #: Entries whose presence means the directory holds a run.
 RUN_MARKERS = ("config.toml", WEIGHTS, "metrics.jsonl", "run.json", "checkpoints")
+
+
+@contextmanager
+def run_dir_writer(out: str | Path):
+    """Be the one writer of run directory ``out`` (made if missing) inside this block, or raise
+    :class:`RunError`.  The lock is the kernel's (``flock`` on the directory itself, so no file
+    is added): it is released however this process ends.  A directory this block made and left
+    empty is removed again (a refused command leaves nothing)."""
+    out = Path(out)
+    made = not out.exists()
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        fd = os.open(out, os.O_RDONLY | os.O_DIRECTORY)
+    except OSError as e:
+        raise RunError(f"cannot write the run directory {str(out)!r}: {e.strerror}; pass an --out you can write") from None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise RunError(f"{str(out)!r} is being written by another skiptrain process; wait for it to end, or pass "
+                       "another --out") from None
+    try:
+        yield
+    finally:
+        if made and not any(out.iterdir()):
+            out.rmdir()
+        os.close(fd)
 
 
 def claim_run_dir(out: str | Path, resume: bool = False, overwrite: bool = False) -> None:

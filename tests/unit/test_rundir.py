@@ -165,3 +165,23 @@ def test_non_finite_weights_are_refused(tmp_path):
     save_weights_file({"a": torch.tensor([1.0, float("nan")])}, tmp_path / "w.safetensors")
     with pytest.raises(Exception, match=r"holds non-finite weights \(a\): the run diverged; retrain with a lower"):
         load_weights(tmp_path / "w.safetensors")
+
+
+def test_a_second_writer_of_a_run_directory_is_refused_and_changes_nothing(run_copy, byte_data, capsys):
+    from skiptrain.train.rundir import run_dir_writer
+
+    before = {p.name: p.stat().st_mtime_ns for p in run_copy.iterdir()}
+    with run_dir_writer(run_copy):                  # (as another process's lock: a lock of its own open file)
+        for argv in (["train", *TINY, "--data", str(byte_data), "--steps", "4", "--out", str(run_copy), "--resume"],
+                     ["train", *TINY, "--data", str(byte_data), "--steps", "2", "--out", str(run_copy), "--overwrite"],
+                     ["coordinator", "--bind", "127.0.0.1:1", "--out", str(run_copy), "--join-secret-file",
+                      str(run_copy / "s"), "--resume"]):
+            one_line_error(capsys, argv, "is being written by another skiptrain process; wait for it to end")
+    assert {p.name: p.stat().st_mtime_ns for p in run_copy.iterdir()} == before
+    assert main(["train", *TINY, "--data", str(byte_data), "--steps", "3", "--out", str(run_copy), "--resume"]) == 0
+
+
+def test_a_refused_command_leaves_no_run_directory_behind(tmp_path, capsys):
+    out = tmp_path / "new"
+    one_line_error(capsys, ["train", *TINY, "--data", str(tmp_path / "missing"), "--out", str(out)], "missing")
+    assert not out.exists()
