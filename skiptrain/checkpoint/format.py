@@ -58,6 +58,10 @@ class CheckpointError(UserError):
     """A checkpoint cannot be used; the message says which and what to do."""
 
 
+class NonFiniteCheckpoint(CheckpointError):
+    """A save whose tensors hold NaN or infinite values: it is not committed, LATEST stays."""
+
+
 class CheckpointFormatError(CheckpointError):
     """The files are not a checkpoint this version of skiptrain understands."""
 

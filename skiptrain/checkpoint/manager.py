@@ -39,7 +39,7 @@ from typing import Any, Mapping, Protocol, Sequence
 import torch
 
 from . import store
-from .format import CheckpointError, step_dir_name, tmp_dir_name
+from .format import CheckpointError, NonFiniteCheckpoint, step_dir_name, tmp_dir_name
 from .plan import DEFAULT_CHUNK_BYTES, SavePlan, TensorSpec, plan_save
 from .reader import CheckpointReader, dtype_name
 from .snapshot import HostSnapshot
@@ -91,6 +91,7 @@ class CheckpointManager:
         self._hooked: dict[int, Any] = {}
         self._cancel = threading.Event()
         self.last_stall_s = 0.0
+        self.refused: list[str] = []   # why saves were not committed (NaN or infinite values), for the caller to say
         self.snapshot_wait_s = 0.0  # total time callers spent blocked in wait_snapshot()
         # perf_counter() marks of the latest save: start, snapshot_done, written, committed
         self.last_timings: dict[str, float] = {}
@@ -183,7 +184,7 @@ class CheckpointManager:
         lay = {"writers": self.ranks, "bytes_per_rank": {str(r): b for r, b in plan.bytes_per_rank().items()},
                **(layout or {})}
         root, rank, ranks, keep, timeout = self.root, self.rank, self.ranks, self.keep, self.commit_timeout
-        coordinator, sink = self.is_coordinator, self.sink
+        coordinator, sink, refused = self.is_coordinator, self.sink, self.refused
         self._cancel = cancel = threading.Event()
         st = dict(state or {})
         if overlap:
@@ -201,7 +202,7 @@ class CheckpointManager:
                     done.set()
             timings["snapshot_done"] = time.perf_counter()
             try:
-                write_part(root, step, rank, plan, buffers, rank_state)
+                write_part(root, step, rank, plan, buffers, rank_state, snapshot.nonfinite(mine))
                 timings["written"] = time.perf_counter()
                 if sink is not None:            # (the commit is made where the parts are sent)
                     sink.part(step, rank, root / tmp_dir_name(step))
@@ -210,6 +211,8 @@ class CheckpointManager:
                     return None
                 if coordinator:
                     return commit(root, step, ranks, plan, st, lay, keep, timeout, timings, cancel)
+            except NonFiniteCheckpoint as e:      # (the run goes on: its last good checkpoint stays)
+                refused.append(str(e))
             except OSError as e:
                 raise save_failed(root, step, e) from None
             return None

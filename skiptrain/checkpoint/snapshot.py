@@ -28,6 +28,16 @@ class HostSnapshot:
         self.pin = torch.cuda.is_available() if pin is None else pin
         self._buffers: dict[str, torch.Tensor] = {}
 
+    def nonfinite(self, names) -> list[str]:
+        """Those of ``names`` whose last copy holds a NaN or an infinity (floating tensors only)."""
+        bad = []
+        with torch.no_grad():
+            for name in names:
+                buf = self._buffers.get(name)
+                if buf is not None and buf.is_floating_point() and buf.numel() and not bool(torch.isfinite(buf).all()):
+                    bad.append(name)
+        return bad
+
     @property
     def nbytes(self) -> int:
         return sum(b.numel() * b.element_size() for b in self._buffers.values())

@@ -37,8 +37,8 @@ from pathlib import Path
 from typing import Any, Callable, Mapping
 
 from . import store
-from .format import (METADATA_FILE, CheckpointError, CheckpointMeta, ShardMeta, TensorMeta, align,
-                     checksum, step_dir_name, tmp_dir_name)
+from .format import (METADATA_FILE, CheckpointError, CheckpointMeta, NonFiniteCheckpoint, ShardMeta, TensorMeta,
+                     align, checksum, step_dir_name, tmp_dir_name)
 from .plan import SavePlan
 
 _ZEROS = bytes(64)
@@ -68,11 +68,13 @@ def _write_all(fd: int, view: memoryview) -> None:
 
 
 def write_part(root: str | Path, step: int, rank: int, plan: SavePlan,
-               buffers: Mapping[str, Any], rank_state: dict[str, Any] | None = None) -> dict[str, Any]:
+               buffers: Mapping[str, Any], rank_state: dict[str, Any] | None = None,
+               nonfinite: list[str] | None = None) -> dict[str, Any]:
     """Write rank ``rank``'s shards of ``plan`` for ``step`` into the temporary directory.
 
     ``buffers[name]`` is the tensor's whole row-major content as bytes (any buffer-protocol
-    object, viewed as unsigned bytes).  Returns the part record that was written.
+    object, viewed as unsigned bytes); ``nonfinite``: the names among them that hold NaN or
+    infinite values (the commit refuses the step).  Returns the part record that was written.
     """
     tmp = Path(root) / tmp_dir_name(step)
     tmp.mkdir(parents=True, exist_ok=True)
@@ -114,7 +116,7 @@ def write_part(root: str | Path, step: int, rank: int, plan: SavePlan,
             rec["crc32"] = fut.result()
     record = {"rank": rank, "step": step, "file": fname, "file_bytes": pos,
               "specs": {n: {"dtype": plan.specs[n].dtype, "shape": list(plan.specs[n].shape)} for n in shards},
-              "shards": shards, "rank_state": rank_state or {}}
+              "shards": shards, "rank_state": rank_state or {}, "nonfinite": list(nonfinite or [])}
     # Atomic (the coordinator must never read half a part) but not fsynced: the part's content
     # ends up in metadata.json, which is fsynced before the commit; the data file already is.
     store.atomic_write(tmp / part_name(rank), json.dumps(record).encode(), durable=False)
@@ -149,6 +151,7 @@ def commit(root: str | Path, step: int, ranks: list[int], plan: SavePlan | None 
             raise CheckpointError(f"save of step {step}: ranks {missing} did not finish writing within "
                                   f"{timeout:.0f} s; {tmp} stays uncommitted")
         time.sleep(0.005)
+    _refuse_nonfinite(root, step, tmp, parts)
     tensors: dict[str, TensorMeta] = {}
     files: dict[str, int] = {}
     rank_state: dict[str, Any] = {}
@@ -184,6 +187,22 @@ def commit(root: str | Path, step: int, ranks: list[int], plan: SavePlan | None 
     if keep:
         store.prune(root, keep)
     return final
+
+
+def _refuse_nonfinite(root: Path, step: int, tmp: Path, parts: dict[int, dict[str, Any]]) -> None:
+    """A step whose parts hold non-finite values is removed, never committed: LATEST keeps naming
+    the newest good step, which the error names."""
+    bad = sorted({n for p in parts.values() for n in p.get("nonfinite") or []})
+    if not bad:
+        return
+    import shutil
+
+    shutil.rmtree(tmp, ignore_errors=True)
+    good = store.latest(root, warn=False)
+    raise NonFiniteCheckpoint(f"checkpoint step {step} not committed: {len(bad)} tensor(s) hold NaN or infinite "
+                              f"values ({', '.join(bad[:3])}): the run has diverged; "
+                              + (f"{good} stays the newest good checkpoint (resume from it, e.g. with a lower "
+                                 "train.lr)" if good is not None else "no earlier checkpoint was committed"))
 
 
 def _check_coverage(tensors: dict[str, TensorMeta], names, where: Path) -> None:

@@ -290,3 +290,20 @@ def fetch_checkpoint(store, key: bytes | None, phase: str, dest_root: Path, trie
         shutil.rmtree(tmp, ignore_errors=True)
     raise CheckpointError(f"could not fetch the published checkpoint of phase {phase!r} from the coordinator "
                           f"in {tries} tries")
+
+
+def fetch_resume_point(job, store):
+    """``job`` with its resume checkpoint copied to this host (a node on another host than its
+    coordinator: the coordinator published it, :func:`publish_checkpoint`)."""
+    import dataclasses
+
+    from ..checkpoint.reader import CheckpointReader
+    from .membership import secret_from_env
+
+    phase = job.phases[int(job.resume["phase"])].name
+    dest = Path(job.run_dir) / "checkpoints" / phase / "fetched"
+    path = fetch_checkpoint(store, coordinator_key(secret_from_env()), phase, dest)
+    if path is None or CheckpointReader(path).step != int(job.resume["iteration"]):
+        raise CheckpointError(f"the coordinator has not published the checkpoint of iteration {job.resume['iteration']} "
+                              "this job resumes from; restart the coordinator with --resume")
+    return dataclasses.replace(job, resume={**job.resume, "path": str(path)})

@@ -243,7 +243,12 @@ class JobCheckpointer:
                               plan=self._save_plan, rank_state=node_state, layout={"placement": placement},
                               overlap=self.cfg.overlap)
         self.saved_step = iteration
+        self._say_refused()
         return stall
+
+    def _say_refused(self) -> None:
+        while self.mgr is not None and self.mgr.refused:
+            print(f"skiptrain node {self.node}: {self.mgr.refused.pop(0)}", file=sys.stderr, flush=True)
 
     def _hand_over(self, writers: tuple[int, ...]) -> None:
         """New writers (or a new generation): finish or abandon the last save, then the lowest new
@@ -299,6 +304,7 @@ class JobCheckpointer:
         """Wait for the last save to be on disk (its error, if any, goes up)."""
         if self.mgr is not None:
             self.mgr.close()
+            self._say_refused()
 
 
 def _describe(tensors: dict[str, torch.Tensor]) -> bytes:
@@ -393,23 +399,6 @@ def open_node_checkpoints(node, ph) -> "JobCheckpointer":
     if c.every or c.final or node.job.rt.recover:
         check_root_writable(root, node.rank)
     return JobCheckpointer(root, node.rank, c, node.job.rt.timeout_s, node.control.gather_bytes, relay)
-
-
-def fetch_resume_point(job, store):
-    """``job`` with its resume checkpoint copied to this host (a node on another host than its
-    coordinator: the coordinator published it, :mod:`.checkpoint_relay`)."""
-    import dataclasses
-
-    from .checkpoint_relay import fetch_checkpoint
-    from .membership import coordinator_key, secret_from_env
-
-    phase = job.phases[int(job.resume["phase"])].name
-    dest = Path(job.run_dir) / "checkpoints" / phase / "fetched"
-    path = fetch_checkpoint(store, coordinator_key(secret_from_env()), phase, dest)
-    if path is None or CheckpointReader(path).step != int(job.resume["iteration"]):
-        raise CheckpointError(f"the coordinator has not published the checkpoint of iteration {job.resume['iteration']} "
-                              "this job resumes from; restart the coordinator with --resume")
-    return dataclasses.replace(job, resume={**job.resume, "path": str(path)})
 
 
 def resume_node(node, st) -> None:

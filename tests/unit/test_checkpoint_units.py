@@ -346,3 +346,31 @@ def test_a_part_checksummed_on_the_helper_thread_records_what_one_checksummed_in
     assert len(shards) > len(tensors)          # chunked: several shards per tensor
     for s in shards:
         assert s["crc32"] == checksum(data[s["byte_offset"]: s["byte_offset"] + s["nbytes"]])
+
+
+def test_a_save_with_non_finite_values_is_never_committed_and_latest_stays(tmp_path):
+    """A diverged run: the step whose tensors hold NaN (on one writer of two) is refused at the
+    commit, its directory removed, LATEST keeps naming the last good step, which the line names;
+    the next finite save commits again."""
+    from skiptrain.checkpoint import store as ckpt_store
+    from skiptrain.checkpoint.manager import CheckpointManager
+    from skiptrain.checkpoint.plan import TensorSpec
+
+    root = tmp_path / "ck"
+    specs = [TensorSpec("a", "float32", (4,)), TensorSpec("b", "float32", (4,))]
+    holders = {"a": [0], "b": [1]}
+
+    def save(step, b):
+        for r, held in ((1, {"b": b}), (0, {"a": torch.ones(4)})):
+            mgr = CheckpointManager(root, rank=r, ranks=[0, 1], clean=False)
+            mgr.save(step, held, {"iteration": step}, specs=specs, holders=holders, blocking=True)
+        return mgr.refused                     # (the committer's: for its caller to say)
+
+    save(1, torch.zeros(4))
+    (err,) = save(2, torch.tensor([0.0, float("nan"), 1.0, float("inf")]))
+    assert ckpt_store.latest(root).name == "step-00000001"
+    assert not (root / "step-00000002").exists() and not list(root.glob(".tmp-*"))
+    assert "checkpoint step 2 not committed: 1 tensor(s) hold NaN or infinite values (b)" in err
+    assert "step-00000001 stays the newest good checkpoint" in err
+    save(3, torch.zeros(4))
+    assert ckpt_store.latest(root).name == "step-00000003"

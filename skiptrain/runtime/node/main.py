@@ -85,7 +85,7 @@ def _on_this_host(job: Job, store) -> Job:
     if os.environ.get("SKIPTRAIN_DATA"):
         job = dataclasses.replace(job, data_path=os.environ["SKIPTRAIN_DATA"])
     if job.resume and os.environ.get("SKIPTRAIN_WORK_DIR"):
-        from ..job_checkpoint import fetch_resume_point
+        from ..checkpoint_relay import fetch_resume_point
         job = fetch_resume_point(job, store)
     return job
 
