@@ -76,6 +76,27 @@ def list_committed(root: str | Path) -> list[tuple[int, Path]]:
     return sorted(out)
 
 
+def start_branch(root: str | Path, step: int) -> Path | None:
+    """A run resumed from its committed step ``step`` while newer steps are committed under
+    ``root``: those belong to another branch of the run (another trajectory).  They move to
+    ``root/branch-<time>-after-<step>/``, where nothing loads or prunes them, and ``LATEST``
+    names ``step``, so the new branch's saves are written (a save of a committed step is a
+    no-op) and a crash resumes within it.  Returns that folder, None when nothing was newer."""
+    import time
+
+    root = Path(root)
+    newer = [p for s, p in list_committed(root) if s > step]
+    if not newer:
+        return None
+    dest = root / f"branch-{time.strftime('%Y%m%dT%H%M%S')}-after-{step}"
+    dest.mkdir()
+    for p in newer:
+        os.rename(p, dest / p.name)
+    fsync_dir(dest)
+    set_latest(root, f"step-{step:08d}")
+    return dest
+
+
 def latest(root: str | Path, warn: bool = True) -> Path | None:
     """The checkpoint ``LATEST`` names if it is committed, else the newest committed one, else None.
 

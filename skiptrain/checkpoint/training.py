@@ -19,6 +19,8 @@ offering the previous committed one, which ``--resume PATH`` accepts.  Lines of
 from __future__ import annotations
 
 import json
+import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +28,7 @@ import torch
 
 from .format import CheckpointError
 from .manager import CheckpointManager
-from .store import atomic_write
+from .store import atomic_write, start_branch
 from .state import decode_random, decode_torch_rng, encode_random, encode_torch_rng
 
 
@@ -99,7 +101,21 @@ def restore_trainer(trainer, path: str | Path | None = None) -> Path:
         torch.set_rng_state(decode_torch_rng(st["rng"]["torch"]))
     if trainer.out is not None:
         truncate_metrics(Path(trainer.out) / "metrics.jsonl", trainer.step)
+        begin_branch(checkpoint_root(trainer), reader.path, reader.step, Path(trainer.out) / "metrics.jsonl")
     return reader.path
+
+
+def begin_branch(root: Path, source: Path, step: int, metrics: Path) -> None:
+    """A resume from step ``step`` (checkpoint ``source``) of a run whose ``root`` holds newer
+    steps starts a new branch (:func:`~skiptrain.checkpoint.store.start_branch`): said once,
+    and marked in ``metrics`` by a line at ``step`` naming where the earlier branch went."""
+    moved = start_branch(root, step)
+    if moved is None:
+        return
+    note = f"resumed from {source}; the later steps of the earlier branch moved to {moved}"
+    print(f"skiptrain: a new branch of the run: {note}", file=sys.stderr, flush=True)
+    with open(metrics, "a") as f:
+        f.write(json.dumps({"step": step, "time": round(time.time(), 3), "branch": note}) + "\n")
 
 
 def truncate_metrics(path: Path, step: int, position=None) -> None:

@@ -40,7 +40,7 @@ from .checkpoint_relay import coordinator_relays
 from .event_log import LOG_NAME, log_event
 from .failure import RuntimeFailure, describe_exit
 from .job import Job
-from .job_checkpoint import checkpoint_roots
+from .job_checkpoint import checkpoint_root, checkpoint_roots
 from .lease import LeaseTable, parse_renewal
 from .node_processes import start_nodes
 from .outputs import load_phase_timeline, merge_outputs, salvage_checkpoint, stop_store
@@ -245,7 +245,7 @@ def _result(job: Job, run_dir: Path, world: int, wall: float, interrupted: bool,
 def prepare_outputs(job: Job, run_dir: Path) -> None:
     """Clear what an earlier launch into ``run_dir`` left; when resuming, keep its metrics and
     sample logs up to the checkpoint, and its membership events (the resume logged as one)."""
-    from ..checkpoint.training import truncate_metrics
+    from ..checkpoint.training import begin_branch, truncate_metrics
 
     run_dir.mkdir(parents=True, exist_ok=True)
     r = job.resume
@@ -268,6 +268,8 @@ def prepare_outputs(job: Job, run_dir: Path) -> None:
         f.write_text("".join(line + "\n" for line in lines))
     if r:
         truncate_metrics(run_dir / "metrics.jsonl", int(r["iteration"]))
+        begin_branch(checkpoint_root(job, job.phases[int(r["phase"])].name), r["path"], int(r["iteration"]),
+                     run_dir / "metrics.jsonl")
     else:
         (run_dir / "metrics.jsonl").write_text("")
     (run_dir / "logs").mkdir(exist_ok=True)

@@ -185,3 +185,27 @@ def test_a_refused_command_leaves_no_run_directory_behind(tmp_path, capsys):
     out = tmp_path / "new"
     one_line_error(capsys, ["train", *TINY, "--data", str(tmp_path / "missing"), "--out", str(out)], "missing")
     assert not out.exists()
+
+
+def test_a_resume_from_an_older_checkpoint_starts_a_branch_that_later_resumes_continue(run_copy, byte_data, capsys):
+    """Resumed from step 1 of a run at step 2 with another lr: step 2 of the earlier branch moves
+    aside, the new branch writes its own steps and LATEST follows them, metrics.jsonl marks the
+    branch, and a plain --resume then continues the new branch (not the earlier one's step 2)."""
+    from skiptrain.checkpoint.reader import CheckpointReader
+
+    ck = run_copy / "checkpoints"
+    assert main(["train", *TINY, "--data", str(byte_data), "--steps", "3", "--out", str(run_copy),
+                 "--resume", str(ck / "step-00000001"), "--set", "train.lr=1e-5"]) == 0
+    assert "a new branch of the run: resumed from" in capsys.readouterr().err
+    (branch,) = ck.glob("branch-*-after-1")
+    assert [p.name for p in branch.iterdir()] == ["step-00000002"]
+    assert store.latest(ck).name == "step-00000003"
+    assert CheckpointReader(ck / "step-00000002").state["config"]["train"]["lr"] == 1e-5     # the new branch's own
+    rows = [json.loads(x) for x in (run_copy / "metrics.jsonl").read_text().splitlines()]
+    marks = [r for r in rows if "branch" in r]
+    assert len(marks) == 1 and marks[0]["step"] == 1 and str(branch) in marks[0]["branch"]
+    assert main(["train", *TINY, "--data", str(byte_data), "--steps", "4", "--out", str(run_copy), "--resume",
+                 "--set", "train.lr=1e-5"]) == 0
+    assert "from" in capsys.readouterr().out and store.latest(ck).name == "step-00000004"
+    steps = [r["step"] for r in map(json.loads, (run_copy / "metrics.jsonl").read_text().splitlines()) if "loss" in r]
+    assert steps == [1, 2, 3, 4]
