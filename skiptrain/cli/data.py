@@ -17,6 +17,9 @@ def cmd_prepare(args: argparse.Namespace) -> int:
     if found:
         raise DataError(f"--out {args.out!r} holds a training run ({', '.join(found)}), not a data set; "
                         "pass another directory for the data")
+    if (Path(args.out) / "manifest.json").is_file() and not getattr(args, "overwrite", False):
+        raise DataError(f"--out {args.out!r} already holds a prepared data set; replace it with --overwrite, or "
+                        "pass another directory")
     if args.text:
         docs = read_documents(args.text)
         ood = read_documents(args.ood_text, "--ood-text") if args.ood_text else []
@@ -43,6 +46,7 @@ def register(sub) -> None:
     p = sub.add_parser("prepare", help="build a training data set (default: public-domain Shakespeare)",
                        description=__doc__)
     p.add_argument("--out", required=True, help="data directory to write")
+    p.add_argument("--overwrite", action="store_true", help="replace the data set already in --out")
     p.add_argument("--text", nargs="+", metavar="PATH", help="your own text files or folders instead of the default corpus")
     p.add_argument("--ood-text", nargs="+", metavar="PATH", help="text kept apart as an out-of-distribution split")
     p.add_argument("--tokenizer", choices=("bpe", "byte"), default="bpe")

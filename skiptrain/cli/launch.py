@@ -196,7 +196,7 @@ def _checked_swarm_config(cfg, data: str, steps: int | None):
     if rt.nodes < cfg.model.n_stages and not rt.node_stages.strip():
         raise UserError(f"runtime.nodes={rt.nodes} cannot serve {cfg.model.n_stages} stages; use --nodes >= "
                         f"{cfg.model.n_stages}, give a node several stages with runtime.node_stages (e.g. 0,1+2,3), "
-                        "or use --nodes 1 for the single-process trainer")
+                        "or train in one process with `skiptrain train` (no --nodes)")
     ds = TokenDataset.open(data)
     cfg.model.vocab_size = ds.vocab_size
     cfg.data.path = str(data)

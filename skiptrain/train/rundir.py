@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import fcntl
 import json
+import math
 import os
 import shutil
 from contextlib import contextmanager
@@ -154,4 +155,16 @@ def load_run(run_dir: str | Path) -> tuple[Config, StagedLM, Tokenizer]:
 
 
 def write_summary(out: str | Path, summary: dict) -> None:
-    Path(out, "run.json").write_text(json.dumps(summary, indent=1))
+    """``run.json``: strict JSON, a number that is not finite (no step trained, a diverged
+    loss) written as ``null``."""
+    Path(out, "run.json").write_text(json.dumps(_finite(summary), indent=1, allow_nan=False))
+
+
+def _finite(value):
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(v) for v in value]
+    return value

@@ -259,3 +259,15 @@ def test_prepare_into_a_run_directory_is_refused(trained, capsys):
     _, run = trained
     one_line_error(capsys, ["prepare", "--text", *TRAIN_TEXTS, "--tokenizer", "byte", "--out", str(run)],
                    f"--out {str(run)!r} holds a training run")
+
+
+def test_prepare_over_a_data_set_asks_for_overwrite_and_changes_nothing(capsys, tmp_path):
+    d = tmp_path / "d"
+    assert main(["prepare", "--text", *TRAIN_TEXTS, "--tokenizer", "byte", "--out", str(d)]) == 0
+    before = {p.name: p.read_bytes() for p in d.iterdir()}
+    capsys.readouterr()
+    one_line_error(capsys, ["prepare", "--text", TRAIN_TEXTS[0], "--tokenizer", "byte", "--out", str(d)],
+                   "already holds a prepared data set; replace it with --overwrite")
+    assert {p.name: p.read_bytes() for p in d.iterdir()} == before
+    assert main(["prepare", "--text", TRAIN_TEXTS[0], "--tokenizer", "byte", "--out", str(d), "--overwrite"]) == 0
+    assert {p.name: p.read_bytes() for p in d.iterdir()} != before

@@ -209,3 +209,10 @@ def test_a_resume_from_an_older_checkpoint_starts_a_branch_that_later_resumes_co
     assert "from" in capsys.readouterr().out and store.latest(ck).name == "step-00000004"
     steps = [r["step"] for r in map(json.loads, (run_copy / "metrics.jsonl").read_text().splitlines()) if "loss" in r]
     assert steps == [1, 2, 3, 4]
+
+
+def test_a_run_of_zero_steps_writes_strict_json(tmp_path, byte_data):
+    out = tmp_path / "zero"
+    assert main(["train", *TINY, "--data", str(byte_data), "--steps", "0", "--out", str(out)]) == 0
+    summary = json.loads((out / "run.json").read_text(), parse_constant=lambda c: pytest.fail(f"{c} in run.json"))
+    assert summary["val_loss"] is None and summary["step"] == 0
