@@ -47,6 +47,7 @@ def trainer_state(trainer) -> dict[str, Any]:
         "step": trainer.step,
         "config": trainer.cfg.to_dict(),
         "data": trainer.loader.state_dict(),
+        "data_fingerprint": trainer.ds.fingerprint(),
         "rng": {"routes": encode_random(trainer.route_rng), "torch": encode_torch_rng(torch.get_rng_state())},
         "placement": {"stages": {str(s): [0] for s in range(S)},
                       "partition": trainer.model.partition.to_list()},
@@ -94,6 +95,8 @@ def restore_trainer(trainer, path: str | Path | None = None) -> Path:
     src = Path(path) if path is not None else checkpoint_root(trainer)
     reader = CheckpointManager.restore(src, trainer.model, trainer.opt)
     st = reader.state
+    check_same_data(st.get("data_fingerprint"), ((st.get("config") or {}).get("data") or {}).get("path"),
+                    reader.path, trainer.ds)
     trainer.step = reader.step
     trainer.loader.load_state_dict(st["data"])
     if "rng" in st:             # (a swarm's checkpoint keeps RNG per node: the trainer's stays as seeded)
@@ -116,6 +119,17 @@ def begin_branch(root: Path, source: Path, step: int, metrics: Path) -> None:
     print(f"skiptrain: a new branch of the run: {note}", file=sys.stderr, flush=True)
     with open(metrics, "a") as f:
         f.write(json.dumps({"step": step, "time": round(time.time(), 3), "branch": note}) + "\n")
+
+
+def check_same_data(saved: str | None, was: str | None, path, ds) -> None:
+    """Refuse to resume checkpoint ``path`` (trained on the data set of fingerprint ``saved``, at
+    ``was``) on another data set ``ds`` (by :meth:`~skiptrain.data.dataset.TokenDataset.fingerprint`):
+    its data cursor is a position in that data set.  Checkpoints from before fingerprints pass."""
+    if saved and saved != ds.fingerprint():
+        was = was or "the run's data set"
+        raise CheckpointError(f"--resume: the checkpoint {path} was trained on another data set than {ds.path} "
+                              f"(fingerprint {saved[:12]}, not {ds.fingerprint()[:12]}); resume it with the data "
+                              f"set it was trained on ({was})")
 
 
 def truncate_metrics(path: Path, step: int, position=None) -> None:

@@ -46,7 +46,7 @@ def train_swarm(cfg, data: str, out: str, steps: int | None = None, echo: bool =
     from ..runtime.preflight import check_swarm_memory
 
     rt = cfg.runtime
-    start = _resume_point(cfg, out, resume, cfg.train.steps if steps is None else steps) if resume else None
+    start = _resume_point(cfg, out, resume, cfg.train.steps if steps is None else steps, data) if resume else None
     ds, steps = _checked_swarm_config(cfg, data, steps)
     check_swarm_memory(cfg)          # before the cost model profiles a layer of the model
     t0 = time.time()
@@ -159,9 +159,11 @@ def ckpt_every_for(cfg, placement: list[list[int]], steps: int) -> int:
     return cap if not every or every > cap else every
 
 
-def _resume_point(cfg, out: str, resume: str, steps: int) -> dict:
+def _resume_point(cfg, out: str, resume: str, steps: int, data: str) -> dict:
     """The checkpoint a resumed swarm starts from (``resume_point``), checked against ``steps``."""
     from ..checkpoint import store
+    from ..checkpoint.training import check_same_data
+    from ..data.dataset import TokenDataset
     from ..runtime.job_checkpoint import resume_point
 
     from .options import checkpoint_root
@@ -172,6 +174,7 @@ def _resume_point(cfg, out: str, resume: str, steps: int) -> dict:
         raise UserError(f"--resume: no committed checkpoint under {root}; train without --resume, or pass "
                         "--resume PATH to a checkpoint")
     start = resume_point(src)
+    check_same_data(start["data_fingerprint"], start["data_path"], start["path"], TokenDataset.open(data))
     if start["iteration"] >= steps:
         raise UserError(f"--resume: the checkpoint {start['path']} is at iteration {start['iteration']}, the run "
                         f"has {steps} steps; pass --steps N with N > {start['iteration']} to train further")

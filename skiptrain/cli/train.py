@@ -80,11 +80,16 @@ def resume_checkpoint(cfg, out: str, resume: str) -> Path:
     it is already at ``train.steps`` (training on would run no step, and rewrite the run's weights
     and run.json from it)."""
     from ..checkpoint.reader import CheckpointReader
+    from ..checkpoint.training import check_same_data
+    from ..data.dataset import TokenDataset
 
     from .options import checkpoint_root
 
     root = checkpoint_root(cfg, out)
     reader = CheckpointReader(root if resume == "latest" else resume)
+    st = reader.state
+    check_same_data(st.get("data_fingerprint"), ((st.get("config") or {}).get("data") or {}).get("path"),
+                    reader.path, TokenDataset.open(cfg.data.path))
     if reader.step >= cfg.train.steps:
         raise UserError(f"--resume: the checkpoint {reader.path} is at step {reader.step}, the run has "
                         f"{cfg.train.steps} steps; pass --steps N with N > {reader.step} to train further")

@@ -368,7 +368,8 @@ def resume_point(path: str | Path) -> dict[str, Any]:
         raise CheckpointError(f"checkpoint {reader.path} holds no data cursor (it is not a training checkpoint); "
                               "resume from a checkpoint written by `skiptrain train` or `skiptrain launch`")
     return {"path": str(reader.path), "phase": int(st.get("phase", 0)), "iteration": int(st.get("iteration", reader.step)),
-            "cursor": int(data["cursor"])}
+            "cursor": int(data["cursor"]), "data_fingerprint": st.get("data_fingerprint"),
+            "data_path": ((st.get("config") or {}).get("data") or {}).get("path")}
 
 
 # ---- a node process's checkpoints (the node loop calls these) ----------------------------
@@ -431,6 +432,7 @@ def save_node_checkpoint(node, st, done: int, cursor: int, snap: tuple | None = 
     ``digests``: every node's, from the stats gather (else gathered here)."""
     tensors, node_state, placement, _ = snap or node_checkpoint_state(node, st)
     position = {"phase": st.idx, "phase_name": st.ph.name, "iteration": done, "gen": node.control.gen,
+                "data_fingerprint": node.job.meta.get("data_fingerprint"),
                 "data": {"cursor": cursor, "global_batch": st.gb, "seed": node.cfg.train.seed},
                 "config": node.cfg_json, "placement": placement}
     if st.elastic is not None:

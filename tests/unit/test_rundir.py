@@ -216,3 +216,14 @@ def test_a_run_of_zero_steps_writes_strict_json(tmp_path, byte_data):
     assert main(["train", *TINY, "--data", str(byte_data), "--steps", "0", "--out", str(out)]) == 0
     summary = json.loads((out / "run.json").read_text(), parse_constant=lambda c: pytest.fail(f"{c} in run.json"))
     assert summary["val_loss"] is None and summary["step"] == 0
+
+
+def test_a_resume_on_another_data_set_of_the_same_vocabulary_is_refused(run_copy, tmp_path, capsys):
+    from conftest import TRAIN_TEXTS
+
+    other = tmp_path / "other"
+    assert main(["prepare", "--text", TRAIN_TEXTS[0], "--tokenizer", "byte", "--out", str(other)]) == 0
+    before = {p.name: p.read_bytes() for p in run_copy.iterdir() if p.is_file()}
+    one_line_error(capsys, ["train", *TINY, "--data", str(other), "--steps", "4", "--out", str(run_copy), "--resume"],
+                   "was trained on another data set than")
+    assert {p.name: p.read_bytes() for p in run_copy.iterdir() if p.is_file()} == before
