@@ -47,7 +47,7 @@ def train_swarm(cfg, data: str, out: str, steps: int | None = None, echo: bool =
 
     rt = cfg.runtime
     start = _resume_point(cfg, out, resume, cfg.train.steps if steps is None else steps, data) if resume else None
-    ds, steps = _checked_swarm_config(cfg, data, steps)
+    ds, steps = _checked_swarm_config(cfg, data, steps, start)
     check_swarm_memory(cfg)          # before the cost model profiles a layer of the model
     t0 = time.time()
     topo = build_topology(cfg, rt.nodes)
@@ -191,9 +191,11 @@ def _describe_checkpoints(cfg, outp: Path, steps: int, start: dict | None, comma
           + (f"; resuming from {start['path']} at iteration {start['iteration']}" if start else ""), flush=True)
 
 
-def _checked_swarm_config(cfg, data: str, steps: int | None):
-    """Refuse what a swarm does not run; the data set, and the steps to train."""
+def _checked_swarm_config(cfg, data: str, steps: int | None, start: dict | None = None):
+    """Refuse what a swarm does not run, and a checkpoint to resume (``start``) that does not fit
+    its model; the data set, and the steps to train."""
     from ..data.dataset import TokenDataset
+    from ..runtime.preflight import check_checkpoint_fits
 
     rt = cfg.runtime
     if rt.nodes < cfg.model.n_stages and not rt.node_stages.strip():
@@ -204,6 +206,8 @@ def _checked_swarm_config(cfg, data: str, steps: int | None):
     cfg.model.vocab_size = ds.vocab_size
     cfg.data.path = str(data)
     cfg.check()
+    if start is not None:
+        check_checkpoint_fits(start["path"], cfg.model)
     steps = cfg.train.steps if steps is None else steps
     if steps < 1:
         raise UserError(f"a swarm run needs at least one step (got {steps}); pass --steps N with N >= 1")

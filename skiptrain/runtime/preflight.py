@@ -67,3 +67,23 @@ def check_swarm_memory(cfg, stages_of: dict[int, list[int]] | None = None) -> No
             check_stages_fit(model, list(stages), dev, t.micro_batch, rt.memory, t.precision,
                              where=f"node {node}'s {dev}{note}")
 
+
+
+def check_checkpoint_fits(path, model_cfg) -> None:
+    """Refuse, in one line, to resume the checkpoint at ``path`` under a model config whose
+    tensors it does not hold (another width, depth or vocabulary): every node would fail to load
+    its stage.  The layout (stages, partition, replicas) may differ: checkpoints reshard."""
+    from ..checkpoint.reader import CheckpointReader
+    from ..checkpoint.state import model_tensors
+    from ..errors import UserError
+    from ..model import StagedLM
+
+    saved = CheckpointReader(path).meta.tensors
+    want = {n: list(t.shape) for n, t in model_tensors(StagedLM(model_cfg, device="meta")).items()}
+    missing = sorted(n for n in want if n not in saved)
+    wrong = sorted(n for n in want if n in saved and list(saved[n].shape) != want[n])
+    if missing or wrong:
+        what = (f"{wrong[0]} is {list(saved[wrong[0]].shape)} there, {want[wrong[0]]} here" if wrong
+                else f"it holds no {missing[0]}")
+        raise UserError(f"--resume: the checkpoint {path} does not fit this model config ({what}); resume with the "
+                        "run's model settings (its config.toml), or start a new run")

@@ -227,3 +227,11 @@ def test_a_resume_on_another_data_set_of_the_same_vocabulary_is_refused(run_copy
     one_line_error(capsys, ["train", *TINY, "--data", str(other), "--steps", "4", "--out", str(run_copy), "--resume"],
                    "was trained on another data set than")
     assert {p.name: p.read_bytes() for p in run_copy.iterdir() if p.is_file()} == before
+
+
+def test_a_swarm_resume_under_another_model_width_is_one_line_before_any_node_starts(run_copy, byte_data, capsys):
+    before = {p.name: p.read_bytes() for p in run_copy.iterdir() if p.is_file()}
+    one_line_error(capsys, ["launch", "--preset", "tiny", "--data", str(byte_data), "--steps", "4", "--out",
+                            str(run_copy), "--resume", "--nodes", "4", "--set", "model.d_model=96"],
+                   "does not fit this model config (")
+    assert {p.name: p.read_bytes() for p in run_copy.iterdir() if p.is_file()} == before
