@@ -88,12 +88,13 @@ def start_branch(root: str | Path, step: int) -> Path | None:
     newer = [p for s, p in list_committed(root) if s > step]
     if not newer:
         return None
+    set_latest(root, f"step-{step:08d}")        # (first: a crash while moving leaves LATEST on this branch)
     dest = root / f"branch-{time.strftime('%Y%m%dT%H%M%S')}-after-{step}"
     dest.mkdir()
     for p in newer:
         os.rename(p, dest / p.name)
     fsync_dir(dest)
-    set_latest(root, f"step-{step:08d}")
+    fsync_dir(root)
     return dest
 
 

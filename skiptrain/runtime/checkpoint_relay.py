@@ -22,7 +22,8 @@ Nodes on other hosts share no file system with the coordinator, so a job checkpo
   dropped once a later step of its phase commits.  Every commit is then published
   (:func:`publish_checkpoint`: ``ckpt/latest/<phase>`` signed by the coordinator, and the
   checkpoint's files), which a node fetches (:func:`fetch_checkpoint`) to restart a stage that
-  lost every replica or to resume the job (``skiptrain coordinator --resume``).
+  lost every replica; the checkpoint a resumed run starts from stays published as
+  ``ckpt/resume/<phase>`` for the whole run, for every node that joins it.
 
 Failure semantics: nothing here raises on what another process wrote: a forged slot is dropped
 (the verifier logs it), bytes that do not match their signed digest are refused (one line), a
@@ -43,7 +44,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from ..checkpoint import store as ckpt_store
-from ..checkpoint.format import METADATA_FILE, CheckpointError, step_dir_name, tmp_dir_name
+from ..checkpoint.format import CheckpointError, step_dir_name, tmp_dir_name
 from ..checkpoint.writer import commit, data_name, part_name
 from .membership import Verifier, coordinator_key, open_value, sign
 from .shipping import Poller, RowMirror, SlotReader, claim_slot, write_slot
@@ -122,13 +123,12 @@ class CheckpointCollector(Poller):
         self.slots = SlotReader(store, verifier, LOG)
         self.pending: dict[tuple[str, int], dict] = {}
         self.committed: list[Path] = []
+        self.last: dict[str, int] = {}            # phase -> its newest committed step
         for root in self.roots.values():
             root.mkdir(parents=True, exist_ok=True)
             ckpt_store.clean_stale(root)            # (what an earlier coordinator left uncommitted)
 
-    def __exit__(self, *exc) -> None:
-        self.stop_event.set()
-        self.thread.join(timeout=30)
+    def final_poll(self) -> None:
         self.poll(final=True)
 
     def poll(self, final: bool = False) -> None:
@@ -141,7 +141,10 @@ class CheckpointCollector(Poller):
         except Exception:  # noqa: BLE001 - the store is going away with the run
             return
         for node, payload in got:
-            self.take(node, payload)
+            try:
+                self.take(node, payload)
+            except (TypeError, ValueError, KeyError, AttributeError, OSError) as e:
+                self._refuse(node, "a checkpoint slot", f"{type(e).__name__}: {str(e)[:160]}")
         if self.mirror is not None:
             self.mirror.poll()
             if not self.mirror.slots.caught_up() and not final:
@@ -153,8 +156,13 @@ class CheckpointCollector(Poller):
 
     def take(self, node: int, p: dict) -> None:
         phase, step, kind = p.get("phase"), p.get("step"), p.get("kind")
-        if phase not in self.roots or not isinstance(step, int) or step < 0:
+        if not isinstance(phase, str) or phase not in self.roots or not isinstance(step, int) or step < 0:
             return self._refuse(node, "a checkpoint slot", f"phase {phase!r} / step {step!r} is not of this job")
+        if step <= self.last.get(phase, -1):
+            return self._refuse(node, f"a checkpoint slot of step {step}", "a newer step is committed already")
+        if kind == "commit" and not (isinstance(p.get("ranks"), list) and p["ranks"] and
+                                     all(isinstance(r, int) for r in p["ranks"]) and isinstance(p.get("names"), list)):
+            return self._refuse(node, f"the commit record of step {step}", "malformed")
         pend = self.pending.setdefault((phase, step), {"parts": set(), "commit": None})
         if kind == "commit":
             pend["commit"], pend["from"] = p, node
@@ -174,6 +182,8 @@ class CheckpointCollector(Poller):
             data = self.store.get(k) if self.store.check([k]) else None
             if data is None or _sha(data) != digest:
                 self._refuse(node, f"checkpoint part of step {step}", f"{name}: its bytes do not match the signed digest")
+                for other in files:
+                    self.store.delete_key(file_key(node, phase, step, other))
                 return False
             got[name] = data
         tmp.mkdir(parents=True, exist_ok=True)
@@ -202,6 +212,7 @@ class CheckpointCollector(Poller):
                 continue
             self._drop_older(phase, step)
             self.committed.append(path)
+            self.last[phase] = step
             publish_checkpoint(self.store, self.key, phase, path)
             print(f"[coordinator] committed checkpoint {path} (parts of nodes {sorted(pend['parts'])})", flush=True)
 
@@ -225,7 +236,7 @@ def coordinator_relays(job, store, secret: str, roots: dict[str, Path]):
     verifier = Verifier(secret, run_dir / "rejected_writes.jsonl")
     if job.resume:
         publish_checkpoint(store, coordinator_key(secret), job.phases[int(job.resume["phase"])].name,
-                           Path(job.resume["path"]))
+                           Path(job.resume["path"]), which="resume")
     keep = config_from_dict(job.config).checkpoint.keep
     with CheckpointCollector(store, verifier, coordinator_key(secret), roots, keep, RowMirror(store, verifier, run_dir)):
         yield
@@ -235,57 +246,70 @@ def _checkpoint_files(path: Path) -> list[Path]:
     return sorted(p for p in Path(path).iterdir() if p.is_file())
 
 
-def publish_checkpoint(store, key: bytes | None, phase: str, path: Path) -> None:
-    """Make the committed checkpoint ``path`` of ``phase`` the one nodes fetch: its files under
-    ``ckpt/pub/<phase>/<step>/``, then ``ckpt/latest/<phase>`` (signed), then the previous
-    one's files are removed."""
-    name = f"{LOG}/latest/{phase}"
+def publish_checkpoint(store, key: bytes | None, phase: str, path: Path, which: str = "latest") -> None:
+    """Make the committed checkpoint ``path`` of ``phase`` the one nodes fetch as ``which``
+    (``latest``: the newest commit; ``resume``: the one the run resumed from, for the whole run):
+    its files under ``ckpt/pub/<which>/<phase>/<step>/``, then ``ckpt/<which>/<phase>`` (signed),
+    then the previous one's files are removed."""
+    name = f"{LOG}/{which}/{phase}"
     step = ckpt_store.step_of(Path(path).name)
-    old = None
-    if store.check([name]):
-        try:
-            old = json.loads(open_value(key, name, store.get(name).decode(errors="replace")) or "null")
-        except ValueError:
-            old = None
+    old = _published(store, key, name)
     files = {}
     for f in _checkpoint_files(path):
         data = f.read_bytes()
-        store.set(f"{LOG}/pub/{phase}/{step}/{f.name}", data)
+        store.set(f"{LOG}/pub/{which}/{phase}/{step}/{f.name}", data)
         files[f.name] = _sha(data)
     store.set(name, sign(key, name, json.dumps({"step": step, "files": files})))
-    if isinstance(old, dict) and old.get("step") != step:
+    if old is not None and old.get("step") != step:
         for f in old.get("files", {}):
-            store.delete_key(f"{LOG}/pub/{phase}/{old['step']}/{f}")
+            store.delete_key(f"{LOG}/pub/{which}/{phase}/{old['step']}/{f}")
 
 
-def fetch_checkpoint(store, key: bytes | None, phase: str, dest_root: Path, tries: int = 3) -> Path | None:
-    """Node side: the checkpoint the coordinator published for ``phase``, copied into
-    ``dest_root/step-N`` (every file checked against the coordinator's signed digest); None when
-    none was published.  Raises :class:`CheckpointError` when no consistent copy could be had."""
-    name = f"{LOG}/latest/{phase}"
-    for _ in range(tries):
-        if not store.check([name]):
-            return None
-        value = open_value(key, name, store.get(name).decode(errors="replace"))
+def _published(store, key: bytes | None, name: str) -> dict | None:
+    """The signed record at ``name`` (None: absent); raises when it is not the coordinator's."""
+    if not store.check([name]):
+        return None
+    value = open_value(key, name, store.get(name).decode(errors="replace"))
+    try:
         rec = json.loads(value) if value is not None else None
-        if not isinstance(rec, dict):
-            raise CheckpointError(f"the published checkpoint of phase {phase!r} is not signed by the run's coordinator")
-        dest = Path(dest_root) / step_dir_name(int(rec["step"]))
-        if (dest / METADATA_FILE).is_file():
+    except ValueError:
+        rec = None
+    if not (isinstance(rec, dict) and isinstance(rec.get("step"), int) and isinstance(rec.get("files"), dict)):
+        raise CheckpointError(f"the published checkpoint {name} is not signed by the run's coordinator")
+    return rec
+
+
+def fetch_checkpoint(store, key: bytes | None, phase: str, dest_root: Path, which: str = "latest",
+                     tries: int = 3) -> Path | None:
+    """Node side: the checkpoint the coordinator published for ``phase`` as ``which``, copied
+    into ``dest_root/step-N`` (every file checked against the coordinator's signed digest,
+    fsynced before the rename); None when none was published.  Raises
+    :class:`CheckpointError` when no consistent copy could be had."""
+    name = f"{LOG}/{which}/{phase}"
+    for _ in range(tries):
+        rec = _published(store, key, name)
+        if rec is None:
+            return None
+        dest = Path(dest_root) / step_dir_name(rec["step"])
+        if dest.is_dir() and all((dest / f).is_file() and _sha((dest / f).read_bytes()) == d for f, d in rec["files"].items()):
             return dest
-        tmp = Path(dest_root) / tmp_dir_name(int(rec["step"]))
+        tmp = Path(dest_root) / tmp_dir_name(rec["step"])
         tmp.mkdir(parents=True, exist_ok=True)
         ok = True
         for fname, digest in rec["files"].items():
-            k = f"{LOG}/pub/{phase}/{rec['step']}/{fname}"
+            k = f"{LOG}/pub/{which}/{phase}/{rec['step']}/{fname}"
             data = store.get(k) if store.check([k]) else None     # (replaced by a newer one meanwhile: again)
             if data is None or _sha(data) != digest or "/" in fname:
                 ok = False
                 break
-            ckpt_store.write_file(tmp / fname, data, durable=False)
+            ckpt_store.write_file(tmp / fname, data)
         if ok:
+            ckpt_store.fsync_dir(tmp)
             shutil.rmtree(dest, ignore_errors=True)
             tmp.rename(dest)
+            for old in Path(dest_root).glob("step-*"):           # (only the newest copy is kept)
+                if old != dest:
+                    shutil.rmtree(old, ignore_errors=True)
             return dest
         shutil.rmtree(tmp, ignore_errors=True)
     raise CheckpointError(f"could not fetch the published checkpoint of phase {phase!r} from the coordinator "
@@ -302,7 +326,7 @@ def fetch_resume_point(job, store):
 
     phase = job.phases[int(job.resume["phase"])].name
     dest = Path(job.run_dir) / "checkpoints" / phase / "fetched"
-    path = fetch_checkpoint(store, coordinator_key(secret_from_env()), phase, dest)
+    path = fetch_checkpoint(store, coordinator_key(secret_from_env()), phase, dest, which="resume")
     if path is None or CheckpointReader(path).step != int(job.resume["iteration"]):
         raise CheckpointError(f"the coordinator has not published the checkpoint of iteration {job.resume['iteration']} "
                               "this job resumes from; restart the coordinator with --resume")

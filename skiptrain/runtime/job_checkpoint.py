@@ -297,7 +297,11 @@ class JobCheckpointer:
         coordinator committed last, fetched here)."""
         from ..checkpoint import store
 
-        p = self.relay.fetch(self.root / "fetched") if self.relay is not None else store.latest(self.root, warn=False)
+        try:
+            p = self.relay.fetch(self.root / "fetched") if self.relay is not None else store.latest(self.root, warn=False)
+        except CheckpointError as e:      # (across hosts: none could be fetched; the caller goes on without)
+            print(f"skiptrain node {self.node}: {e}", file=sys.stderr, flush=True)
+            return None
         return None if p is None else (CheckpointReader(p).step, p)
 
     def close(self) -> None:

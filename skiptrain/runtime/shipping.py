@@ -259,6 +259,8 @@ class SlotReader:
             if got is None and not self.store.check([f"{self.prefix}/{i}"]) and not self._given_up(i):
                 break              # (counted, not yet written: next time)
             self.next = i + 1
+            self.missing.pop(i, None)
+            self.store.delete_key(f"{self.prefix}/{i}")      # (read once: the store keeps values in memory)
             if got is not None:
                 out.append(got)
         return out
@@ -286,7 +288,8 @@ class SlotReader:
 
 class Poller:
     """A thread calling :meth:`poll` every ``poll_s`` seconds while in its ``with`` block, and
-    once more at its end."""
+    :meth:`final_poll` once at its end, in that thread (the block's end waits for it: nothing
+    polls from two threads).  A poll that raises is said in one line; the thread goes on."""
 
     poll_s = 0.25
 
@@ -298,15 +301,24 @@ class Poller:
 
     def __exit__(self, *exc) -> None:
         self.stop_event.set()
-        self.thread.join(timeout=30)
-        self.poll()
+        self.thread.join()
 
     def _loop(self) -> None:
         while not self.stop_event.wait(self.poll_s):
-            self.poll()
+            self._guarded(self.poll)
+        self._guarded(self.final_poll)
+
+    def _guarded(self, fn) -> None:
+        try:
+            fn()
+        except Exception as e:  # noqa: BLE001 - a bad value from a peer must not stop the thread
+            print(f"[coordinator] {type(self).__name__}: {type(e).__name__}: {str(e)[:200]}", file=sys.stderr, flush=True)
 
     def poll(self) -> None:
         raise NotImplementedError
+
+    def final_poll(self) -> None:
+        self.poll()
 
 
 class RowMirror(Poller):

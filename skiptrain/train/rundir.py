@@ -71,6 +71,8 @@ def run_dir_writer(out: str | Path):
         os.close(fd)
         raise RunError(f"{str(out)!r} is being written by another skiptrain process; wait for it to end, or pass "
                        "another --out") from None
+    except OSError:                 # a file system without flock (some NFS mounts): no lock to take
+        pass
     try:
         yield
     finally:

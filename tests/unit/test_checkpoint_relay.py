@@ -148,8 +148,8 @@ def test_published_checkpoint_is_fetched_verified_and_replaced(store, tmp_path):
     assert fetch_checkpoint(store, key, "other", tmp_path / "node") is None
     _save({0: ref, 1: ref}, 8, _tensors(5))
     publish_checkpoint(store, key, PHASE, ckpt_store.latest(ref))
-    assert not store.check(["ckpt/pub/train/5/metadata.json"])             # the older one is freed
-    store.set("ckpt/pub/train/8/metadata.json", b"{}")                      # tampered
+    assert not store.check(["ckpt/pub/latest/train/5/metadata.json"])             # the older one is freed
+    store.set("ckpt/pub/latest/train/8/metadata.json", b"{}")                      # tampered
     with pytest.raises(CheckpointError, match="could not fetch"):
         fetch_checkpoint(store, key, PHASE, tmp_path / "node2")
     store.set("ckpt/latest/train", sign(member_key(SECRET, 3), "ckpt/latest/train", json.dumps({"step": 1, "files": {}})))
@@ -171,3 +171,42 @@ def test_a_step_commits_only_once_the_rows_sent_before_its_parts_are_in_the_run_
     col.poll()
     assert ckpt_store.latest(tmp_path / "coord").name == "step-00000005"
     assert len((tmp_path / "metrics.jsonl").read_text().splitlines()) == 2
+
+
+def test_malformed_slots_from_a_member_are_refused_and_the_collector_goes_on(store, tmp_path, capsys):
+    col = _collector(store, tmp_path)
+    key = member_key(SECRET, 0)
+    for bad in ({"phase": ["x"], "step": 1, "kind": "part"}, {"phase": PHASE, "step": 1, "kind": "commit", "ranks": 5},
+                {"phase": PHASE, "step": 1, "kind": "part", "files": "nope"}):
+        write_slot(store, key, 0, "ckpt", claim_slot(store, "ckpt"), bad)
+    col.poll()
+    assert capsys.readouterr().err.count("refused") == 3
+    _save({0: tmp_path / "n0", 1: tmp_path / "n1"}, 2, _tensors(7), _shippers(store))
+    col.poll()
+    assert ckpt_store.latest(tmp_path / "coord").name == "step-00000002"
+    assert not any(store.check([f"ckpt/{i}"]) for i in range(int(store.add("ckpt/n", 0))))     # read once, freed
+    # a step at or below the newest commit is never committed again (LATEST never goes back)
+    _save({0: tmp_path / "n0", 1: tmp_path / "n1"}, 1, _tensors(8), _shippers(store))
+    col.poll()
+    assert ckpt_store.latest(tmp_path / "coord").name == "step-00000002" and "a newer step is committed" in \
+        capsys.readouterr().err
+
+
+def test_the_checkpoint_a_run_resumed_from_stays_fetchable_after_newer_commits(store, tmp_path, monkeypatch):
+    """A node that joins a resumed run late (a rejoin, a new host) still fetches the checkpoint
+    the run resumed from, though newer steps were committed and published since."""
+    from skiptrain.runtime.checkpoint_relay import fetch_resume_point
+    from skiptrain.runtime.job import Job, Phase
+    from skiptrain.runtime.membership import SECRET_ENV
+
+    monkeypatch.setenv(SECRET_ENV, SECRET)
+    ref = tmp_path / "ref"
+    _save({0: ref, 1: ref}, 5, _tensors(9))
+    key = coordinator_key(SECRET)
+    publish_checkpoint(store, key, PHASE, ckpt_store.latest(ref), which="resume")
+    _save({0: ref, 1: ref}, 8, _tensors(10))
+    publish_checkpoint(store, key, PHASE, ckpt_store.latest(ref))
+    job = Job(config={}, data_path="d", run_dir=str(tmp_path / "node"), phases=[Phase(PHASE, {}, iterations=10)],
+              resume={"path": str(ref / "step-00000005"), "phase": 0, "iteration": 5, "cursor": 0})
+    got = fetch_resume_point(job, store)
+    _same(got.resume["path"], ref / "step-00000005")

@@ -348,7 +348,10 @@ class Node:
         except Exception as e:  # noqa: BLE001 - classified as in _run_iteration
             if not self.healer.recoverable(e):
                 raise
-            self.healer.recover(st, a, e)
+            # (the iteration is committed and its step settled by the first recovery: this one
+            # must neither redo the step nor record the iteration again)
+            done = Attempt(step_count=a.step_count, lr=a.lr, committed=True, stepped=True, entry=a.entry or {})
+            self.healer.recover(st, done, e)
             return
         if self.control.is_root() and self.row_step != st.it + 1:
             self._write_metrics(st, a, table, self.control.start_margin, table.max("start_delay"), recovered=True)
