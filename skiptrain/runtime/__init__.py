@@ -13,8 +13,10 @@ One module per job:
 * :mod:`.emulation` -- the one seam for emulated links and compute, and the node's measurements;
 * :mod:`.wan` -- per-directed-link FIFO emulation of a topology, compute padding;
 * :mod:`.evaluate` -- validation loss;
-* :mod:`.launcher`, :mod:`.outputs` -- start N local node processes, watch them, stop all on a
-  failure; merge what they leave;
+* :mod:`.launcher`, :mod:`.monitor`, :mod:`.outputs` -- start N local node processes, watch them,
+  stop all on a failure; merge what they leave;
+* :mod:`.swarm_view`, :mod:`.live` -- what a running swarm shows in its run directory for the
+  dashboard (``swarm.json`` from the watcher, ``live_node<r>.json`` from each node);
 * :mod:`.faults` -- the fault-injecting wrapper of the node (tests and benchmarks); :mod:`.netns` --
   emulated hosts (network namespaces on a bridge) for multi-host tests and benchmarks;
 * :mod:`.coordinator`, :mod:`.recovery`, :mod:`.join`, :mod:`.joiners`, :mod:`.join_placement`,

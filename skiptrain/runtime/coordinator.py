@@ -49,10 +49,11 @@ from .event_log import LOG_NAME, log_event
 from .failure import RuntimeFailure, describe_exit, pid_running
 from .fencing import Members
 from .job import Job
-from .joiners import Joiners
+from .joiners import Joiners, schedule_in_force
 from .lease import LeaseTable
 from .membership import COORDINATOR, Verifier, sign
 from .recovery import publish_generation
+from .swarm_view import SwarmSnapshot, host_of_hello
 
 
 #: Seconds a node refused at admission has to exit by itself before it is killed.
@@ -160,6 +161,8 @@ class _Watch:
         self.gen = 0
         self.key = members.verifier.key(COORDINATOR)     # signs the generations the nodes act on
         self.strikes: dict[int, int] = {}
+        self.view = SwarmSnapshot(log_path.parent, "recover", job.rt.heartbeat_s)   # swarm.json
+        self.view.placement = Schedule.from_dict(job.phases[0].schedule).placement
 
     def restore(self) -> None:
         """A restarted coordinator: read its state back from the store."""
@@ -185,7 +188,10 @@ class _Watch:
         while True:
             codes = {r: self.members.code(r) for r in self.alive}
             if self._finished(codes):
+                self.snapshot(done=True)
                 return None
+            if self.view.due():
+                self.snapshot()
             now = time.time()
             if now - self.t_start > self.timeout_s:
                 return {"kind": "timeout", "t": now}
@@ -203,11 +209,35 @@ class _Watch:
                 if self.joins.step(self.gen, self.alive):
                     self.gen += 1
                     self.alive.add(self.joins.last_added)
+                    self.snapshot()
                 time.sleep(0.02)
                 continue
             failure = self._act(found, struck, codes)
+            self.snapshot(done=failure is not None)
             if failure is not None:
                 return failure
+
+    def snapshot(self, done: bool = False) -> None:
+        """Rewrite ``swarm.json`` (:mod:`.swarm_view`): every node this run has known, its status,
+        lease, host and stages in the schedule in force."""
+        view, members = self.view, self.members
+        cur = schedule_in_force(members, self.store, self.gen, self.alive)
+        if cur is not None:
+            view.placement = cur["schedule"]["placement"]
+        nodes = []
+        for r in sorted(set(range(self.joins.world)) | self.joins.seen | self.alive):
+            if r not in view.hosts and (r in self.alive or r in self.joins.pending):
+                host = host_of_hello(members.verifier.read(self.store, r, f"join/hello/{r}"))
+                if host:
+                    view.hosts[r] = host
+            if r in self.joins.pending:
+                status = "joining"
+            elif r in self.alive:
+                status = "done" if members.code(r) == 0 else "alive"
+            else:
+                status = "fenced"
+            nodes.append(view.node(r, status, members.leases))
+        view.write(self.gen, nodes, done)
 
     def _finished(self, codes: dict[int, int | None]) -> bool:
         """Whether every node exited 0.  Once every node but the placed joiners did, the run is

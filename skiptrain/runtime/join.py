@@ -37,6 +37,7 @@ import json
 import hmac
 import os
 import secrets
+import socket
 import sys
 import time
 
@@ -157,8 +158,8 @@ def cancel_join(store, node: int, secret: str, why: str) -> None:
 def node_join(store, node: int, secret: str | None, timeout_s: float) -> None:
     """Node side: answer the coordinator's challenge; raise :class:`JoinRefused` if refused."""
     name = f"join/hello/{node}"
-    store.set(name, sign(member_key(secret, node) if secret else None, name,
-                         json.dumps({"t": time.time()})))
+    store.set(name, sign(member_key(secret, node) if secret else None, name,     # (its host: for swarm.json)
+                         json.dumps({"t": time.time(), "host": socket.gethostname()})))
     nonce = wait_for_join(store, node, secret, f"join/nonce/{node}", timeout_s)
     if nonce is None:
         raise JoinRefused(f"node {node}: no challenge from the coordinator within {timeout_s:g} s", node=node)

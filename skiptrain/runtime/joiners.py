@@ -22,6 +22,21 @@ from .membership import COORDINATOR
 from .recovery import publish_generation
 
 
+def schedule_in_force(members: Members, store, gen: int, alive: set[int]) -> dict | None:
+    """The schedule of generation ``gen`` as the lowest node wrote it (signed ``sched/cur``):
+    ``{"gen", "phase", "schedule", "cost"?}``; None when it is absent, forged or of another generation."""
+    if not alive:
+        return None
+    raw = members.verifier.read(store, min(alive), "sched/cur")   # the lowest node's, signed
+    try:
+        cur = json.loads(raw) if raw is not None else {}
+    except ValueError:
+        cur = {}
+    if not isinstance(cur, dict) or cur.get("gen") != gen:
+        return None
+    return cur
+
+
 class Joiners:
     """Nodes joining the running job (``python -m skiptrain.runtime.node --join``; protocol in
     :mod:`skiptrain.runtime.join`).  One join at a time, only while every node has acknowledged
@@ -72,7 +87,7 @@ class Joiners:
         ready = [j for j, st in sorted(self.pending.items()) if st["state"] == "admitted"]
         if not ready or not self.store.check([f"ack/{gen}/{n}" for n in sorted(alive)]):
             return False
-        cur = self._schedule_in_force(gen, alive)
+        cur = schedule_in_force(self.members, self.store, gen, alive)
         if cur is None:
             return False
         j = ready[0]
@@ -125,17 +140,6 @@ class Joiners:
                   f"({row['recover_s']:.3f} s after publishing)", file=sys.stderr, flush=True)
             del self.pending[j]                    # (a joiner that dies meanwhile: the caller's next pass)
 
-    def _schedule_in_force(self, gen: int, alive: set[int]) -> dict | None:
-        """The schedule of generation ``gen`` as the lowest node wrote it (signed ``sched/cur``);
-        None when it is absent, forged or of another generation."""
-        raw = self.members.verifier.read(self.store, min(alive), "sched/cur")   # the lowest node's, signed
-        try:
-            cur = json.loads(raw) if raw is not None else {}
-        except ValueError:
-            cur = {}
-        if not isinstance(cur, dict) or cur.get("gen") != gen:
-            return None
-        return cur
 
     def _place(self, j: int, gen: int, alive: set[int], cur: dict) -> None:
         """Choose admitted node ``j``'s stage on the schedule in force ``cur`` and publish the join

@@ -41,7 +41,7 @@ from .event_log import LOG_NAME, log_event
 from .failure import RuntimeFailure, describe_exit
 from .job import Job
 from .job_checkpoint import checkpoint_root, checkpoint_roots
-from .lease import LeaseTable, parse_renewal
+from .monitor import monitor
 from .node_processes import start_nodes
 from .outputs import load_phase_timeline, merge_outputs, salvage_checkpoint, stop_store
 from .progress import SwarmProgress
@@ -225,7 +225,7 @@ def _watch(job: Job, procs, store, world: int, t_start: float, timeout_s: float,
     if job.rt.recover:
         from .coordinator import coordinate
         return coordinate(job, procs, store, world, t_start, timeout_s, run_dir, join_secret)
-    return _monitor(job, procs, store, world, t_start, timeout_s)
+    return monitor(job, procs, store, world, t_start, timeout_s, run_dir)
 
 
 def _result(job: Job, run_dir: Path, world: int, wall: float, interrupted: bool, echo: bool) -> LaunchResult:
@@ -355,50 +355,6 @@ def _stop_children(procs) -> set[int]:
         except subprocess.TimeoutExpired:
             pass
     return killed
-
-
-def _monitor(job: Job, procs, store, world: int, t_start: float, timeout_s: float) -> dict | None:
-    """Wait for all processes; return None on success or a failure description."""
-    leases = LeaseTable(job.rt.timeout_s, job.rt.timeout_s)
-    for r in range(world):
-        leases.watch(r)
-
-    def stalest(codes, older_than: float) -> dict | None:
-        """The running node whose renewals stopped longest ago, if longer than ``older_than`` s."""
-        worst = None
-        for r in range(world):
-            try:
-                renewal = parse_renewal(store.get(f"hb/{r}").decode()) if store.check([f"hb/{r}"]) else None
-            except Exception:  # noqa: BLE001
-                renewal = None
-            if renewal is not None:
-                leases.observe(r, renewal)
-            age = leases.age(r)
-            done = renewal is not None and renewal.state == "done"
-            if not done and codes[r] is None and age > older_than and (worst is None or age > worst["age"]):
-                worst = {"kind": "hung", "node": r, "age": age, "t": time.time()}
-        return worst
-
-    next_hb = time.time() + job.rt.heartbeat_s
-    while True:
-        codes = [p.poll() for p in procs]
-        bad = [(r, c) for r, c in enumerate(codes) if c not in (None, 0)]
-        if bad:
-            # a peer that timed out waiting on a hung node may exit first (gloo's timeout and the
-            # heartbeat deadline are the same length): blame a node that has stopped heartbeating
-            hung = stalest(codes, 0.5 * job.rt.timeout_s)
-            return hung or {"kind": "exit", "node": bad[0][0], "code": bad[0][1], "t": time.time()}
-        if all(c == 0 for c in codes):
-            return None
-        now = time.time()
-        if now - t_start > timeout_s:
-            return {"kind": "timeout", "t": now}
-        if now >= next_hb:
-            next_hb = now + job.rt.heartbeat_s
-            hung = stalest(codes, job.rt.timeout_s)
-            if hung:
-                return hung
-        time.sleep(0.05)
 
 
 def _explain(job: Job, procs, failure: dict, run_dir: Path, store, killed_by_us: set[int]) -> RuntimeFailure:

@@ -33,6 +33,7 @@ from ..job import Job, Phase
 from ..preflight import device_of_node
 from ..evaluate import validate_in_loop
 from ..job_checkpoint import node_checkpoint_state, save_node_checkpoint
+from ..live import LiveRecord
 from .control import ControlPlane
 from .admission import admit
 from .healing import Healer
@@ -70,6 +71,7 @@ class Node:
         self.layout = NodeLayout(self)
         self.healer = Healer(self)
         self.replanner = Replanner(self)
+        self.live = LiveRecord(rank)          # phases/<phase>/live_node<r>.json, for the dashboard
         if job.rt.recover:
             self.control.watch_generations(self._membership_changed)
             if self.joining is None:
@@ -162,6 +164,7 @@ class Node:
                   f"{ph.name}", file=sys.stderr, flush=True)
         finally:
             st.record["stages"] = list(st.stages)      # the stages served at the end
+            self.live.flush()
             (st.out_dir / f"node{self.rank}.json").write_text(json.dumps(st.record))
         end_phase(self, st)
 
@@ -210,6 +213,7 @@ class Node:
             save_node_checkpoint(self, st, st.it + 1, st.cursor + st.gb, snap,
                                  [(n, int(d)) for n, d in table.of_node("ckpt_digest").items()] if same else None)
             a.entry["ckpt_s"] = time.perf_counter() - t
+        self.live.after_iteration(st.out_dir, st.stages, st.it + 1, a.entry)
 
     def _start_together(self, st: "PhaseState") -> float:
         """The common start: everyone present (and agreed whether the launcher asked to stop: then
@@ -296,6 +300,7 @@ class Node:
         a.entry["sync"] = {"payload": sum(x.payload_bytes for x in stats),
                            "received": sum(x.received_bytes for x in stats),
                            "comm_s": round(sum(x.comm_s for x in stats), 6), "synced": all(x.synced for x in stats),
+                           "dense": sum(x.dense_fp32_bytes for h, x in zip(hosted, stats) if h.replicas > 1),
                            "n_total": sum(x.n_total for x in stats)}
         te = time.time()
         for p in model.parameters():
