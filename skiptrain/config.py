@@ -400,6 +400,13 @@ def skip_count(skip_ratio: float, n_stages: int) -> int:
 
 
 @dataclass
+class LogConfig:
+    """What a run writes for watching it, besides metrics.jsonl (docs/dashboard.md)."""
+    tensorboard: bool = _f(False, "write TensorBoard event files to RUN_DIR/tensorboard while the run goes on "
+                           "(needs the tensorboard extra: pip install 'skiptrain[tensorboard]')")
+
+
+@dataclass
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -408,6 +415,7 @@ class Config:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     elastic: ElasticConfig = field(default_factory=ElasticConfig)
     runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
+    log: LogConfig = field(default_factory=LogConfig)
 
     def check(self) -> "Config":
         for sec in dataclasses.fields(self):

@@ -23,6 +23,7 @@ COMMAND_MODULES = [
     "skiptrain.cli.checkpoint",  # ckpt ls|inspect|verify|reshard, export
     "skiptrain.cli.launch",      # launch (multi-process skip-pipeline runtime)
     "skiptrain.cli.hosts",       # coordinator, node (one run across hosts)
+    "skiptrain.cli.watch",       # dashboard, status
 ]
 
 

@@ -78,6 +78,7 @@ def train_swarm(cfg, data: str, out: str, steps: int | None = None, echo: bool =
               f"strike(s) for bad peers, takeover {'on' if rt.takeover else 'off'}; a stage left without replicas "
               f"starts from a checkpoint at most {rt.ckpt_max_age} iterations old, else CheckFree; nodes may join "
               f"with `skiptrain launch --join HOST:PORT` (address and secret file: {outp / 'join.json'})", flush=True)
+    tb = tensorboard_log(cfg, outp)            # (None unless log.tensorboard)
     res = launch(job, timeout_s=max(3600.0, steps * 60.0), echo=echo, **(
         {"bind": hosts["bind"], "join_secret": hosts["secret"], "local": False} if hosts else {}))
     rows = [r for r in res.phase_metrics("train") if "loss" in r]   # (not the in-loop validation lines)
@@ -117,13 +118,35 @@ def train_swarm(cfg, data: str, out: str, steps: int | None = None, echo: bool =
                "seconds": round(time.time() - t0, 2), "launch_s": round(res.wall_s, 2), "data": str(ds.path),
                "membership": membership_events(outp)}
     write_summary(outp, summary)
+    if tb is not None:
+        tb.close()
     if echo:
-        print(f"done: {steps} steps on {rt.nodes} nodes, loss {rows[0]['loss']:.3f} -> {rows[-1]['loss']:.3f}, "
-              f"validation loss {val:.4f} (unigram baseline {baseline:.4f}), median iteration "
-              f"{summary['median_iteration_s']:.3f} s (simulated {sim.iteration_s:.3f} s), "
-              f"{summary['seconds']:.0f} s; run directory: {out}", flush=True)
-        warn_host_bound(summary["median_host_floor_s"], sim.iteration_s, rt.emulate_compute)
+        print_done(summary, out, rt.emulate_compute)
     return summary
+
+
+def print_done(summary: dict, out: str, emulated: bool) -> None:
+    """The run's last lines: its figures, and every membership event (failures, joins, refusals)."""
+    s = summary
+    print(f"done: {s['step']} steps on {s['nodes']} nodes, loss {s['first_loss']:.3f} -> {s['last_loss']:.3f}, "
+          f"validation loss {s['val_loss']:.4f} (unigram baseline {s['unigram_val_loss']:.4f}), median iteration "
+          f"{s['median_iteration_s']:.3f} s (simulated {s['simulated_iteration_s']:.3f} s), "
+          f"{s['seconds']:.0f} s; run directory: {out}", flush=True)
+    if s["membership"]:
+        print(f"membership: {len(s['membership'])} event(s) (run.json lists them):", flush=True)
+        for e in s["membership"]:
+            at = time.strftime("%H:%M:%S", time.localtime(e["time"])) if e["time"] is not None else "?"
+            print(f"  {at:>8}  node {e['node']}: {e['kind']} (generation {e['gen']}): {e['cause']}", flush=True)
+    warn_host_bound(s["median_host_floor_s"], s["simulated_iteration_s"], emulated)
+
+
+def tensorboard_log(cfg, outp: Path):
+    """The run's TensorBoard writer, started (``log.tensorboard``), else None."""
+    if not cfg.log.tensorboard:
+        return None
+    from ..watch.tensorboard_log import TensorBoardLog
+
+    return TensorBoardLog(outp).start()
 
 
 def warn_host_bound(floor_s: float, simulated_s: float, emulated: bool) -> None:
@@ -208,6 +231,9 @@ def _checked_swarm_config(cfg, data: str, steps: int | None, start: dict | None 
     cfg.check()
     if start is not None:
         check_checkpoint_fits(start["path"], cfg.model)
+    if cfg.log.tensorboard:
+        from ..watch.tensorboard_log import check_available
+        check_available()
     steps = cfg.train.steps if steps is None else steps
     if steps < 1:
         raise UserError(f"a swarm run needs at least one step (got {steps}); pass --steps N with N >= 1")

@@ -220,24 +220,18 @@ def demo_summary(run: Path) -> list[str]:
 
     from ..checkpoint import store as ckstore
     from ..config import build_config
-    from ..runtime.job import build_cost, build_topology
-    from ..schedule.actcodec import encoded_bytes
     from ..schedule.schedule import Schedule
+    from ..watch.ideas import activation_bytes, skip_savings
 
     cfg = build_config(toml_path=run / "config.toml")
     sched = Schedule.load(run / "schedule.json")
-    S = len(sched.placement)
-    body = [len(m.route) for m in sched.micro_batches]
-    out = [f"  skip routes:   {len(body)} micro-batches, each through {min(body)}-{max(body)} of {S - 1} body stages "
-           f"(k={sched.skip_ratio}), planned by {sched.method} for {cfg.runtime.topology}'s links"]
-    topo, cost = build_topology(cfg, cfg.runtime.nodes), build_cost(cfg, s_per_sample_layer=1.0)
-    rows, d = cfg.train.micro_batch * cfg.model.seq_len, cfg.model.d_model
-    hops = [(a, b) for m in sched.micro_batches for a, b in zip([m.originator] + m.nodes, m.nodes + [m.originator])]
-    slow = [h for h in hops if cost.hop_codec(topo, *h) != "fp32"]
-    fp32 = 2 * len(hops) * rows * d * 4           # activations forward, their gradients backward
-    sent = fp32 - 2 * len(slow) * (rows * d * 4 - encoded_bytes(cfg.runtime.act_codec, rows, d))
-    out.append(f"  activations:   {len(slow)} of {len(hops)} hops per iteration on slow links carry "
-               f"{cfg.runtime.act_codec}: {sent / 2**20:.1f} MiB instead of {fp32 / 2**20:.1f} MiB "
+    skip = skip_savings(sched, 0)
+    out = [f"  skip routes:   {skip['micro_batches']} micro-batches, each through {min(skip['route_lengths'])}-"
+           f"{max(skip['route_lengths'])} of {skip['body_stages']} body stages (k={sched.skip_ratio}), planned by "
+           f"{sched.method} for {cfg.runtime.topology}'s links"]
+    act = activation_bytes(cfg, sched)            # activations forward, their gradients backward
+    out.append(f"  activations:   {act['slow_hops']} of {act['hops']} hops per iteration on slow links carry "
+               f"{act['codec']}: {act['sent_bytes'] / 2**20:.1f} MiB instead of {act['fp32_bytes'] / 2**20:.1f} MiB "
                f"(activations and gradients)")
     sync = [json.loads(f.read_text()).get("sync_summary") for f in (run / "phases" / "train").glob("node*.json")]
     sync = [x for x in sync if x]

@@ -21,11 +21,24 @@ class MetricsLog:
         self._f.close()
 
 
-def read_metrics(path: str | Path) -> list[dict]:
+def read_metrics(path: str | Path, live: bool = False) -> list[dict]:
+    """The rows of a metrics file.  ``live``: the run may be writing it (a missing file is no
+    rows; a line that is not a JSON object, such as the half-written last one, is skipped)."""
+    if live and not Path(path).is_file():
+        return []
     rows = []
-    for line in Path(path).read_text().splitlines():
-        if line.strip():
+    for line in Path(path).read_text(errors="replace" if live else "strict").splitlines():
+        if not line.strip():
+            continue
+        if not live:
             rows.append(json.loads(line))
+            continue
+        try:
+            row = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(row, dict):
+            rows.append(row)
     return rows
 
 
