@@ -90,3 +90,14 @@ class FakeStore(dict):
 
     def set(self, k, v):
         self[k] = v
+
+
+def tensorboard_tags(logdir) -> tuple[set, dict]:
+    """Scalar tags and text entries of the event files under ``logdir``, read by TensorBoard's own reader."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(logdir), size_guidance={"tensors": 0, "scalars": 0})
+    acc.Reload()
+    tags = acc.Tags()
+    texts = {t: [e.tensor_proto.string_val[0].decode() for e in acc.Tensors(t)] for t in tags["tensors"]}
+    return set(tags["scalars"]), texts

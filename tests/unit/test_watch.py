@@ -10,6 +10,7 @@ import urllib.request
 
 import pytest
 
+from conftest import tensorboard_tags
 from skiptrain.cli import main
 from skiptrain.errors import UserError
 from skiptrain.runtime.event_log import LOG_NAME
@@ -170,17 +171,6 @@ def test_the_server_serves_the_page_its_files_and_the_state(tmp_path):
     finally:
         server.shutdown()
         server.server_close()
-
-
-def tensorboard_tags(logdir) -> tuple[set, dict]:
-    """Scalar tags and text entries of the event files under ``logdir``, read by TensorBoard's own reader."""
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-    acc = EventAccumulator(str(logdir), size_guidance={"tensors": 0, "scalars": 0})
-    acc.Reload()
-    tags = acc.Tags()
-    texts = {t: [e.tensor_proto.string_val[0].decode() for e in acc.Tensors(t)] for t in tags["tensors"]}
-    return set(tags["scalars"]), texts
 
 
 def test_tensorboard_event_files_hold_the_runs_scalars_and_membership_events(tmp_path):
