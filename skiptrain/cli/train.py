@@ -33,6 +33,9 @@ def cmd_train(args: argparse.Namespace) -> int:
         return 0
     if resume is not None:    # checked before the run directory is touched
         resume = resume_checkpoint(cfg, args.out, resume)
+    if cfg.log.tensorboard:
+        from ..watch.tensorboard_log import check_available
+        check_available()
     check_fits_memory(cfg)
     if args.quiet:
         cfg.train.progress = False
@@ -51,9 +54,13 @@ def cmd_train(args: argparse.Namespace) -> int:
           f"{cfg.model.n_stages} stages {trainer.model.partition.to_list()}, "
           f"{trainer.tokens_per_step} tokens/step, {cfg.train.steps} steps -> {args.out}", flush=True)
     start = trainer.step
+    from .launch import tensorboard_log
+    tb = tensorboard_log(cfg, Path(args.out))      # (None unless log.tensorboard)
     try:
         with sigterm_as_interrupt():  # SIGTERM stops like Ctrl-C: the weights so far are written
             s = trainer.fit()
+        if tb is not None:
+            tb.close()
     except KeyboardInterrupt:          # Ctrl-C or SIGTERM: fit() wrote the weights before stopping
         latest = trainer.ckpt.manager.latest() if trainer.ckpt is not None else None
         then = (f"--resume continues from {latest}" if latest else

@@ -112,7 +112,9 @@ class TensorBoardLog:
                          ("bytes/dp_payload", "payload_bytes")):
             if key in r:
                 w.add_scalar(tag, r[key], step)
-        if self.prev is not None and r.get("time", 0) > self.prev[0]:
+        if "tok_s" in r:                          # (the one-process trainer's rows say it)
+            w.add_scalar("tokens_per_s", r["tok_s"], step)
+        elif self.prev is not None and r.get("time", 0) > self.prev[0]:
             w.add_scalar("tokens_per_s", (r.get("tokens", 0) - self.prev[1]) / (r["time"] - self.prev[0]), step)
         if act is not None:
             w.add_scalar("bytes/activations_sent", act["sent_bytes"], step)
