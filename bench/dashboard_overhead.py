@@ -36,20 +36,10 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from bench._data import excerpt_data  # noqa: E402
 from bench._workdir import work_dir  # noqa: E402
 from skiptrain.cli.train import DEMO_SWARM  # noqa: E402
-from skiptrain.data.corpus import read_documents  # noqa: E402
-from skiptrain.data.dataset import write_dataset  # noqa: E402
 from skiptrain.train.metrics import read_metrics  # noqa: E402
-
-
-def make_data(root: Path) -> Path:
-    T = REPO / "tests" / "data"
-    data = root / "data"
-    write_dataset(data, read_documents([str(T / "hamlet_excerpt.txt"), str(T / "macbeth_excerpt.txt")]),
-                  read_documents([str(T / "milton_excerpt.txt")]), tokenizer="byte", val_fraction=0.1,
-                  source="test excerpts")
-    return data
 
 
 def cli(*args: str) -> subprocess.Popen:
@@ -134,7 +124,7 @@ def main() -> int:
     steps = args.steps or (20 if args.quick else 40)
     runs = []
     with work_dir(args.keep, "dash-bench-") as work:
-        data = make_data(work)
+        data = excerpt_data(work)
         for rep in range(reps):
             for watched in ((False, True) if rep % 2 == 0 else (True, False)):
                 name = f"{'watched' if watched else 'alone'}{rep}"

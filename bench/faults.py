@@ -55,10 +55,10 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from skiptrain.config import build_config  # noqa: E402
-from skiptrain.data.corpus import read_documents  # noqa: E402
-from skiptrain.data.dataset import TokenDataset, write_dataset  # noqa: E402
+from skiptrain.data.dataset import TokenDataset  # noqa: E402
 from skiptrain.net.topology import load_topology  # noqa: E402
 from bench._events import spawn_joiner, steps_done, validation_loss  # noqa: E402
+from bench._data import excerpt_data  # noqa: E402
 from bench._workdir import work_dir  # noqa: E402
 from skiptrain.runtime.faults import faulty_job  # noqa: E402
 from skiptrain.runtime.job import Job, build_cost, build_schedule, phase_for, with_runtime  # noqa: E402
@@ -70,15 +70,6 @@ from skiptrain.schedule.simulator import simulate  # noqa: E402
 
 PAPER_S_PER_SAMPLE_LAYER = 0.055 * 4   # as bench/runtime_geo.py
 SIZES = "3,3,4,2"
-
-
-def make_data(root: Path) -> Path:
-    T = REPO / "tests" / "data"
-    data = root / "data"
-    write_dataset(data, read_documents([str(T / "hamlet_excerpt.txt"), str(T / "macbeth_excerpt.txt")]),
-                  read_documents([str(T / "milton_excerpt.txt")]), tokenizer="byte", val_fraction=0.1,
-                  source="test excerpts")
-    return data
 
 
 def setup(args, data: Path):
@@ -240,7 +231,7 @@ def main() -> int:
 
 def run(args, root: Path) -> int:
     """The bench's two runs under ``root``, the table and the JSON."""
-    data = make_data(root)
+    data = excerpt_data(root)
     cfg, topo, cost, sched, sim_s = setup(args, data)
     events, joins = script(sched, args.quick, sim_s)
     if joins["intruder_after"] + 2 > args.iterations:
