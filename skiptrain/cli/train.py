@@ -227,6 +227,7 @@ def demo_summary(run: Path) -> list[str]:
 
     from ..checkpoint import store as ckstore
     from ..config import build_config
+    from ..runtime.job import build_cost, build_topology
     from ..schedule.schedule import Schedule
     from ..watch.ideas import activation_bytes, skip_savings
 
@@ -236,7 +237,8 @@ def demo_summary(run: Path) -> list[str]:
     out = [f"  skip routes:   {skip['micro_batches']} micro-batches, each through {min(skip['route_lengths'])}-"
            f"{max(skip['route_lengths'])} of {skip['body_stages']} body stages (k={sched.skip_ratio}), planned by "
            f"{sched.method} for {cfg.runtime.topology}'s links"]
-    act = activation_bytes(cfg, sched)            # activations forward, their gradients backward
+    topo, cost = build_topology(cfg, cfg.runtime.nodes), build_cost(cfg, s_per_sample_layer=1.0)
+    act = activation_bytes(cfg, sched, topo, cost)   # activations forward, their gradients backward
     out.append(f"  activations:   {act['slow_hops']} of {act['hops']} hops per iteration on slow links carry "
                f"{act['codec']}: {act['sent_bytes'] / 2**20:.1f} MiB instead of {act['fp32_bytes'] / 2**20:.1f} MiB "
                f"(activations and gradients)")

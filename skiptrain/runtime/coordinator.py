@@ -221,12 +221,13 @@ class _Watch:
         """Rewrite ``swarm.json`` (:mod:`.swarm_view`): every node this run has known, its status,
         lease, host and stages in the schedule in force."""
         view, members = self.view, self.members
-        cur = schedule_in_force(members, self.store, self.gen, self.alive)
+        cur = schedule_in_force(members, self.store, self.gen, self.alive, quiet=True)
         if cur is not None:
             view.placement = cur["schedule"]["placement"]
         nodes = []
-        for r in sorted(set(range(self.joins.world)) | self.joins.seen | self.alive):
-            if r not in view.hosts and (r in self.alive or r in self.joins.pending):
+        proven = {r for r, st in self.joins.pending.items() if st["state"] != "challenged"}   # (not a forger)
+        for r in sorted(set(range(self.joins.world)) | self.alive | proven | set(view.stages)):
+            if r not in view.hosts and (r in self.alive or r in proven):
                 host = host_of_hello(members.verifier.read(self.store, r, f"join/hello/{r}"))
                 if host:
                     view.hosts[r] = host

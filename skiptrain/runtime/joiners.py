@@ -18,16 +18,22 @@ from ..schedule.schedule import Schedule
 from .event_log import log_event
 from .fencing import Members
 from .job import Job
-from .membership import COORDINATOR
+from .membership import COORDINATOR, open_signed, read_raw
 from .recovery import publish_generation
 
 
-def schedule_in_force(members: Members, store, gen: int, alive: set[int]) -> dict | None:
+def schedule_in_force(members: Members, store, gen: int, alive: set[int], quiet: bool = False) -> dict | None:
     """The schedule of generation ``gen`` as the lowest node wrote it (signed ``sched/cur``):
-    ``{"gen", "phase", "schedule", "cost"?}``; None when it is absent, forged or of another generation."""
+    ``{"gen", "phase", "schedule", "cost"?}``; None when it is absent, forged or of another
+    generation.  ``quiet``: a value the lowest node did not sign is not logged as a forgery (a
+    reader that polls may find the previous lowest node's value there, before a re-plan)."""
     if not alive:
         return None
-    raw = members.verifier.read(store, min(alive), "sched/cur")   # the lowest node's, signed
+    if quiet:
+        raw = read_raw(store, "sched/cur")
+        raw = open_signed(members.verifier.key(min(alive)), "sched/cur", raw) if raw is not None else None
+    else:
+        raw = members.verifier.read(store, min(alive), "sched/cur")   # the lowest node's, signed
     try:
         cur = json.loads(raw) if raw is not None else {}
     except ValueError:

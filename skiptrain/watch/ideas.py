@@ -19,14 +19,12 @@ def skip_savings(sched, iterations: int) -> dict:
             "skipped": (full - visited) * iterations, "route_lengths": sorted({len(m.route) for m in sched.micro_batches})}
 
 
-def activation_bytes(cfg, sched) -> dict:
+def activation_bytes(cfg, sched, topo, cost) -> dict:
     """Per iteration: the hops of the schedule's routes (activations forward, their gradients
-    backward), those on slow links (they carry ``runtime.act_codec``), and the bytes sent against
-    fp32 on every hop."""
-    from ..runtime.job import build_cost, build_topology
+    backward), those on slow links of ``topo`` under ``cost`` (they carry ``runtime.act_codec``),
+    and the bytes sent against fp32 on every hop."""
     from ..schedule.actcodec import encoded_bytes
 
-    topo, cost = build_topology(cfg, cfg.runtime.nodes), build_cost(cfg, s_per_sample_layer=1.0)
     rows, d = cfg.train.micro_batch * cfg.model.seq_len, cfg.model.d_model
     hops = [(a, b) for m in sched.micro_batches for a, b in zip([m.originator] + m.nodes, m.nodes + [m.originator])]
     slow = [h for h in hops if cost.hop_codec(topo, *h) != "fp32"]

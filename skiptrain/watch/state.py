@@ -163,8 +163,8 @@ def idea_figures(run_dir: Path, sched, cfg, iterations: int, live: list[dict], e
            "checkpoints": ideas.checkpoints(run_dir, live)}
     if sched is not None:
         out["skip"] = ideas.skip_savings(sched, iterations)
-        if cfg is not None:
-            act = activation_bytes_cached(run_dir, cfg, sched)
+        act = activation_bytes_cached(run_dir, cfg, sched) if cfg is not None else None
+        if act is not None:
             out["activations"] = {**act, "saved_bytes": (act["fp32_bytes"] - act["sent_bytes"]) * iterations}
     return out
 
@@ -172,11 +172,19 @@ def idea_figures(run_dir: Path, sched, cfg, iterations: int, live: list[dict], e
 _ACT: dict[str, dict] = {}
 
 
-def activation_bytes_cached(run_dir: Path, cfg, sched) -> dict:
-    """:func:`.ideas.activation_bytes`, once per run directory (the schedule's routes are fixed)."""
+def activation_bytes_cached(run_dir: Path, cfg, sched) -> dict | None:
+    """:func:`.ideas.activation_bytes` on the topology and cost model of the job's first phase
+    (``job.json``; without torch), once per run directory (the schedule's routes are fixed);
+    None before ``job.json`` is written."""
+    from ..net.topology import Topology
+    from ..schedule.cost import CostModel
+
     key = str(Path(run_dir).resolve())
     if key not in _ACT:
-        _ACT[key] = ideas.activation_bytes(cfg, sched)
+        ph = ((read_json(Path(run_dir) / "job.json") or {}).get("phases") or [{}])[0]
+        if not ph.get("topology") or not ph.get("cost"):
+            return None
+        _ACT[key] = ideas.activation_bytes(cfg, sched, Topology.from_dict(ph["topology"]), CostModel.from_dict(ph["cost"]))
     return _ACT[key]
 
 
