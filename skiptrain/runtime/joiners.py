@@ -146,7 +146,6 @@ class Joiners:
                   f"({row['recover_s']:.3f} s after publishing)", file=sys.stderr, flush=True)
             del self.pending[j]                    # (a joiner that dies meanwhile: the caller's next pass)
 
-
     def _place(self, j: int, gen: int, alive: set[int], cur: dict) -> None:
         """Choose admitted node ``j``'s stage on the schedule in force ``cur`` and publish the join
         generation ``gen + 1`` that adds it there."""
