@@ -128,13 +128,16 @@ def run_events(membership: list[dict], elastic_rows: list[dict], ckpt_steps: lis
     return sorted(out, key=lambda e: (e["tokens"] is None, e["tokens"] or 0))
 
 
-def run_status(run_dir: Path, swarm: dict | None, summary: dict | None, has_job: bool, now: float) -> tuple[str, str]:
+def run_status(run_dir: Path, swarm: dict | None, summary: dict | None, has_job: bool, now: float,
+               rows: list[dict] = ()) -> tuple[str, str]:
     """``(status, line)``: ``starting``, ``running``, ``stalled``, ``stopped``, ``finished`` or
     ``interrupted``, and a sentence for the user."""
     if summary is not None:
         if summary.get("interrupted"):
             return "interrupted", f"interrupted after iteration {summary.get('step')}; `skiptrain launch --resume --out {run_dir}` continues"
         return "finished", f"finished: {summary.get('step')} iterations, validation loss {summary.get('val_loss', float('nan')):.4f}"
+    if not has_job and rows:
+        return "running", "running in one process (`skiptrain train`): no swarm to show"
     if not has_job or swarm is None:
         return "starting", "the run is starting: no node has reported yet (this page updates by itself)"
     if swarm.get("done"):
@@ -188,8 +191,22 @@ def activation_bytes_cached(run_dir: Path, cfg, sched) -> dict | None:
     return _ACT[key]
 
 
+_PLANS: dict[str, tuple] = {}
+
+
 def load_plan(run_dir: Path):
-    """``(job dict or None, Schedule or None, Config or None)`` as far as the run has written them."""
+    """``(job dict or None, Schedule or None, Config or None)`` as far as the run has written them
+    (read again only when one of the three files changed)."""
+    files = [Path(run_dir) / f for f in ("job.json", "schedule.json", "config.toml")]
+    stamp = tuple((f.stat().st_mtime_ns, f.stat().st_size) if f.is_file() else None for f in files)
+    key = str(Path(run_dir).resolve())
+    if key not in _PLANS or _PLANS[key][0] != stamp:
+        _PLANS[key] = (stamp, read_plan(Path(run_dir)))
+    return _PLANS[key][1]
+
+
+def read_plan(run_dir: Path):
+    """:func:`load_plan`'s files, read."""
     from ..config import ConfigError, build_config
     from ..schedule.schedule import Schedule
 
@@ -220,7 +237,7 @@ def run_state(run_dir: str | Path, now: float | None = None) -> dict:
     train = [r for r in rows if "loss" in r]
     elastic_rows = read_jsonl(run_dir / "elastic.jsonl")
     membership = membership_events(run_dir)
-    status, line = run_status(run_dir, swarm, summary, job is not None, now)
+    status, line = run_status(run_dir, swarm, summary, job is not None, now, train)
     placement = sched.placement if sched is not None else []
     fig = idea_figures(run_dir, sched, cfg, len(train), live, elastic_rows)
     try:

@@ -82,6 +82,7 @@ def test_half_written_and_bad_lines_are_skipped_not_raised(tmp_path):
 
 def test_the_run_status_says_starting_stalled_and_finished(tmp_path):
     assert run_status(tmp_path, None, None, has_job=False, now=0.0)[0] == "starting"
+    assert run_status(tmp_path, None, None, False, 0.0, [{"step": 1, "loss": 3.0}])[0] == "running"  # one process
     assert run_status(tmp_path, SWARM, None, True, now=1005.0)[0] == "running"
     status, line = run_status(tmp_path, SWARM, None, True, now=1100.0)
     assert status == "stalled" and "may have died" in line
