@@ -28,6 +28,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -79,8 +80,8 @@ class Page:
                     urllib.request.urlopen(self.url + "state.json").read()
                     self.fetches += 1
                 self.stop.wait(1.0)
-            if chrome is not None:
-                chrome.kill()
+            if chrome is not None:            # (Chromium and every process it started)
+                os.killpg(chrome.pid, signal.SIGKILL)
                 chrome.wait()
             self.windows.append((t0, time.time(), opened))
             opened = not opened
@@ -92,7 +93,7 @@ class Page:
         return subprocess.Popen([shutil.which("chromium"), "--headless", "--no-sandbox", "--disable-gpu",
                                  "--no-first-run", "--disable-background-networking", "--disable-sync",
                                  f"--user-data-dir={profile}", "--remote-debugging-port=0", self.url],
-                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
 
 
 def split_by_window(rows: list[dict], windows: list[tuple], warmup: int) -> dict[bool, list[float]]:
