@@ -172,7 +172,7 @@ def idea_figures(run_dir: Path, sched, cfg, iterations: int, live: list[dict], e
     return out
 
 
-_ACT: dict[str, dict] = {}
+_ACT: dict[tuple, dict] = {}
 
 
 def activation_bytes_cached(run_dir: Path, cfg, sched) -> dict | None:
@@ -182,9 +182,10 @@ def activation_bytes_cached(run_dir: Path, cfg, sched) -> dict | None:
     from ..net.topology import Topology
     from ..schedule.cost import CostModel
 
-    key = str(Path(run_dir).resolve())
+    job = Path(run_dir) / "job.json"
+    key = (str(job.resolve()), job.stat().st_mtime_ns if job.is_file() else None)   # (a run written over)
     if key not in _ACT:
-        ph = ((read_json(Path(run_dir) / "job.json") or {}).get("phases") or [{}])[0]
+        ph = ((read_json(job) or {}).get("phases") or [{}])[0]
         if not ph.get("topology") or not ph.get("cost"):
             return None
         _ACT[key] = ideas.activation_bytes(cfg, sched, Topology.from_dict(ph["topology"]), CostModel.from_dict(ph["cost"]))
