@@ -135,7 +135,9 @@ def run_status(run_dir: Path, swarm: dict | None, summary: dict | None, has_job:
     if summary is not None:
         if summary.get("interrupted"):
             return "interrupted", f"interrupted after iteration {summary.get('step')}; `skiptrain launch --resume --out {run_dir}` continues"
-        return "finished", f"finished: {summary.get('step')} iterations, validation loss {summary.get('val_loss', float('nan')):.4f}"
+        val = summary.get("val_loss")
+        return "finished", f"finished: {summary.get('step')} iterations" + (
+            f", validation loss {val:.4f}" if isinstance(val, (int, float)) else "")
     if not has_job and rows:
         return "running", "running in one process (`skiptrain train`): no swarm to show"
     if not has_job or swarm is None:
