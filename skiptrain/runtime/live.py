@@ -6,7 +6,7 @@ file is the running part of it: the node's stages, its last committed iteration,
 iterations' entries (events in the simulator's format, so
 :func:`~skiptrain.runtime.outputs.iteration_events` reads them like a phase record), and running
 totals of what its ideas did (data-parallel payload against a dense fp32 all-reduce, checkpoint
-stalls).  It is written atomically (a temporary file renamed over it), so a reader never sees half
+stalls, activation-cache hits).  It is written atomically (a temporary file renamed over it), so a reader never sees half
 of it; writing costs one small file a second per node.
 
 Failure semantics: a write that fails (a full disk, a removed directory) is skipped, never raised:
@@ -43,11 +43,15 @@ class LiveRecord:
         self.unwritten: tuple | None = None
         self.totals = {"iterations": 0, "payload_bytes": 0, "dense_fp32_bytes": 0, "ckpt_s": 0.0}
 
-    def after_iteration(self, out_dir: Path, stages: list[int], iteration: int, entry: dict) -> bool:
-        """Count ``entry`` (iteration ``iteration``'s record, 1-based) in the totals; write the file
-        when its start time opened a new window.  Returns whether it wrote."""
+    def after_iteration(self, out_dir: Path, stages: list[int], iteration: int, entry: dict,
+                        cache_hits: int | None = None) -> bool:
+        """Count ``entry`` (iteration ``iteration``'s record, 1-based) in the totals (and note the
+        node's activation-cache hits so far, when it has a cache); write the file when its start
+        time opened a new window.  Returns whether it wrote."""
         sync = entry.get("sync") or {}
         t = self.totals
+        if cache_hits is not None:
+            t["cache_hits"] = int(cache_hits)
         t["iterations"] += 1
         t["payload_bytes"] += int(sync.get("payload", 0))
         t["dense_fp32_bytes"] += int(sync.get("dense", 0))

@@ -42,8 +42,9 @@ def dp_savings(live_records: list[dict]) -> dict:
     return {"payload_bytes": pay, "dense_fp32_bytes": dense, "ratio": round(dense / pay, 2) if pay else None}
 
 
-def freezing(elastic_rows: list[dict]) -> dict:
-    """Layers frozen now, the freezes and the undos so far (``elastic.jsonl``'s transitions)."""
+def freezing(elastic_rows: list[dict], live_records: list[dict] = ()) -> dict:
+    """Layers frozen now, the freezes and the undos so far (``elastic.jsonl``'s transitions), and
+    the activation-cache hits of the nodes' caches (their live totals)."""
     frozen, freezes, undos, prefills = 0, 0, 0, 0
     for r in elastic_rows:
         act = r.get("action")
@@ -56,7 +57,8 @@ def freezing(elastic_rows: list[dict]) -> dict:
             undos += 1
         elif act == "prefill":
             prefills += 1
-    return {"frozen_layers": frozen, "freezes": freezes, "undos": undos, "prefills": prefills}
+    hits = sum(int(r.get("totals", {}).get("cache_hits", 0)) for r in live_records)
+    return {"frozen_layers": frozen, "freezes": freezes, "undos": undos, "prefills": prefills, "cache_hits": hits}
 
 
 def checkpoints(run_dir: Path, live_records: list[dict]) -> dict:

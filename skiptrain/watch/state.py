@@ -164,7 +164,7 @@ def gantt(run_dir: Path, phase: str, live: list[dict], done_records: list[dict])
 
 def idea_figures(run_dir: Path, sched, cfg, iterations: int, live: list[dict], elastic_rows: list[dict]) -> dict:
     """:mod:`.ideas`' figures of the run so far (those whose inputs are not there yet are left out)."""
-    out = {"freezing": ideas.freezing(elastic_rows), "dp": ideas.dp_savings(live),
+    out = {"freezing": ideas.freezing(elastic_rows, live), "dp": ideas.dp_savings(live),
            "checkpoints": ideas.checkpoints(run_dir, live)}
     if sched is not None:
         out["skip"] = ideas.skip_savings(sched, iterations)

@@ -27,8 +27,8 @@ def idea_lines(fig: dict) -> list[str]:
     out.append(f"  data parallel {_mib(d['payload_bytes'])} sent; a dense fp32 all-reduce: "
                f"{_mib(d['dense_fp32_bytes'])}{ratio}")
     f = fig["freezing"]
-    out.append(f"  freezing      {f['frozen_layers']} layers frozen ({f['freezes']} freezes, {f['undos']} undos, "
-               f"{f['prefills']} cache prefills)")
+    out.append(f"  freezing      {f['frozen_layers']} layers frozen ({f['freezes']} freezes, {f['undos']} undos); "
+               f"activation cache: {f['cache_hits']:,} hits, {f['prefills']} prefills")
     c = fig["checkpoints"]
     out.append(f"  checkpoints   {len(c['committed'])} committed {c['committed'][-5:]}; training stalled "
                f"{c['stall_s']:.3f} s on them (slowest node)")

@@ -22,6 +22,7 @@ from skiptrain.data.dataset import TokenDataset
 from skiptrain.runtime.job import Job, build_cost, build_schedule, build_topology, phase_for
 from skiptrain.runtime.job_checkpoint import resume_point
 from skiptrain.runtime.launcher import launch
+from skiptrain.runtime.live import load_live_records
 from skiptrain.runtime.recovery import trained_samples
 from unit.test_elastic_swarm_units import GB, ITERS, _cfg
 
@@ -247,6 +248,8 @@ def test_the_swarm_serves_the_frozen_prefix_from_prefilled_caches(byte_data, tmp
             caches[rec["rank"]] = rec["cache"]
     assert caches and all(c["misses"] == 0 and c["extended"] == 0 for c in caches.values())
     assert sum(c["hits"] for c in caches.values()) == (ITERS - 4) * GB     # every frozen-prefix lookup hit
+    live = load_live_records(run, "p")                                        # (what the dashboard shows)
+    assert sum(r["totals"].get("cache_hits", 0) for r in live) == (ITERS - 4) * GB
     _assert_trains_what_the_cached_trainer_trains(run, tmp_path, byte_data)
 
 

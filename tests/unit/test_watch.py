@@ -18,6 +18,7 @@ from skiptrain.runtime.lease import LeaseTable, Renewal
 from skiptrain.runtime.live import LiveRecord, common_iteration, load_live_records
 from skiptrain.runtime.swarm_view import SwarmSnapshot, host_of_hello
 from skiptrain.train.metrics import read_metrics
+from skiptrain.watch.ideas import freezing
 from skiptrain.watch.server import make_server, parse_bind
 from skiptrain.watch.state import node_state, nodes_view, run_state, run_status
 
@@ -114,11 +115,13 @@ def test_live_records_are_written_once_a_window_and_agree_on_an_iteration(tmp_pa
             wrote = rec.after_iteration(out, [rec.rank], it, {"t0": t0, "events": [], "samples": [1, 2],
                                                               "sync": {"payload": 10, "dense": 40}})
             assert wrote == (it in (1, 3))
+    recs[0].after_iteration(out, [0], 5, {"t0": 11.9, "events": []}, cache_hits=12)    # (an originator's cache)
     recs[0].flush()                      # (a phase's end: node 0's last iteration written)
     (out / "live_node2.json").write_text('{"rank": 2, "iter')      # half written: left out
     got = load_live_records(tmp_path, "train")
     assert [r["rank"] for r in got] == [0, 1]
-    assert got[0]["iteration"] == 4 and got[1]["iteration"] == 3 and got[0]["totals"]["dense_fp32_bytes"] == 160
+    assert got[0]["iteration"] == 5 and got[1]["iteration"] == 3 and got[0]["totals"]["dense_fp32_bytes"] == 160
+    assert freezing([], got)["cache_hits"] == 12
     assert "samples" not in got[0]["iterations"][0]
     it, one = common_iteration(got)
     assert it == 3 and len(one) == 2

@@ -213,7 +213,8 @@ class Node:
             save_node_checkpoint(self, st, st.it + 1, st.cursor + st.gb, snap,
                                  [(n, int(d)) for n, d in table.of_node("ckpt_digest").items()] if same else None)
             a.entry["ckpt_s"] = time.perf_counter() - t
-        self.live.after_iteration(st.out_dir, st.stages, st.it + 1, a.entry)
+        cache = st.elastic.cache if st.elastic is not None else None
+        self.live.after_iteration(st.out_dir, st.stages, st.it + 1, a.entry, cache.hits if cache is not None else None)
 
     def _start_together(self, st: "PhaseState") -> float:
         """The common start: everyone present (and agreed whether the launcher asked to stop: then

@@ -108,7 +108,7 @@ function drawIdeas(f) {
   if (f.skip) row("skip routes", `${f.skip.skipped.toLocaleString()} stage visits skipped (${f.skip.skipped_per_iteration} of ${f.skip.full_visits_per_iteration} per iteration)`);
   if (f.activations) row("activations", `${f.activations.slow_hops} of ${f.activations.hops} hops carry ${f.activations.codec}: ${mib(f.activations.saved_bytes)} saved`);
   row("data parallel", `${mib(f.dp.payload_bytes)} sent; dense fp32 all-reduce ${mib(f.dp.dense_fp32_bytes)}` + (f.dp.ratio ? ` (${f.dp.ratio}x fewer)` : ""));
-  row("freezing", `${f.freezing.frozen_layers} layers frozen; ${f.freezing.freezes} freezes, ${f.freezing.undos} undos, ${f.freezing.prefills} cache prefills`);
+  row("freezing", `${f.freezing.frozen_layers} layers frozen; ${f.freezing.freezes} freezes, ${f.freezing.undos} undos; activation cache ${f.freezing.cache_hits.toLocaleString()} hits, ${f.freezing.prefills} prefills`);
   row("checkpoints", `${f.checkpoints.committed.length} committed (last: ${f.checkpoints.committed.slice(-3).join(", ") || "-"}); stall ${fmt(f.checkpoints.stall_s, 3)} s`);
 }
 
