@@ -264,6 +264,7 @@ def main() -> int:
     ap.add_argument("--json", type=Path, help="write the results here")
     ap.add_argument("--keep", type=Path, default=REPO / "runs" / "bench" / "multihost", help="the runs go here")
     ap.add_argument("--seeds", type=int, default=None)
+    ap.add_argument("--first-seed", type=int, default=1234, help="seeds run from this one on")
     ap.add_argument("--steps", type=int, default=None)
     args = ap.parse_args()
     ok, why = Hosts.available()
@@ -275,7 +276,7 @@ def main() -> int:
     keep = args.keep / time.strftime("%Y%m%d-%H%M%S")       # (a new folder per bench run: nothing is replaced)
     per_seed = []
     for k in range(seeds):
-        seed = 1234 + k
+        seed = args.first_seed + k
         base = run_once(keep / f"seed{seed}" / "no_events", data, steps, seed, events=False)
         ev = run_once(keep / f"seed{seed}" / "events", data, steps, seed, events=True)
         per_seed.append(figures(base, ev, _global_batch(keep / f"seed{seed}" / "events")))
