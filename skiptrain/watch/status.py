@@ -47,9 +47,11 @@ def render(st: dict) -> str:
         stages = "+".join(map(str, n["stages"])) or "-"
         lines.append(f"  {n['node']:>4}  {str(n['host'] or '-')[:16]:<16} {stages:<8} {n['state']:<10} {age:>10} "
                      f"{_num(n['last_iteration'], '{}'):>8}")
-    lines += ["", f"membership ({len(st['membership'])} events):"]
+    n = len(st["membership"])
+    lines += ["", f"membership ({n} events{', the last 8' if n > 8 else ''}):"]
     for e in st["membership"][-8:]:
-        lines.append(f"  node {e['node']}: {e['kind']} (generation {e['gen']}): {e['cause']}")
+        who = "coordinator" if e["node"] is None else f"node {e['node']}"
+        lines.append(f"  {who}: {e['kind']} (generation {e['gen']}): {e['cause']}")
     lines += ["", "what each idea did:"] + idea_lines(st["ideas"])
     return "\n".join(lines)
 
