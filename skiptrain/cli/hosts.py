@@ -41,8 +41,6 @@ def cmd_coordinator(args: argparse.Namespace) -> int:
         host = resolve(host)
     except (ValueError, AddressError) as e:
         raise UserError(f"--bind: {e}") from None
-    if args.resume is not None and args.config is None and (Path(args.out) / "config.toml").is_file():
-        args.config = str(Path(args.out) / "config.toml")        # (the run's own config, --set on top)
     cfg = config_from_args(args, **{"data.path": args.data, "train.steps": args.steps,
                                     "runtime.nodes": args.nodes, "runtime.heartbeat_deadline_s": args.heartbeat_deadline,
                                     "runtime.min_nodes": args.min_nodes})

@@ -283,8 +283,6 @@ def cmd_launch(args: argparse.Namespace) -> int:
                         "(RUN_DIR/join_secret): drop the flag, or add --join")
     if args.out is None:
         raise UserError("skiptrain launch needs --out RUN_DIR (or --join HOST:PORT to join a running job)")
-    if args.resume is not None and args.config is None and (Path(args.out) / "config.toml").is_file():
-        args.preset, args.config = None, str(Path(args.out) / "config.toml")   # the run's own config, then flags
     cfg = config_from_args(args, **{"data.path": args.data, "train.steps": args.steps,
                                     "train.skip_ratio": args.skip_ratio, "train.seed": args.seed,
                                     "runtime.nodes": args.nodes, "runtime.method": args.method,

@@ -17,7 +17,11 @@ def add_config_args(p: argparse.ArgumentParser, default_preset: str | None = "sm
 
 
 def config_from_args(args: argparse.Namespace, **shortcuts):
-    """Preset < TOML < --set < explicit shortcut flags (e.g. --steps)."""
+    """Preset < TOML < --set < explicit shortcut flags (e.g. --steps).  A ``--resume`` without
+    ``--config`` takes the run's own ``OUT/config.toml`` as the base (the flags still apply)."""
+    out = getattr(args, "out", None)
+    if getattr(args, "resume", None) is not None and args.config is None and out and (Path(out) / "config.toml").is_file():
+        args.preset, args.config = None, str(Path(out) / "config.toml")
     overrides = list(args.overrides)
     for key, value in shortcuts.items():
         if value is not None:

@@ -235,3 +235,13 @@ def test_a_swarm_resume_under_another_model_width_is_one_line_before_any_node_st
                             str(run_copy), "--resume", "--nodes", "4", "--set", "model.d_model=96"],
                    "does not fit this model config (")
     assert {p.name: p.read_bytes() for p in run_copy.iterdir() if p.is_file()} == before
+
+
+def test_train_resume_takes_the_runs_own_config_as_launch_resume_does(tmp_path, byte_data):
+    from skiptrain.checkpoint.reader import CheckpointReader
+
+    out = tmp_path / "lr"
+    assert main(["train", *TINY, "--set", "train.lr=0.0123", "--data", str(byte_data), "--steps", "2",
+                 "--out", str(out)]) == 0
+    assert main(["train", "--quiet", "--data", str(byte_data), "--steps", "3", "--out", str(out), "--resume"]) == 0
+    assert CheckpointReader(out / "checkpoints" / "step-00000003").state["config"]["train"]["lr"] == 0.0123
