@@ -32,7 +32,9 @@ Per event: ``self_stop_s`` (the fault to the moment the node stopped its own wor
 lease ran out, from its error report; for a stopped process that is when it resumes),
 ``detect_s`` (the fault to the coordinator's decision, from ``recoveries.jsonl``),
 ``resume_s`` (the fault to the first iteration the survivors finish in the new generation),
-``back_s`` (the fault to the first iteration with the host back, as a new node) and whether
+``back_s`` (the fault to the first iteration with the host back, as a new node; both timed on
+this bench's clock when the row appears in the coordinator's ``metrics.jsonl``, since a row's
+own time is its rank 0's clock, which may be the skewed host's) and whether
 anything was fenced that should not have been.  Over the run: ``false_fencings``,
 ``samples_lost`` and ``samples_repeated`` (the sample logs of every node, against the job's
 order), ``final_loss_ratio`` (validation loss with events over without), and
@@ -97,9 +99,12 @@ def coordinator_args(steps: int, seed: int) -> list[str]:
             "--set", f"runtime.s_per_sample_layer={S_PER_SAMPLE_LAYER}"]
 
 
-def full_strength(swarm: HostSwarm, n: int, after: float):
-    """The first metrics row after ``after`` (unix s) with ``n`` nodes in its generation."""
-    return next((r for r in swarm.rows() if "loss" in r and r.get("nodes") == n and r["time"] > after), None)
+def seen(swarm: HostSwarm, pred, timeout_s: float, what: str) -> float:
+    """This bench's clock when a training row matching ``pred`` is first seen in the coordinator's
+    ``metrics.jsonl`` (within its mirror's 0.25 s).  A row's own ``time`` is its rank 0's wall
+    clock, which may be the skewed host's: it is never compared with this one."""
+    swarm.wait(lambda: any(pred(r) for r in swarm.rows() if "loss" in r), timeout_s, what)
+    return time.time()
 
 
 def detection(swarm: HostSwarm, node: int):
@@ -111,19 +116,19 @@ def fault_event(swarm: HostSwarm, kind: str, host: int, inject, heal, n: int) ->
     and the host's return as a new node; ``heal`` (after 20 s) undoes a cut or a stop."""
     node = swarm.node_ids(host)[-1]
     before = len(swarm.node_ids(host))
+    step0 = swarm.last_step()
     t = time.time()
     inject()
     row = swarm.wait(lambda: detection(swarm, node), 60, f"{kind}'s detection")
-    resumed = swarm.wait(lambda: next((r for r in swarm.rows() if "loss" in r and r.get("gen", 0) >= row["gen"]
-                                       and r["time"] > row["t_detect"]), None), 90, f"training after {kind}")
+    resumed = seen(swarm, lambda r: r.get("gen", 0) >= row["gen"] and r["step"] > step0, 90, f"training after {kind}")
     if heal is not None:
         time.sleep(max(0.0, 20.0 - (time.time() - t)))
         heal()
     swarm.wait(lambda: len(swarm.node_ids(host)) > before, 120, f"host {host}'s new node")
-    back = swarm.wait(lambda: full_strength(swarm, n, t), 180, f"full strength after {kind}")
+    back = seen(swarm, lambda r: r.get("nodes") == n and r.get("gen", 0) > row["gen"], 180, f"full strength after {kind}")
     stopped = _self_stop(swarm, host, node)
     return {"kind": kind, "host": host, "node": node, "detect_s": round(row["t_detect"] - t, 3),
-            "resume_s": round(resumed["time"] - t, 3), "back_s": round(back["time"] - t, 3), "cause": row["cause"],
+            "resume_s": round(resumed - t, 3), "back_s": round(back - t, 3), "cause": row["cause"],
             "self_stop_s": None if stopped is None else round(stopped - t, 3)}
 
 
@@ -151,12 +156,13 @@ def blip(swarm: HostSwarm, hosts: Hosts, host: int) -> dict:
 
 
 def join_event(swarm: HostSwarm, host: int, n: int) -> dict:
+    step0 = swarm.last_step()
     t = time.time()
     swarm.start_node(host)
-    back = swarm.wait(lambda: full_strength(swarm, n + 1, t), 180, "the fresh host's first iteration")
+    back = seen(swarm, lambda r: r.get("nodes") == n + 1 and r["step"] > step0, 180, "the fresh host's first iteration")
     joined = next((e for e in swarm.events() if e.get("join") and e.get("node") in swarm.node_ids(host)), {})
     return {"kind": EVENTS[4], "host": host, "node": (swarm.node_ids(host) or [None])[-1], "detect_s": None,
-            "resume_s": None, "back_s": round(back["time"] - t, 3), "transfer_s": joined.get("transfer_s")}
+            "resume_s": None, "back_s": round(back - t, 3), "transfer_s": joined.get("transfer_s")}
 
 
 def scripted_events(swarm: HostSwarm, hosts: Hosts) -> list[dict]:
@@ -220,9 +226,9 @@ def run_once(root: Path, data: Path, steps: int, seed: int, events: bool) -> dic
         for i in order:
             time.sleep(rng.uniform(0, 10.0 / NODES) if events else 0.0)
             swarm.start_node(i)
-        first = swarm.wait(lambda: full_strength(swarm, NODES, t0), 180, "every host in the first generation")
+        first = seen(swarm, lambda r: r.get("nodes") == NODES, 180, "every host in the first generation")
         rows = [{"kind": "hosts started in any order", "detect_s": None, "resume_s": None,
-                 "back_s": round(first["time"] - t0, 3), "order": order}] if events else []
+                 "back_s": round(first - t0, 3), "order": order}] if events else []
         if events:
             rows += scripted_events(swarm, hosts)
             if swarm.last_step() >= steps:
