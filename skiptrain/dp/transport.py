@@ -11,7 +11,11 @@ and the result copied back into it, so strategies hand in tensors on their param
 
 Failure semantics: a dead peer makes gloo raise within the group's timeout (set it short, e.g.
 ``timedelta(seconds=60)`` in ``init_process_group``); the error propagates to the caller
-unchanged.  Nothing here retries.
+unchanged.  Nothing here retries.  An all-reduce whose sum is not finite is done again as an
+all-gather of every member's contribution (kept for that): members that sent a non-finite value
+are named in a :class:`NonFiniteContribution` (global ranks), so the caller can blame the sender
+and not a node downstream of it; when every contribution is finite (a member sent NaN to the
+all-reduce only), their sum is the result.
 """
 
 from __future__ import annotations
@@ -24,6 +28,15 @@ import torch.distributed as dist
 
 from .accountant import ByteAccountant
 from .link import LinkModel
+
+
+class NonFiniteContribution(RuntimeError):
+    """Members of a group sent non-finite values to a sum (``ranks``: their global ranks; empty
+    when every contribution was finite and the sum itself overflowed)."""
+
+    def __init__(self, msg: str, ranks: list[int]):
+        super().__init__(msg)
+        self.ranks = ranks
 
 
 class Transport:
@@ -69,13 +82,31 @@ class Transport:
         self.acct.add_all_reduce(nbytes)
         if self.world > 1:
             t0 = time.perf_counter()
+            mine = t.clone()                  # (kept to find the sender of a non-finite value)
             on = t.to(self.device)            # t itself when it is on the backend's device
             dist.all_reduce(on, op=dist.ReduceOp.SUM, group=self.group)
             if on is not t:
                 t.copy_(on)
             self._delay(self.link.all_reduce_s(nbytes, self.world))
             self.comm_s += time.perf_counter() - t0
+            if not bool(torch.isfinite(t).all()):
+                t.copy_(self._sum_of_finite(mine))
         return t
+
+    def _sum_of_finite(self, mine: torch.Tensor) -> torch.Tensor:
+        """The sum again, from every member's contribution gathered; raises
+        :class:`NonFiniteContribution` naming the members whose contribution is not finite."""
+        parts = self.all_gather_tensor(mine)
+        bad = [i for i, p in enumerate(parts) if not bool(torch.isfinite(p).all())]
+        ranks = [dist.get_global_rank(self.group, i) if self.group is not None else i for i in bad]
+        if bad:
+            raise NonFiniteContribution(f"the gradient sum is not finite: group member(s) {bad} sent "
+                                        "non-finite values", ranks)
+        total = torch.stack(parts).sum(0)
+        if not bool(torch.isfinite(total).all()):
+            raise NonFiniteContribution("the gradient sum overflowed (every contribution is finite): "
+                                        "lower the learning rate or use fp32 sync", [])
+        return total
 
     def all_gather_tensor(self, t: torch.Tensor, account: bool = True) -> list[torch.Tensor]:
         """All-gather an equal-shape tensor (control traffic such as hashes)."""

@@ -51,7 +51,7 @@ from .fencing import Members
 from .job import Job
 from .joiners import Joiners, schedule_in_force
 from .lease import LeaseTable
-from .membership import COORDINATOR, Verifier, sign
+from .membership import COORDINATOR, MAX_NODE_IDS, Verifier, raise_count, sign
 from .recovery import publish_generation
 from .swarm_view import SwarmSnapshot, host_of_hello
 
@@ -129,8 +129,8 @@ def coordinate(job: Job, procs, store, world: int, t_start: float, timeout_s: fl
                 "code": members.code(min(set(range(world)) - alive))}
     for n in alive:
         members.leases.watch(n)
-    top = int(store.add("nodes/next", 0))        # a node that comes later joins the running job:
-    store.add("nodes/next", max(0, world - top))   # (an id from the job's world on, never one refused here)
+    raise_count(store, "nodes/next", world, MAX_NODE_IDS)   # a node that comes later joins the running job:
+                                                            # (an id from the job's world on, never one refused here)
     publish_generation(store, 0, sorted(alive), {n: v for n, v in adm.items() if v != "ok"},
                        key=members.verifier.key(COORDINATOR))
     return _loop(job, store, members, stage0, deadline, strikes_needed, log_path, fenced, world, t_start,
@@ -185,7 +185,9 @@ class _Watch:
     def run(self) -> dict | None:
         """Watch until the run ends: None when every surviving node exited 0, else the failure."""
         next_hb = time.time() + self.job.rt.heartbeat_s
+        tick = time.monotonic()
         while True:
+            tick = self._rearm_after_own_stall(tick)
             codes = {r: self.members.code(r) for r in self.alive}
             if self._finished(codes):
                 self.snapshot(done=True)
@@ -216,6 +218,18 @@ class _Watch:
             self.snapshot(done=failure is not None)
             if failure is not None:
                 return failure
+
+    def _rearm_after_own_stall(self, last: float) -> float:
+        """When this process itself did not run for a while (stopped, starved, its host
+        suspended), it has no evidence about that time: every lease clock restarts instead of
+        every node being judged silent.  Returns the time of this check."""
+        now = time.monotonic()
+        gap = now - last
+        if gap > max(1.0, 4 * self.job.rt.heartbeat_s):
+            self.members.leases.rearm()
+            print(f"[coordinator] this process did not run for {gap:.1f} s (stopped or starved): every "
+                  "node's lease starts again now, nobody is judged on that gap", file=sys.stderr, flush=True)
+        return now
 
     def snapshot(self, done: bool = False) -> None:
         """Rewrite ``swarm.json`` (:mod:`.swarm_view`): every node this run has known, its status,

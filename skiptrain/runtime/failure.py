@@ -173,23 +173,33 @@ class Heartbeat:
 
     def _loop(self) -> None:
         peers = [n for n in range(self.world) if n != self.rank]
-        keys = [f"hb/{n}" for n in peers]
         while not self._stop.wait(self.interval_s):
             try:
                 self.beat()
-                vals = self.store.multi_get(keys) if (self._armed and keys) else []
+                vals = self._read_peers(peers) if self._armed else {}
             except Exception as e:  # noqa: BLE001 - store gone: the launcher or rank 0 died
                 if not self._stop.is_set():
                     self.on_failure(-1, f"lost the rendezvous store ({str(e).splitlines()[0][:120]}); "
                                         "the launcher or the store host is gone")
                 return
-            for n, raw in zip(peers, vals):
-                self._check_peer(n, raw.decode(errors="replace"))
+            for n in peers:
+                if n in self.membership.alive:
+                    self._check_peer(n, vals.get(n))
 
-    def _check_peer(self, node: int, raw: str) -> None:
-        renewal = self._peer_renewal(node, f"hb/{node}", raw)
+    def _read_peers(self, peers: list[int]) -> dict[int, str]:
+        """The live peers' ``hb`` values, in one ``multi_get`` of the keys that exist: ``multi_get``
+        waits for a missing key (one that a process without the secret deleted) up to the store's
+        timeout, and this node's own renewals wait behind it."""
+        keys = {n: f"hb/{n}" for n in peers if n in self.membership.alive and self.store.check([f"hb/{n}"])}
+        vals = self.store.multi_get(list(keys.values())) if keys else []
+        return {n: v.decode(errors="replace") for n, v in zip(keys, vals)}
+
+    def _check_peer(self, node: int, raw: str | None) -> None:
+        renewal = self._peer_renewal(node, f"hb/{node}", raw) if raw is not None else None
         if renewal is not None:
             self.peers.observe(node, renewal)
+        else:
+            self.peers.dispute(node)         # deleted or overwritten: judged a lease later
         if node not in self.membership.alive or not self.peers.expired(node):
             return
         reason = (f"{self.describe(node)} stopped responding: no heartbeat for {self.peers.age(node):.1f} s "

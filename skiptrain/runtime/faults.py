@@ -13,6 +13,7 @@ is ``{"node", "kind", "phase", "iteration", "where", "delay_s", "factor"}``:
 * ``wrong_secret``: the node answers the admission challenge with a wrong secret;
 * ``payload_nan`` / ``payload_index`` / ``payload_header``: from then on the DeMo payload this
   node contributes has a non-finite value / out-of-range indices / a wrong layout hash;
+* ``grad_nan``: from then on this node's contribution to every dense DP sum (all-reduce) is NaN;
 * ``hold``: the node waits (at most ``timeout_s``, default 60) until the store holds ``key``: a
   test holds the job at an iteration until an outside event (a joiner placed) happened;
 * ``diverge``: this node's copy of ``tensor`` (default ``norm.weight``) drifts by ``by`` (default
@@ -81,6 +82,13 @@ def _tampered(all_gather_bytes, kind: str, layout):
     return gather
 
 
+def _poisoned(all_reduce_sum):
+    """Wrap a strategy transport's ``all_reduce_sum`` so this node contributes NaN."""
+    def poisoned(t):
+        return all_reduce_sum(t.fill_(float("nan")))
+    return poisoned
+
+
 class FaultyNode(Node):
     def __init__(self, job: Job, rank: int, *args, **kwargs):
         self.fired: set[int] = set()
@@ -118,6 +126,10 @@ class FaultyNode(Node):
             self._mark()
             self.corrupt = kind
             self.tr.send = _corrupting(self.tr.send, kind)
+        elif kind == "grad_nan":
+            self._mark()
+            tr = state.strat.tr
+            tr.all_reduce_sum = _poisoned(tr.all_reduce_sum)
         elif kind.startswith("payload_"):
             self._mark()
             tr = state.strat.tr

@@ -58,7 +58,8 @@ class Members:
         for r in sorted(nodes):
             value = self.verifier.read(self.store, r, f"hb/{r}")
             renewal = parse_renewal(value) if value is not None else None
-            if renewal is None:
+            if renewal is None:        # deleted, or overwritten with something not r's: judged a lease later
+                self.leases.dispute(r)
                 continue
             seen = self.leases.observe(r, renewal)
             if seen == "stale":

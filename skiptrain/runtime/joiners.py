@@ -18,7 +18,7 @@ from ..schedule.schedule import Schedule
 from .event_log import log_event
 from .fencing import Members
 from .job import Job
-from .membership import COORDINATOR, open_signed, read_raw
+from .membership import COORDINATOR, MAX_NODE_IDS, open_signed, read_count, read_raw
 from .recovery import publish_generation
 
 
@@ -60,9 +60,8 @@ class Joiners:
         self.last_added = -1
 
     def _ids(self) -> list[int]:
-        try:
-            top = self.store.add("nodes/next", 0)
-        except Exception:  # noqa: BLE001
+        top = read_count(self.store, "nodes/next")
+        if top is None:
             return []
         # ids are handed out one by one by `request_node_id`; a forged huge counter costs a bounded scan
         top = min(top, self.world + len(self.seen) + 64)
@@ -179,9 +178,8 @@ class Joiners:
         from .recovery import generation_record
 
         key = self.members.verifier.key(COORDINATOR)
-        try:
-            top = self.store.add("nodes/next", 0)
-        except Exception:  # noqa: BLE001
+        top = read_count(self.store, "nodes/next", MAX_NODE_IDS)
+        if top is None:
             return
         now = time.time()
         for j in range(self.world, top):

@@ -46,6 +46,7 @@ from .node_processes import start_nodes
 from .outputs import load_phase_timeline, merge_outputs, salvage_checkpoint, stop_store
 from .progress import SwarmProgress
 from .shipping import collect_run_outputs
+from .store import DeathWatch
 
 
 def host_floor_s(row: dict) -> float:
@@ -171,8 +172,9 @@ def _publish_for_joiners(job: Job, store, first_id: int, join_secret: str) -> No
     host) and read the job here, signed by the coordinator (a joiner trusts no job a process
     without the secret wrote)."""
     from .join import publish_job
+    from .membership import MAX_NODE_IDS, raise_count
 
-    store.add("nodes/next", first_id)
+    raise_count(store, "nodes/next", first_id, MAX_NODE_IDS)
     publish_job(store, job.to_dict(), join_secret)
 
 
@@ -187,6 +189,7 @@ def _run_nodes(job: Job, job_path: Path, world: int, run_dir: Path, base_env: di
     failure = err = None
     interrupted = False
     killed_by_us: set[int] = set()
+    store_watch = DeathWatch(store_proc) if store_proc is not None else None
     try:
         if local:
             forked = start_nodes(job_path, job.node_module, world, run_dir / "logs", base_env,
@@ -199,6 +202,11 @@ def _run_nodes(job: Job, job_path: Path, world: int, run_dir: Path, base_env: di
             except KeyboardInterrupt:
                 interrupted = True
                 failure = _stop_at_boundary(job, procs, store, join_secret)
+            except Exception:  # noqa: BLE001 - a call to a store that died: said below in one line
+                if store_watch is None or store_watch.died() is None:
+                    raise
+        if store_watch is not None and store_watch.died(0.5 if failure else 0.0) is not None:
+            failure = {"kind": "store", "code": store_watch.died(), "t": time.time()}
         if failure is not None:
             grace_end = time.time() + grace_s
             while time.time() < grace_end and any(p.poll() is None for p in procs):
@@ -214,6 +222,7 @@ def _run_nodes(job: Job, job_path: Path, world: int, run_dir: Path, base_env: di
         if failure is not None:                 # explained while the store (fault times) is still up
             err = _explain(job, procs, failure, run_dir, store, killed_by_us)
         if store_proc is not None:
+            store_watch.stopping()
             stop_store(store_proc, store, join_secret)
     return interrupted, err
 
@@ -375,6 +384,10 @@ def _explain(job: Job, procs, failure: dict, run_dir: Path, store, killed_by_us:
     detected = failure["t"] - fault_t if fault_t is not None else None
     signalled = [r for r, p in enumerate(procs)
                  if p.returncode is not None and p.returncode < 0 and r not in killed_by_us]
+    if failure["kind"] == "store":
+        return RuntimeFailure(f"the run's store process died ({describe_exit(failure['code'])}): every node lost "
+                              "the run's membership and stopped; resume the run from its last checkpoint with "
+                              f"`skiptrain launch --resume --out {run_dir}` (logs: {run_dir / 'logs'})", node=None)
     if failure["kind"] == "timeout":
         node, head = None, "the run did not finish within its time limit"
     elif failure["kind"] == "hung":

@@ -83,12 +83,22 @@ class LeaseTable:
     first one seen), ``"same"`` (nothing new), ``"stale"`` (an older ``seq``: a replay) or
     ``"conflict"`` (another incarnation writes the same node's key; the first one seen keeps
     the node's lease).  Leases are clamped to ``[floor_s, ceiling_s]`` whatever a node claims.
+
+    Tampering postpones judgment: a replay (``"stale"``), or a :meth:`dispute` (the reader found
+    the key of a node it had heard from deleted or overwritten with something that is not that
+    node's renewal), restarts the node's lease clock without counting as a renewal.  A process
+    without the secret can hide a node's renewals that way, and so stall the judgment of a node
+    it targets; it cannot get a healthy node fenced.  A node that really died under such a
+    write is found by other evidence (its exit report, its peers' reports).  :meth:`rearm`
+    restarts every lease clock (a reader that was itself stopped has no evidence for the time
+    it was away).
     """
 
     def __init__(self, floor_s: float, ceiling_s: float, clock=time.monotonic):
         self.floor_s, self.ceiling_s, self.clock = floor_s, ceiling_s, clock
         self.last: dict[int, Renewal] = {}
         self.since: dict[int, float] = {}       # node -> reader time its seq last advanced (or watched)
+        self.disputed: dict[int, float] = {}    # node -> reader time its key was last seen tampered with
 
     def watch(self, node: int) -> None:
         """Start timing ``node`` now, before its first renewal is read (a node that never renews
@@ -102,10 +112,22 @@ class LeaseTable:
         if prev is not None and renewal.seq == prev.seq:
             return "same"
         if prev is not None and renewal.seq < prev.seq:
+            self.dispute(node)
             return "stale"
         self.last[node] = renewal
         self.since[node] = self.clock()
         return "advanced"
+
+    def dispute(self, node: int) -> None:
+        """``node``'s key was tampered with (see the class doc): judge it one lease from now at the earliest."""
+        if node in self.last:
+            self.disputed[node] = self.clock()
+
+    def rearm(self) -> None:
+        """Restart every lease clock now (this reader was stopped: it saw nothing meanwhile)."""
+        now = self.clock()
+        for node in self.since:
+            self.since[node] = now
 
     def lease_of(self, node: int) -> float:
         r = self.last.get(node)
@@ -123,11 +145,14 @@ class LeaseTable:
         if r is not None and r.state == "done":
             return False
         age = self.age(node)
+        if node in self.disputed:
+            age = min(age, self.clock() - self.disputed[node]) if age is not None else None
         return age is not None and age > self.lease_of(node) + margin_s
 
     def forget(self, node: int) -> None:
         self.last.pop(node, None)
         self.since.pop(node, None)
+        self.disputed.pop(node, None)
 
 
 def boot_clock() -> float:

@@ -109,6 +109,41 @@ def read_raw(store, name: str) -> str | None:
         return None
 
 
+#: No run hands out more node ids than this: a larger ``nodes/next`` was forged (see :func:`read_count`).
+MAX_NODE_IDS = 1 << 20
+
+
+def read_count(store, name: str, at_most: int | None = None) -> int | None:
+    """The counter ``name`` (one that processes take numbers from with ``store.add``), read
+    without ``add``: anyone who reaches the store port can set any key, and ``add`` on a value
+    that is not an integer fails on the store server, which then closes the caller's connection
+    for good.  None when the key is absent, is not a non-negative integer, or is above
+    ``at_most`` (a forged jump: the caller keeps what it had)."""
+    return _count(read_raw(store, name), at_most)
+
+
+def _count(raw: str | None, at_most: int | None = None) -> int | None:
+    try:
+        n = int(raw) if raw is not None else None
+    except ValueError:
+        return None
+    return n if n is not None and n >= 0 and (at_most is None or n <= at_most) else None
+
+
+def raise_count(store, name: str, at_least: int, at_most: int | None = None) -> None:
+    """Set the counter ``name`` to at least ``at_least`` by compare-and-set (never ``add``, see
+    :func:`read_count`), without losing a number another process takes meanwhile; a value that is
+    not a counter (or is above ``at_most``) is replaced."""
+    while True:
+        raw = read_raw(store, name)
+        current = _count(raw, at_most)
+        if current is not None and current >= at_least:
+            return
+        got = store.compare_set(name, raw if raw is not None else "", str(at_least))
+        if bytes(got).decode(errors="replace") == str(at_least):
+            return
+
+
 def set_member(store, node: int, name: str, value: str) -> None:
     """Node side: write ``name = value``, signed with this node's member key when the run has a secret."""
     store.set(name, sign(key_from_env(node), name, value))

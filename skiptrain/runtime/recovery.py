@@ -54,7 +54,7 @@ import torch
 from ..optim import squared_norm
 from ..schedule.schedule import MicroBatch, Schedule
 from .failure import NodeFailure
-from .membership import open_value, read_raw, set_member, sign
+from .membership import open_value, read_count, read_raw, set_member, sign
 from .transport import KIND_NAMES
 
 
@@ -230,6 +230,17 @@ class BadPayload(NodeFailure):
     """A received tensor failed :func:`check_payload`; ``node`` is the sender."""
 
 
+def blame_sender(e, nodes: list[int], rank: int) -> Exception:
+    """A :class:`BadPayload` naming the node that sent non-finite values to a DP sum (``e``: the
+    transport's ``NonFiniteContribution``; ``nodes``: node id by global rank), so the sender is
+    blamed and not a node downstream of it; ``e`` itself when it names no sender (an overflow)."""
+    if not e.ranks:
+        return e
+    senders = [nodes[g] for g in e.ranks]
+    return BadPayload(f"node {rank}: rejected the DP sync: node(s) {senders} sent non-finite gradients",
+                      node=senders[0])
+
+
 def check_payload(kind: int, tensor: torch.Tensor, src: int, expected_shape: tuple[int, ...] | None,
                   mb: int, rank: int) -> None:
     """Reject an activation/gradient with the wrong dtype, shape or non-finite values, naming the
@@ -260,8 +271,11 @@ def publish_generation(store, gen: int, alive: list[int], dead: dict[int, str], 
 
 def current_generation(store) -> int:
     """The generation counter: only a hint of where to look (anyone reaching the store can write
-    it); the records behind it decide (:func:`generation_record`, :func:`latest_generation`)."""
-    return int(store.get("gen").decode())
+    it); the records behind it decide (:func:`generation_record`, :func:`latest_generation`).
+    -1 when it is absent or not a number (deleted or overwritten by such a process): never a
+    blocking read, never an exception."""
+    n = read_count(store, "gen")
+    return -1 if n is None else n
 
 
 _FORGED_SEEN: set[tuple[str, str]] = set()

@@ -30,7 +30,7 @@ import time
 from datetime import timedelta
 from pathlib import Path
 
-from .membership import Verifier, open_value, sign, strip_tag
+from .membership import MAX_NODE_IDS, Verifier, open_value, read_count, sign, strip_tag
 
 #: What a node ships, relative to its run directory (checkpoints and logs stay on the host).
 SHIPPED = ("metrics.jsonl", "elastic.jsonl", "parts/*.safetensors", "phases/**/*", "errors/*.json")
@@ -167,7 +167,8 @@ def collect_run_outputs(store, secret: str, run_dir: Path, wait_s: float) -> Non
     if missing:
         print(f"[coordinator] no outputs arrived from node(s) {sorted(missing)}", file=sys.stderr, flush=True)
     alive = set((rec or {}).get("alive", []))
-    everyone = range(int(store.add("nodes/next", 0)))      # the last generation's last: its stage weights win
+    top = read_count(store, "nodes/next", MAX_NODE_IDS) or 1 + max(alive, default=-1)   # (a forged counter: the alive ones)
+    everyone = range(top)                                   # the last generation's last: its stage weights win
     collect_outputs(store, verifier, [n for n in everyone if n not in alive] + sorted(alive), run_dir)
 
 
@@ -252,7 +253,10 @@ class SlotReader:
 
     def poll(self) -> list[tuple[int, dict]]:
         """The (node, payload) of every slot ready since the last call; raises what the store raises."""
-        top = self.top = int(self.store.add(f"{self.prefix}/n", 0))
+        top = read_count(self.store, f"{self.prefix}/n")
+        if top is None:
+            return []            # (absent, or not a counter: written by a process without the secret)
+        self.top = top
         out = []
         for i in range(self.next, top):
             got = self._slot(i)

@@ -70,9 +70,10 @@ def run_ended(store, leases) -> bool:
     ``leases``' deadline (a :class:`~skiptrain.runtime.lease.LeaseTable`, timed on this
     process's clock)."""
     from .lease import parse_renewal
+    from .membership import MAX_NODE_IDS, read_count
 
     try:
-        ids = range(int(store.add("nodes/next", 0)))
+        ids = range(read_count(store, "nodes/next", MAX_NODE_IDS) or 0)
         seen = False
         for r in ids:
             renewal = parse_renewal(store.get(f"hb/{r}").decode(errors="replace")) if store.check([f"hb/{r}"]) else None
@@ -82,6 +83,38 @@ def run_ended(store, leases) -> bool:
         return seen and all(r not in leases.last or leases.last[r].state == "done" or leases.expired(r) for r in ids)
     except (ValueError, RuntimeError):
         return False
+
+
+class DeathWatch:
+    """The launcher's watch on the store process it started (:func:`start`): once that process
+    ends unasked (before :meth:`stopping`), :meth:`died` gives its exit status, and only Python's
+    own output reaches the launcher's stderr from then on (its store client would print a C++
+    stack dump for every call to the dead store)."""
+
+    def __init__(self, proc):
+        import threading
+
+        self.proc, self.code = proc, None
+        self.asked, self.done = threading.Event(), threading.Event()
+        threading.Thread(target=self._wait, name="store-watch", daemon=True).start()
+
+    def _wait(self) -> None:
+        from .store_client import python_only_stderr
+
+        code = self.proc.wait()
+        if not self.asked.is_set():
+            self.code = code
+            python_only_stderr()
+        self.done.set()
+
+    def stopping(self) -> None:
+        self.asked.set()
+
+    def died(self, wait_s: float = 0.5) -> int | None:
+        """The exit status of a store process that ended unasked (waiting up to ``wait_s`` for the
+        watch to see it), else None."""
+        self.done.wait(wait_s)
+        return self.code
 
 
 def start(run_dir: Path, timeout_s: float = 60.0, idle_exit_s: float = IDLE_EXIT_S, secret: str | None = None):

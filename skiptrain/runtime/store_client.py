@@ -41,6 +41,18 @@ def silence_native_stderr() -> int:
     return saved
 
 
+def python_only_stderr(saved: int | None = None) -> None:
+    """From now on, only Python's own output reaches stderr: file descriptor 2 stays on /dev/null
+    for good (a store client whose server is gone logs a C++ stack dump per call, and may for a
+    while yet) and ``sys.stderr`` writes to the real one.  ``saved``: the copy
+    :func:`silence_native_stderr` returned, when it was called already."""
+    saved = silence_native_stderr() if saved is None else saved
+    REAL_STDERR.setdefault("fd", saved)
+    sys.stderr = os.fdopen(os.dup(REAL_STDERR["fd"]), "w", buffering=1, errors="backslashreplace")
+    if saved != REAL_STDERR["fd"]:
+        os.close(saved)
+
+
 def connect(host: str, port: int):
     """A store client of ``host:port`` that passed its handshake within ``JOIN_CONNECT_S``, else one
     ``RuntimeError``.  The client retries a server that answers garbage only for its timeout, but waits
@@ -61,11 +73,8 @@ def connect(host: str, port: int):
     t.start()
     t.join(JOIN_CONNECT_S + 1.0)
     abandoned = t.is_alive()
-    if abandoned:          # the client may log retries for a while yet: file descriptor 2 stays on
-        REAL_STDERR.setdefault("fd", saved)      # /dev/null, Python's output goes to the real stderr
-        sys.stderr = os.fdopen(os.dup(REAL_STDERR["fd"]), "w", buffering=1, errors="backslashreplace")
-        if saved != REAL_STDERR["fd"]:
-            os.close(saved)
+    if abandoned:          # the client may log retries for a while yet
+        python_only_stderr(saved)
     else:
         os.dup2(saved, 2)
         os.close(saved)

@@ -75,6 +75,15 @@ def test_malformed_peer_payload_is_rejected_naming_the_peer(data, tmp_path, kind
         _run(cfg, 2, data, tmp_path / "run", **faulty_job({"node": 1, "kind": kind}))
 
 
+def test_a_member_sending_nan_to_the_dense_all_reduce_is_named_not_its_peers(data, tmp_path):
+    """An all-reduce cannot say who sent what: a non-finite sum is done again as an all-gather of
+    the contributions, and the sender is blamed (before, NaN weights made a node downstream of
+    it look like the culprit)."""
+    cfg = _cfg("train.steps=6", "dp.strategy=allreduce")
+    with pytest.raises(RuntimeFailure, match=r"BadPayload: node 0: rejected the DP sync: node\(s\) \[1\] sent non-finite"):
+        _run(cfg, 2, data, tmp_path / "run", **faulty_job({"node": 1, "kind": "grad_nan", "iteration": 2}))
+
+
 def test_divergence_is_detected_naming_the_tensor(data, tmp_path):
     cfg = _cfg("train.steps=6", "dp.strategy=demo", "dp.topk=4", "dp.values=sign1", "dp.indices=u12",
                "dp.check_every=2")

@@ -176,3 +176,32 @@ def test_a_restarted_coordinator_never_signals_a_process_it_did_not_start(byte_d
     assert (run / "model.safetensors").is_file()
     time.sleep(0.5)
     assert processes_of_run(run) == []
+
+
+@pytest.mark.slow
+def test_a_restartable_runs_store_killed_is_one_line_and_the_run_resumes(byte_data, tmp_path):
+    """kill -9 of the store process of a ``--restartable`` run: every node stops, and the user
+    reads one line naming the store's death and the command that resumes (it used to end in a
+    traceback, the launcher's store client dumping C++ stacks)."""
+    import signal
+
+    run = tmp_path / "run"
+    cmd = [sys.executable, "-m", "skiptrain.cli", "launch", "--preset", "tiny", "--nodes", "4", "--recover",
+           "--restartable", "--data", str(byte_data), "--out", str(run), "--ckpt-every", "5"]
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    p = subprocess.Popen([*cmd, "--steps", "400"], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        wait_for(lambda: metrics_lines(run) >= 12)
+        os.kill(json.loads((run / "store.json").read_text())["pid"], signal.SIGKILL)
+        _, err = p.communicate(timeout=120)
+    finally:
+        if p.poll() is None:
+            p.kill()
+    assert p.returncode != 0
+    last = err.strip().splitlines()[-1]
+    assert "the run's store process died (killed by SIGKILL)" in last and "--resume --out" in last, err[-2000:]
+    assert "Traceback" not in err, err[-3000:]
+    again = subprocess.run([*cmd, "--steps", "30", "--resume"], env=env, capture_output=True, text=True, timeout=240)
+    assert again.returncode == 0, again.stderr[-2000:]
+    assert (run / "model.safetensors").is_file()
+    assert processes_of_run(run) == []

@@ -46,14 +46,49 @@ def test_the_reader_times_leases_on_its_own_clock_whatever_the_writer_claims():
     assert table.expired(1) and not table.expired(1, margin_s=0.5)
 
 
-def test_a_replayed_renewal_never_refreshes_a_lease():
+def test_a_replayed_renewal_never_counts_as_one_but_postpones_judgment():
+    """A replay proves nothing about the node: it is no renewal (``last`` keeps the newest), and
+    a process that writes old values back must not get a healthy node fenced by hiding its
+    renewals, so the node is judged one lease after the last sign of tampering."""
     clock = Clock()
     table = LeaseTable(3.0, 30.0, clock)
     table.observe(1, Renewal("a", 5, 0, "run", 3.0))
     clock.t += 2.5
     assert table.observe(1, Renewal("a", 4, 0, "run", 3.0)) == "stale"
+    assert table.last[1].seq == 5
     clock.t += 1.0
+    assert not table.expired(1)                  # 3.5 s since the renewal, 1.0 s since the replay
+    clock.t += 2.1
+    assert table.expired(1)                      # a lease after the last replay: judged as silent
+
+
+def test_a_deleted_or_forged_key_postpones_judgment_only_for_a_node_heard_from():
+    clock = Clock()
+    table = LeaseTable(3.0, 30.0, clock)
+    table.watch(2)
+    table.dispute(2)                             # never renewed: nothing to tamper with, judged as usual
+    clock.t += 3.1
+    assert table.expired(2)
+    table.observe(1, Renewal("a", 1, 0, "run", 3.0))
+    clock.t += 2.0
+    table.dispute(1)
+    clock.t += 2.0
+    assert not table.expired(1)
+    clock.t += 1.1
     assert table.expired(1)
+
+
+def test_a_reader_that_was_stopped_rearms_every_lease():
+    clock = Clock()
+    table = LeaseTable(3.0, 30.0, clock)
+    table.observe(1, Renewal("a", 1, 0, "run", 3.0))
+    table.watch(2)
+    clock.t += 9.0                               # the reader itself was stopped for 9 s
+    assert table.expired(1) and table.expired(2)
+    table.rearm()
+    assert not table.expired(1) and not table.expired(2)
+    clock.t += 3.1
+    assert table.expired(1) and table.expired(2)  # and judged normally a lease later
 
 
 def test_a_second_incarnation_on_one_identity_is_a_conflict():
@@ -143,8 +178,11 @@ def test_the_coordinator_sees_a_replay_and_a_second_claim_on_one_identity(tmp_pa
     assert members.renew({3}) == {} and members.code(3) is None
     st["hb/3"] = sign(key, "hb/3", Renewal("a", 2, 0, "run", 3.0).encode())
     assert members.renew({3}) == {3: "stale"}
+    del st["hb/3"]                                                      # deleted: judged a lease later
+    clock.t += 2.0
+    assert members.renew({3}) == {} and members.lease_lost(3, 0.0) is None
     clock.t += 3.5
-    assert members.lease_lost(3, 0.0) is not None and "no lease renewal for 3.50 s" in members.lease_lost(3, 0.0)
+    assert members.lease_lost(3, 0.0) is not None and "no lease renewal for 5.50 s" in members.lease_lost(3, 0.0)
     st["hb/3"] = sign(key, "hb/3", Renewal("b", 9, 0, "run", 3.0).encode())
     assert members.renew({3}) == {3: "conflict"}
     st["hb/3"] = Renewal("a", 99, 0, "run", 3.0).encode()               # unsigned: not node 3's

@@ -8,7 +8,6 @@ tests/integration/test_membership.py."""
 from __future__ import annotations
 
 import json
-import os
 import threading
 import time
 
@@ -154,3 +153,74 @@ def test_a_joiner_accepts_only_a_join_result_the_coordinator_signed():
     assert read_result("s3cret", 8, real["join/result/7"]) is None           # not movable to another node
     hello = open_signed(member_key("s3cret", 7), "join/hello/7", real["join/hello/7"])   # signed, and no PID in it
     assert "pid" not in json.loads(hello)
+
+
+def _outsider(store):
+    """A second client of ``store``: a process that reached its port without the run's secret."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    return dist.TCPStore("127.0.0.1", store.port, 1, is_master=False, wait_for_workers=False,
+                         timeout=timedelta(seconds=5))
+
+
+def test_counters_are_read_and_raised_without_add_so_a_forged_value_closes_no_connection(store):
+    """``add`` on a value that is not an integer fails on the store server, which then closes the
+    caller's connection for good: the coordinator never calls it on a key anyone can set."""
+    from skiptrain.runtime.membership import MAX_NODE_IDS, raise_count, read_count
+    from skiptrain.runtime.recovery import current_generation
+
+    outsider = _outsider(store)
+    assert read_count(store, "nodes/next") is None
+    raise_count(store, "nodes/next", 4)
+    assert outsider.add("nodes/next", 1) == 5                   # a node takes id 4 as before
+    raise_count(store, "nodes/next", 3)                         # never lowered
+    assert read_count(store, "nodes/next") == 5
+    for forged in ("x", "-3", "9" * 30, str(MAX_NODE_IDS + 1)):
+        outsider.set("nodes/next", forged)
+        assert read_count(store, "nodes/next", MAX_NODE_IDS) is None, forged
+    raise_count(store, "nodes/next", 6, MAX_NODE_IDS)           # a forged value is replaced
+    assert read_count(store, "nodes/next") == 6
+    outsider.set("gen", "zz")
+    assert current_generation(store) == -1
+    outsider.delete_key("gen")
+    t0 = time.monotonic()
+    assert current_generation(store) == -1 and time.monotonic() - t0 < 1.0     # no blocking read
+    store.set("alive", "yes")
+    assert store.get("alive") == b"yes"                         # the connection still works
+
+
+def test_a_log_reader_skips_a_forged_slot_counter_and_keeps_its_connection(store, tmp_path):
+    from skiptrain.runtime.shipping import SlotReader, claim_slot, write_slot
+
+    reader = SlotReader(store, Verifier("s", tmp_path / "rejected.jsonl"), "metrics")
+    key = member_key("s", 2)
+    outsider = _outsider(store)
+    write_slot(outsider, key, 2, "metrics", claim_slot(outsider, "metrics"), {"row": "a"})
+    assert [p["row"] for _, p in reader.poll()] == ["a"]
+    outsider.set("metrics/n", "not a number")
+    assert reader.poll() == []
+    outsider.set("metrics/n", "1")
+    write_slot(outsider, key, 2, "metrics", claim_slot(outsider, "metrics"), {"row": "b"})
+    assert [p["row"] for _, p in reader.poll()] == ["b"]
+
+
+def test_a_deleted_peer_key_never_holds_up_this_nodes_renewals(store):
+    """``multi_get`` waits for a missing key up to the store's timeout; a heartbeat that read a
+    deleted key that way stopped renewing its own lease (and its node fenced itself)."""
+    from skiptrain.runtime.failure import Heartbeat
+
+    failures = []
+    for n in (1, 2):
+        store.set(f"hb/{n}", Renewal("a", 1, 0, "run", 5.0).encode())
+    hb = Heartbeat(store, 0, 3, 0.05, 5.0, on_failure=lambda n, why: failures.append(n))
+    hb.start()
+    hb.arm()
+    try:
+        _outsider(store).delete_key("hb/2")
+        seq = hb.keeper.seq
+        wait_for(lambda: hb.keeper.seq >= seq + 10, seconds=3.0)
+    finally:
+        hb.stop()
+    assert failures == []

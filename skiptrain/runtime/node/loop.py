@@ -277,7 +277,8 @@ class Node:
         this node serves; a node without a stage still takes part in the global clip's sum.
         Returns the sync events for the timeline (one per served stage that has replicas)."""
         from ...schedule.timeline import Event
-        from ..recovery import stage_grad_norms
+        from ...dp.transport import NonFiniteContribution
+        from ..recovery import blame_sender, stage_grad_norms
         from ..step import HostedStage, optimizer_step
 
         ph, model = st.ph, st.model
@@ -295,8 +296,11 @@ class Node:
         ts = time.time()
         hosted = [HostedStage(s, strat, processed.get(s, 0), len(st.sched.placement[s])) for s, strat in
                   sorted(st.strats.items())]
-        a.outcome = optimizer_step(hosted, st.opt, a.lr, self.cfg.train.grad_clip, self.control.sum_across,
-                                   inspect=st.elastic.observe if st.elastic is not None else None)
+        try:
+            a.outcome = optimizer_step(hosted, st.opt, a.lr, self.cfg.train.grad_clip, self.control.sum_across,
+                                       inspect=st.elastic.observe if st.elastic is not None else None)
+        except NonFiniteContribution as e:
+            raise blame_sender(e, self.control.alive, self.rank) from e
         stats = [a.outcome.stats[h.stage] for h in hosted]
         a.entry["sync"] = {"payload": sum(x.payload_bytes for x in stats),
                            "received": sum(x.received_bytes for x in stats),
