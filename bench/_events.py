@@ -23,11 +23,16 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def launch_process(job_path: Path, log: Path | None = None) -> subprocess.Popen:
-    """``launch(Job.load(job_path))`` in a new process session (output to ``log`` or nowhere)."""
+    """``launch(Job.load(job_path))`` in a new process session (output to ``log`` or nowhere); a
+    failed run ends with what ``skiptrain launch`` prints (``skiptrain launch: error: ...``) and exit 2."""
     out = open(log, "wb") if log else subprocess.DEVNULL
-    return subprocess.Popen([sys.executable, "-c", "from skiptrain.runtime.job import Job; "
-                             "from skiptrain.runtime.launcher import launch; "
-                             f"launch(Job.load({str(job_path)!r}), timeout_s=3600)"],
+    return subprocess.Popen([sys.executable, "-c", "import sys\n"
+                             "from skiptrain.runtime.failure import RuntimeFailure\n"
+                             "from skiptrain.runtime.job import Job\n"
+                             "from skiptrain.runtime.launcher import launch\n"
+                             f"try:\n    launch(Job.load({str(job_path)!r}), timeout_s=3600)\n"
+                             "except RuntimeFailure as e:\n"
+                             "    print(f'skiptrain launch: error: {e}', file=sys.stderr)\n    sys.exit(2)\n"],
                             env=dict(os.environ, PYTHONPATH=str(REPO)), stdout=out,
                             stderr=subprocess.STDOUT if log else subprocess.DEVNULL, start_new_session=True)
 

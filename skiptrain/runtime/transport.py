@@ -3,7 +3,7 @@
 Wire format: every message is two gloo sends on the pair ``src -> dst``:
 
 1. a **header**: an int64 tensor of :data:`HEADER_LEN` values ``[kind, iteration, mb, pos,
-   codec, ndim, d0, d1, d2, d3]`` sent with tag :data:`TAG_HEADER`;
+   codec, ndim, d0, d1, d2, d3, generation]`` sent with tag :data:`TAG_HEADER`;
 2. the **payload**, tag :data:`TAG_PAYLOAD`: a contiguous float32 tensor of that shape, or, when
    the link's codec (``codec_of(dst)``: bf16, or int8 / int4 with one scale per row,
    :mod:`skiptrain.schedule.actcodec`) is not fp32, the encoded uint8 buffer, which the
@@ -49,7 +49,8 @@ from ..model.device import to_device, to_host_async
 from ..schedule import actcodec
 from ..schedule.timeline import Event
 
-HEADER_LEN = 10
+MAX_DIMS = 4
+HEADER_LEN = 7 + MAX_DIMS
 TAG_HEADER, TAG_PAYLOAD = 11, 12
 ACT, GRAD = 0, 1          # message kinds: activations (forward), gradients (backward)
 KIND_NAMES = ("activation", "gradient")
@@ -75,11 +76,11 @@ class Message:
 
 
 def encode_header(kind: int, iteration: int, mb: int, pos: int, shape: tuple[int, ...],
-                  codec: str = "fp32") -> torch.Tensor:
-    if len(shape) > HEADER_LEN - 6:
-        raise ValueError(f"payload has {len(shape)} dimensions; at most {HEADER_LEN - 6} fit a header")
-    dims = list(shape) + [0] * (HEADER_LEN - 6 - len(shape))
-    return torch.tensor([kind, iteration, mb, pos, actcodec.CODECS.index(codec), len(shape), *dims],
+                  codec: str = "fp32", gen: int = 0) -> torch.Tensor:
+    if len(shape) > MAX_DIMS:
+        raise ValueError(f"payload has {len(shape)} dimensions; at most {MAX_DIMS} fit a header")
+    dims = list(shape) + [0] * (MAX_DIMS - len(shape))
+    return torch.tensor([kind, iteration, mb, pos, actcodec.CODECS.index(codec), len(shape), *dims, gen],
                         dtype=torch.int64)
 
 
@@ -87,10 +88,15 @@ def decode_header(h: torch.Tensor) -> tuple[int, int, int, int, tuple[int, ...],
     """(kind, iteration, micro-batch, position, shape, codec); raises TransportError if malformed."""
     v = h.tolist()
     kind, it, mb, pos, c, nd = v[:6]
-    if kind not in (ACT, GRAD) or not 0 <= c < len(actcodec.CODECS) or not 0 <= nd <= HEADER_LEN - 6 \
+    if kind not in (ACT, GRAD) or not 0 <= c < len(actcodec.CODECS) or not 0 <= nd <= MAX_DIMS \
             or any(d < 0 for d in v[6:6 + nd]):
         raise TransportError(f"malformed message header {v}")
     return kind, it, mb, pos, tuple(v[6:6 + nd]), actcodec.CODECS[c]
+
+
+def header_generation(h: torch.Tensor) -> int:
+    """The membership generation a header was sent in."""
+    return int(h[HEADER_LEN - 1])
 
 
 def encode_payload(tensor: torch.Tensor, codec: str) -> torch.Tensor:
@@ -120,8 +126,9 @@ class P2PTransport:
     def __init__(self, rank: int, group=None,
                  stage_of: Callable[[int], int] | None = None,
                  rank_of: Callable[[int], int] | None = None, node_of: Callable[[int], int] | None = None,
-                 codec_of: Callable[[int], str] | None = None, device: torch.device | None = None):
-        self.rank = rank
+                 codec_of: Callable[[int], str] | None = None, device: torch.device | None = None,
+                 gen: int = 0):
+        self.rank, self.gen = rank, gen      # (``gen``: the membership generation; every message carries it)
         self.device = device or torch.device("cpu")     # where received tensors are handed over
         self.codec_of = codec_of or (lambda dst: "fp32")   # the encoding of messages to ``dst``
         # node id <-> rank in the current process group (they differ after a recovery re-formed
@@ -185,7 +192,7 @@ class P2PTransport:
             start, deliver = self.pacing.schedule(dst, nbytes, now)
         else:
             start, deliver = now, now
-        hdr = encode_header(kind, self.iteration, mb, pos, tuple(tensor.shape), codec)
+        hdr = encode_header(kind, self.iteration, mb, pos, tuple(tensor.shape), codec, self.gen)
         if dst not in self._senders:
             q: queue.Queue = queue.Queue()
             th = threading.Thread(target=self._send_loop, args=(dst, q), name=f"send{self.rank}->{dst}",
@@ -248,6 +255,9 @@ class P2PTransport:
                         src = dist.get_global_rank(self.group, src)
                     src_rank, src = src, self.node_of(src)
                     kind, it, mb, pos, shape, codec = decode_header(hdr)
+                    if header_generation(hdr) != self.gen:
+                        raise TransportError(f"a message of generation {header_generation(hdr)} arrived in "
+                                             f"generation {self.gen}: stale, rejected")
                     buf = payload_buffer(shape, codec)
                     dist.recv(buf, src_rank, group=self.group, tag=TAG_PAYLOAD)
                     nbytes = buf.numel() * buf.element_size()

@@ -12,7 +12,8 @@ import torch
 from skiptrain.cli.launch import warn_host_bound
 from skiptrain.config import build_config
 from skiptrain.runtime.executor import node_plan
-from skiptrain.runtime.transport import ACT, GRAD, LocalTransport, TransportError, decode_header, encode_header
+from skiptrain.runtime.transport import (ACT, GRAD, LocalTransport, TransportError, decode_header, encode_header,
+                                        header_generation)
 from skiptrain.runtime.wan import LinkFifo
 from skiptrain.schedule.schedule import MicroBatch, Schedule
 
@@ -34,6 +35,8 @@ def test_header_round_trip_and_rejects_garbage():
     h = encode_header(GRAD, 7, 12, 3, (8, 64, 32))
     assert decode_header(h) == (GRAD, 7, 12, 3, (8, 64, 32), "fp32")
     assert decode_header(encode_header(ACT, 1, 2, 0, (2, 4, 8), "int4"))[-1] == "int4"
+    assert header_generation(encode_header(ACT, 1, 2, 0, (2, 4, 8), gen=5)) == 5      # (a receiver in
+    assert header_generation(h) == 0                                                   # another one rejects it)
     for bad in ([9, 0, 0, 0, 0, 0, 0, 0, 0, 0], [0, 0, 0, 0, 7, 1, 4, 0, 0, 0], [0, 0, 0, 0, 0, 1, -4, 0, 0, 0]):
         with pytest.raises(TransportError):
             decode_header(torch.tensor(bad))

@@ -110,7 +110,8 @@ class Node:
 
         control = self.control
         return P2PTransport(self.rank, control.p2p_group, stage_of=lambda n: self.stage_of.get(n, -1),
-                            rank_of=control.rank_of.__getitem__, node_of=control.alive.__getitem__, device=self.device)
+                            rank_of=control.rank_of.__getitem__, node_of=control.alive.__getitem__, device=self.device,
+                            gen=control.gen)
 
     def regroup(self, gen: int, alive: list[int]) -> None:
         """Re-form every process group over ``alive`` for generation ``gen``
