@@ -325,14 +325,37 @@ class Poller:
         self.poll()
 
 
+def iteration_row(line: str) -> tuple[str, int] | None:
+    """(phase, step) of a ``metrics.jsonl`` line that records an iteration (not a validation
+    point), else None."""
+    try:
+        d = json.loads(line)
+        return (str(d.get("phase")), int(d["step"])) if isinstance(d, dict) and "val_loss" not in d else None
+    except (ValueError, KeyError, TypeError):
+        return None
+
+
+def recorded_iterations(path: Path, tail_bytes: int = 1 << 16) -> set[tuple[str, int]]:
+    """The iterations the last ``tail_bytes`` of the metrics file ``path`` record."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(max(0, f.seek(0, 2) - tail_bytes))
+            lines = f.read().decode(errors="replace").splitlines()
+    except OSError:
+        return set()
+    return {k for k in map(iteration_row, lines) if k is not None}
+
+
 class RowMirror(Poller):
     """Coordinator side: a thread that appends the rows nodes publish to the files of
     ``run_dir`` they name (:func:`mirrored_file`) as they come (a row whose tag does not verify
-    with its node's key is dropped, logged by the verifier)."""
+    with its node's key is dropped, logged by the verifier).  A ``recovered`` row of an
+    iteration already recorded (its first rank 0 wrote it, then died) is dropped."""
 
     def __init__(self, store, verifier: Verifier, run_dir: Path):
         self.slots = SlotReader(store, verifier, "metrics")
         self.run_dir = Path(run_dir)
+        self.iterations = recorded_iterations(self.run_dir / "metrics.jsonl")
 
     def poll(self) -> None:
         try:
@@ -342,9 +365,19 @@ class RowMirror(Poller):
         rows: dict[Path, list[str]] = {}
         for node, p in got:
             dest = mirrored_file(self.run_dir, node, p.get("file", "metrics.jsonl"))
-            if dest is not None and "row" in p:
+            if dest is not None and "row" in p and not self._second(dest, str(p["row"])):
                 rows.setdefault(dest, []).append(str(p["row"]))
         for dest, lines in rows.items():
             dest.parent.mkdir(parents=True, exist_ok=True)
             with open(dest, "a") as f:
                 f.write("".join(r + "\n" for r in lines))
+
+    def _second(self, dest: Path, line: str) -> bool:
+        """Whether ``line`` is a second row of an iteration of ``metrics.jsonl`` (noted otherwise)."""
+        key = iteration_row(line) if dest.name == "metrics.jsonl" else None
+        if key is None:
+            return False
+        if key in self.iterations and json.loads(line).get("recovered"):
+            return True
+        self.iterations.add(key)
+        return False

@@ -82,6 +82,23 @@ def test_metrics_rows_are_mirrored_as_they_come_and_forged_rows_dropped(store, t
     assert [json.loads(x)["step"] for x in path.read_text().splitlines()] == [1, 2]
 
 
+def test_a_second_recovered_row_of_an_iteration_is_dropped(store, tmp_path):
+    """Rank 0 wrote an iteration's row and died before the next boundary; the new rank 0,
+    which did not see it, sends a ``recovered`` row of the same iteration: one row stays."""
+    path = tmp_path / "metrics.jsonl"
+    path.write_text(json.dumps({"phase": "train", "step": 1, "loss": 3.0}) + "\n")    # (from before a restart)
+    mirror = RowMirror(store, Verifier(SECRET), tmp_path)
+    key = member_key(SECRET, 2)
+    for row in ({"phase": "train", "step": 1, "recovered": True}, {"phase": "train", "step": 2, "loss": 2.0},
+                {"phase": "train", "step": 2, "recovered": True}, {"phase": "train", "step": 2, "val_loss": 2.5},
+                {"phase": "train", "step": 3, "recovered": True}):
+        publish_row(store, key, 2, json.dumps(row))
+    mirror.poll()
+    rows = [json.loads(x) for x in path.read_text().splitlines()]
+    assert [(r["step"], "recovered" in r, "val_loss" in r) for r in rows] == \
+        [(1, False, False), (2, False, False), (2, False, True), (3, True, False)]
+
+
 def test_sample_log_rows_are_mirrored_into_the_senders_own_file_only(store, tmp_path):
     mirror = RowMirror(store, Verifier(SECRET), tmp_path)
     key = member_key(SECRET, 3)

@@ -34,6 +34,7 @@ from ..preflight import device_of_node
 from ..evaluate import validate_in_loop
 from ..job_checkpoint import node_checkpoint_state, save_node_checkpoint
 from ..live import LiveRecord
+from ..shipping import recorded_iterations
 from .control import ControlPlane
 from .admission import admit
 from .healing import Healer
@@ -350,8 +351,9 @@ class Node:
     def _row_after_recovery(self, st: "PhaseState", a: "Attempt") -> None:
         """A committed iteration whose statistics a peer's failure cut short: the survivors
         gather what they have (a node that got no loss counts none) and rank 0 writes its
-        metrics line, marked ``recovered`` (without ``loss`` when no survivor had one), unless it
-        wrote one before the failure.  A failure during this gather is recovered from like any
+        metrics line, marked ``recovered`` (without ``loss`` when no survivor had one), unless a
+        line of that iteration is in the run's metrics already (rank 0 wrote it, then died; across
+        hosts the coordinator's mirror drops such a second line).  A failure during this gather is recovered from like any
         other (the line is then left out)."""
         stats = self._base_stats(st, a)
         try:
@@ -364,7 +366,8 @@ class Node:
             done = Attempt(step_count=a.step_count, lr=a.lr, committed=True, stepped=True, entry=a.entry or {})
             self.healer.recover(st, done, e)
             return
-        if self.control.is_root() and self.row_step != st.it + 1:
+        written = (st.ph.name, st.it + 1) in recorded_iterations(self.run_dir / "metrics.jsonl")  # (by a dead rank 0)
+        if self.control.is_root() and self.row_step != st.it + 1 and not written:
             self._write_metrics(st, a, table, self.control.start_margin, table.max("start_delay"), recovered=True)
 
     def _write_metrics(self, st: "PhaseState", a: "Attempt", table: StatsTable, margin: float, delay: float,
