@@ -102,11 +102,20 @@ class PartShipper:
             files = {}
             print(f"skiptrain node {self.node}: could not send its checkpoint part of step {step} "
                   f"({str(e).splitlines()[0][:120]})", file=sys.stderr, flush=True)
-        if files:
-            if self.flush_rows is not None:
-                self.flush_rows()              # (the rows of the iterations saved reach the store first)
-            self._send(step, {"kind": "part", "files": files})
+        if files and self.flush_rows is not None:
+            self.flush_rows()                  # (the rows of the iterations saved reach the store first)
+        if not (files and self._send(step, {"kind": "part", "files": files})):
+            self._drop(step, rank)             # (no slot names them: nobody would ever read them)
         shutil.rmtree(tmp, ignore_errors=True)           # (the coordinator holds it now)
+
+    def _drop(self, step: int, rank: int) -> None:
+        """Remove from the store what was set of a part that could not be sent (best effort)."""
+        try:
+            st = self._store()
+            for name in (part_name(rank), data_name(rank)):
+                st.delete_key(file_key(self.node, self.phase, step, name))
+        except Exception:  # noqa: BLE001 - the store is gone: nothing of it is left to free
+            self.store = None
 
     def commit(self, step: int, ranks: list[int], state: dict[str, Any], layout: dict[str, Any],
                names: list[str]) -> None:

@@ -210,3 +210,20 @@ def test_the_checkpoint_a_run_resumed_from_stays_fetchable_after_newer_commits(s
               resume={"path": str(ref / "step-00000005"), "phase": 0, "iteration": 5, "cursor": 0})
     got = fetch_resume_point(job, store)
     _same(got.resume["path"], ref / "step-00000005")
+
+
+def test_a_part_that_could_not_be_sent_leaves_nothing_in_the_store(store, tmp_path):
+    """The slot counter forged to a non-integer makes the shipper's ``add`` fail (its connection
+    closes): the part's file keys, which no slot names, are removed again."""
+    from skiptrain.checkpoint.writer import data_name, part_name
+    from skiptrain.runtime.checkpoint_relay import LOG, file_key
+
+    tmp = tmp_path / "part"
+    tmp.mkdir()
+    (tmp / part_name(0)).write_bytes(b"x" * 100)
+    store.set(f"{LOG}/n", "not a number")
+    shipper = _shippers(store)[0]
+    shipper.part(7, 0, tmp)
+    assert not store.check([file_key(0, PHASE, 7, part_name(0))])
+    assert not store.check([file_key(0, PHASE, 7, data_name(0))])
+    assert not tmp.exists()
