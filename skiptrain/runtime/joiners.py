@@ -18,7 +18,7 @@ from ..schedule.schedule import Schedule
 from .event_log import log_event
 from .fencing import Members
 from .job import Job
-from .membership import COORDINATOR, MAX_NODE_IDS, open_signed, read_count, read_raw
+from .membership import COORDINATOR, MAX_NODE_IDS, open_signed, raise_count, read_count, read_raw
 from .recovery import publish_generation
 
 
@@ -60,8 +60,12 @@ class Joiners:
         self.last_added = -1
 
     def _ids(self) -> list[int]:
-        top = read_count(self.store, "nodes/next")
-        if top is None:
+        top = read_count(self.store, "nodes/next", MAX_NODE_IDS)
+        if top is None:         # deleted or forged (a joiner's `add` on it fails): put back
+            try:
+                raise_count(self.store, "nodes/next", max([self.world, *(j + 1 for j in self.seen)]), MAX_NODE_IDS)
+            except Exception:  # noqa: BLE001 - the store is going away
+                pass
             return []
         # ids are handed out one by one by `request_node_id`; a forged huge counter costs a bounded scan
         top = min(top, self.world + len(self.seen) + 64)

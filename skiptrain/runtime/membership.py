@@ -133,8 +133,9 @@ def _count(raw: str | None, at_most: int | None = None) -> int | None:
 def raise_count(store, name: str, at_least: int, at_most: int | None = None) -> None:
     """Set the counter ``name`` to at least ``at_least`` by compare-and-set (never ``add``, see
     :func:`read_count`), without losing a number another process takes meanwhile; a value that is
-    not a counter (or is above ``at_most``) is replaced."""
-    while True:
+    not a counter (or is above ``at_most``) is replaced.  Gives up after a few tries while another
+    process keeps rewriting it."""
+    for _ in range(8):
         raw = read_raw(store, name)
         current = _count(raw, at_most)
         if current is not None and current >= at_least:

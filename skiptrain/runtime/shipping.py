@@ -30,7 +30,7 @@ import time
 from datetime import timedelta
 from pathlib import Path
 
-from .membership import MAX_NODE_IDS, Verifier, open_value, read_count, sign, strip_tag
+from .membership import MAX_NODE_IDS, Verifier, open_value, raise_count, read_count, read_raw, sign, strip_tag
 
 #: What a node ships, relative to its run directory (checkpoints and logs stay on the host).
 SHIPPED = ("metrics.jsonl", "elastic.jsonl", "parts/*.safetensors", "phases/**/*", "errors/*.json")
@@ -254,8 +254,10 @@ class SlotReader:
     def poll(self) -> list[tuple[int, dict]]:
         """The (node, payload) of every slot ready since the last call; raises what the store raises."""
         top = read_count(self.store, f"{self.prefix}/n")
-        if top is None:
-            return []            # (absent, or not a counter: written by a process without the secret)
+        if top is None:          # absent, or forged by a process without the secret (the writers'
+            if read_raw(self.store, f"{self.prefix}/n") is not None:        # `add` fails on it): put back
+                raise_count(self.store, f"{self.prefix}/n", self.top)
+            return []
         self.top = top
         out = []
         for i in range(self.next, top):
