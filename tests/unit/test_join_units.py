@@ -10,8 +10,6 @@ tests/integration/test_join.py."""
 
 from __future__ import annotations
 
-import json
-import os
 
 import pytest
 import torch
