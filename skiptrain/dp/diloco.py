@@ -45,7 +45,7 @@ class DiLoCoStrategy(SyncStrategy):
 
     @torch.no_grad()
     def _after_update(self, lr: float) -> int | None:
-        if self.step_count % self.H:
+        if not self.interval_due(self.H):
             return None
         w = float(self.n_since)
         flat = torch.cat([(self.anchor[x] - p).reshape(-1) * w for x, p in self.named] + [torch.tensor([w], device=self.device)])

@@ -46,7 +46,7 @@ class SparseLoCoStrategy(DiLoCoStrategy):
 
     @torch.no_grad()
     def _after_update(self, lr: float) -> int | None:
-        if self.step_count % self.H:
+        if not self.interval_due(self.H):
             return None
         geo = self.sparse.geo
         for x, p in self.named:

@@ -77,6 +77,10 @@ class SyncStrategy:
     update_rule = "adamw"     # the optimizer rule (skiptrain.optim.RULES) that consumes exchange()'s output
     clip_local = False        # True: the global clip scales the local gradients before the exchange
     replicas_drift = False    # True: replicas' weights differ between syncs (checkpoints save each replica's)
+    #: the step (``step_count``) at which the run or phase ends, set by the caller: a strategy with
+    #: local steps also syncs there (:meth:`interval_due`), so the replicas end identical and the
+    #: saved model is their consensus, not one replica's local weights
+    end_step: int | None = None
 
     def __init__(self, named_params: Iterable[tuple[str, torch.nn.Parameter]], transport: Transport,
                  dp_cfg, optim_cfg):
@@ -141,6 +145,11 @@ class SyncStrategy:
         sb = self.tr.acct.end_step()
         return SyncStats(self.step_count, self._synced, self._n_total, sb.payload, sb.received, 4 * self.n_params,
                          self.tr.comm_s - self._c0, checked)
+
+    def interval_due(self, every: int) -> bool:
+        """Whether a strategy that syncs every ``every`` steps syncs at this step: on the interval,
+        and at :attr:`end_step`."""
+        return self.step_count % every == 0 or self.step_count == self.end_step
 
     def check_consistency(self) -> None:
         """Compare parameter hashes across the group now (raises ConsistencyError)."""

@@ -67,6 +67,17 @@ def test_baselines_stay_identical(data, tmp_path, strategy):
     assert recs[0]["sync_summary"]["syncs"] == (2 if strategy in ("diloco", "sparseloco") else 4)
 
 
+@pytest.mark.parametrize("strategy", ["diloco", "sparseloco"])
+def test_a_local_step_method_ends_with_identical_replicas_whatever_the_run_length(data, tmp_path, strategy):
+    """5 steps with a sync every 2: the last sync is at step 5, not 4 (before, the replicas ended
+    apart and the saved model was one replica's local weights)."""
+    cfg = _cfg("train.steps=5", "train.micro_batch=2", "train.n_micro=3", f"dp.strategy={strategy}",
+               "dp.sync_every=2", "dp.check_every=0")
+    _, recs = _run(cfg, 2, data, tmp_path / "run")
+    assert _identical(recs)
+    assert recs[0]["sync_summary"]["syncs"] == 3
+
+
 @pytest.mark.parametrize("kind,words", [("payload_nan", "non-finite|scale"), ("payload_index", "out of range|duplicate")])
 def test_malformed_peer_payload_is_rejected_naming_the_peer(data, tmp_path, kind, words):
     cfg = _cfg("train.steps=4", "dp.strategy=demo", "dp.topk=4", "dp.values=sign1",

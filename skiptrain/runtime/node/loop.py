@@ -298,6 +298,8 @@ class Node:
         ts = time.time()
         hosted = [HostedStage(s, strat, processed.get(s, 0), len(st.sched.placement[s])) for s, strat in
                   sorted(st.strats.items())]
+        for h in hosted:                     # (a strategy with local steps syncs at the phase's end)
+            h.sync.end_step = h.sync.step_count + st.ph.iterations - st.it
         try:
             a.outcome = optimizer_step(hosted, st.opt, a.lr, self.cfg.train.grad_clip, self.control.sum_across,
                                        inspect=st.elastic.observe if st.elastic is not None else None)
