@@ -16,7 +16,7 @@ for watching (``swarm.json``, ``live_node<r>.json``) run all the time: they are 
 Reported: per run and over all runs, the median iteration with the page open and closed, their
 ratio, and the dashboard process's CPU seconds.
 
-Everything goes to a temporary directory that is deleted at the end (``--keep DIR`` keeps it).
+The runs go to ``runs/bench/dash-bench/<date-time>`` (``--keep DIR``: there instead), and stay.
 
     python bench/dashboard_overhead.py [--quick] [--json PATH] [--reps N] [--steps N] [--window S] [--browser] [--keep DIR]
 """

@@ -35,6 +35,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from skiptrain.config import build_config  # noqa: E402
 from skiptrain.data.dataset import TokenDataset  # noqa: E402
@@ -116,10 +117,10 @@ def run_many(cfgs: list, nodes: int, data: str, timeout_s: float = 4 * 3600) -> 
     """Train each config as one phase of one launch of ``nodes`` runtime node processes (data
     parallelism: every node a replica of the whole model); one record per config: per-step
     loss (mean over every micro-batch), iteration and sync seconds, validation points, the byte
-    summary and every replica's final parameter hashes."""
-    import tempfile
+    summary and every replica's final parameter hashes.  The runs stay under ``runs/bench/dp``."""
+    from _workdir import work_dir
 
-    with tempfile.TemporaryDirectory(prefix="skiptrain-dp-bench-") as tmp:
+    with work_dir(None, "dp") as tmp:
         phases = [data_parallel_phase(c, f"m{i}", nodes) for i, c in enumerate(cfgs)]
         job = Job(config=with_runtime(cfgs[0].to_dict(), timeout_s=max(c.dp.timeout_s for c in cfgs)),
                   data_path=str(data), run_dir=tmp, phases=phases)
@@ -269,8 +270,8 @@ def print_tables(out: dict, lengths: list[int]) -> None:
         print(f"{name:22s} {m['payload_bytes']:11,.0f} {m['ratio_vs_fp32']:8.1f} {m[f'val_loss_{L0}']:7.4f} "
               f"{m[f'loss_ratio_vs_adamw_{L0}']:10.4f} {m[f'val_loss_{L1}']:7.4f} {m[f'loss_ratio_vs_adamw_{L1}']:10.4f} "
               f"{m['step_s']:6.3f} {m['link_s_per_step']:6.3f} {to[0]:>16s} {to[1]:>16s}")
-    print(f"(s/step: median measured step; link s: emulated link seconds per step; to AdamW@L: seconds on the links to "
-          f"AdamW's final loss at L steps, and how many times sooner than AdamW)")
+    print("(s/step: median measured step; link s: emulated link seconds per step; to AdamW@L: seconds on the links to "
+          "AdamW's final loss at L steps, and how many times sooner than AdamW)")
     print("\nlink check (short runs, mean s/step): unshaped, with the emulated links, and the emulated link delay")
     for name, m in out["methods"].items():
         c = m["link_check"]

@@ -58,7 +58,7 @@ from skiptrain.config import build_config  # noqa: E402
 from skiptrain.data.dataset import TokenDataset  # noqa: E402
 from skiptrain.net.topology import load_topology  # noqa: E402
 from skiptrain.runtime.faults import faulty_job  # noqa: E402
-from skiptrain.runtime.job import Job, build_cost, build_schedule, phase_for, with_runtime  # noqa: E402
+from skiptrain.runtime.job import Job, build_cost, build_schedule, phase_for  # noqa: E402
 from skiptrain.runtime.job_checkpoint import checkpoint_root, is_weight_name, resume_point  # noqa: E402
 from skiptrain.runtime.recovery import trained_samples  # noqa: E402
 from skiptrain.runtime.wan import scale_topology  # noqa: E402
@@ -401,7 +401,7 @@ def run_both(args, s: dict, cfg_b, cfg_f, topo, data: Path, work: Path) -> dict:
     print(f"machine: {platform.machine()}, Python {platform.python_version()}; {s['nodes']} node processes (+1 "
           f"joining), model {cfg_b.model.d_model}x{cfg_b.model.n_layers} in {cfg_b.model.n_stages} stages, "
           f"baseline {cfg_b.train.steps} / flagship {cfg_f.train.steps} iterations; runs in "
-          f"{work if args.keep else 'a temporary directory (--keep PATH keeps them)'}", flush=True)
+          f"{work}", flush=True)
     base = run_baseline(cfg_b, topo, data, work / "baseline")
     print(f"baseline: {base['wall_s']:.0f} s, validation loss {base['val_loss']:.4f}", flush=True)
     flag = run_flagship(cfg_f, topo, data, work / "flagship", args.quick)
