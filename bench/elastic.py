@@ -42,7 +42,6 @@ import json
 import math
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -51,6 +50,8 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _workdir import work_dir  # noqa: E402
 
 from skiptrain.config import build_config  # noqa: E402
 from skiptrain.data.dataset import TokenDataset, write_splits  # noqa: E402
@@ -107,7 +108,7 @@ def real_config(args, steps: int, elastic: dict | None):
 def real_runs(args) -> dict:
     """The baseline, freeze-only and elastic trainers side by side, in a temporary directory."""
     torch.set_num_threads(1)
-    with tempfile.TemporaryDirectory(prefix="bench-elastic-") as tmp:
+    with work_dir(None, "elastic") as tmp:
         return real_runs_in(args, Path(tmp))
 
 
@@ -383,7 +384,7 @@ def run_swarm(args, best: dict, init: dict | None) -> dict:
     node processes open by path), from ``init`` (pre-trained weights; None: from scratch)."""
     seeds = [args.seed] if args.quick else [int(x) for x in args.swarm_seeds.split(",")]
     ft = subset(args.data, 0, args.windows, 64, args.finetune)
-    with tempfile.TemporaryDirectory(prefix="bench-elastic-data-") as tmp:
+    with work_dir(None, "elastic-data") as tmp:
         data = write_splits(tmp, ft, {"train": ft.tokens("train"), "val": ft.tokens("val")},
                             f"{args.windows} fine-tuning windows of {args.data} ({args.finetune})")
         return swarm_half(args, best, seeds, args.swarm_iterations, str(data.path), init)
@@ -396,7 +397,7 @@ def swarm_only(args) -> int:
     init = None
     if args.pretrain:
         torch.set_num_threads(1)
-        with tempfile.TemporaryDirectory(prefix="bench-elastic-") as tmp:
+        with work_dir(None, "elastic") as tmp:
             init, _ = pretrain(args, Path(tmp))
     swarm = run_swarm(args, {"stages": S, "replicas": R, "n_micro": M}, init)
     print_swarm(swarm)

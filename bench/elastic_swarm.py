@@ -47,7 +47,7 @@ from __future__ import annotations
 import json
 import math
 import statistics
-import tempfile
+import sys
 import time
 from pathlib import Path
 
@@ -61,6 +61,9 @@ from skiptrain.runtime.transition import layout_cost
 from skiptrain.schedule.baselines import full_pipeline
 from skiptrain.schedule.schedule import Schedule
 from skiptrain.schedule.simulator import simulate
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _workdir import work_dir  # noqa: E402
 
 GLOBAL_BATCH = 16
 GUARD_WINDOWS = 16      # the real half's guard: 4 validation micro-batches of 4 windows
@@ -111,7 +114,7 @@ def run_seed(args, best: dict, seed: int, iterations: int, data: str, init: str 
     phases = [Phase(name="static", dump=True, **common),
               Phase(name="elastic", config={"elastic": elastic_settings(args, cfg.train.micro_batch)}, dump=True,
                     **common)]
-    with tempfile.TemporaryDirectory(prefix="bench-elastic-swarm-") as tmp:
+    with work_dir(None, "elastic-swarm") as tmp:
         run = Path(args.swarm_keep) / f"seed{seed}" if args.swarm_keep else Path(tmp) / "run"
         job = Job(config=with_runtime(cfg.to_dict(), heartbeat_s=0.5), data_path=data, run_dir=str(run),
                   phases=phases, meta={"init_weights": init} if init else {})
@@ -333,7 +336,7 @@ def swarm_half(args, best: dict, seeds: list[int], iterations: int, data: str,
     fine-tuning windows) from ``init_state`` (the real half's pre-trained weights; None: from
     scratch); per seed and mean."""
     import torch
-    with tempfile.TemporaryDirectory(prefix="bench-elastic-init-") as tmp:
+    with work_dir(None, "elastic-init") as tmp:
         init = None
         if init_state is not None:
             init = str(Path(tmp) / "init.pt")

@@ -21,13 +21,14 @@ import argparse
 import json
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _workdir import work_dir  # noqa: E402
 
 from skiptrain.config import build_config  # noqa: E402
 from skiptrain.data.corpus import read_documents  # noqa: E402
@@ -118,7 +119,7 @@ def main() -> int:
     ap.add_argument("--deadline", type=float, default=2.0, help="heartbeat deadline (s) for hung peers")
     args = ap.parse_args()
     torch.set_num_threads(1)
-    with tempfile.TemporaryDirectory(prefix="bench_failures_") as tmp:
+    with work_dir(None, "failures") as tmp:
         results, labels = run_all(args, Path(tmp))
     print(f"{'fault':52s} {'detect s':>9s} {'recover s (med/max)':>20s} {'attempts lost':>13s} "
           f"{'samples lost/rep':>16s}")

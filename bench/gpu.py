@@ -33,12 +33,13 @@ import argparse
 import json
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _workdir import work_dir  # noqa: E402
 
 PEAK_BF16_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "L40S": 362.0, "L4": 121.0, "A10": 125.0,
                     "RTX 4090": 165.0, "RTX 3090": 71.0}
@@ -96,7 +97,7 @@ def train_flops_per_token(cfg) -> float:
 def measure(preset: str = "125m", device: str = "cuda", steps: int = 20, warmup: int = 3, quick: bool = False,
             overrides: dict | None = None) -> dict:
     """Median step time of both loops, interleaved; tokens/s and model FLOPs/s of each."""
-    with tempfile.TemporaryDirectory(prefix="bench_gpu_") as tmp:
+    with work_dir(None, "gpu") as tmp:
         return timed(*build(preset, device, quick, overrides, Path(tmp)), steps, warmup, preset)
 
 
@@ -144,7 +145,7 @@ def measure_swarm(preset: str = "125m", device: str = "cuda", iterations: int = 
     for name, values in (overrides or {}).items():
         sections[name] = {**sections.get(name, {}), **values}
     cfg = build_config(preset, overrides=sections)
-    with tempfile.TemporaryDirectory(prefix="bench_gpu_swarm_") as tmp:
+    with work_dir(None, "gpu-swarm") as tmp:
         ds = make_dataset(cfg.model.vocab_size, Path(tmp) / "data")
         cfg.model.vocab_size = ds.vocab_size
         topo = build_topology(cfg, SWARM_NODES)
