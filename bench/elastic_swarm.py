@@ -33,7 +33,7 @@ schedule and cost model, summed over the iterations it was in force; the transit
 by ``topo.transfer_s`` of their messages), whole and their pipeline part alone (metrics
 ``pipeline_s``: to the end of the last forward/backward task, before the data-parallel sync and
 the optimizer step, which the simulator runs without), next to this host's CPU floor
-(``launcher.host_floor_s``: the node processes' CPU seconds over the cores they share, the
+(``bench/_host.host_floor_s``: the node processes' CPU seconds over the cores they share, the
 fewest seconds this machine can run an iteration in) and the measured time over the larger of
 the simulated time and that floor (how far the runtime is from what the machine allows).  And
 how far the unfrozen run strays above the guard's kind of projection
@@ -56,13 +56,14 @@ from skiptrain.elastic.costs import N_DEV, sim_topology
 from skiptrain.elastic.freeze import log_fit
 from skiptrain.optim import lr_clock
 from skiptrain.runtime.job import EmulationSpec, Job, Phase, build_cost, with_runtime
-from skiptrain.runtime.launcher import host_floor_s, launch
+from skiptrain.runtime.launcher import launch
 from skiptrain.runtime.transition import layout_cost
 from skiptrain.schedule.baselines import full_pipeline
 from skiptrain.schedule.schedule import Schedule
 from skiptrain.schedule.simulator import simulate
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _host import host_floor_s  # noqa: E402
 from _workdir import work_dir  # noqa: E402
 
 GLOBAL_BATCH = 16

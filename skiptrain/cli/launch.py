@@ -15,7 +15,6 @@ import argparse
 import json
 import os
 import secrets
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -42,7 +41,7 @@ def train_swarm(cfg, data: str, out: str, steps: int | None = None, echo: bool =
     from ..train.rundir import claim_run_dir, load_run, prepare_run_dir, write_summary
     from ..runtime.job import Job, build_cost, build_schedule, build_topology, phase_for
     from ..runtime.event_log import membership_events
-    from ..runtime.launcher import host_floor_s, launch
+    from ..runtime.launcher import launch
     from ..runtime.preflight import check_swarm_memory
 
     rt = cfg.runtime
@@ -114,18 +113,17 @@ def train_swarm(cfg, data: str, out: str, steps: int | None = None, echo: bool =
                "unigram_val_loss": baseline, "first_loss": rows[0]["loss"], "last_loss": rows[-1]["loss"],
                "params": model.num_parameters(), "placement": sched.placement,
                "median_iteration_s": sorted(it_s)[len(it_s) // 2], "simulated_iteration_s": sim.iteration_s,
-               "median_host_floor_s": round(statistics.median(map(host_floor_s, rows)), 4),
                "seconds": round(time.time() - t0, 2), "launch_s": round(res.wall_s, 2), "data": str(ds.path),
                "membership": membership_events(outp)}
     write_summary(outp, summary)
     if tb is not None:
         tb.close()
     if echo:
-        print_done(summary, out, rt.emulate_compute)
+        print_done(summary, out)
     return summary
 
 
-def print_done(summary: dict, out: str, emulated: bool) -> None:
+def print_done(summary: dict, out: str) -> None:
     """The run's last lines: its figures, and every membership event (failures, joins, refusals)."""
     s = summary
     print(f"done: {s['step']} steps on {s['nodes']} nodes, loss {s['first_loss']:.3f} -> {s['last_loss']:.3f}, "
@@ -137,7 +135,6 @@ def print_done(summary: dict, out: str, emulated: bool) -> None:
         for e in s["membership"]:
             at = time.strftime("%H:%M:%S", time.localtime(e["time"])) if e["time"] is not None else "?"
             print(f"  {at:>8}  node {e['node']}: {e['kind']} (generation {e['gen']}): {e['cause']}", flush=True)
-    warn_host_bound(s["median_host_floor_s"], s["simulated_iteration_s"], emulated)
 
 
 def tensorboard_log(cfg, outp: Path):
@@ -147,18 +144,6 @@ def tensorboard_log(cfg, outp: Path):
     from ..watch.tensorboard_log import TensorBoardLog
 
     return TensorBoardLog(outp).start()
-
-
-def warn_host_bound(floor_s: float, simulated_s: float, emulated: bool) -> None:
-    """Say so when this machine's cores alone cannot run an iteration in the simulated time:
-    the measured times then follow the machine, not the cost model."""
-    if floor_s <= simulated_s:
-        return
-    fix = ", or pad compute more (a larger runtime.s_per_sample_layer)" if emulated else ""
-    print(f"skiptrain launch: note: this machine's {len(os.sched_getaffinity(0))} cores need at least "
-          f"{floor_s:.3f} s per iteration for the node processes' CPU seconds, more than the simulated "
-          f"{simulated_s:.3f} s: measured times follow this machine, not the cost model (run fewer node "
-          f"processes per machine{fix})", file=sys.stderr, flush=True)
 
 
 def _checkpoint_every(cfg, placement: list[list[int]], steps: int, echo: bool) -> int:
@@ -258,7 +243,6 @@ def _finish_interrupted(cfg, model, outp: Path, done: int, steps: int, data: str
 
 def cmd_join(target: str, secret_file: str | None) -> int:
     """``skiptrain launch --join HOST:PORT``: this process becomes a node of the running job."""
-    import os
 
     from ..runtime.node import main as node_main
 

@@ -49,14 +49,6 @@ from .shipping import collect_run_outputs
 from .store import DeathWatch
 
 
-def host_floor_s(row: dict) -> float:
-    """The fewest seconds this machine can run the iteration of a metrics line in, whatever the
-    schedule: the CPU seconds its node processes used (``cpu_s``, summed over the nodes), over
-    the cores they share (this machine's: the launcher starts every node here).  Above the
-    simulated time, measured times follow the machine."""
-    return row.get("cpu_s", 0.0) / len(os.sched_getaffinity(0))
-
-
 @dataclass
 class LaunchResult:
     run_dir: Path

@@ -9,7 +9,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from skiptrain.cli.launch import warn_host_bound
 from skiptrain.config import build_config
 from skiptrain.runtime.executor import node_plan
 from skiptrain.runtime.transport import (ACT, GRAD, LocalTransport, TransportError, decode_header, encode_header,
@@ -62,15 +61,6 @@ def test_node_plan_counts_tasks_and_messages():
     assert p0.incoming == {(ACT, 0, 3): 3, (GRAD, 0, 0): 2}
     assert p2.n_tasks == 2 and p2.incoming == {(ACT, 0, 1): 0, (GRAD, 0, 1): 3}
     assert p3.n_tasks == 4 and p3.incoming[(GRAD, 0, 2)] == 0 and p3.incoming[(ACT, 1, 1)] == 1
-
-
-def test_a_host_bound_run_is_named_and_a_run_within_the_simulation_is_not(capsys):
-    warn_host_bound(0.2, 0.25, emulated=True)
-    assert capsys.readouterr().err == ""
-    warn_host_bound(0.33, 0.275, emulated=True)
-    err = capsys.readouterr().err
-    assert "at least 0.330 s per iteration" in err and "simulated 0.275 s" in err
-    assert "runtime.s_per_sample_layer" in err and err.count("\n") == 1
 
 
 def test_node_stages_refusals_name_the_conflict():
