@@ -134,11 +134,12 @@ def fault_event(swarm: HostSwarm, kind: str, host: int, inject, heal, n: int) ->
 
 def _self_stop(swarm: HostSwarm, host: int, node: int) -> float | None:
     """When node ``node`` stopped its own work because its lease ran out (its error report on
-    its host), None if it did not."""
+    its host, whose time is that host's clock: the skew this bench gave it is taken off), None
+    if it did not."""
     for f in (swarm.root / "work" / f"h{host}").glob(f"*/node{node}/errors/node{node}.json"):
         report = json.loads(f.read_text())
         if "lease" in report.get("msg", ""):
-            return float(report["time"])
+            return float(report["time"]) - float(swarm.skewed.get(host, 0.0))
     return None
 
 
