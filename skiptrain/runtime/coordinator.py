@@ -47,7 +47,7 @@ from pathlib import Path
 from ..schedule.schedule import Schedule
 from .event_log import LOG_NAME, log_event
 from .failure import RuntimeFailure, describe_exit, pid_running
-from .fencing import Members
+from .fencing import Members, RowEvidence
 from .job import Job
 from .joiners import Joiners, schedule_in_force
 from .lease import LeaseTable
@@ -162,6 +162,7 @@ class _Watch:
         self.key = members.verifier.key(COORDINATOR)     # signs the generations the nodes act on
         self.strikes: dict[int, int] = {}
         self.view = SwarmSnapshot(log_path.parent, "recover", job.rt.heartbeat_s)   # swarm.json
+        self.rows = RowEvidence(log_path.parent / "metrics.jsonl")      # progress vouches for the nodes
         self.view.placement = Schedule.from_dict(job.phases[0].schedule).placement
 
     def restore(self) -> None:
@@ -268,6 +269,9 @@ class _Watch:
         """Add to ``found`` every running node whose lease ran out (on this process's clock, plus
         a margin: it has stopped its own work by then), or whose identity a second process claims."""
         running = {r for r in self.alive - set(found) if codes[r] is None}
+        if self.rows.new_iteration(self.gen):
+            for r in running:
+                self.members.leases.vouch(r)
         for r, seen in self.members.renew(running).items():
             if seen == "conflict":
                 found[r] = ("two processes claim this node's identity (each with the run's secret): "

@@ -41,6 +41,7 @@ from pathlib import Path
 from typing import Callable
 
 from ..errors import UserError
+from .fencing import report_exit
 from .lease import LeaseKeeper, LeaseTable, parse_renewal
 from .membership import key_from_env, member_key, open_signed, secret_from_env, sign
 
@@ -151,11 +152,13 @@ class Heartbeat:
         return left is None or left > 0
 
     def finish(self) -> None:
-        """This node is done: peers stop watching it; the thread stops."""
+        """This node is done: peers stop watching it; the thread stops.  Also said in a key of its
+        own (``exit/<rank>``, code 0), which a renewal written back over ``hb/<rank>`` cannot hide."""
         self.state = "done"
         self._stop.set()
         try:
             self.beat()
+            report_exit(self.store, self.key, self.rank, 0)
         except Exception:  # noqa: BLE001
             pass
 

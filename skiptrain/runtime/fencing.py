@@ -28,6 +28,43 @@ def report_exit(store, key: bytes | None, node: int, code: int) -> None:
     store.set(name, sign(key, name, json.dumps({"code": int(code)})))
 
 
+class RowEvidence:
+    """Progress a process without the secret cannot fake or replay: the iteration lines of the
+    run's ``metrics.jsonl`` that appear after this was made (rank 0 writes one only once every
+    node of its generation took part in that iteration's statistics gather; across hosts the
+    coordinator's mirror writes the rows nodes signed, each slot read once).  A new line of
+    generation ``g`` vouches for every node alive in ``g`` (:meth:`LeaseTable.vouch`), so a
+    renewal key written back over and over cannot get a training node fenced."""
+
+    def __init__(self, path):
+        from pathlib import Path
+
+        self.path = Path(path)
+        try:
+            self.offset = self.path.stat().st_size     # (older lines prove nothing about now)
+        except OSError:
+            self.offset = 0
+
+    def new_iteration(self, gen: int) -> bool:
+        """Whether an iteration line of generation ``gen`` appeared since the last call."""
+        try:
+            with open(self.path, "rb") as f:
+                f.seek(self.offset)
+                data = f.read()
+        except OSError:
+            return False
+        whole = data[:data.rfind(b"\n") + 1]
+        self.offset += len(whole)
+        found = False
+        for line in whole.splitlines():
+            try:
+                row = json.loads(line)
+                found = found or (row.get("gen") == gen and "val_loss" not in row and "step" in row)
+            except (ValueError, AttributeError):
+                continue
+        return found
+
+
 class Members:
     """Exit status and leases of the run's node processes (see the module's docstring)."""
 

@@ -38,7 +38,7 @@ from ..schedule.timeline import Event
 from ..signals import sigterm_as_interrupt
 from .checkpoint_relay import coordinator_relays
 from .event_log import LOG_NAME, log_event
-from .failure import RuntimeFailure, describe_exit
+from .failure import EXIT_FENCED, RuntimeFailure, describe_exit
 from .job import Job
 from .job_checkpoint import checkpoint_root, checkpoint_roots
 from .monitor import monitor
@@ -380,6 +380,12 @@ def _explain(job: Job, procs, failure: dict, run_dir: Path, store, killed_by_us:
         return RuntimeFailure(f"the run's store process died ({describe_exit(failure['code'])}): every node lost "
                               "the run's membership and stopped; resume the run from its last checkpoint with "
                               f"`skiptrain launch --resume --out {run_dir}` (logs: {run_dir / 'logs'})", node=None)
+    if procs and all(p.returncode == EXIT_FENCED for p in procs):
+        return RuntimeFailure("every node stopped its own work: none could renew its lease, so the run's store "
+                              "did not answer (the launcher was stopped or starved longer than a lease); resume "
+                              f"the run from its last checkpoint with `skiptrain launch --resume --out {run_dir}` "
+                              "(with --restartable the store lives in a process of its own and the nodes train on)",
+                              node=None)
     if failure["kind"] == "timeout":
         node, head = None, "the run did not finish within its time limit"
     elif failure["kind"] == "hung":

@@ -123,6 +123,13 @@ class LeaseTable:
         if node in self.last:
             self.disputed[node] = self.clock()
 
+    def vouch(self, node: int) -> None:
+        """Evidence other than a renewal, which a process without the secret cannot replay, that
+        ``node`` was alive now (an iteration it took part in was committed): its lease clock
+        restarts, without counting as a renewal."""
+        if node in self.since:
+            self.since[node] = max(self.since[node], self.clock())
+
     def rearm(self) -> None:
         """Restart every lease clock now (this reader was stopped: it saw nothing meanwhile)."""
         now = self.clock()

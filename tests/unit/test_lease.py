@@ -208,3 +208,34 @@ def test_a_lease_that_ran_out_is_not_revived_by_a_late_renewal():
     r, sent = keeper.next(0, "run")
     keeper.acknowledged(r, sent)
     assert keeper.remaining() < 0                     # and stays out
+
+
+def test_committed_iterations_vouch_for_their_generations_nodes_and_older_lines_prove_nothing(tmp_path):
+    """A renewal key written back over and over hides a node's renewals from the coordinator;
+    an iteration line of the node's generation that appears in the run's metrics (its rank 0
+    writes one only after every node of the generation took part) restarts its lease clock."""
+    import json
+
+    from skiptrain.runtime.fencing import RowEvidence
+
+    clock = Clock()
+    table = LeaseTable(3.0, 30.0, clock)
+    table.observe(1, Renewal("a", 5, 0, "run", 3.0))
+    path = tmp_path / "metrics.jsonl"
+    path.write_text(json.dumps({"phase": "p", "step": 1, "gen": 2, "loss": 3.0}) + "\n")
+    rows = RowEvidence(path)
+    assert not rows.new_iteration(2)                                    # (written before: no evidence)
+    with open(path, "a") as f:
+        f.write(json.dumps({"phase": "p", "step": 2, "gen": 1, "loss": 3.0}) + "\n")       # another generation
+        f.write(json.dumps({"phase": "p", "step": 2, "gen": 2, "val_loss": 3.0}) + "\n")   # a validation point
+        f.write('{"phase": "p", "step": 3, "gen": 2, "lo')                                 # half written
+    assert not rows.new_iteration(2)
+    with open(path, "a") as f:
+        f.write('ss": 2.9}\n')
+    clock.t += 2.5
+    assert rows.new_iteration(2)
+    table.vouch(1)
+    clock.t += 2.5
+    assert not table.expired(1) and table.last[1].seq == 5    # 5 s after the renewal, 2.5 s after the line
+    clock.t += 0.6
+    assert table.expired(1)
