@@ -7,9 +7,10 @@ Each case runs once on a fresh swarm (the ``tiny`` preset on the test excerpts; 
 ``[[0, 1], [2], [3], [4]]``: stage 0 has two replicas; leases of 4 s renewed every 0.2 s).
 The "outsider" is a store client that reached the run's store port without the run's secret.
 
-* ``replay``: ``--restartable``; the outsider copies every node's signed lease renewal, the
-  launcher is SIGKILLed, and while ``python -m skiptrain.runtime.coordinator --run`` takes over
-  the outsider writes the old renewals back in a loop for 15 s.
+* ``replay``: ``--restartable``, five times the iterations; the outsider copies every node's
+  signed lease renewal, the launcher is SIGKILLed, and while ``python -m
+  skiptrain.runtime.coordinator --run`` takes over the outsider writes the old renewals back in
+  a loop for 15 s (about 500 times a second).
 * ``unsigned counter``: the outsider sets ``nodes/next`` to ``x``; then node 1 is SIGKILLed.
 * ``deleted lease key``: node 1 is SIGKILLed; once the swarm goes on without it, the outsider
   deletes ``hb/1``.
@@ -122,6 +123,7 @@ def in_loop(stop: threading.Event, fn) -> None:
 
 
 def case_replay(run: Path, data: Path, iters: int) -> dict:
+    iters *= 5                                       # (training goes on for several leases under the replay)
     proc = launch_process(make_job(run, data, iters, restartable=True), run.parent / f"{run.name}-launch.log")
     wait_steps(run, iters // 4)
     st = outsider(run, "store.json")
@@ -137,7 +139,8 @@ def case_replay(run: Path, data: Path, iters: int) -> dict:
     time.sleep(15.0)
     stop.set()
     coord.wait(timeout=600)
-    return {"targeted": [], "rc": coord.returncode, "log": run.parent / f"{run.name}-coordinator.log"}
+    return {"targeted": [], "rc": coord.returncode, "log": run.parent / f"{run.name}-coordinator.log",
+            "iterations": iters}
 
 
 def case_counter(run: Path, data: Path, iters: int) -> dict:
@@ -221,7 +224,8 @@ def last_line(log: Path) -> str:
     text = log.read_text(errors="replace") if log.exists() else ""
     lines = [x.strip() for x in text.replace("\r", "\n").splitlines()
              if x.strip() and not x.startswith(("frame #", "[W", "Exception raised", "<omitting"))]
-    return lines[-1][:300] if lines else "(nothing)"
+    errors = [x for x in lines if ": error: " in x]          # (an error's first line names it)
+    return (errors or lines or ["(nothing)"])[-1][:300]
 
 
 def print_table(rows: dict) -> None:
@@ -249,7 +253,7 @@ def main() -> int:
         run = keep / f"case{i}"
         t0, WRITES["n"] = time.time(), 0
         out = CASES[name](run, data, iters)
-        rows[name] = {**figures(run, iters, out), "outsider_loop_writes": WRITES["n"],
+        rows[name] = {**figures(run, out.get("iterations", iters), out), "outsider_loop_writes": WRITES["n"],
                       "wall_s": round(time.time() - t0, 1), "run": str(run)}
         print(f"{name}: {json.dumps(rows[name])}", flush=True)
     print_table(rows)
