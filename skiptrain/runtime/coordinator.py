@@ -378,7 +378,10 @@ def main(argv: list[str] | None = None) -> int:
         merge_outputs(job, run_dir)
     stop_store(int(info["pid"]), store, secret)
     if failure is not None:
-        print(f"skiptrain coordinator: the run failed: {failure}", file=sys.stderr)
+        why = failure.get("msg") or (f"node {failure['node']}: {describe_exit(failure.get('code'))}"
+                                     if failure.get("node") is not None else failure["kind"])
+        print(f"skiptrain coordinator: the run failed: {why} (membership events: {run_dir / LOG_NAME}; resume it from its "
+              f"last checkpoint with `skiptrain launch --resume --out {run_dir}`)", file=sys.stderr)
         return 1
     print(f"skiptrain coordinator: the run finished ({time.time() - t0:.1f} s after the restart)", file=sys.stderr)
     return 0

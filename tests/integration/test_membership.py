@@ -205,3 +205,62 @@ def test_a_restartable_runs_store_killed_is_one_line_and_the_run_resumes(byte_da
     assert again.returncode == 0, again.stderr[-2000:]
     assert (run / "model.safetensors").is_file()
     assert processes_of_run(run) == []
+
+
+@pytest.mark.slow
+def test_renewals_written_back_while_a_new_coordinator_takes_over_fence_nobody(byte_data, tmp_path):
+    """``--restartable``: a process without the secret copies every node's signed renewal, the
+    launcher is SIGKILLed, and while the replacement coordinator takes over the copies are
+    written back 500 times a second.  Before, the replacement read only the old values and
+    fenced every live node (the run died); now the run finishes with every node."""
+    import os
+    import signal
+
+    import torch.distributed as dist
+
+    sched = Schedule(placement=[[0, 1], [2], [3], [4]], memory=2, method="test", micro_batches=[
+        MicroBatch(k, k % 2, [(1, 2), (2, 3), (3, 4)]) for k in range(4)])
+    cfg = build_config("tiny", overrides={"train": {"grad_clip": 0.0, "steps": 300, "warmup_steps": 1}})
+    run = tmp_path / "run"
+    iters = 120
+    job = Job(config=with_runtime(cfg.to_dict(), timeout_s=15.0, heartbeat_s=0.2, heartbeat_deadline_s=3.0, recover=True,
+                                  restartable=True),
+              data_path=str(byte_data), run_dir=str(run), phases=[Phase("p", sched.to_dict(), iterations=iters, save_weights=True)])
+    run.mkdir()
+    launcher = launch_in_a_process(job.save(tmp_path / "job.json"))
+    wait_for(lambda: metrics_lines(run) >= 10)
+    info = json.loads((run / "store.json").read_text())
+    forger = dist.TCPStore(info["host"], int(info["port"]), 1, is_master=False, wait_for_workers=False,
+                           timeout=timedelta(seconds=10))
+    old = {f"hb/{r}": forger.get(f"hb/{r}") for r in range(5)}
+    time.sleep(1.0)
+    os.kill(launcher.pid, signal.SIGKILL)
+    launcher.wait()
+    stop, writes = threading.Event(), [0]
+
+    def replay():
+        while not stop.is_set():
+            try:
+                for k, v in old.items():
+                    forger.set(k, v)
+            except Exception:  # noqa: BLE001 - the run ended and its store went away
+                return
+            writes[0] += 1
+            time.sleep(0.002)
+    threading.Thread(target=replay, daemon=True).start()
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    try:
+        coord = subprocess.run([sys.executable, "-m", "skiptrain.runtime.coordinator", "--run", str(run)], env=env,
+                               capture_output=True, text=True, timeout=300)
+    finally:
+        stop.set()
+    assert writes[0] > 100, "the replay never ran"
+    assert coord.returncode == 0, coord.stderr[-2000:]
+    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines() if x.strip()]
+    rows = [r for r in rows if "loss" in r]
+    assert [r["step"] for r in rows] == list(range(1, iters + 1)) and rows[-1]["nodes"] == 5
+    rec = run / "recoveries.jsonl"
+    assert all(json.loads(x).get("restart") for x in rec.read_text().splitlines() if x.strip())   # nobody fenced
+    assert (run / "model.safetensors").is_file()
+    time.sleep(0.5)
+    assert processes_of_run(run) == []
