@@ -27,8 +27,11 @@ class AllReduceStrategy(SyncStrategy):
         if self.world == 1:
             total = n
         else:
-            flat = torch.cat([g.reshape(-1) for g in grads.values()] + [torch.tensor([float(n)], device=self.device)]).to(self.dtype)
-            self.tr.all_reduce_sum(flat)
+            def contribution():
+                return torch.cat([g.reshape(-1) for g in grads.values()]
+                                 + [torch.tensor([float(n)], device=self.device)]).to(self.dtype)
+            flat = contribution()
+            self.tr.all_reduce_sum(flat, contribution)
             flat = flat.float()
             total = int(round(float(flat[-1])))
             off = 0

@@ -48,8 +48,11 @@ class DiLoCoStrategy(SyncStrategy):
         if not self.interval_due(self.H):
             return None
         w = float(self.n_since)
-        flat = torch.cat([(self.anchor[x] - p).reshape(-1) * w for x, p in self.named] + [torch.tensor([w], device=self.device)])
-        self.tr.all_reduce_sum(flat)
+        def contribution():
+            return torch.cat([(self.anchor[x] - p).reshape(-1) * w for x, p in self.named]
+                             + [torch.tensor([w], device=self.device)])
+        flat = contribution()
+        self.tr.all_reduce_sum(flat, contribution)
         total = float(flat[-1])
         self.n_since = 0
         off = 0

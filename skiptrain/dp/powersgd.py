@@ -47,9 +47,11 @@ class PowerSGDStrategy(SyncStrategy):
         mats = {name: grads[name].reshape(grads[name].shape[0], -1) + self.err[name] for name in self.low_rank}
         ps = {name: m @ self.q[name] for name, m in mats.items()}
         dense = [name for name in grads if name not in self.low_rank]
-        buf1 = torch.cat([ps[x].reshape(-1) for x in ps] + [grads[x].reshape(-1) for x in dense]
-                         + [torch.tensor([float(n)], device=self.device)])
-        self.tr.all_reduce_sum(buf1)
+        def contribution1():
+            return torch.cat([ps[x].reshape(-1) for x in ps] + [grads[x].reshape(-1) for x in dense]
+                             + [torch.tensor([float(n)], device=self.device)])
+        buf1 = contribution1()
+        self.tr.all_reduce_sum(buf1, contribution1)
         total = int(round(float(buf1[-1])))
         off = 0
         for name in ps:
@@ -61,7 +63,7 @@ class PowerSGDStrategy(SyncStrategy):
         qs = {name: mats[name].T @ ps[name] for name in mats}
         buf2 = torch.cat([qs[x].reshape(-1) for x in qs]) if qs else torch.zeros(0, device=self.device)
         if qs:
-            self.tr.all_reduce_sum(buf2)
+            self.tr.all_reduce_sum(buf2, lambda: torch.cat([qs[x].reshape(-1) for x in qs]))
         off = 0
         for name in qs:
             q = buf2[off: off + qs[name].numel()].view_as(qs[name])

@@ -11,16 +11,18 @@ and the result copied back into it, so strategies hand in tensors on their param
 
 Failure semantics: a dead peer makes gloo raise within the group's timeout (set it short, e.g.
 ``timedelta(seconds=60)`` in ``init_process_group``); the error propagates to the caller
-unchanged.  Nothing here retries.  An all-reduce whose sum is not finite is done again as an
-all-gather of every member's contribution (kept for that): members that sent a non-finite value
-are named in a :class:`NonFiniteContribution` (global ranks), so the caller can blame the sender
-and not a node downstream of it; when every contribution is finite (a member sent NaN to the
+unchanged.  Nothing here retries.  An all-reduce whose sum is not finite (checked on its total:
+one pass at memory speed) is done again as an all-gather of every member's contribution (built
+again by the caller's ``contribution``, or a copy kept): members that sent a non-finite value are
+named in a :class:`NonFiniteContribution` (global ranks), so the caller can blame the sender and
+not a node downstream of it; when every contribution is finite (a member sent NaN to the
 all-reduce only), their sum is the result.
 """
 
 from __future__ import annotations
 
 import time
+from typing import Callable
 
 import numpy as np
 import torch
@@ -76,21 +78,23 @@ class Transport:
         self.comm_s += time.perf_counter() - t0
         return [o.cpu().numpy() for o in out]
 
-    def all_reduce_sum(self, t: torch.Tensor) -> torch.Tensor:
-        """Sum a tensor over the group in place (in its own dtype) and return it."""
+    def all_reduce_sum(self, t: torch.Tensor, contribution: Callable[[], torch.Tensor] | None = None) -> torch.Tensor:
+        """Sum a tensor over the group in place (in its own dtype) and return it.  ``contribution``
+        builds ``t``'s value again (it is only called when the sum is not finite); without it a
+        copy of ``t`` is kept for that."""
         nbytes = t.numel() * t.element_size()
         self.acct.add_all_reduce(nbytes)
         if self.world > 1:
             t0 = time.perf_counter()
-            mine = t.clone()                  # (kept to find the sender of a non-finite value)
+            mine = t.clone() if contribution is None else None   # (to find the sender of a non-finite value)
             on = t.to(self.device)            # t itself when it is on the backend's device
             dist.all_reduce(on, op=dist.ReduceOp.SUM, group=self.group)
             if on is not t:
                 t.copy_(on)
             self._delay(self.link.all_reduce_s(nbytes, self.world))
             self.comm_s += time.perf_counter() - t0
-            if not bool(torch.isfinite(t).all()):
-                t.copy_(self._sum_of_finite(mine))
+            if not bool(torch.isfinite(t.sum())):       # (NaN and inf reach the total; an overflow of it
+                t.copy_(self._sum_of_finite(mine if contribution is None else contribution()))   # is sorted out there)
         return t
 
     def _sum_of_finite(self, mine: torch.Tensor) -> torch.Tensor:

@@ -84,8 +84,8 @@ def _tampered(all_gather_bytes, kind: str, layout):
 
 def _poisoned(all_reduce_sum):
     """Wrap a strategy transport's ``all_reduce_sum`` so this node contributes NaN."""
-    def poisoned(t):
-        return all_reduce_sum(t.fill_(float("nan")))
+    def poisoned(t, contribution=None):
+        return all_reduce_sum(t.fill_(float("nan")), lambda: torch.full_like(t, float("nan")))
     return poisoned
 
 
