@@ -123,6 +123,7 @@ def swarm_greedy(topo: Topology, cost: CostModel, placement: list[list[int]], mb
     stage_sets = balanced_routes(S, k, M, rng, max_swaps=0) if skip else [list(range(1, S))] * M
     stage_of = {n: s for s, p in enumerate(placement) for n in p}
     f = {n: cost.fwd_s(s, topo.speed(n)) for n, s in stage_of.items()}
+    b = {n: cost.bwd_s(s, topo.speed(n)) for n, s in stage_of.items()}
     free = {n: 0.0 for n in stage_of}
     inject = {o: 0.0 for o in origs}
     done: dict[int, list[float]] = {o: [] for o in origs}
@@ -140,11 +141,11 @@ def swarm_greedy(topo: Topology, cost: CostModel, placement: list[list[int]], mb
         for s in r:
             best = min(placement[s], key=lambda n: (max(t + cost.hop_s(topo, prev, n), free[n]) + f[n], n))
             t = max(t + cost.hop_s(topo, prev, best), free[best]) + f[best]
-            free[best] = t + f[best] * cost.backward_factor
-            back += cost.hop_s(topo, best, prev) + f[best] * cost.backward_factor
+            free[best] = t + b[best]
+            back += cost.hop_s(topo, best, prev) + b[best]
             route.append((s, best))
             prev = best
-        t += cost.hop_s(topo, prev, o) + cost.loss_s(topo.speed(o)) + back + f[o] * cost.backward_factor
+        t += cost.hop_s(topo, prev, o) + cost.loss_s(topo.speed(o)) + back + b[o]
         done[o].append(t)
         mbs.append(MicroBatch(j, o, route, 0.0))
     name = "swarm_skip" if skip else "swarm_full"

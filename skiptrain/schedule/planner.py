@@ -153,7 +153,10 @@ class RouteContext:
         self.topo, self.cost, self.placement = topo, cost, placement
         self.H = cost.hop_seconds(topo)
         self.f = stage_seconds(topo, cost, placement)
-        self.b = [[x * cost.backward_factor for x in row] for row in self.f]
+        self.b = [[0.0] * topo.n for _ in placement]
+        for s, nodes in enumerate(placement):
+            for n in nodes:
+                self.b[s][n] = cost.bwd_s(s, topo.nodes[n].speed)
         self.loss = {o: cost.loss_s(topo.nodes[o].speed) for o in placement[0]}
 
 
