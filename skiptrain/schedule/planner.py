@@ -52,6 +52,7 @@ from dataclasses import dataclass
 from typing import Any, Sequence
 
 from ..net.topology import Topology
+from .cells import default_cells
 from .cost import CostModel
 from .placement import check_sizes, place, stage_sizes
 from .routes import count_swaps, skip_count, visits_per_route
@@ -78,6 +79,8 @@ class PlanConfig:
     constructions: int | None = None  # lane-like starting points tried (None: by size)
     placements: int | None = None  # placement candidates screened with real routes (None: by size)
     anneal: float = 0.0            # local-search start temperature x start score (0: descent)
+    cells: int | None = None       # regional decomposition (regional.py): cells (None: by size, 1: none)
+    quotas: dict[int, int] | None = None  # visits per body stage (None: balanced, +-1); set per cell
 
     def check(self, n_nodes: int) -> None:
         if self.n_stages < 1:
@@ -203,12 +206,13 @@ def _best_replicas(ctx: RouteContext, o: int, order: Sequence[int], t0: float, f
 
 def construct_routes(ctx: RouteContext, originators: Sequence[int], mb_per_originator: int, n_stages: int,
                      visits: int, max_swaps: int, memory: int, rng: random.Random,
-                     aware: bool = True) -> list[MicroBatch]:
+                     aware: bool = True, quotas: dict[int, int] | None = None) -> list[MicroBatch]:
     """Greedy list-scheduling construction (see module doc, step 2).  Micro-batch ids are
-    assigned wave by wave: id = wave * len(originators) + originator index."""
+    assigned wave by wave: id = wave * len(originators) + originator index.  ``quotas``: visits
+    per body stage (default :func:`stage_quotas`)."""
     orders = route_orders(n_stages, visits, max_swaps)
     M = len(originators) * mb_per_originator
-    quota = stage_quotas(M, n_stages, visits, rng)
+    quota = dict(quotas) if quotas is not None else stage_quotas(M, n_stages, visits, rng)
     N = ctx.topo.n
     free = [0.0] * N
     node_quota = None
@@ -264,7 +268,7 @@ def construct_routes(ctx: RouteContext, originators: Sequence[int], mb_per_origi
 
 def construct_affinity(ctx: RouteContext, originators: Sequence[int], mb_per_originator: int, n_stages: int,
                        visits: int, max_swaps: int, rng: random.Random, penalty: float,
-                       order_of_originators: Sequence[int]) -> list[MicroBatch]:
+                       order_of_originators: Sequence[int], quotas: dict[int, int] | None = None) -> list[MicroBatch]:
     """Lane-like construction: originators one after another (in ``order_of_originators``),
     each micro-batch taking the cheapest round trip (hops both ways + compute) where a node
     already used by *another* originator costs ``penalty`` extra, under the stage quotas and
@@ -272,7 +276,7 @@ def construct_affinity(ctx: RouteContext, originators: Sequence[int], mb_per_ori
     micro-batches keep to their own nodes, like SkipPipe's lanes; the quotas keep balance."""
     orders = route_orders(n_stages, visits, max_swaps)
     M = len(originators) * mb_per_originator
-    quota = stage_quotas(M, n_stages, visits, rng)
+    quota = dict(quotas) if quotas is not None else stage_quotas(M, n_stages, visits, rng)
     H, f, b = ctx.H, ctx.f, ctx.b
     cap = {}
     for s in range(1, n_stages):
@@ -584,6 +588,10 @@ def plan(topo: Topology, cost: CostModel, cfg: PlanConfig) -> Schedule:
     best continues with the rest of the budget.  A given ``cfg.placement`` is kept as it is, and
     its nodes may serve several stages (``runtime.node_stages``): compute is then weighed per
     stage and node, and a hop between two stages of one node costs nothing."""
+    cells = cfg.cells if cfg.cells is not None else default_cells(topo.n)
+    if cells > 1 and cfg.placement is None:
+        from .regional import plan_regions   # the decomposition plans each cell with this function
+        return plan_regions(topo, cost, cfg, cells)
     t0 = time.perf_counter()
     c0 = time.process_time()
     cfg.check(topo.n)
@@ -621,7 +629,7 @@ def plan(topo: Topology, cost: CostModel, cfg: PlanConfig) -> Schedule:
     def starting_point(pl: list[list[int]]) -> tuple[float, Schedule]:
         ctx = RouteContext(topo, cost, pl)
         sched = mk(pl, construct_routes(ctx, pl[0], cfg.mb_per_originator, cfg.n_stages, v, cfg.max_swaps,
-                                        cfg.memory, rng, aware=cfg.collision_aware))
+                                        cfg.memory, rng, aware=cfg.collision_aware, quotas=cfg.quotas))
         if not cfg.collision_aware:
             return math.nan, sched
         # several lane-like constructions too; keep the one the simulator likes best
@@ -633,7 +641,7 @@ def plan(topo: Topology, cost: CostModel, cfg: PlanConfig) -> Schedule:
             oo = list(pl[0])
             rng.shuffle(oo)
             cand = mk(pl, construct_affinity(ctx, pl[0], cfg.mb_per_originator, cfg.n_stages, v,
-                                             cfg.max_swaps, rng, PENALTIES[k % len(PENALTIES)], oo))
+                                             cfg.max_swaps, rng, PENALTIES[k % len(PENALTIES)], oo, cfg.quotas))
             x = sc(cand)
             if x < best_sc:
                 best_sc, sched = x, cand
