@@ -1,8 +1,8 @@
 """Baseline schedules, built from the same placement, cost model and simulator as the planner.
 
-* :func:`full_pipeline` -- no skipping, fixed lanes (DT-FM-like lane placement, on large swarms
-  placed within the planner's cells, :func:`~.cells.lanes_in_cells`): lane ``i`` is the ``i``-th
-  node of every stage; the global batch is split evenly over the lanes; ``order``
+* :func:`full_pipeline` -- no skipping, fixed lanes (DT-FM-like lane placement; on large swarms
+  lanes of nearby nodes placed cell by cell, :func:`~.cells.lanes_in_cells`, and ``sizes`` only
+  gives the number of stages): lane ``i`` is the ``i``-th node of every stage; the global batch is split evenly over the lanes; ``order``
   ``"1f1b"`` or ``"gpipe"`` sets the task priority on nodes.
 * :func:`random_skip` -- balanced random stage sets (ascending), replicas drawn at random with an
   equal share of visits per replica: every route constraint kept, the network ignored except
@@ -40,7 +40,7 @@ def full_pipeline(topo: Topology, cost: CostModel, sizes: Sequence[int], n_micro
     S = len(sizes)
     cells = default_cells(topo.n)
     if placement is None and cells > 1:      # a large swarm: lanes placed cell by cell, like the planner
-        placement = lanes_in_cells(topo, sizes, cost, memory, max(1, n_micro // max(1, min(sizes))), cells, seed)
+        placement = lanes_in_cells(topo, S, cost, memory, max(1, n_micro // max(1, min(sizes))), cells, seed)
     pl = placement or place(topo, sizes, cost, 0.0, memory, max(1, n_micro // max(1, sizes[0])),
                             dp_sync, mode="lanes", seed=seed)
     L = min(len(p) for p in pl)

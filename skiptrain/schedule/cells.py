@@ -2,9 +2,11 @@
 
 The planner's decomposition for large topologies (:mod:`skiptrain.schedule.regional`):
 
-* :func:`group_cells` grows cells of about equal size one after another by complete linkage
-  over the hop distance (latency + one fp32 activation over the bandwidth, both ways), so a cell
-  holds nodes that are close to each other (one region of geo12, or neighbouring regions).
+* :func:`group_cells` groups the nodes into regions by hop distance (latency + one fp32
+  activation over the bandwidth, both ways; regions smaller than 3/4 of a cell merge with the
+  nearest), then cuts each region into cells of about the requested size, grown by complete
+  linkage, so a cell holds nodes that are close to each other (part of one geo12 location, or
+  neighbouring locations) and never straddles two far-apart regions by accident.
 * :func:`split_sizes` deals the global stage sizes to the cells in proportion to their node
   counts (every stage's slots interleaved, then cut), so every cell serves every stage.
 * :func:`deal_quotas` deals the global body-stage visit counts to the cells the same way: each
@@ -40,29 +42,68 @@ def hop_distance(topo: Topology, cost: CostModel) -> np.ndarray:
     return one + one.T
 
 
-def group_cells(topo: Topology, cost: CostModel, n_cells: int) -> list[list[int]]:
-    """``n_cells`` groups of nearby nodes, sizes differing by at most one (see module doc).
+def regions(d: np.ndarray, min_size: int) -> list[list[int]]:
+    """Nodes grouped into regions: the components of the links no longer than 1.5x either end's
+    nearest neighbour (geo12: one location; a uniform cluster: everything), then, while a region
+    has fewer than ``min_size`` nodes, it merges with the region nearest by complete linkage (the
+    largest distance between their nodes)."""
+    n = len(d)
+    nn = np.where(np.eye(n, dtype=bool), np.inf, d).min(axis=1) if n > 1 else np.zeros(1)
+    local = (d <= 1.5 * nn[:, None]) | (d <= 1.5 * nn[None, :])
+    label = np.full(n, -1)
+    out: list[list[int]] = []
+    for root in range(n):
+        if label[root] >= 0:
+            continue
+        label[root] = len(out)
+        todo, members = [root], [root]
+        while todo:
+            fresh = np.nonzero(local[todo.pop()] & (label < 0))[0]
+            label[fresh] = len(out)
+            todo += fresh.tolist()
+            members += fresh.tolist()
+        out.append(sorted(members))
+    while len(out) > 1 and min(len(r) for r in out) < min_size:
+        i = min(range(len(out)), key=lambda k: (len(out[k]), k))
+        j = min((k for k in range(len(out)) if k != i), key=lambda k: (d[np.ix_(out[i], out[k])].max(), k))
+        out[j] = sorted(out[j] + out[i])
+        del out[i]
+    return out
 
-    Cells grow one after another: a cell starts at the free node nearest to the previous cell's
-    start (node 0 first) and adds, while it has room, the free node whose farthest member is
-    nearest (complete linkage), so a cell takes a distant node only when nothing nearer is left."""
-    n = topo.n
-    if not 1 <= n_cells <= n:
-        raise ScheduleError(f"cannot cut {n} nodes into {n_cells} cells")
-    d = hop_distance(topo, cost)
-    free = np.ones(n, dtype=bool)
-    bounds = [round(i * n / n_cells) for i in range(n_cells + 1)]
+
+def _grow(d: np.ndarray, nodes: list[int], k: int) -> list[list[int]]:
+    """``nodes`` cut into ``k`` cells (sizes differing by at most one), grown one after another by
+    complete linkage: each starts at the free node nearest to the previous start and adds the free
+    node whose farthest member is nearest."""
+    sub = d[np.ix_(nodes, nodes)]
+    free = np.ones(len(nodes), dtype=bool)
+    bounds = [round(i * len(nodes) / k) for i in range(k + 1)]
     cells, start = [], 0
-    for i in range(n_cells):
-        start = int(np.argmin(np.where(free, d[start], np.inf))) if not free[start] else start
-        members, far = [start], d[start].copy()
+    for i in range(k):
+        if not free[start]:
+            start = int(np.argmin(np.where(free, sub[start], np.inf)))
+        members, far = [start], sub[start].copy()
         free[start] = False
         while len(members) < bounds[i + 1] - bounds[i]:
             nxt = int(np.argmin(np.where(free, far, np.inf)))
             members.append(nxt)
             free[nxt] = False
-            np.maximum(far, d[nxt], out=far)
-        cells.append(sorted(members))
+            np.maximum(far, sub[nxt], out=far)
+        cells.append(sorted(nodes[m] for m in members))
+    return cells
+
+
+def group_cells(topo: Topology, cost: CostModel, n_cells: int) -> list[list[int]]:
+    """About ``n_cells`` cells of nearby nodes (see module doc): the :func:`regions` (none smaller
+    than 3/4 of a cell), each cut into cells of about ``topo.n / n_cells`` nodes."""
+    n = topo.n
+    if not 1 <= n_cells <= n:
+        raise ScheduleError(f"cannot cut {n} nodes into {n_cells} cells")
+    d = hop_distance(topo, cost)
+    size = n / n_cells
+    cells: list[list[int]] = []
+    for r in regions(d, max(1, math.ceil(0.75 * size))):
+        cells += _grow(d, r, max(1, round(len(r) / size)))
     return cells
 
 
@@ -137,20 +178,31 @@ def default_cells(n_nodes: int) -> int:
     return 1 if n_nodes <= 4 * CELL_NODES else max(1, math.floor(n_nodes / CELL_NODES))
 
 
-def lanes_in_cells(topo: Topology, sizes: Sequence[int], cost: CostModel, memory: int, mb_per_lane: int,
+def lanes_in_cells(topo: Topology, n_stages: int, cost: CostModel, memory: int, mb_per_lane: int,
                    n_cells: int, seed: int = 0) -> list[list[int]]:
-    """A full-pipeline (fixed lanes) placement of ``sizes`` placed cell by cell: each cell's lanes
-    by :func:`~.placement.place` in ``"lanes"`` mode on its own nodes, so every lane stays among
-    nearby nodes.  Lane ``i`` is the ``i``-th node of every stage: the cells' lanes first, cell
-    after cell, then their spare nodes."""
-    groups = group_cells(topo, cost, n_cells)
-    cell_sizes = split_sizes(sizes, groups)
-    lanes: list[list[int]] = [[] for _ in sizes]
-    spare: list[list[int]] = [[] for _ in sizes]
-    for i, (nodes, sz) in enumerate(zip(groups, cell_sizes)):
-        pl = place(topo.subset(nodes), sz, cost, 0.0, memory, mb_per_lane, False, mode="lanes", seed=seed + i)
-        L = min(sz)
-        for s, p in enumerate(pl):
-            lanes[s] += [nodes[n] for n in p[:L]]
-            spare[s] += [nodes[n] for n in p[L:]]
-    return [a + b for a, b in zip(lanes, spare)]
+    """A full-pipeline (fixed lanes) placement of ``n_stages`` stages placed region by region:
+    each :func:`regions` region is cut into cells as the planner cuts it, each cell holds
+    ``len // n_stages`` lanes placed by :func:`~.placement.place` (``"lanes"`` mode) on its own
+    nodes, and the cells' leftover nodes form more lanes within their region.  So every lane stays
+    inside one region; fewer than ``n_stages`` nodes per region stay unused.  Lane ``i`` is the
+    ``i``-th node of every stage."""
+    d = hop_distance(topo, cost)
+    size = topo.n / n_cells
+    lanes: list[list[int]] = []
+
+    def add(nodes: list[int], k: int) -> list[int]:
+        L = len(nodes) // n_stages
+        if L == 0:
+            return list(nodes)
+        pl = place(topo.subset(nodes), [L] * n_stages, cost, 0.0, memory, mb_per_lane, False, mode="lanes",
+                   seed=seed + k)
+        lanes.extend([nodes[pl[s][i]] for s in range(n_stages)] for i in range(L))
+        used = {nodes[n] for p in pl for n in p}
+        return [n for n in nodes if n not in used]
+
+    for r in regions(d, max(1, math.ceil(0.75 * size))):
+        pool: list[int] = []
+        for g in _grow(d, r, max(1, round(len(r) / size))):
+            pool += add(g, len(lanes))
+        add(sorted(pool), len(lanes))
+    return [[lane[s] for lane in lanes] for s in range(n_stages)]
