@@ -144,8 +144,8 @@ def deal_quotas(n_stages: int, visits: int, cell_micro_batches: Sequence[int],
     of ``visits`` body stages each.  ``fixed[s]``: visits of stage ``s`` already made by cells that
     are not re-planned; the dealt quotas bring every stage's total within one of the others when
     the new visits can make up the difference.  Cell by cell, each stage gets what the later cells
-    could not take, then the stage with the largest remaining need first (never more visits of a
-    stage than the cell has micro-batches)."""
+    could not take, then visits go to the stage furthest below the cell's share of its need (never
+    more visits of a stage than the cell has micro-batches), so the difference is spread."""
     body = n_stages - 1
     fixed = list(fixed) if fixed is not None else [0] * n_stages
     new = sum(cell_micro_batches) * visits
@@ -162,10 +162,11 @@ def deal_quotas(n_stages: int, visits: int, cell_micro_batches: Sequence[int],
         need[min((i for i in range(body) if need[i] < cap), key=lambda i: fixed[i + 1] + need[i])] += 1
     out, rest = [], sum(cell_micro_batches)
     for m in cell_micro_batches:
+        ideal = [x * m / rest for x in need]              # this cell's share of every stage's need
         rest -= m
         q = [max(0, x - rest) for x in need]              # what the later cells cannot take
-        for _ in range(m * visits - sum(q)):              # then the largest remaining need first
-            i = max((i for i in range(body) if q[i] < min(m, need[i])), key=lambda i: (need[i] - q[i], -i))
+        for _ in range(m * visits - sum(q)):              # then the stage furthest below its share
+            i = max((i for i in range(body) if q[i] < min(m, need[i])), key=lambda i: (ideal[i] - q[i], -i))
             q[i] += 1
         need = [x - y for x, y in zip(need, q)]
         out.append({s + 1: q[s] for s in range(body)})

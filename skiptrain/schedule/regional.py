@@ -18,9 +18,9 @@ one cell, :func:`~.cells.default_cells`):
    limit is spent or the slowest cell stops improving.
 
 :func:`replan_regions` re-plans after nodes fail or join, from the plan in force: cells keep
-their nodes (a joiner goes to the nearest cell, on the stage furthest below its share), a cell
-left without a stage merges with its nearest cell, untouched cells keep their routes, and only
-the changed cells are re-planned (placement kept), then step 3 as above.  Both bound every phase
+their nodes (a joiner goes to the nearest cell; a cell left with fewer than two nodes per stage
+merges into its nearest cell), untouched cells keep their placement and routes, and only the
+changed cells' nodes are cut into cells again and planned (placement and routes), then step 3.  Both bound every phase
 by the CPU-seconds limit (``PlanConfig.time_limit_s``, default :func:`~.planner.default_time_limit`).
 """
 
@@ -39,7 +39,7 @@ from .cost import CostModel
 from .placement import stage_sizes
 from .planner import PlanConfig, default_time_limit, improve_routes, plan
 from .routes import visits_per_route
-from .schedule import MicroBatch, Schedule, ScheduleError
+from .schedule import MicroBatch, Schedule
 from .simulator import simulate
 
 FIRST_SHARE = 0.6    # share of the time limit for planning the cells one by one (the rest: step 3)
@@ -205,67 +205,61 @@ def _nearest(d: np.ndarray, node_or_nodes: Sequence[int], cells: list[list[int]]
 
 
 def _survivor_cells(topo: Topology, cost: CostModel, in_force: Schedule, alive: set[int],
-                    sizes: list[int]) -> tuple[list[list[int]], list[list[list[int]]], set[int]]:
-    """Cells after failures and joins: (nodes per cell, placement per cell in global ids, changed
-    cells).  A joiner goes to the nearest cell, on its stage furthest below the global share; a
-    cell missing a stage merges into its nearest cell."""
-    old = [list(c) for c in in_force.meta["planner"]["cells"]]
-    stage_of = {n: s for s, p in enumerate(in_force.placement) for n in p}
+                    min_nodes: int) -> tuple[list[list[int]], set[int]]:
+    """Cells after failures and joins: (nodes per cell, indices of the changed cells).  A joiner
+    goes to the nearest cell; a cell left with fewer than ``min_nodes`` nodes merges into its
+    nearest cell.  A swarm planned whole is one cell."""
+    old = [list(c) for c in in_force.meta.get("planner", {}).get("cells", [in_force.nodes()])]
     cells = [[n for n in c if n in alive] for c in old]
     changed = {i for i, c in enumerate(cells) if c != old[i]}
     d = hop_distance(topo, cost)
-    share = [x / sum(sizes) for x in sizes]
-    for j in sorted(alive - set(stage_of)):
+    for j in sorted(alive - {n for c in old for n in c}):
         i = _nearest(d, [j], cells)
-        counts = [sum(stage_of.get(n) == s for n in cells[i]) for s in range(len(sizes))]
-        stage_of[j] = max(range(len(sizes)), key=lambda s: (share[s] * (len(cells[i]) + 1) - counts[s], -s))
         cells[i].append(j)
         changed.add(i)
-    while True:
-        pls = [[[n for n in c if stage_of[n] == s] for s in range(len(sizes))] for c in cells]
-        broken = [i for i, c in enumerate(cells) if c and any(not p for p in pls[i])]
-        if not broken:
-            break
-        i = broken[0]
-        k = _nearest(d, cells[i], cells, skip=i)
-        cells[k] = sorted(cells[k] + cells[i])
-        cells[i] = []
-        changed.add(k)
+    for i in range(len(cells)):
+        if cells[i] and len(cells[i]) < min_nodes and sum(bool(c) for c in cells) > 1:
+            k = _nearest(d, cells[i], cells, skip=i)
+            cells[k] += cells[i]
+            cells[i] = []
+            changed.add(k)
     keep = [i for i, c in enumerate(cells) if c]
-    remap = {i: k for k, i in enumerate(keep)}
-    return [sorted(cells[i]) for i in keep], [pls[i] for i in keep], {remap[i] for i in changed if i in remap}
+    return [sorted(cells[i]) for i in keep], {k for k, i in enumerate(keep) if i in changed}
 
 
 def replan_regions(topo: Topology, cost: CostModel, cfg: PlanConfig, in_force: Schedule,
                    alive: Sequence[int]) -> Schedule:
-    """Re-plan ``in_force`` (a :func:`plan_regions` schedule on ``topo``) for the nodes ``alive``
-    (survivors and joiners, ids of ``topo``); see the module doc.  Same limit as a fresh plan."""
-    if "cells" not in in_force.meta.get("planner", {}):
-        raise ScheduleError("re-planning from the plan in force needs a plan made with cells")
+    """Re-plan ``in_force`` (a schedule of :func:`~.planner.plan` on ``topo``) for the nodes
+    ``alive`` (survivors and joiners, ids of ``topo``): the cells untouched keep their placement
+    and routes; the nodes of the changed cells are cut into cells again (:func:`~.cells.group_cells`,
+    the plan's cell size) and planned (placement and routes, as in :func:`plan_regions`), then
+    step 3.  Same time limit as a fresh plan."""
     clock = _Clock(cfg.time_limit_s if cfg.time_limit_s is not None else default_time_limit(len(alive)))
-    sizes = [len(p) for p in in_force.placement]
-    groups, pls, changed = _survivor_cells(topo, cost, in_force, set(alive), sizes)
-    if not pls or not all(p[0] for p in pls):
-        raise ScheduleError("no stage-0 node left to originate micro-batches")
+    groups, changed = _survivor_cells(topo, cost, in_force, set(alive), 2 * cfg.n_stages)
     cells = _Cells(topo, cost, cfg)
     fixed = [0] * cfg.n_stages
     by_orig = in_force.by_originator()
-    for i in sorted(set(range(len(groups))) - changed):     # untouched: the routes in force
-        order = sorted(groups[i])
+    for i in sorted(set(range(len(groups))) - changed):     # untouched: the plan in force
+        order = groups[i]
         pos = {n: k for k, n in enumerate(order)}
+        pl = [[pos[n] for n in p if n in pos] for p in in_force.placement]
         mbs = [MicroBatch(mb.id, pos[mb.originator], [(s, pos[n]) for s, n in mb.route], mb.start_s)
-               for o in pls[i][0] for mb in by_orig.get(o, [])]
+               for o in pl[0] for mb in by_orig.get(order[o], [])]
         for mb in mbs:
             for s in mb.stages:
                 fixed[s] += 1
-        cell = Cell(topo.subset(order), Schedule([[pos[n] for n in p] for p in pls[i]], mbs, in_force.memory,
-                                                 in_force.skip_ratio, in_force.max_swaps, in_force.policy), [order])
+        cell = Cell(topo.subset(order), Schedule(pl, mbs, in_force.memory, in_force.skip_ratio, in_force.max_swaps,
+                                                 in_force.policy), [order])
         _cell_time(cell, cost, cfg.contention)
         cells.cells.append(cell)
-    todo = sorted(changed)
+    pool = sorted(n for i in changed for n in groups[i])   # the changed cells' nodes, cut again
+    size = sum(len(g) for g in groups) / max(1, len(groups))
+    todo = [[pool[n] for n in c] for c in group_cells(topo.subset(pool), cost, max(1, round(len(pool) / size)))] \
+        if pool else []
+    sizes = [stage_sizes(len(g), cfg.n_stages, cfg.skip_ratio, cost) for g in todo]
     v = visits_per_route(cfg.skip_ratio, cfg.n_stages)
-    quotas = deal_quotas(cfg.n_stages, v, [len(pls[i][0]) * cfg.mb_per_originator for i in todo], fixed)
-    _plan_all(cells, clock, [(groups[i], None, q, pls[i]) for i, q in zip(todo, quotas)])
-    info: dict[str, Any] = {"n_cells": len(groups), "replanned_cells": len(todo), "within_s": clock.used(),
+    quotas = deal_quotas(cfg.n_stages, v, [sz[0] * cfg.mb_per_originator for sz in sizes], fixed)
+    _plan_all(cells, clock, [(g, sz, q, None) for g, sz, q in zip(todo, sizes, quotas)])
+    info: dict[str, Any] = {"n_cells": len(groups) - len(changed) + len(todo), "replanned_cells": len(todo), "within_s": clock.used(),
                             "replanned_from": in_force.method}
     return _finish(cells, cost, cfg, clock, info)
