@@ -10,7 +10,8 @@ from hypothesis import strategies as st
 from skiptrain.net.topology import geo12, random_topology
 from skiptrain.schedule.compare import METHODS, compare
 from skiptrain.schedule.cost import CostModel, CostError, published_cost
-from skiptrain.schedule.planner import PlanConfig, RouteContext
+from skiptrain.schedule.fit import done_times, fit_task_overhead
+from skiptrain.schedule.planner import PlanConfig, RouteContext, plan
 from skiptrain.schedule.schedule import MicroBatch, Schedule
 from skiptrain.schedule.simulator import simulate
 
@@ -79,3 +80,17 @@ def test_overhead_settings_are_checked_and_kept():
     assert (c.fwd_task_s, c.bwd_task_s) == (0.13, 0.09)
     assert CostModel.from_dict(c.to_dict()).fwd_s(1) == pytest.approx(0.44 + 0.13)
     assert c.with_task_s(0.0, 0.0).bwd_s(2) == pytest.approx(1.5 * 0.44)
+
+
+def test_the_fit_finds_the_overhead_a_timeline_was_made_with():
+    """Timelines simulated with a known overhead: the fit gives it back (to the grid's last step)."""
+    topo = random_topology(10, seed=4)
+    cfg = PlanConfig(n_stages=4, skip_ratio=0.34, memory=2, mb_per_originator=3, max_evals=30,
+                     contention=True, dp_sync=False)
+    runs = []
+    for seed in (0, 1):
+        s = plan(topo, _cost(), PlanConfig(**{**cfg.__dict__, "seed": seed}))
+        tl = simulate(s, topo, _cost(f=0.031, b=0.017), dp_sync=False).timeline
+        runs.append((s, done_times(tl)))
+    f, b, rms = fit_task_overhead(runs, topo, _cost(f=0.5, b=0.5), limit_s=0.08)
+    assert f == pytest.approx(0.031, abs=2e-3) and b == pytest.approx(0.017, abs=2e-3) and rms < 0.01
