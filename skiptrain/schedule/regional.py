@@ -7,9 +7,11 @@ one cell, :func:`~.cells.default_cells`):
 1. **Cells** (:mod:`.cells`): nodes grouped by hop distance into cells of about
    :data:`~.cells.CELL_NODES`; the global stage sizes and body-stage visit quotas dealt to the
    cells, so that every cell is a whole pipeline and the swarm stays balanced.
-2. **Within cells**: each cell is planned by :func:`~.planner.plan` on its own nodes (placement
-   search, constructions, simulator-scored search) with ``FIRST_SHARE`` of the time limit split
-   evenly.  Routes never leave their cell, so a cell's search move re-simulates that cell only:
+2. **Within cells**: each distinct cell is planned by :func:`~.planner.plan` on its own nodes
+   (placement search, constructions, simulator-scored search) with ``FIRST_SHARE`` of the time
+   limit split evenly, and planned again with other seeds while its share allows (up to
+   ``RESTARTS`` plans, the best kept: cells that are the same problem share one plan, so a
+   uniform swarm has time for several).  Routes never leave their cell, so a cell's search move re-simulates that cell only:
    the cells share no node and no link (with link contention on, the swarm's pipeline is exactly
    the union of the cells' pipelines).  The data-parallel sync spans cells; it depends on the
    placement only and is left to the final simulation.
@@ -44,6 +46,7 @@ from .simulator import simulate
 
 FIRST_SHARE = 0.6    # share of the time limit for planning the cells one by one (the rest: step 3)
 CHUNK_EVALS = 150    # simulations per step-3 round on the slowest cell
+RESTARTS = 8         # a distinct cell is planned again (another seed) while its share of the limit allows
 STUCK_ROUNDS = 3     # step 3 stops when the slowest cell did not improve this many rounds in a row
 
 
@@ -91,7 +94,7 @@ class _Cells:
         self.topo, self.cost, self.cfg = topo, cost, cfg
         self.cells: list[Cell] = []
         self.index: dict[tuple, list[int]] = {}
-        self.evals = 0
+        self.evals = self.restarts = 0
 
     def add(self, nodes: Sequence[int], sizes: list[int] | None, quotas: dict[int, int],
             placement: list[list[int]] | None, limit: float) -> bool:
@@ -109,12 +112,19 @@ class _Cells:
                 return False
         pos = {n: i for i, n in enumerate(order)}
         local_pl = [[pos[n] for n in p if n in pos] for p in placement] if placement is not None else None
-        ccfg = replace(self.cfg, cells=1, quotas=quotas, seed=self.cfg.seed + len(self.cells), time_limit_s=limit,
-                       dp_sync=False, placement=local_pl,
+        ccfg = replace(self.cfg, cells=1, quotas=quotas, time_limit_s=limit, dp_sync=False, placement=local_pl,
                        stage_sizes=sizes if local_pl is None else [len(p) for p in local_pl])
-        cell = Cell(sub, plan(sub, self.cost, ccfg), [order])
-        self.evals += cell.sched.meta["planner"].get("evals", 0)
-        _cell_time(cell, self.cost, self.cfg.contention)
+        cell, c0, k = None, time.process_time(), 0
+        while cell is None or (k < RESTARTS and limit - (time.process_time() - c0) > (time.process_time() - c0) / k):
+            ccfg.seed = self.cfg.seed + len(self.cells) + 1000 * k
+            ccfg.time_limit_s = max(0.0, limit - (time.process_time() - c0)) if cell is not None else limit
+            cand = Cell(sub, plan(sub, self.cost, ccfg), [order])
+            self.evals += cand.sched.meta["planner"].get("evals", 0)
+            if cell is None or _cell_time(cand, self.cost, self.cfg.contention) < cell.pipeline_s:
+                cell = cand
+                _cell_time(cell, self.cost, self.cfg.contention)
+            k += 1
+        self.restarts += k
         self.index.setdefault(key, []).append(len(self.cells))
         self.cells.append(cell)
         return True
@@ -164,6 +174,7 @@ def _finish(cells: _Cells, cost: CostModel, cfg: PlanConfig, clock: _Clock, info
     """Step 3, then the swarm's schedule with the planner's figures in ``meta["planner"]``."""
     info.update(_improve_slowest(cells.cells, cost, cfg, clock, random.Random(cfg.seed)))
     info["evals"] = cells.evals + info["between_evals"]
+    info["cell_restarts"] = cells.restarts
     info["time_capped"] = clock.left() <= 0
     info["planner_cpu_s"] = clock.used()
     info["planner_s"] = time.perf_counter() - clock.t0

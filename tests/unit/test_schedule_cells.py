@@ -2,6 +2,7 @@
 partition of nearby nodes, quotas keep the swarm balanced, a cell simulated alone is exactly its
 part of the swarm's simulation, and re-planning starts from the plan in force."""
 
+import functools
 import random
 from collections import Counter
 
@@ -26,7 +27,7 @@ def _cost(S=4):
 
 def _cfg(**kw):
     return PlanConfig(**{**dict(n_stages=4, skip_ratio=0.34, memory=2, mb_per_originator=2, max_evals=20,
-                                cells=3, dp_sync=False), **kw})
+                                cells=3, dp_sync=False, time_limit_s=2.0), **kw})
 
 
 def _regions(k, per):
@@ -79,6 +80,11 @@ def test_a_large_plan_keeps_every_constraint_and_identical_cells_share_one_plan(
         assert {cell_of[n] for n in (mb.originator, *mb.nodes)} == {cell_of[mb.originator]}
 
 
+@functools.lru_cache(maxsize=1)
+def _geo36_plan():
+    return plan(geo12(36), _cost(), _cfg(max_evals=0, time_limit_s=1.0)).to_dict()
+
+
 @settings(max_examples=15, deadline=None)
 @given(seed=st.integers(0, 10 ** 6), moves=st.integers(1, 12))
 def test_a_cell_simulated_alone_is_its_part_of_the_swarm(seed, moves):
@@ -86,7 +92,7 @@ def test_a_cell_simulated_alone_is_its_part_of_the_swarm(seed, moves):
     exchanges), every micro-batch finishes at the same time in the swarm's simulation as in its
     cell's simulation alone (cells share no node and no link), with link contention on."""
     topo, cost = geo12(36), _cost()
-    s = plan(topo, cost, _cfg(max_evals=0, time_limit_s=5.0))
+    s = Schedule.from_dict(_geo36_plan())
     rng = random.Random(seed)
     cells = s.meta["planner"]["cells"]
     cell_of = {n: i for i, c in enumerate(cells) for n in c}
@@ -113,12 +119,12 @@ def test_a_cell_simulated_alone_is_its_part_of_the_swarm(seed, moves):
 
 def test_replanning_after_failures_and_a_join_starts_from_the_plan_in_force():
     topo, cost = geo12(64), _cost()
-    full = plan(topo, cost, _cfg(time_limit_s=10.0))
+    full = plan(topo, cost, _cfg(time_limit_s=2.0))
     first = geo12(64).subset(range(63))                 # node 63 joins later
-    s = plan(first, cost, _cfg(time_limit_s=10.0, cells=6))
+    s = plan(first, cost, _cfg(time_limit_s=2.0, cells=6))
     dead = {s.placement[1][0], s.placement[0][-1]}
     alive = sorted(set(range(64)) - dead)
-    r = replan_regions(topo, cost, _cfg(time_limit_s=10.0, max_evals=0, cells=6), s, alive)   # no search: routes as dealt
+    r = replan_regions(topo, cost, _cfg(time_limit_s=2.0, max_evals=0, cells=6), s, alive)   # no search: routes as dealt
     r.validate(SKIP_CLAIMS, n_nodes=64)
     used = {n for mb in r.micro_batches for n in (mb.originator, *mb.nodes)}
     assert not used & dead and 63 in set(r.nodes())
