@@ -66,7 +66,7 @@ def both_models(sched, topo, cost) -> tuple[float, float]:
             simulate(sched, topo, cost, dp_sync=False, record=False).iteration_s)
 
 
-def row(name: str, n: int, cost) -> dict:
+def row(name: str, n: int, cost, replan: bool = True) -> dict:
     topo = load_topology(name, n)
     limit = limit_for(n)
     sched, wall, cpu = timed_plan(plan, topo, cost, PlanConfig(**KW, time_limit_s=limit))
@@ -79,6 +79,8 @@ def row(name: str, n: int, cost) -> dict:
            "iteration_s": p, "full_pipeline_s": f, "ratio_vs_full": p / f, "ratio_vs_full_no_sync": p_ns / f_ns,
            "search_evaluations": meta.get("evals", 0), "cells": meta.get("n_cells", 1),
            "distinct_cells": meta.get("distinct_cells", 1), "micro_batches": len(sched.micro_batches)}
+    if not replan:
+        return out
     rng = random.Random(n)
     alive = sorted(rng.sample(range(n), n - round(FAIL_SHARE * n)))
     re, rwall, rcpu = timed_plan(replan_regions, topo, cost, PlanConfig(**KW, time_limit_s=limit), sched, alive)
@@ -135,6 +137,7 @@ def main(argv=None) -> int:
     ap.add_argument("--quick", action="store_true", help="64, 256 and 1,024 nodes")
     ap.add_argument("--sizes", default=None, help="comma-separated node counts (default: 64 to 4,096)")
     ap.add_argument("--topologies", default="cluster,geo12")
+    ap.add_argument("--replan-max-nodes", type=int, default=4096, help="re-plan (and plan afresh) up to this size")
     args = ap.parse_args(argv)
     sizes = [int(x) for x in args.sizes.split(",")] if args.sizes else (QUICK_SIZES if args.quick else SIZES)
     cost = reference_cost(task_s=DEFAULT_TASK_S)
@@ -145,7 +148,7 @@ def main(argv=None) -> int:
     rows = []
     for n in sizes:
         for name in args.topologies.split(","):
-            rows.append(row(name, n, cost))
+            rows.append(row(name, n, cost, replan=n <= args.replan_max_nodes))
             print_row(rows[-1])
             if args.json:           # written after every row: a long run keeps what it measured
                 Path(args.json).parent.mkdir(parents=True, exist_ok=True)

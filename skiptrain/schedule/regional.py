@@ -9,15 +9,14 @@ one cell, :func:`~.cells.default_cells`):
    cells, so that every cell is a whole pipeline and the swarm stays balanced.
 2. **Within cells**: each distinct cell is planned by :func:`~.planner.plan` on its own nodes
    (placement search, constructions, simulator-scored search) with ``FIRST_SHARE`` of the time
-   limit split evenly, and planned again with other seeds while its share allows (up to
-   ``RESTARTS`` plans, the best kept: cells that are the same problem share one plan, so a
-   uniform swarm has time for several).  Routes never leave their cell, so a cell's search move re-simulates that cell only:
+   limit split evenly (cells that are the same problem share one plan).  Routes never leave their cell, so a cell's search move re-simulates that cell only:
    the cells share no node and no link (with link contention on, the swarm's pipeline is exactly
    the union of the cells' pipelines).  The data-parallel sync spans cells; it depends on the
    placement only and is left to the final simulation.
 3. **Between cells**: the iteration ends with the slowest cell, so the rest of the limit goes,
-   chunk by chunk, to the currently slowest cell (:func:`~.planner.improve_routes`), until the
-   limit is spent or the slowest cell stops improving.
+   chunk by chunk, to the currently slowest cell (:func:`~.planner.improve_routes`); a cell that
+   stops improving is planned again with another seed (placement included; the better plan is
+   kept), until the limit is spent or the slowest cell has had ``RESTARTS`` restarts.
 
 :func:`replan_regions` re-plans after nodes fail or join, from the plan in force: cells keep
 their nodes (a joiner goes to the nearest cell; a cell left with fewer than two nodes per stage
@@ -46,7 +45,7 @@ from .simulator import simulate
 
 FIRST_SHARE = 0.6    # share of the time limit for planning the cells one by one (the rest: step 3)
 CHUNK_EVALS = 150    # simulations per step-3 round on the slowest cell
-RESTARTS = 8         # a distinct cell is planned again (another seed) while its share of the limit allows
+RESTARTS = 8         # step 3: a stuck slowest cell is planned again with another seed, at most this often
 STUCK_ROUNDS = 3     # step 3 stops when the slowest cell did not improve this many rounds in a row
 
 
@@ -58,7 +57,10 @@ class Cell:
     topo: Topology
     sched: Schedule
     members: list[list[int]]
+    cfg: PlanConfig | None = None      # how it was planned (None: the plan in force, kept)
     pipeline_s: float = 0.0
+    stuck: int = 0                     # step-3 rounds in a row without improvement
+    restarts: int = 0
 
 
 class _Clock:
@@ -94,7 +96,7 @@ class _Cells:
         self.topo, self.cost, self.cfg = topo, cost, cfg
         self.cells: list[Cell] = []
         self.index: dict[tuple, list[int]] = {}
-        self.evals = self.restarts = 0
+        self.evals = 0
 
     def add(self, nodes: Sequence[int], sizes: list[int] | None, quotas: dict[int, int],
             placement: list[list[int]] | None, limit: float) -> bool:
@@ -114,36 +116,46 @@ class _Cells:
         local_pl = [[pos[n] for n in p if n in pos] for p in placement] if placement is not None else None
         ccfg = replace(self.cfg, cells=1, quotas=quotas, time_limit_s=limit, dp_sync=False, placement=local_pl,
                        stage_sizes=sizes if local_pl is None else [len(p) for p in local_pl])
-        cell, c0, k = None, time.process_time(), 0
-        while cell is None or (k < RESTARTS and limit - (time.process_time() - c0) > (time.process_time() - c0) / k):
-            ccfg.seed = self.cfg.seed + len(self.cells) + 1000 * k
-            ccfg.time_limit_s = max(0.0, limit - (time.process_time() - c0)) if cell is not None else limit
-            cand = Cell(sub, plan(sub, self.cost, ccfg), [order])
-            self.evals += cand.sched.meta["planner"].get("evals", 0)
-            if cell is None or _cell_time(cand, self.cost, self.cfg.contention) < cell.pipeline_s:
-                cell = cand
-                _cell_time(cell, self.cost, self.cfg.contention)
-            k += 1
-        self.restarts += k
+        ccfg.seed = self.cfg.seed + len(self.cells)
+        cell = Cell(sub, plan(sub, self.cost, ccfg), [order], cfg=ccfg)
+        self.evals += cell.sched.meta["planner"].get("evals", 0)
+        _cell_time(cell, self.cost, self.cfg.contention)
         self.index.setdefault(key, []).append(len(self.cells))
         self.cells.append(cell)
         return True
 
 
+def _restart(cell: Cell, cost: CostModel, contention: bool, limit: float) -> int:
+    """Plan ``cell`` again with another seed; the better plan is kept.  Returns the evaluations."""
+    cell.restarts += 1
+    ccfg = replace(cell.cfg, seed=cell.cfg.seed + 1000 * cell.restarts, time_limit_s=limit)
+    cand = Cell(cell.topo, plan(cell.topo, cost, ccfg), cell.members, cfg=cell.cfg)
+    if _cell_time(cand, cost, contention) < cell.pipeline_s:
+        cell.sched, cell.pipeline_s = cand.sched, cand.pipeline_s
+    return cand.sched.meta["planner"].get("evals", 0)
+
+
 def _improve_slowest(cells: list[Cell], cost: CostModel, cfg: PlanConfig, clock: _Clock, rng: random.Random) -> dict:
-    """Step 3 (module doc): rounds of search on the slowest cell while time is left."""
-    rounds = evals = stuck = 0
+    """Step 3 (module doc): rounds of search on the slowest cell while time is left; a cell stuck
+    for ``STUCK_ROUNDS`` rounds is planned again with another seed (up to ``RESTARTS`` times)."""
+    rounds = evals = restarts = 0
     while cells and clock.left() > 0 and cfg.max_evals != 0:
         worst = max(cells, key=lambda c: c.pipeline_s)
+        if worst.stuck >= STUCK_ROUNDS:
+            if worst.cfg is None or worst.restarts >= RESTARTS:
+                break
+            before = worst.pipeline_s
+            evals += _restart(worst, cost, cfg.contention, clock.left())
+            restarts += 1
+            worst.stuck = 0 if worst.pipeline_s < before - 1e-9 else STUCK_ROUNDS - 1
+            continue
         before = worst.pipeline_s
         worst.sched, st = improve_routes(worst.sched, worst.topo, cost, cfg.contention, False, rng, CHUNK_EVALS,
                                          clock.left())
         evals += st["evals"]
         rounds += 1
-        stuck = stuck + 1 if _cell_time(worst, cost, cfg.contention) >= before - 1e-9 else 0
-        if stuck >= STUCK_ROUNDS:
-            break
-    return {"between_rounds": rounds, "between_evals": evals}
+        worst.stuck = worst.stuck + 1 if _cell_time(worst, cost, cfg.contention) >= before - 1e-9 else 0
+    return {"between_rounds": rounds, "between_evals": evals, "cell_restarts": restarts}
 
 
 def _assemble(cells: list[Cell], cfg: PlanConfig, method: str, info: dict) -> Schedule:
@@ -174,7 +186,6 @@ def _finish(cells: _Cells, cost: CostModel, cfg: PlanConfig, clock: _Clock, info
     """Step 3, then the swarm's schedule with the planner's figures in ``meta["planner"]``."""
     info.update(_improve_slowest(cells.cells, cost, cfg, clock, random.Random(cfg.seed)))
     info["evals"] = cells.evals + info["between_evals"]
-    info["cell_restarts"] = cells.restarts
     info["time_capped"] = clock.left() <= 0
     info["planner_cpu_s"] = clock.used()
     info["planner_s"] = time.perf_counter() - clock.t0
