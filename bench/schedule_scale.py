@@ -16,7 +16,8 @@ Columns (``--json`` rows carry the same keys): ``planner_s`` wall-clock and ``pl
 without the DP sync (the pipelines alone); ``replan_s`` (wall) / ``replan_cpu_s``;
 ``replan_ratio_vs_fresh`` the re-plan's iteration / the fresh plan's; ``search_evaluations``
 (simulations of cells, summed).  ``--quick``: 64, 256 and 1,024 nodes, the same code path.
-``--plot PATH``: planning time and plan quality against node count, log-log.
+``--plot PATH``: planning time and plan quality against node count, log-log; ``--merge JSON``
+puts an earlier run's rows in the table and the plot (a long sweep run in parts).
 
     .venv/bin/python bench/schedule_scale.py --json runs/bench/schedule_scale.json --plot docs/img/schedule_scale.png
 """
@@ -137,15 +138,19 @@ def main(argv=None) -> int:
     ap.add_argument("--quick", action="store_true", help="64, 256 and 1,024 nodes")
     ap.add_argument("--sizes", default=None, help="comma-separated node counts (default: 64 to 4,096)")
     ap.add_argument("--topologies", default="cluster,geo12")
+    ap.add_argument("--merge", action="append", default=[], metavar="JSON",
+                    help="rows of an earlier run's --json put first in the table and the plot (not measured again)")
     ap.add_argument("--replan-max-nodes", type=int, default=4096, help="re-plan (and plan afresh) up to this size")
     args = ap.parse_args(argv)
-    sizes = [int(x) for x in args.sizes.split(",")] if args.sizes else (QUICK_SIZES if args.quick else SIZES)
+    sizes = [int(x) for x in args.sizes.split(",") if x] if args.sizes is not None else (QUICK_SIZES if args.quick else SIZES)
     cost = reference_cost(task_s=DEFAULT_TASK_S)
     print(f"machine: {platform.machine()}, Python {platform.python_version()}, one process; per-task overhead "
           f"{cost.fwd_task_s:.3f} / {cost.bwd_task_s:.3f} s")
     print(f"{'topology':<9}{'nodes':>6}{'limit':>7}{'plan s':>9}{'cpu s':>9}{'iter s':>9}{'full s':>9}{'x full':>8}"
           f"{'no sync':>9}{'replan s':>9}{'cpu s':>9}{'x fresh':>10}{'evals':>9}{'cells':>6}{'dist':>6}")
-    rows = []
+    rows = [r for path in args.merge for r in json.loads(Path(path).read_text())["rows"]]
+    for r in rows:
+        print_row(r)
     for n in sizes:
         for name in args.topologies.split(","):
             rows.append(row(name, n, cost, replan=n <= args.replan_max_nodes))
