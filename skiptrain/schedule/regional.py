@@ -46,7 +46,7 @@ from .simulator import simulate
 FIRST_SHARE = 0.6    # share of the time limit for planning the cells one by one (the rest: step 3)
 CHUNK_EVALS = 150    # simulations per step-3 round on the slowest cell
 RESTARTS = 8         # step 3: a stuck slowest cell is planned again with another seed, at most this often
-STUCK_ROUNDS = 3     # step 3 stops when the slowest cell did not improve this many rounds in a row
+STUCK_ROUNDS = 3     # step 3: the slowest cell is restarted after this many rounds in a row without improvement
 
 
 @dataclass
