@@ -233,8 +233,10 @@ class ElasticConfig:
     nodes: int = _f(0, "nodes of the emulated layout (0 = model.n_stages, one replica each)", min=0)
 
 
-#: The most node processes a run has (``runtime.nodes``), and the most nodes a topology is built for.
+#: The most node processes a run has (``runtime.nodes``).
 MAX_NODES = 1024
+#: The most nodes a topology is built for (the planner and the simulator; its matrices are n x n).
+MAX_TOPOLOGY_NODES = 4096
 #: The most micro-batches a stage-0 node starts per iteration (``runtime.mb_per_originator``): the
 #: planner's time grows with them (about 7 s for 4,000 on the tiny preset).
 MAX_MB_PER_ORIGINATOR = 4096
