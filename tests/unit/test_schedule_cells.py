@@ -147,3 +147,11 @@ def test_full_pipeline_lanes_in_cells_are_aligned_and_stay_in_their_region():
     assert len({n for p in pl for n in p}) == 36
     for i in range(6):
         assert len({topo.nodes[pl[s][i]].location for s in range(6)}) == 1
+
+
+def test_a_limit_of_zero_still_gives_every_cell_a_complete_balanced_plan():
+    topo = geo12(96)
+    s = plan(topo, _cost(), _cfg(cells=None, time_limit_s=0.0, max_evals=None))
+    info = s.meta["planner"]
+    assert info["n_cells"] > 1 and info["time_capped"] and info["between_rounds"] == 0
+    s.validate(SKIP_CLAIMS, n_nodes=96)
