@@ -251,9 +251,10 @@ MAX_TIME_SCALE = 1e3
 #: The largest per-sample-per-layer or per-message time a cost model takes, in seconds.
 MAX_TASK_S = 1e6
 #: Per-task overhead (forward incl. loss, backward) the runtime shows on this machine, real seconds:
-#: what ``bench/runtime_geo.py`` fits from its measured timelines (the default of ``runtime.task_fwd_s``
-#: and ``runtime.task_bwd_s``; ``skiptrain.schedule.cost.DEFAULT_TASK_S`` scales it to SkipPipe's units).
-RUNTIME_TASK_S = (0.004, 0.003)
+#: what ``bench/runtime_geo.py`` fitted from its measured timelines on 2026-11-28 (16 processes, time
+#: scale 1/16; docs/benchmarks/runtime_geo.md), the default of ``runtime.task_fwd_s`` and
+#: ``runtime.task_bwd_s``; ``skiptrain.schedule.cost.DEFAULT_TASK_S`` scales it to SkipPipe's units.
+RUNTIME_TASK_S = (0.0044, 0.0)
 #: The most strikes before a bad peer is banned (``runtime.strikes``): each strike re-runs the iteration with
 #: the same nodes, so a node that keeps sending bad payloads holds the run on one iteration for up to this
 #: many re-runs (a count it never reaches, such as 2**63, keeps it re-running until the launch's time limit).
