@@ -9,6 +9,14 @@ Semantics (the simulator, the planner and the benches all use these and only the
   ``s_per_sample_per_layer * layers(s) * samples / v`` seconds.  Backward takes
   ``backward_factor`` (1.5) times the forward; the loss (final norm, head, loss, start of the
   backward) on the originator takes ``loss_factor`` (0.25) times stage 0's forward there.
+* Per-task overhead: every forward task and the loss pay ``fwd_task_s`` and every backward task
+  ``bwd_task_s`` on top of that compute (the start of a task, its header message, the executor's
+  dispatch; SkipPipe's simulator charges 0.13 s / 0.09 s, :data:`SKIPPIPE_TASK_S`); it does not
+  scale with the node's speed.  :data:`~skiptrain.config.RUNTIME_TASK_S` is what
+  ``bench/runtime_geo.py`` fits from the runtime's timelines on this machine (real seconds: 4.4
+  ms / 0 ms, resolved only to a few milliseconds); :data:`DEFAULT_TASK_S` is the same scaled the
+  way that bench scales compute (x 16: its compute runs at 1/16 of SkipPipe's), the default of
+  ``skiptrain simulate``.  The dataclass default is 0 (the cost model from plain numbers).
 * A hop from ``a`` to ``b`` costs ``latency + bytes / bandwidth + hop_overhead_s``; the fixed
   overhead (host/device copies, serialisation: 0.35 s in SkipPipe's setup) is paid per message.
   Only ``bytes / bandwidth`` occupies the link (that is what queues under contention).
