@@ -8,7 +8,7 @@ batch, both simulated with ``skiptrain simulate``'s default model and cost (link
 dense DP sync, 6 stages x 4 layers, 8 x 1024 tokens per micro-batch, 0.35 s per hop, the
 default per-task overhead), k=33%, m=3, 6 micro-batches per stage-0 node.  Then 5% of the nodes
 (a seeded draw) fail: the planner re-plans from the plan in force with the same limit
-(:func:`~skiptrain.schedule.regional.replan_regions`) and, for comparison, plans the survivors
+(:func:`~skiptrain.schedule.planner.replan`) and, for comparison, plans the survivors
 afresh; both simulated on the survivors.
 
 Columns (``--json`` rows carry the same keys): ``planner_s`` wall-clock and ``planner_cpu_s``;
@@ -38,8 +38,7 @@ from skiptrain.net.topology import load_topology  # noqa: E402
 from skiptrain.schedule.baselines import full_pipeline  # noqa: E402
 from skiptrain.schedule.cost import DEFAULT_TASK_S, reference_cost  # noqa: E402
 from skiptrain.schedule.placement import stage_sizes  # noqa: E402
-from skiptrain.schedule.planner import PlanConfig, plan  # noqa: E402
-from skiptrain.schedule.regional import replan_regions  # noqa: E402
+from skiptrain.schedule.planner import PlanConfig, plan, replan  # noqa: E402
 from skiptrain.schedule.schedule import SKIP_CLAIMS  # noqa: E402
 from skiptrain.schedule.simulator import simulate  # noqa: E402
 
@@ -67,7 +66,7 @@ def both_models(sched, topo, cost) -> tuple[float, float]:
             simulate(sched, topo, cost, dp_sync=False, record=False).iteration_s)
 
 
-def row(name: str, n: int, cost, replan: bool = True) -> dict:
+def row(name: str, n: int, cost, with_replan: bool = True) -> dict:
     topo = load_topology(name, n)
     limit = limit_for(n)
     sched, wall, cpu = timed_plan(plan, topo, cost, PlanConfig(**KW, time_limit_s=limit))
@@ -80,11 +79,11 @@ def row(name: str, n: int, cost, replan: bool = True) -> dict:
            "iteration_s": p, "full_pipeline_s": f, "ratio_vs_full": p / f, "ratio_vs_full_no_sync": p_ns / f_ns,
            "search_evaluations": meta.get("evals", 0), "cells": meta.get("n_cells", 1),
            "distinct_cells": meta.get("distinct_cells", 1), "micro_batches": len(sched.micro_batches)}
-    if not replan:
+    if not with_replan:
         return out
     rng = random.Random(n)
     alive = sorted(rng.sample(range(n), n - round(FAIL_SHARE * n)))
-    re, rwall, rcpu = timed_plan(replan_regions, topo, cost, PlanConfig(**KW, time_limit_s=limit), sched, alive)
+    re, rwall, rcpu = timed_plan(replan, topo, cost, PlanConfig(**KW, time_limit_s=limit), sched, alive)
     re.validate(SKIP_CLAIMS, n_nodes=n)
     sub = topo.subset(alive)
     fresh, fwall, fcpu = timed_plan(plan, sub, cost, PlanConfig(**KW, time_limit_s=limit))
@@ -153,7 +152,7 @@ def main(argv=None) -> int:
         print_row(r)
     for n in sizes:
         for name in args.topologies.split(","):
-            rows.append(row(name, n, cost, replan=n <= args.replan_max_nodes))
+            rows.append(row(name, n, cost, with_replan=n <= args.replan_max_nodes))
             print_row(rows[-1])
             if args.json:           # written after every row: a long run keeps what it measured
                 Path(args.json).parent.mkdir(parents=True, exist_ok=True)

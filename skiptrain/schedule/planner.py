@@ -43,6 +43,7 @@ search, results can differ between machines.  The default budget (:func:`default
 
 from __future__ import annotations
 
+import dataclasses
 import heapq
 import itertools
 import math
@@ -53,6 +54,7 @@ from typing import Any, Sequence
 
 from ..net.topology import Topology
 from .cells import default_cells
+from .regional import Search, plan_regions, replan_regions
 from .cost import CostModel
 from .placement import check_sizes, place, stage_sizes
 from .routes import count_swaps, skip_count, visits_per_route
@@ -580,6 +582,28 @@ def ascending_routes(sched: Schedule, topo: Topology, cost: CostModel) -> None:
                             "ascending routes; give a node consecutive stages (e.g. 1+2, not 1+3) or more memory")
 
 
+def _candidates(topo: Topology, cost: CostModel, cfg: PlanConfig, sizes: list[int], deadline: float) -> list:
+    """Placement candidates: the local optima of the placement search's restarts (step 1)."""
+    k = cfg.placements if cfg.placements is not None else (PLACEMENTS_SMALL if topo.n <= 32 else 1)
+    if cfg.max_evals == 0 or not cfg.collision_aware:
+        k = 1  # no search to screen with: the placement search's best, as before
+    cands = place(topo, sizes, cost, cfg.skip_ratio, cfg.memory, cfg.mb_per_originator, cfg.dp_sync, mode="skip",
+                  seed=cfg.seed, restarts=max(4, k), return_all=True, deadline=deadline)
+    return cands[:max(1, k)]
+
+
+def _limited(cfg: PlanConfig, n_nodes: int) -> PlanConfig:
+    """``cfg`` with its time limit set (:func:`default_time_limit` for ``n_nodes`` when unset)."""
+    limit = cfg.time_limit_s if cfg.time_limit_s is not None else default_time_limit(n_nodes)
+    return dataclasses.replace(cfg, time_limit_s=limit)
+
+
+def replan(topo: Topology, cost: CostModel, cfg: PlanConfig, in_force: Schedule, alive: Sequence[int]) -> Schedule:
+    """Re-plan ``in_force`` for the nodes ``alive`` (survivors and joiners, ids of ``topo``) from
+    the plan in force, under the same limit as a fresh plan (:func:`~.regional.replan_regions`)."""
+    return replan_regions(topo, cost, _limited(cfg, len(alive)), in_force, alive, Search(plan, improve_routes))
+
+
 def plan(topo: Topology, cost: CostModel, cfg: PlanConfig) -> Schedule:
     """Plan one iteration: placement candidates, constructive routes, simulator-scored local search.
 
@@ -589,9 +613,8 @@ def plan(topo: Topology, cost: CostModel, cfg: PlanConfig) -> Schedule:
     its nodes may serve several stages (``runtime.node_stages``): compute is then weighed per
     stage and node, and a hop between two stages of one node costs nothing."""
     cells = cfg.cells if cfg.cells is not None else default_cells(topo.n)
-    if cells > 1 and cfg.placement is None:
-        from .regional import plan_regions   # the decomposition plans each cell with this function
-        return plan_regions(topo, cost, cfg, cells)
+    if cells > 1 and cfg.placement is None:        # large swarms: cell by cell (regional.py)
+        return plan_regions(topo, cost, _limited(cfg, topo.n), cells, Search(plan, improve_routes))
     t0 = time.perf_counter()
     c0 = time.process_time()
     cfg.check(topo.n)
@@ -605,16 +628,8 @@ def plan(topo: Topology, cost: CostModel, cfg: PlanConfig) -> Schedule:
     def left() -> float:
         return max(0.0, time_limit - (time.process_time() - c0))
 
-    if cfg.placement is not None:
-        cands = [[list(p) for p in cfg.placement]]
-    else:
-        k = cfg.placements if cfg.placements is not None else (PLACEMENTS_SMALL if topo.n <= 32 else 1)
-        if cfg.max_evals == 0 or not cfg.collision_aware:
-            k = 1  # no search to screen with: the placement search's best, as before
-        cands = place(topo, sizes, cost, cfg.skip_ratio, cfg.memory, cfg.mb_per_originator,
-                      cfg.dp_sync, mode="skip", seed=cfg.seed, restarts=max(4, k), return_all=True,
-                      deadline=c0 + PLACEMENT_SHARE * time_limit)
-        cands = cands[:max(1, k)]
+    cands = _candidates(topo, cost, cfg, sizes, c0 + PLACEMENT_SHARE * time_limit) if cfg.placement is None \
+        else [[list(p) for p in cfg.placement]]
     t_place = time.perf_counter() - t0
     v = visits_per_route(cfg.skip_ratio, cfg.n_stages)
     method = "planner" if cfg.collision_aware else "planner_no_ca"

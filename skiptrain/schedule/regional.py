@@ -23,6 +23,8 @@ their nodes (a joiner goes to the nearest cell; a cell left with fewer than two 
 merges into its nearest cell), untouched cells keep their placement and routes, and only the
 changed cells' nodes are cut into cells again and planned (placement and routes), then step 3.  Both bound every phase
 by the CPU-seconds limit (``PlanConfig.time_limit_s``, default :func:`~.planner.default_time_limit`).
+The planner calls in (:func:`~.planner.plan`, :func:`~.planner.replan`) with its own search
+functions (:class:`Search`).
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ from __future__ import annotations
 import random
 import time
 from dataclasses import dataclass, replace
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
@@ -38,7 +40,6 @@ from ..net.topology import Topology
 from .cells import deal_quotas, group_cells, hop_distance, split_sizes
 from .cost import CostModel
 from .placement import stage_sizes
-from .planner import PlanConfig, default_time_limit, improve_routes, plan
 from .routes import visits_per_route
 from .schedule import MicroBatch, Schedule
 from .simulator import simulate
@@ -50,6 +51,15 @@ STUCK_ROUNDS = 3     # step 3: the slowest cell is restarted after this many rou
 
 
 @dataclass
+class Search:
+    """The planner's two entry points this module uses (passed in: the planner imports this
+    module, not the other way round): ``plan(topo, cost, cfg)`` and ``improve(schedule, topo,
+    cost, contention, dp_sync, rng, max_evals, time_limit_s)`` (:func:`~.planner.improve_routes`)."""
+    plan: Callable
+    improve: Callable
+
+
+@dataclass
 class Cell:
     """One distinct cell problem: its sub-topology (nodes in canonical order) and its schedule in
     local ids; ``members`` lists, per cell of the swarm it serves, that cell's global node ids in
@@ -57,7 +67,7 @@ class Cell:
     topo: Topology
     sched: Schedule
     members: list[list[int]]
-    cfg: PlanConfig | None = None      # how it was planned (None: the plan in force, kept)
+    cfg: Any | None = None      # how it was planned (None: the plan in force, kept)
     pipeline_s: float = 0.0
     stuck: int = 0                     # step-3 rounds in a row without improvement
     restarts: int = 0
@@ -92,8 +102,8 @@ def _canonical(topo: Topology, nodes: Sequence[int], stage_of: dict[int, int]) -
 class _Cells:
     """The distinct cell problems planned so far (:class:`Cell`), found again by key and matrices."""
 
-    def __init__(self, topo: Topology, cost: CostModel, cfg: PlanConfig):
-        self.topo, self.cost, self.cfg = topo, cost, cfg
+    def __init__(self, topo: Topology, cost: CostModel, cfg: Any, search: Search):
+        self.topo, self.cost, self.cfg, self.search = topo, cost, cfg, search
         self.cells: list[Cell] = []
         self.index: dict[tuple, list[int]] = {}
         self.evals = 0
@@ -117,7 +127,7 @@ class _Cells:
         ccfg = replace(self.cfg, cells=1, quotas=quotas, time_limit_s=limit, dp_sync=False, placement=local_pl,
                        stage_sizes=sizes if local_pl is None else [len(p) for p in local_pl])
         ccfg.seed = self.cfg.seed + len(self.cells)
-        cell = Cell(sub, plan(sub, self.cost, ccfg), [order], cfg=ccfg)
+        cell = Cell(sub, self.search.plan(sub, self.cost, ccfg), [order], cfg=ccfg)
         self.evals += cell.sched.meta["planner"].get("evals", 0)
         _cell_time(cell, self.cost, self.cfg.contention)
         self.index.setdefault(key, []).append(len(self.cells))
@@ -125,17 +135,18 @@ class _Cells:
         return True
 
 
-def _restart(cell: Cell, cost: CostModel, contention: bool, limit: float) -> int:
+def _restart(cell: Cell, cost: CostModel, contention: bool, limit: float, search: Search) -> int:
     """Plan ``cell`` again with another seed; the better plan is kept.  Returns the evaluations."""
     cell.restarts += 1
     ccfg = replace(cell.cfg, seed=cell.cfg.seed + 1000 * cell.restarts, time_limit_s=limit)
-    cand = Cell(cell.topo, plan(cell.topo, cost, ccfg), cell.members, cfg=cell.cfg)
+    cand = Cell(cell.topo, search.plan(cell.topo, cost, ccfg), cell.members, cfg=cell.cfg)
     if _cell_time(cand, cost, contention) < cell.pipeline_s:
         cell.sched, cell.pipeline_s = cand.sched, cand.pipeline_s
     return cand.sched.meta["planner"].get("evals", 0)
 
 
-def _improve_slowest(cells: list[Cell], cost: CostModel, cfg: PlanConfig, clock: _Clock, rng: random.Random) -> dict:
+def _improve_slowest(cells: list[Cell], cost: CostModel, cfg: Any, clock: _Clock, rng: random.Random,
+                     search: Search) -> dict:
     """Step 3 (module doc): rounds of search on the slowest cell while time is left; a cell stuck
     for ``STUCK_ROUNDS`` rounds is planned again with another seed (up to ``RESTARTS`` times)."""
     rounds = evals = restarts = 0
@@ -145,12 +156,12 @@ def _improve_slowest(cells: list[Cell], cost: CostModel, cfg: PlanConfig, clock:
             if worst.cfg is None or worst.restarts >= RESTARTS:
                 break
             before = worst.pipeline_s
-            evals += _restart(worst, cost, cfg.contention, clock.left())
+            evals += _restart(worst, cost, cfg.contention, clock.left(), search)
             restarts += 1
             worst.stuck = 0 if worst.pipeline_s < before - 1e-9 else STUCK_ROUNDS - 1
             continue
         before = worst.pipeline_s
-        worst.sched, st = improve_routes(worst.sched, worst.topo, cost, cfg.contention, False, rng, CHUNK_EVALS,
+        worst.sched, st = search.improve(worst.sched, worst.topo, cost, cfg.contention, False, rng, CHUNK_EVALS,
                                          clock.left())
         evals += st["evals"]
         rounds += 1
@@ -158,7 +169,7 @@ def _improve_slowest(cells: list[Cell], cost: CostModel, cfg: PlanConfig, clock:
     return {"between_rounds": rounds, "between_evals": evals, "cell_restarts": restarts}
 
 
-def _assemble(cells: list[Cell], cfg: PlanConfig, method: str, info: dict) -> Schedule:
+def _assemble(cells: list[Cell], cfg: Any, method: str, info: dict) -> Schedule:
     """The swarm's schedule: every member cell's placement appended stage by stage, its
     micro-batches after the previous cell's with ids renumbered, node ids mapped back."""
     placement: list[list[int]] = [[] for _ in range(cfg.n_stages)]
@@ -182,9 +193,9 @@ def _assemble(cells: list[Cell], cfg: PlanConfig, method: str, info: dict) -> Sc
                     meta={"planner": info, "seed": cfg.seed, "contention": cfg.contention, "dp_sync": cfg.dp_sync})
 
 
-def _finish(cells: _Cells, cost: CostModel, cfg: PlanConfig, clock: _Clock, info: dict) -> Schedule:
+def _finish(cells: _Cells, cost: CostModel, cfg: Any, clock: _Clock, info: dict) -> Schedule:
     """Step 3, then the swarm's schedule with the planner's figures in ``meta["planner"]``."""
-    info.update(_improve_slowest(cells.cells, cost, cfg, clock, random.Random(cfg.seed)))
+    info.update(_improve_slowest(cells.cells, cost, cfg, clock, random.Random(cfg.seed), cells.search))
     info["evals"] = cells.evals + info["between_evals"]
     info["time_capped"] = clock.left() <= 0
     info["planner_cpu_s"] = clock.used()
@@ -201,10 +212,11 @@ def _plan_all(cells: _Cells, clock: _Clock, jobs: list[tuple]) -> None:
         cells.add(nodes, sizes, quotas, placement, min(share, clock.left()))
 
 
-def plan_regions(topo: Topology, cost: CostModel, cfg: PlanConfig, n_cells: int) -> Schedule:
-    """Plan ``topo`` cut into ``n_cells`` cells (module doc, steps 1-3)."""
+def plan_regions(topo: Topology, cost: CostModel, cfg: Any, n_cells: int, search: Search) -> Schedule:
+    """Plan ``topo`` cut into ``n_cells`` cells (module doc, steps 1-3); ``cfg`` is a
+    :class:`~.planner.PlanConfig` with its ``time_limit_s`` set."""
     cfg.check(topo.n)
-    clock = _Clock(cfg.time_limit_s if cfg.time_limit_s is not None else default_time_limit(topo.n))
+    clock = _Clock(cfg.time_limit_s)
     groups = group_cells(topo, cost, n_cells)
     if cfg.stage_sizes is not None:           # the given sizes dealt to the cells
         cell_sizes = split_sizes(cfg.stage_sizes, groups)
@@ -213,7 +225,7 @@ def plan_regions(topo: Topology, cost: CostModel, cfg: PlanConfig, n_cells: int)
     v = visits_per_route(cfg.skip_ratio, cfg.n_stages)
     quotas = deal_quotas(cfg.n_stages, v, [cs[0] * cfg.mb_per_originator for cs in cell_sizes])
     info: dict[str, Any] = {"cells_s": clock.used(), "n_cells": n_cells}
-    cells = _Cells(topo, cost, cfg)
+    cells = _Cells(topo, cost, cfg, search)
     _plan_all(cells, clock, [(g, sz, q, None) for g, sz, q in zip(groups, cell_sizes, quotas)])
     info["within_s"] = clock.used()
     return _finish(cells, cost, cfg, clock, info)
@@ -249,16 +261,16 @@ def _survivor_cells(topo: Topology, cost: CostModel, in_force: Schedule, alive: 
     return [sorted(cells[i]) for i in keep], {k for k, i in enumerate(keep) if i in changed}
 
 
-def replan_regions(topo: Topology, cost: CostModel, cfg: PlanConfig, in_force: Schedule,
-                   alive: Sequence[int]) -> Schedule:
+def replan_regions(topo: Topology, cost: CostModel, cfg: Any, in_force: Schedule,
+                   alive: Sequence[int], search: Search) -> Schedule:
     """Re-plan ``in_force`` (a schedule of :func:`~.planner.plan` on ``topo``) for the nodes
     ``alive`` (survivors and joiners, ids of ``topo``): the cells untouched keep their placement
     and routes; the nodes of the changed cells are cut into cells again (:func:`~.cells.group_cells`,
     the plan's cell size) and planned (placement and routes, as in :func:`plan_regions`), then
-    step 3.  Same time limit as a fresh plan."""
-    clock = _Clock(cfg.time_limit_s if cfg.time_limit_s is not None else default_time_limit(len(alive)))
+    step 3.  ``cfg.time_limit_s`` set: the same limit as a fresh plan."""
+    clock = _Clock(cfg.time_limit_s)
     groups, changed = _survivor_cells(topo, cost, in_force, set(alive), 2 * cfg.n_stages)
-    cells = _Cells(topo, cost, cfg)
+    cells = _Cells(topo, cost, cfg, search)
     fixed = [0] * cfg.n_stages
     by_orig = in_force.by_originator()
     for i in sorted(set(range(len(groups))) - changed):     # untouched: the plan in force

@@ -14,8 +14,7 @@ from hypothesis import strategies as st
 from skiptrain.net.topology import Node, Topology, cluster, geo12
 from skiptrain.schedule.cells import deal_quotas, group_cells, lanes_in_cells, split_sizes
 from skiptrain.schedule.cost import CostModel
-from skiptrain.schedule.planner import PlanConfig, plan
-from skiptrain.schedule.regional import replan_regions
+from skiptrain.schedule.planner import PlanConfig, plan, replan
 from skiptrain.schedule.schedule import SKIP_CLAIMS, MicroBatch, Schedule
 from skiptrain.schedule.simulator import simulate
 
@@ -124,7 +123,7 @@ def test_replanning_after_failures_and_a_join_starts_from_the_plan_in_force():
     s = plan(first, cost, _cfg(time_limit_s=2.0, cells=6))
     dead = {s.placement[1][0], s.placement[0][-1]}
     alive = sorted(set(range(64)) - dead)
-    r = replan_regions(topo, cost, _cfg(time_limit_s=2.0, max_evals=0, cells=6), s, alive)   # no search: routes as dealt
+    r = replan(topo, cost, _cfg(time_limit_s=2.0, max_evals=0, cells=6), s, alive)   # no search: routes as dealt
     r.validate(SKIP_CLAIMS, n_nodes=64)
     used = {n for mb in r.micro_batches for n in (mb.originator, *mb.nodes)}
     assert not used & dead and 63 in set(r.nodes())
