@@ -233,8 +233,10 @@ class ElasticConfig:
     nodes: int = _f(0, "nodes of the emulated layout (0 = model.n_stages, one replica each)", min=0)
 
 
-#: The most node processes a run has (``runtime.nodes``), and the most nodes a topology is built for.
+#: The most node processes a run has (``runtime.nodes``).
 MAX_NODES = 1024
+#: The most nodes a topology is built for (the planner and the simulator; its matrices are n x n).
+MAX_TOPOLOGY_NODES = 4096
 #: The most micro-batches a stage-0 node starts per iteration (``runtime.mb_per_originator``): the
 #: planner's time grows with them (about 7 s for 4,000 on the tiny preset).
 MAX_MB_PER_ORIGINATOR = 4096
@@ -248,6 +250,11 @@ MAX_BYTES_SCALE = 2**16
 MAX_TIME_SCALE = 1e3
 #: The largest per-sample-per-layer or per-message time a cost model takes, in seconds.
 MAX_TASK_S = 1e6
+#: Per-task overhead (forward incl. loss, backward) the runtime shows on this machine, real seconds:
+#: what ``bench/runtime_geo.py`` fitted from its measured timelines on 2026-11-28 (16 processes, time
+#: scale 1/16; docs/benchmarks/runtime_geo.md), the default of ``runtime.task_fwd_s`` and
+#: ``runtime.task_bwd_s``; ``skiptrain.schedule.cost.DEFAULT_TASK_S`` scales it to SkipPipe's units.
+RUNTIME_TASK_S = (0.0044, 0.0)
 #: The most strikes before a bad peer is banned (``runtime.strikes``): each strike re-runs the iteration with
 #: the same nodes, so a node that keeps sending bad payloads holds the run on one iteration for up to this
 #: many re-runs (a count it never reaches, such as 2**63, keeps it re-running until the launch's time limit).
@@ -275,7 +282,11 @@ class RuntimeConfig:
                           max=MAX_BYTES_SCALE)
     hop_overhead_s: float = _f(0.0, "fixed emulated seconds per message (after time scaling)", min=0.0,
                                max=MAX_TASK_S)
-    emulate_compute: bool = _f(False, "pad every forward/backward/loss to the cost model's duration")
+    task_fwd_s: float = _f(RUNTIME_TASK_S[0], "cost model: fixed seconds per forward task and per loss (start, "
+                           "header, dispatch; the runtime pays its own, it is not emulated)", min=0.0, max=MAX_TASK_S)
+    task_bwd_s: float = _f(RUNTIME_TASK_S[1], "cost model: fixed seconds per backward task", min=0.0,
+                           max=MAX_TASK_S)
+    emulate_compute: bool = _f(False, "pad every forward/backward/loss to the cost model's compute")
     s_per_sample_layer: float = _f(0.0, "cost model: forward seconds per sample per layer (0 = profile)", min=0.0,
                                    max=MAX_TASK_S)
     timeout_s: float = _f(30.0, "peer / message / group timeout in seconds", min=0.5, max=MAX_TIMEOUT_S)

@@ -14,7 +14,7 @@ from ..config import MAX_MB_PER_ORIGINATOR, MAX_MEMORY_CREDITS, MAX_NODES, MAX_T
 from ..net.topology import load_topology
 from ..schedule.actcodec import CODECS
 from ..schedule.compare import METHODS, compare, format_table
-from ..schedule.cost import DP_MODES, CostModel
+from ..schedule.cost import DEFAULT_TASK_S, DP_MODES, CostModel
 from ..schedule.gantt import draw_gantt
 from ..schedule.placement import check_sizes
 from ..schedule.planner import PlanConfig
@@ -32,6 +32,7 @@ LIMITS = (("--stages", 1, MAX_NODES, ""), ("--skip", 0.0, 1.0, ""), ("--max-swap
           ("--layers-per-stage", 0, None, ""),
           ("--s-per-sample-layer", 0.0, MAX_TASK_S, "a number of seconds "),
           ("--hop-overhead", 0.0, MAX_TASK_S, "a number of seconds "),
+          ("--task-overhead", 0.0, MAX_TASK_S, "two numbers of seconds "),
           ("--act-fast-gbps", 0.0, None, "a number of GB/s "),
           ("--max-evals", 0, None, ""), ("--time-limit", 0.0, None, "a number of seconds "))
 
@@ -41,7 +42,8 @@ def check_limits(args: argparse.Namespace) -> None:
     stage on ``--stages`` stages and ``--stage-sizes`` that do not list ``--stages`` stages, naming the flags."""
     for flag, lo, hi, unit in LIMITS:
         value = getattr(args, flag[2:].replace("-", "_"))
-        if value is not None and not (lo <= value and (hi is None or value <= hi)):
+        values = value if isinstance(value, tuple) else (value,)
+        if value is not None and not all(lo <= v and (hi is None or v <= hi) for v in values):
             where = f"in [{lo:g}, {hi:g}]" if hi is not None else f">= {lo:g}"
             raise ScheduleError(f"{flag} {value} must be {unit}{where}")
     try:
@@ -70,6 +72,14 @@ def _ints(text: str) -> list[int]:
         raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
 
 
+def _seconds_pair(text: str) -> tuple[float, float]:
+    try:
+        f, b = (float(x) for x in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected FWD,BWD seconds, e.g. 0.13,0.09, got {text!r}") from None
+    return f, b
+
+
 def register(subparsers) -> None:
     p = subparsers.add_parser("simulate", help="plan routes and simulate an iteration (all baselines vs. the planner)",
                               description=__doc__, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -89,6 +99,9 @@ def register(subparsers) -> None:
     p.add_argument("--layers-per-stage", type=int, default=4)
     p.add_argument("--s-per-sample-layer", type=float, default=0.055, help="forward seconds per sample per layer")
     p.add_argument("--hop-overhead", type=float, default=0.35, help="fixed seconds per message")
+    p.add_argument("--task-overhead", type=_seconds_pair, default=DEFAULT_TASK_S, metavar="FWD,BWD",
+                   help="fixed seconds per forward (and loss) task and per backward task; default: the runtime's "
+                        "measured overhead in these units (SkipPipe's simulator: 0.13,0.09)")
     p.add_argument("--dp", choices=DP_MODES, default="dense", help="data-parallel sync model")
     p.add_argument("--dp-payload-mb", type=float, default=0.0, help="compressed sync payload per replica (MiB)")
     p.add_argument("--act-codec", choices=CODECS, default="fp32",
@@ -116,7 +129,8 @@ def run(args: argparse.Namespace) -> int:
                      dtype_bytes=args.dtype_bytes, layers_per_stage=[args.layers_per_stage] * args.stages,
                      s_per_sample_per_layer=args.s_per_sample_layer, hop_overhead_s=args.hop_overhead,
                      dp_mode=args.dp, compressed_payload_bytes=int(args.dp_payload_mb * 2 ** 20),
-                     act_codec=args.act_codec, act_fast_GBps=args.act_fast_gbps)
+                     act_codec=args.act_codec, act_fast_GBps=args.act_fast_gbps,
+                     fwd_task_s=args.task_overhead[0], bwd_task_s=args.task_overhead[1])
     methods = tuple(m.strip() for m in args.methods.split(",") if m.strip())
     bad = [m for m in methods if m not in METHODS]
     if bad or "planner" not in methods:

@@ -44,7 +44,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from ..config import MAX_NODES  # (its matrices are n x n)
+from ..config import MAX_TOPOLOGY_NODES  # (its matrices are n x n)
 from ..errors import UserError
 
 GiB = float(2 ** 30)
@@ -292,8 +292,8 @@ def random_topology(n_nodes: int = 12, seed: int = 0, n_regions: int | None = No
 
 def load_topology(source: str, n_nodes: int | None = None, seed: int = 0) -> Topology:
     """A preset name (``geo12``, ``geo12-fixed``, ``cluster``, ``random``, ``random:SEED``) or a JSON file."""
-    if n_nodes is not None and n_nodes > MAX_NODES:
-        raise TopologyError(f"{n_nodes} nodes is more than a topology holds ({MAX_NODES}); ask for fewer nodes")
+    if n_nodes is not None and n_nodes > MAX_TOPOLOGY_NODES:
+        raise TopologyError(f"{n_nodes} nodes is more than a topology holds ({MAX_TOPOLOGY_NODES}); ask for fewer nodes")
     if source in ("geo12", "geo12-fixed"):
         return geo12(n_nodes if n_nodes is not None else 20, fixed=source == "geo12-fixed")
     if source == "cluster":

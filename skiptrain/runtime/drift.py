@@ -51,8 +51,8 @@ class DriftMonitor:
             for e in events:
                 if e.kind in ("fwd", "bwd", "loss"):
                     meas += e.end - e.start
-                    exp += (self.cost.fwd_s(e.stage, sp) if e.kind == "fwd" else
-                            self.cost.bwd_s(e.stage, sp) if e.kind == "bwd" else self.cost.loss_s(sp))
+                    exp += (self.cost.fwd_compute_s(e.stage, sp) if e.kind == "fwd" else
+                            self.cost.bwd_compute_s(e.stage, sp) if e.kind == "bwd" else self.cost.loss_compute_s(sp))
             if exp > 0:
                 self.compute = self._ema(self.compute, meas / exp)
             per: dict[int, list[float]] = {}

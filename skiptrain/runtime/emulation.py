@@ -47,14 +47,15 @@ class Emulation:
     # ---- compute -------------------------------------------------------------------------
 
     def task_s(self, kind: int, stage: int) -> float:
-        """The emulated seconds of one task (0 without a cost model)."""
+        """The emulated compute seconds of one task (0 without a cost model); the cost model's
+        per-task overhead is not emulated: the runtime pays its own."""
         if self.cost is None:
             return 0.0
         if kind == FWD:
-            return self.cost.fwd_s(stage, self.speed)
+            return self.cost.fwd_compute_s(stage, self.speed)
         if kind == BWD:
-            return self.cost.bwd_s(stage, self.speed)
-        return self.cost.loss_s(self.speed)
+            return self.cost.bwd_compute_s(stage, self.speed)
+        return self.cost.loss_compute_s(self.speed)
 
     def finish(self, kind: int, stage: int, start: float) -> float:
         """The executor's task timer: when a task that started at ``start`` ends (padded to its

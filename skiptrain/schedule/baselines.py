@@ -1,7 +1,8 @@
 """Baseline schedules, built from the same placement, cost model and simulator as the planner.
 
-* :func:`full_pipeline` -- no skipping, fixed lanes (DT-FM-like lane placement): lane ``i`` is
-  the ``i``-th node of every stage; the global batch is split evenly over the lanes; ``order``
+* :func:`full_pipeline` -- no skipping, fixed lanes (DT-FM-like lane placement; on large swarms
+  lanes of nearby nodes placed cell by cell, :func:`~.cells.lanes_in_cells`, and ``sizes`` only
+  gives the number of stages): lane ``i`` is the ``i``-th node of every stage; the global batch is split evenly over the lanes; ``order``
   ``"1f1b"`` or ``"gpipe"`` sets the task priority on nodes.
 * :func:`random_skip` -- balanced random stage sets (ascending), replicas drawn at random with an
   equal share of visits per replica: every route constraint kept, the network ignored except
@@ -25,6 +26,7 @@ import random
 from typing import Sequence
 
 from ..net.topology import Topology
+from .cells import default_cells, lanes_in_cells
 from .cost import CostModel
 from .placement import place
 from .routes import balanced_routes
@@ -36,6 +38,9 @@ def full_pipeline(topo: Topology, cost: CostModel, sizes: Sequence[int], n_micro
                   placement: list[list[int]] | None = None) -> Schedule:
     """Fixed lanes without skipping; ``n_micro`` micro-batches spread over ``min(sizes)`` lanes."""
     S = len(sizes)
+    cells = default_cells(topo.n)
+    if placement is None and cells > 1:      # a large swarm: lanes placed cell by cell, like the planner
+        placement = lanes_in_cells(topo, S, cost, memory, max(1, n_micro // max(1, min(sizes))), cells, seed)
     pl = placement or place(topo, sizes, cost, 0.0, memory, max(1, n_micro // max(1, sizes[0])),
                             dp_sync, mode="lanes", seed=seed)
     L = min(len(p) for p in pl)
@@ -123,6 +128,7 @@ def swarm_greedy(topo: Topology, cost: CostModel, placement: list[list[int]], mb
     stage_sets = balanced_routes(S, k, M, rng, max_swaps=0) if skip else [list(range(1, S))] * M
     stage_of = {n: s for s, p in enumerate(placement) for n in p}
     f = {n: cost.fwd_s(s, topo.speed(n)) for n, s in stage_of.items()}
+    b = {n: cost.bwd_s(s, topo.speed(n)) for n, s in stage_of.items()}
     free = {n: 0.0 for n in stage_of}
     inject = {o: 0.0 for o in origs}
     done: dict[int, list[float]] = {o: [] for o in origs}
@@ -140,11 +146,11 @@ def swarm_greedy(topo: Topology, cost: CostModel, placement: list[list[int]], mb
         for s in r:
             best = min(placement[s], key=lambda n: (max(t + cost.hop_s(topo, prev, n), free[n]) + f[n], n))
             t = max(t + cost.hop_s(topo, prev, best), free[best]) + f[best]
-            free[best] = t + f[best] * cost.backward_factor
-            back += cost.hop_s(topo, best, prev) + f[best] * cost.backward_factor
+            free[best] = t + b[best]
+            back += cost.hop_s(topo, best, prev) + b[best]
             route.append((s, best))
             prev = best
-        t += cost.hop_s(topo, prev, o) + cost.loss_s(topo.speed(o)) + back + f[o] * cost.backward_factor
+        t += cost.hop_s(topo, prev, o) + cost.loss_s(topo.speed(o)) + back + b[o]
         done[o].append(t)
         mbs.append(MicroBatch(j, o, route, 0.0))
     name = "swarm_skip" if skip else "swarm_full"

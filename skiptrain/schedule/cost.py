@@ -9,6 +9,14 @@ Semantics (the simulator, the planner and the benches all use these and only the
   ``s_per_sample_per_layer * layers(s) * samples / v`` seconds.  Backward takes
   ``backward_factor`` (1.5) times the forward; the loss (final norm, head, loss, start of the
   backward) on the originator takes ``loss_factor`` (0.25) times stage 0's forward there.
+* Per-task overhead: every forward task and the loss pay ``fwd_task_s`` and every backward task
+  ``bwd_task_s`` on top of that compute (the start of a task, its header message, the executor's
+  dispatch; SkipPipe's simulator charges 0.13 s / 0.09 s, :data:`SKIPPIPE_TASK_S`); it does not
+  scale with the node's speed.  :data:`~skiptrain.config.RUNTIME_TASK_S` is what
+  ``bench/runtime_geo.py`` fits from the runtime's timelines on this machine (real seconds: 4.4
+  ms / 0 ms, resolved only to a few milliseconds); :data:`DEFAULT_TASK_S` is the same scaled the
+  way that bench scales compute (x 16: its compute runs at 1/16 of SkipPipe's), the default of
+  ``skiptrain simulate``.  The dataclass default is 0 (the cost model from plain numbers).
 * A hop from ``a`` to ``b`` costs ``latency + bytes / bandwidth + hop_overhead_s``; the fixed
   overhead (host/device copies, serialisation: 0.35 s in SkipPipe's setup) is paid per message.
   Only ``bytes / bandwidth`` occupies the link (that is what queues under contention).
@@ -41,12 +49,18 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any, Sequence
 
-from ..config import MAX_TASK_S
+from ..config import MAX_TASK_S, RUNTIME_TASK_S
 from ..errors import UserError
 from ..net.topology import Topology
 from .actcodec import CODECS, PLAIN, encoded_bytes, quantizes, slow_link_codec
 
 DP_MODES = ("dense", "compressed", "none")
+#: per-task overhead (forward incl. loss, backward) of SkipPipe's own simulator, seconds
+SKIPPIPE_TASK_S = (0.13, 0.09)
+#: the compute scale of that bench (its compute runs at this fraction of SkipPipe's seconds)
+RUNTIME_GEO_TIME_SCALE = 1 / 16
+#: :data:`RUNTIME_TASK_S` in SkipPipe's units (scaled as that bench scales compute)
+DEFAULT_TASK_S = (RUNTIME_TASK_S[0] / RUNTIME_GEO_TIME_SCALE, RUNTIME_TASK_S[1] / RUNTIME_GEO_TIME_SCALE)
 #: a link whose hop takes more than this many times the median hop is unusable for routes
 USABLE_HOP_FACTOR = 10.0
 
@@ -83,6 +97,8 @@ class CostModel:
     act_codec_s: float = 0.0        # encode + decode seconds per quantised message
     act_plain: str = "fp32"         # encoding of the other links (the compute precision's: fp32 or bf16)
     byte_scale: float = 1.0         # emulated bytes per encoded byte (the runtime's bytes_scale)
+    fwd_task_s: float = 0.0         # fixed seconds per forward task and per loss (not scaled by speed)
+    bwd_task_s: float = 0.0         # fixed seconds per backward task
 
     def __post_init__(self) -> None:
         if self.dp_mode not in DP_MODES:
@@ -99,7 +115,7 @@ class CostModel:
                 raise CostError(f"cost model {name} must be >= 1")
         if any(x < 0 for x in self.layers_per_stage) or not self.layers_per_stage:
             raise CostError("layers_per_stage must list >= 0 layers for every stage")
-        for name in ("s_per_sample_per_layer", "hop_overhead_s", "act_codec_s"):
+        for name in ("s_per_sample_per_layer", "hop_overhead_s", "act_codec_s", "fwd_task_s", "bwd_task_s"):
             if not 0 <= getattr(self, name) <= MAX_TASK_S:  # (< 0, nan, inf, or so large that sums overflow)
                 raise CostError(f"cost model {name}={getattr(self, name)} is not a number of seconds in "
                                 f"[0, {MAX_TASK_S:g}]; give a measured time (e.g. 0.055)")
@@ -116,14 +132,31 @@ class CostModel:
     def activation_bytes(self) -> int:
         return self.samples * self.tokens_per_sample * self.d_model * self.dtype_bytes
 
-    def fwd_s(self, stage: int, speed: float = 1.0) -> float:
+    def fwd_compute_s(self, stage: int, speed: float = 1.0) -> float:
+        """Compute seconds of one forward of ``stage`` at ``speed`` (no per-task overhead)."""
         return self.s_per_sample_per_layer * self.layers_per_stage[stage] * self.samples / speed
 
+    def bwd_compute_s(self, stage: int, speed: float = 1.0) -> float:
+        return self.backward_factor * self.fwd_compute_s(stage, speed)
+
+    def loss_compute_s(self, speed: float = 1.0) -> float:
+        return self.loss_factor * self.fwd_compute_s(0, speed)
+
+    def fwd_s(self, stage: int, speed: float = 1.0) -> float:
+        """Seconds of one forward task: compute plus ``fwd_task_s``."""
+        return self.fwd_compute_s(stage, speed) + self.fwd_task_s
+
     def bwd_s(self, stage: int, speed: float = 1.0) -> float:
-        return self.backward_factor * self.fwd_s(stage, speed)
+        """Seconds of one backward task: ``backward_factor`` x the forward's compute plus ``bwd_task_s``."""
+        return self.bwd_compute_s(stage, speed) + self.bwd_task_s
 
     def loss_s(self, speed: float = 1.0) -> float:
-        return self.loss_factor * self.fwd_s(0, speed)
+        """Seconds of the loss task on the originator: compute plus ``fwd_task_s``."""
+        return self.loss_compute_s(speed) + self.fwd_task_s
+
+    def with_task_s(self, fwd: float, bwd: float) -> "CostModel":
+        """A copy with per-task overheads ``fwd`` / ``bwd`` seconds."""
+        return CostModel.from_dict({**self.to_dict(), "fwd_task_s": fwd, "bwd_task_s": bwd})
 
     def hop_codec(self, topo: Topology, a: int, b: int) -> str:
         """Encoding of messages ``a -> b``: ``act_codec`` on links slower than ``act_fast_GBps``,
@@ -268,23 +301,26 @@ def ring_order(topo: Topology, nodes: Sequence[int]) -> list[int]:
     return best
 
 
-def reference_cost(tokens_per_microbatch: int = 8 * 1024, dp_mode: str = "dense") -> CostModel:
+def reference_cost(tokens_per_microbatch: int = 8 * 1024, dp_mode: str = "dense",
+                   task_s: tuple[float, float] = (0.0, 0.0)) -> CostModel:
     """SkipPipe's 20-node setup (skippipe_reference.json): d=1024 fp32, 6 stages x 4 layers,
-    0.055 s/sample/layer, 0.35 s per hop; ``tokens_per_microbatch`` in multiples of 1024."""
+    0.055 s/sample/layer, 0.35 s per hop; ``tokens_per_microbatch`` in multiples of 1024;
+    ``task_s``: (forward, backward) overhead per task (:data:`SKIPPIPE_TASK_S` is SkipPipe's)."""
     if tokens_per_microbatch % 1024:
         raise CostError("tokens per micro-batch must be a multiple of the 1024-token context")
     return CostModel(d_model=1024, tokens_per_sample=1024, samples=tokens_per_microbatch // 1024,
                      dtype_bytes=4, layers_per_stage=[4] * 6, s_per_sample_per_layer=0.055,
-                     hop_overhead_s=0.35, dp_mode=dp_mode)
+                     hop_overhead_s=0.35, dp_mode=dp_mode, fwd_task_s=task_s[0], bwd_task_s=task_s[1])
 
 
-def published_cost(dp_mode: str = "dense") -> CostModel:
+def published_cost(dp_mode: str = "dense", task_s: tuple[float, float] = (0.0, 0.0)) -> CostModel:
     """The cost behind SkipPipe's published schedule.json and its 79.9 s / 33.3 s: 2 samples of
     4096 tokens per micro-batch (32 MiB per hop, d=1024 fp32), forward 0.055 s x 4 layers x 2
-    samples = 0.44 s per stage, 0.35 s per hop (``how_to_read`` in schedule/data)."""
+    samples = 0.44 s per stage, 0.35 s per hop (``how_to_read`` in schedule/data); ``task_s`` as
+    in :func:`reference_cost`."""
     return CostModel(d_model=1024, tokens_per_sample=4096, samples=2, dtype_bytes=4,
                      layers_per_stage=[4] * 6, s_per_sample_per_layer=0.055, hop_overhead_s=0.35,
-                     dp_mode=dp_mode)
+                     dp_mode=dp_mode, fwd_task_s=task_s[0], bwd_task_s=task_s[1])
 
 
 def from_model_config(model: Any, samples: int, s_per_sample_per_layer: float | None = None,

@@ -48,12 +48,12 @@ def stage_sizes(n_nodes: int, n_stages: int, skip_ratio: float, cost: CostModel 
         return [n_nodes]
     v = visits_per_route(skip_ratio, n_stages)
     if cost is None:
-        f = [1.0] * n_stages
-        lf, bf = 0.25, 1.5
+        per = [2.5] * n_stages                      # forward 1 + backward 1.5 per visit
+        per[0] += 0.25                              # + the loss
     else:
-        f = [cost.fwd_s(s) or 1e-9 for s in range(n_stages)]
-        lf, bf = cost.loss_factor, cost.backward_factor
-    work = [f[0] * (1 + lf + bf)] + [f[s] * (1 + bf) * v / (n_stages - 1) for s in range(1, n_stages)]
+        per = [(cost.fwd_s(s) + cost.bwd_s(s)) or 1e-9 for s in range(n_stages)]
+        per[0] += cost.loss_s()
+    work = [per[0]] + [per[s] * v / (n_stages - 1) for s in range(1, n_stages)]
     spare = n_nodes - n_stages
     total = sum(work)
     raw = [spare * w / total for w in work]
@@ -96,7 +96,17 @@ class _Estimator:
 
     def work(self, stage: int, nodes: np.ndarray) -> np.ndarray:
         c = self.cost
-        return c.fwd_s(stage) * (1 + c.backward_factor) / self.speed[nodes]
+        return np.array([c.fwd_s(stage, sp) + c.bwd_s(stage, sp) for sp in self.speed[nodes]])
+
+    def round0(self, o: int) -> float:
+        """Stage 0's forward + loss + backward on originator ``o`` at its speed."""
+        c, sp = self.cost, self.speed[o]
+        return c.fwd_s(0, sp) + c.loss_s(sp) + c.bwd_s(0, sp)
+
+    def work1(self, stage: int, n: int) -> float:
+        """Forward + backward of ``stage`` on node ``n`` at its speed."""
+        c, sp = self.cost, self.speed[n]
+        return c.fwd_s(stage, sp) + c.bwd_s(stage, sp)
 
     def sync(self, placement: list[list[int]]) -> float:
         if not self.dp_sync:
@@ -112,7 +122,6 @@ class _Estimator:
         return worst
 
     def __call__(self, placement: list[list[int]]) -> float:
-        c = self.cost
         if self.mode == "lanes":
             L = min(len(p) for p in placement)
             per_lane = math.ceil(self.total_mb / L)
@@ -121,17 +130,16 @@ class _Estimator:
             for i in range(L):
                 lane = [placement[s][i] for s in range(self.S)]
                 o = lane[0]
-                rt = c.fwd_s(0) * (1 + c.loss_factor + c.backward_factor) / self.speed[o]
+                rt = self.round0(o)
                 rt += sum(self.work(s, np.array([lane[s]]))[0] for s in range(1, self.S))
                 ring = lane + [o]
                 rt += sum(self.RT[ring[k], ring[k + 1]] for k in range(len(ring) - 1))
-                T.append(max(waves * rt, per_lane * c.fwd_s(0) * (1 + c.loss_factor + c.backward_factor)))
+                T.append(max(waves * rt, per_lane * self.round0(o)))
             return max(T) + 0.1 * sum(T) / len(T) + self.sync(placement)
         origs = placement[0]
         n0 = len(origs)
         waves = math.ceil(self.mbo / self.memory)
-        f0 = c.fwd_s(0) * (1 + c.loss_factor + c.backward_factor)
-        own = [f0 / self.speed[o] for o in origs]
+        own = [self.round0(o) for o in origs]
         v = len(self.subsets[0])
         frac = v / (self.S - 1) if self.S > 1 else 0.0
         RT = self.RT
@@ -144,7 +152,6 @@ class _Estimator:
             cap = [self.mbo * n0 * frac / len(reps)] * len(reps)
             dem = [self.mbo * frac] * n0
             pairs = sorted((RT[o, r], i, k) for i, o in enumerate(origs) for k, r in enumerate(reps))
-            ws = c.fwd_s(s) * (1 + c.backward_factor)
             for d, i, k in pairs:
                 x = min(dem[i], cap[k])
                 if x <= 0:
@@ -152,7 +159,7 @@ class _Estimator:
                 dem[i] -= x
                 cap[k] -= x
                 hop[i] += x * d
-                work[i] += x * ws / self.speed[reps[k]]
+                work[i] += x * self.work1(s, reps[k])
         T = []
         for i in range(n0):
             per_mb_hop = hop[i] / self.mbo * (v + 1) / max(v, 1)

@@ -43,6 +43,7 @@ search, results can differ between machines.  The default budget (:func:`default
 
 from __future__ import annotations
 
+import dataclasses
 import heapq
 import itertools
 import math
@@ -52,6 +53,8 @@ from dataclasses import dataclass
 from typing import Any, Sequence
 
 from ..net.topology import Topology
+from .cells import default_cells
+from .regional import Search, plan_regions, replan_regions
 from .cost import CostModel
 from .placement import check_sizes, place, stage_sizes
 from .routes import count_swaps, skip_count, visits_per_route
@@ -78,6 +81,8 @@ class PlanConfig:
     constructions: int | None = None  # lane-like starting points tried (None: by size)
     placements: int | None = None  # placement candidates screened with real routes (None: by size)
     anneal: float = 0.0            # local-search start temperature x start score (0: descent)
+    cells: int | None = None       # regional decomposition (regional.py): cells (None: by size, 1: none)
+    quotas: dict[int, int] | None = None  # visits per body stage (None: balanced, +-1); set per cell
 
     def check(self, n_nodes: int) -> None:
         if self.n_stages < 1:
@@ -153,7 +158,10 @@ class RouteContext:
         self.topo, self.cost, self.placement = topo, cost, placement
         self.H = cost.hop_seconds(topo)
         self.f = stage_seconds(topo, cost, placement)
-        self.b = [[x * cost.backward_factor for x in row] for row in self.f]
+        self.b = [[0.0] * topo.n for _ in placement]
+        for s, nodes in enumerate(placement):
+            for n in nodes:
+                self.b[s][n] = cost.bwd_s(s, topo.nodes[n].speed)
         self.loss = {o: cost.loss_s(topo.nodes[o].speed) for o in placement[0]}
 
 
@@ -200,12 +208,13 @@ def _best_replicas(ctx: RouteContext, o: int, order: Sequence[int], t0: float, f
 
 def construct_routes(ctx: RouteContext, originators: Sequence[int], mb_per_originator: int, n_stages: int,
                      visits: int, max_swaps: int, memory: int, rng: random.Random,
-                     aware: bool = True) -> list[MicroBatch]:
+                     aware: bool = True, quotas: dict[int, int] | None = None) -> list[MicroBatch]:
     """Greedy list-scheduling construction (see module doc, step 2).  Micro-batch ids are
-    assigned wave by wave: id = wave * len(originators) + originator index."""
+    assigned wave by wave: id = wave * len(originators) + originator index.  ``quotas``: visits
+    per body stage (default :func:`stage_quotas`)."""
     orders = route_orders(n_stages, visits, max_swaps)
     M = len(originators) * mb_per_originator
-    quota = stage_quotas(M, n_stages, visits, rng)
+    quota = dict(quotas) if quotas is not None else stage_quotas(M, n_stages, visits, rng)
     N = ctx.topo.n
     free = [0.0] * N
     node_quota = None
@@ -261,7 +270,7 @@ def construct_routes(ctx: RouteContext, originators: Sequence[int], mb_per_origi
 
 def construct_affinity(ctx: RouteContext, originators: Sequence[int], mb_per_originator: int, n_stages: int,
                        visits: int, max_swaps: int, rng: random.Random, penalty: float,
-                       order_of_originators: Sequence[int]) -> list[MicroBatch]:
+                       order_of_originators: Sequence[int], quotas: dict[int, int] | None = None) -> list[MicroBatch]:
     """Lane-like construction: originators one after another (in ``order_of_originators``),
     each micro-batch taking the cheapest round trip (hops both ways + compute) where a node
     already used by *another* originator costs ``penalty`` extra, under the stage quotas and
@@ -269,7 +278,7 @@ def construct_affinity(ctx: RouteContext, originators: Sequence[int], mb_per_ori
     micro-batches keep to their own nodes, like SkipPipe's lanes; the quotas keep balance."""
     orders = route_orders(n_stages, visits, max_swaps)
     M = len(originators) * mb_per_originator
-    quota = stage_quotas(M, n_stages, visits, rng)
+    quota = dict(quotas) if quotas is not None else stage_quotas(M, n_stages, visits, rng)
     H, f, b = ctx.H, ctx.f, ctx.b
     cap = {}
     for s in range(1, n_stages):
@@ -573,6 +582,28 @@ def ascending_routes(sched: Schedule, topo: Topology, cost: CostModel) -> None:
                             "ascending routes; give a node consecutive stages (e.g. 1+2, not 1+3) or more memory")
 
 
+def _candidates(topo: Topology, cost: CostModel, cfg: PlanConfig, sizes: list[int], deadline: float) -> list:
+    """Placement candidates: the local optima of the placement search's restarts (step 1)."""
+    k = cfg.placements if cfg.placements is not None else (PLACEMENTS_SMALL if topo.n <= 32 else 1)
+    if cfg.max_evals == 0 or not cfg.collision_aware:
+        k = 1  # no search to screen with: the placement search's best, as before
+    cands = place(topo, sizes, cost, cfg.skip_ratio, cfg.memory, cfg.mb_per_originator, cfg.dp_sync, mode="skip",
+                  seed=cfg.seed, restarts=max(4, k), return_all=True, deadline=deadline)
+    return cands[:max(1, k)]
+
+
+def _limited(cfg: PlanConfig, n_nodes: int) -> PlanConfig:
+    """``cfg`` with its time limit set (:func:`default_time_limit` for ``n_nodes`` when unset)."""
+    limit = cfg.time_limit_s if cfg.time_limit_s is not None else default_time_limit(n_nodes)
+    return dataclasses.replace(cfg, time_limit_s=limit)
+
+
+def replan(topo: Topology, cost: CostModel, cfg: PlanConfig, in_force: Schedule, alive: Sequence[int]) -> Schedule:
+    """Re-plan ``in_force`` for the nodes ``alive`` (survivors and joiners, ids of ``topo``) from
+    the plan in force, under the same limit as a fresh plan (:func:`~.regional.replan_regions`)."""
+    return replan_regions(topo, cost, _limited(cfg, len(alive)), in_force, alive, Search(plan, improve_routes))
+
+
 def plan(topo: Topology, cost: CostModel, cfg: PlanConfig) -> Schedule:
     """Plan one iteration: placement candidates, constructive routes, simulator-scored local search.
 
@@ -581,6 +612,9 @@ def plan(topo: Topology, cost: CostModel, cfg: PlanConfig) -> Schedule:
     best continues with the rest of the budget.  A given ``cfg.placement`` is kept as it is, and
     its nodes may serve several stages (``runtime.node_stages``): compute is then weighed per
     stage and node, and a hop between two stages of one node costs nothing."""
+    cells = cfg.cells if cfg.cells is not None else default_cells(topo.n)
+    if cells > 1 and cfg.placement is None:        # large swarms: cell by cell (regional.py)
+        return plan_regions(topo, cost, _limited(cfg, topo.n), cells, Search(plan, improve_routes))
     t0 = time.perf_counter()
     c0 = time.process_time()
     cfg.check(topo.n)
@@ -594,16 +628,8 @@ def plan(topo: Topology, cost: CostModel, cfg: PlanConfig) -> Schedule:
     def left() -> float:
         return max(0.0, time_limit - (time.process_time() - c0))
 
-    if cfg.placement is not None:
-        cands = [[list(p) for p in cfg.placement]]
-    else:
-        k = cfg.placements if cfg.placements is not None else (PLACEMENTS_SMALL if topo.n <= 32 else 1)
-        if cfg.max_evals == 0 or not cfg.collision_aware:
-            k = 1  # no search to screen with: the placement search's best, as before
-        cands = place(topo, sizes, cost, cfg.skip_ratio, cfg.memory, cfg.mb_per_originator,
-                      cfg.dp_sync, mode="skip", seed=cfg.seed, restarts=max(4, k), return_all=True,
-                      deadline=c0 + PLACEMENT_SHARE * time_limit)
-        cands = cands[:max(1, k)]
+    cands = _candidates(topo, cost, cfg, sizes, c0 + PLACEMENT_SHARE * time_limit) if cfg.placement is None \
+        else [[list(p) for p in cfg.placement]]
     t_place = time.perf_counter() - t0
     v = visits_per_route(cfg.skip_ratio, cfg.n_stages)
     method = "planner" if cfg.collision_aware else "planner_no_ca"
@@ -618,7 +644,7 @@ def plan(topo: Topology, cost: CostModel, cfg: PlanConfig) -> Schedule:
     def starting_point(pl: list[list[int]]) -> tuple[float, Schedule]:
         ctx = RouteContext(topo, cost, pl)
         sched = mk(pl, construct_routes(ctx, pl[0], cfg.mb_per_originator, cfg.n_stages, v, cfg.max_swaps,
-                                        cfg.memory, rng, aware=cfg.collision_aware))
+                                        cfg.memory, rng, aware=cfg.collision_aware, quotas=cfg.quotas))
         if not cfg.collision_aware:
             return math.nan, sched
         # several lane-like constructions too; keep the one the simulator likes best
@@ -630,7 +656,7 @@ def plan(topo: Topology, cost: CostModel, cfg: PlanConfig) -> Schedule:
             oo = list(pl[0])
             rng.shuffle(oo)
             cand = mk(pl, construct_affinity(ctx, pl[0], cfg.mb_per_originator, cfg.n_stages, v,
-                                             cfg.max_swaps, rng, PENALTIES[k % len(PENALTIES)], oo))
+                                             cfg.max_swaps, rng, PENALTIES[k % len(PENALTIES)], oo, cfg.quotas))
             x = sc(cand)
             if x < best_sc:
                 best_sc, sched = x, cand

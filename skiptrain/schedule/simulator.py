@@ -2,7 +2,8 @@
 
 Model (DESIGN.md section 5; the runtime implements the same rules):
 
-* Every node runs one compute task at a time.  Ready tasks wait in two classes: backward
+* Every node runs one compute task at a time, of :meth:`CostModel.fwd_s` / ``bwd_s`` / ``loss_s``
+  seconds at its speed (compute plus the per-task overhead).  Ready tasks wait in two classes: backward
   (``bwd`` and ``loss``) and forward; with policy ``1f1b`` backward goes first, with ``gpipe``
   forward goes first; within a class first come, first served (ties by micro-batch order).
 * Memory credits: a node starts a forward only while it holds fewer than ``schedule.memory``
@@ -122,6 +123,9 @@ class _Run:
         fwd = {}                                         # (stage, node) -> forward seconds
         self.fwd_jp = [[fwd.get((s, n)) or fwd.setdefault((s, n), cost.fwd_s(s, topo.nodes[n].speed))
                         for s, n in zip(st, path)] for st, path in zip(self.stages, self.paths)]
+        bwd = {}                                         # (stage, node) -> backward seconds
+        self.bwd_jp = [[bwd.get((s, n)) or bwd.setdefault((s, n), cost.bwd_s(s, topo.nodes[n].speed))
+                        for s, n in zip(st, path)] for st, path in zip(self.stages, self.paths)]
         self.mb_ids = [mb.id for mb in mbs]
         self.inject: dict[int, list[int]] = {}          # injection order per originator
         for j, mb in enumerate(mbs):
@@ -176,9 +180,9 @@ class _Run:
         lo: list[list] = [[] for _ in range(N)]
         busy = [False] * N
         counts, record, timeline, mb_ids, stage_of = self.counts, self.record, self.timeline, self.mb_ids, self.stage_of
-        credits, held, max_held, busy_s, fwd_jp, loss_t = (self.credits, self.held, self.max_held, self.busy_s,
-                                                           self.fwd_jp, self.loss_t)
-        bf, stages, inject, mbs, free = self.cost.backward_factor, self.stages, self.inject, self.mbs, self.free
+        credits, held, max_held, busy_s, fwd_jp, bwd_jp, loss_t = (self.credits, self.held, self.max_held, self.busy_s,
+                                                                   self.fwd_jp, self.bwd_jp, self.loss_t)
+        stages, inject, mbs, free = self.stages, self.inject, self.mbs, self.free
         inj_ptr = {o: 0 for o in inject}
         fwd_first = self.schedule.policy == "gpipe"
 
@@ -219,7 +223,7 @@ class _Run:
                         nj = inject[node][inj_ptr[node]]
                         push(max(now, mbs[nj].start_s), _ARRIVE, node, nj, _FWD, 0)
             else:
-                dur = loss_t[node] if kind == _LOSS else fwd_jp[j][pos] * bf
+                dur = loss_t[node] if kind == _LOSS else bwd_jp[j][pos]
             busy[node] = True
             busy_s[node] += dur
             if record:

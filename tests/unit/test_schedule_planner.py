@@ -217,7 +217,8 @@ def test_the_time_cap_bounds_placement_and_construction_too_and_big_stages_stay_
     topo = random_topology(96, seed=1, n_regions=5)
     cost = CostModel(d_model=256, tokens_per_sample=128, samples=2, layers_per_stage=[2] * 4,
                      s_per_sample_per_layer=0.01, hop_overhead_s=0.01)
-    cfg = PlanConfig(n_stages=4, skip_ratio=0.33, memory=2, mb_per_originator=2, seed=0, time_limit_s=0.0)
+    cfg = PlanConfig(n_stages=4, skip_ratio=0.33, memory=2, mb_per_originator=2, seed=0, time_limit_s=0.0,
+                     cells=1)                      # the swarm planned whole (cells: test_schedule_cells.py)
     sched = plan(topo, cost, cfg)
     info = sched.meta["planner"]
     assert info["placement_capped"] and info["time_capped"] and info["evals"] == 0
