@@ -16,9 +16,8 @@ The "outsider" is a store client that reached the run's store port without the r
   deletes ``hb/1``.
 * ``forged renewal without --recover``: a run without ``--recover``; the outsider writes
   ``hb/3 = "0:run"`` in a loop.
-* ``paused coordinator``: the launcher is SIGSTOPped for 9 s, then SIGCONTed; once with the store
-  in the launcher's process (the default) and once with ``--restartable`` (the store in a
-  process of its own).
+* ``paused launcher``: the launcher (the coordinator) is SIGSTOPped for 9 s, then SIGCONTed;
+  once as launched by default and once with ``--restartable``.
 * ``NaN member``: node 1 (a replica of stage 0, with the run's secret) sends NaN to the dense
   all-reduce from iteration 3 on.
 
@@ -195,8 +194,8 @@ def _finish(proc, run: Path, targeted: list[int], limit_s: float = 600.0) -> dic
 
 CASES = {"replay": case_replay, "unsigned counter": case_counter, "deleted lease key": case_deleted_key,
          "forged renewal without --recover": case_forged_default,
-         "paused coordinator (store in the launcher)": lambda r, d, n: case_paused(r, d, n, False),
-         "paused coordinator (--restartable)": lambda r, d, n: case_paused(r, d, n, True),
+         "paused launcher": lambda r, d, n: case_paused(r, d, n, False),
+         "paused launcher (--restartable)": lambda r, d, n: case_paused(r, d, n, True),
          "NaN member": case_nan}
 
 

@@ -123,7 +123,7 @@ def _launch(job: Job, nodes: int | None, timeout_s: float, grace_s: float, echo:
     (run_dir / "join.json").unlink(missing_ok=True)
     if job.rt.recover:
         _publish_for_joiners(job, store, world if local else 0, join_secret)
-    base_env = _node_env(job, run_dir, world, store.port, store_proc is not None, join_secret,
+    base_env = _node_env(job, run_dir, world, store.port, job.rt.restartable, join_secret,
                          bind[0] if bind else "127.0.0.1")
     t_start = time.time()
     with (nullcontext() if local else coordinator_relays(job, store, join_secret, checkpoint_roots(job))):
@@ -146,11 +146,13 @@ def _open_store(job: Job, run_dir: Path, world: int, join_secret: str | None, bi
     if bind is not None:          # (a store of its own here: the coordinator of hosts is not restartable yet)
         store, listening = host_store(world, max(job.rt.timeout_s, 60.0), bind[0], bind[1])
         return store, None, listening
-    if job.rt.recover and job.rt.restartable:
-        # the store in a process of its own: this launcher (the coordinator) may die and be
-        # replaced (``python -m skiptrain.runtime.coordinator --run RUN_DIR``) without losing the run
+    if job.rt.recover:
+        # the store in a process of its own, so a coordinator that is stopped or starved does not
+        # stop it (the nodes renew their leases meanwhile); it dies with this launcher unless the
+        # run is restartable: then this launcher may die and be replaced (``python -m
+        # skiptrain.runtime.coordinator --run RUN_DIR``) without losing the run
         from .store import start as start_store
-        store_proc, _, port = start_store(run_dir, secret=join_secret)
+        store_proc, _, port = start_store(run_dir, secret=join_secret, with_parent=not job.rt.restartable)
         store = dist.TCPStore("127.0.0.1", port, world, is_master=False, wait_for_workers=False,
                               timeout=timedelta(seconds=max(job.rt.timeout_s, 60.0)))
         return store, store_proc, None
@@ -185,7 +187,7 @@ def _run_nodes(job: Job, job_path: Path, world: int, run_dir: Path, base_env: di
     try:
         if local:
             forked = start_nodes(job_path, job.node_module, world, run_dir / "logs", base_env,
-                                 detached=store_proc is not None)
+                                 detached=job.rt.restartable)
             procs = forked.wait_started()
         with SwarmProgress(run_dir / "metrics.jsonl", sum(ph.iterations for ph in job.phases), enabled=echo,
                            initial=job.resume["iteration"] if job.resume else 0):
@@ -382,10 +384,9 @@ def _explain(job: Job, procs, failure: dict, run_dir: Path, store, killed_by_us:
                               f"`skiptrain launch --resume --out {run_dir}` (logs: {run_dir / 'logs'})", node=None)
     if procs and all(p.returncode == EXIT_FENCED for p in procs):
         return RuntimeFailure("every node stopped its own work: none could renew its lease, so the run's store "
-                              "did not answer (the launcher was stopped or starved longer than a lease); resume "
-                              f"the run from its last checkpoint with `skiptrain launch --resume --out {run_dir}` "
-                              "(with --restartable the store lives in a process of its own and the nodes train on)",
-                              node=None)
+                              f"did not answer (its process, logs/store.log, was stopped or starved longer than a "
+                              f"lease); resume the run from its last checkpoint with `skiptrain launch --resume "
+                              f"--out {run_dir}`", node=None)
     if failure["kind"] == "timeout":
         node, head = None, "the run did not finish within its time limit"
     elif failure["kind"] == "hung":

@@ -38,7 +38,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--host", default="127.0.0.1", help="the one address to listen on (default: loopback)")
     ap.add_argument("--idle-exit", type=float, default=IDLE_EXIT_S, metavar="S",
                     help="exit when every node has been done or silent for S seconds (nobody left to serve)")
+    ap.add_argument("--with-parent", action="store_true", help="die when the process that started this one dies")
     args = ap.parse_args(argv)
+    if args.with_parent:
+        from .failure import set_parent_death_signal
+        set_parent_death_signal()
     from .lease import LeaseTable
     from .membership import coordinator_key, host_store, open_value, read_raw, secret_from_env
 
@@ -117,9 +121,11 @@ class DeathWatch:
         return self.code
 
 
-def start(run_dir: Path, timeout_s: float = 60.0, idle_exit_s: float = IDLE_EXIT_S, secret: str | None = None):
+def start(run_dir: Path, timeout_s: float = 60.0, idle_exit_s: float = IDLE_EXIT_S, secret: str | None = None,
+          with_parent: bool = False):
     """Start the store process for ``run_dir`` (``secret``: the run's, so it stops only on the
-    coordinator's signed request); returns (Popen, host, port)."""
+    coordinator's signed request; ``with_parent``: it dies with the calling thread's process);
+    returns (Popen, host, port)."""
     import subprocess
 
     pf = Path(run_dir) / "store.json"
@@ -133,7 +139,7 @@ def start(run_dir: Path, timeout_s: float = 60.0, idle_exit_s: float = IDLE_EXIT
         env[SECRET_ENV] = secret
     log = open(Path(run_dir) / "logs" / "store.log", "wb")
     p = subprocess.Popen([sys.executable, "-m", "skiptrain.runtime.store", "--port-file", str(pf),
-                          "--idle-exit", str(idle_exit_s)], env=env,
+                          "--idle-exit", str(idle_exit_s), *(["--with-parent"] if with_parent else [])], env=env,
                          stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
     log.close()
     deadline = time.time() + timeout_s
