@@ -313,8 +313,9 @@ class RuntimeConfig:
                         "trainer applies it to every hop", choices=("fp32", "bf16", "int8", "int4"))
     act_fast_GBps: float = _f(1.0, "links at least this fast (GiB/s, in the emulated topology) carry the compute "
                               "precision's encoding (fp32 or bf16)", min=0.0)
-    restartable: bool = _f(False, "recover: the store in a process of its own, so a dead coordinator can be "
-                           "replaced (`python -m skiptrain.runtime.coordinator --run RUN_DIR`)")
+    restartable: bool = _f(False, "recover: the store process (its own in every recover run) and the nodes "
+                           "outlive the launcher, so a dead coordinator can be replaced "
+                           "(`python -m skiptrain.runtime.coordinator --run RUN_DIR`)")
     drift_alpha: float = _f(0.3, "moving-average weight of the drift measurements", min=0.0, max=1.0)
     drift_threshold: float = _f(0.0, "re-plan the routes on measured compute/link times when the measured "
                                 "iteration time exceeds the planned one by this fraction (0 = off)", min=0.0)

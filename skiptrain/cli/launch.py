@@ -333,8 +333,8 @@ def register(sub) -> None:
     g.add_argument("--drift-threshold", type=float, default=None, metavar="F",
                    help="re-plan routes on measured times when the iteration is F (e.g. 0.3) slower than planned")
     g.add_argument("--restartable", action="store_true",
-                   help="store in its own process: if this launcher dies, `python -m skiptrain.runtime.coordinator "
-                        "--run OUT` takes over (docs/failures.md)")
+                   help="the store process and the nodes outlive this launcher: if it dies, `python -m "
+                        "skiptrain.runtime.coordinator --run OUT` takes over (docs/failures.md)")
     g.add_argument("--join", default=None, metavar="HOST:PORT",
                    help="join a running --recover job as a new node (address in RUN_DIR/join.json)")
     g.add_argument("--join-secret-file", default=None, metavar="PATH",

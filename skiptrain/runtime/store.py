@@ -1,4 +1,5 @@
-"""The rendezvous store in a process of its own, so the coordinator can be restarted.
+"""The rendezvous store in a process of its own, so a coordinator that is stopped or starved does
+not stop it, and one that dies can be replaced.
 
 ``python -m skiptrain.runtime.store --port-file PATH`` hosts a ``TCPStore`` listening on
 127.0.0.1 only (``--host`` names another single address; port chosen by the OS), writes
@@ -10,6 +11,9 @@ coordinator knows lives in this store (generations and their alive sets, strikes
 and results, node PIDs), so a coordinator that dies can be replaced by ``python -m
 skiptrain.runtime.coordinator --run RUN_DIR`` without losing the run: the nodes keep training
 meanwhile (they only need the coordinator when membership changes).
+
+Every ``--recover`` launch starts one; with ``--with-parent`` (a run that is not restartable)
+it dies with its launcher (``PR_SET_PDEATHSIG``).
 
 Failure semantics: if this process dies, every node loses the store, its heartbeat write fails
 and it exits (as with the in-launcher store); nothing is persisted on disk.  It is never left
