@@ -24,9 +24,11 @@ from pathlib import Path
 def main(argv):
     rank = int(os.environ["RANK"])
     out = Path(argv[argv.index("--job") + 1]).parent / f"rank{rank}.json"
-    out.write_text(json.dumps({"rank": rank, "local_rank": os.environ["LOCAL_RANK"], "pid": os.getpid(),
+    tmp = out.with_suffix(".tmp")       # (written whole, then renamed: a reader never sees it half written)
+    tmp.write_text(json.dumps({"rank": rank, "local_rank": os.environ["LOCAL_RANK"], "pid": os.getpid(),
                                "argv": argv, "stdin": sys.stdin.read(), "marker": os.environ["PROBE_MARKER"],
                                "first": os.environ.get("ONLY_IN_THE_FIRST"), "cwd": os.getcwd()}))
+    os.replace(tmp, out)
     print(f"probe {rank} says hello", flush=True)
     if rank == 1:
         raise SystemExit(3)
