@@ -102,10 +102,15 @@ def write_dataset(out: str | Path, docs: list[Document], ood_docs: list[Document
 
 
 def _write_token_files(out: Path, arrays: dict[str, np.ndarray]) -> None:
+    """Each split's token file, written whole and then renamed; an interrupted write (Ctrl-C, a
+    full disk) leaves no half-written ``.tmp`` file behind."""
     for name, arr in arrays.items():
         tmp = out / f"{name}.bin.tmp"
-        arr.tofile(tmp)
-        tmp.replace(out / f"{name}.bin")
+        try:
+            arr.tofile(tmp)
+            tmp.replace(out / f"{name}.bin")
+        finally:
+            tmp.unlink(missing_ok=True)
 
 
 def write_splits(out: str | Path, base: "TokenDataset", arrays: dict[str, np.ndarray], source: str) -> "TokenDataset":

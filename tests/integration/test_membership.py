@@ -264,3 +264,36 @@ def test_renewals_written_back_while_a_new_coordinator_takes_over_fence_nobody(b
     assert (run / "model.safetensors").is_file()
     time.sleep(0.5)
     assert processes_of_run(run) == []
+
+
+@pytest.mark.slow
+def test_a_launcher_stopped_past_the_lease_fences_nobody(byte_data, tmp_path):
+    """SIGSTOP of the launcher (the coordinator) for 3 leases, then SIGCONT: before, its store
+    stopped with it, no node could renew, every node stopped itself and the run was lost; the
+    store is now a process of its own, so the nodes renew meanwhile and the coordinator, once it
+    runs again, restarts their lease clocks instead of judging them on the time it was away."""
+    import os
+    import signal
+
+    sched = Schedule(placement=[[0, 1], [2], [3], [4]], memory=2, method="test", micro_batches=[
+        MicroBatch(k, k % 2, [(1, 2), (2, 3), (3, 4)]) for k in range(4)])
+    cfg = build_config("tiny", overrides={"train": {"grad_clip": 0.0, "steps": 300, "warmup_steps": 1}})
+    run = tmp_path / "run"
+    iters = 60
+    job = Job(config=with_runtime(cfg.to_dict(), timeout_s=15.0, heartbeat_s=0.2, heartbeat_deadline_s=3.0, recover=True),
+              data_path=str(byte_data), run_dir=str(run), phases=[Phase("p", sched.to_dict(), iterations=iters, save_weights=True)])
+    run.mkdir()
+    launcher = launch_in_a_process(job.save(tmp_path / "job.json"), capture=True)
+    wait_for(lambda: metrics_lines(run) >= 10)
+    os.kill(launcher.pid, signal.SIGSTOP)
+    time.sleep(9.0)
+    os.kill(launcher.pid, signal.SIGCONT)
+    out, err = launcher.communicate(timeout=240)
+    assert launcher.returncode == 0 and "finished" in out, err[-2000:]
+    assert "this process did not run for" in err
+    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines() if x.strip()]
+    rows = [r for r in rows if "loss" in r]
+    assert [r["step"] for r in rows] == list(range(1, iters + 1)) and rows[-1]["nodes"] == 5
+    rec = run / "recoveries.jsonl"
+    assert not rec.exists() or rec.read_text().strip() == ""              # nobody fenced
+    assert processes_of_run(run) == []

@@ -182,3 +182,19 @@ def test_a_huge_bpe_vocabulary_is_refused_before_the_tokenizer_allocates_it(tmp_
     with pytest.raises(DataError, match="above the largest a model takes"):
         write_dataset(tmp_path / "d", [Document("a", TEXT * 20, "0")], tokenizer="bpe", vocab_size=10 ** 11)
     assert not (tmp_path / "d").exists()
+
+
+def test_an_interrupted_write_of_a_token_file_leaves_no_tmp_file(tmp_path, byte_data, monkeypatch):
+    """Ctrl-C while `prepare` writes a split left a half-written `train.bin.tmp` (296 MB once)."""
+    base = TokenDataset.open(byte_data)
+
+    class Interrupted(np.ndarray):
+        def tofile(self, path, *a, **k):
+            open(path, "wb").write(b"\0" * 1000)
+            raise KeyboardInterrupt
+
+    asarray = np.asarray
+    monkeypatch.setattr(np, "asarray", lambda v, dtype=None: asarray(v, dtype=dtype).view(Interrupted))
+    with pytest.raises(KeyboardInterrupt):
+        write_splits(tmp_path / "d", base, {"train": np.arange(10)}, "test")
+    assert sorted(p.name for p in (tmp_path / "d").iterdir()) == []
