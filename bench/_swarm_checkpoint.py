@@ -17,12 +17,8 @@ whether a job killed at random moments during its saves always resumes.
 from __future__ import annotations
 
 import dataclasses
-import os
 import random
-import signal
 import statistics
-import subprocess
-import sys
 import time
 from pathlib import Path
 

@@ -205,7 +205,7 @@ def loop_slowdown(big: dict, work: Path) -> float:
     idle = steps(10)
     mgr, bmodel, bopt = big["_keep"]
     mgr.save_training(10_000, bmodel, bopt, {})
-    n, t0 = 0, time.perf_counter()
+    n = 0
     busy_times = []
     while mgr.writer.busy:
         busy_times.append(steps(1))

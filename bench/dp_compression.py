@@ -87,7 +87,7 @@ SIDES = {
                        ladder=(0.1, 0.15, 0.2), tune_at=0.15, start={"lr": 1, "H": 0, "outer_momentum": 0}),
     "demo": Side("DeMo (k=8, 1-bit signs, 12-bit indices)",
                  ["dp.strategy=demo", "dp.topk=8", "dp.indices=u12", "dp.values=sign1"],
-                 {"lr": _lrs(2e-3, 4e-3, 8e-3)}, ladder=(0.3, 0.4, 0.5), tune_at=0.4, start={"lr": 0}),
+                 {"lr": _lrs(2e-3, 4e-3, 8e-3)}, ladder=(0.1, 0.2, 0.3), tune_at=0.2, start={"lr": 0}),
 }
 BASELINE = "adamw"
 
@@ -273,8 +273,9 @@ def race(args, runner: Runner, sides: list[str]) -> dict:
         if n == BASELINE:
             rungs = [rung(runner, settings, args.baseline_steps, args.seeds, clock, None)]
         else:
+            seeds = args.seeds_of.get(n, args.seeds)
             rungs = [rung(runner, settings, min(args.max_steps, rung_steps(f, base_s, clock["machine"], period)),
-                          args.seeds, clock, f) for f in side.ladder]
+                          seeds, clock, f) for f in side.ladder]
         out["sides"][n] = {"label": side.label, "settings": settings, "clock": clock, "tuning": tuning, "rungs": rungs,
                            "bytes": runner.recs[runner.key(settings, rungs[0]["steps"], 0)]["summary"]}
     return out
@@ -364,6 +365,7 @@ def parse_args(argv):
     ap.add_argument("--baseline-steps", type=int, default=None, help="steps of the baseline (default 240; quick 16)")
     ap.add_argument("--max-steps", type=int, default=None, help="cap on any run's steps (default none; quick 48)")
     ap.add_argument("--seeds", type=int, default=None, help="seeds of every rung (default 3; quick 1)")
+    ap.add_argument("--seeds-of", default="", help="fewer seeds for a compressed side's ladder, e.g. demo=1")
     ap.add_argument("--no-tune", action="store_true", help="race at each side's starting settings")
     ap.add_argument("--link", default="consumer", choices=sorted(LINK_PRESETS), help="dp.link preset of the timing")
     ap.add_argument("--keep", default=None, help="work folder (its records are reused); default a new runs/bench folder")
@@ -373,6 +375,7 @@ def parse_args(argv):
     args.baseline_steps = args.baseline_steps or (16 if args.quick else 240)
     args.max_steps = args.max_steps or (48 if args.quick else 10**9)
     args.seeds = args.seeds or (1 if args.quick else 3)
+    args.seeds_of = {k: int(v) for k, v in (x.split("=") for x in args.seeds_of.split(",") if x)}
     return args
 
 

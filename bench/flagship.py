@@ -218,7 +218,6 @@ def run_flagship(cfg, topo, data: Path, run: Path, quick: bool) -> dict:
     truncate_metrics(run / "metrics.jsonl", rp["iteration"])   # (as the resumed launch will: no stale times)
     clock.restart(rp["iteration"])
     job.resume, job.node_module, job.meta = rp, "skiptrain.runtime.node", {}
-    t_res = time.time()
     log = run.parent / "flagship-launch2.log"
     clock.follow(launch_process(job.save(run.parent / "flagship-job-resume.json"), log), "resumed flagship launch",
                  f"{log} and {run / 'logs'}")

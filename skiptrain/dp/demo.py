@@ -82,7 +82,7 @@ class DeMoStrategy(SyncStrategy):
         # compress with error feedback, exchange, validate, then the weighted mean per coefficient
         decoded = self.sparse.exchange(self.m, self.n_since)
         self.n_since = 0
-        n_total = int(sum(w for w, _ in decoded))
+        n_total = sum(decoded.weights)
         out = {}
         for name, upd in self.sparse.average(decoded, by="senders").items():
             if self.mu:

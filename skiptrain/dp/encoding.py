@@ -74,20 +74,22 @@ def encode_indices(idx: torch.Tensor, enc: str) -> np.ndarray:
 
 
 def decode_indices(buf: np.ndarray, n: int, enc: str) -> torch.Tensor:
-    """Bytes -> ``n`` int64 indices (unvalidated)."""
+    """Bytes -> ``n`` int64 indices (unvalidated).  ``buf`` may hold one block per row (one row
+    per peer): the result then has one row of ``n`` indices per row of ``buf``."""
     buf = np.ascontiguousarray(buf, dtype=np.uint8)
-    if buf.size != index_nbytes(n, enc):
-        raise ValueError(f"{enc} block of {n} indices must be {index_nbytes(n, enc)} bytes, got {buf.size}")
+    lead = buf.shape[:-1]
+    if buf.shape[-1] != index_nbytes(n, enc):
+        raise ValueError(f"{enc} block of {n} indices must be {index_nbytes(n, enc)} bytes, got {buf.shape[-1]}")
     if enc == "int64":
         return torch.from_numpy(buf.view("<i8").astype(np.int64))
     if enc == "u16":
         return torch.from_numpy(buf.view("<u2").astype(np.int64))
     if enc == "u12":
-        pad = (-buf.size) % 3
-        b = np.concatenate([buf, np.zeros(pad, np.uint8)]).astype(np.int64).reshape(-1, 3)
-        lo = b[:, 0] | ((b[:, 1] & 0x0F) << 8)
-        hi = (b[:, 1] >> 4) | (b[:, 2] << 4)
-        return torch.from_numpy(np.stack([lo, hi], 1).reshape(-1)[:n].copy())
+        pad = (-buf.shape[-1]) % 3
+        b = np.pad(buf, [(0, 0)] * len(lead) + [(0, pad)]).astype(np.int64).reshape(*lead, -1, 3)
+        lo = b[..., 0] | ((b[..., 1] & 0x0F) << 8)
+        hi = (b[..., 1] >> 4) | (b[..., 2] << 4)
+        return torch.from_numpy(np.stack([lo, hi], -1).reshape(*lead, -1)[..., :n].copy())
     raise ValueError(f"unknown index encoding {enc!r}; choose one of {INDEX_ENCODINGS}")
 
 
@@ -104,10 +106,11 @@ def _pack_bits(codes: np.ndarray, bits: int) -> np.ndarray:
 
 
 def _unpack_bits(buf: np.ndarray, n: int, bits: int) -> np.ndarray:
+    """The first ``n`` codes of every row (the last axis) of ``buf``."""
     per = 8 // bits
     mask = (1 << bits) - 1
     cols = [(buf >> (bits * j)) & mask for j in range(per)]
-    return np.stack(cols, 1).reshape(-1)[:n]
+    return np.stack(cols, -1).reshape(*buf.shape[:-1], -1)[..., :n]
 
 
 def _groups(n: int, group: int | None) -> int:
@@ -171,33 +174,38 @@ def encode_values(v: torch.Tensor, enc: str, group: int | None = None) -> np.nda
 
 
 def decode_values(buf: np.ndarray, n: int, enc: str, group: int | None = None) -> torch.Tensor:
-    """Bytes -> ``n`` float32 values (non-finite values are passed through, not checked)."""
+    """Bytes -> ``n`` float32 values (non-finite values are passed through, not checked).
+    ``buf`` may hold one block per row: the result then has one row of ``n`` values per row."""
     buf = np.ascontiguousarray(buf, dtype=np.uint8)
-    if buf.size != value_nbytes(n, enc, group):
-        raise ValueError(f"{enc} block of {n} values must be {value_nbytes(n, enc, group)} bytes, got {buf.size}")
+    lead = buf.shape[:-1]
+    if buf.shape[-1] != value_nbytes(n, enc, group):
+        raise ValueError(f"{enc} block of {n} values must be {value_nbytes(n, enc, group)} bytes, got {buf.shape[-1]}")
     if enc == "fp32":
         return torch.from_numpy(buf.view("<f4").astype(np.float32))
     if enc == "bf16":
         return torch.from_numpy(buf.view("<i2").astype(np.int16)).view(torch.bfloat16).float()
     if enc == "sign1c":
         g = _groups(n, group)
-        scales = _from_bf16_bits(buf[: 2 * g].view("<i2"))
-        codes = _unpack_bits(buf[2 * g:], n, 1).astype(np.float32)
-        return torch.from_numpy(((codes * 2 - 1).reshape(g, -1) * scales[:, None]).reshape(-1) if n else codes)
-    scale = buf[:4].view("<f4").astype(np.float32)[0]
+        scales = _from_bf16_bits(np.ascontiguousarray(buf[..., : 2 * g]).view("<i2"))
+        codes = _unpack_bits(buf[..., 2 * g:], n, 1).astype(np.float32)
+        if not n:
+            return torch.from_numpy(codes)
+        return torch.from_numpy(((codes * 2 - 1).reshape(*lead, g, -1) * scales[..., None]).reshape(*lead, n))
+    scale = np.ascontiguousarray(buf[..., :4]).view("<f4").astype(np.float32)   # (..., 1)
     if enc == "sign1":
-        codes = _unpack_bits(buf[4:], n, 1).astype(np.float32)
+        codes = _unpack_bits(buf[..., 4:], n, 1).astype(np.float32)
         return torch.from_numpy((codes * 2 - 1) * scale)
     if enc == "sign2":
-        codes = _unpack_bits(buf[4:], n, 2).astype(np.float32)
+        codes = _unpack_bits(buf[..., 4:], n, 2).astype(np.float32)
         return torch.from_numpy((codes / np.float32(1.5) - 1) * scale)
     raise ValueError(f"unknown value encoding {enc!r}; choose one of {VALUE_ENCODINGS}")
 
 
 def block_scales(buf: np.ndarray, enc: str, n: int, group: int | None = None) -> np.ndarray | None:
-    """The scales of a sign1/sign2/sign1c block as float32 (None for fp32/bf16)."""
+    """The scales of a sign1/sign2/sign1c block as float32, one row per row of ``buf`` (None for
+    fp32/bf16)."""
     if enc in ("sign1", "sign2"):
-        return np.ascontiguousarray(buf[:4]).view("<f4").astype(np.float32)
+        return np.ascontiguousarray(buf[..., :4]).view("<f4").astype(np.float32)
     if enc == "sign1c":
-        return _from_bf16_bits(np.ascontiguousarray(buf[: 2 * _groups(n, group)]).view("<i2"))
+        return _from_bf16_bits(np.ascontiguousarray(buf[..., : 2 * _groups(n, group)]).view("<i2"))
     return None

@@ -100,41 +100,70 @@ class PayloadLayout:
         Raises :class:`PayloadError` naming ``peer`` on any malformation; nothing is returned
         (so nothing can be applied) unless every check passes.
         """
-        def bad(msg: str) -> PayloadError:
-            return PayloadError(f"payload from peer rank {peer} rejected: {msg}")
+        weights, tensors = self.decode_all([buf], [peer], expect_step)
+        return weights[0], {name: (idx[0], val[0]) for name, (idx, val) in tensors.items()}
 
-        buf = np.asarray(buf)
-        if buf.dtype != np.uint8 or buf.ndim != 1:
-            raise bad(f"expected a flat uint8 buffer, got {buf.dtype} {buf.shape}")
-        if buf.size != self.nbytes:
-            raise bad(f"size {buf.size} bytes, expected exactly {self.nbytes}")
-        magic, ver, ienc, venc, _, step, n_proc, lh = _HEADER.unpack(buf[:HEADER_BYTES].tobytes())
-        if magic != MAGIC or ver != VERSION:
-            raise bad(f"bad magic/version {magic!r}/{ver}")
-        if ienc >= len(INDEX_ENCODINGS) or INDEX_ENCODINGS[ienc] != self.index_enc or \
-                venc >= len(VALUE_ENCODINGS) or VALUE_ENCODINGS[venc] != self.value_enc:
-            raise bad(f"encodings ({ienc}, {venc}) differ from ours ({self.index_enc}, {self.value_enc})")
-        if lh != self.layout_hash:
-            raise bad("layout hash differs: the peer has other tensors, shapes, chunk or k settings")
-        if expect_step is not None and step != expect_step:
-            raise bad(f"sync step {step}, expected {expect_step} (replicas out of lock-step)")
+    def decode_all(self, bufs: list[np.ndarray], peers: list[int], expect_step: int | None = None
+                   ) -> tuple[list[int], dict[str, tuple[torch.Tensor, torch.Tensor]]]:
+        """Validate every peer's payload (``bufs[i]`` from ``peers[i]``) and decode them side by
+        side: ``([n_processed per peer], {name: (indices, values)})``, each tensor of shape
+        ``(peers, n_chunks, k)``.  One decode per tensor for all peers; any malformation raises
+        :class:`PayloadError` naming the first peer found at fault, and nothing is returned."""
+        def bad(row: int, msg: str) -> PayloadError:
+            return PayloadError(f"payload from peer rank {peers[row]} rejected: {msg}")
+
+        weights = [self._header(np.asarray(b), row, expect_step, bad) for row, b in enumerate(bufs)]
+        rows = np.stack([np.asarray(b) for b in bufs])
         out: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
         for s in self.specs:
             a, b, c = self.blocks[s.name]
-            idx = decode_indices(buf[a:b], s.n, self.index_enc).view(s.n_chunks, s.k)
-            if s.n and (int(idx.min()) < 0 or int(idx.max()) >= s.chunk_numel):
-                raise bad(f"tensor {s.name}: index out of range [0, {s.chunk_numel}) "
-                          f"(got {int(idx.min())}..{int(idx.max())})")
-            if s.k > 1:
-                srt = idx.sort(dim=1).values
-                if bool((srt[:, 1:] == srt[:, :-1]).any()):
-                    raise bad(f"tensor {s.name}: duplicate index inside a chunk")
-            scales = block_scales(buf[b:c], self.value_enc, s.n, s.k)
-            if scales is not None and not bool((np.isfinite(scales) & (scales >= 0)).all()):
-                worst = scales[~(np.isfinite(scales) & (scales >= 0))][0]
-                raise bad(f"tensor {s.name}: value scale {worst} is not a finite non-negative number")
-            val = decode_values(buf[b:c], s.n, self.value_enc, s.k).view(s.n_chunks, s.k)
-            if not bool(torch.isfinite(val).all()):
-                raise bad(f"tensor {s.name}: non-finite value")
+            idx = decode_indices(rows[:, a:b], s.n, self.index_enc).view(len(bufs), s.n_chunks, s.k)
+            _check_indices(idx, s, bad)
+            scales = block_scales(rows[:, b:c], self.value_enc, s.n, s.k)
+            if scales is not None:
+                ok = (np.isfinite(scales) & (scales >= 0)).all(axis=1)
+                if not ok.all():
+                    r = int(np.argmin(ok))
+                    worst = scales[r][~(np.isfinite(scales[r]) & (scales[r] >= 0))][0]
+                    raise bad(r, f"tensor {s.name}: value scale {worst} is not a finite non-negative number")
+            val = decode_values(rows[:, b:c], s.n, self.value_enc, s.k).view(len(bufs), s.n_chunks, s.k)
+            fin = torch.isfinite(val).flatten(1).all(1)
+            if not bool(fin.all()):
+                raise bad(int(torch.argmin(fin.int())), f"tensor {s.name}: non-finite value")
             out[s.name] = (idx, val)
-        return int(n_proc), out
+        return weights, out
+
+    def _header(self, buf: np.ndarray, row: int, expect_step: int | None, bad) -> int:
+        """Check one payload's size and header; its ``n_processed``."""
+        if buf.dtype != np.uint8 or buf.ndim != 1:
+            raise bad(row, f"expected a flat uint8 buffer, got {buf.dtype} {buf.shape}")
+        if buf.size != self.nbytes:
+            raise bad(row, f"size {buf.size} bytes, expected exactly {self.nbytes}")
+        magic, ver, ienc, venc, _, step, n_proc, lh = _HEADER.unpack(buf[:HEADER_BYTES].tobytes())
+        if magic != MAGIC or ver != VERSION:
+            raise bad(row, f"bad magic/version {magic!r}/{ver}")
+        if ienc >= len(INDEX_ENCODINGS) or INDEX_ENCODINGS[ienc] != self.index_enc or \
+                venc >= len(VALUE_ENCODINGS) or VALUE_ENCODINGS[venc] != self.value_enc:
+            raise bad(row, f"encodings ({ienc}, {venc}) differ from ours ({self.index_enc}, {self.value_enc})")
+        if lh != self.layout_hash:
+            raise bad(row, "layout hash differs: the peer has other tensors, shapes, chunk or k settings")
+        if expect_step is not None and step != expect_step:
+            raise bad(row, f"sync step {step}, expected {expect_step} (replicas out of lock-step)")
+        return int(n_proc)
+
+
+def _check_indices(idx: torch.Tensor, s: TensorSpec, bad) -> None:
+    """Every index of every peer's ``(peers, n_chunks, k)`` block inside its chunk, and unique."""
+    if not s.n:
+        return
+    flat = idx.flatten(1)
+    out_of_range = ((flat < 0) | (flat >= s.chunk_numel)).any(1)
+    if bool(out_of_range.any()):
+        r = int(torch.argmax(out_of_range.int()))
+        raise bad(r, f"tensor {s.name}: index out of range [0, {s.chunk_numel}) "
+                     f"(got {int(flat[r].min())}..{int(flat[r].max())})")
+    if s.k > 1:
+        srt = idx.sort(dim=2).values
+        dup = (srt[..., 1:] == srt[..., :-1]).flatten(1).any(1)
+        if bool(dup.any()):
+            raise bad(int(torch.argmax(dup.int())), f"tensor {s.name}: duplicate index inside a chunk")

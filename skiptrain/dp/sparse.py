@@ -23,6 +23,8 @@ parameters' device; only the payload bytes pass through the host.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from .dct import ChunkedDCT
@@ -55,10 +57,10 @@ class SparseExchange:
         """A chunk-space accumulator of zeros per tensor."""
         return {n: torch.zeros(g.n_chunks, g.chunk_numel, device=self.device) for n, g in self.geo.items()}
 
-    def exchange(self, acc: dict[str, torch.Tensor], weight: int) -> list[tuple[int, dict]]:
+    def exchange(self, acc: dict[str, torch.Tensor], weight: int) -> "Gathered":
         """Send the top-k of every chunk of ``acc`` (subtracting what is sent when ``weight`` > 0:
         a replica that processed nothing keeps its residual); returns every replica's validated
-        ``(weight, {name: (indices, values)})`` in rank order."""
+        weight and ``(indices, values)``, stacked in rank order."""
         send = {}
         for name, m in acc.items():
             idx = m.abs().topk(self.k[name], dim=1, sorted=False).indices
@@ -67,28 +69,34 @@ class SparseExchange:
                 m.scatter_(1, idx, m.gather(1, idx) - q)
             send[name] = (idx, q)
         bufs = self.tr.all_gather_bytes(self.layout.encode(self.syncs, weight, send))
-        decoded = [self.layout.decode(b, peer=r, expect_step=self.syncs) for r, b in enumerate(bufs)]
+        weights, tensors = self.layout.decode_all(bufs, list(range(len(bufs))), expect_step=self.syncs)
         self.syncs += 1
-        return decoded
+        return Gathered(weights, tensors)
 
-    def average(self, decoded: list[tuple[int, dict]], by: str = "senders") -> dict[str, torch.Tensor]:
-        """Dense tensors from the gathered payloads (see the module doc for ``by``)."""
-        weights = [float(w) for w, _ in decoded]
+    def average(self, gathered: "Gathered", by: str = "senders") -> dict[str, torch.Tensor]:
+        """Dense tensors from the gathered payloads (see the module doc for ``by``): every
+        replica's coefficients go into one scatter per tensor."""
+        n = len(gathered.weights)
+        weights = [float(w) for w in gathered.weights]
         if by == "replicas" or sum(weights) == 0:
-            weights = [1.0] * len(decoded)
+            weights = [1.0] * n
         out = {}
         for name, geo in self.geo.items():
-            acc = torch.zeros(geo.n_chunks, geo.chunk_numel, device=self.device)
-            wsum = torch.zeros(geo.n_chunks, geo.chunk_numel, device=self.device)
-            for w, (_, tensors) in zip(weights, decoded):
-                if w == 0:
-                    continue
-                idx, val = (t.to(self.device) for t in tensors[name])
-                acc.scatter_add_(1, idx, val * w)
-                wsum.scatter_add_(1, idx, torch.full(val.shape, w, device=self.device))
+            idx, val = (t.to(self.device) for t in gathered.tensors[name])        # (replicas, n_chunks, k)
+            w = torch.tensor(weights, device=self.device).view(n, 1, 1).expand_as(val)
+            idx, val, w = (t.permute(1, 0, 2).reshape(geo.n_chunks, -1) for t in (idx, val * w, w))
+            acc = torch.zeros(geo.n_chunks, geo.chunk_numel, device=self.device).scatter_add_(1, idx, val)
             if by == "replicas":
-                avg = acc / len(decoded)
+                avg = acc / n
             else:
+                wsum = torch.zeros_like(acc).scatter_add_(1, idx, w)
                 avg = torch.where(wsum > 0, acc / wsum.clamp_min(1e-30), torch.zeros((), device=self.device))
             out[name] = geo.inverse(avg)
         return out
+
+
+class Gathered(NamedTuple):
+    """What one sync gathered: each replica's weight (micro-batches since its previous sync) and,
+    per tensor, every replica's ``(indices, values)`` of shape ``(replicas, n_chunks, k)``."""
+    weights: list[int]
+    tensors: dict[str, tuple[torch.Tensor, torch.Tensor]]

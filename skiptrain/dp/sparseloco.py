@@ -52,7 +52,7 @@ class SparseLoCoStrategy(DiLoCoStrategy):
         for x, p in self.named:
             self.e[x].mul_(self.ef_decay).add_(geo[x].forward((self.anchor[x] - p).float()))
         decoded = self.sparse.exchange(self.e, max(self.n_since, 1))
-        total = int(sum(w for w, _ in decoded))
+        total = sum(decoded.weights)
         self.n_since = 0
         mu, olr = self.dp.outer_momentum, self.dp.outer_lr
         for x, d in self.sparse.average(decoded, by="replicas").items():

@@ -7,14 +7,14 @@ import sys
 
 import pytest
 
-from unit.test_cli_units import trained
+from unit.test_cli_units import trained  # noqa: F401 (a fixture)
 
 
 def run_cli(*args):
     return subprocess.run([sys.executable, "-m", "skiptrain.cli", *args], capture_output=True, text=True)
 
 
-def test_bad_drop_stages_is_a_one_line_error(trained):
+def test_bad_drop_stages_is_a_one_line_error(trained):  # noqa: F811
     _, run = trained
     r = run_cli("eval", str(run), "--drop-stages", "a,b")
     assert r.returncode == 2 and "expected body-stage numbers" in r.stderr and "Traceback" not in r.stderr

@@ -1,37 +1,93 @@
-"""bench/dp_compression.py: the clock on emulated links and the time to a target loss."""
+"""bench/dp_compression.py: the two clocks, the ladder, the coordinate search and the score."""
 
 import importlib.util
+import sys
 from pathlib import Path
+
+import pytest
 
 SPEC = importlib.util.spec_from_file_location("bench_dp", Path(__file__).parents[2] / "bench" / "dp_compression.py")
 dp = importlib.util.module_from_spec(SPEC)
+sys.modules[SPEC.name] = dp      # the bench's dataclasses look their module up
 SPEC.loader.exec_module(dp)
 
 
-def _rec(step_s, val):
-    return {"step_s": step_s, "val": val}
+def test_timing_runs_whole_sync_periods_one_of_them_to_warm_up():
+    assert dp.timing_steps(1, quick=False) == 7 and dp.timing_steps(5, quick=False) == 15
+    assert dp.timing_steps(10, quick=False) == 20 and dp.timing_steps(1, quick=True) == 4
 
 
-def test_clock_adds_the_link_seconds_of_every_step():
-    assert dp.clock(_rec([1.0, 2.0, 0.5], []), 10.0) == [11.0, 23.0, 33.5]
+def test_both_clocks_of_a_timing_run_skip_its_first_period():
+    # 4 nodes, period 2, 6 steps: rows at 10, 11 (warm-up), then 13, 14, 16, 17
+    rec = {"time": [10.0, 11.0, 13.0, 14.0, 16.0, 17.0], "cpu_s": [9.0, 9.0, 2.0, 2.0, 2.0, 2.0],
+           "summary": {"emulated_link_s": 3.0}}
+    c = dp.seconds_per_step(rec, period=2, nodes=4, cores=2)
+    assert c["machine"] == pytest.approx(6.0 / 4)          # 11 -> 17 over 4 steps
+    assert c["link_s"] == pytest.approx(0.5)               # 3 s of emulated links over 6 steps
+    assert c["node_cpu_s"] == pytest.approx(0.5)           # 8 CPU-s over 4 steps and 4 nodes
+    assert c["own"] == pytest.approx(1.0) and c["host_floor_s"] == pytest.approx(1.0)
 
 
-def test_time_to_is_the_clock_at_the_first_validation_point_at_or_below_the_target():
-    rec = _rec([1.0] * 4, [[2, 6.0], [3, 5.0], [4, 4.0]])
-    assert dp.time_to(rec, 1.0, 5.0) == 6.0       # step 3 reaches 5.0: 3 x (1 + 1)
-    assert dp.time_to(rec, 0.0, 3.9) is None      # never reached
+def test_rungs_are_fractions_of_the_baseline_wall_clock_in_whole_periods():
+    assert dp.rung_steps(0.2, baseline_s=1000.0, s_per_step=0.5, period=5) == 400
+    assert dp.rung_steps(0.15, baseline_s=1000.0, s_per_step=0.4, period=10) == 380   # 375 -> 38 periods
+    assert dp.rung_steps(0.001, baseline_s=10.0, s_per_step=1.0, period=5) == 5       # at least one period
 
 
-def test_seconds_to_adamw_final_per_seed():
-    recs = {("adamw_allreduce", "steps", 4): [_rec([1.0] * 4, [[4, 5.0]])],
-            ("m", "steps", 4): [_rec([0.5] * 4, [[2, 5.5], [4, 4.9]])],
-            ("m", "long", 8): [_rec([0.5] * 8, [[2, 5.5], [4, 5.2], [6, 4.8], [8, 4.5]])]}
-    assert dp.seconds_to(recs, "adamw_allreduce", 4, 10.0, 5.0) == [44.0]
-    assert dp.seconds_to(recs, "m", 4, 0.0, 5.0) == [2.0]          # the 4-step run reaches it first
-    assert dp.seconds_to(recs, "m", 4, 0.0, 4.6) == [4.0]          # only the long run does
-    assert dp.seconds_to(recs, "m", 4, 0.0, 4.0) == [None]
+def _rung(steps, val, per_step):
+    return {"steps": steps, "val_mean": val, "time_s": {c: steps * per_step[c] for c in dp.CLOCKS}}
 
 
-def test_short_link_runs_cover_whole_sync_periods():
-    assert dp.shaped_steps("adamw_allreduce") == 3 and dp.shaped_steps("diloco_h10") == 10
-    assert dp.shaped_steps("sparseloco_h5_k40") == 5 and dp.shaped_steps("sparseloco_h2_k16") == 4
+def test_time_to_target_is_the_shortest_rung_at_or_below_it():
+    per = {"machine": 0.5, "own": 0.1}
+    rungs = [_rung(300, 4.80, per), _rung(100, 5.00, per), _rung(200, 4.85, per)]
+    assert dp.time_to_target(rungs, 4.85) == {"machine": 100.0, "own": 20.0}
+    assert dp.time_to_target(rungs, 4.9) == {"machine": 100.0, "own": 20.0}
+    assert dp.time_to_target(rungs, 4.7) == {"machine": None, "own": None}
+
+
+def test_score_divides_the_baseline_time_by_each_sides():
+    per_b, per_s = {"machine": 10.0, "own": 10.0}, {"machine": 0.4, "own": 0.1}
+    out = {"sides": {
+        "adamw": {"rungs": [_rung(100, 4.9, per_b)], "bytes": {"ratio_payload_vs_fp32": 1.0}, "tuning": {}},
+        "sparseloco": {"rungs": [_rung(200, 5.0, per_s), _rung(500, 4.88, per_s)],
+                       "bytes": {"ratio_payload_vs_fp32": 1089.6}, "tuning": {}}}}
+    s = dp.score(out)
+    assert s["baseline_final_val"] == 4.9
+    assert s["time_to_baseline_s"]["sparseloco"] == {"machine": 200.0, "own": 50.0}
+    assert s["sooner_than_baseline"]["sparseloco"] == {"machine": 5.0, "own": 20.0}
+    assert s["sooner_than_baseline"]["adamw"] == {"machine": 1.0, "own": 1.0}
+    assert s["ratio_vs_fp32"]["sparseloco"] == 1089.6
+
+
+class FakeRunner:
+    """Final loss = a function of the settings; records every run asked for."""
+
+    def __init__(self, loss):
+        self.loss, self.asked = loss, []
+
+    def train(self, runs):
+        self.asked += runs
+        return [{"val": [[steps, self.loss(ov)]]} for ov, steps, _ in runs]
+
+
+def test_the_search_takes_each_axis_in_turn_from_the_best_so_far():
+    side = dp.Side("x", ["base"], {"lr": [["lr=1"], ["lr=2"], ["lr=4"]], "H": [["H=5"], ["H=10"]]},
+                   start={"lr": 1, "H": 0})
+    # best lr is 4; with lr=4 H=10 is better, but with lr=2 it is worse: the search must use lr=4
+    table = {("lr=1", "H=5"): 5.0, ("lr=2", "H=5"): 4.9, ("lr=4", "H=5"): 4.8,
+             ("lr=1", "H=10"): 5.5, ("lr=2", "H=10"): 5.1, ("lr=4", "H=10"): 4.7}
+    runner = FakeRunner(lambda ov: table[tuple(ov[1:])])
+    t = dp.tune(runner, side, steps=50)
+    assert t["winner"] == ["lr=4", "H=10"] and t["choice"] == {"lr": 2, "H": 1}
+    assert len(t["trials"]) == 4                       # 3 learning rates, then H=10 (H=5 at lr=4 is known)
+    assert all(steps == 50 and seed == 0 for _, steps, seed in runner.asked)
+
+
+def test_every_grid_setting_keeps_k_at_1000x_or_more_and_only_h_is_timed():
+    side = dp.SIDES["sparseloco"]
+    assert [c["H"] for c in dp.timed_choices(side)] == [0, 1]
+    for h in side.grid["H"]:
+        sync, topk = (int(o.split("=")[1]) for o in h)
+        assert topk / sync == 8             # 8 of 4096 coefficients a step: k grows with H
+    assert dp.timed_choices(dp.SIDES["adamw"]) == [dp.SIDES["adamw"].start]

@@ -158,6 +158,28 @@ def test_payload_round_trip(ienc, venc):
             assert torch.equal(out[name][1], val)
 
 
+@pytest.mark.parametrize("ienc", INDEX_ENCODINGS)
+@pytest.mark.parametrize("venc", VALUE_ENCODINGS)
+def test_decoding_every_peer_at_once_equals_decoding_each(ienc, venc):
+    lay = _layout(ienc, venc)
+    bufs = [lay.encode(4, r + 1, _valid(lay, gen=r)) for r in range(3)]
+    weights, tensors = lay.decode_all(bufs, [0, 1, 2], expect_step=4)
+    assert weights == [1, 2, 3]
+    for r, buf in enumerate(bufs):
+        _, one = lay.decode(buf, peer=r, expect_step=4)
+        for name, (idx, val) in one.items():
+            assert torch.equal(tensors[name][0][r], idx) and torch.equal(tensors[name][1][r], val)
+
+
+@pytest.mark.parametrize("kind,words", [("index", "out of range"), ("dup", "duplicate"), ("nan", "non-finite"),
+                                        ("inf", "non-finite"), ("layout", "layout")])
+def test_decoding_every_peer_at_once_names_the_one_at_fault(kind, words):
+    lay, bad = _corrupt(kind)
+    good = lay.encode(5, 1, _valid(lay))
+    with pytest.raises(PayloadError, match=f"peer rank 6.*{words}"):
+        lay.decode_all([good, good, bad, good], [4, 5, 6, 7], expect_step=5)
+
+
 def _corrupt(kind):
     lay = _layout("u16", "fp32")
     t = _valid(lay)
