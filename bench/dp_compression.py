@@ -33,6 +33,7 @@ folder's records (a run cut short goes on where it stopped).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import os
@@ -215,16 +216,31 @@ def final_val(rec: dict) -> float:
 
 def tune(runner: Runner, side: Side, steps: int) -> dict:
     """Coordinate search over ``side.grid`` at ``steps``, first seed: each axis in turn, the
-    others held at their best so far.  Returns the trials and the winning choice."""
-    choice = dict(side.start)
-    trials = {}
-    for axis, values in side.grid.items():
-        cand = [{**choice, axis: i} for i in range(len(values))]
-        recs = runner.train([(side.settings(c), steps, 0) for c in cand])
-        for c, r in zip(cand, recs):
-            trials[json.dumps(c, sort_keys=True)] = {"settings": side.settings(c)[len(side.base):], "val": final_val(r)}
-        choice = min(zip(cand, recs), key=lambda cr: final_val(cr[1]))[0]
-    return {"steps": steps, "grid": {a: [" ".join(v) for v in vs] for a, vs in side.grid.items()},
+    others held at their best so far.  A learning rate that wins at an edge of its grid is
+    followed past it (doubled or halved, at most twice), so no side is judged at a rate its grid
+    cut short.  Returns the trials, the winning settings and choice (indices into the grid as
+    searched, which ``grid`` lists)."""
+    grid = {a: list(v) for a, v in side.grid.items()}
+    side = dataclasses.replace(side, grid=grid)
+    choice, trials = dict(side.start), {}
+
+    def run(cands):
+        recs = runner.train([(side.settings(c), steps, 0) for c in cands])
+        for c, r in zip(cands, recs):
+            trials[json.dumps(side.settings(c))] = {"settings": side.settings(c)[len(side.base):], "val": final_val(r)}
+        return min(zip(cands, recs), key=lambda cr: final_val(cr[1]))[0]
+
+    for axis, values in grid.items():
+        choice = run([{**choice, axis: i} for i in range(len(values))])
+        for _ in range(2 if axis == "lr" else 0):
+            edge = {0: 0.5, len(values) - 1: 2.0}.get(choice[axis])
+            if edge is None:
+                break
+            lr = float(values[choice[axis]][0].split("=")[1]) * edge
+            values.insert(0 if edge < 1 else len(values), [f"train.lr={lr:g}"])
+            best = choice if edge > 1 else {**choice, axis: choice[axis] + 1}
+            choice = run([best, {**choice, axis: 0 if edge < 1 else len(values) - 1}])
+    return {"steps": steps, "grid": {a: [" ".join(v) for v in vs] for a, vs in grid.items()},
             "trials": list(trials.values()), "winner": side.settings(choice)[len(side.base):], "choice": choice}
 
 
@@ -268,7 +284,7 @@ def race(args, runner: Runner, sides: list[str]) -> dict:
         tuning = tune(runner, side, steps) if not args.no_tune else {"winner": side.settings(choices[n])[len(side.base):],
                                                                       "choice": choices[n], "trials": []}
         choices[n] = tuning["choice"]
-        clock, settings = clocks[timing_key(side, choices[n])], side.settings(choices[n])
+        clock, settings = clocks[timing_key(side, choices[n])], side.base + tuning["winner"]
         period = sync_period(settings)
         if n == BASELINE:
             rungs = [rung(runner, settings, args.baseline_steps, args.seeds, clock, None)]

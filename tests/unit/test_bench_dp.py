@@ -1,6 +1,7 @@
 """bench/dp_compression.py: the two clocks, the ladder, the coordinate search and the score."""
 
 import importlib.util
+import math
 import sys
 from pathlib import Path
 
@@ -72,16 +73,30 @@ class FakeRunner:
 
 
 def test_the_search_takes_each_axis_in_turn_from_the_best_so_far():
-    side = dp.Side("x", ["base"], {"lr": [["lr=1"], ["lr=2"], ["lr=4"]], "H": [["H=5"], ["H=10"]]},
-                   start={"lr": 1, "H": 0})
-    # best lr is 4; with lr=4 H=10 is better, but with lr=2 it is worse: the search must use lr=4
-    table = {("lr=1", "H=5"): 5.0, ("lr=2", "H=5"): 4.9, ("lr=4", "H=5"): 4.8,
-             ("lr=1", "H=10"): 5.5, ("lr=2", "H=10"): 5.1, ("lr=4", "H=10"): 4.7}
+    side = dp.Side("x", ["base"], {"a": [["a=1"], ["a=2"], ["a=4"]], "H": [["H=5"], ["H=10"]]},
+                   start={"a": 1, "H": 0})
+    # best a is 4; with a=4 H=10 is better, but with a=2 it is worse: the search must use a=4
+    table = {("a=1", "H=5"): 5.0, ("a=2", "H=5"): 4.9, ("a=4", "H=5"): 4.8,
+             ("a=1", "H=10"): 5.5, ("a=2", "H=10"): 5.1, ("a=4", "H=10"): 4.7}
     runner = FakeRunner(lambda ov: table[tuple(ov[1:])])
     t = dp.tune(runner, side, steps=50)
-    assert t["winner"] == ["lr=4", "H=10"] and t["choice"] == {"lr": 2, "H": 1}
-    assert len(t["trials"]) == 4                       # 3 learning rates, then H=10 (H=5 at lr=4 is known)
+    assert t["winner"] == ["a=4", "H=10"] and t["choice"] == {"a": 2, "H": 1}
+    assert len(t["trials"]) == 4                       # 3 values of a, then H=10 (H=5 at a=4 is known)
     assert all(steps == 50 and seed == 0 for _, steps, seed in runner.asked)
+
+
+def test_a_learning_rate_that_wins_at_the_edge_of_its_grid_is_followed_past_it():
+    side = dp.Side("x", ["base"], {"lr": dp._lrs(1e-3, 2e-3, 4e-3)}, start={"lr": 1})
+    best = {"up": 8e-3, "far": 3e-2, "down": 2.5e-4}
+
+    def loss(where):      # lowest at best[where], rising with the distance in octaves
+        return lambda ov: 4.0 + abs(math.log2(float(ov[1].split("=")[1]) / best[where]))
+    assert dp.tune(FakeRunner(loss("up")), side, 10)["winner"] == ["train.lr=0.008"]
+    t = dp.tune(FakeRunner(loss("far")), side, 10)     # doubled twice, no further
+    assert t["winner"] == ["train.lr=0.016"] and len(t["trials"]) == 5
+    t = dp.tune(FakeRunner(loss("down")), side, 10)    # halved twice: 5e-4, 2.5e-4
+    assert t["winner"] == ["train.lr=0.00025"] and t["grid"]["lr"][0] == "train.lr=0.00025"
+    assert side.grid["lr"] == dp._lrs(1e-3, 2e-3, 4e-3)   # the side's own grid is left as it was
 
 
 def test_every_grid_setting_keeps_k_at_1000x_or_more_and_only_h_is_timed():
