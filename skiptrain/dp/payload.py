@@ -112,8 +112,9 @@ class PayloadLayout:
         def bad(row: int, msg: str) -> PayloadError:
             return PayloadError(f"payload from peer rank {peers[row]} rejected: {msg}")
 
-        weights = [self._header(np.asarray(b), row, expect_step, bad) for row, b in enumerate(bufs)]
-        rows = np.stack([np.asarray(b) for b in bufs])
+        bufs = [np.asarray(b) for b in bufs]
+        weights = [self._header(b, row, expect_step, bad) for row, b in enumerate(bufs)]
+        rows = np.stack(bufs)
         out: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
         for s in self.specs:
             a, b, c = self.blocks[s.name]

@@ -80,10 +80,11 @@ class SparseExchange:
         weights = [float(w) for w in gathered.weights]
         if by == "replicas" or sum(weights) == 0:
             weights = [1.0] * n
+        per_replica = torch.tensor(weights, device=self.device).view(n, 1, 1)
         out = {}
         for name, geo in self.geo.items():
             idx, val = (t.to(self.device) for t in gathered.tensors[name])        # (replicas, n_chunks, k)
-            w = torch.tensor(weights, device=self.device).view(n, 1, 1).expand_as(val)
+            w = per_replica.expand_as(val)
             idx, val, w = (t.permute(1, 0, 2).reshape(geo.n_chunks, -1) for t in (idx, val * w, w))
             acc = torch.zeros(geo.n_chunks, geo.chunk_numel, device=self.device).scatter_add_(1, idx, val)
             if by == "replicas":
