@@ -122,4 +122,4 @@ def validate_in_loop(node, st) -> None:
                "tokens": n_it * st.gb * node.cfg.model.seq_len,
                "val_loss": round(float(tot[0] / max(tot[1], 1)), 5),
                "seconds": round(time.perf_counter() - t0, 4)}
-        node.write_row(row)
+        node.report.write_row(row)

@@ -42,6 +42,8 @@ The node is a loop over components, each a module of this package:
 * :mod:`.layout`: the layout in force and its one switch, ``adopt``;
 * :mod:`.healing`: recovery, takeover and CheckFree, joins;
 * :mod:`.replan`: route re-planning after a recovery or a join, and on drift;
+* :mod:`.update`: the iteration's sync and optimizer step for this node's stages;
+* :mod:`.report`: the gathered statistics, rank 0's metrics line, the sample log;
 * :mod:`.stats`: per-iteration statistics as named columns.
 """
 

@@ -10,7 +10,8 @@ coordinator reads (acknowledgements, the schedule in force).
 Failure semantics: every collective here raises :class:`~skiptrain.runtime.failure.NodeFailure`
 as soon as the coordinator announces a newer generation (recovery mode), and otherwise waits at
 most the job's ``timeout_s`` (gloo's own timeout).  Without recovery, a peer failure seen by the
-heartbeat ends the process (the ``on_peer_failed`` callback).
+heartbeat ends the process (:meth:`ControlPlane.peer_failed`); with recovery, only a lost store
+does (the coordinator decides membership).
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from ..failure import EXIT_FENCED, Heartbeat, NodeFailure, abort_process, write_error
+from ..failure import EXIT_FENCED, EXIT_PEER_FAILED, Heartbeat, NodeFailure, abort_process, write_error
 from ..membership import key_from_env, open_value, read_raw, set_member
 from ..shipping import RowPublisher
 
@@ -41,7 +42,7 @@ STOP_KEY = "stop"     # set by the launcher (Ctrl-C / SIGTERM): end at the next 
 class ControlPlane:
     """Membership and the node's collectives (see the module's docstring)."""
 
-    def __init__(self, job, rank: int, world: int, addr: str, port: int, store, on_peer_failed, describe):
+    def __init__(self, job, rank: int, world: int, addr: str, port: int, store, describe):
         hosted = os.environ.get("SKIPTRAIN_STORE_HOSTED") == "1" or \
             os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
         self.job, self.rank, self.world = job, rank, world
@@ -67,12 +68,24 @@ class ControlPlane:
         self.hb_store = dist.TCPStore(addr, port, world, is_master=False, timeout=store_timeout,
                                       wait_for_workers=False)
         rt = job.rt
+        on_peer_failed = self._store_lost if rt.recover else self.peer_failed
         self.hb = Heartbeat(self.hb_store, rank, world, rt.heartbeat_s, rt.timeout_s, on_peer_failed,
                             describe=describe, lease_floor_s=rt.heartbeat_deadline_s or rt.timeout_s,
                             lease_ceiling_s=rt.lease_max_s,
                             on_expired=self._lease_expired if rt.recover else None).start()
 
     # ---- membership ----------------------------------------------------------------------
+
+    def peer_failed(self, node: int, reason: str) -> None:
+        """The heartbeat found ``node`` failed (-1: the store): this node leaves its error report,
+        naming it, and ends with :data:`~skiptrain.runtime.failure.EXIT_PEER_FAILED`."""
+        write_error(self.err_path, self.rank, NodeFailure(f"node {self.rank}: {reason}", node), node)
+        abort_process(EXIT_PEER_FAILED)
+
+    def _store_lost(self, node: int, reason: str) -> None:
+        """Recovery mode: the coordinator decides membership; only a lost store stops the node."""
+        if node == -1:
+            self.peer_failed(node, reason)
 
     def _lease_expired(self, why: str) -> None:
         """Self-fencing (the heartbeat's watchdog thread): this node's lease ran out, so the
@@ -170,6 +183,10 @@ class ControlPlane:
     def start_together(self) -> tuple[bool, float, float]:
         """An iteration's common start: every node's stop flag gathered at rank 0, which answers
         with one broadcast of (any stop, start time = its clock + the start margin, its clock).
+        Unless a stop was agreed, this node then waits for the start time on its own clock: rank
+        0's clock is trusted only within the margin, so a host whose clock is off waits at most
+        the margin after the start reached it (on one host this is exactly rank 0's start time).
+        Returns (stop, the start time on this node's clock, how late the start reached it).
         A node whose lease ran out (its watchdog is about to end it) starts nothing."""
         if self.watch is not None and not self.hb.lease_holds():
             self._lease_expired(f"node {self.rank}: its lease ran out before an iteration's start")
@@ -179,7 +196,14 @@ class ControlPlane:
             stamp = time.time()
             tt[:] = torch.tensor([float(flags.max()), stamp + self.start_margin, stamp], dtype=torch.float64)
         self.sync(dist.broadcast, tt, 0)
-        return bool(tt[0] > 0), float(tt[1]), float(tt[2])
+        stop, t0, stamp = bool(tt[0] > 0), float(tt[1]), float(tt[2])
+        if stop:
+            return True, t0, 0.0
+        now = time.time()
+        delay = min(max(now - stamp, 0.0), t0 - stamp)
+        t0 = now + (t0 - stamp) - delay
+        time.sleep(max(0.0, t0 - time.time()))
+        return False, t0, delay
 
     def observe_start_delay(self, delay: float) -> None:
         """The slowest receipt of the last start time: the next margin is twice the slowest of

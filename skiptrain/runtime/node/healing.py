@@ -85,7 +85,7 @@ class Healer:
         if self.any_committed and a.entry is None and a.res is not None:
             st.record["iterations"].append({"events": [], "n_processed": a.res.n_processed, "t_end": 0.0,
                                             "samples": sorted(a.samples), "gen": self.control.gen})
-            self.node.log_samples(st.out_dir, st.ph.name, st.it, a.samples)
+            self.node.report.log_samples(st.out_dir, st.ph.name, st.it, a.samples)
         st.record["recoveries"].append({
             "gen": self.control.gen, "iteration": st.it, "cause": str(e)[:300], "committed": a.committed,
             "attempts": attempts, "redo_sync": redone, "alive": list(self.control.alive), "t_fail": t_fail,

@@ -136,8 +136,17 @@ class NodeLayout:
         st.emulation.pace(node.tr)
         node.tr.codec_of = self.codec_of(st)
         return Executor(node.rank, node.tr, st.model, st.emulation.finish, node.job.rt.timeout_s,
-                        node.describe, check=node.check_payload,
+                        node.describe, check=self.check_payload,
                         embed=st.elastic.embed if st.elastic is not None else None)
+
+    def check_payload(self, m) -> None:
+        """A received pipeline message has the shape, dtype and finite values its kind needs
+        (:func:`~skiptrain.runtime.recovery.check_payload`), else it names its sender."""
+        from ..recovery import check_payload
+
+        c = self.node.cfg
+        check_payload(m.kind, m.tensor, m.src, (c.train.micro_batch, c.model.seq_len, c.model.d_model), m.mb,
+                      self.node.rank)
 
     def codec_of(self, st: "PhaseState"):
         """The activation encoding of each of this node's outgoing links (the cost model's choice;

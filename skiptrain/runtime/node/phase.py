@@ -23,6 +23,26 @@ from ..job_checkpoint import open_node_checkpoints, resume_node, save_node_check
 from .state import PhaseState
 
 
+def use_config(node, phase_config: dict | None) -> None:
+    """``node.cfg``: the job's config with the phase's overrides; the data sources that depend on it."""
+    from ...config import apply_dict, config_from_dict
+    from ...data.loader import SampleSource
+
+    cfg = node.cfg = config_from_dict(node.job.config)
+    if phase_config:
+        apply_dict(cfg, phase_config, "phase config")
+    if cfg.train.init_from:     # a pre-trained model decides the shapes
+        from ...checkpoint.hf_import import model_config_for_data
+        cfg.model = model_config_for_data(cfg.train.init_from, cfg.model, node.ds.vocab_size)
+    else:
+        cfg.model.vocab_size = node.ds.vocab_size
+    node.cfg_json = cfg.to_dict()    # what every checkpoint of the phase records (set only here)
+    node.src = SampleSource(node.ds.tokens("train"), cfg.model.seq_len, seed=cfg.train.seed,
+                            name=node.ds.split_name("train"))
+    node.val_src = SampleSource(node.ds.tokens("val"), cfg.model.seq_len, shuffle=False,
+                                name=node.ds.split_name("val"))
+
+
 def begin_phase(node, ph: Phase, phase_idx: int) -> PhaseState:
     """Build this node's stage, groups, strategy, optimizer and executor for ``ph``; a node
     joining a running job also takes its state and position from a live replica here."""
@@ -30,7 +50,7 @@ def begin_phase(node, ph: Phase, phase_idx: int) -> PhaseState:
     from ...schedule.cost import CostModel
 
     if ph.config or phase_idx:
-        node.use_config(ph.config)
+        use_config(node, ph.config)
     cfg, rank = node.cfg, node.rank
     joining = node.joining if node.joining is not None and node.joining["phase"] == phase_idx else None
     node.joining = None
