@@ -15,7 +15,7 @@ without exchanging them:
   sums are all-reduced, so every node sees the same value;
 * **transition**: a changed frozen depth is applied at the start of the next iteration, before
   any of its work: AutoPipe + AutoDP plan the layout on the nodes alive
-  (:func:`~.transition.plan_layout`), the layout-change core plans the moves by name and the
+  (:func:`~skiptrain.elastic.freezer.plan_layout`, as in the one-process trainer), the layout-change core plans the moves by name and the
   nodes exchange them point to point (:func:`~.transition.move_state`), each node builds its
   new stage, a barrier commits, and only then does every node switch (groups, sync strategy,
   schedule, executor).  A failure before the commit leaves every survivor in the old layout;
@@ -45,17 +45,17 @@ import torch.distributed as dist
 from ..checkpoint.reader import CheckpointReader
 from ..checkpoint.training import truncate_metrics
 from ..elastic.cache import ActivationCache, PrefixRunner
-from ..elastic.freeze import FreezeRule
+from ..elastic.freezer import Freezer, append_log, layer_sq_norms, plan_layout, prefix_input, stage0_forward
 from ..elastic.repartition import ElasticLayout
 from ..layout.transfer import transfer_plan
 from ..model.partition import Partition, partition_layers
-from ..optim import build_optimizer, lr_clock
+from ..optim import build_optimizer
 from ..schedule.schedule import Schedule
 from .evaluate import pipelined_evaluate_sum
 from .freeze_cache import PrefixCaching
 from .job_checkpoint import load_sync
 from .transition import (Activations, build_stage, freeze_parameters, gather_state, layout_cost, layout_schedule,
-                         move_state, plan_layout, reseat, stage_names, stage_sizes, sync_state)
+                         move_state, reseat, stage_names, stage_sizes, sync_state)
 
 GUARD_TAG = 13
 # the planner's budget when it re-plans the routes of a new layout (simulator calls; no time cap,
@@ -77,7 +77,8 @@ class SwarmFreezing(PrefixCaching):
         cfg = node.cfg
         self.node, self.st, self.cfg = node, st, cfg
         L = cfg.model.n_layers
-        self.rule = FreezeRule.from_config(L, cfg.elastic, cfg.train.warmup_steps)
+        self.freezer = Freezer(cfg)
+        self.rule = self.freezer.rule
         self.frozen = 0
         self.counts = partition_layers(cfg.model).to_list()
         self.start_stages = len(st.sched.placement)
@@ -104,29 +105,22 @@ class SwarmFreezing(PrefixCaching):
     def embed(self, h: torch.Tensor) -> torch.Tensor:
         """Stage 0's forward: the embedding and its layers, or after a freeze its layers after
         the frozen prefix, on the prefix's output."""
-        m = self.st.model
-        if self.frozen == 0:
-            return m.embed(h)
-        return m.run_layers(h, range(self.frozen, m.partition.layers(0).stop))
+        return stage0_forward(self.st.model, self.frozen, h)
 
     def batch(self, src, indices) -> tuple[torch.Tensor, torch.Tensor]:
         """(stage 0's input, targets) of global samples ``indices``: the tokens, or the frozen
         prefix's output computed without autograd."""
         x, y = src.batch(indices)
-        if self.frozen == 0:
-            return x, y
-        return self.runner(x, [src.window(g) for g in indices]), y
+        return prefix_input(self.runner, src, x, indices, self.frozen), y
 
     def observe(self, updates: dict[str, torch.Tensor]) -> None:
         """The optimizer step's synced updates: per layer, their squared norm (first replica)."""
         st, L = self.st, self.cfg.model.n_layers
         if st.stage is None or st.sched.placement[st.stage].index(self.node.rank) != 0:
             return
-        for n, g in updates.items():
-            if n.startswith("layers."):
-                layer = int(n.split(".", 2)[1])
-                self.sq[layer] += float(torch.linalg.vector_norm(g)) ** 2
-                self.sq[L + layer] = 1.0
+        for layer, v in layer_sq_norms(updates).items():
+            self.sq[layer] += v
+            self.sq[L + layer] = 1.0
 
     # ---- the rule at iteration boundaries -------------------------------------------------
 
@@ -142,15 +136,14 @@ class SwarmFreezing(PrefixCaching):
         """Every node, after iteration ``st.it``, with ``sq`` the sum over the nodes of their
         :meth:`take_norms`: the layers' norms to the rule; at a window's end, the rule's
         decision (a changed depth becomes the pending transition)."""
-        st, t, L = self.st, self.cfg.train, self.cfg.model.n_layers
+        st, L = self.st, self.cfg.model.n_layers
         if self.cache is not None:
             st.record["cache"] = self.cache.stats()
-        self.rule.observe({l: float(sq[l]) ** 0.5 for l in range(self.frozen, L) if sq[L + l] > 0})
+        self.freezer.observe({l: float(sq[l]) for l in range(L) if sq[L + l] > 0}, self.frozen)
         step = st.it + 1
-        if not self.rule.window_done(step):
+        d = self.freezer.decide(step, self.guard_loss)
+        if d is None:
             return
-        d = self.rule.decide(step, val_loss=self.guard_loss if self.cfg.elastic.guard else None,
-                             clock=lr_clock(step, t))
         if d.frozen_after != self.frozen:
             self.pending = d.frozen_after
         elif self.cache_in_due(step):
@@ -172,8 +165,7 @@ class SwarmFreezing(PrefixCaching):
 
     def log(self, rec: dict[str, Any]) -> None:
         if self.node.rank == min(self.node.control.alive):
-            with open(Path(self.node.run_dir) / "elastic.jsonl", "a") as f:
-                f.write(json.dumps(rec) + "\n")
+            append_log(Path(self.node.run_dir) / "elastic.jsonl", rec)
 
     # ---- transitions ----------------------------------------------------------------------
 

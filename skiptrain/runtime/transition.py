@@ -4,10 +4,8 @@ training state moved between the nodes by name.
 A transition turns the layout in force (partition, placement, frozen depth) into the one the
 freeze rule's new depth asks for, on the nodes alive now:
 
-* :func:`plan_layout`: AutoPipe (:func:`skiptrain.elastic.repartition.autopipe_for`) repartitions
-  the active layers over the stage count it picks; AutoDP
-  (:func:`skiptrain.elastic.replicas.assign_nodes`) gives the freed nodes to the remaining
-  stages as replicas, keeping each node on the bytes it holds where it can;
+* :func:`skiptrain.elastic.freezer.plan_layout` (AutoPipe, then AutoDP) plans it, as in the
+  one-process trainer;
 * :func:`layout_schedule`: the micro-batches of the iteration (same ids, so the same samples)
   over the new placement: dealt over the stage-0 nodes, routes through the new body stages
   (skipping, as in the single-process trainer, needs three or more stages); the caller may let
@@ -34,8 +32,6 @@ import torch.distributed as dist
 
 from ..checkpoint.state import load_optimizer, model_tensors, split_optim_name
 from ..checkpoint.wire import pack_state, unpack_tensors
-from ..elastic.repartition import ElasticLayout, autopipe_for
-from ..elastic.replicas import assign_nodes
 from ..layout import is_frozen, tensor_stage
 from ..layout.transfer import Transfer
 from ..model.partition import Partition
@@ -45,20 +41,6 @@ from ..schedule.schedule import MicroBatch, Schedule
 from .job_checkpoint import stage_state, sync_tensors
 
 LEN_TAG, BLOB_TAG = 11, 12
-
-
-def plan_layout(model_cfg, frozen: int, counts: list[int], placement: list[list[int]], alive: list[int],
-                sizes: dict[str, int], start_stages: int, global_batch: int, n_micro: int, step: int,
-                hit: float = 0.0, prefix_cached: bool = False) -> tuple[ElasticLayout, dict[str, Any]]:
-    """The layout for ``frozen`` frozen layers on the nodes ``alive`` (node ids), from the one in
-    force (``counts``, ``placement``); returns it and AutoPipe's evidence."""
-    new_counts, evidence = autopipe_for(model_cfg, frozen, start_stages, len(placement), hit, len(alive),
-                                        global_batch, n_micro, prefix_cached=prefix_cached)
-    pos = {n: i for i, n in enumerate(alive)}
-    old_pos = [[pos[n] for n in p if n in pos] for p in placement]
-    new_pos = assign_nodes(sizes, Partition(tuple(counts)), old_pos, Partition(tuple(new_counts)), len(alive))
-    new_pl = [[alive[i] for i in p] for p in new_pos]
-    return ElasticLayout.of(frozen, new_counts, len(new_pl[0]), n_micro, new_pl, prefix_cached, step), evidence
 
 
 def deal_originators(stage0: list[int], ids: list[int], keep: dict[int, int] | None = None) -> dict[int, int]:

@@ -29,6 +29,7 @@ uninterrupted one.  Decisions go to ``RUN_DIR/elastic.jsonl``.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import tempfile
 import time
@@ -43,13 +44,10 @@ from ..checkpoint.wire import pack_state, state_sizes, unpack_tensors
 from ..config import Config
 from ..data.dataset import TokenDataset
 from ..elastic.cache import ActivationCache, PrefixRunner, at_depth, expected_hit, measure, worth_it
-from ..elastic.freeze import FreezeRule
-from ..elastic.repartition import ElasticLayout, autopipe_for
-from ..elastic.replicas import assign_nodes
+from ..elastic.freezer import Freezer, append_log, layer_sq_norms, plan_layout, prefix_input, stage0_forward
+from ..elastic.repartition import ElasticLayout
 from ..layout import is_frozen
 from ..layout.transfer import transfer_plan
-from ..model.partition import Partition
-from ..optim import lr_clock
 from ..runtime.evaluate import evaluate
 from ..schedule.routes import balanced_routes, full_route
 from .trainer import StepResult, Trainer
@@ -79,7 +77,8 @@ class ElasticTrainer(Trainer):
                  claim: Callable[[], None] | None = None):
         super().__init__(cfg, out, dataset, claim)
         e, m = self.cfg.elastic, self.cfg.model
-        self.rule = FreezeRule.from_config(m.n_layers, e, self.cfg.train.warmup_steps)
+        self.freezer = Freezer(self.cfg)
+        self.rule = self.freezer.rule
         self.start_stages = m.n_stages
         self.n_nodes = e.nodes or m.n_stages
         R = self.n_nodes // m.n_stages
@@ -131,28 +130,26 @@ class ElasticTrainer(Trainer):
 
     def stage0_inputs(self, x: torch.Tensor, indices: list[int]) -> torch.Tensor:
         """The frozen prefix's output (no autograd; from the cache when on), or the tokens."""
-        return self.runner(x, [self.train_src.window(g) for g in indices]) if self.frozen > 0 else x
+        return prefix_input(self.runner, self.train_src, x, indices, self.frozen)
 
     def _stage0(self, h: torch.Tensor) -> torch.Tensor:
         """Stage 0's forward: its layers after the frozen prefix, on the prefix's output."""
-        if self.frozen == 0:
-            return self.model.embed(h)
-        return self.model.run_layers(h, range(self.frozen, self.layout.partition.layers(0).stop))
+        return stage0_forward(self.model, self.frozen, h)
 
     def observe(self, updates: dict[str, torch.Tensor]) -> None:
         """Per active layer, the norm of its stage-averaged gradient, to the freeze rule."""
-        sq: dict[int, float] = {}
-        for n, g in updates.items():
-            if n.startswith("layers."):
-                layer = int(n.split(".", 2)[1])
-                sq[layer] = sq.get(layer, 0.0) + float(torch.linalg.vector_norm(g)) ** 2
-        self.rule.observe({l: v ** 0.5 for l, v in sorted(sq.items()) if l >= self.frozen})
+        self.freezer.observe(layer_sq_norms(updates), self.frozen)
 
     def train_step(self) -> StepResult:
         """The trainer's iteration; at the end of a window, the freeze rule and any transition."""
         r = super().train_step()
-        if self.rule.window_done(self.step):
-            self._window()
+        d = self.freezer.decide(self.step, self._guard_val)
+        if d is not None:
+            rec = d.to_dict()
+            if d.frozen_after != d.frozen_before:
+                rec["transition"] = self._transition()
+            if self.out is not None:
+                append_log(Path(self.out) / "elastic.jsonl", rec)
         return r
 
     # ---- windows and transitions ----------------------------------------------------------
@@ -193,21 +190,6 @@ class ElasticTrainer(Trainer):
             n += len(y)
         m.train(was_training)
         return total / n
-
-    def _window(self) -> None:
-        t = self.cfg.train
-        d = self.rule.decide(self.step, val_loss=self._guard_val if self.cfg.elastic.guard else None,
-                             clock=lr_clock(self.step, t))
-        rec = d.to_dict()
-        if d.frozen_after != d.frozen_before:
-            rec["transition"] = self._transition()
-        self._write_log(rec)
-
-    def _write_log(self, rec: dict[str, Any]) -> None:
-        if self.out is None:
-            return
-        with open(Path(self.out) / "elastic.jsonl", "a") as f:
-            f.write(json.dumps(rec) + "\n")
 
     def _prefill(self) -> tuple[dict[str, Any], float, float]:
         """Prefill the cache to the current depth, a global batch of windows at a time: (its
@@ -270,14 +252,13 @@ class ElasticTrainer(Trainer):
         # AutoPipe costs the prefix by the share of it the cache will really save
         hit = expected_hit(self.cache, F, visits_left) if cached else 0.0
         rec["expected_hit"] = round(hit, 4)
-        counts, evidence = autopipe_for(self.cfg.model, F, self.start_stages, old.n_stages, hit, self.n_nodes,
-                                         t.micro_batch * t.n_micro, t.n_micro,
-                                         prefix_cached=cached and self.runner.complete())
         sizes = state_sizes(self.model, self.opt, [n for n, _ in self.model.named_parameters() if is_frozen(n, F)])
-        placement = assign_nodes(sizes, old.partition, old.placement, Partition(tuple(counts)), self.n_nodes)
-        new = ElasticLayout.of(F, counts, len(placement[0]), old.n_micro, placement, cached, self.step)
+        new, evidence = plan_layout(self.cfg.model, F, old.counts, old.placement, list(range(self.n_nodes)), sizes,
+                                    self.start_stages, t.micro_batch * t.n_micro, old.n_micro, self.step, hit=hit,
+                                    prefix_cached=cached and self.runner.complete())
+        new = dataclasses.replace(new, cached=cached)
         rec.update(stages_before=old.n_stages, stages_after=new.n_stages, replicas_after=new.replicas,
-                   counts=counts, placement=placement, cached=cached, autopipe=evidence,
+                   counts=new.counts, placement=new.placement, cached=cached, autopipe=evidence,
                    **self._transfer_bill(old, new, sizes))
         self.layouts.append(new)
         self.reconfigure(new)

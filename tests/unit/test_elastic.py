@@ -14,6 +14,7 @@ from skiptrain.data.loader import shard_indices
 from skiptrain.elastic.cache import (ActivationCache, PrefixRunner, at_depth, expected_hit, measure,
                                     worth_it)
 from skiptrain.elastic.freeze import FreezeRule
+from skiptrain.elastic.freezer import Freezer, layer_sq_norms
 from skiptrain.elastic.prefill import plan_prefill
 from skiptrain.elastic.repartition import autopipe, iteration_units, layer_compute, stage_memory
 from skiptrain.checkpoint.wire import pack_state, unpack_state
@@ -196,6 +197,28 @@ def test_the_first_window_the_guard_does_not_doubt_is_found_in_the_history():
 
 
 # ---- AutoPipe -----------------------------------------------------------------------------
+
+
+def test_layer_norms_sum_each_layers_parameters_and_skip_the_rest():
+    g = torch.Generator().manual_seed(0)
+    updates = {"embed.weight": torch.randn(5, 3, generator=g), "layers.0.attn.wq.weight": torch.randn(3, 3, generator=g),
+               "layers.0.mlp.w1.weight": torch.randn(4, 3, generator=g), "layers.11.norm.weight": torch.randn(3, generator=g)}
+    ref = {0: float(updates["layers.0.attn.wq.weight"].pow(2).sum() + updates["layers.0.mlp.w1.weight"].pow(2).sum()),
+           11: float(updates["layers.11.norm.weight"].pow(2).sum())}
+    got = layer_sq_norms(updates)
+    assert sorted(got) == [0, 11] and all(got[k] == pytest.approx(v, rel=1e-6) for k, v in ref.items())
+
+
+def test_the_freezer_feeds_active_layers_and_answers_only_at_a_windows_end():
+    cfg = build_config(preset="tiny", overrides=["elastic.enabled=true", "elastic.check_every=2", "elastic.guard=false",
+                                                  "model.n_layers=4"])
+    fr = Freezer(cfg)
+    asked = []
+    fr.observe({0: 4.0, 1: 9.0, 2: 16.0, 3: 1.0}, frozen=2)    # layers 0 and 1 are frozen: not fed
+    assert fr.rule.sums[0] == 0 and fr.rule.sums[1] == 0 and fr.rule.sums[2] == 4.0 and fr.rule.sums[3] == 1.0
+    assert fr.decide(1, lambda: asked.append(1) or 1.0) is None
+    d = fr.decide(2, lambda: asked.append(2) or 1.0)
+    assert d is not None and d.step == 2 and asked == []      # the guard is off: never asked
 
 
 def test_autopipe_picks_the_fewest_stages_that_fit_the_start_memory():

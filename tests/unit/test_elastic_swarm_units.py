@@ -16,7 +16,8 @@ from skiptrain.elastic.costs import sim_topology
 from skiptrain.elastic.repartition import ElasticLayout
 from skiptrain.layout.transfer import transfer_plan
 from skiptrain.runtime.job import build_cost
-from skiptrain.runtime.transition import deal_originators, layout_cost, layout_schedule, plan_layout
+from skiptrain.elastic.freezer import plan_layout
+from skiptrain.runtime.transition import deal_originators, layout_cost, layout_schedule
 from skiptrain.schedule.simulator import simulate
 
 
