@@ -39,7 +39,7 @@ class Copies:
     """All-gather stand-in: every one of ``n`` peers sent what this replica sent."""
 
     def __init__(self, n: int):
-        self.n = n
+        self.n, self.rank = n, 0
 
     def all_gather_bytes(self, buf):
         return [buf.copy() for _ in range(self.n)]

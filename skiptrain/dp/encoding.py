@@ -136,11 +136,6 @@ def value_nbytes(n: int, enc: str, group: int | None = None) -> int:
     raise ValueError(f"unknown value encoding {enc!r}; choose one of {VALUE_ENCODINGS}")
 
 
-def quantize_values(v: torch.Tensor, enc: str, group: int | None = None) -> torch.Tensor:
-    """What the receiver will decode from ``encode_values(v, enc)`` (used for error feedback)."""
-    return decode_values(encode_values(v, enc, group), v.numel(), enc, group).reshape(v.shape)
-
-
 def _bf16_bits(x: np.ndarray) -> np.ndarray:
     return torch.from_numpy(np.ascontiguousarray(x, np.float32)).to(torch.bfloat16).view(torch.int16).numpy()
 

@@ -5,8 +5,9 @@ chunks of ``dp.chunk`` elements per side, DCT-transformed when ``dp.dct``).  At 
 :meth:`SparseExchange.exchange`:
 
 1. keeps the ``dp.topk`` largest-magnitude coefficients of every chunk, quantised with the value
-   encoding ``dp.values``, and subtracts exactly what is sent from the accumulator (error
-   feedback: the residual, quantisation error included, stays local for the next sync);
+   encoding ``dp.values``, and after the gather subtracts exactly what the others decode of them
+   from the accumulator (error feedback: the residual, quantisation error included, stays local
+   for the next sync);
 2. frames every tensor's indices and values as one fixed-size byte payload
    (:mod:`skiptrain.dp.payload`) and all-gathers it: one collective per sync;
 3. validates every peer's payload before anything is used (:class:`~skiptrain.dp.payload.PayloadError`
@@ -28,7 +29,7 @@ from typing import NamedTuple
 import torch
 
 from .dct import ChunkedDCT
-from .encoding import INDEX_LIMIT, quantize_values
+from .encoding import INDEX_LIMIT
 from .payload import PayloadLayout, TensorSpec
 from .strategy import StrategyError
 
@@ -58,19 +59,22 @@ class SparseExchange:
         return {n: torch.zeros(g.n_chunks, g.chunk_numel, device=self.device) for n, g in self.geo.items()}
 
     def exchange(self, acc: dict[str, torch.Tensor], weight: int) -> "Gathered":
-        """Send the top-k of every chunk of ``acc`` (subtracting what is sent when ``weight`` > 0:
-        a replica that processed nothing keeps its residual); returns every replica's validated
-        weight and ``(indices, values)``, stacked in rank order."""
-        send = {}
+        """Send the top-k of every chunk of ``acc``; returns every replica's validated weight and
+        ``(indices, values)``, stacked in rank order.  Error feedback: when ``weight`` > 0, what
+        the others decode of this replica's payload (its own row of the gathered values, so the
+        values are encoded once) is then subtracted from ``acc``; a replica that processed
+        nothing keeps its residual, and a sync that fails leaves ``acc`` as it was."""
+        picked = {}
         for name, m in acc.items():
             idx = m.abs().topk(self.k[name], dim=1, sorted=False).indices
-            q = quantize_values(m.gather(1, idx), self.values, self.k[name]).to(m.device)
-            if weight > 0:
-                m.scatter_(1, idx, m.gather(1, idx) - q)
-            send[name] = (idx, q)
-        bufs = self.tr.all_gather_bytes(self.layout.encode(self.syncs, weight, send))
+            picked[name] = (idx, m.gather(1, idx))
+        bufs = self.tr.all_gather_bytes(self.layout.encode(self.syncs, weight, picked))
         weights, tensors = self.layout.decode_all(bufs, list(range(len(bufs))), expect_step=self.syncs)
         self.syncs += 1
+        if weight > 0:
+            me = self.tr.rank
+            for name, (idx, v) in picked.items():
+                acc[name].scatter_(1, idx, v - tensors[name][1][me].to(v.device))
         return Gathered(weights, tensors)
 
     def average(self, gathered: "Gathered", by: str = "senders") -> dict[str, torch.Tensor]:

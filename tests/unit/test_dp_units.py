@@ -430,9 +430,10 @@ def test_n1_demo_topk_error_feedback_keeps_residual():
     sent = {}
     orig_encode = s.layout.encode
 
-    def spy(step, n, tensors):
-        sent.update(tensors)
-        return orig_encode(step, n, tensors)
+    def spy(step, n, tensors):     # what was sent: the payload as a receiver decodes it
+        buf = orig_encode(step, n, tensors)
+        sent.update(s.layout.decode(buf, 0)[1])
+        return buf
     s.layout.encode = spy
     step(0.01, 1)
     for n, p in m.named_parameters():
@@ -520,6 +521,24 @@ def test_n1_sparseloco_lossless_is_diloco():
     assert all(float(e.abs().max()) < 1e-6 for e in sa.e.values())     # everything sent: no residual
 
 
+def test_a_sync_whose_payload_is_rejected_leaves_the_residual_as_it_was():
+    m = _model()
+    dp = DPConfig(strategy="demo", chunk=64, topk=5, values="sign1", indices="u12", check_every=0)
+    s = make_strategy(dp, m.named_parameters(), None, TrainConfig(weight_decay=0.0, grad_clip=0.0))
+    acc = {n: torch.randn_like(t) for n, t in s.m.items()}
+    kept = {n: t.clone() for n, t in acc.items()}
+
+    class Garbled:              # a peer whose payload is garbage
+        rank = 0
+
+        def all_gather_bytes(self, buf):
+            return [buf.copy(), np.full_like(buf, 0xFF)]
+    s.sparse.tr = Garbled()
+    with pytest.raises(PayloadError, match="peer rank 1"):
+        s.sparse.exchange(acc, 1)
+    assert all(torch.equal(acc[n], kept[n]) for n in acc)
+
+
 def test_n1_sparseloco_sends_a_sparse_2bit_payload_and_keeps_the_residual():
     tc = TrainConfig(weight_decay=0.0, grad_clip=0.0)
     m = _model()
@@ -530,9 +549,10 @@ def test_n1_sparseloco_sends_a_sparse_2bit_payload_and_keeps_the_residual():
     sent, pre = {}, {}
     orig_encode, orig_exchange = s.layout.encode, s.sparse.exchange
 
-    def spy_encode(step_no, n, tensors):
-        sent.update(tensors)
-        return orig_encode(step_no, n, tensors)
+    def spy_encode(step_no, n, tensors):     # what was sent: the payload as a receiver decodes it
+        buf = orig_encode(step_no, n, tensors)
+        sent.update(s.layout.decode(buf, 0)[1])
+        return buf
 
     def spy_exchange(acc, weight):
         pre.update({n: t.clone() for n, t in acc.items()})
