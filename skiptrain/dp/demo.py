@@ -10,11 +10,11 @@ Per parameter tensor, per iteration, on every replica (DESIGN.md section 3):
    momentum is kept in coefficient space; since ``C`` is orthonormal this is the same as DeMo's
    parameter-space momentum (up to the padding of dimensions the chunk does not divide);
 3. every ``H = dp.sync_every`` iterations: keep the ``k`` largest-magnitude coefficients of
-   each chunk, quantise them with the value encoding, and subtract exactly what is sent from
-   ``m`` (error feedback: the residual ``m - sent`` stays local, including the quantisation
-   error);
+   each chunk and quantise them with the value encoding;
 4. exchange: one fixed-size byte payload per replica (:mod:`skiptrain.dp.payload`), one
-   all-gather; every payload is validated before anything is applied;
+   all-gather; every payload is validated before anything is applied; then exactly what was
+   sent (this replica's payload as the others decode it) is subtracted from ``m`` (error
+   feedback: the residual ``m - sent`` stays local, including the quantisation error);
 5. decode: each coefficient is the average of the values of the replicas that sent it,
    weighted by their micro-batch counts (DeMo's plain mean when counts are equal; all weights
    are 1 if no replica processed anything); inverse DCT; padding cropped;

@@ -46,7 +46,6 @@ class SparseExchange:
         self.layout = PayloadLayout(
             [TensorSpec(n, tuple(p.shape), self.geo[n].n_chunks, self.geo[n].chunk_numel, self.k[n])
              for n, p in named], dp_cfg.indices, dp_cfg.values)
-        self.values = dp_cfg.values
         self.tr = transport
         self.syncs = 0          # sync counter (payload header "step"; replicas are in lock-step)
 

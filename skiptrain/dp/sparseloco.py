@@ -9,8 +9,9 @@ one optimizer path (AdamW: the inner step, no communication).  After that step, 
   ``e = dp.ef_decay * e + C(delta)`` (:class:`~skiptrain.dp.dct.ChunkedDCT`, plain chunks unless
   ``dp.dct``);
 * the top ``dp.topk`` coefficients of every chunk, quantised with ``dp.values`` (``sign2``: 2
-  bits each plus one scale), leave in one bucketed payload with packed indices (``dp.indices``)
-  and are subtracted from ``e`` (:class:`~skiptrain.dp.sparse.SparseExchange`);
+  bits each plus one scale), leave in one bucketed payload with packed indices (``dp.indices``);
+  once the gather is validated, what was sent is subtracted from ``e``
+  (:class:`~skiptrain.dp.sparse.SparseExchange`);
 * the replicas' sparse contributions are averaged (summed, divided by the replica count), and an
   outer Nesterov step is taken on that average: ``v = mu v + d``;
   ``p = anchor - outer_lr (d + mu v)`` (``dp.outer_lr``, ``dp.outer_momentum``); ``anchor = p``.

@@ -15,7 +15,8 @@ without exchanging them:
   sums are all-reduced, so every node sees the same value;
 * **transition**: a changed frozen depth is applied at the start of the next iteration, before
   any of its work: AutoPipe + AutoDP plan the layout on the nodes alive
-  (:func:`~skiptrain.elastic.freezer.plan_layout`, as in the one-process trainer), the layout-change core plans the moves by name and the
+  (:func:`~skiptrain.elastic.freezer.plan_layout`, as in the one-process trainer), the
+  layout-change core plans the moves by name and the
   nodes exchange them point to point (:func:`~.transition.move_state`), each node builds its
   new stage, a barrier commits, and only then does every node switch (groups, sync strategy,
   schedule, executor).  A failure before the commit leaves every survivor in the old layout;
@@ -78,7 +79,6 @@ class SwarmFreezing(PrefixCaching):
         self.node, self.st, self.cfg = node, st, cfg
         L = cfg.model.n_layers
         self.freezer = Freezer(cfg)
-        self.rule = self.freezer.rule
         self.frozen = 0
         self.counts = partition_layers(cfg.model).to_list()
         self.start_stages = len(st.sched.placement)
@@ -99,6 +99,11 @@ class SwarmFreezing(PrefixCaching):
         self.guard_s = 0.0
         if node.job.resume and node.job.resume["phase"] == st.idx:
             self._resume(node.job.resume["path"])
+
+    @property
+    def rule(self):
+        """The freeze rule (the freezer's)."""
+        return self.freezer.rule
 
     # ---- the step's inputs -----------------------------------------------------------------
 

@@ -29,7 +29,6 @@ uninterrupted one.  Decisions go to ``RUN_DIR/elastic.jsonl``.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import tempfile
 import time
@@ -78,7 +77,6 @@ class ElasticTrainer(Trainer):
         super().__init__(cfg, out, dataset, claim)
         e, m = self.cfg.elastic, self.cfg.model
         self.freezer = Freezer(self.cfg)
-        self.rule = self.freezer.rule
         self.start_stages = m.n_stages
         self.n_nodes = e.nodes or m.n_stages
         R = self.n_nodes // m.n_stages
@@ -101,6 +99,11 @@ class ElasticTrainer(Trainer):
         if self.ckpt is not None:
             self.ckpt.manager.close()
             self.ckpt = ElasticCheckpoints(self)
+
+    @property
+    def rule(self):
+        """The freeze rule (the freezer's)."""
+        return self.freezer.rule
 
     def _open_cache(self) -> ActivationCache:
         if self.cache is None:
@@ -255,8 +258,7 @@ class ElasticTrainer(Trainer):
         sizes = state_sizes(self.model, self.opt, [n for n, _ in self.model.named_parameters() if is_frozen(n, F)])
         new, evidence = plan_layout(self.cfg.model, F, old.counts, old.placement, list(range(self.n_nodes)), sizes,
                                     self.start_stages, t.micro_batch * t.n_micro, old.n_micro, self.step, hit=hit,
-                                    prefix_cached=cached and self.runner.complete())
-        new = dataclasses.replace(new, cached=cached)
+                                    prefix_cached=cached and self.runner.complete(), cached=cached)
         rec.update(stages_before=old.n_stages, stages_after=new.n_stages, replicas_after=new.replicas,
                    counts=new.counts, placement=new.placement, cached=cached, autopipe=evidence,
                    **self._transfer_bill(old, new, sizes))

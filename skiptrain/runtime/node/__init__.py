@@ -36,7 +36,7 @@ The node is a loop over components, each a module of this package:
 
 * :mod:`.main`: argv and environment, the join connection, exit codes;
 * :mod:`.loop`: :class:`Node`, one iteration as a fixed order of component calls;
-* :mod:`.phase`: the start and the end of a phase;
+* :mod:`.phase`: a phase's config, its start and its end;
 * :mod:`.admission`: the join challenge and the first generation (recovery mode);
 * :mod:`.control`: the control plane (membership, groups, the small collectives);
 * :mod:`.layout`: the layout in force and its one switch, ``adopt``;

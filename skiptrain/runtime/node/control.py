@@ -180,12 +180,13 @@ class ControlPlane:
             time.sleep(0.002)
         work.wait()
 
-    def start_together(self) -> tuple[bool, float, float]:
+    def start_together(self, wait: bool = True) -> tuple[bool, float, float]:
         """An iteration's common start: every node's stop flag gathered at rank 0, which answers
         with one broadcast of (any stop, start time = its clock + the start margin, its clock).
-        Unless a stop was agreed, this node then waits for the start time on its own clock: rank
-        0's clock is trusted only within the margin, so a host whose clock is off waits at most
-        the margin after the start reached it (on one host this is exactly rank 0's start time).
+        Unless a stop was agreed (or ``wait`` is False), this node then waits for the start time
+        on its own clock: rank 0's clock is trusted only within the margin, so a host whose clock
+        is off waits at most the margin after the start reached it (on one host this is exactly
+        rank 0's start time).
         Returns (stop, the start time on this node's clock, how late the start reached it).
         A node whose lease ran out (its watchdog is about to end it) starts nothing."""
         if self.watch is not None and not self.hb.lease_holds():
@@ -197,8 +198,8 @@ class ControlPlane:
             tt[:] = torch.tensor([float(flags.max()), stamp + self.start_margin, stamp], dtype=torch.float64)
         self.sync(dist.broadcast, tt, 0)
         stop, t0, stamp = bool(tt[0] > 0), float(tt[1]), float(tt[2])
-        if stop:
-            return True, t0, 0.0
+        if stop or not wait:
+            return stop, t0, 0.0
         now = time.time()
         delay = min(max(now - stamp, 0.0), t0 - stamp)
         t0 = now + (t0 - stamp) - delay

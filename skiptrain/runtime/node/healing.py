@@ -325,7 +325,7 @@ class Healer:
             print(f"skiptrain node {self.node.rank}: paused before iteration {st.it}: {len(self.control.alive)} live "
                   f"node(s), fewer than runtime.min_nodes = {self.node.job.rt.min_nodes}; waiting for nodes to join",
                   file=sys.stderr, flush=True)
-        stop, _, _ = self.control.start_together()
+        stop, _, _ = self.control.start_together(wait=False)
         if stop:
             raise StopRequested(f"node {self.node.rank}: the launcher asked to stop")
         time.sleep(self.node.job.rt.heartbeat_s)

@@ -8,9 +8,9 @@ executor and adopt the layout; then per iteration (:meth:`Node._iterate`):
 2. start together (:meth:`~.control.ControlPlane.start_together`: the common start time, or a
    stop every node agrees on);
 3. run the executor over the schedule; commit (a barrier in recovery mode);
-4. step (:func:`~skiptrain.runtime.step.optimizer_step`: the data-parallel sync and the one
-   optimizer step);
-5. report statistics (:mod:`.stats`, gathered by the control plane; rank 0 writes
+4. step (:mod:`.update`: the data-parallel sync and the one optimizer step of this node's
+   stages);
+5. report statistics (:mod:`.report`: named columns gathered by the control plane; rank 0 writes
    ``metrics.jsonl``);
 6. re-plan (:mod:`.replan`), feed the freeze rule, validate, checkpoint.
 

@@ -1,4 +1,7 @@
-"""The start and the end of a phase on one node.
+"""The config, the start and the end of a phase on one node.
+
+:func:`use_config` sets the node's config (the job's, with the phase's overrides) and the data
+sources that depend on it.
 
 :func:`begin_phase` builds what the node holds for a phase (its :class:`~.state.PhaseState`):
 the schedule it starts in (the coordinator's for a joiner, the phase's repaired for the nodes
