@@ -25,6 +25,14 @@ STRATEGIES: dict[str, type[SyncStrategy]] = {
     "diloco": DiLoCoStrategy, "demo": DeMoStrategy, "sparseloco": SparseLoCoStrategy}
 
 
+def update_rule_of(dp_cfg) -> str:
+    """The optimizer rule (:mod:`skiptrain.optim`) that ``dp.strategy`` feeds, from the config
+    alone (:meth:`SyncStrategy.rule_for`)."""
+    if dp_cfg.strategy not in STRATEGIES:
+        raise StrategyError(f"unknown dp.strategy {dp_cfg.strategy!r}; choose one of {sorted(STRATEGIES)}")
+    return STRATEGIES[dp_cfg.strategy].rule_for(dp_cfg)
+
+
 def make_strategy(dp_cfg, named_params: Iterable[tuple[str, torch.nn.Parameter]], group=None,
                   optimizer_cfg=None, link: LinkModel | RingLinks | None = None) -> SyncStrategy:
     """Build the strategy ``dp_cfg.strategy`` for ``named_params`` replicated over ``group``.
@@ -51,4 +59,5 @@ def make_strategy(dp_cfg, named_params: Iterable[tuple[str, torch.nn.Parameter]]
     return STRATEGIES[dp_cfg.strategy](named_params, tr, dp_cfg, optimizer_cfg or TrainConfig())
 
 
-__all__ = ["LINK_PRESETS", "STRATEGIES", "LinkModel", "RingLinks", "StrategyError", "SyncStats", "SyncStrategy", "make_strategy"]
+__all__ = ["LINK_PRESETS", "STRATEGIES", "LinkModel", "RingLinks", "StrategyError", "SyncStats", "SyncStrategy", "make_strategy",
+           "update_rule_of"]

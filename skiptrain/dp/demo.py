@@ -57,8 +57,12 @@ class DeMoStrategy(SyncStrategy):
         # momentum of the decoded update (dp.update_momentum > 0): identical on every replica
         self.u = {n: torch.zeros_like(p, dtype=torch.float32) for n, p in self.named} if self.mu else {}
         # step rule "adam": the decoded update, read as a gradient, goes to AdamW
-        self.update_rule = "adamw" if self.step_rule == "adam" else "direction"
+        self.update_rule = self.rule_for(dp_cfg)
         self.n_since = 0        # micro-batches folded into m since the last sync
+
+    @classmethod
+    def rule_for(cls, dp_cfg) -> str:
+        return "adamw" if getattr(dp_cfg, "step_rule", "sign") == "adam" else "direction"
 
     @property
     def payload_bytes(self) -> int:

@@ -75,6 +75,13 @@ class SyncStrategy:
 
     name = "base"
     update_rule = "adamw"     # the optimizer rule (skiptrain.optim.RULES) that consumes exchange()'s output
+
+    @classmethod
+    def rule_for(cls, dp_cfg) -> str:
+        """The optimizer rule this strategy feeds under ``dp_cfg`` (its ``update_rule``), known
+        before any parameter exists: what a node that serves no stage yet builds its optimizer
+        with when it is handed one."""
+        return cls.update_rule
     clip_local = False        # True: the global clip scales the local gradients before the exchange
     replicas_drift = False    # True: replicas' weights differ between syncs (checkpoints save each replica's)
     #: the step (``step_count``) at which the run or phase ends, set by the caller: a strategy with

@@ -46,6 +46,7 @@ import torch.distributed as dist
 from ..checkpoint.reader import CheckpointReader
 from ..checkpoint.training import truncate_metrics
 from ..elastic.cache import ActivationCache, PrefixRunner
+from ..dp import update_rule_of
 from ..elastic.freezer import Freezer, append_log, layer_sq_norms, plan_layout, prefix_input, stage0_forward
 from ..elastic.repartition import ElasticLayout
 from ..layout.transfer import transfer_plan
@@ -219,8 +220,8 @@ class SwarmFreezing(PrefixCaching):
                                                 stage_names(sizes, new.partition, stage))
         model = opt = None
         if stage is not None:
-            rule = st.strat.update_rule if st.strat is not None else "adamw"
-            model, opt = build_stage(cfg, stage, new.partition, F, tensors, record, rule)
+            # (the config's rule: a node that served no stage has no strategy to ask)
+            model, opt = build_stage(cfg, stage, new.partition, F, tensors, record, update_rule_of(cfg.dp))
         node.control.sync(dist.barrier)                # commit: every node holds its new stage
         moved_s = time.perf_counter() - t0
         cost = layout_cost(self.base_cost, cfg.model, new.counts, F, hit=1.0 if cached else 0.0)
@@ -367,8 +368,7 @@ class SwarmFreezing(PrefixCaching):
         model = opt = None
         if stage is not None:
             model = node.layout.build_stage(stage, sched.memory, Partition(tuple(counts)))
-            opt = build_optimizer(model.named_parameters(), self.cfg.train,
-                                  st.strat.update_rule if st.strat is not None else "adamw")
+            opt = build_optimizer(model.named_parameters(), self.cfg.train, update_rule_of(self.cfg.dp))
             freeze_parameters(model, F)
         self._switch(sched, stage, model, opt, cost, F, counts, None, None, cached)
 

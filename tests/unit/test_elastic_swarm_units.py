@@ -133,3 +133,35 @@ def test_a_resumed_freezing_job_keeps_the_decisions_before_its_checkpoint_and_dr
     log.write_text("".join(json.dumps(r) + "\n" for r in rows))
     truncate_metrics(log, 8, log_position)
     assert [json.loads(x) for x in log.read_text().splitlines()] == rows[:3]
+
+
+@pytest.mark.parametrize("strategy,step_rule", [("allreduce", "sign"), ("demo", "sign"), ("demo", "adam"),
+                                                ("sparseloco", "sign"), ("diloco", "sign"), ("powersgd", "sign")])
+def test_a_node_without_a_stage_builds_the_one_it_is_handed_with_the_configs_optimizer_rule(strategy, step_rule):
+    """A transition (or a resume) may hand a stage to a node that served none, so it has no sync
+    strategy to ask for the optimizer rule: the config's rule (``update_rule_of``) must be the one
+    the strategy feeds, or the state moved from a replica does not load (a DeMo swarm refused it:
+    "checkpoint holds DirectionDescent state; this run uses AdamW")."""
+    import torch
+
+    from skiptrain.dp import make_strategy, update_rule_of
+    from skiptrain.model.partition import partition_layers
+    from skiptrain.model.transformer import StagedLM
+    from skiptrain.optim import build_optimizer
+    from skiptrain.runtime.job_checkpoint import stage_state
+    from skiptrain.runtime.transition import build_stage, gather_state
+
+    cfg = _cfg()
+    cfg.dp.strategy, cfg.dp.step_rule = strategy, step_rule
+    part = partition_layers(cfg.model)
+    holder = StagedLM(cfg.model, stages=[1], partition=part, seed=cfg.train.seed)
+    strat = make_strategy(cfg.dp, holder.named_parameters(), None, cfg.train)
+    assert update_rule_of(cfg.dp) == strat.update_rule
+    opt = build_optimizer(holder.named_parameters(), cfg.train, strat.update_rule)
+    for p in holder.parameters():
+        p.grad = torch.ones_like(p)
+    opt.step()
+    own, _ = stage_state(holder, opt, strat, 0)
+    tensors, record, _ = gather_state(holder, opt, strat, [], set(own))
+    model, _ = build_stage(cfg, 1, part, 0, tensors, record, update_rule_of(cfg.dp))
+    assert all(torch.equal(p, dict(holder.named_parameters())[n]) for n, p in model.named_parameters())
