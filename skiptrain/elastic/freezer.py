@@ -5,7 +5,8 @@ trainer (:mod:`skiptrain.train.elastic_trainer`) and on every node of a swarm
 :class:`Freezer` feeds the freeze rule (:mod:`.freeze`) each step's per-layer norms of the synced
 update and, at the end of a window, asks it for the frozen depth (its guard given the validation
 loss the caller measures, its clock the learning rate summed so far); :func:`plan_layout` turns
-a new depth into the next layout (AutoPipe, then AutoDP); :func:`stage0_forward` and
+a new depth into the next layout (AutoPipe, then AutoDP) and :func:`layout_routes` draws the
+routes through it; :func:`stage0_forward` and
 :func:`prefix_input` are what stage 0 runs once a prefix is frozen.  How a layout is then put in
 force is the caller's: one process re-partitions its own model, a swarm moves state between
 nodes by name.
@@ -14,6 +15,7 @@ nodes by name.
 from __future__ import annotations
 
 import json
+import random
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
@@ -21,6 +23,7 @@ import torch
 
 from ..model.partition import Partition
 from ..optim import lr_clock
+from ..schedule.routes import balanced_routes, full_route
 from .freeze import Decision, FreezeRule
 from .repartition import ElasticLayout, autopipe_for
 from .replicas import assign_nodes
@@ -76,6 +79,15 @@ def plan_layout(model_cfg, frozen: int, counts: list[int], placement: list[list[
     new_pl = [[alive[i] for i in p] for p in new_pos]
     cached = prefix_cached if cached is None else cached
     return ElasticLayout.of(frozen, new_counts, len(new_pl[0]), n_micro, new_pl, cached, step), evidence
+
+
+def layout_routes(n_stages: int, skip_ratio: float, n: int, rng: random.Random, max_swaps: int) -> list[list[int]]:
+    """The body-stage routes of ``n`` micro-batches through a layout of ``n_stages`` stages:
+    full routes without skipping or with fewer than three stages (nothing left to skip), else
+    balanced skip routes drawn from ``rng``."""
+    if skip_ratio <= 0 or n_stages <= 2:
+        return [full_route(n_stages) for _ in range(n)]
+    return balanced_routes(n_stages, skip_ratio, n, rng, max_swaps)
 
 
 def stage0_forward(model, frozen: int, h: torch.Tensor) -> torch.Tensor:

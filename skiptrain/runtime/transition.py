@@ -8,7 +8,7 @@ freeze rule's new depth asks for, on the nodes alive now:
   one-process trainer;
 * :func:`layout_schedule`: the micro-batches of the iteration (same ids, so the same samples)
   over the new placement: dealt over the stage-0 nodes, routes through the new body stages
-  (skipping, as in the single-process trainer, needs three or more stages); the caller may let
+  (:func:`skiptrain.elastic.freezer.layout_routes`, the single-process trainer's too); the caller may let
   the planner re-plan the routes; :func:`layout_cost`: the cost model of the new layout (a
   frozen layer costs its forward only, nothing when served from the cache);
 * :func:`move_state`: every message of :func:`skiptrain.layout.transfer.transfer_plan` between
@@ -32,11 +32,11 @@ import torch.distributed as dist
 
 from ..checkpoint.state import load_optimizer, model_tensors, split_optim_name
 from ..checkpoint.wire import pack_state, unpack_tensors
+from ..elastic.freezer import layout_routes
 from ..layout import is_frozen, tensor_stage
 from ..layout.transfer import Transfer
 from ..model.partition import Partition
 from ..schedule.cost import layer_params
-from ..schedule.routes import balanced_routes, full_route
 from ..schedule.schedule import MicroBatch, Schedule
 from .job_checkpoint import stage_state, sync_tensors
 
@@ -75,10 +75,7 @@ def layout_schedule(placement: list[list[int]], ids: list[int], skip_ratio: floa
     injections (every originator's first micro-batch, then every second, ...), so each replica
     gets early and late arrivals alike.  The micro-batches stay in id order (the injection order)."""
     S, ids = len(placement), sorted(ids)
-    if skip_ratio <= 0 or S <= 2:
-        routes = [full_route(S) for _ in ids]
-    else:
-        routes = balanced_routes(S, skip_ratio, len(ids), random.Random(seed), max_swaps)
+    routes = layout_routes(S, skip_ratio, len(ids), random.Random(seed), max_swaps)
     load = {n: 0 for p in placement for n in p}
     origin = deal_originators(list(placement[0]), ids, keep)
     rank, seen = {}, dict.fromkeys(placement[0], 0)   # injection round: the originator's k-th micro-batch

@@ -43,12 +43,12 @@ from ..checkpoint.wire import pack_state, state_sizes, unpack_tensors
 from ..config import Config
 from ..data.dataset import TokenDataset
 from ..elastic.cache import ActivationCache, PrefixRunner, at_depth, expected_hit, measure, worth_it
-from ..elastic.freezer import Freezer, append_log, layer_sq_norms, plan_layout, prefix_input, stage0_forward
+from ..elastic.freezer import (Freezer, append_log, layer_sq_norms, layout_routes, plan_layout, prefix_input,
+                               stage0_forward)
 from ..elastic.repartition import ElasticLayout
 from ..layout import is_frozen
 from ..layout.transfer import transfer_plan
 from ..runtime.evaluate import evaluate
-from ..schedule.routes import balanced_routes, full_route
 from .trainer import StepResult, Trainer
 
 
@@ -127,9 +127,7 @@ class ElasticTrainer(Trainer):
         S, t = self.layout.n_stages, self.cfg.train
         if S == self.start_stages:
             return super().routes()
-        if t.skip_ratio <= 0 or S <= 2:
-            return [full_route(S) for _ in range(t.n_micro)]
-        return balanced_routes(S, t.skip_ratio, t.n_micro, self.route_rng, t.max_swaps)
+        return layout_routes(S, t.skip_ratio, t.n_micro, self.route_rng, t.max_swaps)
 
     def stage0_inputs(self, x: torch.Tensor, indices: list[int]) -> torch.Tensor:
         """The frozen prefix's output (no autograd; from the cache when on), or the tokens."""
