@@ -505,3 +505,33 @@ def test_a_freezing_demo_job_saved_after_a_failure_resumes_on_all_its_nodes(byte
     assert stages[victim] is not None          # the node left over trains as a replica
     per_it = trained_samples(run / "phases" / "p")
     assert sorted(i for s in per_it.values() for i in s) == list(range(ITERS * GB))
+
+
+@pytest.mark.slow
+def test_a_demo_node_left_without_a_stage_takes_one_in_a_later_transition(byte_data, tmp_path):
+    """5 nodes on 2 stages under DeMo: a transition that leaves a node over (``N // S``
+    replicas per stage) and a later one that hands it a stage again.  The node had no sync
+    strategy while idle; it builds the stage it is handed with the config's optimizer rule
+    (DeMo's sign step), loads the state moved to it, and the run ends with every replica of a
+    stage bit-identical and every sample trained once."""
+    from skiptrain.runtime.faults import faulty_job
+
+    cfg = _cfg(runtime={"nodes": 5, "stage_sizes": "2,3"})
+    cfg.model.n_stages = 2
+    cfg.dp.strategy = "demo"
+    cfg.elastic.alpha, cfg.elastic.guard_tol = 1.0, 0.0
+    cfg.elastic.cache, cfg.elastic.prefill_min_gain, cfg.elastic.prefill_hold = "on", 0, 0
+    cfg.elastic.prefill_after_undo = 0
+    run = tmp_path / "run"
+    faults = [{"node": n, "kind": "diverge", "iteration": 5, "tensor": "layers.3.ffn.w2.weight", "by": 1.0}
+              for n in range(5)]
+    launch(_job(cfg, byte_data, run, iterations=14, **faulty_job(faults)), timeout_s=300)
+    tr = [r for r in _log(run) if r.get("action") == "transition"]
+    assert [(t["step"], t["frozen_after"], t["placement"]) for t in tr] == [
+        (4, 2, [[0, 1, 2, 3, 4]]), (6, 0, [[2, 3], [0, 1]]), (12, 2, [[0, 1, 2, 3, 4]])]     # node 4 idle in 6-11
+    per_it = trained_samples(run / "phases" / "p")
+    assert sorted(i for s in per_it.values() for i in s) == list(range(14 * GB))
+    params = _node_params(run)
+    assert sorted(params) == [0, 1, 2, 3, 4] and {s for s, _ in params.values()} == {0}
+    first = params[0][1]
+    assert all(torch.equal(p[k], first[k]) for _, p in params.values() for k in first)
