@@ -33,7 +33,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from skiptrain.net.topology import geo12  # noqa: E402
 from skiptrain.schedule.cost import CostModel, published_cost, reference_cost  # noqa: E402
-from skiptrain.schedule.planner import PlanConfig, plan, route_orders  # noqa: E402
+from skiptrain.schedule.construction import route_orders  # noqa: E402
+from skiptrain.schedule.planner import PlanConfig, plan  # noqa: E402
 from skiptrain.schedule.published import skippipe_ca  # noqa: E402
 from skiptrain.schedule.routes import visits_per_route  # noqa: E402
 from skiptrain.schedule.simulator import simulate  # noqa: E402

@@ -14,7 +14,7 @@ one cell, :func:`~.cells.default_cells`):
    the union of the cells' pipelines).  The data-parallel sync spans cells; it depends on the
    placement only and is left to the final simulation.
 3. **Between cells**: the iteration ends with the slowest cell, so the rest of the limit goes,
-   chunk by chunk, to the currently slowest cell (:func:`~.planner.improve_routes`); a cell that
+   chunk by chunk, to the currently slowest cell (:func:`~.local_search.improve_routes`); a cell that
    stops improving is planned again with another seed (placement included; the better plan is
    kept), until the limit is spent or the slowest cell has had ``RESTARTS`` restarts.
 
@@ -54,7 +54,7 @@ STUCK_ROUNDS = 3     # step 3: the slowest cell is restarted after this many rou
 class Search:
     """The planner's two entry points this module uses (passed in: the planner imports this
     module, not the other way round): ``plan(topo, cost, cfg)`` and ``improve(schedule, topo,
-    cost, contention, dp_sync, rng, max_evals, time_limit_s)`` (:func:`~.planner.improve_routes`)."""
+    cost, contention, dp_sync, rng, max_evals, time_limit_s)`` (:func:`~.local_search.improve_routes`)."""
     plan: Callable
     improve: Callable
 

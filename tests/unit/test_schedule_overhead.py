@@ -11,7 +11,8 @@ from skiptrain.net.topology import geo12, random_topology
 from skiptrain.schedule.compare import METHODS, compare
 from skiptrain.schedule.cost import CostModel, CostError, published_cost
 from skiptrain.schedule.fit import done_times, fit_task_overhead
-from skiptrain.schedule.planner import PlanConfig, RouteContext, plan
+from skiptrain.schedule.construction import RouteContext
+from skiptrain.schedule.planner import PlanConfig, plan
 from skiptrain.schedule.schedule import MicroBatch, Schedule
 from skiptrain.schedule.simulator import simulate
 

@@ -13,7 +13,8 @@ from skiptrain.net.topology import TopologyError, from_spec, geo12, random_topol
 from skiptrain.schedule.compare import CLAIMS, compare
 from skiptrain.schedule.cost import CostModel, from_model_config, reference_cost, ring_order
 from skiptrain.schedule.placement import place, stage_sizes
-from skiptrain.schedule.planner import PlanConfig, plan, route_orders
+from skiptrain.schedule.construction import route_orders
+from skiptrain.schedule.planner import PlanConfig, plan
 from skiptrain.schedule.routes import RouteError, check_route, skip_count
 from skiptrain.schedule.schedule import Schedule, ScheduleError
 from skiptrain.schedule.simulator import simulate

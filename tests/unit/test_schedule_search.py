@@ -14,8 +14,9 @@ from skiptrain.net.topology import cluster, geo12, random_topology
 from skiptrain.schedule.baselines import full_pipeline, random_skip
 from skiptrain.schedule.cost import CostModel, reference_cost
 from skiptrain.schedule.placement import place, stage_sizes
-from skiptrain.schedule.planner import (PlanConfig, RouteContext, ascending_routes, cheapest_replicas,
-                                        construct_routes, default_time_limit, improve_routes, plan)
+from skiptrain.schedule.construction import RouteContext, cheapest_replicas, construct_routes
+from skiptrain.schedule.local_search import improve_routes
+from skiptrain.schedule.planner import PlanConfig, ascending_routes, default_time_limit, plan
 from skiptrain.schedule.routes import check_route, visits_per_route
 from skiptrain.schedule.schedule import SKIP_CLAIMS, MicroBatch, Schedule, ScheduleError
 from skiptrain.schedule.simulator import simulate
