@@ -51,9 +51,10 @@ class Freezer:
         the rule sees the active layers' norms in layer order."""
         self.rule.observe({l: v ** 0.5 for l, v in sorted(sq.items()) if l >= frozen})
 
-    def decide(self, step: int, guard: Callable[[], float]) -> Decision | None:
+    def decide(self, step: int, guard: Callable[[], float] | None) -> Decision | None:
         """At the end of a window (``step`` steps done), the rule's decision; ``guard`` measures
-        the validation loss when the rule asks for it (``elastic.guard``).  None mid-window."""
+        the validation loss when the rule asks for it (``elastic.guard``; None: it cannot be
+        measured now, and the rule decides without it).  None mid-window."""
         if not self.rule.window_done(step):
             return None
         return self.rule.decide(step, val_loss=guard if self.cfg.elastic.guard else None,

@@ -147,7 +147,8 @@ class SwarmFreezing(PrefixCaching):
             st.record["cache"] = self.cache.stats()
         self.freezer.observe({l: float(sq[l]) for l in range(L) if sq[L + l] > 0}, self.frozen)
         step = st.it + 1
-        d = self.freezer.decide(step, self.guard_loss)
+        # (a stage left without a node, skipped by every route: nothing can validate through it)
+        d = self.freezer.decide(step, self.guard_loss if all(st.sched.placement) else None)
         if d is None:
             return
         if d.frozen_after != self.frozen:

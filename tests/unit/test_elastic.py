@@ -219,6 +219,9 @@ def test_the_freezer_feeds_active_layers_and_answers_only_at_a_windows_end():
     assert fr.decide(1, lambda: asked.append(1) or 1.0) is None
     d = fr.decide(2, lambda: asked.append(2) or 1.0)
     assert d is not None and d.step == 2 and asked == []      # the guard is off: never asked
+    cfg.elastic.guard = True
+    guarded = Freezer(cfg)
+    assert guarded.decide(2, None).val_loss is None           # a guard that cannot be measured: none asked
 
 
 def test_autopipe_picks_the_fewest_stages_that_fit_the_start_memory():
