@@ -89,7 +89,7 @@ STAGE_FWD_S = 1.76        # SkipPipe: a stage's forward of one micro-batch (4 la
 HOP_BYTES = 32 * 2 ** 20  # SkipPipe: one hop's activations
 BASELINE, FLAGSHIP = "baseline", "flagship"
 QUICK_MODEL = {"d_model": 64, "n_layers": 4, "n_heads": 4, "n_kv_heads": 2, "seq_len": 64, "stage0_layers": 1}
-#: the `small` preset narrowed to d_model 192 and seq 64 (5.0M parameters): 150 baseline iterations x 3 seeds,
+#: the `small` preset narrowed to d_model 192 and seq 64 (4.8M parameters): 150 baseline iterations x 3 seeds,
 #: the flagship's ladder and the tuning fit in about an hour on 2 cores (the 8.0M `small` at seq 128 does not)
 FULL_MODEL = {"d_model": 192, "n_layers": 8, "n_heads": 4, "n_kv_heads": 2, "seq_len": 64}
 
@@ -102,7 +102,7 @@ def settings(args) -> dict:
     else:
         s = {"nodes": 16, "model": FULL_MODEL, "baseline_steps": 150, "ckpt_every": 5, "check_every": 5,
              "time_scale": 1 / 6, "ladder": (0.5, 0.75, 1.0), "tune_at": 0.75, "seeds": 3, "follow": 1, "period": 5}
-    s["last_seeds"] = args.last_rung_seeds
+    s["last_seeds"], s["freeze"] = args.last_rung_seeds, not args.no_freeze
     for k in ("nodes", "baseline_steps", "time_scale", "seeds", "follow"):
         if getattr(args, k, None) is not None:
             s[k] = getattr(args, k)
@@ -142,7 +142,7 @@ def sides(s: dict) -> dict[str, Side]:
         "runtime": {"act_codec": "int8", "act_fast_GBps": 1.0 / tau, "recover": True, "heartbeat_deadline_s": 3.0,
                     "ckpt_max_age": 2 * ck},
         "elastic": {"enabled": True, "check_every": s["check_every"], "cache": "off", "start_window": 2,
-                    "guard_batches": 4, "min_active": 2}})
+                    "guard_batches": 4, "min_active": 2} if s["freeze"] else {"enabled": False}})
     return {BASELINE: Side("full pipeline, AdamW + fp32 all-reduce", ["train.skip_ratio=0", "dp.strategy=allreduce"],
                            {"lr": lrs(1e-3, 2e-3, 4e-3)}, start={"lr": 1}),
             FLAGSHIP: Side("skip routes, DeMo, int8, freezing, checkpoints, recovery", flag,
@@ -509,6 +509,7 @@ def parse_args(argv):
     ap.add_argument("--follow", type=int, default=None, help="edge-of-grid learning-rate steps (default 1; quick 0)")
     ap.add_argument("--time-scale", type=float, default=None, help="emulated / geo12 seconds (default 1/6; quick 1/16)")
     ap.add_argument("--no-tune", action="store_true", help="race at each side's starting settings")
+    ap.add_argument("--no-freeze", action="store_true", help="the flagship without elastic freezing")
     ap.add_argument("--no-events", action="store_true", help="skip the events run")
     ap.add_argument("--keep", default=None, help="work folder (its records are reused); default a new runs/bench folder")
     ap.add_argument("--json", default=None)
@@ -526,7 +527,8 @@ def main(argv=None) -> int:
     t0 = time.time()
     with work_dir(args.keep, "flagship_race") as folder:
         print(f"work folder {folder}; {platform.machine()}, Python {platform.python_version()}; {s['nodes']} node "
-              f"processes, baseline {s['baseline_steps']} iterations, ladder {s['ladder']}", flush=True)
+              f"processes, baseline {s['baseline_steps']} iterations, ladder {s['ladder']}, freezing "
+              f"{'on' if s['freeze'] else 'off'}", flush=True)
         runner = Runner(folder, functools.partial(run_config, args, base), functools.partial(race_launch, args))
         out = score(race(args, s, runner))
         if not args.no_events:
@@ -535,7 +537,7 @@ def main(argv=None) -> int:
     cfg = runner.config(out["sides"][FLAGSHIP]["settings"], s["baseline_steps"], 0)
     out.update(figures=None, events=ev.get("events"), samples_lost=ev.get("samples_lost"),
                samples_repeated=ev.get("samples_repeated"), nodes=s["nodes"], cores=len(os.sched_getaffinity(0)),
-               quick=args.quick, seeds=s["seeds"], time_scale=s["time_scale"], wall_s=time.time() - t0,
+               quick=args.quick, seeds=s["seeds"], freezing=s["freeze"], time_scale=s["time_scale"], wall_s=time.time() - t0,
                model={k: getattr(cfg.model, k) for k in ("d_model", "n_layers", "seq_len", "vocab_size")},
                tokens_per_iteration=len(layout(cfg)[2].micro_batches) * cfg.train.micro_batch * cfg.model.seq_len)
     out["figures"] = figures(out)
