@@ -33,14 +33,11 @@ folder's records (a run cut short goes on where it stopped).
 from __future__ import annotations
 
 import argparse
-import dataclasses
+import functools
 import json
-import math
 import os
-import statistics
 import sys
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -51,98 +48,49 @@ from skiptrain.data.dataset import TokenDataset  # noqa: E402
 from skiptrain.dp import LINK_PRESETS  # noqa: E402
 from skiptrain.runtime.job import Job, data_parallel_phase, with_runtime  # noqa: E402
 from skiptrain.runtime.launcher import launch  # noqa: E402
+from _race import (CLOCKS, Runner, Side, lrs, plot_race, print_rungs, print_tuning, rung, rung_steps,  # noqa: E402
+                   seconds_per_step, time_to_baseline, timing_steps, tune, untuned)
 
 NARROW = ["model.d_model=128", "model.n_layers=4", "model.n_heads=4", "model.n_kv_heads=2"]
 QUICK = ["model.d_model=64", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2", "model.seq_len=64",
          "train.eval_batches=4"]
-CLOCKS = ("machine", "own")
-
-
-@dataclass
-class Side:
-    """One contender: its fixed overrides, its grid (axis name -> list of override lists; the
-    first value of each axis is where the search starts) and its ladder of lengths."""
-    label: str
-    base: list[str]
-    grid: dict[str, list[list[str]]]
-    ladder: tuple[float, ...] = ()       # fractions of the steps that fit in the baseline's wall-clock
-    tune_at: float = 1.0                 # the fraction the grid is searched at (the target length)
-    start: dict[str, int] = field(default_factory=dict)  # axis -> index of the starting value
-
-    def settings(self, choice: dict[str, int]) -> list[str]:
-        return self.base + [o for axis, values in self.grid.items() for o in values[choice[axis]]]
-
-
-def _lrs(*lrs: float) -> list[list[str]]:
-    return [[f"train.lr={x:g}"] for x in lrs]
 
 
 SIDES = {
-    "adamw": Side("AdamW + fp32 all-reduce", ["dp.strategy=allreduce"], {"lr": _lrs(1e-3, 2e-3, 4e-3)},
+    "adamw": Side("AdamW + fp32 all-reduce", ["dp.strategy=allreduce"], {"lr": lrs(1e-3, 2e-3, 4e-3)},
                   start={"lr": 1}),
     "sparseloco": Side("SparseLoCo (2-bit values, 12-bit indices)",
                        ["dp.strategy=sparseloco", "dp.indices=u12", "dp.values=sign2", "dp.outer_lr=1"],
-                       {"lr": _lrs(1e-3, 2e-3, 4e-3),
+                       {"lr": lrs(1e-3, 2e-3, 4e-3),
                         "H": [["dp.sync_every=5", "dp.topk=40"], ["dp.sync_every=10", "dp.topk=80"]],
                         "outer_momentum": [["dp.outer_momentum=0.5"], ["dp.outer_momentum=0"]]},
                        ladder=(0.1, 0.15, 0.2), tune_at=0.15, start={"lr": 1, "H": 0, "outer_momentum": 0}),
     "demo": Side("DeMo (k=8, 1-bit signs, 12-bit indices)",
                  ["dp.strategy=demo", "dp.topk=8", "dp.indices=u12", "dp.values=sign1"],
-                 {"lr": _lrs(2e-3, 4e-3, 8e-3)}, ladder=(0.1, 0.2, 0.3), tune_at=0.2, start={"lr": 0}),
+                 {"lr": lrs(2e-3, 4e-3, 8e-3)}, ladder=(0.1, 0.2, 0.3), tune_at=0.2, start={"lr": 0}),
 }
 BASELINE = "adamw"
 
 
 # ---- running ----------------------------------------------------------------------------------
 
-class Runner:
-    """Trains runs (``(overrides, steps, seed)``) as phases of one launch of N node processes and
-    keeps every record in ``records.jsonl`` of the work folder, so that a run is never trained
-    twice for the same key."""
+def dp_config(args, base: list[str], overrides: list[str], steps: int, seed: int):
+    """A run's config: the bench's base, validation every tenth of the run (quick: quarter),
+    warm-up 2.5%, then the run's own overrides, length and seed."""
+    every = max(1, steps // (4 if args.quick else 10))
+    return build_config("small", overrides=base + [
+        f"train.eval_every={every}", f"train.warmup_steps={max(1, round(0.025 * steps))}"] + overrides + [
+        f"train.steps={steps}", f"train.seed={1234 + seed}"])
 
-    def __init__(self, args, folder: Path, base: list[str]):
-        self.args, self.folder, self.base = args, folder, base
-        self.path = folder / "records.jsonl"
-        self.recs = {}
-        if self.path.exists():
-            for line in self.path.read_text().splitlines():
-                if line.strip():
-                    d = json.loads(line)
-                    self.recs[d["key"]] = d["rec"]
-        self.launches = 0
 
-    @staticmethod
-    def key(overrides: list[str], steps: int, seed: int) -> str:
-        return json.dumps([sorted(overrides), steps, seed])
-
-    def config(self, overrides: list[str], steps: int, seed: int):
-        every = max(1, steps // (4 if self.args.quick else 10))
-        return build_config("small", overrides=self.base + [
-            f"train.eval_every={every}", f"train.warmup_steps={max(1, round(0.025 * steps))}"] + overrides + [
-            f"train.steps={steps}", f"train.seed={1234 + seed}"])
-
-    def train(self, runs: list[tuple[list[str], int, int]]) -> list[dict]:
-        """The records of ``runs``, training (in one launch) those not recorded yet."""
-        todo = [r for r in dict.fromkeys((tuple(o), s, sd) for o, s, sd in runs) if self.key(*r) not in self.recs]
-        if todo:
-            cfgs = [self.config(list(o), s, sd) for o, s, sd in todo]
-            for (o, s, sd), rec in zip(todo, self._launch(cfgs)):
-                self.recs[self.key(list(o), s, sd)] = rec
-                with self.path.open("a") as f:
-                    f.write(json.dumps({"key": self.key(list(o), s, sd), "rec": rec}) + "\n")
-                val = rec["val"][-1][1] if rec["val"] else float("nan")
-                print(f"  trained {s:5d} steps seed {sd}: val {val:.4f}  {' '.join(o)}", flush=True)
-        return [self.recs[self.key(list(o), s, sd)] for o, s, sd in runs]
-
-    def _launch(self, cfgs: list) -> list[dict]:
-        self.launches += 1
-        run_dir = self.folder / f"launch{self.launches:03d}-{time.strftime('%H%M%S')}"
-        n = self.args.nodes
-        phases = [data_parallel_phase(c, f"m{i}", n) for i, c in enumerate(cfgs)]
-        job = Job(config=with_runtime(cfgs[0].to_dict(), timeout_s=max(c.dp.timeout_s for c in cfgs)),
-                  data_path=str(self.args.data), run_dir=str(run_dir), phases=phases)
-        res = launch(job, timeout_s=6 * 3600, echo=False)
-        return [phase_record(res, run_dir, ph.name, n) for ph in phases]
+def dp_launch(args, cfgs: list, run_dir: Path) -> list[dict]:
+    """The runs ``cfgs`` as phases of one launch of ``args.nodes`` replicas; their records."""
+    n = args.nodes
+    phases = [data_parallel_phase(c, f"m{i}", n) for i, c in enumerate(cfgs)]
+    job = Job(config=with_runtime(cfgs[0].to_dict(), timeout_s=max(c.dp.timeout_s for c in cfgs)),
+              data_path=str(args.data), run_dir=str(run_dir), phases=phases)
+    res = launch(job, timeout_s=6 * 3600, echo=False)
+    return [phase_record(res, run_dir, ph.name, n) for ph in phases]
 
 
 def phase_record(res, run_dir: Path, phase: str, nodes: int) -> dict:
@@ -167,34 +115,15 @@ def sync_period(overrides: list[str]) -> int:
     return cfg.dp.sync_every if cfg.dp.strategy in ("diloco", "sparseloco", "demo") else 1
 
 
-def timing_steps(period: int, quick: bool) -> int:
-    """Whole sync periods: one to warm up, then at least 6 steps (quick: 3)."""
-    need = 3 if quick else 6
-    return period * (1 + max(1, math.ceil(need / period)))
-
-
-def seconds_per_step(rec: dict, period: int, nodes: int, cores: int) -> dict:
-    """Both clocks of one linked timing run, over its whole periods after the first: this
-    machine's (wall seconds between iteration lines) and own compute (emulated link seconds per
-    step plus one node's CPU seconds per step); and this machine's CPU floor per step."""
-    t, cpu = rec["time"], rec["cpu_s"]
-    n = len(t) - period
-    machine = (t[-1] - t[period - 1]) / n
-    link = rec["summary"]["emulated_link_s"] / len(t)
-    node_cpu = sum(cpu[period:]) / n / nodes
-    return {"machine": machine, "own": link + node_cpu, "link_s": link, "node_cpu_s": node_cpu,
-            "host_floor_s": node_cpu * nodes / cores, "steps": len(t)}
-
-
-def timing(runner: Runner, overrides_by_name: dict[str, list[str]], link: str) -> dict[str, dict]:
+def timing(args, runner: Runner, overrides_by_name: dict[str, list[str]], link: str) -> dict[str, dict]:
     """Phase 1 for every distinct timing setting (``name -> overrides``); one launch."""
     runs, periods = [], {}
     for name, ov in overrides_by_name.items():
         periods[name] = sync_period(ov)
-        k = timing_steps(periods[name], runner.args.quick)
+        k = timing_steps(periods[name], args.quick)
         runs.append((ov + [f"dp.link={link}", "train.eval_every=0", "train.eval_batches=1"], k, 0))
     cores = len(os.sched_getaffinity(0))
-    return {name: seconds_per_step(rec, periods[name], runner.args.nodes, cores)
+    return {name: seconds_per_step(rec, periods[name], args.nodes, cores)
             for name, rec in zip(overrides_by_name, runner.train(runs))}
 
 
@@ -208,71 +137,14 @@ def timed_choices(side: Side) -> list[dict[str, int]]:
     return [{**side.start, "H": i} for i in range(len(side.grid["H"]))] if "H" in side.grid else [dict(side.start)]
 
 
-# ---- phase 2: tuning --------------------------------------------------------------------------
-
-def final_val(rec: dict) -> float:
-    return rec["val"][-1][1]
-
-
-def tune(runner: Runner, side: Side, steps: int) -> dict:
-    """Coordinate search over ``side.grid`` at ``steps``, first seed: each axis in turn, the
-    others held at their best so far.  A learning rate that wins at an edge of its grid is
-    followed past it (doubled or halved, at most twice), so no side is judged at a rate its grid
-    cut short.  Returns the trials, the winning settings and choice (indices into the grid as
-    searched, which ``grid`` lists)."""
-    grid = {a: list(v) for a, v in side.grid.items()}
-    side = dataclasses.replace(side, grid=grid)
-    choice, trials = dict(side.start), {}
-
-    def run(cands):
-        recs = runner.train([(side.settings(c), steps, 0) for c in cands])
-        for c, r in zip(cands, recs):
-            trials[json.dumps(side.settings(c))] = {"settings": side.settings(c)[len(side.base):], "val": final_val(r)}
-        return min(zip(cands, recs), key=lambda cr: final_val(cr[1]))[0]
-
-    for axis, values in grid.items():
-        choice = run([{**choice, axis: i} for i in range(len(values))])
-        for _ in range(2 if axis == "lr" else 0):
-            edge = {0: 0.5, len(values) - 1: 2.0}.get(choice[axis])
-            if edge is None:
-                break
-            lr = float(values[choice[axis]][0].split("=")[1]) * edge
-            values.insert(0 if edge < 1 else len(values), [f"train.lr={lr:g}"])
-            best = choice if edge > 1 else {**choice, axis: choice[axis] + 1}
-            choice = run([best, {**choice, axis: 0 if edge < 1 else len(values) - 1}])
-    return {"steps": steps, "grid": {a: [" ".join(v) for v in vs] for a, vs in grid.items()},
-            "trials": list(trials.values()), "winner": side.settings(choice)[len(side.base):], "choice": choice}
-
-
-# ---- phase 3: the race ------------------------------------------------------------------------
-
-def rung_steps(fraction: float, baseline_s: float, s_per_step: float, period: int) -> int:
-    """Steps of a rung: ``fraction`` of the steps that fit in the baseline's wall-clock, whole
-    sync periods."""
-    return max(period, round(fraction * baseline_s / s_per_step / period) * period)
-
-
-def time_to_target(rungs: list[dict], target: float) -> dict:
-    """Per clock: the seconds of the shortest rung whose mean final loss is <= ``target`` (None:
-    no rung reached it)."""
-    hit = [r for r in sorted(rungs, key=lambda r: r["steps"]) if r["val_mean"] <= target]
-    return {c: (hit[0]["time_s"][c] if hit else None) for c in CLOCKS}
-
-
-def rung(runner: Runner, settings: list[str], steps: int, seeds: int, clock: dict, fraction: float | None) -> dict:
-    recs = runner.train([(settings, steps, s) for s in range(seeds)])
-    vals = [final_val(r) for r in recs]
-    return {"fraction": fraction, "steps": steps, "val_seeds": vals, "val_mean": statistics.mean(vals),
-            "time_s": {c: steps * clock[c] for c in CLOCKS},
-            "curves": [r["val"] for r in recs]}
-
+# ---- phases 2 and 3: the race ------------------------------------------------------------------------
 
 def race(args, runner: Runner, sides: list[str]) -> dict:
     ref = SIDES[BASELINE]
     choices = {n: dict(SIDES[n].start) for n in sides}
     # 1. timing: every setting of every side that changes its time per step (H), in one launch
-    clocks = timing(runner, {timing_key(SIDES[n], c): SIDES[n].settings(c) for n in sides
-                             for c in timed_choices(SIDES[n])}, args.link)
+    clocks = timing(args, runner, {timing_key(SIDES[n], c): SIDES[n].settings(c) for n in sides
+                                   for c in timed_choices(SIDES[n])}, args.link)
     base_s = args.baseline_steps * clocks[timing_key(ref, choices[BASELINE])]["machine"]
     out = {"baseline_steps": args.baseline_steps, "baseline_machine_s": base_s, "sides": {}}
     for n in sides:
@@ -281,8 +153,7 @@ def race(args, runner: Runner, sides: list[str]) -> dict:
         c0 = clocks[timing_key(side, choices[n])]
         steps = args.baseline_steps if n == BASELINE else min(
             args.max_steps, rung_steps(side.tune_at, base_s, c0["machine"], period))
-        tuning = tune(runner, side, steps) if not args.no_tune else {"winner": side.settings(choices[n])[len(side.base):],
-                                                                      "choice": choices[n], "trials": []}
+        tuning = tune(runner, side, steps) if not args.no_tune else untuned(side)
         choices[n] = tuning["choice"]
         clock, settings = clocks[timing_key(side, choices[n])], side.base + tuning["winner"]
         period = sync_period(settings)
@@ -300,16 +171,8 @@ def race(args, runner: Runner, sides: list[str]) -> dict:
 def score(out: dict) -> dict:
     """The race's figures: per side and clock the time to the baseline's final loss, and how
     many times sooner than the baseline."""
-    target = out["sides"][BASELINE]["rungs"][0]["val_mean"]
-    base_t = out["sides"][BASELINE]["rungs"][0]["time_s"]
-    out["baseline_final_val"] = target
-    out["time_to_baseline_s"], out["sooner_than_baseline"], out["ratio_vs_fp32"] = {}, {}, {}
-    for n, s in out["sides"].items():
-        t = time_to_target(s["rungs"], target)
-        out["time_to_baseline_s"][n] = t
-        out["sooner_than_baseline"][n] = {c: (base_t[c] / t[c] if t[c] else None) for c in CLOCKS}
-        out["ratio_vs_fp32"][n] = s["bytes"]["ratio_payload_vs_fp32"]
-    out["tuning"] = {n: s["tuning"] for n, s in out["sides"].items()}
+    time_to_baseline(out, BASELINE)
+    out["ratio_vs_fp32"] = {n: s["bytes"]["ratio_payload_vs_fp32"] for n, s in out["sides"].items()}
     return out
 
 
@@ -324,52 +187,20 @@ def print_tables(out: dict) -> None:
         c, b = s["clock"], s["bytes"]
         print(f"{n:12s} {b['payload_bytes_per_step']:9,.0f} {b['ratio_payload_vs_fp32']:7.1f} {c['machine']:11.3f} "
               f"{c['own']:10.3f} {c['link_s']:7.3f} {c['host_floor_s']:9.3f}")
-    print(f"\n{'side':12s} {'rung':>5s} {'steps':>6s} {'val (mean)':>10s} {'per seed':>26s} {'s here':>8s} {'s own':>8s}")
-    for n, s in out["sides"].items():
-        for r in s["rungs"]:
-            f = "-" if r["fraction"] is None else f"{r['fraction']:g}"
-            seeds = " ".join(f"{v:.4f}" for v in r["val_seeds"])
-            print(f"{n:12s} {f:>5s} {r['steps']:6d} {r['val_mean']:10.4f} {seeds:>26s} "
-                  f"{r['time_s']['machine']:8.0f} {r['time_s']['own']:8.0f}")
+    print_rungs(out)
     print(f"\n{'side':12s} {'to baseline here':>18s} {'sooner':>7s} {'to baseline own':>16s} {'sooner':>7s}  winner")
     for n in out["sides"]:
         t, x = out["time_to_baseline_s"][n], out["sooner_than_baseline"][n]
         cells = [(f"{t[c]:.0f} s" if t[c] else "not reached", f"{x[c]:.1f}x" if x[c] else "-") for c in CLOCKS]
         print(f"{n:12s} {cells[0][0]:>18s} {cells[0][1]:>7s} {cells[1][0]:>16s} {cells[1][1]:>7s}  "
               f"{' '.join(out['tuning'][n]['winner'])}")
-    print("\ntuning (first seed, final val at the side's target length):")
-    for n, tu in out["tuning"].items():
-        for t in tu["trials"]:
-            print(f"  {n:12s} {tu.get('steps', '-')!s:>5s} steps  {t['val']:.4f}  {' '.join(t['settings'])}")
+    print_tuning(out)
 
 
 def plot(out: dict, path: str) -> None:
     """Validation loss against seconds on both clocks: every rung of every side, first seed."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2), dpi=90, sharey=True)
-    for ax, c, title in zip(axes, CLOCKS, ("this machine's clock (8 replicas on 2 cores)",
-                                             "own-compute clock (each replica its own machine)")):
-        for n, s in out["sides"].items():
-            color = None
-            for r in s["rungs"]:
-                per = r["time_s"][c] / r["steps"]
-                line, = ax.plot([st * per for st, _ in r["curves"][0]], [v for _, v in r["curves"][0]], "-", lw=1.1,
-                                color=color, label=n if color is None else None)
-                color = line.get_color()
-                ax.plot([r["time_s"][c]], [r["val_mean"]], "o", ms=4, color=color)
-        ax.axhline(out["baseline_final_val"], color="k", lw=0.8, ls=":", label="baseline final")
-        ax.set_xscale("log")
-        ax.set_xlabel("seconds on consumer links")
-        ax.set_title(title, fontsize=9)
-        ax.grid(alpha=0.3, which="both")
-    axes[0].set_ylabel("validation loss")
-    axes[0].legend(fontsize=7)
-    fig.tight_layout()
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path)
+    plot_race(out, path, ("this machine's clock (8 replicas on 2 cores)",
+                          "own-compute clock (each replica its own machine)"), "seconds on consumer links")
 
 
 def parse_args(argv):
@@ -409,7 +240,8 @@ def main(argv=None) -> int:
     t0 = time.time()
     with work_dir(args.keep, "dp_race") as folder:
         print(f"work folder {folder}", flush=True)
-        out = score(race(args, Runner(args, folder, base), sides))
+        out = score(race(args, Runner(folder, functools.partial(dp_config, args, base),
+                                             functools.partial(dp_launch, args)), sides))
     cfg = build_config("small", overrides=base)
     link = LINK_PRESETS[args.link]
     out.update(nodes=args.nodes, quick=args.quick, seeds=args.seeds, wall_s=time.time() - t0,

@@ -1,44 +1,62 @@
-"""Bench: the flagship run -- every idea of skiptrain at once on an emulated planet-wide network,
-with failures, against the best plain setup on the same network.
+"""Bench: the flagship race -- every idea of skiptrain at once against the full pipeline with a
+dense all-reduce, on emulated geo12 links, raced fairly at equal wall-clock.
 
-One swarm of node processes on this machine (default 16, one per geo12 node in reference
-order; one more geo12 slot for the node that joins), the ``small`` preset on the prepared
-Shakespeare text (``data/shakespeare``), geo12 links emulated in the transport
-(:mod:`skiptrain.runtime.wan`: per directed link a FIFO with geo12's latency and bandwidth, all
-scaled by ``--time-scale``; ``bytes_scale`` emulated bytes per real byte so a hop carries
-SkipPipe's 32 MiB), compute padded to the cost model (a stage's forward of a micro-batch takes
-SkipPipe's 1.76 s x time scale), and every replica group's data-parallel collectives delayed
-as a ring over its geo12 links for the bytes they really move (``EmulationSpec.sync``).
+One swarm of node processes on this machine (default 16, one per geo12 node in reference order;
+one more geo12 slot for the node that joins in the events run) trains the same model on the
+same real text (data/shakespeare, BPE 4096) with the same global batch, data order and seeds on
+both sides:
 
 * **flagship**: the planner's skip routes (k = 0.33, <= 2 swaps), DeMo (top-8 of 64x64 DCT
-  chunks, 1-bit signs, 12-bit indices), int8 activations and gradients on links slower than
-  1 GB/s, elastic freezing (the freeze rule, its validation guard, AutoPipe + AutoDP transitions;
-  activation cache off), a job checkpoint every ``--ckpt-every`` iterations, recovery on.
-  Events: kill -9 of a body replica mid-iteration; SIGSTOP of another (found by the heartbeat
-  deadline); a new node joins (``python -m skiptrain.runtime.node --join``); then the whole job
-  (launcher, every node, the joiner) is SIGKILLed and resumed from its newest checkpoint
-  (``Job.resume``: ``launch --resume``).  It trains ``--extra`` times the baseline's iterations.
-* **baseline**: the full pipeline (1F1B on fixed lanes, the same global batch), AdamW on a dense
-  fp32 ring all-reduce, fp32 activations, no freezing, no checkpoints, no events.
+  chunks, 1-bit signs, 12-bit indices; its sign step's learning rate tuned), int8 activations
+  and gradients on links slower than 1 GB/s, elastic freezing (the freeze rule, its validation
+  guard, AutoPipe + AutoDP transitions; activation cache off), recovery on, a job checkpoint
+  every ``ckpt_every`` iterations in the timing and events runs.
+* **baseline**: the full pipeline (1F1B on fixed lanes), AdamW on a dense fp32 ring all-reduce,
+  fp32 activations, no freezing, no checkpoints.
 
-Figures: wall-clock seconds (from the launch, every start-up, recovery, transition and the
-restart included) to the baseline's final validation loss -- the flagship's loss is measured on
-each of its checkpoints -- and the speedup; the flagship's validation loss at the baseline's
-token count over the baseline's; samples lost and repeated over the whole job (the sample logs
-of every committed iteration); the events; ``--png``: both loss curves against wall seconds with
-the events marked; ``--gantt``: one iteration of the flagship after the resume, measured next to
-the simulator's timeline of the layout in force.  ``--quick``: 8 nodes, a narrow model, a few
-minutes on 2 cores, the same path.
+Four phases:
 
-    .venv/bin/python bench/flagship.py --json runs/bench/flagship.json --png docs/img/flagship_loss.png \\
-        --gantt docs/img/flagship_gantt.png
+1. **Timing** (links emulated, real processes): each side runs a few iterations with geo12's
+   links emulated in the transport (per directed link a FIFO with its latency and bandwidth,
+   scaled by the time scale; ``bytes_scale`` emulated bytes per real byte so a hop carries
+   SkipPipe's 32 MiB), compute padded to the cost model (a stage's forward of a micro-batch
+   takes SkipPipe's 1.76 s x time scale) and every replica group's collectives delayed as a ring
+   over its links.  *This machine's clock*: the measured wall seconds between iteration lines
+   after one warm-up period (the flagship's period: its checkpoint interval, so checkpoints are
+   in the mean).  *Own-compute clock*: the simulator's iteration of the same layout on the same
+   emulated links with each node's compute padded as emulated (the flagship's DP payload as
+   measured) -- what each node on a machine of its own would see; also the bound the measured
+   figures are held against.  The time scale is chosen so that this machine's CPU floor (node
+   processes' CPU seconds over the cores) stays below half of the flagship's simulated iteration.
+2. **Tuning** (emulation off, same layouts, routes, replica groups, data order): each side's
+   learning rate on the same small grid at the side's target length, first seed; a rate that
+   wins at an edge of its grid is followed past it (``--follow`` times).
+3. **Race** (emulation off): the baseline at its length, the flagship on a ladder of lengths
+   (the baseline's iterations -- equal tokens -- then fractions of the iterations that fit in
+   the baseline's wall-clock on this machine's clock), every run with its own cosine schedule
+   over its own length (warm-up 5%), every seed, placed on both clocks.  The time to the
+   baseline is the shortest rung whose annealed final validation loss (mean over seeds) is at
+   or below the baseline's.
+4. **Events** (emulation off, a separate run): the flagship's equal-tokens run, first seed, again
+   with kill -9 of a body replica, SIGSTOP of another, a new node joining and the whole job
+   SIGKILLed and resumed from its newest checkpoint: samples lost and repeated, its final loss
+   against the same run without events, and its cost in seconds on this machine.
+
+Records are kept as they arrive in ``records.jsonl`` of the work folder; ``--keep DIR`` reuses a
+folder's records (a run cut short goes on where it stopped).  ``--quick``: 8 nodes, a tiny
+model, short runs, the same code path.
+
+    .venv/bin/python bench/flagship.py --json runs/bench/flagship.json --plot docs/img/flagship_race.png
+    .venv/bin/python bench/flagship.py --quick --json runs/bench/flagship_quick.json
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import functools
 import json
-import math
+import os
 import platform
 import shutil
 import statistics
@@ -48,158 +66,292 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
 
-from bench._events import kill_job, launch_process, spawn_joiner, steps_done, validation_loss  # noqa: E402
+from bench._events import kill_job, launch_process, spawn_joiner, steps_done  # noqa: E402
+from bench._race import (CLOCKS, Runner, Side, lrs, machine_seconds, plot_race, print_rungs,  # noqa: E402
+                         print_tuning, rung, rung_steps, time_to_baseline, timing_steps, tune, untuned)
 from bench._workdir import work_dir  # noqa: E402
 from skiptrain.checkpoint import store as ckstore  # noqa: E402
-from skiptrain.checkpoint.training import truncate_metrics  # noqa: E402
 from skiptrain.checkpoint.reader import CheckpointReader  # noqa: E402
+from skiptrain.checkpoint.training import truncate_metrics  # noqa: E402
 from skiptrain.config import build_config  # noqa: E402
 from skiptrain.data.dataset import TokenDataset  # noqa: E402
 from skiptrain.net.topology import load_topology  # noqa: E402
 from skiptrain.runtime.faults import faulty_job  # noqa: E402
 from skiptrain.runtime.job import Job, build_cost, build_schedule, phase_for  # noqa: E402
-from skiptrain.runtime.job_checkpoint import checkpoint_root, is_weight_name, resume_point  # noqa: E402
+from skiptrain.runtime.job_checkpoint import checkpoint_root, resume_point  # noqa: E402
+from skiptrain.runtime.launcher import launch  # noqa: E402
 from skiptrain.runtime.recovery import trained_samples  # noqa: E402
 from skiptrain.runtime.wan import scale_topology  # noqa: E402
 
 STAGE_FWD_S = 1.76        # SkipPipe: a stage's forward of one micro-batch (4 layers x 8 samples x 0.055 s)
 HOP_BYTES = 32 * 2 ** 20  # SkipPipe: one hop's activations
-DEMO = {"strategy": "demo", "topk": 8, "chunk": 64, "values": "sign1", "indices": "u12"}
+BASELINE, FLAGSHIP = "baseline", "flagship"
+QUICK_MODEL = {"d_model": 64, "n_layers": 4, "n_heads": 4, "n_kv_heads": 2, "seq_len": 64, "stage0_layers": 1}
+#: the `small` preset narrowed to d_model 192 and seq 64 (4.8M parameters): 150 baseline iterations x 3 seeds,
+#: the flagship's ladder and the tuning fit in about an hour on 2 cores (the 8.0M `small` at seq 128 does not)
+FULL_MODEL = {"d_model": 192, "n_layers": 8, "n_heads": 4, "n_kv_heads": 2, "seq_len": 64}
 
 
 def settings(args) -> dict:
-    """Model, swarm and schedule sizes of the run (``--quick``: the same path, smaller)."""
+    """Sizes of the race (``--quick``: the same path, smaller)."""
     if args.quick:
-        return {"nodes": 8, "model": {"d_model": 64, "n_layers": 4, "n_heads": 4, "n_kv_heads": 2, "seq_len": 64,
-                                      "n_stages": 4, "stage0_layers": 1},
-                "iterations": args.iterations or 12, "ckpt_every": args.ckpt_every or 2, "check_every": 2,
-                "mb_per_originator": 2, "time_scale": args.time_scale or 1 / 16}
-    # (the `small` model's real compute, 16 processes on a few cores, must stay under the padding)
-    return {"nodes": args.nodes or 16, "model": {"n_stages": 4},
-            "iterations": args.iterations or 40, "ckpt_every": args.ckpt_every or 5, "check_every": 5,
-            "mb_per_originator": 2, "time_scale": args.time_scale or 1 / 6}
+        s = {"nodes": 8, "model": QUICK_MODEL, "baseline_steps": 12, "ckpt_every": 2, "check_every": 2,
+             "time_scale": 1 / 16, "ladder": (0.5, 1.0), "tune_at": 0.5, "seeds": 1, "follow": 0, "period": 2}
+    else:
+        s = {"nodes": 16, "model": FULL_MODEL, "baseline_steps": 150, "ckpt_every": 5, "check_every": 5,
+             "time_scale": 1 / 6, "ladder": (0.5, 0.75, 1.0), "tune_at": 0.75, "seeds": 3, "follow": 1, "period": 5}
+    s["last_seeds"], s["freeze"] = args.last_rung_seeds, not args.no_freeze
+    for k in ("nodes", "baseline_steps", "time_scale", "seeds", "follow"):
+        if getattr(args, k, None) is not None:
+            s[k] = getattr(args, k)
+    if args.ladder:
+        s["ladder"] = tuple(float(x) for x in args.ladder.split(","))
+    return s
 
 
-def configs(args, s: dict, vocab: int):
-    """(baseline config, flagship config) over the same emulated network and data."""
+def flat(d: dict) -> list[str]:
+    """``{section: {key: value}}`` as ``section.key=value`` overrides."""
+    fmt = lambda v: str(v).lower() if isinstance(v, bool) else str(v)  # noqa: E731
+    return [f"{sec}.{k}={fmt(v)}" for sec, kv in d.items() for k, v in kv.items()]
+
+
+def common(args, s: dict, vocab: int) -> list[str]:
+    """The model, data and emulated network both sides share; every run learns with emulation off
+    and without checkpoints (the timing and events runs turn them on)."""
     tau = s["time_scale"]
-    m = s["model"]
-    probe = build_config(args.preset, overrides={"model": {**m, "vocab_size": vocab}})
+    m = {**s["model"], "vocab_size": vocab, "n_stages": 4}
+    probe = build_config(args.preset, overrides={"model": m})
     act = probe.train.micro_batch * probe.model.seq_len * probe.model.d_model * 4
-    layers_per_stage = probe.model.n_layers / probe.model.n_stages
-    common = {
-        "model": {**m, "vocab_size": vocab},
-        "train": {"skip_ratio": 0.0, "max_swaps": 2, "seed": 1234, "grad_clip": 1.0, "eval_every": 0,
-                  "warmup_steps": max(2, s["iterations"] // 10), "eval_batches": 16},
-        "runtime": {"nodes": s["nodes"], "topology": "geo12", "wan": True, "emulate_compute": True,
-                    "time_scale": tau, "bytes_scale": max(1, round(HOP_BYTES / act)),
-                    "hop_overhead_s": 0.35 * tau,
-                    "s_per_sample_layer": STAGE_FWD_S * tau / (probe.train.micro_batch * layers_per_stage),
-                    "memory": 3, "mb_per_originator": s["mb_per_originator"], "plan_seed": 0,
-                    "timeout_s": 30.0, "heartbeat_s": 0.25},
-        "checkpoint": {"every": 0, "final": False}}
-    base = build_config(args.preset, overrides={**common, "train": {**common["train"], "steps": s["iterations"]},
-                                                "dp": {"strategy": "allreduce"}})
-    iters_f = math.ceil(s["iterations"] * args.extra / s["ckpt_every"]) * s["ckpt_every"]
-    flag = build_config(args.preset, overrides={
-        **common, "train": {**common["train"], "steps": iters_f, "skip_ratio": 0.33}, "dp": DEMO,
-        "runtime": {**common["runtime"], "act_codec": "int8", "act_fast_GBps": 1.0 / tau, "recover": True,
-                    "heartbeat_deadline_s": 3.0, "ckpt_max_age": 2 * s["ckpt_every"]},
+    return flat({
+        "model": m,
+        "train": {"max_swaps": 2, "grad_clip": 1.0, "eval_batches": 16, "progress": False},
+        "runtime": {"nodes": s["nodes"], "topology": "geo12", "wan": False, "emulate_compute": False,
+                    "time_scale": tau, "bytes_scale": max(1, round(HOP_BYTES / act)), "hop_overhead_s": 0.35 * tau,
+                    "s_per_sample_layer": STAGE_FWD_S * tau / (probe.train.micro_batch * probe.model.n_layers / 4),
+                    "memory": 3, "mb_per_originator": 2, "plan_seed": 0, "timeout_s": 30.0, "heartbeat_s": 0.25},
+        "checkpoint": {"every": 0, "final": False}})
+
+
+def sides(s: dict) -> dict[str, Side]:
+    tau, ck = s["time_scale"], s["ckpt_every"]
+    flag = flat({
+        "train": {"skip_ratio": 0.33},
+        "dp": {"strategy": "demo", "topk": 8, "chunk": 64, "values": "sign1", "indices": "u12"},
+        "runtime": {"act_codec": "int8", "act_fast_GBps": 1.0 / tau, "recover": True, "heartbeat_deadline_s": 3.0,
+                    "ckpt_max_age": 2 * ck},
         "elastic": {"enabled": True, "check_every": s["check_every"], "cache": "off", "start_window": 2,
-                    "guard_batches": 4, "min_active": 2},
-        "checkpoint": {"every": s["ckpt_every"], "keep": 1000, "final": True}})
-    return base, flag
+                    "guard_batches": 4, "min_active": 2} if s["freeze"] else {"enabled": False}})
+    return {BASELINE: Side("full pipeline, AdamW + fp32 all-reduce", ["train.skip_ratio=0", "dp.strategy=allreduce"],
+                           {"lr": lrs(1e-3, 2e-3, 4e-3)}, start={"lr": 1}),
+            FLAGSHIP: Side("skip routes, DeMo, int8, freezing, checkpoints, recovery", flag,
+                           {"lr": lrs(2e-3, 4e-3, 8e-3)}, ladder=s["ladder"], tune_at=s["tune_at"], start={"lr": 1})}
 
 
-def network(cfg, nodes: int):
-    """geo12 for ``nodes`` + 1 nodes (the last: the joining node's slot), time-scaled."""
-    return scale_topology(load_topology("geo12", nodes + 1), cfg.runtime.time_scale)
+def timing_overrides(s: dict, flagship: bool) -> list[str]:
+    """Links, compute and sync emulated; the flagship checkpoints as it would in use."""
+    ck = [f"checkpoint.every={s['ckpt_every']}", "checkpoint.keep=2"] if flagship else []
+    return ["runtime.wan=true", "runtime.emulate_compute=true", "train.eval_every=0"] + ck
 
 
-class Clock:
-    """Wall seconds of each training iteration's metrics line (polled; one clock for every run)."""
-
-    def __init__(self, run: Path, t0: float):
-        self.run, self.t0, self.seen, self.times = run, t0, 0, {}
-
-    def poll(self) -> None:
-        try:
-            lines = (self.run / "metrics.jsonl").read_text().splitlines()
-        except OSError:
-            return
-        now = time.time() - self.t0
-        for line in lines:
-            try:
-                row = json.loads(line)
-            except ValueError:
-                continue
-            if "loss" in row:
-                self.times[int(row["step"])] = now if row["step"] not in self.times else self.times[row["step"]]
-
-    def restart(self, from_step: int) -> None:
-        """A resumed launch redoes the iterations after its checkpoint: forget their times."""
-        self.times = {k: v for k, v in self.times.items() if k <= from_step}
-
-    def follow(self, proc, what: str, logs: str) -> None:
-        """Sample this run's clock until the launch ``proc`` ends; a failed launch ends the bench
-        with one line naming ``what`` failed and where its ``logs`` are."""
-        while proc.poll() is None:
-            self.poll()
-            time.sleep(0.05)
-        self.poll()
-        if proc.returncode != 0:
-            raise SystemExit(f"{what} failed (exit {proc.returncode}); see {logs}")
+def run_config(args, base: list[str], overrides: list[str], steps: int, seed: int):
+    """A run's config: the shared base, validation every tenth of the run (quick: quarter),
+    warm-up 5%, then the run's own overrides, length and seed."""
+    every = max(1, steps // (4 if args.quick else 10))
+    return build_config(args.preset, overrides=base + [
+        f"train.eval_every={every}", f"train.warmup_steps={max(1, round(0.05 * steps))}"] + overrides + [
+        f"train.steps={steps}", f"train.seed={1234 + seed}"])
 
 
-def run_baseline(cfg, topo, data: Path, run: Path) -> dict:
-    cost = build_cost(cfg)
-    sched = build_schedule(cfg, "full_pipeline", topo.subset(range(cfg.runtime.nodes)), cost, contention=True,
-                           dp_sync=True)
-    phase = phase_for(cfg, sched, topo, cost, "train", cfg.train.steps, emulate_sync=True, save_weights=True)
-    job = Job(config=cfg.to_dict(), data_path=str(data), run_dir=str(run), phases=[phase])
-    t0 = time.time()
-    clock = Clock(run, t0)
-    log = run.parent / "baseline-launch.log"
-    clock.follow(launch_process(job.save(run.parent / "baseline-job.json"), log), "baseline launch", str(log))
-    return {"wall_s": time.time() - t0, "times": clock.times, "metrics": read_metrics(run),
-            "val_loss": validation_loss(cfg, data, run), "schedule": sched}
+# ---- layouts and launches ---------------------------------------------------------------------
+
+def network(cfg):
+    """geo12 for the swarm + 1 nodes (the last: the joining node's slot), time-scaled."""
+    return scale_topology(load_topology("geo12", cfg.runtime.nodes + 1), cfg.runtime.time_scale)
 
 
-def read_metrics(run: Path) -> list[dict]:
-    return [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines() if x.strip()]
+LAYOUTS: dict[str, tuple] = {}
 
 
-def event_script(cfg, sched, ckpt_every: int) -> tuple[list[dict], dict]:
-    """Faults by node and iteration; when the node joins and the whole job is killed."""
-    T, P = cfg.train.steps, sched.placement
-    kill_it, stop_it = max(2, round(0.15 * T)), max(3, round(0.25 * T))
-    join_after = max(stop_it + 2, round(0.35 * T))
-    whole_after = max(join_after + 2, round(0.55 * T))
-    faults = [{"node": P[1][-1], "kind": "kill", "iteration": kill_it, "delay_s": 0.3},
-              {"node": P[2][-1], "kind": "hang", "iteration": stop_it}]
-    return faults, {"join_after": join_after, "whole_kill_after": whole_after, "ckpt_every": ckpt_every}
+def layout(cfg):
+    """(topology, cost model, schedule) of a run: the same for every run of a side, emulated or
+    not (learning rate, length, seed and emulation do not change them)."""
+    d = cfg.to_dict()
+    key = json.dumps({"model": d["model"], "train": {k: d["train"][k] for k in ("skip_ratio", "max_swaps", "micro_batch")},
+                      "runtime": {k: v for k, v in d["runtime"].items() if k not in ("wan", "emulate_compute")},
+                      "dp": d["dp"]["strategy"]}, sort_keys=True, default=str)
+    if key not in LAYOUTS:
+        flagship = cfg.train.skip_ratio > 0
+        topo = network(cfg)
+        cost = build_cost(cfg, dp_mode="compressed" if flagship else "dense")
+        sched = build_schedule(cfg, "planner" if flagship else "full_pipeline", topo.subset(range(cfg.runtime.nodes)),
+                               cost, contention=True, dp_sync=not flagship)
+        LAYOUTS[key] = (topo, cost, sched)
+    return LAYOUTS[key]
 
 
-def run_flagship(cfg, topo, data: Path, run: Path, quick: bool) -> dict:
-    cost = build_cost(cfg, dp_mode="compressed")
-    n = cfg.runtime.nodes
-    sched = build_schedule(cfg, "planner", topo.subset(range(n)), cost, contention=True, dp_sync=False)
-    phase = phase_for(cfg, sched, topo, cost, "train", cfg.train.steps, emulate_sync=True, save_weights=True)
-    faults, plan = event_script(cfg, sched, cfg.checkpoint.every)
-    job = Job(config=cfg.to_dict(), data_path=str(data), run_dir=str(run), phases=[phase], **faulty_job(faults))
-    events = [{"kind": "kill -9 body replica", "node": faults[0]["node"], "iteration": faults[0]["iteration"]},
-              {"kind": "SIGSTOP body replica", "node": faults[1]["node"], "iteration": faults[1]["iteration"]}]
-    t0 = time.time()
-    clock = Clock(run, t0)
-    proc = launch_process(job.save(run.parent / "flagship-job.json"), run.parent / "flagship-launch1.log")
-    joiner = None
-    root = checkpoint_root(job, "train")
+def phase_of(cfg, name: str, **kw):
+    """A phase of the run ``cfg`` on its side's layout; emulated when ``runtime.wan`` is on."""
+    topo, cost, sched = layout(cfg)
+    em = cfg.runtime.wan
+    ph = phase_for(cfg, sched, topo, cost, name, cfg.train.steps, wan=em, emulate_compute=em, emulate_sync=em, **kw)
+    ph.config = cfg.to_dict()
+    return ph
+
+
+def race_launch(args, cfgs: list, run_dir: Path) -> list[dict]:
+    """The runs ``cfgs`` (one side) as phases of one launch; their records."""
+    phases = [phase_of(c, f"m{i}") for i, c in enumerate(cfgs)]
+    job = Job(config=cfgs[0].to_dict(), data_path=str(args.data), run_dir=str(run_dir), phases=phases)
+    res = launch(job, timeout_s=6 * 3600, echo=False)
+    frozen = frozen_by_phase(run_dir, len(phases))
+    return [dict(pipeline_record(res.phase_metrics(ph.name)), frozen=f) for ph, f in zip(phases, frozen)]
+
+
+def pipeline_record(rows: list[dict]) -> dict:
+    """One run's record: its iteration lines (wall time, measured iteration, CPU seconds, DP
+    payload, overruns of the padded compute) and its validation points."""
+    it = [r for r in rows if "loss" in r]
+    return {"time": [r["time"] for r in it], "iteration_s": [r["iteration_s"] for r in it],
+            "cpu_s": [r["cpu_s"] for r in it], "loss": [r["loss"] for r in it],
+            "payload_bytes": [r["payload_bytes"] for r in it], "overruns": sum(r.get("overruns", 0) for r in it),
+            "val": [[r["step"], r["val_loss"]] for r in rows if "val_loss" in r]}
+
+
+def frozen_by_phase(run_dir: Path, n: int) -> list[int | None]:
+    """The deepest frozen prefix each phase reached (freezing's log: the phases in order, each
+    one's steps rising; None where the log cannot be split that way)."""
+    path = run_dir / "elastic.jsonl"
+    if not path.exists():
+        return [None] * n
+    segs, last = [], None
+    for row in (json.loads(x) for x in path.read_text().splitlines() if x.strip()):
+        if last is None or row.get("step", 0) < last:
+            segs.append(0)
+        segs[-1] = max(segs[-1], int(row.get("frozen_after") or 0))
+        last = row.get("step", 0)
+    return segs if len(segs) == n else [None] * n
+
+
+# ---- phase 1: timing --------------------------------------------------------------------------
+
+def simulated_s(cfg, payload_bytes: float) -> float:
+    """The simulator's iteration of ``cfg``'s layout on the emulated links (the flagship's DP
+    payload as measured, in emulated bytes)."""
+    from skiptrain.schedule.simulator import simulate
+
+    topo, cost, sched = layout(cfg)
+    if cfg.train.skip_ratio > 0:
+        cost = dataclasses.replace(cost, compressed_payload_bytes=int(payload_bytes * cfg.runtime.bytes_scale))
+    return simulate(sched, topo.subset(range(cfg.runtime.nodes)), cost, contention=True, dp_sync=True).iteration_s
+
+
+def pipeline_clock(rec: dict, period: int, nodes: int, cores: int, sim_s: float) -> dict:
+    """Both clocks of one emulated timing run over its whole periods after the first: this
+    machine's (wall seconds between iteration lines) and own compute (the simulator's iteration);
+    one node's CPU seconds per iteration and this machine's CPU floor beside them."""
+    cpu = statistics.fmean(rec["cpu_s"][period:])
+    return {"machine": machine_seconds(rec, period), "own": sim_s, "simulated_s": sim_s,
+            "node_cpu_s": cpu / nodes, "host_floor_s": cpu / cores, "overruns": rec["overruns"],
+            "payload_bytes": statistics.median(rec["payload_bytes"]), "steps": len(rec["time"])}
+
+
+def timing(args, s: dict, runner: Runner, side_of: dict[str, Side]) -> dict[str, dict]:
+    """Phase 1: each side at its starting settings with links, compute and sync emulated."""
+    cores = len(os.sched_getaffinity(0))
+    out = {}
+    for n, side in side_of.items():
+        period = s["period"] if n == FLAGSHIP else 1
+        ov = side.settings(side.start) + timing_overrides(s, n == FLAGSHIP)
+        steps = timing_steps(period, args.quick)
+        rec = runner.train([(ov, steps, 0)])[0]
+        cfg = runner.config(ov, steps, 0)
+        out[n] = pipeline_clock(rec, period, s["nodes"], cores, simulated_s(cfg, statistics.median(rec["payload_bytes"])))
+        out[n]["stage_sizes"] = [len(p) for p in layout(cfg)[2].placement]
+    f = out[FLAGSHIP]
+    f["floor_below_half"] = f["host_floor_s"] < 0.5 * f["simulated_s"]
+    if not f["floor_below_half"]:
+        print(f"warning: this machine's CPU floor {f['host_floor_s']:.2f} s is above half the flagship's simulated "
+              f"iteration {f['simulated_s']:.2f} s: raise --time-scale", flush=True)
+    return out
+
+
+# ---- phases 2 and 3: tuning and the race ------------------------------------------------------
+
+def ladder(side: Side, base_steps: int, base_s: float, s_per_step: float, period: int) -> list[tuple[float, int]]:
+    """(fraction, steps) of every rung: the baseline's iterations (equal tokens) first, then the
+    side's fractions of the iterations that fit in the baseline's wall-clock."""
+    rungs = {base_steps: base_steps * s_per_step / base_s}
+    for f in side.ladder:
+        rungs.setdefault(rung_steps(f, base_s, s_per_step, period), f)
+    return [(f, st) for st, f in sorted(rungs.items())]
+
+
+def race(args, s: dict, runner: Runner) -> dict:
+    side_of = sides(s)
+    clocks = timing(args, s, runner, side_of)
+    B = s["baseline_steps"]
+    base_s = B * clocks[BASELINE]["machine"]
+    out = {"baseline_steps": B, "baseline_machine_s": base_s, "sides": {}}
+    for n, side in side_of.items():
+        clock = clocks[n]
+        steps = B if n == BASELINE else rung_steps(side.tune_at, base_s, clock["machine"], s["period"])
+        tuning = untuned(side) if args.no_tune else tune(runner, side, steps, follow=s["follow"])
+        settings = side.base + tuning["winner"]
+        lengths = [(None, B)] if n == BASELINE else ladder(side, B, base_s, clock["machine"], s["period"])
+        seeds = [s["seeds"]] * (len(lengths) - 1) + [s["last_seeds"] or s["seeds"]] if n == FLAGSHIP else [s["seeds"]]
+        rungs = [rung(runner, settings, st, k, clock, f) for (f, st), k in zip(lengths, seeds)]
+        for r, (_, st), k in zip(rungs, lengths, seeds):
+            r["frozen"] = [runner.recs[runner.key(settings, st, sd)].get("frozen") for sd in range(k)]
+        out["sides"][n] = {"label": side.label, "settings": settings, "clock": clock, "tuning": tuning,
+                           "rungs": rungs}
+    return out
+
+
+def equal_time_ratio(rungs: list[dict], seconds: float, clock: str, target: float) -> float | None:
+    """The final loss over ``target`` of the longest rung that fits in ``seconds`` on ``clock``."""
+    fit = [r for r in rungs if r["time_s"][clock] <= seconds * 1.001]
+    return max(fit, key=lambda r: r["steps"])["val_mean"] / target if fit else None
+
+
+def score(out: dict) -> dict:
+    """The race's figures, per clock: the iteration speedup, how many times sooner the flagship
+    reaches the baseline's final loss, its loss at the baseline's wall-clock and at the baseline's
+    tokens (both annealed) over the baseline's."""
+    time_to_baseline(out, BASELINE)
+    b, f = out["sides"][BASELINE], out["sides"][FLAGSHIP]
+    target, base_t = out["baseline_final_val"], b["rungs"][0]["time_s"]
+    out["iteration_speedup"] = {c: b["clock"][c] / f["clock"][c] for c in CLOCKS}
+    out["speedup_to_baseline_loss"] = out["sooner_than_baseline"][FLAGSHIP]
+    out["equal_time_loss_ratio"] = {c: equal_time_ratio(f["rungs"], base_t[c], c, target) for c in CLOCKS}
+    eq = [r for r in f["rungs"] if r["steps"] == out["baseline_steps"]]
+    out["equal_tokens_loss_ratio"] = eq[0]["val_mean"] / target if eq else None
+    return out
+
+
+# ---- phase 4: the events run ------------------------------------------------------------------
+
+def event_script(steps: int, placement: list[list[int]]) -> tuple[list[dict], dict]:
+    """Faults by node and iteration; when the node joins and when the whole job is killed."""
+    kill_it, stop_it = max(2, round(0.15 * steps)), max(3, round(0.25 * steps))
+    join_after = max(stop_it + 2, round(0.35 * steps))
+    faults = [{"node": placement[1][-1], "kind": "kill", "iteration": kill_it, "delay_s": 0.3},
+              {"node": placement[2][-1], "kind": "hang", "iteration": stop_it}]
+    return faults, {"join_after": join_after, "whole_kill_after": max(join_after + 2, round(0.55 * steps))}
+
+
+def first_launch(job: Job, run: Path, plan: dict) -> tuple[list[dict], int]:
+    """The events run up to the whole-job kill: its joiner and the kill; (events, iterations done)."""
+    events = [{"kind": "kill -9 body replica", "node": f["node"], "iteration": f["iteration"]} if f["kind"] == "kill"
+              else {"kind": "SIGSTOP body replica", "node": f["node"], "iteration": f["iteration"]}
+              for f in job.meta.get("faults", [])]
+    t0, joiner, root = time.time(), None, checkpoint_root(job, "train")
+    proc = launch_process(job.save(run.parent / "events-job.json"), run.parent / "events-launch1.log")
     while True:
         if proc.poll() is not None:
-            raise SystemExit(f"flagship launch ended before the whole-job kill (exit {proc.returncode}); "
-                             f"see {run.parent / 'flagship-launch1.log'} and {run / 'logs'}")
-        clock.poll()
+            raise SystemExit(f"events run ended before the whole-job kill (exit {proc.returncode}); "
+                             f"see {run.parent / 'events-launch1.log'} and {run / 'logs'}")
         done = steps_done(run)
         if joiner is None and done >= plan["join_after"] and (run / "join_secret").exists():
             joiner = spawn_joiner(run, (run / "join_secret").read_text(), "joiner")
@@ -209,45 +361,52 @@ def run_flagship(cfg, topo, data: Path, run: Path, quick: bool) -> dict:
                 and CheckpointReader(latest).step >= plan["join_after"]:
             break
         time.sleep(0.05)
-    t_kill = time.time() - t0
     kill_job(proc, run, [joiner])
-    shutil.copytree(run, run.parent / "flagship-before-kill", ignore=shutil.ignore_patterns("checkpoints"))
-    rp = resume_point(root)
-    events.append({"kind": "whole job SIGKILLed", "after_iteration": done, "t": t_kill,
-                   "resumed_from_iteration": rp["iteration"], "iterations_redone": done - rp["iteration"]})
-    truncate_metrics(run / "metrics.jsonl", rp["iteration"])   # (as the resumed launch will: no stale times)
-    clock.restart(rp["iteration"])
+    shutil.copytree(run, run.parent / "events-before-kill", ignore=shutil.ignore_patterns("checkpoints"))
+    return events, done
+
+
+def events_run(args, s: dict, runner: Runner, settings: list[str], folder: Path) -> dict:
+    """Phase 4: the flagship's equal-tokens run (first seed) with every event, against the same
+    run without them (kept as ``events.json`` in the work folder)."""
+    saved = folder / "events.json"
+    if saved.exists():
+        return json.loads(saved.read_text())
+    steps = s["baseline_steps"]
+    ref = runner.train([(settings, steps, 0)])[0]
+    cfg = runner.config(settings + [f"checkpoint.every={s['ckpt_every']}", "checkpoint.keep=3",
+                                    "checkpoint.final=true"], steps, 0)
+    sched = layout(cfg)[2]
+    faults, plan = event_script(steps, sched.placement)
+    run = folder / f"events-{time.strftime('%H%M%S')}" / "run"
+    job = Job(config=cfg.to_dict(), data_path=str(args.data), run_dir=str(run), phases=[phase_of(cfg, "train")],
+              **faulty_job(faults))
+    events, done = first_launch(job, run, plan)
+    rp = resume_point(checkpoint_root(job, "train"))
+    events.append({"kind": "whole job SIGKILLed", "after_iteration": done, "resumed_from_iteration": rp["iteration"],
+                   "iterations_redone": done - rp["iteration"]})
+    truncate_metrics(run / "metrics.jsonl", rp["iteration"])
     job.resume, job.node_module, job.meta = rp, "skiptrain.runtime.node", {}
-    log = run.parent / "flagship-launch2.log"
-    clock.follow(launch_process(job.save(run.parent / "flagship-job-resume.json"), log), "resumed flagship launch",
-                 f"{log} and {run / 'logs'}")
-    first = clock.times.get(rp["iteration"] + 1)
-    events[-1]["back_to_work_s"] = round(first - t_kill, 2) if first is not None else None
-    return {"wall_s": time.time() - t0, "times": clock.times, "metrics": read_metrics(run), "events": events,
-            "schedule": sched, "cost": cost, "resume": rp, "root": root, "faults": faults}
-
-
-def checkpoint_curve(cfg, data: Path, root: Path) -> list[tuple[int, float]]:
-    """(iteration, validation loss) of every committed checkpoint of the flagship."""
-    out = []
-    for step, path in ckstore.list_committed(root):
-        r = CheckpointReader(path)
-        out.append((step, validation_loss(cfg, data, r.read_many(n for n in r.names() if is_weight_name(n)))))
-    return sorted(out)
+    log = run.parent / "events-launch2.log"
+    proc = launch_process(job.save(run.parent / "events-job-resume.json"), log)
+    if proc.wait() != 0:
+        raise SystemExit(f"resumed events run failed (exit {proc.returncode}); see {log} and {run / 'logs'}")
+    out = events_figures(run, steps, len(sched.micro_batches) * cfg.train.micro_batch, ref, events)
+    saved.write_text(json.dumps(out, indent=1))
+    return out
 
 
 def sample_check(run: Path, iterations: int, gb: int) -> tuple[int, int]:
     """(samples lost, samples repeated) over every committed iteration of the job."""
     per_it = trained_samples(run / "phases" / "train")
-    flat = [i for it in range(iterations) for i in per_it.get(it, [])]
-    return len(set(range(iterations * gb)) - set(flat)), len(flat) - len(set(flat))
+    flat_ids = [i for it in range(iterations) for i in per_it.get(it, [])]
+    return len(set(range(iterations * gb)) - set(flat_ids)), len(flat_ids) - len(set(flat_ids))
 
 
-def event_details(run: Path, events: list[dict], faults: list[dict]) -> list[dict]:
+def event_details(run: Path, events: list[dict]) -> list[dict]:
     """Each event with the coordinator's record of it (detection, recovery) from the first launch."""
-    before = run.parent / "flagship-before-kill"
-    rec = [json.loads(x) for x in (before / "recoveries.jsonl").read_text().splitlines()] \
-        if (before / "recoveries.jsonl").exists() else []
+    path = run.parent / "events-before-kill" / "recoveries.jsonl"
+    rec = [json.loads(x) for x in path.read_text().splitlines()] if path.exists() else []
     out = []
     for ev in events:
         row = dict(ev)
@@ -259,196 +418,138 @@ def event_details(run: Path, events: list[dict], faults: list[dict]) -> list[dic
             j = [r for r in rec if r.get("join") and not r.get("refused")]
             row.update(admitted=bool(j), node=j[0]["node"] if j else None,
                        stage=(j[0].get("choice") or {}).get("stage") if j else None,
-                       detect_s=j[0].get("detect_s") if j else None, recover_s=j[0].get("recover_s") if j else None,
-                       refused=[r.get("cause") for r in rec if r.get("join") and r.get("refused")])
+                       detect_s=j[0].get("detect_s") if j else None, recover_s=j[0].get("recover_s") if j else None)
         out.append(row)
     return out
 
 
-def time_to(target: float, curve: list[tuple[int, float]], times: dict) -> tuple[int | None, float | None]:
-    """The first checkpoint at or below ``target``: (iteration, wall seconds of that iteration)."""
-    for it, v in curve:
-        if v <= target and it in times:
-            return it, times[it]
-    return None, None
+def events_figures(run: Path, steps: int, gb: int, ref: dict, events: list[dict]) -> dict:
+    """Samples lost and repeated, the final loss against the run without events, and the cost:
+    the seconds from the first to the last iteration line, with events less without."""
+    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines() if x.strip()]
+    it = [r for r in rows if "loss" in r]
+    val = [r["val_loss"] for r in rows if "val_loss" in r and r["step"] == steps]
+    lost, rep = sample_check(run, steps, gb)
+    span = it[-1]["time"] - it[0]["time"]
+    ref_span = ref["time"][-1] - ref["time"][0]
+    ref_val = ref["val"][-1][1]
+    return {"steps": steps, "samples_lost": lost, "samples_repeated": rep, "val": val[-1] if val else None,
+            "val_without_events": ref_val, "loss_ratio": val[-1] / ref_val if val else None,
+            "seconds": span, "seconds_without_events": ref_span, "cost_s": span - ref_span,
+            "cost_iterations": (span - ref_span) / (ref_span / max(1, len(ref["time"]) - 1)),
+            "events": event_details(run, events)}
 
 
-def plot(path: Path, base: dict, flag: dict, curve, events: list[dict], target: float) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+# ---- output -----------------------------------------------------------------------------------
 
-    fig, ax = plt.subplots(figsize=(9, 5))
-    for name, r, c in (("baseline: full pipeline, fp32 all-reduce", base, "tab:gray"),
-                       ("flagship: every idea on, with events", flag, "tab:blue")):
-        rows = [m for m in r["metrics"] if "loss" in m and m["step"] in r["times"]]
-        ax.plot([r["times"][m["step"]] for m in rows], [m["loss"] for m in rows], color=c, alpha=0.35, lw=1)
-    ax.plot([base["times"][max(base["times"])]], [base["val_loss"]], "s", color="tab:gray",
-            label=f"baseline final validation loss {base['val_loss']:.3f}")
-    pts = [(flag["times"][i], v) for i, v in curve if i in flag["times"]]
-    ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-", color="tab:blue", label="flagship validation loss (checkpoints)")
-    ax.axhline(target, color="tab:gray", ls=":", lw=1)
-    for ev in events:
-        t = ev.get("t") if ev.get("t") is not None else flag["times"].get(ev.get("iteration"))
-        if t is not None:
-            ax.axvline(t, color="tab:red", ls="--", lw=0.8)
-            ax.text(t, ax.get_ylim()[1], " " + ev["kind"], rotation=90, va="top", fontsize=7, color="tab:red")
-    ax.set_xlabel("wall-clock seconds (emulated geo12 links)")
-    ax.set_ylabel("loss (thin: training, markers: validation)")
-    ax.legend(fontsize=8, loc="upper right")
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=80)
-    plt.close(fig)
+TARGETS = (("iteration_speedup", "iteration speedup (x)", ">= 2.8", lambda v: v >= 2.8),
+           ("speedup_to_baseline_loss", "sooner to the baseline's final loss (x)", ">= 1.5", lambda v: v >= 1.5),
+           ("equal_time_loss_ratio", "loss at the baseline's wall-clock / its loss", "<= 1", lambda v: v <= 1.0),
+           ("equal_tokens_loss_ratio", "loss at the baseline's tokens / its loss", "<= 1.05", lambda v: v <= 1.05))
 
 
-def gantt(path: Path, cfg, flag: dict, topo, run: Path) -> dict:
-    """The first iteration after the resume, measured, next to the simulator's timeline of the
-    layout in force then (DeMo's sync at the measured payload, as a ring over geo12 links)."""
-    import dataclasses
-
-    from skiptrain.runtime.outputs import load_phase_timeline
-    from skiptrain.runtime.transition import layout_cost
-    from skiptrain.schedule.gantt import draw_side_by_side
-    from skiptrain.schedule.schedule import Schedule
-    from skiptrain.schedule.simulator import simulate
-
-    saved = CheckpointReader(flag["resume"]["path"]).state.get("elastic") or {}
-    sched, cost = flag["schedule"], flag["cost"]
-    if saved.get("frozen"):
-        sched = Schedule.from_dict(saved["schedule"])
-        cost = layout_cost(cost, cfg.model, saved["counts"], saved["frozen"])
-    after = [m for m in flag["metrics"] if "loss" in m and m["step"] > flag["resume"]["iteration"]]
-    payload = statistics.median(m["payload_bytes"] for m in after) if after else 0
-    cost = dataclasses.replace(cost, compressed_payload_bytes=int(payload * cfg.runtime.bytes_scale))
-    sim = simulate(sched, topo, cost, contention=True, dp_sync=True)
-    measured = load_phase_timeline(run, "train", 0)
-    meas_s = after[0]["iteration_s"] if after else float("nan")
-    draw_side_by_side(sim.timeline, measured, path,
-                      titles=(f"simulated (frozen {saved.get('frozen', 0)}, stages {[len(p) for p in sched.placement]}): "
-                              f"{sim.iteration_s:.2f} s",
-                              f"measured, iteration {flag['resume']['iteration']} after the resume: {meas_s:.2f} s"),
-                      dpi=70)
-    return {"iteration": flag["resume"]["iteration"], "simulated_s": round(sim.iteration_s, 3),
-            "measured_s": meas_s, "frozen": saved.get("frozen", 0)}
+def figures(out: dict) -> list[dict]:
+    """Each target figure on this machine's clock (measured) and the own-compute clock (the
+    simulator's bound for the same setup), and whether the measured one meets it."""
+    rows = []
+    for key, name, target, ok in TARGETS:
+        v = out[key] if isinstance(out[key], dict) else {c: out[key] for c in CLOCKS}
+        rows.append({"figure": key, "name": name, "target": target, "machine": v["machine"], "own": v["own"],
+                     "met": v["machine"] is not None and ok(v["machine"])})
+    return rows
 
 
-def summarize(args, cfg_b, cfg_f, base: dict, flag: dict, curve, run: Path) -> dict:
-    """The figures of the run (see the module doc)."""
-    T_b = cfg_b.train.steps
-    target = base["val_loss"]
-    hit_it, hit_s = time_to(target, curve, flag["times"])
-    base_s = base["times"][T_b]
-    at_equal = dict(curve).get(T_b)
-    gb = len(flag["schedule"].micro_batches) * cfg_f.train.micro_batch
-    lost, rep = sample_check(run, cfg_f.train.steps, gb)
-    elastic = [json.loads(x) for x in (run / "elastic.jsonl").read_text().splitlines()] \
-        if (run / "elastic.jsonl").exists() else []
-    pay = lambda r: statistics.fmean(m["payload_bytes"] for m in r["metrics"] if "loss" in m)  # noqa: E731
-    return {
-        "speedup_to_baseline_loss": round(base_s / hit_s, 3) if hit_s else None,
-        "final_loss_ratio": round(at_equal / target, 4) if at_equal else None,
-        "samples_lost": lost, "samples_repeated": rep,
-        "events": event_details(run, flag["events"], flag["faults"]),
-        "baseline_val_loss": round(target, 4), "baseline_iterations": T_b, "baseline_s_to_final": round(base_s, 1),
-        "flagship_iterations": cfg_f.train.steps, "flagship_s_to_baseline_loss": round(hit_s, 1) if hit_s else None,
-        "flagship_iteration_at_baseline_loss": hit_it, "flagship_val_at_equal_tokens": at_equal,
-        "flagship_val_curve": curve, "flagship_final_val_loss": curve[-1][1] if curve else None,
-        "wall_s": {"baseline": round(base["wall_s"], 1), "flagship": round(flag["wall_s"], 1)},
-        "median_iteration_s": {k: statistics.median(m["iteration_s"] for m in r["metrics"] if "loss" in m)
-                               for k, r in (("baseline", base), ("flagship", flag))},
-        "dp_payload_bytes_per_iteration": {"baseline": round(pay(base)), "flagship": round(pay(flag))},
-        "transitions": [{k: t.get(k) for k in ("step", "frozen_before", "frozen_after", "counts", "placement")}
-                        for t in elastic if t.get("action") == "transition"],
-        "checkpoints": [it for it, _ in curve], "resume": flag["resume"]["iteration"],
-        "stage_sizes": {"baseline": [len(p) for p in base["schedule"].placement],
-                        "flagship": [len(p) for p in flag["schedule"].placement]},
-        "times": {"baseline": base["times"], "flagship": flag["times"]},
-        "quick": args.quick, "nodes": cfg_f.runtime.nodes, "time_scale": cfg_f.runtime.time_scale,
-    }
+def print_tables(out: dict) -> None:
+    print(f"\nbaseline: {out['baseline_steps']} iterations, final val {out['baseline_final_val']:.4f} (mean of "
+          f"{len(out['sides'][BASELINE]['rungs'][0]['val_seeds'])} seeds)")
+    print(f"\n{'side':10s} {'stages':>12s} {'s/it here':>9s} {'s/it own':>8s} {'CPU floor':>9s} {'node CPU':>8s} "
+          f"{'overruns':>8s} {'DP B/it':>10s}")
+    for n, s in out["sides"].items():
+        c = s["clock"]
+        print(f"{n:10s} {'/'.join(map(str, c['stage_sizes'])):>12s} {c['machine']:9.3f} {c['own']:8.3f} "
+              f"{c['host_floor_s']:9.3f} {c['node_cpu_s']:8.3f} {c['overruns']:8d} {c['payload_bytes']:10,.0f}")
+    print_rungs(out)
+    fmt = lambda v: "not reached" if v is None else f"{v:.3f}"  # noqa: E731
+    print(f"\n{'figure':46s} {'this machine':>12s} {'own (bound)':>12s} {'target':>8s}  met")
+    for r in out["figures"]:
+        print(f"{r['name']:46s} {fmt(r['machine']):>12s} {fmt(r['own']):>12s} {r['target']:>8s}  "
+              f"{'yes' if r['met'] else 'NO'}")
+    print_tuning(out)
+    ev = out.get("events_run")
+    if ev:
+        print(f"\nevents run ({ev['steps']} iterations, first seed): samples lost {ev['samples_lost']}, repeated "
+              f"{ev['samples_repeated']}; final val {ev['val']:.4f} vs {ev['val_without_events']:.4f} without events "
+              f"({ev['loss_ratio']:.4f}x, target <= 1.005x); cost {ev['cost_s']:.1f} s on this machine "
+              f"({ev['seconds']:.1f} s vs {ev['seconds_without_events']:.1f} s, {ev['cost_iterations']:.1f} iterations)")
+        for e in ev["events"]:
+            extra = {k: (round(e[k], 2) if isinstance(e[k], float) else e[k]) for k in (
+                "node", "iteration", "after_iteration", "detect_s", "recover_s", "stage", "resumed_from_iteration",
+                "iterations_redone", "admitted") if e.get(k) is not None}
+            print(f"  {e['kind']:<24} {extra}")
 
 
-def print_table(out: dict) -> None:
-    fmt = lambda v, f="{:.3f}": "-" if v is None else f.format(v)  # noqa: E731
-    print(f"\n{'figure':<52}{'value':>14}{'target':>12}")
-    print("-" * 78)
-    for name, v, tgt in (
-            ("wall-clock to the baseline's final val loss (x)", fmt(out["speedup_to_baseline_loss"], "{:.2f}x"), ">= 3x"),
-            ("val loss at equal tokens (flagship / baseline)", fmt(out["final_loss_ratio"], "{:.4f}"), "<= 1.03"),
-            ("samples lost", str(out["samples_lost"]), "0"), ("samples repeated", str(out["samples_repeated"]), "0"),
-            ("baseline: s to its final val loss", fmt(out["baseline_s_to_final"], "{:.1f}"), ""),
-            ("flagship: s to that loss (iteration)", f"{fmt(out['flagship_s_to_baseline_loss'], '{:.1f}')} "
-             f"({out['flagship_iteration_at_baseline_loss']})", ""),
-            ("median iteration s baseline / flagship", f"{out['median_iteration_s']['baseline']:.2f}/"
-             f"{out['median_iteration_s']['flagship']:.2f}", ""),
-            ("DP payload B/iteration baseline / flagship", f"{out['dp_payload_bytes_per_iteration']['baseline']}/"
-             f"{out['dp_payload_bytes_per_iteration']['flagship']}", "")):
-        print(f"{name:<52}{v:>14}{tgt:>12}")
-    print("\nevents:")
-    for ev in out["events"]:
-        extra = {k: ev[k] for k in ("node", "iteration", "after_iteration", "detect_s", "recover_s", "stage",
-                                    "resumed_from_iteration", "iterations_redone", "back_to_work_s", "admitted")
-                 if ev.get(k) is not None}
-        print(f"  {ev['kind']:<24} {extra}")
-    print(f"freeze transitions: {[(t['step'], t['frozen_after'], t['counts']) for t in out['transitions']]}")
-    print(f"checkpoints (val loss): {[(i, round(v, 3)) for i, v in out['flagship_val_curve']]}")
+def plot(out: dict, path: str) -> None:
+    """Validation loss against seconds on both clocks: the baseline and every rung of the flagship."""
+    n = out["nodes"]
+    plot_race(out, path, (f"this machine's clock ({n} node processes on {out['cores']} cores, links emulated)",
+                          "own-compute clock (each node its own machine: the simulator)"),
+              "seconds on emulated geo12 links")
 
 
-def run_both(args, s: dict, cfg_b, cfg_f, topo, data: Path, work: Path) -> dict:
-    """The baseline and the flagship under ``work``, the flagship's checkpoint curve, the figures
-    and the pictures."""
-    print(f"machine: {platform.machine()}, Python {platform.python_version()}; {s['nodes']} node processes (+1 "
-          f"joining), model {cfg_b.model.d_model}x{cfg_b.model.n_layers} in {cfg_b.model.n_stages} stages, "
-          f"baseline {cfg_b.train.steps} / flagship {cfg_f.train.steps} iterations; runs in "
-          f"{work}", flush=True)
-    base = run_baseline(cfg_b, topo, data, work / "baseline")
-    print(f"baseline: {base['wall_s']:.0f} s, validation loss {base['val_loss']:.4f}", flush=True)
-    flag = run_flagship(cfg_f, topo, data, work / "flagship", args.quick)
-    curve = checkpoint_curve(cfg_f, data, flag["root"])
-    out = summarize(args, cfg_b, cfg_f, base, flag, curve, work / "flagship")
-    if args.gantt:
-        out["gantt"] = gantt(Path(args.gantt), cfg_f, flag, topo, work / "flagship")
-    if args.png:
-        plot(Path(args.png), base, flag, curve, out["events"], base["val_loss"])
-    return out
+def parse_args(argv):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--data", default=str(ROOT / "data" / "shakespeare"))
+    ap.add_argument("--preset", default="small")
+    ap.add_argument("--quick", action="store_true", help="8 nodes, a tiny model: the same path in minutes")
+    ap.add_argument("--nodes", type=int, default=None, help="node processes (default 16; quick 8)")
+    ap.add_argument("--baseline-steps", type=int, default=None, help="the baseline's iterations (default 150; quick 12)")
+    ap.add_argument("--ladder", default=None, help="the flagship's fractions, e.g. 0.5,0.75,1 (default; quick 0.5,1)")
+    ap.add_argument("--seeds", type=int, default=None, help="seeds of every rung (default 3; quick 1)")
+    ap.add_argument("--last-rung-seeds", type=int, default=None, help="fewer seeds for the flagship's longest rung")
+    ap.add_argument("--follow", type=int, default=None, help="edge-of-grid learning-rate steps (default 1; quick 0)")
+    ap.add_argument("--time-scale", type=float, default=None, help="emulated / geo12 seconds (default 1/6; quick 1/16)")
+    ap.add_argument("--no-tune", action="store_true", help="race at each side's starting settings")
+    ap.add_argument("--no-freeze", action="store_true", help="the flagship without elastic freezing")
+    ap.add_argument("--no-events", action="store_true", help="skip the events run")
+    ap.add_argument("--keep", default=None, help="work folder (its records are reused); default a new runs/bench folder")
+    ap.add_argument("--json", default=None)
+    ap.add_argument("--plot", default=None, help="loss-vs-seconds PNG (default: next to --json)")
+    return ap.parse_args(argv)
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--json", default=None)
-    ap.add_argument("--quick", action="store_true", help="8 nodes, a narrow model: the same path in minutes")
-    ap.add_argument("--png", default=None, help="both loss curves against wall seconds, events marked")
-    ap.add_argument("--gantt", default=None, help="one flagship iteration: simulated vs measured")
-    ap.add_argument("--data", default=str(ROOT / "data" / "shakespeare"))
-    ap.add_argument("--preset", default="small")
-    ap.add_argument("--nodes", type=int, default=None)
-    ap.add_argument("--iterations", type=int, default=None, help="the baseline's iterations")
-    ap.add_argument("--extra", type=float, default=2.0, help="flagship iterations / baseline iterations")
-    ap.add_argument("--ckpt-every", type=int, default=None)
-    ap.add_argument("--time-scale", type=float, default=None, help="emulated / geo12 seconds (1/16 quick, 1/6 full)")
-    ap.add_argument("--keep", default=None, help="keep the run directories here")
-    args = ap.parse_args(argv)
-    t_all = time.time()
+    args = parse_args(argv)
     s = settings(args)
-    if s["iterations"] % s["ckpt_every"]:
-        raise SystemExit(f"--iterations {s['iterations']} must be a multiple of --ckpt-every {s['ckpt_every']} "
-                         "(the flagship's loss at equal tokens is read from its checkpoint there)")
     data = Path(args.data)
     if not (data / "manifest.json").is_file():
         raise SystemExit(f"no prepared data set at {data}: run `skiptrain prepare` (or `make demo`) first")
-    cfg_b, cfg_f = configs(args, s, TokenDataset.open(data).vocab_size)
-    topo = network(cfg_b, s["nodes"])
-    with work_dir(args.keep, "skiptrain-flagship-") as work:
-        out = run_both(args, s, cfg_b, cfg_f, topo, data, work)
-    print_table(out)
-    out["bench_s"] = round(time.time() - t_all, 1)
-    print(f"total {out['bench_s']:.0f} s")
+    base = common(args, s, TokenDataset.open(data).vocab_size)
+    t0 = time.time()
+    with work_dir(args.keep, "flagship_race") as folder:
+        print(f"work folder {folder}; {platform.machine()}, Python {platform.python_version()}; {s['nodes']} node "
+              f"processes, baseline {s['baseline_steps']} iterations, ladder {s['ladder']}, freezing "
+              f"{'on' if s['freeze'] else 'off'}", flush=True)
+        runner = Runner(folder, functools.partial(run_config, args, base), functools.partial(race_launch, args))
+        out = score(race(args, s, runner))
+        if not args.no_events:
+            out["events_run"] = events_run(args, s, runner, out["sides"][FLAGSHIP]["settings"], folder)
+    ev = out.get("events_run") or {}
+    cfg = runner.config(out["sides"][FLAGSHIP]["settings"], s["baseline_steps"], 0)
+    out.update(figures=None, events=ev.get("events"), samples_lost=ev.get("samples_lost"),
+               samples_repeated=ev.get("samples_repeated"), nodes=s["nodes"], cores=len(os.sched_getaffinity(0)),
+               quick=args.quick, seeds=s["seeds"], freezing=s["freeze"], time_scale=s["time_scale"], wall_s=time.time() - t0,
+               model={k: getattr(cfg.model, k) for k in ("d_model", "n_layers", "seq_len", "vocab_size")},
+               tokens_per_iteration=len(layout(cfg)[2].micro_batches) * cfg.train.micro_batch * cfg.model.seq_len)
+    out["figures"] = figures(out)
+    print_tables(out)
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(out, indent=1, default=str))
-        print(f"wrote {args.json}")
+    if args.plot or args.json:
+        plot(out, args.plot or str(Path(args.json).with_suffix(".png")))
+    print(f"\ntotal {out['wall_s']:.0f} s")
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    raise SystemExit(main())

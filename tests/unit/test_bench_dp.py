@@ -1,4 +1,4 @@
-"""bench/dp_compression.py: the two clocks, the ladder, the coordinate search and the score."""
+"""bench/dp_compression.py and its shared parts (bench/_race.py): the two clocks, the ladder, the coordinate search and the score."""
 
 import importlib.util
 import math
@@ -11,18 +11,19 @@ SPEC = importlib.util.spec_from_file_location("bench_dp", Path(__file__).parents
 dp = importlib.util.module_from_spec(SPEC)
 sys.modules[SPEC.name] = dp      # the bench's dataclasses look their module up
 SPEC.loader.exec_module(dp)
+import _race as race  # noqa: E402  (bench/, on the path once the bench is loaded)
 
 
 def test_timing_runs_whole_sync_periods_one_of_them_to_warm_up():
-    assert dp.timing_steps(1, quick=False) == 7 and dp.timing_steps(5, quick=False) == 15
-    assert dp.timing_steps(10, quick=False) == 20 and dp.timing_steps(1, quick=True) == 4
+    assert race.timing_steps(1, quick=False) == 7 and race.timing_steps(5, quick=False) == 15
+    assert race.timing_steps(10, quick=False) == 20 and race.timing_steps(1, quick=True) == 4
 
 
 def test_both_clocks_of_a_timing_run_skip_its_first_period():
     # 4 nodes, period 2, 6 steps: rows at 10, 11 (warm-up), then 13, 14, 16, 17
     rec = {"time": [10.0, 11.0, 13.0, 14.0, 16.0, 17.0], "cpu_s": [9.0, 9.0, 2.0, 2.0, 2.0, 2.0],
            "summary": {"emulated_link_s": 3.0}}
-    c = dp.seconds_per_step(rec, period=2, nodes=4, cores=2)
+    c = race.seconds_per_step(rec, period=2, nodes=4, cores=2)
     assert c["machine"] == pytest.approx(6.0 / 4)          # 11 -> 17 over 4 steps
     assert c["link_s"] == pytest.approx(0.5)               # 3 s of emulated links over 6 steps
     assert c["node_cpu_s"] == pytest.approx(0.5)           # 8 CPU-s over 4 steps and 4 nodes
@@ -30,9 +31,9 @@ def test_both_clocks_of_a_timing_run_skip_its_first_period():
 
 
 def test_rungs_are_fractions_of_the_baseline_wall_clock_in_whole_periods():
-    assert dp.rung_steps(0.2, baseline_s=1000.0, s_per_step=0.5, period=5) == 400
-    assert dp.rung_steps(0.15, baseline_s=1000.0, s_per_step=0.4, period=10) == 380   # 375 -> 38 periods
-    assert dp.rung_steps(0.001, baseline_s=10.0, s_per_step=1.0, period=5) == 5       # at least one period
+    assert race.rung_steps(0.2, baseline_s=1000.0, s_per_step=0.5, period=5) == 400
+    assert race.rung_steps(0.15, baseline_s=1000.0, s_per_step=0.4, period=10) == 380   # 375 -> 38 periods
+    assert race.rung_steps(0.001, baseline_s=10.0, s_per_step=1.0, period=5) == 5       # at least one period
 
 
 def _rung(steps, val, per_step):
@@ -42,9 +43,9 @@ def _rung(steps, val, per_step):
 def test_time_to_target_is_the_shortest_rung_at_or_below_it():
     per = {"machine": 0.5, "own": 0.1}
     rungs = [_rung(300, 4.80, per), _rung(100, 5.00, per), _rung(200, 4.85, per)]
-    assert dp.time_to_target(rungs, 4.85) == {"machine": 100.0, "own": 20.0}
-    assert dp.time_to_target(rungs, 4.9) == {"machine": 100.0, "own": 20.0}
-    assert dp.time_to_target(rungs, 4.7) == {"machine": None, "own": None}
+    assert race.time_to_target(rungs, 4.85) == {"machine": 100.0, "own": 20.0}
+    assert race.time_to_target(rungs, 4.9) == {"machine": 100.0, "own": 20.0}
+    assert race.time_to_target(rungs, 4.7) == {"machine": None, "own": None}
 
 
 def test_score_divides_the_baseline_time_by_each_sides():
@@ -73,30 +74,30 @@ class FakeRunner:
 
 
 def test_the_search_takes_each_axis_in_turn_from_the_best_so_far():
-    side = dp.Side("x", ["base"], {"a": [["a=1"], ["a=2"], ["a=4"]], "H": [["H=5"], ["H=10"]]},
+    side = race.Side("x", ["base"], {"a": [["a=1"], ["a=2"], ["a=4"]], "H": [["H=5"], ["H=10"]]},
                    start={"a": 1, "H": 0})
     # best a is 4; with a=4 H=10 is better, but with a=2 it is worse: the search must use a=4
     table = {("a=1", "H=5"): 5.0, ("a=2", "H=5"): 4.9, ("a=4", "H=5"): 4.8,
              ("a=1", "H=10"): 5.5, ("a=2", "H=10"): 5.1, ("a=4", "H=10"): 4.7}
     runner = FakeRunner(lambda ov: table[tuple(ov[1:])])
-    t = dp.tune(runner, side, steps=50)
+    t = race.tune(runner, side, steps=50)
     assert t["winner"] == ["a=4", "H=10"] and t["choice"] == {"a": 2, "H": 1}
     assert len(t["trials"]) == 4                       # 3 values of a, then H=10 (H=5 at a=4 is known)
     assert all(steps == 50 and seed == 0 for _, steps, seed in runner.asked)
 
 
 def test_a_learning_rate_that_wins_at_the_edge_of_its_grid_is_followed_past_it():
-    side = dp.Side("x", ["base"], {"lr": dp._lrs(1e-3, 2e-3, 4e-3)}, start={"lr": 1})
+    side = race.Side("x", ["base"], {"lr": race.lrs(1e-3, 2e-3, 4e-3)}, start={"lr": 1})
     best = {"up": 8e-3, "far": 3e-2, "down": 2.5e-4}
 
     def loss(where):      # lowest at best[where], rising with the distance in octaves
         return lambda ov: 4.0 + abs(math.log2(float(ov[1].split("=")[1]) / best[where]))
-    assert dp.tune(FakeRunner(loss("up")), side, 10)["winner"] == ["train.lr=0.008"]
-    t = dp.tune(FakeRunner(loss("far")), side, 10)     # doubled twice, no further
+    assert race.tune(FakeRunner(loss("up")), side, 10)["winner"] == ["train.lr=0.008"]
+    t = race.tune(FakeRunner(loss("far")), side, 10)     # doubled twice, no further
     assert t["winner"] == ["train.lr=0.016"] and len(t["trials"]) == 5
-    t = dp.tune(FakeRunner(loss("down")), side, 10)    # halved twice: 5e-4, 2.5e-4
+    t = race.tune(FakeRunner(loss("down")), side, 10)    # halved twice: 5e-4, 2.5e-4
     assert t["winner"] == ["train.lr=0.00025"] and t["grid"]["lr"][0] == "train.lr=0.00025"
-    assert side.grid["lr"] == dp._lrs(1e-3, 2e-3, 4e-3)   # the side's own grid is left as it was
+    assert side.grid["lr"] == race.lrs(1e-3, 2e-3, 4e-3)   # the side's own grid is left as it was
 
 
 def test_every_grid_setting_keeps_k_at_1000x_or_more_and_only_h_is_timed():
