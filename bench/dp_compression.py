@@ -41,15 +41,14 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from skiptrain.config import build_config  # noqa: E402
 from skiptrain.data.dataset import TokenDataset  # noqa: E402
 from skiptrain.dp import LINK_PRESETS  # noqa: E402
 from skiptrain.runtime.job import Job, data_parallel_phase, with_runtime  # noqa: E402
 from skiptrain.runtime.launcher import launch  # noqa: E402
-from _race import (CLOCKS, Runner, Side, lrs, plot_race, print_rungs, print_tuning, rung, rung_steps,  # noqa: E402
-                   seconds_per_step, time_to_baseline, timing_steps, tune, untuned)
+from bench._race import (CLOCKS, Runner, Side, lrs, plot_race, print_rungs, print_tuning, rung, rung_steps,  # noqa: E402
+                        seconds_per_step, time_to_baseline, timing_steps, tune, untuned)
 
 NARROW = ["model.d_model=128", "model.n_layers=4", "model.n_heads=4", "model.n_kv_heads=2"]
 QUICK = ["model.d_model=64", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2", "model.seq_len=64",

@@ -66,7 +66,6 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "bench"))
 
 from bench._events import kill_job, launch_process, spawn_joiner, steps_done  # noqa: E402
 from bench._race import (CLOCKS, Runner, Side, lrs, machine_seconds, plot_race, print_rungs,  # noqa: E402

@@ -11,7 +11,7 @@ SPEC = importlib.util.spec_from_file_location("bench_dp", Path(__file__).parents
 dp = importlib.util.module_from_spec(SPEC)
 sys.modules[SPEC.name] = dp      # the bench's dataclasses look their module up
 SPEC.loader.exec_module(dp)
-import _race as race  # noqa: E402  (bench/, on the path once the bench is loaded)
+from bench import _race as race  # noqa: E402  (the repository root, on the path once the bench is loaded)
 
 
 def test_timing_runs_whole_sync_periods_one_of_them_to_warm_up():
