@@ -193,6 +193,12 @@ def time_to_baseline(out: dict, baseline: str) -> dict:
 
 # ---- output -----------------------------------------------------------------------------------
 
+def print_baseline(out: dict, baseline: str, unit: str) -> None:
+    """The baseline's length and final validation loss (mean over its seeds)."""
+    print(f"\nbaseline: {out['baseline_steps']} {unit}, final val {out['baseline_final_val']:.4f} (mean of "
+          f"{len(out['sides'][baseline]['rungs'][0]['val_seeds'])} seeds)")
+
+
 def print_rungs(out: dict) -> None:
     print(f"\n{'side':12s} {'rung':>5s} {'steps':>6s} {'val (mean)':>10s} {'per seed':>26s} {'s here':>8s} {'s own':>8s}")
     for n, s in out["sides"].items():

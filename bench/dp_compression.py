@@ -47,8 +47,8 @@ from skiptrain.data.dataset import TokenDataset  # noqa: E402
 from skiptrain.dp import LINK_PRESETS  # noqa: E402
 from skiptrain.runtime.job import Job, data_parallel_phase, with_runtime  # noqa: E402
 from skiptrain.runtime.launcher import launch  # noqa: E402
-from bench._race import (CLOCKS, Runner, Side, lrs, plot_race, print_rungs, print_tuning, rung, rung_steps,  # noqa: E402
-                        seconds_per_step, time_to_baseline, timing_steps, tune, untuned)
+from bench._race import (CLOCKS, Runner, Side, lrs, plot_race, print_baseline, print_rungs, print_tuning, rung,  # noqa: E402
+                        rung_steps, seconds_per_step, time_to_baseline, timing_steps, tune, untuned)
 
 NARROW = ["model.d_model=128", "model.n_layers=4", "model.n_heads=4", "model.n_kv_heads=2"]
 QUICK = ["model.d_model=64", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2", "model.seq_len=64",
@@ -178,8 +178,7 @@ def score(out: dict) -> dict:
 # ---- output -----------------------------------------------------------------------------------
 
 def print_tables(out: dict) -> None:
-    print(f"\nbaseline: {out['baseline_steps']} steps, final val {out['baseline_final_val']:.4f} "
-          f"(mean of {len(out['sides'][BASELINE]['rungs'][0]['val_seeds'])} seeds)")
+    print_baseline(out, BASELINE, "steps")
     print(f"\n{'side':12s} {'B/step':>9s} {'x fp32':>7s} {'s/step here':>11s} {'s/step own':>10s} {'link s':>7s} "
           f"{'CPU floor':>9s}")
     for n, s in out["sides"].items():

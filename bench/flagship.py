@@ -68,8 +68,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench._events import kill_job, launch_process, spawn_joiner, steps_done  # noqa: E402
-from bench._race import (CLOCKS, Runner, Side, lrs, machine_seconds, plot_race, print_rungs,  # noqa: E402
-                         print_tuning, rung, rung_steps, time_to_baseline, timing_steps, tune, untuned)
+from bench._race import (CLOCKS, Runner, Side, lrs, machine_seconds, plot_race, print_baseline,  # noqa: E402
+                         print_rungs, print_tuning, rung, rung_steps, time_to_baseline, timing_steps, tune, untuned)
 from bench._workdir import work_dir  # noqa: E402
 from skiptrain.checkpoint import store as ckstore  # noqa: E402
 from skiptrain.checkpoint.reader import CheckpointReader  # noqa: E402
@@ -459,8 +459,7 @@ def figures(out: dict) -> list[dict]:
 
 
 def print_tables(out: dict) -> None:
-    print(f"\nbaseline: {out['baseline_steps']} iterations, final val {out['baseline_final_val']:.4f} (mean of "
-          f"{len(out['sides'][BASELINE]['rungs'][0]['val_seeds'])} seeds)")
+    print_baseline(out, BASELINE, "iterations")
     print(f"\n{'side':10s} {'stages':>12s} {'s/it here':>9s} {'s/it own':>8s} {'CPU floor':>9s} {'node CPU':>8s} "
           f"{'overruns':>8s} {'DP B/it':>10s}")
     for n, s in out["sides"].items():
