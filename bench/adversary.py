@@ -9,7 +9,7 @@ The "outsider" is a store client that reached the run's store port without the r
 
 * ``replay``: ``--restartable``, five times the iterations; the outsider copies every node's
   signed lease renewal, the launcher is SIGKILLed, and while ``python -m
-  skiptrain.runtime.coordinator --run`` takes over the outsider writes the old renewals back in
+  skiptrain.runtime.coordinator_restart --run`` takes over the outsider writes the old renewals back in
   a loop for 15 s (about 500 times a second).
 * ``unsigned counter``: the outsider sets ``nodes/next`` to ``x``; then node 1 is SIGKILLed.
 * ``deleted lease key``: node 1 is SIGKILLed; once the swarm goes on without it, the outsider
@@ -132,7 +132,7 @@ def case_replay(run: Path, data: Path, iters: int) -> dict:
     proc.wait()
     stop = threading.Event()
     in_loop(stop, lambda: [st.set(k, v) for k, v in old.items()])
-    coord = subprocess.Popen([sys.executable, "-m", "skiptrain.runtime.coordinator", "--run", str(run)],
+    coord = subprocess.Popen([sys.executable, "-m", "skiptrain.runtime.coordinator_restart", "--run", str(run)],
                              env=dict(os.environ, PYTHONPATH=str(REPO)), stdout=subprocess.DEVNULL,
                              stderr=open(run.parent / f"{run.name}-coordinator.log", "wb"))
     time.sleep(15.0)

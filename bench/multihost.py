@@ -18,10 +18,13 @@ each after the swarm is back at full strength:
 4. a 20 s partition of one host;
 5. ``SIGSTOP`` of a node process for 20 s;
 6. a fresh host (N + 1) starts ``skiptrain node`` mid-run;
-7. ``kill -9`` of the coordinator (its host's whole process tree), and once every node has
-   stopped (its lease ran out: 6 s), a new ``skiptrain coordinator --resume`` on the same address,
-   which takes the run over from its newest checkpoint (committed in its run directory: every node
-   sends its part).
+7. ``kill -9`` of the coordinator's process alone (its host, and the run's store process, live
+   on): the nodes train on, and 6 s later a new ``skiptrain coordinator --resume`` on the same
+   address takes the live run over;
+8. ``kill -9`` of the coordinator's host (every process there, the store too), and once every
+   node has stopped (its lease ran out: 6 s), a new ``skiptrain coordinator --resume`` on the same
+   address, which takes the run over from its newest checkpoint (committed in its run directory:
+   every node sends its part).
 
 Events 2-5 hit a different host each, whose node holds a stage with other replicas where there
 is one, so the stage lives on and the host comes back as a new node that takes its state from a
@@ -77,7 +80,7 @@ RATE_MBIT = 100.0
 #: Forward seconds per sample per layer of the cost model (the tiny preset on this machine's CPU).
 S_PER_SAMPLE_LAYER = 3e-4
 EVENTS = ("kill -9 of a node process", "2 s link blip", "20 s partition of a host", "SIGSTOP of a node for 20 s",
-          "a fresh host joins", "kill -9 of the coordinator")
+          "a fresh host joins", "kill -9 of the coordinator", "kill -9, coordinator process")
 #: Seconds between the coordinator's death and its replacement: every node has stopped by then.
 RESTART_AFTER_S = 6.0
 
@@ -180,8 +183,29 @@ def scripted_events(swarm: HostSwarm, hosts: Hosts) -> list[dict]:
     rows.append(fault_event(swarm, EVENTS[3], h3, lambda: swarm.signal_node(h3, signal.SIGSTOP),
                             lambda: _cont(swarm, h3), NODES))
     rows.append(join_event(swarm, NODES + 1, NODES))
+    rows.append(coordinator_process_event(swarm))
     rows.append(coordinator_event(swarm, NODES + 1))
     return rows
+
+
+def coordinator_process_event(swarm: HostSwarm) -> dict:
+    """The coordinator's process dies and its host lives: the nodes train on (``trained_alone``
+    iterations in their own run directories), and a new coordinator started with ``--resume``
+    ``RESTART_AFTER_S`` later takes the live run over.  ``resume_s``: the longest gap between two
+    iterations across the absence (rank 0's own clock: one host, so its skew cancels);
+    ``back_s``: the kill to the first row the new coordinator mirrors."""
+    t = time.time()
+    swarm.kill_coordinator_process()
+    local0 = swarm.local_last_step()
+    time.sleep(RESTART_AFTER_S)
+    alone = swarm.local_last_step()
+    swarm.start_coordinator("--resume", host_lives=True)
+    back = seen(swarm, lambda r: r["step"] > alone, 120, "the first row mirrored by the new coordinator")
+    rows = sorted({r["step"]: r for r in swarm.rows() if "loss" in r and local0 - 1 <= r["step"] <= alone + 1}.values(),
+                  key=lambda r: r["step"])
+    gaps = [b["time"] - a["time"] for a, b in zip(rows, rows[1:]) if b["step"] == a["step"] + 1]
+    return {"kind": EVENTS[6], "host": 0, "detect_s": None, "resume_s": round(max(gaps, default=0.0), 3),
+            "back_s": round(back - t, 3), "trained_alone": alone - local0, "redone_iterations": 0}
 
 
 def coordinator_event(swarm: HostSwarm, n: int) -> dict:
@@ -219,7 +243,7 @@ def run_once(root: Path, data: Path, steps: int, seed: int, events: bool) -> dic
         for i in range(1, NODES + 2):
             hosts.shape(i, RATE_MBIT)             # every node host's uplink
         swarm = HostSwarm(hosts, root, str(data), coordinator_args(steps, seed), skewed=skew)
-        swarm.start_coordinator()
+        swarm.start_coordinator(host_lives=True)
         swarm.wait_secret()
         order = list(range(1, NODES + 1))
         rng.shuffle(order)
@@ -314,7 +338,8 @@ def summarize(per_seed: list[dict]) -> dict:
     for kind in kinds:
         rs = [r for s in per_seed for r in s["events"] if r["kind"] == kind]
         events.append({"kind": kind, **{k: stat([r.get(k) for r in rs])
-                                        for k in ("detect_s", "resume_s", "back_s", "self_stop_s", "redone_iterations")},
+                                        for k in ("detect_s", "resume_s", "back_s", "self_stop_s", "redone_iterations",
+                                                  "trained_alone")},
                        "fenced": sorted({n for r in rs for n in r.get("fenced", [])})})
     out = {"events": events}
     for key in ("false_fencings", "samples_lost", "samples_repeated", "final_loss_ratio",
@@ -338,6 +363,8 @@ def print_table(out: dict) -> None:
     for e in out["events"]:
         if e.get("redone_iterations"):
             print(f"{e['kind']}: iterations done again after the resume {fmt(e['redone_iterations'])}")
+        if e.get("trained_alone"):
+            print(f"{e['kind']}: iterations trained without a coordinator {fmt(e['trained_alone'])}")
     for key in ("false_fencings", "samples_lost", "samples_repeated", "final_loss_ratio",
                 "iteration_measured_over_simulated"):
         print(f"{key:36s} {fmt(out[key])}")

@@ -315,7 +315,11 @@ class RuntimeConfig:
                               "precision's encoding (fp32 or bf16)", min=0.0)
     restartable: bool = _f(False, "recover: the store process (its own in every recover run) and the nodes "
                            "outlive the launcher, so a dead coordinator can be replaced "
-                           "(`python -m skiptrain.runtime.coordinator --run RUN_DIR`)")
+                           "(`python -m skiptrain.runtime.coordinator_restart --run RUN_DIR`)")
+    coordinator_wait_s: float = _f(300.0, "recover, store in a process of its own (runs across hosts, --restartable): "
+                                   "how long the nodes train on without a coordinator; past it, they stop at an "
+                                   "iteration boundary and the run resumes from its last committed checkpoint "
+                                   "(0 = wait for ever)", min=0.0, max=MAX_TIMEOUT_S)
     drift_alpha: float = _f(0.3, "moving-average weight of the drift measurements", min=0.0, max=1.0)
     drift_threshold: float = _f(0.0, "re-plan the routes on measured compute/link times when the measured "
                                 "iteration time exceeds the planned one by this fraction (0 = off)", min=0.0)

@@ -10,9 +10,12 @@ On every other machine, in any order (each retries until the coordinator answers
 
     skiptrain node --coordinator HOST0:29500 --join-secret-file run.secret
 
-Checkpoints are committed in the coordinator's run directory.  If the coordinator dies, the nodes
-stop and wait for one (``--wait``); ``skiptrain coordinator --bind HOST0:29500 --out runs/h
---join-secret-file run.secret --resume`` takes the run over from its newest checkpoint.
+Checkpoints are committed in the coordinator's run directory.  If the coordinator's process dies
+and its host lives, the run's store (a process of its own) keeps serving and the nodes train on;
+``skiptrain coordinator --bind HOST0:29500 --out runs/h --join-secret-file run.secret --resume``
+takes the live run over.  If no coordinator comes within ``runtime.coordinator_wait_s``, or the
+coordinator's host dies, the nodes stop and wait for one (``--wait``), and ``--resume`` continues
+the run from its newest committed checkpoint.
 
 The secret file is made by the coordinator when it does not exist yet (copy it to the hosts), or
 by the user beforehand.  docs/multihost.md: ports, addresses, what happens when a host or the
@@ -33,7 +36,7 @@ def cmd_coordinator(args: argparse.Namespace) -> int:
     from ..runtime.membership import listen_socket
     from ..runtime.store_client import parse_address
     from ..train.rundir import claim_run_dir
-    from .launch import train_swarm
+    from .launch import adopt_swarm_run, train_swarm
     from .options import config_from_args
 
     try:
@@ -48,6 +51,9 @@ def cmd_coordinator(args: argparse.Namespace) -> int:
     cfg.check()
     if not args.overwrite:      # (a run already there is refused before anything is written)
         claim_run_dir(args.out, resume=args.resume is not None)
+    if args.resume is not None and _live(args.out, host, port, args.join_secret_file):
+        adopt_swarm_run(args.out, (host, port), read_secret_file(args.join_secret_file, make=False))
+        return 0
     try:
         listen_socket(host, port).close()        # (the store binds there once the job is planned)
     except OSError as e:
@@ -57,6 +63,24 @@ def cmd_coordinator(args: argparse.Namespace) -> int:
     train_swarm(cfg, cfg.data.path, args.out, echo=True, overwrite=args.overwrite, resume=args.resume,
                 hosts={"bind": (host, port), "secret": secret})
     return 0
+
+
+def _live(out: str, host: str, port: int, secret_file: str) -> bool:
+    """Whether the run in ``out`` is alive at ``host:port`` (its coordinator died, its store and
+    nodes train on), so ``--resume`` takes it over rather than resuming from a checkpoint."""
+    import json
+
+    from ..runtime.join import read_secret_file
+    from ..runtime.store import live_run
+
+    try:
+        run_id = str(json.loads((Path(out) / "job.json").read_text())["meta"]["run_id"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return False
+    try:
+        return live_run(host, port, read_secret_file(secret_file, make=False), run_id)
+    except RuntimeError as e:
+        raise UserError(f"--resume: {e}") from None
 
 
 def cmd_node(args: argparse.Namespace) -> int:

@@ -33,14 +33,8 @@ def train_swarm(cfg, data: str, out: str, steps: int | None = None, echo: bool =
     ``overwrite`` replaces a run already in ``out`` (:func:`claim_run_dir`), once the swarm is
     known to fit its nodes.  ``hosts`` (``skiptrain coordinator``): ``{"bind": (host, port),
     "secret": ...}``; no node process starts here, every node comes from its own host."""
-    from ..schedule.gantt import draw_side_by_side
-    from ..schedule.simulator import simulate
-    from ..train.evaluate import unigram_loss
-    from ..runtime.evaluate import evaluate
-    from ..train.metrics import plot_loss
-    from ..train.rundir import claim_run_dir, load_run, prepare_run_dir, write_summary
+    from ..train.rundir import claim_run_dir, prepare_run_dir
     from ..runtime.job import Job, build_cost, build_schedule, build_topology, phase_for
-    from ..runtime.event_log import membership_events
     from ..runtime.launcher import launch
     from ..runtime.preflight import check_swarm_memory
 
@@ -80,6 +74,49 @@ def train_swarm(cfg, data: str, out: str, steps: int | None = None, echo: bool =
     tb = tensorboard_log(cfg, outp)            # (None unless log.tensorboard)
     res = launch(job, timeout_s=max(3600.0, steps * 60.0), echo=echo, **(
         {"bind": hosts["bind"], "join_secret": hosts["secret"], "local": False} if hosts else {}))
+    return finish_swarm_run(job, res, t0, echo, tb)
+
+
+def adopt_swarm_run(run_dir: str, bind: tuple[str, int], secret: str, echo: bool = True) -> dict:
+    """``skiptrain coordinator --resume`` while the run's store still serves at ``bind`` (its
+    coordinator's process died, its host lives): take the live run over (the nodes trained on
+    meanwhile), then end it as :func:`train_swarm` does; returns the run summary."""
+    from ..runtime.job import Job
+    from ..runtime.launcher import adopt
+
+    job = Job.load(Path(run_dir) / "job.json")
+    if echo:
+        print(f"skiptrain coordinator: taking over the live run in {run_dir} from its store at "
+              f"{bind[0]}:{bind[1]}", flush=True)
+    t0 = time.time()
+    from ..config import config_from_dict
+
+    tb = tensorboard_log(config_from_dict(job.config), Path(run_dir))
+    res = adopt(job, bind, secret, remote=True, timeout_s=max(3600.0, job.phases[0].iterations * 60.0), echo=echo)
+    return finish_swarm_run(job, res, t0, echo, tb)
+
+
+def finish_swarm_run(job, res, t0: float, echo: bool, tb=None) -> dict:
+    """After the swarm of ``job`` ended (``res``: its launch result): the final validation, the loss
+    plot, the measured timeline beside the simulated one, and the run summary (``run.json``)."""
+    from ..config import config_from_dict
+    from ..data.dataset import TokenDataset
+    from ..data.loader import SampleSource
+    from ..net.topology import Topology
+    from ..runtime.evaluate import evaluate
+    from ..runtime.event_log import membership_events
+    from ..schedule.cost import CostModel
+    from ..schedule.gantt import draw_side_by_side
+    from ..schedule.schedule import Schedule
+    from ..schedule.simulator import simulate
+    from ..train.evaluate import unigram_loss
+    from ..train.metrics import plot_loss
+    from ..train.rundir import load_run, write_summary
+
+    cfg, ph, start, outp = config_from_dict(job.config), job.phases[0], job.resume, Path(job.run_dir)
+    rt, steps, ds = cfg.runtime, ph.iterations, TokenDataset.open(job.data_path)
+    sched, topo, cost = Schedule.from_dict(ph.schedule), Topology.from_dict(ph.topology), CostModel.from_dict(ph.cost)
+    mbs = len(sched.micro_batches)
     rows = [r for r in res.phase_metrics("train") if "loss" in r]   # (not the in-loop validation lines)
     if (outp / "lost_stages.json").is_file():
         for s, note in json.loads((outp / "lost_stages.json").read_text()).items():
@@ -89,8 +126,6 @@ def train_swarm(cfg, data: str, out: str, steps: int | None = None, echo: bool =
     done = max((r["step"] for r in rows), default=start["iteration"] if start else 0)
     if res.interrupted:                 # Ctrl-C / SIGTERM: every node checkpointed at a boundary
         _finish_interrupted(cfg, model, outp, done, steps, str(ds.path), t0)
-    from ..data.loader import SampleSource
-
     val = evaluate(model, SampleSource(ds.tokens("val"), cfg.model.seq_len, shuffle=False, name=ds.split_name("val")),
                    cfg.train.eval_batches, cfg.train.micro_batch)
     if not any("val_loss" in r and r["step"] == steps for r in res.phase_metrics("train")):
@@ -102,6 +137,7 @@ def train_swarm(cfg, data: str, out: str, steps: int | None = None, echo: bool =
               title=f"skiptrain swarm: {rt.nodes} nodes, {model.num_parameters() / 1e6:.1f}M params, "
                     f"k={cfg.train.skip_ratio}", baseline=baseline)
     last = len(rows) - 1 if start is None else len(rows) - 1 - start["iteration"]
+    dp_sync = False  # DP sync is not link-emulated: the pipeline was planned and simulated without it
     sim = simulate(sched, topo, cost, contention=True, dp_sync=dp_sync)
     measured = res.timeline("train", last)
     draw_side_by_side(sim.timeline, measured, outp / "gantt.png",
@@ -119,7 +155,7 @@ def train_swarm(cfg, data: str, out: str, steps: int | None = None, echo: bool =
     if tb is not None:
         tb.close()
     if echo:
-        print_done(summary, out)
+        print_done(summary, str(outp))
     return summary
 
 
@@ -334,7 +370,7 @@ def register(sub) -> None:
                    help="re-plan routes on measured times when the iteration is F (e.g. 0.3) slower than planned")
     g.add_argument("--restartable", action="store_true",
                    help="the store process and the nodes outlive this launcher: if it dies, `python -m "
-                        "skiptrain.runtime.coordinator --run OUT` takes over (docs/failures.md)")
+                        "skiptrain.runtime.coordinator_restart --run OUT` takes over (docs/failures.md)")
     g.add_argument("--join", default=None, metavar="HOST:PORT",
                    help="join a running --recover job as a new node (address in RUN_DIR/join.json)")
     g.add_argument("--join-secret-file", default=None, metavar="PATH",

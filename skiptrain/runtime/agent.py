@@ -12,8 +12,9 @@ the network and the run's secret.  :class:`NodeAgent` loops:
 4. ship the node's outputs to the coordinator and sign its exit report (:mod:`.shipping`,
    :func:`~skiptrain.runtime.fencing.report_exit`);
 5. when the node finished the job: exit 0.  When it stopped because its lease ran out (a cut
-   link, a stopped host, a coordinator that died: then it waits for one started with
-   ``--resume``), was not admitted (it came after the first generation had formed) or
+   link, a stopped host, a coordinator whose host died: then it waits for one started with
+   ``--resume``), stopped because the run had no coordinator for too long (it waits likewise),
+   was not admitted (it came after the first generation had formed) or
    failed on its own while the run goes on, start again as a new node (a new id and incarnation,
    healed from a live replica by the join), at most ``rejoins`` times.
 
@@ -37,11 +38,12 @@ from pathlib import Path
 
 from ..errors import UserError
 from .addresses import check_advertised, check_reachable, interface_of, route_address
-from .failure import EXIT_FENCED, describe_exit
+from .failure import EXIT_FENCED, EXIT_NO_COORDINATOR, describe_exit
 from .fencing import report_exit
 from .join import EXIT_REFUSED, SECRET_ENV, request_node_id
-from .membership import member_key
+from .membership import coordinator_key, member_key
 from .shipping import ship_outputs
+from .store import closing
 from .store_client import open_run, parse_address
 
 #: First and longest pause between attempts to reach the coordinator (seconds).
@@ -85,7 +87,9 @@ class NodeAgent:
             if code == 0:
                 return 0
             if attempt < self.opts.rejoins:
-                why = {EXIT_FENCED: "its lease ran out", EXIT_REFUSED: "not admitted"}.get(code, describe_exit(code))
+                why = {EXIT_FENCED: "its lease ran out", EXIT_REFUSED: "not admitted",
+                       EXIT_NO_COORDINATOR: "the run had no coordinator for too long; waiting for one started "
+                                            "with --resume"}.get(code, describe_exit(code))
                 print(f"skiptrain node: node {node} stopped ({why}); joining again as a new node",
                       file=sys.stderr, flush=True)
         return code
@@ -118,6 +122,8 @@ class NodeAgent:
         while True:
             try:
                 _, _, store, job = open_run(self.opts.coordinator)
+                if closing(store, coordinator_key(self.opts.secret)):
+                    raise RuntimeError("the run's store is closing: its nodes stopped for want of a coordinator")
                 return store, Job.from_dict(job)
             except JoinRefused as e:
                 raise UserError(f"the coordinator at {self.opts.coordinator} refused this node: {e}") from None

@@ -21,11 +21,14 @@ Why not torchft's lighthouse: it provides quorum for *data-parallel replica grou
 hold a full model; here a node holds one stage of a pipeline whose routes cross all nodes, so
 every membership change needs a global re-plan, not a per-replica-group quorum.  The
 coordinator's state (alive set, generation) is tiny and lives in the store; it holds no weights.
-By default the store lives in the launcher process (and nodes die with it); with
-``job.rt.restartable`` it runs in a process of its own (:mod:`.store`), nodes are not tied to the
-launcher, and ``python -m skiptrain.runtime.coordinator --run RUN_DIR`` (:func:`main`) replaces a
-coordinator that died: every piece of its state is in the store (generation records, strikes,
-joins under way).
+The store is a process of its own (:mod:`.store`) that dies with the launcher by default;
+with ``job.rt.restartable``, or across hosts (``skiptrain coordinator``), it outlives it, the
+nodes train on, and a new coordinator takes the live run over
+(:func:`~skiptrain.runtime.launcher.adopt`: ``python -m skiptrain.runtime.coordinator_restart
+--run RUN_DIR`` on one host, ``skiptrain coordinator --resume`` across hosts): every piece of its
+state is in the store (generation records, strikes, joins under way, the positions of the logs
+it reads).  It raises a signed counter every heartbeat, by which the store tells that no
+coordinator came back (``runtime.coordinator_wait_s``).
 
 Joining (:class:`~skiptrain.runtime.joiners.Joiners`): nodes started with ``--join HOST:PORT``
 are challenged, placed on the stage where they shorten the iteration most and announced in a
@@ -39,20 +42,21 @@ the launcher's error (no stage-0 node left, every node gone, or the run's time l
 from __future__ import annotations
 
 import json
-import math
+import secrets
 import sys
 import time
 from pathlib import Path
 
 from ..schedule.schedule import Schedule
 from .event_log import LOG_NAME, log_event
-from .failure import RuntimeFailure, describe_exit, pid_running
+from .failure import RuntimeFailure, describe_exit
 from .fencing import Members, RowEvidence
 from .job import Job
 from .joiners import Joiners, schedule_in_force
 from .lease import LeaseTable
 from .membership import COORDINATOR, MAX_NODE_IDS, Verifier, raise_count, sign
 from .recovery import publish_generation
+from .store import ALIVE_KEY
 from .swarm_view import SwarmSnapshot, host_of_hello
 
 
@@ -161,6 +165,7 @@ class _Watch:
         self.gen = 0
         self.key = members.verifier.key(COORDINATOR)     # signs the generations the nodes act on
         self.strikes: dict[int, int] = {}
+        self.incarnation, self.beats = secrets.token_hex(4), 0
         self.view = SwarmSnapshot(log_path.parent, "recover", job.rt.heartbeat_s)   # swarm.json
         self.rows = RowEvidence(log_path.parent / "metrics.jsonl")      # progress vouches for the nodes
         self.view.placement = Schedule.from_dict(job.phases[0].schedule).placement
@@ -205,6 +210,7 @@ class _Watch:
                     found[r] = (f"died ({describe_exit(codes[r])})", None)
             if now >= next_hb:
                 next_hb = now + self.job.rt.heartbeat_s
+                self._sign_of_life()
                 self._check_heartbeats(codes, now, found)
                 _read_reports(self.store, self.members.verifier, self.gen, self.alive, self.strikes,
                               self.strikes_needed, found, struck)
@@ -219,6 +225,12 @@ class _Watch:
             self.snapshot(done=failure is not None)
             if failure is not None:
                 return failure
+
+    def _sign_of_life(self) -> None:
+        """Raise this coordinator's signed counter (:data:`~skiptrain.runtime.store.ALIVE_KEY`): the
+        run's store stops the nodes when it stays still too long (``runtime.coordinator_wait_s``)."""
+        self.beats += 1
+        self.store.set(ALIVE_KEY, sign(self.key, ALIVE_KEY, f"{self.incarnation}:{self.beats}"))
 
     def _rearm_after_own_stall(self, last: float) -> float:
         """When this process itself did not run for a while (stopped, starved, its host
@@ -324,68 +336,3 @@ class _Watch:
         print(f"[coordinator] node {n}: {cause}; detected {took}; generation {self.gen}: "
               f"{len(self.alive)} node(s) left", file=sys.stderr, flush=True)
         return row
-
-
-def main(argv: list[str] | None = None) -> int:
-    """``python -m skiptrain.runtime.coordinator --run RUN_DIR``: replace a coordinator that died
-    (a run launched with ``Job(restartable=True)`` / ``--restartable``).  It reads the job, the
-    store address and the join secret from the run directory, resumes from the store, and at
-    the end merges the outputs like the launcher and stops the store."""
-    import argparse
-    from datetime import timedelta
-
-    import torch.distributed as dist
-
-    from .outputs import merge_outputs, stop_store
-
-    ap = argparse.ArgumentParser(prog="python -m skiptrain.runtime.coordinator", description=main.__doc__.split("\n")[0])
-    ap.add_argument("--run", required=True, help="run directory of the running job")
-    ap.add_argument("--timeout", type=float, default=None,
-                    help="seconds after the restart before giving up on the run (the run then fails and its store "
-                         "stops); default: no limit, the nodes' own timeouts apply")
-    args = ap.parse_args(argv)
-    run_dir = Path(args.run)
-    try:
-        job = Job.load(run_dir / "job.json")
-        info = json.loads((run_dir / "store.json").read_text())
-        secret = (run_dir / "join_secret").read_text()
-    except OSError as e:
-        print(f"skiptrain coordinator: {run_dir} is not a running restartable job ({e.strerror}: {e.filename}); "
-              "launch with restartable=True (--restartable)", file=sys.stderr)
-        return 2
-    gone = (f"skiptrain coordinator: the store of {run_dir} is gone, so the run has ended; its checkpoints "
-            f"are in {run_dir / 'checkpoints'} (skiptrain launch --resume --out {run_dir} continues)")
-    try:
-        if not pid_running(int(info["pid"])):
-            print(gone, file=sys.stderr)
-            return 2
-        store = dist.TCPStore(info["host"], int(info["port"]), 1, is_master=False, wait_for_workers=False,
-                              timeout=timedelta(seconds=max(job.rt.timeout_s, 60.0)))
-    except (RuntimeError, KeyError, ValueError, TypeError) as e:
-        print(f"{gone} ({str(e).splitlines()[0][:120]})", file=sys.stderr)
-        return 2
-    t0 = time.time()
-    timeout = math.inf if args.timeout is None else args.timeout
-    try:
-        failure = coordinate(job, [], store, job.world, t0, timeout, run_dir, secret, resume=True)
-    except RuntimeFailure as e:  # nothing to resume: stopping the store makes the waiting nodes exit
-        stop_store(int(info["pid"]), store, secret)
-        print(f"skiptrain coordinator: {e}", file=sys.stderr)
-        return 2
-    (run_dir / "join_secret").unlink(missing_ok=True)
-    (run_dir / "join.json").unlink(missing_ok=True)
-    if failure is None:
-        merge_outputs(job, run_dir)
-    stop_store(int(info["pid"]), store, secret)
-    if failure is not None:
-        why = failure.get("msg") or (f"node {failure['node']}: {describe_exit(failure.get('code'))}"
-                                     if failure.get("node") is not None else failure["kind"])
-        print(f"skiptrain coordinator: the run failed: {why} (membership events: {run_dir / LOG_NAME}; resume it from its "
-              f"last checkpoint with `skiptrain launch --resume --out {run_dir}`)", file=sys.stderr)
-        return 1
-    print(f"skiptrain coordinator: the run finished ({time.time() - t0:.1f} s after the restart)", file=sys.stderr)
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

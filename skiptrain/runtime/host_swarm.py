@@ -36,7 +36,8 @@ class HostSwarm:
         self.skewed = skewed or {}               # host -> its wall clock's offset in seconds
         self.run_dir = self.root / "run"
         self.secret = self.root / "secret"
-        self.coordinator = None
+        self.coordinator = None                  # the coordinator started last
+        self.on_host0: list[subprocess.Popen] = []
         self.agents: dict[int, subprocess.Popen] = {}
         self.env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[2]))
 
@@ -44,19 +45,42 @@ class HostSwarm:
     def address(self) -> str:
         return f"{self.hosts.addr(0)}:{PORT}"
 
-    def start_coordinator(self, *extra: str) -> None:
-        """``skiptrain coordinator`` on host 0 (``extra``: e.g. ``--resume`` to take a run over)."""
+    def start_coordinator(self, *extra: str, host_lives: bool = False) -> None:
+        """``skiptrain coordinator`` on host 0 (``extra``: e.g. ``--resume`` to take a run over).
+        ``host_lives``: a shell stays on after the coordinator, so that a ``kill -9`` of the
+        coordinator's process alone (:meth:`kill_coordinator_process`) leaves its host, and the
+        run's store process, running."""
         self.root.mkdir(parents=True, exist_ok=True)
         log = open(self.root / "coordinator.log", "a")
-        self.coordinator = self.hosts.popen(0, [self.python, "-m", "skiptrain.cli", "coordinator", "--bind", self.address,
-                                                "--out", str(self.run_dir), "--join-secret-file", str(self.secret),
-                                                "--data", self.data, *self.coordinator_args, *extra],
-                                            env=self.env, stdout=log, stderr=subprocess.STDOUT)
+        argv = [self.python, "-m", "skiptrain.cli", "coordinator", "--bind", self.address, "--out", str(self.run_dir),
+                "--join-secret-file", str(self.secret), "--data", self.data, *self.coordinator_args, *extra]
+        if host_lives:
+            argv = ["sh", "-c", '"$@"; exec sleep 100000', "sh", *argv]
+        self.coordinator = self.hosts.popen(0, argv, env=self.env, stdout=log, stderr=subprocess.STDOUT)
+        self.on_host0.append(self.coordinator)
 
     def kill_coordinator(self) -> None:
-        """``kill -9`` of the coordinator: its host's whole process tree ends with it."""
-        self.coordinator.kill()
-        self.coordinator.wait(timeout=30)
+        """``kill -9`` of the coordinator's host: every process started there ends (each one's
+        whole process tree: the run's store too)."""
+        for p in self.on_host0:
+            p.kill()
+        for p in self.on_host0:
+            p.wait(timeout=30)
+
+    def kill_coordinator_process(self) -> None:
+        """``kill -9`` of the coordinator's process alone (started with ``host_lives``): its host
+        and the run's store process live on."""
+        shell = self.coordinator.program_pid(timeout=5)
+        kids = children(shell) if shell is not None else []
+        if not kids:
+            raise RuntimeError("the coordinator does not run under a shell of its host (start it with host_lives)")
+        os.kill(kids[0], signal.SIGKILL)
+
+    def local_last_step(self) -> int:
+        """The newest iteration any host's node recorded in its own run directory (what the nodes
+        train while no coordinator mirrors their rows)."""
+        return max((r["step"] for p in (self.root / "work").glob("h*/*/node*/metrics.jsonl")
+                    for r in _jsonl(p) if "loss" in r), default=0)
 
     def committed_step(self) -> int:
         """The newest checkpoint step committed in the coordinator's run directory (0: none)."""

@@ -1,12 +1,14 @@
 """Start N node processes on this machine, watch them, and stop all of them on any failure.
 
-:func:`launch` hosts the rendezvous store (a ``TCPStore`` on 127.0.0.1) in the calling process,
-starts the equivalent of ``python -m skiptrain.runtime.node --job RUN_DIR/job.json`` once per
-rank (forked by this process's fork server, which imports torch once: :mod:`.node_processes`)
-with the standard torch.distributed environment (``MASTER_ADDR``, ``MASTER_PORT``, ``RANK``,
-``WORLD_SIZE``, ``LOCAL_RANK``), one thread per process (``OMP_NUM_THREADS=1``), and output in
-``RUN_DIR/logs/node<r>.log``.  For several hosts, start the same module with ``torchrun``
-instead (see docs/runtime.md); this launcher only starts local processes.
+:func:`launch` hosts the rendezvous store (a ``TCPStore`` on 127.0.0.1) in the calling process
+(in recovery mode: in a store process of its own, :mod:`.store`), starts the equivalent of
+``python -m skiptrain.runtime.node --job RUN_DIR/job.json`` once per rank (forked by this
+process's fork server, which imports torch once: :mod:`.node_processes`) with the standard
+torch.distributed environment (``MASTER_ADDR``, ``MASTER_PORT``, ``RANK``, ``WORLD_SIZE``,
+``LOCAL_RANK``), one thread per process (``OMP_NUM_THREADS=1``), and output in
+``RUN_DIR/logs/node<r>.log``.  For several hosts, ``skiptrain coordinator`` runs the same code
+with no local node (``local`` False) and every host's ``skiptrain node`` joins it
+(docs/multihost.md); :func:`adopt` takes a live run over from its store when its coordinator died.
 
 Failure semantics (the launcher is the authority on which node failed):
 
@@ -24,6 +26,7 @@ Failure semantics (the launcher is the authority on which node failed):
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -33,18 +36,18 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
 
-from ..schedule.schedule import Schedule
 from ..schedule.timeline import Event
 from ..signals import sigterm_as_interrupt
 from .checkpoint_relay import coordinator_relays
 from .event_log import LOG_NAME, log_event
-from .failure import EXIT_FENCED, RuntimeFailure, describe_exit
+from .failure import RuntimeFailure
 from .job import Job
 from .job_checkpoint import checkpoint_root, checkpoint_roots
 from .monitor import monitor
 from .node_processes import start_nodes
 from .outputs import load_phase_timeline, merge_outputs, salvage_checkpoint, stop_store
 from .progress import SwarmProgress
+from .run_failure import explain_failure
 from .shipping import collect_run_outputs
 from .store import DeathWatch
 
@@ -67,16 +70,6 @@ class LaunchResult:
 
     def timeline(self, phase: str, iteration: int) -> list[Event]:
         return load_phase_timeline(self.run_dir, phase, iteration)
-
-
-def _describe(job: Job, node: int) -> str:
-    stages = []
-    for ph in job.phases:
-        s = Schedule.from_dict(ph.schedule).stages_of().get(node)
-        stages.append("-" if s is None else "+".join(map(str, s)))
-    if len(set(stages)) == 1:
-        return f"node {node}" + ("" if stages[0] == "-" else f" (stage {stages[0]})")
-    return f"node {node} (stages {'/'.join(stages)} in phases {'/'.join(p.name for p in job.phases)})"
 
 
 def launch(job: Job, nodes: int | None = None, timeout_s: float = 3600.0, grace_s: float = 3.0,
@@ -125,12 +118,58 @@ def _launch(job: Job, nodes: int | None, timeout_s: float, grace_s: float, echo:
         _publish_for_joiners(job, store, world if local else 0, join_secret)
     base_env = _node_env(job, run_dir, world, store.port, job.rt.restartable, join_secret,
                          bind[0] if bind else "127.0.0.1")
+    return _coordinate(job, world, store, store_proc, join_secret, timeout_s, grace_s, echo,
+                       start=(job_path, base_env) if local else None, remote=not local)
+
+
+def adopt(job: Job, address: tuple[str, int], join_secret: str, remote: bool, timeout_s: float = math.inf,
+          grace_s: float = 3.0, echo: bool = False) -> LaunchResult:
+    """Take over a live run whose coordinator died, from the run's store at ``address`` (a process
+    of its own: every ``skiptrain coordinator`` and ``--restartable`` run has one).  The membership
+    is read back from the store (:func:`~skiptrain.runtime.coordinator.coordinate` with
+    ``resume``), no node process is started, and the run ends as :func:`launch` ends it.
+    ``remote``: the nodes are on other hosts; their rows and checkpoint parts are taken from
+    where the dead coordinator stopped, and their outputs collected at the end.  Raises
+    :class:`~skiptrain.runtime.failure.RuntimeFailure` when the store holds no generation yet."""
+    from .store_client import connect
+
+    with sigterm_as_interrupt():
+        try:
+            store = connect(*address)
+            store.set_timeout(timedelta(seconds=max(job.rt.timeout_s, 60.0)))
+            return _coordinate(job, job.world, store, _store_pid(job), join_secret, timeout_s, grace_s, echo,
+                               start=None, remote=remote, resume=True)
+        except KeyboardInterrupt:
+            print(f"[coordinator] interrupted: {salvage_checkpoint(job)}", file=sys.stderr, flush=True)
+            raise
+
+
+def _store_pid(job: Job) -> int | None:
+    """The PID of the run's store process on this host, from ``RUN_DIR/store.json`` (None: unknown)."""
+    try:
+        return int(json.loads((Path(job.run_dir) / "store.json").read_text())["pid"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def _coordinate(job: Job, world: int, store, store_proc, join_secret: str | None, timeout_s: float, grace_s: float,
+                echo: bool, start: tuple[Path, dict] | None, remote: bool, resume: bool = False) -> LaunchResult:
+    """Run the coordinator (or the fail-fast monitor) until the run ends, then collect its outputs
+    and end it; ``start`` (job file, environment): the node processes to start here."""
+    run_dir = Path(job.run_dir)
     t_start = time.time()
-    with (nullcontext() if local else coordinator_relays(job, store, join_secret, checkpoint_roots(job))):
-        interrupted, err = _run_nodes(job, job_path, world, run_dir, base_env, store, store_proc,
-                                      join_secret, t_start, timeout_s, grace_s, echo, local)
-    if not local:          # (the last generation's members are waited for: they ship as their process ends)
-        collect_run_outputs(store, join_secret, run_dir, max(30.0, job.rt.timeout_s))
+    store_watch = DeathWatch(store_proc) if isinstance(store_proc, subprocess.Popen) else None
+    try:
+        with (coordinator_relays(job, store, join_secret, checkpoint_roots(job)) if remote else nullcontext()):
+            interrupted, err = _run_nodes(job, world, store, store_watch, join_secret, t_start, timeout_s, grace_s,
+                                          echo, start, resume)
+        if remote:          # (the last generation's members are waited for: they ship as their process ends)
+            collect_run_outputs(store, join_secret, run_dir, max(30.0, job.rt.timeout_s))
+    finally:                # (the run is over: its store process ends, asked to; one this process did not
+        if store_watch is not None:                                        # start only when resuming)
+            store_watch.stopping()
+        if store_proc is not None or resume:
+            stop_store(store_proc, store, join_secret)
     wall = time.time() - t_start
     if err is not None:
         raise err
@@ -139,21 +178,22 @@ def _launch(job: Job, nodes: int | None, timeout_s: float, grace_s: float, echo:
 
 def _open_store(job: Job, run_dir: Path, world: int, join_secret: str | None, bind: tuple[str, int] | None):
     """The run's rendezvous store: ``(store, store process or None, listening socket or None)``;
-    the caller keeps the socket referenced as long as the store serves."""
+    the caller keeps the socket referenced as long as the store serves.
+
+    In recovery mode the store is a process of its own, so a coordinator that is stopped or
+    starved does not stop it (the nodes renew their leases meanwhile).  It dies with this
+    launcher unless the run is restartable or its nodes are on other hosts (``bind``): then this
+    coordinator may die and be replaced (:func:`adopt`) while the nodes train on, for up to
+    ``runtime.coordinator_wait_s``."""
     import torch.distributed as dist
 
     from .membership import host_store
-    if bind is not None:          # (a store of its own here: the coordinator of hosts is not restartable yet)
-        store, listening = host_store(world, max(job.rt.timeout_s, 60.0), bind[0], bind[1])
-        return store, None, listening
-    if job.rt.recover:
-        # the store in a process of its own, so a coordinator that is stopped or starved does not
-        # stop it (the nodes renew their leases meanwhile); it dies with this launcher unless the
-        # run is restartable: then this launcher may die and be replaced (``python -m
-        # skiptrain.runtime.coordinator --run RUN_DIR``) without losing the run
+    if job.rt.recover or bind is not None:
         from .store import start as start_store
-        store_proc, _, port = start_store(run_dir, secret=join_secret, with_parent=not job.rt.restartable)
-        store = dist.TCPStore("127.0.0.1", port, world, is_master=False, wait_for_workers=False,
+        detached = job.rt.restartable or bind is not None
+        store_proc, host, port = start_store(run_dir, secret=join_secret, with_parent=not detached, bind=bind,
+                                             coordinator_wait_s=job.rt.coordinator_wait_s if detached else 0.0)
+        store = dist.TCPStore(host, port, world, is_master=False, wait_for_workers=False,
                               timeout=timedelta(seconds=max(job.rt.timeout_s, 60.0)))
         return store, store_proc, None
     store, listening = host_store(world, max(job.rt.timeout_s, 60.0))   # loopback only
@@ -172,27 +212,28 @@ def _publish_for_joiners(job: Job, store, first_id: int, join_secret: str) -> No
     publish_job(store, job.to_dict(), join_secret)
 
 
-def _run_nodes(job: Job, job_path: Path, world: int, run_dir: Path, base_env: dict, store, store_proc,
-               join_secret: str | None, t_start: float, timeout_s: float, grace_s: float,
-               echo: bool, local: bool = True) -> tuple[bool, RuntimeFailure | None]:
-    """Start the node processes (none unless ``local``), watch them until the run ends, then stop
-    every one that is left and end the run (its secret, its join announcement, its store
-    process).  Returns whether it was interrupted and the error to raise for a failed run (None: none)."""
+def _run_nodes(job: Job, world: int, store, store_watch: DeathWatch | None, join_secret: str | None, t_start: float,
+               timeout_s: float, grace_s: float, echo: bool, start: tuple[Path, dict] | None,
+               resume: bool = False) -> tuple[bool, RuntimeFailure | None]:
+    """Start the node processes (``start``: job file and environment; None: none here), watch
+    them until the run ends (``resume``: a coordinator taking a live run over), then stop every
+    one that is left and end the run (its secret, its join announcement).  Returns whether it
+    was interrupted and the error to raise for a failed run (None: none)."""
+    run_dir = Path(job.run_dir)
     procs: list = []
     forked = None
     failure = err = None
     interrupted = False
     killed_by_us: set[int] = set()
-    store_watch = DeathWatch(store_proc) if store_proc is not None else None
     try:
-        if local:
-            forked = start_nodes(job_path, job.node_module, world, run_dir / "logs", base_env,
+        if start is not None:
+            forked = start_nodes(start[0], job.node_module, world, run_dir / "logs", start[1],
                                  detached=job.rt.restartable)
             procs = forked.wait_started()
         with SwarmProgress(run_dir / "metrics.jsonl", sum(ph.iterations for ph in job.phases), enabled=echo,
                            initial=job.resume["iteration"] if job.resume else 0):
             try:
-                failure = _watch(job, procs, store, world, t_start, timeout_s, run_dir, join_secret)
+                failure = _watch(job, procs, store, world, t_start, timeout_s, run_dir, join_secret, resume)
             except KeyboardInterrupt:
                 interrupted = True
                 failure = _stop_at_boundary(job, procs, store, join_secret)
@@ -214,20 +255,17 @@ def _run_nodes(job: Job, job_path: Path, world: int, run_dir: Path, base_env: di
         (run_dir / "join_secret").unlink(missing_ok=True)     # the run is over: nobody may join
         (run_dir / "join.json").unlink(missing_ok=True)
         if failure is not None:                 # explained while the store (fault times) is still up
-            err = _explain(job, procs, failure, run_dir, store, killed_by_us)
-        if store_proc is not None:
-            store_watch.stopping()
-            stop_store(store_proc, store, join_secret)
+            err = explain_failure(job, procs, failure, run_dir, store, killed_by_us)
     return interrupted, err
 
 
 def _watch(job: Job, procs, store, world: int, t_start: float, timeout_s: float, run_dir: Path,
-           join_secret: str | None) -> dict | None:
+           join_secret: str | None, resume: bool = False) -> dict | None:
     """Watch the nodes until the run ends: the coordinator in recovery mode, else the fail-fast
     monitor; None on success, else a failure description."""
     if job.rt.recover:
         from .coordinator import coordinate
-        return coordinate(job, procs, store, world, t_start, timeout_s, run_dir, join_secret)
+        return coordinate(job, procs, store, world, t_start, timeout_s, run_dir, join_secret, resume=resume)
     return monitor(job, procs, store, world, t_start, timeout_s, run_dir)
 
 
@@ -358,58 +396,3 @@ def _stop_children(procs) -> set[int]:
         except subprocess.TimeoutExpired:
             pass
     return killed
-
-
-def _explain(job: Job, procs, failure: dict, run_dir: Path, store, killed_by_us: set[int]) -> RuntimeFailure:
-    reports = {}
-    for f in sorted((run_dir / "errors").glob("node*.json")):
-        try:
-            d = json.loads(f.read_text())
-            reports[int(d["rank"])] = d
-        except (OSError, ValueError, KeyError):
-            continue
-    fault_t = None
-    for r in range(len(procs)):
-        try:
-            if store.check([f"fault/{r}"]):
-                fault_t = float(store.get(f"fault/{r}").decode())
-        except Exception:  # noqa: BLE001
-            pass
-    detected = failure["t"] - fault_t if fault_t is not None else None
-    signalled = [r for r, p in enumerate(procs)
-                 if p.returncode is not None and p.returncode < 0 and r not in killed_by_us]
-    if failure["kind"] == "store":
-        return RuntimeFailure(f"the run's store process died ({describe_exit(failure['code'])}): every node lost "
-                              "the run's membership and stopped; resume the run from its last checkpoint with "
-                              f"`skiptrain launch --resume --out {run_dir}` (logs: {run_dir / 'logs'})", node=None)
-    if procs and all(p.returncode == EXIT_FENCED for p in procs):
-        return RuntimeFailure("every node stopped its own work: none could renew its lease, so the run's store "
-                              f"did not answer (its process, logs/store.log, was stopped or starved longer than a "
-                              f"lease); resume the run from its last checkpoint with `skiptrain launch --resume "
-                              f"--out {run_dir}`", node=None)
-    if failure["kind"] == "timeout":
-        node, head = None, "the run did not finish within its time limit"
-    elif failure["kind"] == "hung":
-        node = failure["node"]
-        head = (f"{_describe(job, node)} stopped responding: no heartbeat for {failure['age']:.1f} s "
-                f"(timeout {job.rt.timeout_s:g} s); stopped all nodes")
-    elif signalled:
-        node = signalled[0]
-        head = f"{_describe(job, node)} died ({describe_exit(procs[node].returncode)}); stopped all nodes"
-    else:
-        self_blamed = [r for r, d in reports.items() if d.get("node") == r]
-        blamed = [d["node"] for d in reports.values() if d.get("node") is not None and d["node"] >= 0]
-        node = self_blamed[0] if self_blamed else (blamed[0] if blamed else failure.get("node"))
-        d = reports.get(node) or (reports.get(failure.get("node")) if failure.get("node") is not None else None)
-        code = procs[node].returncode if node is not None and node < len(procs) else failure.get("code")
-        why = f"{d['type']}: {d['msg']}" if d else describe_exit(code)
-        head = f"{_describe(job, node) if node is not None else 'a node'} failed: {why}"
-    lines = [head]
-    for r, d in sorted(reports.items()):
-        lines.append(f"  node {r}: {d['type']}: {d['msg'][:300]}")
-    if detected is not None:
-        lines.append(f"  (detected {detected:.1f} s after the fault)")
-    lines.append(f"  logs: {run_dir / 'logs'}")
-    return RuntimeFailure("\n".join(lines), node=node, detected_after_s=detected)
-
-

@@ -12,8 +12,6 @@ Used by the launcher and by a restarted coordinator alike.
 from __future__ import annotations
 
 import json
-import os
-import signal
 import time
 from pathlib import Path
 
@@ -71,7 +69,9 @@ def salvage_checkpoint(job: Job) -> str:
 
 def stop_store(store_proc, store, secret: str | None) -> None:
     """Ask the store process to exit (``store/stop``, signed with the coordinator's key when the
-    run has a secret); SIGKILL it if it does not within 5 s."""
+    run has a secret).  A store process this one started (a ``Popen``) is SIGKILLed if it does
+    not exit within 5 s; one it did not start (its PID, from ``store.json``) is only waited for
+    (``store_proc`` None: not even that)."""
     from .membership import coordinator_key, sign
     from .store import STOP_KEY
 
@@ -79,19 +79,17 @@ def stop_store(store_proc, store, secret: str | None) -> None:
         store.set(STOP_KEY, sign(coordinator_key(secret), STOP_KEY, "1"))
     except Exception:  # noqa: BLE001
         pass
-    pid = store_proc if isinstance(store_proc, int) else store_proc.pid
+    if store_proc is None:
+        return
+    ours = not isinstance(store_proc, int)
     end = time.time() + 5
     while time.time() < end:
-        if isinstance(store_proc, int):
-            if not pid_running(pid):
-                return
-        elif store_proc.poll() is not None:
+        if (store_proc.poll() is not None) if ours else not pid_running(store_proc):
             return
         time.sleep(0.05)
-    try:
-        os.kill(pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
+    if ours:
+        store_proc.kill()
+
 
 def merge_outputs(job: Job, run_dir: Path) -> None:
     """Per-iteration merged timelines, and the stage weights merged into model.safetensors."""

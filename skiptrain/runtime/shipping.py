@@ -30,7 +30,7 @@ import time
 from datetime import timedelta
 from pathlib import Path
 
-from .membership import MAX_NODE_IDS, Verifier, open_value, raise_count, read_count, read_raw, sign, strip_tag
+from .membership import COORDINATOR, MAX_NODE_IDS, Verifier, open_value, raise_count, read_count, read_raw, sign, strip_tag
 
 #: What a node ships, relative to its run directory (checkpoints and logs stay on the host).
 SHIPPED = ("metrics.jsonl", "elastic.jsonl", "parts/*.safetensors", "phases/**/*", "errors/*.json")
@@ -239,13 +239,25 @@ class SlotReader:
     """Coordinator side: the slots of a signed log (:func:`claim_slot`, :func:`write_slot`) in
     order, each once.  A slot whose tag does not verify with its node's key is dropped (logged by
     the verifier); a slot counted but not written is waited for, then skipped after
-    :data:`GAP_S` (its writer died between the two)."""
+    :data:`GAP_S` (its writer died between the two).
+
+    The position read up to is kept in the store (``coord/slots/<prefix>``, signed by the
+    coordinator) before the slots read are deleted, so a coordinator that takes a live run over
+    goes on where its predecessor stopped.  (Its predecessor may have died between the two: then
+    the slots of its last poll are read again, rows once more; the run directory's JSON-lines
+    files are merged without duplicates at the end.)"""
 
     def __init__(self, store, verifier: Verifier, prefix: str):
         self.store, self.verifier, self.prefix = store, verifier, prefix
-        self.next = 0
+        self.position_key = f"coord/slots/{prefix}"
+        self.next = self._saved_position()
         self.top = 0                     # the slots counted at the last poll
         self.missing: dict[int, float] = {}
+
+    def _saved_position(self) -> int:
+        raw = read_raw(self.store, self.position_key)
+        value = open_value(self.verifier.key(COORDINATOR), self.position_key, raw) if raw is not None else None
+        return int(value) if value is not None and value.isdigit() else 0
 
     def caught_up(self) -> bool:
         """Whether the last poll took every slot counted by then."""
@@ -259,16 +271,20 @@ class SlotReader:
                 raise_count(self.store, f"{self.prefix}/n", self.top)
             return []
         self.top = top
-        out = []
+        out, first = [], self.next
         for i in range(self.next, top):
             got = self._slot(i)
             if got is None and not self.store.check([f"{self.prefix}/{i}"]) and not self._given_up(i):
                 break              # (counted, not yet written: next time)
             self.next = i + 1
             self.missing.pop(i, None)
-            self.store.delete_key(f"{self.prefix}/{i}")      # (read once: the store keeps values in memory)
             if got is not None:
                 out.append(got)
+        if self.next > first:
+            key = self.verifier.key(COORDINATOR)
+            self.store.set(self.position_key, sign(key, self.position_key, str(self.next)))
+            for i in range(first, self.next):
+                self.store.delete_key(f"{self.prefix}/{i}")   # (read once: the store keeps values in memory)
         return out
 
     def _given_up(self, i: int) -> bool:

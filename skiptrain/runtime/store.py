@@ -9,11 +9,23 @@ coordinator does that when the run ends; when the run has a secret, the process 
 process without the secret cannot end the run by stopping its store).  Everything the
 coordinator knows lives in this store (generations and their alive sets, strikes, join nonces
 and results, node PIDs), so a coordinator that dies can be replaced by ``python -m
-skiptrain.runtime.coordinator --run RUN_DIR`` without losing the run: the nodes keep training
+skiptrain.runtime.coordinator_restart --run RUN_DIR`` without losing the run: the nodes keep training
 meanwhile (they only need the coordinator when membership changes).
 
 Every ``--recover`` launch starts one; with ``--with-parent`` (a run that is not restartable)
-it dies with its launcher (``PR_SET_PDEATHSIG``).
+it dies with its launcher (``PR_SET_PDEATHSIG``).  ``skiptrain coordinator`` starts one bound to
+its ``--bind`` address (``--host``, ``--port``), so the nodes on other hosts keep training when
+the coordinator's process dies and its host lives, and ``skiptrain coordinator --resume`` takes
+the live run over from it.
+
+**A coordinator that does not come back.**  The coordinator raises a signed counter,
+``coord/alive``, every heartbeat (:class:`CoordinatorWatch`).  When it has not changed for
+``--coordinator-wait`` seconds on this process's clock, the store asks the nodes to stop at the
+next iteration boundary (``stop``, signed, value :data:`NO_COORDINATOR`: they exit with
+:data:`~skiptrain.runtime.failure.EXIT_NO_COORDINATOR` and their supervisors wait for a new
+coordinator), marks itself closing (:data:`CLOSING_KEY`: a new coordinator then resumes from the
+last committed checkpoint instead of taking this store over) and exits once every node is done or
+silent, at most :data:`CLOSE_WAIT_S` later, which frees the address for that coordinator.
 
 Failure semantics: if this process dies, every node loses the store, its heartbeat write fails
 and it exits (as with the in-launcher store); nothing is persisted on disk.  It is never left
@@ -33,6 +45,42 @@ from pathlib import Path
 STOP_KEY = "store/stop"
 #: A store whose nodes have all been done or silent this long exits by itself (nobody left to serve).
 IDLE_EXIT_S = 600.0
+#: The coordinator's signed counter, raised every heartbeat (its liveness, read by this process).
+ALIVE_KEY = "coord/alive"
+#: Signed by the store once it asked the nodes to stop for want of a coordinator.
+CLOSING_KEY = "store/closing"
+#: The value of the nodes' stop request then.
+NO_COORDINATOR = "no-coordinator"
+#: After that request, the store exits once every node is done or silent, or this much later.
+CLOSE_WAIT_S = 120.0
+
+
+class CoordinatorWatch:
+    """Whether the run's coordinator is gone: its signed counter (:data:`ALIVE_KEY`) has not
+    changed for ``wait_s`` seconds on this process's monotonic clock since it was first seen
+    (``wait_s`` 0: never gone).  An unsigned or forged value is no sign of life."""
+
+    def __init__(self, key: bytes | None, wait_s: float, clock=time.monotonic):
+        self.key, self.wait_s, self.clock = key, wait_s, clock
+        self.value: str | None = None
+        self.since: float | None = None
+
+    def gone(self, raw: str | None) -> bool:
+        from .membership import open_value
+
+        now = self.clock()
+        value = open_value(self.key, ALIVE_KEY, raw) if raw is not None else None
+        if value is not None and value != self.value:
+            self.value, self.since = value, now
+        return self.wait_s > 0 and self.since is not None and now - self.since > self.wait_s
+
+
+def closing(store, key: bytes | None) -> bool:
+    """Whether the run's store asked its nodes to stop for want of a coordinator (it exits soon)."""
+    from .membership import open_value, read_raw
+
+    raw = read_raw(store, CLOSING_KEY)
+    return raw is not None and open_value(key, CLOSING_KEY, raw) is not None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -40,8 +88,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--port-file", required=True, help="where to write the address (JSON)")
     ap.add_argument("--poll", type=float, default=0.2, help="seconds between checks of the stop key")
     ap.add_argument("--host", default="127.0.0.1", help="the one address to listen on (default: loopback)")
+    ap.add_argument("--port", type=int, default=0, help="the port to listen on (default: one the OS picks)")
     ap.add_argument("--idle-exit", type=float, default=IDLE_EXIT_S, metavar="S",
                     help="exit when every node has been done or silent for S seconds (nobody left to serve)")
+    ap.add_argument("--coordinator-wait", type=float, default=0.0, metavar="S",
+                    help="stop the nodes when the coordinator has given no sign of life for S seconds (0: never)")
     ap.add_argument("--with-parent", action="store_true", help="die when the process that started this one dies")
     args = ap.parse_args(argv)
     if args.with_parent:
@@ -50,11 +101,10 @@ def main(argv: list[str] | None = None) -> int:
     from .lease import LeaseTable
     from .membership import coordinator_key, host_store, open_value, read_raw, secret_from_env
 
-    store, listening = host_store(1, 60.0, args.host)  # noqa: F841 - the socket must stay open
+    store, listening = host_store(1, 60.0, args.host, args.port)  # noqa: F841 - the socket must stay open
     tmp = Path(args.port_file).with_suffix(".tmp")
     tmp.write_text(json.dumps({"host": args.host, "port": store.port, "pid": os.getpid()}))
     os.replace(tmp, args.port_file)
-    ended_since = None
     key = coordinator_key(secret_from_env())
 
     def stop_requested() -> bool:
@@ -62,15 +112,36 @@ def main(argv: list[str] | None = None) -> int:
         return raw is not None and open_value(key, STOP_KEY, raw) is not None
 
     leases = LeaseTable(args.idle_exit, args.idle_exit)
+    watch = CoordinatorWatch(key, args.coordinator_wait)
+    ended_since = closed_at = None
     while not stop_requested():
         time.sleep(args.poll)
+        if closed_at is None and watch.gone(read_raw(store, ALIVE_KEY)):
+            closed_at = time.monotonic()
+            close_for_want_of_coordinator(store, key, args.coordinator_wait)
         ended_since = (ended_since or time.time()) if run_ended(store, leases) else None
+        if closed_at is not None and (ended_since is not None or time.monotonic() - closed_at > CLOSE_WAIT_S):
+            print("store: the nodes stopped for want of a coordinator; exiting (a new coordinator resumes the run "
+                  "from its last checkpoint)", flush=True)
+            return 0
         if ended_since is not None and time.time() - ended_since >= args.idle_exit:
             print(f"store: every node has been done or silent for {args.idle_exit:g} s and no coordinator "
                   "stopped the store; exiting", flush=True)
             return 0
     time.sleep(0.5)            # let the last clients finish their calls
     return 0
+
+
+def close_for_want_of_coordinator(store, key: bytes | None, wait_s: float) -> None:
+    """Ask every node to stop at its next iteration boundary (:data:`NO_COORDINATOR`), and say
+    that this store is closing (a new coordinator must not take it over)."""
+    from .membership import sign
+    from .node.control import STOP_KEY as RUN_STOP_KEY
+
+    print(f"store: no sign of the coordinator for {wait_s:g} s; asking every node to stop at its next "
+          "iteration boundary", flush=True)
+    store.set(CLOSING_KEY, sign(key, CLOSING_KEY, "1"))
+    store.set(RUN_STOP_KEY, sign(key, RUN_STOP_KEY, NO_COORDINATOR))
 
 
 def run_ended(store, leases) -> bool:
@@ -126,10 +197,11 @@ class DeathWatch:
 
 
 def start(run_dir: Path, timeout_s: float = 60.0, idle_exit_s: float = IDLE_EXIT_S, secret: str | None = None,
-          with_parent: bool = False):
+          with_parent: bool = False, bind: tuple[str, int] | None = None, coordinator_wait_s: float = 0.0):
     """Start the store process for ``run_dir`` (``secret``: the run's, so it stops only on the
-    coordinator's signed request; ``with_parent``: it dies with the calling thread's process);
-    returns (Popen, host, port)."""
+    coordinator's signed request; ``with_parent``: it dies with the calling thread's process;
+    ``bind``: the address and port it listens on, else a free loopback port;
+    ``coordinator_wait_s``: see the module doc); returns (Popen, host, port)."""
     import subprocess
 
     pf = Path(run_dir) / "store.json"
@@ -141,10 +213,12 @@ def start(run_dir: Path, timeout_s: float = 60.0, idle_exit_s: float = IDLE_EXIT
     env.pop(SECRET_ENV, None)
     if secret:
         env[SECRET_ENV] = secret
-    log = open(Path(run_dir) / "logs" / "store.log", "wb")
-    p = subprocess.Popen([sys.executable, "-m", "skiptrain.runtime.store", "--port-file", str(pf),
-                          "--idle-exit", str(idle_exit_s), *(["--with-parent"] if with_parent else [])], env=env,
-                         stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
+    host, port = bind or ("127.0.0.1", 0)
+    log = open(Path(run_dir) / "logs" / "store.log", "ab")
+    p = subprocess.Popen([sys.executable, "-m", "skiptrain.runtime.store", "--port-file", str(pf), "--host", host,
+                          "--port", str(port), "--idle-exit", str(idle_exit_s),
+                          "--coordinator-wait", str(coordinator_wait_s), *(["--with-parent"] if with_parent else [])],
+                         env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
     log.close()
     deadline = time.time() + timeout_s
     while not pf.exists():
@@ -156,6 +230,50 @@ def start(run_dir: Path, timeout_s: float = 60.0, idle_exit_s: float = IDLE_EXIT
         time.sleep(0.02)
     d = json.loads(pf.read_text())
     return p, d["host"], int(d["port"])
+
+
+def live_run(host: str, port: int, secret: str, run_id: str, wait_s: float = 150.0) -> bool:
+    """Whether the store of run ``run_id`` still serves at ``host:port`` with its nodes training
+    (its coordinator's process died, its host lives): a new coordinator takes that run over.
+    False when nothing listens there, and also once a store that is closing (it asked its nodes
+    to stop for want of a coordinator) has exited, waited for up to ``wait_s``: the run then
+    resumes from its last committed checkpoint.  Another run's store there, or one that does
+    not verify with ``secret``: one ``RuntimeError`` naming the fix."""
+    from .join import JoinRefused, read_job
+    from .membership import coordinator_key
+    from .store_client import connect
+
+    if not _answers(host, port):
+        return False
+    try:
+        store = connect(host, port)
+        theirs = str(read_job(store, secret).get("meta", {}).get("run_id"))
+    except JoinRefused as e:
+        raise RuntimeError(f"a run's store listens at {host}:{port} but {e}") from None
+    if theirs != run_id:
+        raise RuntimeError(f"{host}:{port} serves another run (run id {theirs}, not {run_id}): stop that run, or "
+                           "give this one another --bind")
+    if not closing(store, coordinator_key(secret)):
+        return True
+    print(f"skiptrain coordinator: the run's store at {host}:{port} stopped its nodes for want of a coordinator; "
+          "waiting for it to exit, then resuming from the last checkpoint", file=sys.stderr, flush=True)
+    end = time.monotonic() + wait_s
+    while _answers(host, port):
+        if time.monotonic() > end:
+            raise RuntimeError(f"the run's closing store at {host}:{port} did not exit within {wait_s:g} s; "
+                               "try again once it has")
+        time.sleep(0.5)
+    return False
+
+
+def _answers(host: str, port: int) -> bool:
+    import socket
+
+    try:
+        socket.create_connection((host, port), timeout=2).close()
+        return True
+    except OSError:
+        return False
 
 
 if __name__ == "__main__":

@@ -110,3 +110,4 @@ def open_run(target: str) -> tuple[str, int, Any, dict]:
     if not store.check([JOB_KEY, "nodes/next"]):
         raise RuntimeError(f"the run at {host}:{port} does not accept joining nodes: launch it with --recover")
     return host, port, store, read_job(store, secret_from_env())
+

@@ -180,7 +180,7 @@ def test_a_bad_peer_is_banned_after_its_strikes_and_its_stage_restarts_from_the_
 
 def test_a_killed_coordinator_is_replaced_without_losing_the_run(byte_data, tmp_path):
     """restartable=True: the store lives in its own process; the launcher (coordinator) is
-    SIGKILLed mid-run, the nodes keep training, ``python -m skiptrain.runtime.coordinator --run``
+    SIGKILLed mid-run, the nodes keep training, ``python -m skiptrain.runtime.coordinator_restart --run``
     takes over from the store, then handles a killed originator (by its lease: no PID crosses
     from the old coordinator), and finishes the run (outputs
     merged, store stopped, no process left)."""
@@ -205,7 +205,7 @@ def test_a_killed_coordinator_is_replaced_without_losing_the_run(byte_data, tmp_
     os.kill(launcher.pid, signal.SIGKILL)
     launcher.wait()
     env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[2]))
-    coord = subprocess.run([sys.executable, "-m", "skiptrain.runtime.coordinator", "--run", str(run)], env=env,
+    coord = subprocess.run([sys.executable, "-m", "skiptrain.runtime.coordinator_restart", "--run", str(run)], env=env,
                            capture_output=True, text=True, timeout=240)
     assert coord.returncode == 0, coord.stderr[-2000:]
     assert "restarted: generation 0" in coord.stderr
@@ -314,7 +314,7 @@ def test_drift_replans_the_routes_of_nodes_that_serve_two_stages(byte_data, tmp_
 def test_restarting_a_coordinator_before_generation_0_is_a_clear_error(byte_data, tmp_path, capsys):
     """A coordinator that died during admission left no generation to resume: the replacement
     says so (exit 2, no store timeout) and stops the store, so nodes still waiting exit too."""
-    from skiptrain.runtime import coordinator, store
+    from skiptrain.runtime import coordinator_restart, store
 
     sched = Schedule(placement=[[0], [1]], memory=2, method="test",
                      micro_batches=[MicroBatch(0, 0, [(1, 2)])])
@@ -327,7 +327,7 @@ def test_restarting_a_coordinator_before_generation_0_is_a_clear_error(byte_data
     (run / "join_secret").write_text("s" * 32)
     proc, _, _ = store.start(run)
     try:
-        assert coordinator.main(["--run", str(run)]) == 2
+        assert coordinator_restart.main(["--run", str(run)]) == 2
         assert "no generation 0 yet" in capsys.readouterr().err
         assert proc.wait(timeout=10) is not None          # the store was stopped
     finally:
@@ -342,7 +342,7 @@ def test_a_coordinator_restarted_after_the_run_ended_says_so(tmp_path, capsys):
     import subprocess
     import sys
 
-    from skiptrain.runtime.coordinator import main
+    from skiptrain.runtime.coordinator_restart import main
 
     run = tmp_path / "run"
     run.mkdir()

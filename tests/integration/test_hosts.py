@@ -106,3 +106,47 @@ def test_a_new_coordinator_resumes_the_run_exactly_from_its_checkpoint(bpe_data,
     samples = [i for s in trained_samples(run.run_dir / "phases" / "train").values() for i in s]
     assert len(samples) == len(set(samples)) == 60 * 16             # each once, across both coordinators
     assert (run.run_dir / "checkpoints" / "LATEST").read_text().strip() == "step-00000060"
+
+
+def test_the_nodes_train_on_while_the_coordinators_process_is_dead_and_stop_when_none_comes(bpe_data, tmp_path):
+    """The coordinator's process dies and its host lives: the run's store (a process of its own)
+    serves on, the nodes keep training, and ``coordinator --resume`` takes the live run over (no
+    node fenced, no iteration re-run).  Then it dies again and none comes within
+    ``runtime.coordinator_wait_s``: the nodes stop at a boundary, the store exits, and ``--resume``
+    continues from the last committed checkpoint.  Every iteration is recorded once, every
+    sample trained once, and the run directory is complete."""
+    steps = 600                        # (long enough for both absences: about 6 iterations a second here)
+    with Hosts(5) as hosts:
+        swarm = HostSwarm(hosts, tmp_path, str(bpe_data),
+                          ["--nodes", "4", "--steps", str(steps), "--heartbeat-deadline", "5",
+                           "--set", "train.eval_batches=2", "--set", "runtime.heartbeat_s=0.25",
+                           "--set", "runtime.coordinator_wait_s=15"])
+        swarm.start_coordinator(host_lives=True)
+        swarm.wait_secret()
+        for i in range(1, 5):
+            swarm.start_node(i)
+        swarm.wait(lambda: swarm.committed_step() >= 10, 240, "a checkpoint at step 10")
+        swarm.kill_coordinator_process()
+        step = swarm.local_last_step()
+        swarm.wait(lambda: swarm.local_last_step() >= step + 5, 15, "iterations without a coordinator")
+        swarm.start_coordinator("--resume", host_lives=True)
+        swarm.wait(lambda: "taking over the live run" in swarm.log("coordinator"), 60, "the take-over")
+        swarm.wait(lambda: swarm.committed_step() > step + 5, 240, "a checkpoint committed by the new coordinator")
+        assert all(len(swarm.node_ids(i)) == 1 for i in range(1, 5))           # nobody was fenced
+        swarm.kill_coordinator_process()                                       # and now none comes
+        swarm.wait(lambda: all(swarm.node_pid(i) is None for i in range(1, 5)), 90,
+                   "every node stopped for want of a coordinator")
+        swarm.start_coordinator("--resume")
+        rc = swarm.finish(timeout_s=600)
+    log = swarm.log("coordinator")
+    assert rc == 0, log[-3000:]
+    assert "resuming from" in log
+    assert all("no coordinator for too long" in swarm.log(f"node_h{i}") for i in range(1, 5))
+    run = swarm.run_dir
+    for name in ("config.toml", "model.safetensors", "run.json", "metrics.jsonl", "schedule.json"):
+        assert (run / name).is_file(), name
+    assert [r["step"] for r in swarm.rows() if "loss" in r] == list(range(1, steps + 1))
+    samples = [i for s in trained_samples(run / "phases" / "train").values() for i in s]
+    assert len(samples) == len(set(samples)) == steps * 16
+    causes = [e["cause"] for e in swarm.events()]
+    assert not any(e.get("node") is not None and not e.get("join") for e in swarm.events()), causes

@@ -202,7 +202,7 @@ def test_a_join_its_dead_coordinator_left_half_published_is_taken_up_under_the_r
                                                                                           died_after):
     """The coordinator dies after assigning a joiner its generation and before publishing it, or
     after writing the generation's record and before its counter (both played here by the test,
-    which holds the secret): the replacement (``python -m skiptrain.runtime.coordinator --run``)
+    which holds the secret): the replacement (``python -m skiptrain.runtime.coordinator_restart --run``)
     publishes the join again, or the counter, the joiner takes it up, and it trains in."""
     import signal
     from datetime import timedelta
@@ -247,7 +247,7 @@ def test_a_join_its_dead_coordinator_left_half_published_is_taken_up_under_the_r
                                "schedule": new.to_dict(), "choice": {"rule": "test"}},
                                key=member_key(secret, COORDINATOR))
             store.set("gen", "0")
-        coord = subprocess.Popen([sys.executable, "-m", "skiptrain.runtime.coordinator", "--run", str(run)],
+        coord = subprocess.Popen([sys.executable, "-m", "skiptrain.runtime.coordinator_restart", "--run", str(run)],
                                  env=dict(os.environ, PYTHONPATH=str(REPO)), stdout=subprocess.DEVNULL,
                                  stderr=subprocess.PIPE, text=True)
         wait_for(lambda: '"restart": true' in (run / "recoveries.jsonl").read_text()

@@ -163,7 +163,7 @@ def test_a_restarted_coordinator_never_signals_a_process_it_did_not_start(byte_d
         for r in (2, 3):
             forger.set(f"pid/{r}", str(sentinel.pid))
         env = dict(os.environ, PYTHONPATH=str(REPO))
-        coord = subprocess.run([sys.executable, "-m", "skiptrain.runtime.coordinator", "--run", str(run)], env=env,
+        coord = subprocess.run([sys.executable, "-m", "skiptrain.runtime.coordinator_restart", "--run", str(run)], env=env,
                                capture_output=True, text=True, timeout=240)
         assert coord.returncode == 0, coord.stderr[-2000:]
         assert sentinel.poll() is None, "an unrelated process was signalled"
@@ -250,7 +250,7 @@ def test_renewals_written_back_while_a_new_coordinator_takes_over_fence_nobody(b
     threading.Thread(target=replay, daemon=True).start()
     env = dict(os.environ, PYTHONPATH=str(REPO))
     try:
-        coord = subprocess.run([sys.executable, "-m", "skiptrain.runtime.coordinator", "--run", str(run)], env=env,
+        coord = subprocess.run([sys.executable, "-m", "skiptrain.runtime.coordinator_restart", "--run", str(run)], env=env,
                                capture_output=True, text=True, timeout=300)
     finally:
         stop.set()

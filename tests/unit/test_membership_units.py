@@ -224,3 +224,45 @@ def test_a_deleted_peer_key_never_holds_up_this_nodes_renewals(store):
     finally:
         hb.stop()
     assert failures == []
+
+
+def test_the_store_calls_a_coordinator_gone_only_after_its_signed_counter_stood_still_for_the_wait():
+    """Timed on the store's own clock from the last change it saw; an unsigned value, or one
+    signed with another key, is no sign of life; before any sign, nothing is judged; 0 = never."""
+    from skiptrain.runtime.store import ALIVE_KEY, CoordinatorWatch
+
+    key, now = member_key("s", -1), [100.0]
+    watch = CoordinatorWatch(key, 10.0, clock=lambda: now[0])
+    assert not watch.gone(None)
+    now[0] = 500.0
+    assert not watch.gone(None)                                   # never seen: not judged
+    assert not watch.gone(sign(key, ALIVE_KEY, "a:1"))
+    now[0] = 509.0
+    assert not watch.gone(sign(key, ALIVE_KEY, "a:1"))
+    assert not watch.gone(sign(key, ALIVE_KEY, "a:2"))            # (a change at 509)
+    now[0] = 518.0
+    assert not watch.gone("a:3")                                  # unsigned: no sign of life
+    assert not watch.gone(sign(member_key("s", 3), ALIVE_KEY, "a:4"))   # a node's key: none either
+    now[0] = 519.5
+    assert watch.gone(sign(key, ALIVE_KEY, "a:2"))
+    forever = CoordinatorWatch(key, 0.0, clock=lambda: now[0])
+    forever.gone(sign(key, ALIVE_KEY, "a:1"))
+    now[0] = 1e9
+    assert not forever.gone(None)
+
+
+def test_a_store_process_this_coordinator_did_not_start_is_asked_to_stop_never_killed(store, monkeypatch):
+    """(A coordinator that took a run over knows its store's PID from store.json only.)"""
+    import os
+
+    from skiptrain.runtime import outputs
+    from skiptrain.runtime.store import STOP_KEY
+
+    killed = []
+    monkeypatch.setattr(os, "kill", lambda pid, sig: killed.append((pid, sig)))
+    monkeypatch.setattr(outputs, "pid_running", lambda pid: True)
+    monkeypatch.setattr(outputs.time, "sleep", lambda s: None)
+    t = [0.0]
+    monkeypatch.setattr(outputs.time, "time", lambda: t.__setitem__(0, t[0] + 1.0) or t[0])
+    outputs.stop_store(os.getpid(), store, "s")
+    assert killed == [] and open_signed(member_key("s", -1), STOP_KEY, store.get(STOP_KEY).decode()) == "1"

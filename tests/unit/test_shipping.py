@@ -189,3 +189,26 @@ def test_rows_are_sent_from_a_thread_of_their_own_and_a_slot_never_written_is_sk
     time.sleep(0.01)
     mirror.poll()
     assert [json.loads(x)["step"] for x in path.read_text().splitlines()] == [1, 3]
+
+
+def test_a_coordinator_taking_a_live_run_over_mirrors_from_where_its_predecessor_stopped(store, tmp_path):
+    """The position read up to is kept in the store, signed: a second mirror on the same store (a
+    coordinator that took the run over) takes the rows sent since, each once, and waits on no slot
+    its predecessor read and deleted; a position forged without the secret is ignored."""
+    path = tmp_path / "metrics.jsonl"
+    key = member_key(SECRET, 2)
+    first = RowMirror(store, Verifier(SECRET), tmp_path)
+    for step in (1, 2, 3):
+        publish_row(store, key, 2, json.dumps({"phase": "train", "step": step}))
+    first.poll()
+    for step in (4, 5):
+        publish_row(store, key, 2, json.dumps({"phase": "train", "step": step}))
+    second = RowMirror(store, Verifier(SECRET), tmp_path)      # (the first one died here)
+    assert second.slots.next == 3
+    second.poll()
+    assert [json.loads(x)["step"] for x in path.read_text().splitlines()] == [1, 2, 3, 4, 5]
+    assert not any(store.check([f"metrics/{i}"]) for i in range(5))     # read once, then deleted
+    store.set("coord/slots/metrics", "0")                                 # no tag: not the coordinator's
+    assert RowMirror(store, Verifier(SECRET), tmp_path).slots.next == 0
+    store.set("coord/slots/metrics", sign(member_key(SECRET, -1), "coord/slots/metrics", "5"))
+    assert RowMirror(store, Verifier(SECRET), tmp_path).slots.next == 5

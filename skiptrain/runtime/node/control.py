@@ -284,16 +284,22 @@ class ControlPlane:
     def stop_requested(self) -> bool:
         """Whether the launcher asked to stop: ``stop`` in the store, signed by the coordinator in a
         run with a secret (a request anyone else wrote is printed once and ignored)."""
+        return self.stop_reason() is not None
+
+    def stop_reason(self) -> str | None:
+        """The signed stop request's value (``1``: the launcher's; the store's when the run had no
+        coordinator for too long: :data:`~skiptrain.runtime.store.NO_COORDINATOR`), else None."""
         raw = read_raw(self.hb_store, STOP_KEY)
         if raw is None:
-            return False
-        if open_value(self.coord_key, STOP_KEY, raw) is not None:
-            return True
+            return None
+        value = open_value(self.coord_key, STOP_KEY, raw)
+        if value is not None:
+            return value
         if not self.forged_stop:
             self.forged_stop = True
             print(f"skiptrain node {self.rank}: ignored a stop request not signed by the run's coordinator "
                   "(written by a process without the run's secret)", file=sys.stderr, flush=True)
-        return False
+        return None
 
     def publish_row(self, line: str, file: str = "metrics.jsonl") -> None:
         """A node on another host than its coordinator (``SKIPTRAIN_WORK_DIR``: its own run

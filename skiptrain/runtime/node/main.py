@@ -6,7 +6,9 @@ secret from ``SKIPTRAIN_JOIN_SECRET``).  Argv and environment, the join connecti
 Exit codes: 0 done; :data:`~skiptrain.runtime.failure.EXIT_FAILED` this node failed;
 :data:`~skiptrain.runtime.failure.EXIT_PEER_FAILED` a peer failed;
 :data:`~skiptrain.runtime.join.EXIT_REFUSED` refused admission;
-:data:`~skiptrain.runtime.failure.EXIT_FENCED` its lease ran out and it stopped its work; 2 bad arguments or environment,
+:data:`~skiptrain.runtime.failure.EXIT_FENCED` its lease ran out and it stopped its work;
+:data:`~skiptrain.runtime.failure.EXIT_NO_COORDINATOR` it stopped at a boundary because the run had no
+coordinator for too long; 2 bad arguments or environment,
 or a store that cannot be joined.  ``errors/node<r>.json`` names the node at fault.
 """
 
@@ -23,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 from ...checkpoint.format import CheckpointError
-from ..failure import EXIT_FAILED, NodeFailure, abort_process, set_parent_death_signal, write_error
+from ..failure import EXIT_FAILED, EXIT_NO_COORDINATOR, NodeFailure, abort_process, set_parent_death_signal, write_error
 from ..job import Job
 from .loop import Node
 
@@ -127,7 +129,9 @@ def main(argv: list[str] | None = None, node_class: type[Node] = Node) -> int:
     addr, port, store, job, rank, world = target
     err_path = Path(job.run_dir) / "errors" / f"node{rank}.json"
     try:
-        _run(node_class(job, rank, world, addr, port, store=store))
+        node = node_class(job, rank, world, addr, port, store=store)
+        _run(node)
+        code = _exit_code(node)
     except NodeFailure as e:
         from ..join import EXIT_REFUSED, JoinRefused
 
@@ -139,5 +143,14 @@ def main(argv: list[str] | None = None, node_class: type[Node] = Node) -> int:
         peer_side = isinstance(e, dist.DistError) or "/gloo/" in str(e)
         write_error(err_path, rank, e, None if peer_side else rank)
         abort_process(EXIT_FAILED)
-    abort_process(0)  # skip interpreter teardown (gloo/threads); everything is written
-    return 0
+    abort_process(code)  # skip interpreter teardown (gloo/threads); everything is written
+    return code
+
+
+def _exit_code(node) -> int:
+    """0, or :data:`~skiptrain.runtime.failure.EXIT_NO_COORDINATOR` when the nodes stopped because
+    the run had no coordinator for too long (its supervisor then waits for a new one)."""
+    from ..store import NO_COORDINATOR
+
+    stopped_for_want = node.stopped and node.control.stop_reason() == NO_COORDINATOR
+    return EXIT_NO_COORDINATOR if stopped_for_want else 0
