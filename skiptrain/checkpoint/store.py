@@ -23,7 +23,9 @@ from pathlib import Path
 from .format import LATEST_FILE, METADATA_FILE, STEP_DIR_RE
 
 
-def fsync_dir(path: str | Path) -> None:
+def fsync_path(path: str | Path) -> None:
+    """Make durable what was written to the directory, or the file, at ``path`` (a file written by
+    another process, or moved here)."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -55,7 +57,7 @@ def atomic_write(path: str | Path, data: bytes, durable: bool = True) -> None:
     write_file(tmp, data, durable)
     os.replace(tmp, path)
     if durable:
-        fsync_dir(path.parent)
+        fsync_path(path.parent)
 
 
 def step_of(name: str) -> int | None:
@@ -93,8 +95,8 @@ def start_branch(root: str | Path, step: int) -> Path | None:
     dest.mkdir()
     for p in newer:
         os.rename(p, dest / p.name)
-    fsync_dir(dest)
-    fsync_dir(root)
+    fsync_path(dest)
+    fsync_path(root)
     return dest
 
 
@@ -141,7 +143,7 @@ def set_latest(root: str | Path, name: str) -> None:
     root fsync, not two.
     """
     atomic_write(Path(root) / LATEST_FILE, (name + "\n").encode(), durable=False)
-    fsync_dir(root)
+    fsync_path(root)
 
 
 def remove_tree(path: Path) -> None:

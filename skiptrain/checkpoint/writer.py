@@ -176,7 +176,7 @@ def commit(root: str | Path, step: int, ranks: list[int], plan: SavePlan | None 
     for r in ranks:
         (tmp / part_name(r)).unlink(missing_ok=True)
     store.write_file(tmp / METADATA_FILE, meta.encode())  # inside the uncommitted dir: no rename needed
-    store.fsync_dir(tmp)
+    store.fsync_path(tmp)
     final = root / step_dir_name(step)
     if final.exists():
         store.remove_tree(final)  # an older save of the same step (re-run after resume)

@@ -6,10 +6,10 @@ Nodes on other hosts share no file system with the coordinator, so a job checkpo
 * **node side** (:class:`PartShipper`, the checkpoint manager's
   :class:`~skiptrain.checkpoint.manager.PartSink`): each writer writes its part to its own disk
   as it would in a shared directory, waits until the rows it published so far are sent, then,
-  from its checkpoint writer thread and on a store
-  connection of its own, sends the part's two files (``ckpt/f/<node>/<phase>/<step>/<file>``)
-  and a slot of the signed ``ckpt`` log naming them with their SHA-256, and deletes its local
-  copy.  The lowest writer also sends the commit's record: the writers, the job's position, the
+  from its checkpoint writer thread, streams the part's two files to the coordinator's file
+  server (:mod:`~skiptrain.runtime.file_channel`: not through the store, which holds values in
+  memory), sends a slot of the signed ``ckpt`` log naming them with their SHA-256 (on a store
+  connection of its own), and deletes its local copy.  The lowest writer also sends the commit's record: the writers, the job's position, the
   layout and the names of every tensor the parts must cover.
 * **coordinator side** (:class:`CheckpointCollector`, a thread that also runs the
   :class:`~skiptrain.runtime.shipping.RowMirror`): takes each verified part into
@@ -20,8 +20,9 @@ Nodes on other hosts share no file system with the coordinator, so a job checkpo
   place, ``LATEST`` replaced, old steps pruned, as in one directory, so a crash at any moment
   leaves the previous ``LATEST`` loadable.  A step some writer never sent stays uncommitted and is
   dropped once a later step of its phase commits.  Every commit is then published
-  (:func:`publish_checkpoint`: ``ckpt/latest/<phase>`` signed by the coordinator, and the
-  checkpoint's files), which a node fetches (:func:`fetch_checkpoint`) to restart a stage that
+  (:func:`publish_checkpoint`: ``ckpt/latest/<phase>``, the files' digests signed by the
+  coordinator; the files themselves hard-linked aside and served by its file server), which a
+  node fetches (:func:`fetch_checkpoint`) to restart a stage that
   lost every replica; the checkpoint a resumed run starts from stays published as
   ``ckpt/resume/<phase>`` for the whole run, for every node that joins it.
 
@@ -29,13 +30,14 @@ Failure semantics: nothing here raises on what another process wrote: a forged s
 (the verifier logs it), bytes that do not match their signed digest are refused (one line), a
 commit that fails its checks is refused (one line) and leaves the previous ``LATEST``.  A node
 that cannot reach the coordinator says so in one line and leaves that step uncommitted; the run
-goes on.  The store holds values in memory: one published checkpoint, plus the parts in flight.
+goes on.  Checkpoint bytes never pass through the store: the coordinator holds none of them in
+memory, and uploads no slot names are removed once a later step commits.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
+import os
 import shutil
 import sys
 from contextlib import contextmanager
@@ -46,28 +48,23 @@ from typing import Any, Callable
 from ..checkpoint import store as ckpt_store
 from ..checkpoint.format import CheckpointError, step_dir_name, tmp_dir_name
 from ..checkpoint.writer import commit, data_name, part_name
+from .file_channel import FileServer, get_file, put_file, server_address, sha256_of
 from .membership import Verifier, coordinator_key, open_value, sign
 from .shipping import Poller, RowMirror, SlotReader, claim_slot, write_slot
 
 LOG = "ckpt"
 
 
-def file_key(node: int, phase: str, step: int, name: str) -> str:
-    return f"{LOG}/f/{node}/{phase}/{step}/{name}"
-
-
-def _sha(data: bytes) -> str:
-    return hashlib.sha256(data).hexdigest()
-
-
 class PartShipper:
-    """Node side (see the module doc): the sink of node ``node``'s checkpoint parts of ``phase``,
-    sent to the store at ``host:port``; runs on the checkpoint writer's thread."""
+    """Node side (see the module doc): the sink of node ``node``'s checkpoint parts of ``phase``:
+    the files to the coordinator's file server, the slots naming them to the store at
+    ``host:port`` (``coord_key`` checks the server's announced address); runs on the checkpoint
+    writer's thread."""
 
     def __init__(self, host: str, port: int, key: bytes | None, node: int, phase: str,
-                 flush_rows: Callable[[], Any] | None = None):
+                 flush_rows: Callable[[], Any] | None = None, coord_key: bytes | None = None):
         self.host, self.port, self.key, self.node, self.phase = host, port, key, node, phase
-        self.flush_rows = flush_rows
+        self.flush_rows, self.coord_key = flush_rows, coord_key
         self.store = None
 
     def _store(self):
@@ -92,11 +89,15 @@ class PartShipper:
     def part(self, step: int, rank: int, tmp: Path) -> None:
         files = {}
         try:
-            st = self._store()
+            address = server_address(self._store(), self.coord_key)
+            if address is None:
+                raise OSError("the coordinator announced no file server")
             for name in (part_name(rank), data_name(rank)):
-                data = (tmp / name).read_bytes() if (tmp / name).is_file() else b""
-                st.set(file_key(self.node, self.phase, step, name), data)
-                files[name] = _sha(data)
+                src = tmp / name
+                if not src.is_file():
+                    src.write_bytes(b"")
+                put_file(address, self.key, self.node, self.phase, step, src)
+                files[name] = sha256_of(src)
         except Exception as e:  # noqa: BLE001 - said by _send below
             self.store = None
             files = {}
@@ -104,18 +105,9 @@ class PartShipper:
                   f"({str(e).splitlines()[0][:120]})", file=sys.stderr, flush=True)
         if files and self.flush_rows is not None:
             self.flush_rows()                  # (the rows of the iterations saved reach the store first)
-        if not (files and self._send(step, {"kind": "part", "files": files})):
-            self._drop(step, rank)             # (no slot names them: nobody would ever read them)
+        if files:
+            self._send(step, {"kind": "part", "files": files})
         shutil.rmtree(tmp, ignore_errors=True)           # (the coordinator holds it now)
-
-    def _drop(self, step: int, rank: int) -> None:
-        """Remove from the store what was set of a part that could not be sent (best effort)."""
-        try:
-            st = self._store()
-            for name in (part_name(rank), data_name(rank)):
-                st.delete_key(file_key(self.node, self.phase, step, name))
-        except Exception:  # noqa: BLE001 - the store is gone: nothing of it is left to free
-            self.store = None
 
     def commit(self, step: int, ranks: list[int], state: dict[str, Any], layout: dict[str, Any],
                names: list[str]) -> None:
@@ -127,7 +119,7 @@ class CheckpointCollector(Poller):
     and committing complete steps (``keep`` newest kept); ``key`` signs what it publishes."""
 
     def __init__(self, store, verifier: Verifier, key: bytes | None, roots: dict[str, Path], keep: int,
-                 mirror: RowMirror | None = None):
+                 mirror: RowMirror | None = None, address: tuple[str, int] = ("127.0.0.1", 0)):
         self.store, self.key, self.roots, self.keep, self.mirror = store, key, dict(roots), keep, mirror
         self.slots = SlotReader(store, verifier, LOG)
         self.pending: dict[tuple[str, int], dict] = {}
@@ -136,6 +128,13 @@ class CheckpointCollector(Poller):
         for root in self.roots.values():
             root.mkdir(parents=True, exist_ok=True)
             ckpt_store.clean_stale(root)            # (what an earlier coordinator left uncommitted)
+            shutil.rmtree(root / ".incoming", ignore_errors=True)
+        self.files = FileServer(address[0], verifier.secret, self.roots, address[1])   # (parts, published checkpoints)
+        self.files.announce(store)
+
+    def __exit__(self, *exc) -> None:
+        super().__exit__(*exc)
+        self.files.close()
 
     def final_poll(self) -> None:
         self.poll(final=True)
@@ -179,27 +178,23 @@ class CheckpointCollector(Poller):
             pend["parts"].add(node)
 
     def _take_files(self, node: int, phase: str, step: int, files) -> bool:
-        """Node ``node``'s part of ``step``, its bytes checked against the signed digests, into the
-        step's temporary directory; False (said once) when refused."""
+        """Node ``node``'s part of ``step`` (uploaded to the file server), its bytes checked against
+        the signed digests, into the step's temporary directory; False (said once) when refused."""
         if not isinstance(files, dict) or set(files) != {part_name(node), data_name(node)}:
             self._refuse(node, f"checkpoint part of step {step}", "a node sends its own rank's two files only")
             return False
-        tmp = self.roots[phase] / tmp_dir_name(step)
-        got = {}
+        got = self.files.incoming(phase, node, step)
         for name, digest in files.items():
-            k = file_key(node, phase, step, name)
-            data = self.store.get(k) if self.store.check([k]) else None
-            if data is None or _sha(data) != digest:
+            if not (got / name).is_file() or sha256_of(got / name) != digest:
                 self._refuse(node, f"checkpoint part of step {step}", f"{name}: its bytes do not match the signed digest")
-                for other in files:
-                    self.store.delete_key(file_key(node, phase, step, other))
+                shutil.rmtree(got, ignore_errors=True)
                 return False
-            got[name] = data
+        tmp = self.roots[phase] / tmp_dir_name(step)
         tmp.mkdir(parents=True, exist_ok=True)
-        ckpt_store.write_file(tmp / data_name(node), got[data_name(node)])              # fsynced
-        ckpt_store.atomic_write(tmp / part_name(node), got[part_name(node)], durable=False)
         for name in files:
-            self.store.delete_key(file_key(node, phase, step, name))
+            os.replace(got / name, tmp / name)
+            ckpt_store.fsync_path(tmp / name)
+        shutil.rmtree(got, ignore_errors=True)
         return True
 
     def commit_ready(self) -> None:
@@ -222,7 +217,7 @@ class CheckpointCollector(Poller):
             self._drop_older(phase, step)
             self.committed.append(path)
             self.last[phase] = step
-            publish_checkpoint(self.store, self.key, phase, path)
+            publish_checkpoint(self.store, self.key, self.files, phase, path)
             print(f"[coordinator] committed checkpoint {path} (parts of nodes {sorted(pend['parts'])})", flush=True)
 
     def _drop_older(self, phase: str, step: int) -> None:
@@ -231,6 +226,9 @@ class CheckpointCollector(Poller):
         for key in [k for k in self.pending if k[0] == phase and k[1] < step]:
             del self.pending[key]
             shutil.rmtree(self.roots[phase] / tmp_dir_name(key[1]), ignore_errors=True)
+        for d in (self.roots[phase] / ".incoming").glob("*/*"):     # (uploads no slot ever named)
+            if d.name.isdigit() and int(d.name) <= step:
+                shutil.rmtree(d, ignore_errors=True)
 
 
 @contextmanager
@@ -243,11 +241,13 @@ def coordinator_relays(job, store, secret: str, roots: dict[str, Path]):
 
     run_dir = Path(job.run_dir)
     verifier = Verifier(secret, run_dir / "rejected_writes.jsonl")
-    if job.resume:
-        publish_checkpoint(store, coordinator_key(secret), job.phases[int(job.resume["phase"])].name,
-                           Path(job.resume["path"]), which="resume")
     keep = config_from_dict(job.config).checkpoint.keep
-    with CheckpointCollector(store, verifier, coordinator_key(secret), roots, keep, RowMirror(store, verifier, run_dir)):
+    address = (store.host, store.port + 1)      # (the nodes reach the coordinator's file server there)
+    with CheckpointCollector(store, verifier, coordinator_key(secret), roots, keep, RowMirror(store, verifier, run_dir),
+                             address) as collector:
+        if job.resume:
+            publish_checkpoint(store, coordinator_key(secret), collector.files,
+                               job.phases[int(job.resume["phase"])].name, Path(job.resume["path"]), which="resume")
         yield
 
 
@@ -255,23 +255,32 @@ def _checkpoint_files(path: Path) -> list[Path]:
     return sorted(p for p in Path(path).iterdir() if p.is_file())
 
 
-def publish_checkpoint(store, key: bytes | None, phase: str, path: Path, which: str = "latest") -> None:
+def publish_checkpoint(store, key: bytes | None, files: FileServer, phase: str, path: Path,
+                       which: str = "latest") -> None:
     """Make the committed checkpoint ``path`` of ``phase`` the one nodes fetch as ``which``
     (``latest``: the newest commit; ``resume``: the one the run resumed from, for the whole run):
-    its files under ``ckpt/pub/<which>/<phase>/<step>/``, then ``ckpt/<which>/<phase>`` (signed),
-    then the previous one's files are removed."""
+    its files hard-linked (no copy) under ``<root>/.published/<which>/step-N``, so pruning the
+    checkpoint does not take them away, served by ``files``, and ``ckpt/<which>/<phase>`` = their
+    SHA-256 digests, signed; then the previous one's links are removed."""
     name = f"{LOG}/{which}/{phase}"
     step = ckpt_store.step_of(Path(path).name)
-    old = _published(store, key, name)
-    files = {}
-    for f in _checkpoint_files(path):
-        data = f.read_bytes()
-        store.set(f"{LOG}/pub/{which}/{phase}/{step}/{f.name}", data)
-        files[f.name] = _sha(data)
-    store.set(name, sign(key, name, json.dumps({"step": step, "files": files})))
-    if old is not None and old.get("step") != step:
-        for f in old.get("files", {}):
-            store.delete_key(f"{LOG}/pub/{which}/{phase}/{old['step']}/{f}")
+    dest = Path(path).parent / ".published" / which / step_dir_name(step)
+    if not dest.is_dir():
+        tmp = dest.with_name(dest.name + ".tmp")
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        for f in _checkpoint_files(path):
+            try:
+                os.link(f, tmp / f.name)
+            except OSError:              # (another file system: a copy)
+                shutil.copy2(f, tmp / f.name)
+        tmp.rename(dest)
+    digests = {f.name: sha256_of(f) for f in _checkpoint_files(dest)}
+    files.publish(which, phase, step, dest)
+    store.set(name, sign(key, name, json.dumps({"step": step, "files": digests})))
+    for old in dest.parent.iterdir():
+        if old != dest:
+            shutil.rmtree(old, ignore_errors=True)
 
 
 def _published(store, key: bytes | None, name: str) -> dict | None:
@@ -290,9 +299,9 @@ def _published(store, key: bytes | None, name: str) -> dict | None:
 
 def fetch_checkpoint(store, key: bytes | None, phase: str, dest_root: Path, which: str = "latest",
                      tries: int = 3) -> Path | None:
-    """Node side: the checkpoint the coordinator published for ``phase`` as ``which``, copied
-    into ``dest_root/step-N`` (every file checked against the coordinator's signed digest,
-    fsynced before the rename); None when none was published.  Raises
+    """Node side: the checkpoint the coordinator published for ``phase`` as ``which``, downloaded
+    from its file server into ``dest_root/step-N`` (every file checked against the coordinator's
+    signed digest, fsynced before the rename); None when none was published.  Raises
     :class:`CheckpointError` when no consistent copy could be had."""
     name = f"{LOG}/{which}/{phase}"
     for _ in range(tries):
@@ -300,20 +309,12 @@ def fetch_checkpoint(store, key: bytes | None, phase: str, dest_root: Path, whic
         if rec is None:
             return None
         dest = Path(dest_root) / step_dir_name(rec["step"])
-        if dest.is_dir() and all((dest / f).is_file() and _sha((dest / f).read_bytes()) == d for f, d in rec["files"].items()):
+        if dest.is_dir() and all((dest / f).is_file() and sha256_of(dest / f) == d for f, d in rec["files"].items()):
             return dest
         tmp = Path(dest_root) / tmp_dir_name(rec["step"])
         tmp.mkdir(parents=True, exist_ok=True)
-        ok = True
-        for fname, digest in rec["files"].items():
-            k = f"{LOG}/pub/{which}/{phase}/{rec['step']}/{fname}"
-            data = store.get(k) if store.check([k]) else None     # (replaced by a newer one meanwhile: again)
-            if data is None or _sha(data) != digest or "/" in fname:
-                ok = False
-                break
-            ckpt_store.write_file(tmp / fname, data)
-        if ok:
-            ckpt_store.fsync_dir(tmp)
+        if _download(server_address(store, key), which, phase, rec, tmp):
+            ckpt_store.fsync_path(tmp)
             shutil.rmtree(dest, ignore_errors=True)
             tmp.rename(dest)
             for old in Path(dest_root).glob("step-*"):           # (only the newest copy is kept)
@@ -323,6 +324,22 @@ def fetch_checkpoint(store, key: bytes | None, phase: str, dest_root: Path, whic
         shutil.rmtree(tmp, ignore_errors=True)
     raise CheckpointError(f"could not fetch the published checkpoint of phase {phase!r} from the coordinator "
                           f"in {tries} tries")
+
+
+def _download(address, which: str, phase: str, rec: dict, tmp: Path) -> bool:
+    """Every file of the published record ``rec`` into ``tmp``, each matching its digest."""
+    if address is None:
+        return False
+    for fname, digest in rec["files"].items():
+        if "/" in fname:
+            return False
+        try:                                     # (replaced by a newer one meanwhile: again)
+            if get_file(address, which, phase, rec["step"], fname, tmp / fname) != digest:
+                return False
+        except OSError:
+            return False
+        ckpt_store.fsync_path(tmp / fname)
+    return True
 
 
 def fetch_resume_point(job, store):

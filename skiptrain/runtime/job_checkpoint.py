@@ -395,9 +395,9 @@ def open_node_checkpoints(node, ph) -> "JobCheckpointer":
         from .checkpoint_relay import PartShipper, fetch_checkpoint
         from .membership import coordinator_key, key_from_env, secret_from_env
 
-        sink = PartShipper(node.control.addr, node.control.port, key_from_env(node.rank), node.rank, ph.name,
-                           node.control.row_publisher().flush)
         coord = coordinator_key(secret_from_env())
+        sink = PartShipper(node.control.addr, node.control.port, key_from_env(node.rank), node.rank, ph.name,
+                           node.control.row_publisher().flush, coord)
         relay = Relay(sink, lambda dest: fetch_checkpoint(node.control.store, coord, ph.name, dest))
     root = Path(node.job.run_dir) / "checkpoints" / ph.name if relay is not None else checkpoint_root(node.job, ph.name)
     c = node.cfg.checkpoint

@@ -1,7 +1,7 @@
-"""Job checkpoints across hosts: writers that share no directory send their parts over the store
-and the coordinator commits; the result is the checkpoint the same writers commit in one shared
+"""Job checkpoints across hosts: writers that share no directory send their parts to the
+coordinator's file server (their slots over the store) and the coordinator commits; the result is the checkpoint the same writers commit in one shared
 directory (the reference), and nothing forged, tampered or incomplete is ever committed.
-In-process stores only: nothing here starts a process."""
+In-process stores and file servers only: nothing here starts a process."""
 
 from __future__ import annotations
 
@@ -15,8 +15,8 @@ from skiptrain.checkpoint.format import CheckpointError
 from skiptrain.checkpoint.manager import CheckpointManager
 from skiptrain.checkpoint.plan import TensorSpec
 from skiptrain.checkpoint.reader import CheckpointReader
-from skiptrain.runtime.checkpoint_relay import (CheckpointCollector, PartShipper, fetch_checkpoint, file_key,
-                                                publish_checkpoint)
+from skiptrain.runtime.checkpoint_relay import CheckpointCollector, PartShipper, fetch_checkpoint, publish_checkpoint
+from skiptrain.runtime.file_channel import FileServer
 from skiptrain.runtime.membership import Verifier, coordinator_key, member_key, sign
 from skiptrain.runtime.shipping import claim_slot, write_slot
 
@@ -52,7 +52,12 @@ def _save(roots, step, held, sinks=None, chunk=256):
 
 
 def _shippers(store):
-    return {r: PartShipper("127.0.0.1", store.port, member_key(SECRET, r), r, PHASE) for r in (0, 1)}
+    return {r: PartShipper("127.0.0.1", store.port, member_key(SECRET, r), r, PHASE, coord_key=coordinator_key(SECRET))
+            for r in (0, 1)}
+
+
+def _incoming(tmp_path, node, step):
+    return tmp_path / "coord" / ".incoming" / str(node) / str(step)
 
 
 def _collector(store, tmp_path, keep=3):
@@ -78,7 +83,7 @@ def test_relayed_commit_equals_the_shared_directory_commit(store, tmp_path):
     assert got is not None and got.name == "step-00000005"
     _same(got, ckpt_store.latest(ref))
     assert not list((tmp_path / "n0").glob(".tmp-*")) and not list((tmp_path / "n1").glob(".tmp-*"))
-    assert not store.check([file_key(1, PHASE, 5, "data-r1.bin")])       # taken, then freed
+    assert not _incoming(tmp_path, 1, 5).exists()                         # taken, then freed
 
 
 def test_a_step_with_a_part_missing_is_not_committed_and_is_dropped_by_a_later_one(store, tmp_path):
@@ -101,8 +106,8 @@ def test_forged_tampered_and_foreign_parts_are_refused(store, tmp_path, capsys):
     held = _tensors(2)
     col = _collector(store, tmp_path)
     _save({0: tmp_path / "n0", 1: tmp_path / "n1"}, 4, held, _shippers(store))
-    # before the coordinator reads them: node 1's data bytes are replaced by a process without the secret
-    store.set(file_key(1, PHASE, 4, "data-r1.bin"), b"garbage")
+    # before the coordinator reads them: node 1's data bytes are replaced on their way
+    (_incoming(tmp_path, 1, 4) / "data-r1.bin").write_bytes(b"garbage")
     col.poll()
     assert ckpt_store.latest(tmp_path / "coord", warn=False) is None
     assert "do not match the signed digest" in capsys.readouterr().err
@@ -142,19 +147,51 @@ def test_published_checkpoint_is_fetched_verified_and_replaced(store, tmp_path):
     ref = tmp_path / "ref"
     _save({0: ref, 1: ref}, 5, held)
     key = coordinator_key(SECRET)
-    publish_checkpoint(store, key, PHASE, ckpt_store.latest(ref))
+    files = FileServer("127.0.0.1", SECRET, {PHASE: ref})
+    files.announce(store)
+    publish_checkpoint(store, key, files, PHASE, ckpt_store.latest(ref))
     got = fetch_checkpoint(store, key, PHASE, tmp_path / "node")
     _same(got, ckpt_store.latest(ref))
     assert fetch_checkpoint(store, key, "other", tmp_path / "node") is None
     _save({0: ref, 1: ref}, 8, _tensors(5))
-    publish_checkpoint(store, key, PHASE, ckpt_store.latest(ref))
-    assert not store.check(["ckpt/pub/latest/train/5/metadata.json"])             # the older one is freed
-    store.set("ckpt/pub/latest/train/8/metadata.json", b"{}")                      # tampered
+    publish_checkpoint(store, key, files, PHASE, ckpt_store.latest(ref))
+    assert [p.name for p in (ref / ".published" / "latest").iterdir()] == ["step-00000008"]   # the older one freed
+    meta = ref / ".published" / "latest" / "step-00000008" / "metadata.json"
+    meta.unlink()
+    meta.write_bytes(b"{}")                                                          # tampered
     with pytest.raises(CheckpointError, match="could not fetch"):
         fetch_checkpoint(store, key, PHASE, tmp_path / "node2")
+    assert (ref / "step-00000008" / "metadata.json").read_bytes() != b"{}"            # (a link, not the file)
     store.set("ckpt/latest/train", sign(member_key(SECRET, 3), "ckpt/latest/train", json.dumps({"step": 1, "files": {}})))
     with pytest.raises(CheckpointError, match="not signed by the run's coordinator"):
         fetch_checkpoint(store, key, PHASE, tmp_path / "node3")
+    files.close()
+
+
+def test_the_file_server_takes_only_uploads_signed_by_the_node_they_name(tmp_path):
+    import urllib.error
+    import urllib.request
+
+    from skiptrain.runtime.file_channel import put_file
+
+    files = FileServer("127.0.0.1", SECRET, {PHASE: tmp_path / "root"})
+    src = tmp_path / "data-r2.bin"
+    src.write_bytes(b"x" * 3000)
+    put_file(files.address, member_key(SECRET, 2), 2, PHASE, 7, src)
+    assert (files.incoming(PHASE, 2, 7) / src.name).read_bytes() == src.read_bytes()
+    with pytest.raises(OSError, match="403"):
+        put_file(files.address, member_key(SECRET, 3), 2, PHASE, 7, src)        # another node's key
+    with pytest.raises(OSError, match="403"):
+        put_file(files.address, member_key("other", 2), 2, PHASE, 7, src)       # another run's secret
+    with pytest.raises(OSError, match="404"):
+        put_file(files.address, member_key(SECRET, 2), 2, "nophase", 7, src)
+    url = f"http://{files.address[0]}:{files.address[1]}"
+    for path in ("/in/2/train/7/..", "/pub/latest/train/1/x", "/../etc/passwd"):
+        req = urllib.request.Request(url + path, method="PUT" if path.startswith("/in") else "GET", data=b"")
+        with pytest.raises(urllib.error.HTTPError) as e:
+            urllib.request.urlopen(req, timeout=10)
+        assert e.value.code in (400, 404)
+    files.close()
 
 
 def test_a_step_commits_only_once_the_rows_sent_before_its_parts_are_in_the_run_directory(store, tmp_path):
@@ -203,27 +240,37 @@ def test_the_checkpoint_a_run_resumed_from_stays_fetchable_after_newer_commits(s
     ref = tmp_path / "ref"
     _save({0: ref, 1: ref}, 5, _tensors(9))
     key = coordinator_key(SECRET)
-    publish_checkpoint(store, key, PHASE, ckpt_store.latest(ref), which="resume")
+    files = FileServer("127.0.0.1", SECRET, {PHASE: ref})
+    files.announce(store)
+    publish_checkpoint(store, key, files, PHASE, ckpt_store.latest(ref), which="resume")
     _save({0: ref, 1: ref}, 8, _tensors(10))
-    publish_checkpoint(store, key, PHASE, ckpt_store.latest(ref))
+    publish_checkpoint(store, key, files, PHASE, ckpt_store.latest(ref))
+    import shutil
+
+    shutil.copytree(ref / "step-00000005", tmp_path / "expect")
+    ckpt_store.prune(ref, 1)                                   # (the resumed-from step is gone from the root)
     job = Job(config={}, data_path="d", run_dir=str(tmp_path / "node"), phases=[Phase(PHASE, {}, iterations=10)],
               resume={"path": str(ref / "step-00000005"), "phase": 0, "iteration": 5, "cursor": 0})
     got = fetch_resume_point(job, store)
-    _same(got.resume["path"], ref / "step-00000005")
+    _same(got.resume["path"], tmp_path / "expect")
 
 
-def test_a_part_that_could_not_be_sent_leaves_nothing_in_the_store(store, tmp_path):
+def test_a_part_that_could_not_be_sent_is_removed_once_a_later_step_commits(store, tmp_path):
     """The slot counter forged to a non-integer makes the shipper's ``add`` fail (its connection
-    closes): the part's file keys, which no slot names, are removed again."""
-    from skiptrain.checkpoint.writer import data_name, part_name
-    from skiptrain.runtime.checkpoint_relay import LOG, file_key
+    closes): its uploaded files, which no slot names, go once a later step of the phase commits."""
+    from skiptrain.checkpoint.writer import part_name
+    from skiptrain.runtime.checkpoint_relay import LOG
 
+    col = _collector(store, tmp_path)
     tmp = tmp_path / "part"
     tmp.mkdir()
     (tmp / part_name(0)).write_bytes(b"x" * 100)
     store.set(f"{LOG}/n", "not a number")
     shipper = _shippers(store)[0]
     shipper.part(7, 0, tmp)
-    assert not store.check([file_key(0, PHASE, 7, part_name(0))])
-    assert not store.check([file_key(0, PHASE, 7, data_name(0))])
-    assert not tmp.exists()
+    assert not tmp.exists() and _incoming(tmp_path, 0, 7).is_dir()
+    col.poll()                                                # (puts the counter back)
+    _save({0: tmp_path / "n0", 1: tmp_path / "n1"}, 9, _tensors(11), _shippers(store))
+    col.poll()
+    assert ckpt_store.latest(tmp_path / "coord").name == "step-00000009"
+    assert not _incoming(tmp_path, 0, 7).exists()

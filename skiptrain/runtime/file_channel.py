@@ -1,0 +1,227 @@
+"""Checkpoint files between a coordinator and its nodes on other hosts, over HTTP, not the store.
+
+The run's store holds every value in memory, so checkpoint parts (a stage's weights and
+optimizer state: gigabytes for a large model) go around it: the coordinator serves a
+:class:`FileServer` next to its store, on the same address, at the store's port + 1 (another one
+if that is taken), announced in the store (``files/addr``, signed by the coordinator).  Two kinds of request, each streamed
+to or from disk in blocks (nothing is held whole in memory):
+
+* ``PUT /in/<node>/<phase>/<step>/<name>``: one file of node ``node``'s checkpoint part, written to
+  ``<root of phase>/.incoming/<node>/<step>/<name>``.  The request is signed with the node's
+  member key (headers ``X-Skiptrain-Node``, ``X-Skiptrain-Sig``: HMAC-SHA256 of ``PUT <path>``);
+  an unsigned or foreign one is refused (403) before a byte is written.
+* ``GET /pub/<which>/<phase>/<step>/<name>``: a file of a checkpoint the coordinator published
+  (:meth:`FileServer.publish`).  Reads are not signed, as reads of the store are not.
+
+Neither side trusts the bytes: a part's SHA-256 travels in its signed slot of the ``ckpt`` log
+and a published checkpoint's in the coordinator's signed record
+(:mod:`~skiptrain.runtime.checkpoint_relay`), and both are checked before anything is used.
+
+Failure semantics: the server answers 400/403/404 to a malformed, unsigned or unknown request and
+never raises; a client call raises ``OSError`` (nothing answers, or a refusal: the status and
+reason in its message), and a download never leaves a partial file behind.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import http.client
+import json
+import os
+import re
+import shutil
+import sys
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+from .membership import COORDINATOR, member_key, open_value, read_raw, sign
+
+#: Where the coordinator's file server listens (``host:port``), signed by the coordinator.
+ADDR_KEY = "files/addr"
+BLOCK = 1 << 20
+_NAME = re.compile(r"[A-Za-z0-9_.-]+")
+
+
+def request_tag(key: bytes, method: str, path: str) -> str:
+    return hmac.new(key, f"{method} {path}".encode(), hashlib.sha256).hexdigest()
+
+
+def _parts(path: str, head: str, n: int) -> list[str] | None:
+    """The ``n`` path segments after ``/head/``, each a plain name, else None."""
+    segs = path.split("/")
+    if len(segs) != n + 2 or segs[0] != "" or segs[1] != head:
+        return None
+    return segs[2:] if all(_NAME.fullmatch(s) and s not in (".", "..") for s in segs[2:]) else None
+
+
+class FileServer:
+    """The coordinator's side (see the module doc): ``roots`` maps a phase to its checkpoint root
+    (incoming parts go under ``.incoming`` there); ``secret`` checks the nodes' signatures."""
+
+    def __init__(self, host: str, secret: str, roots: dict[str, Path], port: int = 0):
+        self.roots, self.secret = {p: Path(r) for p, r in roots.items()}, secret
+        self.published: dict[tuple[str, str], tuple[int, Path]] = {}
+        self.lock = threading.Lock()
+        try:
+            self.http = ThreadingHTTPServer((host, port), _handler(self))
+        except OSError as e:            # (taken: any free port; the nodes read it from the store)
+            print(f"[coordinator] port {port} is not free for checkpoint files ({e.strerror}); using one the OS "
+                  "picks", file=sys.stderr, flush=True)
+            self.http = ThreadingHTTPServer((host, 0), _handler(self))
+        self.http.daemon_threads = True
+        self.address = (host, self.http.server_address[1])
+        threading.Thread(target=self.http.serve_forever, name="file-server", daemon=True).start()
+
+    def announce(self, store) -> None:
+        """Tell the nodes where this server listens (signed)."""
+        store.set(ADDR_KEY, sign(member_key(self.secret, COORDINATOR), ADDR_KEY, json.dumps(list(self.address))))
+
+    def incoming(self, phase: str, node: int, step: int) -> Path:
+        return self.roots[phase] / ".incoming" / str(node) / str(step)
+
+    def publish(self, which: str, phase: str, step: int, directory: Path) -> None:
+        """Serve the files of ``directory`` as ``which`` of ``phase`` (they must stay in place)."""
+        with self.lock:
+            self.published[(which, phase)] = (step, Path(directory))
+
+    def close(self) -> None:
+        self.http.shutdown()
+        self.http.server_close()
+
+    def put_path(self, node: int, parts: list[str]) -> Path | None:
+        """Where a node's upload goes (None: not a phase of this job, or not a step)."""
+        phase, step, name = parts
+        if phase not in self.roots or not step.isdigit():
+            return None
+        return self.incoming(phase, node, int(step)) / name
+
+    def get_path(self, parts: list[str]) -> Path | None:
+        which, phase, step, name = parts
+        with self.lock:
+            pub = self.published.get((which, phase))
+        if pub is None or str(pub[0]) != step or not (pub[1] / name).is_file():
+            return None
+        return pub[1] / name
+
+
+def _handler(server: FileServer):
+    class Handler(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def log_message(self, *args) -> None:      # (one line per request would drown the coordinator's log)
+            pass
+
+        def do_PUT(self) -> None:
+            parts = _parts(self.path, "in", 4)
+            node = self.headers.get("X-Skiptrain-Node", "")
+            size = self.headers.get("Content-Length", "")
+            if parts is None or not size.isdigit() or not node.lstrip("-").isdigit():
+                return self._reply(400, "malformed request")
+            if parts[0] != node or not hmac.compare_digest(
+                    request_tag(member_key(server.secret, int(node)), "PUT", self.path),
+                    self.headers.get("X-Skiptrain-Sig", "")):
+                return self._reply(403, "not signed by the node it names")
+            dest = server.put_path(int(node), parts[1:])
+            if dest is None:
+                return self._reply(404, "not a phase and step of this job")
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            tmp = dest.with_name(dest.name + ".part")
+            left = int(size)
+            with open(tmp, "wb") as f:
+                while left > 0:
+                    block = self.rfile.read(min(BLOCK, left))
+                    if not block:
+                        break
+                    f.write(block)
+                    left -= len(block)
+            if left:
+                tmp.unlink(missing_ok=True)
+                return self._reply(400, "the body ended early")
+            os.replace(tmp, dest)
+            self._reply(200, "ok")
+
+        def do_GET(self) -> None:
+            parts = _parts(self.path, "pub", 4)
+            src = server.get_path(parts) if parts is not None else None
+            if src is None:
+                return self._reply(404, "not published")
+            self.send_response(200)
+            self.send_header("Content-Length", str(src.stat().st_size))
+            self.end_headers()
+            with open(src, "rb") as f:
+                shutil.copyfileobj(f, self.wfile, BLOCK)
+
+        def _reply(self, code: int, why: str) -> None:
+            body = why.encode()
+            self.send_response(code)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+    return Handler
+
+
+def server_address(store, key: bytes | None) -> tuple[str, int] | None:
+    """The coordinator's file server (None: none announced, or not signed by the coordinator)."""
+    raw = read_raw(store, ADDR_KEY)
+    value = open_value(key, ADDR_KEY, raw) if raw is not None else None
+    try:
+        host, port = json.loads(value) if value is not None else (None, None)
+        return (str(host), int(port)) if host is not None else None
+    except (ValueError, TypeError):
+        return None
+
+
+def sha256_of(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(BLOCK), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def put_file(address: tuple[str, int], key: bytes, node: int, phase: str, step: int, src: Path,
+             timeout_s: float = 120.0) -> None:
+    """Send ``src`` as node ``node``'s file of ``phase``/``step`` (streamed); raises ``OSError``."""
+    path = f"/in/{node}/{phase}/{step}/{src.name}"
+    conn = http.client.HTTPConnection(*address, timeout=timeout_s)
+    try:
+        with open(src, "rb") as f:
+            conn.request("PUT", path, body=f, headers={
+                "Content-Length": str(src.stat().st_size), "X-Skiptrain-Node": str(node),
+                "X-Skiptrain-Sig": request_tag(key, "PUT", path)})
+            resp = conn.getresponse()
+            why = resp.read(200).decode(errors="replace")
+        if resp.status != 200:
+            raise OSError(f"the coordinator refused {path}: {resp.status} {why}")
+    except http.client.HTTPException as e:
+        raise OSError(f"{path}: {type(e).__name__}: {e}") from None
+    finally:
+        conn.close()
+
+
+def get_file(address: tuple[str, int], which: str, phase: str, step: int, name: str, dest: Path,
+             timeout_s: float = 120.0) -> str:
+    """Download a published file to ``dest`` (streamed); its SHA-256.  Raises ``OSError``, and
+    leaves no partial ``dest`` behind."""
+    path = f"/pub/{which}/{phase}/{step}/{name}"
+    conn = http.client.HTTPConnection(*address, timeout=timeout_s)
+    h = hashlib.sha256()
+    try:
+        conn.request("GET", path)
+        resp = conn.getresponse()
+        if resp.status != 200:
+            raise OSError(f"the coordinator has no {path}: {resp.status} {resp.read(200).decode(errors='replace')}")
+        with open(dest, "wb") as f:
+            for block in iter(lambda: resp.read(BLOCK), b""):
+                h.update(block)
+                f.write(block)
+    except (OSError, http.client.HTTPException) as e:
+        dest.unlink(missing_ok=True)
+        raise OSError(str(e) or type(e).__name__) from None
+    finally:
+        conn.close()
+    return h.hexdigest()
+
