@@ -84,6 +84,8 @@ def check_reachable(addr: str, host: str, port: int, timeout_s: float = 5.0) -> 
     on the coordinator's network could not reach this host there either."""
     try:
         socket.create_connection((resolve(host), port), timeout=timeout_s, source_address=(addr, 0)).close()
+    except ConnectionRefusedError:      # its host answered from there: the address routes (nothing listens
+        return                          # this instant: a store that is being replaced)
     except OSError as e:
         raise AddressError(f"the coordinator at {host}:{port} cannot be reached from {addr} ({e.strerror or e}), so "
                            "this node's peers could not reach it there either; give this host's address on the "

@@ -47,15 +47,15 @@ class HostSwarm:
 
     def start_coordinator(self, *extra: str, host_lives: bool = False) -> None:
         """``skiptrain coordinator`` on host 0 (``extra``: e.g. ``--resume`` to take a run over).
-        ``host_lives``: a shell stays on after the coordinator, so that a ``kill -9`` of the
-        coordinator's process alone (:meth:`kill_coordinator_process`) leaves its host, and the
-        run's store process, running."""
+        ``host_lives``: a shell stays on after a coordinator that was killed, so that a ``kill -9``
+        of the coordinator's process alone (:meth:`kill_coordinator_process`) leaves its host, and
+        the run's store process, running (one that ends by itself ends the shell with its status)."""
         self.root.mkdir(parents=True, exist_ok=True)
         log = open(self.root / "coordinator.log", "a")
         argv = [self.python, "-m", "skiptrain.cli", "coordinator", "--bind", self.address, "--out", str(self.run_dir),
                 "--join-secret-file", str(self.secret), "--data", self.data, *self.coordinator_args, *extra]
-        if host_lives:
-            argv = ["sh", "-c", '"$@"; exec sleep 100000', "sh", *argv]
+        if host_lives:       # (killed by a signal: the shell stays; ended by itself: so does the shell, alike)
+            argv = ["sh", "-c", '"$@"; rc=$?; [ "$rc" -lt 128 ] && exit "$rc"; exec sleep 100000', "sh", *argv]
         self.coordinator = self.hosts.popen(0, argv, env=self.env, stdout=log, stderr=subprocess.STDOUT)
         self.on_host0.append(self.coordinator)
 

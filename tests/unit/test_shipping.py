@@ -146,10 +146,11 @@ def test_an_advertised_address_from_which_the_coordinator_is_unreachable_is_refu
         srv.listen(1)
         port = srv.getsockname()[1]
         check_reachable("127.0.0.1", "127.0.0.1", port)
+        with socket.socket() as closed:      # nothing listens: refused, so the host answered from there (a
+            closed.bind(("127.0.0.1", 0))    # store being replaced): the address routes
+            check_reachable("127.0.0.2", "127.0.0.1", closed.getsockname()[1], timeout_s=1.0)
         with pytest.raises(AddressError, match="cannot be reached from 127.0.0.2 .*--advertise"):
-            with socket.socket() as closed:           # a port nothing listens on, from another source
-                closed.bind(("127.0.0.1", 0))
-                check_reachable("127.0.0.2", "127.0.0.1", closed.getsockname()[1], timeout_s=1.0)
+            check_reachable("127.0.0.2", "192.0.2.1", port, timeout_s=0.5)     # (no route from loopback there)
 
 
 def test_only_a_nodes_outputs_are_taken(store, tmp_path, capsys):
