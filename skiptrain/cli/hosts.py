@@ -109,8 +109,10 @@ def register(sub) -> None:
     p.add_argument("--out", required=True, help="run directory: the whole run is assembled here")
     p.add_argument("--overwrite", action="store_true", help="replace the run already in --out")
     p.add_argument("--resume", nargs="?", const="latest", default=None, metavar="CHECKPOINT",
-                   help="take over the run in --out (its config.toml unless --config is given) from its newest "
-                        "committed checkpoint, or from CHECKPOINT; the nodes waiting for a coordinator join it")
+                   help="take over the run in --out: the live run when its store still serves at --bind (its "
+                        "coordinator's process died, its host lives: the nodes trained on), else from its newest "
+                        "committed checkpoint or CHECKPOINT (its config.toml unless --config is given), which the "
+                        "nodes waiting for a coordinator join")
     p.add_argument("--join-secret-file", required=True, metavar="F",
                    help="the run's secret; a new one is written there when F does not exist")
     p.add_argument("--nodes", type=int, default=None, help="nodes the job is planned for (config runtime.nodes)")

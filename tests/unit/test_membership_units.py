@@ -266,3 +266,23 @@ def test_a_store_process_this_coordinator_did_not_start_is_asked_to_stop_never_k
     monkeypatch.setattr(outputs.time, "time", lambda: t.__setitem__(0, t[0] + 1.0) or t[0])
     outputs.stop_store(os.getpid(), store, "s")
     assert killed == [] and open_signed(member_key("s", -1), STOP_KEY, store.get(STOP_KEY).decode()) == "1"
+
+
+def test_coordinator_resume_takes_over_only_the_live_store_of_its_own_run(store):
+    """``skiptrain coordinator --resume``: this run's store alive at --bind is taken over; another
+    run's, or one that does not verify with the secret, is one line naming the fix; nothing
+    listening there means resuming from the checkpoint."""
+    import socket
+
+    from skiptrain.runtime.join import publish_job
+    from skiptrain.runtime.store import live_run
+
+    publish_job(store, {"meta": {"run_id": "abc"}}, "s")
+    assert live_run("127.0.0.1", store.port, "s", "abc") is True
+    with pytest.raises(RuntimeError, match="serves another run .*another --bind"):
+        live_run("127.0.0.1", store.port, "s", "xyz")
+    with pytest.raises(RuntimeError, match="does not verify"):
+        live_run("127.0.0.1", store.port, "wrong", "abc")
+    with socket.socket() as free:
+        free.bind(("127.0.0.1", 0))
+        assert live_run("127.0.0.1", free.getsockname()[1], "s", "abc") is False
