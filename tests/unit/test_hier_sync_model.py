@@ -93,3 +93,28 @@ def test_simulator_charges_the_cost_models_sync():
     # each, 4 B a phase; phase 2, shard rings {1,3} and {2,4} on B/2: 2 x 2 steps of B/4 each, 2 B
     assert hier.bytes_sync == 10 * 4_000_000
     assert {e.node for e in hier.timeline if e.kind == "sync"} == {1, 2, 3, 4}
+
+
+def test_the_runtimes_links_charge_what_the_cost_model_charges():
+    # the runtime's emulated sync (the transport sleeps HierarchicalLinks.all_reduce_s) takes the
+    # same shape and the same seconds as the cost model, for the same bytes on the same topology
+    from types import SimpleNamespace
+
+    from skiptrain.dp.link import HierarchicalLinks, RingLinks
+    from skiptrain.runtime.emulation import Emulation
+    from skiptrain.runtime.job import EmulationSpec
+
+    t = _two_regions((3, 2))
+    ph = SimpleNamespace(emulation=EmulationSpec(sync=True))
+    nbytes = _cost("auto").sync_bytes(0)
+    for mode in ("hierarchical", "auto"):
+        c = _cost(mode)
+        link = Emulation(ph, t, c, 1).sync_link([1, 2, 3, 4])
+        assert isinstance(link, HierarchicalLinks)
+        assert link.all_reduce_s(nbytes, 4) == pytest.approx(c.dp_sync_s(t, [1, 2, 3, 4], 0))
+        assert sorted(map(sorted, link.regions)) == [[0, 1], [2, 3]]      # group ranks of nodes 1, 2 | 3, 4
+    slow_inside = _two_regions((3, 2), intra_bw=1e6)
+    link = Emulation(ph, slow_inside, _cost("auto"), 1).sync_link([1, 2, 3, 4])
+    assert not link.hierarchical(nbytes, 4)                    # auto: the flat ring is faster there
+    assert link.all_reduce_s(nbytes, 4) == pytest.approx(_cost("flat").dp_sync_s(slow_inside, [1, 2, 3, 4], 0))
+    assert isinstance(Emulation(ph, t, _cost("flat"), 1).sync_link([1, 2, 3, 4]), RingLinks)
