@@ -291,8 +291,7 @@ class _Run:
         hop, enqueue, dispatch, busy = self._tasks(push, send)
         start_sync, sync_arrive = self._syncs(push, send)
         ev, paths, stages, credits, held, free = self.ev, self.paths, self.stages, self.credits, self.held, self.free
-        stage_left, done_at, mb_ids, dp_sync, sync_state = (self.stage_left, self.done_at, self.mb_ids,
-                                                            self.dp_sync, self.sync_state)
+        stage_left, done_at, mb_ids, dp_sync = self.stage_left, self.done_at, self.mb_ids, self.dp_sync
         for o, js in self.inject.items():            # the first micro-batch of every originator
             push(self.mbs[js[0]].start_s, _ARRIVE, o, js[0], _FWD, 0)
         while ev:
