@@ -313,6 +313,10 @@ class RuntimeConfig:
                         "trainer applies it to every hop", choices=("fp32", "bf16", "int8", "int4"))
     act_fast_GBps: float = _f(1.0, "links at least this fast (GiB/s, in the emulated topology) carry the compute "
                               "precision's encoding (fp32 or bf16)", min=0.0)
+    dp_topology: str = _f("auto", "shape of the dense DP sum over a stage's replicas, in the cost model and the "
+                          "emulated runtime: flat (one ring), hierarchical (rings in each region of the topology, "
+                          "one ring per shard across regions, rings in each region) or auto (the faster per stage)",
+                          choices=("flat", "hierarchical", "auto"))
     restartable: bool = _f(False, "recover: the store process (its own in every recover run) and the nodes "
                            "outlive the launcher, so a dead coordinator can be replaced "
                            "(`python -m skiptrain.runtime.coordinator_restart --run RUN_DIR`)")

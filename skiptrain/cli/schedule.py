@@ -14,7 +14,7 @@ from ..config import MAX_MB_PER_ORIGINATOR, MAX_MEMORY_CREDITS, MAX_NODES, MAX_T
 from ..net.topology import load_topology
 from ..schedule.actcodec import CODECS
 from ..schedule.compare import METHODS, compare, format_table
-from ..schedule.cost import DEFAULT_TASK_S, DP_MODES, CostModel
+from ..schedule.cost import DEFAULT_TASK_S, DP_MODES, DP_TOPOLOGIES, CostModel
 from ..schedule.gantt import draw_gantt
 from ..schedule.placement import check_sizes
 from ..schedule.planner import PlanConfig
@@ -103,6 +103,9 @@ def register(subparsers) -> None:
                    help="fixed seconds per forward (and loss) task and per backward task; default: the runtime's "
                         "measured overhead in these units (SkipPipe's simulator: 0.13,0.09)")
     p.add_argument("--dp", choices=DP_MODES, default="dense", help="data-parallel sync model")
+    p.add_argument("--dp-topology", choices=DP_TOPOLOGIES, default="auto",
+                   help="dense sync: one ring (flat), region rings + shard rings across regions (hierarchical), "
+                        "or the faster per stage (auto)")
     p.add_argument("--dp-payload-mb", type=float, default=0.0, help="compressed sync payload per replica (MiB)")
     p.add_argument("--act-codec", choices=CODECS, default="fp32",
                    help="activation/gradient encoding on links slower than --act-fast-gbps")
@@ -128,7 +131,7 @@ def run(args: argparse.Namespace) -> int:
     cost = CostModel(d_model=args.d_model, tokens_per_sample=args.seq_len, samples=args.samples,
                      dtype_bytes=args.dtype_bytes, layers_per_stage=[args.layers_per_stage] * args.stages,
                      s_per_sample_per_layer=args.s_per_sample_layer, hop_overhead_s=args.hop_overhead,
-                     dp_mode=args.dp, compressed_payload_bytes=int(args.dp_payload_mb * 2 ** 20),
+                     dp_mode=args.dp, dp_topology=args.dp_topology, compressed_payload_bytes=int(args.dp_payload_mb * 2 ** 20),
                      act_codec=args.act_codec, act_fast_GBps=args.act_fast_gbps,
                      fwd_task_s=args.task_overhead[0], bwd_task_s=args.task_overhead[1])
     methods = tuple(m.strip() for m in args.methods.split(",") if m.strip())

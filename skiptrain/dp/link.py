@@ -22,6 +22,13 @@ stage's replicas on geo links): every round moves its piece over every ring link
 lasts as long as the slowest (latency + bytes / bandwidth); bytes count ``byte_scale`` times
 (the emulated bytes per real byte of the topology's emulation).
 
+
+:class:`HierarchicalLinks` is a group's two shapes of the dense sum over a topology's regions (the
+cost model's ``dp_topology``, :meth:`skiptrain.schedule.cost.CostModel.sync_phases`): the flat
+ring, or the hierarchical sum (each region's ring, ``k`` shard rings across regions, each region's
+ring again); with ``mode="auto"`` the faster at the bytes at hand, by the same ring formula.
+:class:`~skiptrain.dp.transport.Transport` runs the shape it picks and sleeps its time.
+
 Named presets (:data:`LINK_PRESETS`, chosen with ``dp.link``; empty = the ``dp.link_up_mbps`` /
 ``dp.link_down_mbps`` / ``dp.link_latency_ms`` fields):
 
@@ -90,6 +97,46 @@ class RingLinks:
         if world <= 1 or not self.enabled:
             return 0.0
         return 2 * (world - 1) * self._round_s(nbytes / world)
+
+
+@dataclass(frozen=True)
+class HierarchicalLinks:
+    """A replica group's sync shapes over a topology, members named by their rank in the group:
+    ``flat`` the ring links over all members; ``regions`` the members of every region in ring
+    order (one-member regions included) with ``region_links`` their rings' links (disabled for a
+    region of one); ``shards`` the ``k`` rings across regions (ring ``j``: every region's ``j``-th
+    member), each summing the ``j``-th of ``k`` pieces of the buffer, with ``shard_links``;
+    ``mode`` ``"hierarchical"`` or ``"auto"`` (the faster, ties flat)."""
+    flat: RingLinks
+    regions: tuple[tuple[int, ...], ...]
+    region_links: tuple[RingLinks, ...]
+    shards: tuple[tuple[int, ...], ...]
+    shard_links: tuple[RingLinks, ...]
+    mode: str = "auto"
+
+    @property
+    def enabled(self) -> bool:
+        return self.flat.enabled
+
+    def hierarchical_s(self, nbytes: float) -> float:
+        """The three phases: the slowest region ring twice, the slowest shard ring once (on its
+        ``1 / k`` of the bytes)."""
+        local = max((links.all_reduce_s(nbytes, len(m)) for links, m in zip(self.region_links, self.regions)),
+                    default=0.0)
+        k = len(self.shards)
+        return 2 * local + max(links.all_reduce_s(nbytes / k, len(m)) for links, m in zip(self.shard_links, self.shards))
+
+    def hierarchical(self, nbytes: float, world: int) -> bool:
+        """Whether a sum of ``nbytes`` over the ``world`` members takes the hierarchical shape."""
+        return self.mode == "hierarchical" or self.hierarchical_s(nbytes) < self.flat.all_reduce_s(nbytes, world)
+
+    def all_gather_s(self, nbytes_per_node: int, world: int) -> float:
+        return self.flat.all_gather_s(nbytes_per_node, world)
+
+    def all_reduce_s(self, nbytes: int, world: int) -> float:
+        if self.hierarchical(nbytes, world):
+            return self.hierarchical_s(nbytes)
+        return self.flat.all_reduce_s(nbytes, world)
 
 
 #: named per-node links (``dp.link``); the config's choices for ``dp.link`` are these names

@@ -17,6 +17,18 @@ again by the caller's ``contribution``, or a copy kept): members that sent a non
 named in a :class:`NonFiniteContribution` (global ranks), so the caller can blame the sender and
 not a node downstream of it; when every contribution is finite (a member sent NaN to the
 all-reduce only), their sum is the result.
+
+Hierarchical sum: when the link is a :class:`~skiptrain.dp.link.HierarchicalLinks` that picks the
+hierarchical shape for the bytes at hand, :meth:`Transport.all_reduce_sum` runs the cost model's
+three phases (:meth:`skiptrain.schedule.cost.CostModel.sync_phases`) point to point inside the
+group: every region sums over its ring; piece ``j`` of ``k`` is summed over the ring of every
+region's ``j``-th member; every region sums again over its ring, each member contributing the
+piece it summed across regions (zeros elsewhere, none for a member without a piece).  Each ring
+is a reduce-scatter then an all-gather over ``isend``/``irecv`` (:meth:`Transport.ring_sum`), so
+every member ends with the same bits.  No process group is created for it: the groups of a
+swarm are created by every rank in one order (the node's layout), and regions are named by
+group rank, derived by every member from the job's topology.  The non-finite check and its
+all-gather run over the whole group as for one all-reduce.
 """
 
 from __future__ import annotations
@@ -29,7 +41,7 @@ import torch
 import torch.distributed as dist
 
 from .accountant import ByteAccountant
-from .link import LinkModel
+from .link import HierarchicalLinks, LinkModel
 
 
 class NonFiniteContribution(RuntimeError):
@@ -88,7 +100,11 @@ class Transport:
             t0 = time.perf_counter()
             mine = t.clone() if contribution is None else None   # (to find the sender of a non-finite value)
             on = t.to(self.device)            # t itself when it is on the backend's device
-            dist.all_reduce(on, op=dist.ReduceOp.SUM, group=self.group)
+            if isinstance(self.link, HierarchicalLinks) and on.is_contiguous() and \
+                    self.link.hierarchical(nbytes, self.world):
+                self._hierarchical_sum(on.view(-1), self.link)
+            else:
+                dist.all_reduce(on, op=dist.ReduceOp.SUM, group=self.group)
             if on is not t:
                 t.copy_(on)
             self._delay(self.link.all_reduce_s(nbytes, self.world))
@@ -96,6 +112,46 @@ class Transport:
             if not bool(torch.isfinite(t.sum())):       # (NaN and inf reach the total; an overflow of it
                 t.copy_(self._sum_of_finite(mine if contribution is None else contribution()))   # is sorted out there)
         return t
+
+    def _hierarchical_sum(self, flat: torch.Tensor, links: HierarchicalLinks) -> None:
+        """The three phases of the hierarchical sum (module doc), in place on 1-D ``flat``."""
+        region = next(r for r in links.regions if self.rank in r)
+        self.ring_sum(flat, region)
+        pieces = flat.tensor_split(len(links.shards))
+        j = next((i for i, ring in enumerate(links.shards) if self.rank in ring), None)
+        keep = None
+        if j is not None:
+            self.ring_sum(pieces[j], links.shards[j])
+            keep = pieces[j].clone()
+        flat.zero_()
+        if keep is not None:
+            pieces[j].copy_(keep)
+        self.ring_sum(flat, region)
+
+    def ring_sum(self, x: torch.Tensor, ring: tuple[int, ...]) -> None:
+        """Sum 1-D contiguous ``x`` in place over the group ranks ``ring`` (this rank among them;
+        in ring order): ``len(ring) - 1`` reduce-scatter steps then as many all-gather steps, one
+        piece per member, each step a send to the next member and a receive from the previous."""
+        n = len(ring)
+        if n < 2:
+            return
+        i = ring.index(self.rank)
+        nxt, prv = ring[(i + 1) % n], ring[(i - 1) % n]
+        parts = x.tensor_split(n)
+        for step in range(2 * (n - 1)):
+            out, into = parts[(i - step) % n], parts[(i - step - 1) % n]
+            buf = torch.empty_like(into)
+            works = []
+            if out.numel():
+                works.append(dist.isend(out, group=self.group, group_dst=nxt))
+            if buf.numel():
+                works.append(dist.irecv(buf, group=self.group, group_src=prv))
+            for w in works:
+                w.wait()
+            if step < n - 1:
+                into.add_(buf)
+            else:
+                into.copy_(buf)
 
     def _sum_of_finite(self, mine: torch.Tensor) -> torch.Tensor:
         """The sum again, from every member's contribution gathered; raises

@@ -101,6 +101,7 @@ class Topology:
         # Python lists for the simulator's hot loops (numpy scalar indexing is slow).
         self.lat_rows = lat.tolist()
         self.inv_bw_rows = (1.0 / bw).tolist()
+        self._region_of: list[int] | None = None
 
     @property
     def n(self) -> int:
@@ -114,6 +115,21 @@ class Topology:
         if a == b:
             return 0.0
         return self.lat_rows[a][b] + nbytes * self.inv_bw_rows[a][b]
+
+    def region_of(self) -> list[int]:
+        """Region index of every node: the latency clusters of :func:`near_components` over the
+        symmetric latency, mutual (one geo12 location per region, a node alone in its location a
+        region of its own; a uniform cluster is one region).
+        Computed once per topology; every process that holds the same topology gets the same
+        regions (the runtime's hierarchical sync relies on that)."""
+        if self._region_of is None:
+            lat = np.asarray(self.latency_s, dtype=float)
+            label = [0] * self.n
+            for k, members in enumerate(near_components(lat + lat.T, mutual=True)):
+                for m in members:
+                    label[m] = k
+            self._region_of = label
+        return self._region_of
 
     def subset(self, node_ids: Sequence[int]) -> "Topology":
         """The topology restricted to ``node_ids`` (renumbered 0..len-1 in that order)."""
@@ -142,6 +158,31 @@ class Topology:
 
     def __repr__(self) -> str:
         return f"Topology({self.name!r}, {self.n} nodes)"
+
+
+def near_components(d: np.ndarray, mutual: bool = False) -> list[list[int]]:
+    """Nodes grouped by a symmetric distance matrix ``d``: the connected components of the links
+    no longer than 1.5x either end's nearest neighbour (``mutual``: both ends'; then a node alone
+    in its location stays alone instead of joining its nearest region), each sorted, in order of
+    their smallest node (geo12: one location; a uniform cluster: everything)."""
+    n = len(d)
+    nn = np.where(np.eye(n, dtype=bool), np.inf, d).min(axis=1) if n > 1 else np.zeros(1)
+    near, near_t = d <= 1.5 * nn[:, None], d <= 1.5 * nn[None, :]
+    local = (near & near_t) if mutual else (near | near_t)
+    label = np.full(n, -1)
+    out: list[list[int]] = []
+    for root in range(n):
+        if label[root] >= 0:
+            continue
+        label[root] = len(out)
+        todo, members = [root], [root]
+        while todo:
+            fresh = np.nonzero(local[todo.pop()] & (label < 0))[0]
+            label[fresh] = len(out)
+            todo += fresh.tolist()
+            members += fresh.tolist()
+        out.append(sorted(members))
+    return out
 
 
 # --------------------------------------------------------------------------------------------

@@ -9,7 +9,8 @@ that enters the node's production code here and only here:
 * the executor gets :meth:`Emulation.finish` as its task timer (a real run: a task ends when its
   compute ends);
 * the pipeline transport gets its pacing (:meth:`Emulation.pace`; a real run sends at once);
-* a replica group's sync strategy gets its emulated ring (:meth:`Emulation.sync_link`);
+* a replica group's sync strategy gets its emulated ring, or both shapes of the dense sum where
+  the cost model may take the hierarchical one (:meth:`Emulation.sync_link`);
 * the prefill of the activation cache pads its compute (:meth:`Emulation.pad`);
 * it registers its own statistics columns (:meth:`Emulation.add_stats`): tasks that overran their
   emulated duration, the process's CPU seconds of the iteration, and how late the common start
@@ -76,14 +77,41 @@ class Emulation:
 
     def sync_link(self, replicas: list[int]):
         """The emulated links of a replica group's collectives (``EmulationSpec.sync``): the ring
-        over ``replicas`` on the phase's topology; None (the ``dp`` config's links) otherwise."""
+        over ``replicas`` on the phase's topology, or, where the cost model's ``dp_topology`` may
+        take the hierarchical dense sum (:meth:`~skiptrain.schedule.cost.CostModel.hierarchical_phases`),
+        both shapes (:class:`~skiptrain.dp.link.HierarchicalLinks`: the transport runs the one the
+        cost model's rule picks); None (the ``dp`` config's links) otherwise.  Members are named by
+        their rank in the group: the group lists its members' ranks sorted, and node ``i`` is rank
+        ``i`` on the emulated topology (as for the pipeline's links)."""
         topo = self.sync_topo
         if topo is None or len(replicas) < 2 or max(replicas) >= topo.n:
             return None
-        from ..dp.link import RingLinks
+        from ..dp.link import HierarchicalLinks
         from ..schedule.cost import ring_order
 
-        ring = ring_order(topo, sorted(replicas))
+        members = sorted(replicas)
+        flat = self._ring_links(ring_order(topo, members))
+        cost = self.cost
+        hier = (cost.hierarchical_phases(topo, members)
+                if cost is not None and cost.dp_mode == "dense" and cost.dp_topology != "flat" else None)
+        if hier is None:
+            return flat
+        (local, _), (shards, _), _ = hier
+        alone = [[n] for n in members if not any(n in ring for ring in local)]
+        pos = {n: i for i, n in enumerate(members)}
+        return HierarchicalLinks(flat, tuple(tuple(pos[n] for n in r) for r in [*local, *alone]),
+                                 tuple(self._ring_links(r) for r in [*local, *alone]),
+                                 tuple(tuple(pos[n] for n in r) for r in shards),
+                                 tuple(self._ring_links(r) for r in shards), cost.dp_topology)
+
+    def _ring_links(self, ring: list[int]):
+        """:class:`~skiptrain.dp.link.RingLinks` of ``ring`` (node ids, ring order) on the sync
+        topology (no links for a ring of one)."""
+        from ..dp.link import RingLinks
+
+        topo = self.sync_topo
+        if len(ring) < 2:
+            return RingLinks(byte_scale=float(self.bytes_scale))
         pairs = [(ring[i], ring[(i + 1) % len(ring)]) for i in range(len(ring))]
         return RingLinks(tuple(float(topo.latency_s[a][b]) for a, b in pairs),
                          tuple(1.0 / float(topo.bandwidth_Bps[a][b]) for a, b in pairs), float(self.bytes_scale))

@@ -153,7 +153,7 @@ def build_cost(cfg: Config, s_per_sample_layer: float | None = None, dp_mode: st
                      hop_overhead_s=rt.hop_overhead_s, params_per_stage=params,
                      fwd_task_s=rt.task_fwd_s, bwd_task_s=rt.task_bwd_s,
                      grad_dtype_bytes=4 * rt.bytes_scale, dp_mode=dp_mode, act_codec=rt.act_codec,
-                     act_fast_GBps=rt.act_fast_GBps, byte_scale=float(rt.bytes_scale),
+                     act_fast_GBps=rt.act_fast_GBps, byte_scale=float(rt.bytes_scale), dp_topology=rt.dp_topology,
                      act_plain=plain_codec(cfg.train.precision))
 
 

@@ -25,7 +25,7 @@ from typing import Sequence
 
 import numpy as np
 
-from ..net.topology import Topology
+from ..net.topology import Topology, near_components
 from .cost import CostModel
 from .placement import place
 from .schedule import ScheduleError
@@ -43,26 +43,11 @@ def hop_distance(topo: Topology, cost: CostModel) -> np.ndarray:
 
 
 def regions(d: np.ndarray, min_size: int) -> list[list[int]]:
-    """Nodes grouped into regions: the components of the links no longer than 1.5x either end's
-    nearest neighbour (geo12: one location; a uniform cluster: everything), then, while a region
-    has fewer than ``min_size`` nodes, it merges with the region nearest by complete linkage (the
-    largest distance between their nodes)."""
-    n = len(d)
-    nn = np.where(np.eye(n, dtype=bool), np.inf, d).min(axis=1) if n > 1 else np.zeros(1)
-    local = (d <= 1.5 * nn[:, None]) | (d <= 1.5 * nn[None, :])
-    label = np.full(n, -1)
-    out: list[list[int]] = []
-    for root in range(n):
-        if label[root] >= 0:
-            continue
-        label[root] = len(out)
-        todo, members = [root], [root]
-        while todo:
-            fresh = np.nonzero(local[todo.pop()] & (label < 0))[0]
-            label[fresh] = len(out)
-            todo += fresh.tolist()
-            members += fresh.tolist()
-        out.append(sorted(members))
+    """Nodes grouped into regions: :func:`~skiptrain.net.topology.near_components` of ``d``
+    (geo12: one location; a uniform cluster: everything), then, while a region has fewer than
+    ``min_size`` nodes, it merges with the region nearest by complete linkage (the largest
+    distance between their nodes)."""
+    out = near_components(d)
     while len(out) > 1 and min(len(r) for r in out) < min_size:
         i = min(range(len(out)), key=lambda k: (len(out[k]), k))
         j = min((k for k in range(len(out)) if k != i), key=lambda k: (d[np.ix_(out[i], out[k])].max(), k))

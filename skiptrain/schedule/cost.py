@@ -31,6 +31,25 @@ Semantics (the simulator, the planner and the benches all use these and only the
   (``2 (n-1)`` steps of ``bytes / n`` per ring link); ``"compressed"`` is a ring all-gather of a
   ``compressed_payload_bytes`` payload per replica (``n - 1`` steps, e.g. DeMo); ``"none"``
   skips it.  Sync messages pay latency + bytes / bandwidth, no per-hop overhead.
+* The dense sync's shape, ``dp_topology`` (:meth:`CostModel.sync_phases`): ``"flat"`` is the one
+  ring over all replicas; ``"hierarchical"`` groups the replicas by the topology's regions
+  (:meth:`~skiptrain.net.topology.Topology.region_of`: its latency clusters, one geo12 location
+  each) and runs three phases, each starting when the previous one ended: (1) every region
+  all-reduces over its own ring; (2) the gradient is cut into ``k`` shards, ``k`` the smallest
+  region's replica count, and shard ``j`` is all-reduced over one ring across regions made of
+  every region's ``j``-th replica (``k`` rings at once, on distinct links); (3) every region
+  all-reduces again over its ring, each member contributing the shard it summed across regions
+  (zeros elsewhere), which leaves the total everywhere.  Every ring costs what a flat ring of its
+  size costs on its bytes (``2 (m-1)`` steps of ``bytes / m``, each as long as the ring's
+  slowest link), a phase lasts as long as its slowest ring, the sync the sum of its phases.
+  ``"auto"`` (the default) takes, per stage, whichever of the two is faster on the uncontended
+  links (ties: flat).  Why all-reduces in phases 1 and 3 and not the textbook reduce-scatter /
+  all-gather: the planner deals a stage's replicas unevenly over regions (20 in one location, 21
+  in the next) and the pieces of unequal rings do not line up with the shards; the extra bytes
+  stay on the fast links inside a region.  The slow phase is ``2 (R-1)`` steps of ``bytes / (k R)``
+  across ``R`` regions, against the flat ring's ``2 (n-1)`` steps of ``bytes / n`` on its slowest
+  (inter-region) link.  The runtime runs the same three phases
+  (:class:`skiptrain.dp.link.HierarchicalLinks`, :meth:`skiptrain.dp.transport.Transport.all_reduce_sum`).
 
 :func:`reference_cost` is SkipPipe's 20-node setup as its reference description states it
 (hop = latency + 32 MiB / bw + 0.35 s, forward 1.76 s per stage: 8 samples of 1024 tokens);
@@ -55,6 +74,8 @@ from ..net.topology import Topology
 from .actcodec import CODECS, PLAIN, encoded_bytes, quantizes, slow_link_codec
 
 DP_MODES = ("dense", "compressed", "none")
+#: shapes of the dense sync (:meth:`CostModel.sync_phases`)
+DP_TOPOLOGIES = ("flat", "hierarchical", "auto")
 #: per-task overhead (forward incl. loss, backward) of SkipPipe's own simulator, seconds
 SKIPPIPE_TASK_S = (0.13, 0.09)
 #: the compute scale of that bench (its compute runs at this fraction of SkipPipe's seconds)
@@ -99,10 +120,13 @@ class CostModel:
     byte_scale: float = 1.0         # emulated bytes per encoded byte (the runtime's bytes_scale)
     fwd_task_s: float = 0.0         # fixed seconds per forward task and per loss (not scaled by speed)
     bwd_task_s: float = 0.0         # fixed seconds per backward task
+    dp_topology: str = "auto"       # dense sync: one ring ("flat"), regions then shards across them ("hierarchical"), the faster
 
     def __post_init__(self) -> None:
         if self.dp_mode not in DP_MODES:
             raise CostError(f"dp_mode {self.dp_mode!r} is not one of {DP_MODES}")
+        if self.dp_topology not in DP_TOPOLOGIES:
+            raise CostError(f"dp_topology {self.dp_topology!r} is not one of {DP_TOPOLOGIES}")
         if self.act_codec not in CODECS:
             raise CostError(f"act_codec {self.act_codec!r} is not one of {CODECS}")
         if self.act_plain not in PLAIN:
@@ -236,15 +260,56 @@ class CostModel:
             return 2 * (n_replicas - 1), 1.0 / n_replicas
         return n_replicas - 1, 1.0
 
-    def dp_sync_s(self, topo: Topology, replicas: Sequence[int], stage: int) -> float:
-        """Uncontended ring time for ``stage`` over ``replicas`` (ring order: :func:`ring_order`)."""
-        steps, frac = self.sync_steps(len(replicas))
+    def ring_s(self, topo: Topology, ring: Sequence[int], nbytes: float) -> float:
+        """Uncontended time of one ring over ``ring`` (in ring order) syncing ``nbytes`` per
+        replica: :meth:`sync_steps` steps, each as long as the ring's slowest link."""
+        steps, frac = self.sync_steps(len(ring))
         if steps == 0:
             return 0.0
-        ring = ring_order(topo, replicas)
-        nbytes = self.sync_bytes(stage) * frac
-        step = max(topo.transfer_s(ring[i], ring[(i + 1) % len(ring)], nbytes) for i in range(len(ring)))
-        return steps * step
+        return steps * max(topo.transfer_s(ring[i], ring[(i + 1) % len(ring)], nbytes * frac)
+                           for i in range(len(ring)))
+
+    def phases_s(self, topo: Topology, phases: Sequence[tuple[Sequence[Sequence[int]], float]],
+                 nbytes: float) -> float:
+        """Uncontended time of a sync given as phases (:meth:`sync_phases`): each phase as long as
+        its slowest ring on its share of ``nbytes``, the phases one after the other."""
+        return sum(max((self.ring_s(topo, ring, nbytes * share) for ring in rings), default=0.0)
+                   for rings, share in phases)
+
+    def hierarchical_phases(self, topo: Topology, replicas: Sequence[int]) -> list[tuple[list[list[int]], float]] | None:
+        """The three phases of the hierarchical sync of ``replicas`` (module doc) as (rings, share
+        of the bytes each ring carries): region rings, the ``k`` shard rings across regions, the
+        region rings again; None when it is no different from one ring (one region, or one replica
+        in every region)."""
+        region_of = topo.region_of()
+        groups: dict[int, list[int]] = {}
+        for r in sorted(replicas):
+            groups.setdefault(region_of[r], []).append(r)
+        if len(groups) < 2 or len(groups) == len(replicas):
+            return None
+        local = [ring_order(topo, g) for g in groups.values() if len(g) > 1]
+        k = min(len(g) for g in groups.values())
+        shards = [ring_order(topo, [g[j] for g in groups.values()]) for j in range(k)]
+        return [(local, 1.0), (shards, 1.0 / k), (local, 1.0)]
+
+    def sync_phases(self, topo: Topology, replicas: Sequence[int], nbytes: float) -> list[tuple[list[list[int]], float]]:
+        """The sync of ``replicas`` (``nbytes`` each) as phases of (rings, share of the bytes), by
+        ``dp_topology``: ``[([ring], 1.0)]`` flat, or :meth:`hierarchical_phases`; ``"auto"`` takes
+        the faster (:meth:`phases_s`).  Only the dense sync is hierarchical."""
+        flat = [([ring_order(topo, replicas)], 1.0)] if len(replicas) > 1 else []
+        if self.dp_mode != "dense" or self.dp_topology == "flat":
+            return flat
+        hier = self.hierarchical_phases(topo, replicas)
+        if hier is None:
+            return flat
+        if self.dp_topology == "hierarchical":
+            return hier
+        return hier if self.phases_s(topo, hier, nbytes) < self.phases_s(topo, flat, nbytes) else flat
+
+    def dp_sync_s(self, topo: Topology, replicas: Sequence[int], stage: int) -> float:
+        """Uncontended sync time of ``stage`` over ``replicas`` (:meth:`sync_phases`)."""
+        nbytes = self.sync_bytes(stage)
+        return self.phases_s(topo, self.sync_phases(topo, replicas, nbytes), nbytes)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -18,9 +18,12 @@ Model (DESIGN.md section 5; the runtime implements the same rules):
   after it leaves the link.  With
   ``contention=True`` every directed link is a FIFO: a message waits until earlier ones have
   left the link.  With ``contention=False`` transfers never wait for each other.
-* With ``dp_sync=True`` each stage runs a ring sync over all its replicas as soon as the last
-  backward of the stage finished (:meth:`CostModel.sync_steps`: a ring all-reduce for dense
-  gradients, a ring all-gather for compressed payloads); its messages use the same link FIFOs.
+* With ``dp_sync=True`` each stage syncs its replicas as soon as the last backward of the stage
+  finished, in the phases of rings :meth:`CostModel.sync_phases` gives (one ring over all
+  replicas, or with ``dp_topology`` hierarchical: the regions' rings, one ring per shard across
+  regions, the regions' rings again; each phase starts when the previous one ended); every ring is a ring
+  all-reduce for dense gradients (:meth:`CostModel.sync_steps`), a ring all-gather for
+  compressed payloads; its messages use the same link FIFOs.
   The iteration ends when every micro-batch is done and every stage is synced.
 
 ``simulate(..., contention=False, dp_sync=False)`` is the SkipPipe reference simulator's
@@ -40,7 +43,7 @@ from typing import Any
 
 from ..errors import UserError
 from ..net.topology import Topology
-from .cost import CostModel, ring_order
+from .cost import CostModel
 from .schedule import Schedule, ScheduleError, pop_next_task
 from .timeline import Event
 
@@ -232,41 +235,63 @@ class _Run:
         return hop, enqueue, dispatch, busy
 
     def _syncs(self, push, send):
-        """``start_sync(stage, t)`` and ``sync_send``: each stage's ring all-reduce."""
+        """``start_sync(stage, t)`` and ``sync_arrive``: each stage's sync, phase by phase
+        (:meth:`CostModel.sync_phases`: one ring, or region rings, the shard rings across
+        regions, region rings); a phase's rings run at once and the next phase starts when all of them ended."""
         schedule, cost, topo, sync_state, sync_span, counts = (self.schedule, self.cost, self.topo,
                                                                self.sync_state, self.sync_span, self.counts)
 
         def start_sync(s: int, t: float) -> None:
-            reps = schedule.placement[s]
-            steps, frac = cost.sync_steps(len(reps))
-            if steps == 0:
+            reps, nbytes = schedule.placement[s], cost.sync_bytes(s)
+            if cost.dp_mode == "none" or len(reps) < 2:
                 sync_span[s] = (t, t)
                 return
-            ring = ring_order(topo, reps)
-            sync_state[s] = {"ring": ring, "steps": steps, "bytes": cost.sync_bytes(s) * frac, "start": t,
-                             "end": {}, "sent": {}}
-            for r in range(len(ring)):
-                sync_send(s, r, 0, t)
+            sync_state[s] = {"phases": cost.sync_phases(topo, reps, nbytes), "phase": -1, "nbytes": nbytes,
+                             "start": t, "end": {}, "sent": {}, "nodes": sorted(reps)}
+            start_phase(s, t)
 
-        def sync_send(s: int, r: int, k: int, t: float) -> None:
+        def start_phase(s: int, t: float) -> None:
             stt = sync_state[s]
-            ring = stt["ring"]
+            stt["phase"] += 1
+            rings, share = stt["phases"][stt["phase"]]
+            stt["rings"] = [(ring, cost.sync_steps(len(ring))[0], share * cost.sync_steps(len(ring))[1])
+                            for ring in rings]
+            stt["left"] = sum(len(ring) for ring in rings)
+            for i, ring in enumerate(rings):
+                for r in range(len(ring)):
+                    sync_send(s, i, r, 0, t)
+
+        def sync_send(s: int, i: int, r: int, k: int, t: float) -> None:
+            stt = sync_state[s]
+            ring, _, frac = stt["rings"][i]
             a, b = ring[r], ring[(r + 1) % len(ring)]
-            _, arr = send(a, b, stt["bytes"], t)
-            counts[2] += int(stt["bytes"])
-            stt["sent"][a] = stt["sent"].get(a, 0) + int(stt["bytes"])
-            push(arr, _SYNC, s, (r + 1) % len(ring), k)
-        return start_sync, sync_send
+            nb = stt["nbytes"] * frac
+            _, arr = send(a, b, nb, t)
+            counts[2] += int(nb)
+            stt["sent"][a] = stt["sent"].get(a, 0) + int(nb)
+            push(arr, _SYNC, s, i, (r + 1) % len(ring), k)
+
+        def sync_arrive(s: int, i: int, r: int, k: int, t: float) -> None:
+            """Ring ``i`` of stage ``s``'s phase: position ``r`` received step ``k`` at ``t``."""
+            stt = sync_state[s]
+            ring, steps, _ = stt["rings"][i]
+            if k + 1 < steps:
+                sync_send(s, i, r, k + 1, t)
+                return
+            stt["end"][ring[r]] = t
+            stt["left"] -= 1
+            if stt["left"] == 0 and stt["phase"] + 1 < len(stt["phases"]):
+                start_phase(s, t)
+        return start_sync, sync_arrive
 
     def run(self) -> None:
         """The event loop: arrivals queue tasks, finished tasks send along the route (forward out,
         loss at the originator, backward back), the last visit of a stage starts its sync."""
         push, send = self._links()
         hop, enqueue, dispatch, busy = self._tasks(push, send)
-        start_sync, sync_send = self._syncs(push, send)
+        start_sync, sync_arrive = self._syncs(push, send)
         ev, paths, stages, credits, held, free = self.ev, self.paths, self.stages, self.credits, self.held, self.free
-        stage_left, done_at, mb_ids, dp_sync, sync_state = (self.stage_left, self.done_at, self.mb_ids,
-                                                            self.dp_sync, self.sync_state)
+        stage_left, done_at, mb_ids, dp_sync = self.stage_left, self.done_at, self.mb_ids, self.dp_sync
         for o, js in self.inject.items():            # the first micro-batch of every originator
             push(self.mbs[js[0]].start_s, _ARRIVE, o, js[0], _FWD, 0)
         while ev:
@@ -304,12 +329,8 @@ class _Run:
                     if stage_left[s] == 0 and dp_sync:
                         start_sync(s, now)
                 dispatch(node, now)
-            else:  # _SYNC arrival: stage a, ring position j received step kind
-                stt = sync_state[a]
-                if kind + 1 < stt["steps"]:
-                    sync_send(a, j, kind + 1, now)
-                else:
-                    stt["end"][stt["ring"][j]] = now
+            else:  # _SYNC arrival: stage a, ring j of its phase, position kind received step pos
+                sync_arrive(a, j, kind, pos, now)
 
     def result(self, on_deadlock: str) -> SimResult:
         M, done_at, timeline = len(self.mbs), self.done_at, self.timeline
@@ -325,7 +346,7 @@ class _Run:
             self.sync_span[s] = (stt["start"], end)
             iteration_s = max(iteration_s, end)
             if self.record:
-                for node in stt["ring"]:
+                for node in stt["nodes"]:
                     timeline.append(Event(node, "sync", None, s, stt["start"], stt["end"].get(node, end),
                                           stt["sent"].get(node, 0)))
         if deadlock:

@@ -1,0 +1,120 @@
+"""The hierarchical dense sync in the cost model and the simulator (schedule/cost.py,
+schedule/simulator.py): its time against a hand-computed case, ``auto`` picks the faster shape,
+and the simulator charges what the cost model charges."""
+
+import numpy as np
+import pytest
+
+from skiptrain.net.topology import Node, Topology
+from skiptrain.schedule.cost import CostError, CostModel
+from skiptrain.schedule.schedule import MicroBatch, Schedule
+from skiptrain.schedule.simulator import simulate
+
+
+def _two_regions(region_sizes=(2, 2), intra_bw=1e9, inter_bw=1e8):
+    """Regions of the given sizes: 1 ms and ``intra_bw`` B/s inside, 50 ms and ``inter_bw`` between."""
+    loc = [r for r, k in enumerate(region_sizes) for _ in range(k)]
+    n = len(loc)
+    same = np.array([[loc[a] == loc[b] for b in range(n)] for a in range(n)])
+    return Topology([Node(i, f"r{loc[i]}") for i in range(n)], np.where(same, 0.001, 0.05),
+                    np.where(same, intra_bw, inter_bw))
+
+
+def _cost(mode, stages=1, params=25_000_000):
+    """One stage of ``params`` fp32 gradients (4 * params bytes), the dense sync shaped by ``mode``."""
+    return CostModel(d_model=1, tokens_per_sample=1, samples=1, dtype_bytes=1, layers_per_stage=[1] * stages,
+                     s_per_sample_per_layer=1.0, hop_overhead_s=0.0, params_per_stage=[params] * stages,
+                     dp_topology=mode)
+
+
+def test_regions_are_the_latency_clusters():
+    assert _two_regions((2, 3)).region_of() == [0, 0, 1, 1, 1]
+
+
+def test_hierarchical_time_hand_computed():
+    # 1e8 bytes over regions {0,1} and {2,3}:
+    # phase 1, each region's ring of 2: 2 steps of (1 ms + 5e7 B / 1e9 B/s) = 0.102 s
+    # phase 2, k=2 shards of 5e7 B, rings {0,2} and {1,3}: 2 steps of (50 ms + 2.5e7 / 1e8) = 0.6 s
+    # phase 3 as phase 1: 0.102 s
+    t, c = _two_regions(), _cost("hierarchical")
+    phases = c.sync_phases(t, [0, 1, 2, 3], c.sync_bytes(0))
+    assert [sorted(map(sorted, rings)) for rings, _ in phases] == [[[0, 1], [2, 3]], [[0, 2], [1, 3]],
+                                                                  [[0, 1], [2, 3]]]
+    assert [share for _, share in phases] == [1.0, 0.5, 1.0]
+    assert c.dp_sync_s(t, [0, 1, 2, 3], 0) == pytest.approx(0.102 + 0.6 + 0.102)
+    # flat: one ring of 4 crossing regions, 6 steps of (50 ms + 2.5e7 / 1e8) = 1.8 s
+    assert _cost("flat").dp_sync_s(t, [0, 1, 2, 3], 0) == pytest.approx(1.8)
+
+
+def test_auto_picks_the_faster_shape():
+    t = _two_regions()
+    assert _cost("auto").dp_sync_s(t, [0, 1, 2, 3], 0) == pytest.approx(0.804)
+    slow_inside = _two_regions(intra_bw=1e6)      # the regions' own links are the slow ones
+    hier = _cost("hierarchical").dp_sync_s(slow_inside, [0, 1, 2, 3], 0)
+    flat = _cost("flat").dp_sync_s(slow_inside, [0, 1, 2, 3], 0)
+    assert flat < hier
+    assert _cost("auto").dp_sync_s(slow_inside, [0, 1, 2, 3], 0) == pytest.approx(flat)
+
+
+def test_unequal_regions_and_degenerate_cases():
+    t = _two_regions((2, 3))
+    c = _cost("hierarchical")
+    rings, share = c.sync_phases(t, [0, 1, 2, 3, 4], c.sync_bytes(0))[1]
+    assert share == 0.5 and len(rings) == 2          # k = the smallest region's count
+    assert all(len(r) == 2 for r in rings)
+    # one replica per region, or one region: the flat ring; a compressed sync is never hierarchical
+    assert c.sync_phases(t, [0, 2], c.sync_bytes(0)) == [([[0, 2]], 1.0)]
+    assert c.sync_phases(t, [2, 3, 4], c.sync_bytes(0)) == [([[2, 3, 4]], 1.0)]
+    compressed = CostModel(dp_mode="compressed", compressed_payload_bytes=8, dp_topology="hierarchical")
+    assert len(compressed.sync_phases(t, [0, 1, 2, 3], 8)) == 1
+    with pytest.raises(CostError):
+        CostModel(dp_topology="tree")
+
+
+def test_simulator_charges_the_cost_models_sync():
+    # stage 0 on node 0, stage 1 replicated on 1, 2 (region 0) and 3, 4 (region 1); one micro-batch
+    # each through 1 and 3; the stage-1 sync has its links to itself.  Hierarchical: every ring of
+    # a phase has equal links, so the simulated sync lasts exactly the cost model's time; the flat
+    # ring mixes fast and slow links and a member sends on as soon as it received (not in lockstep
+    # with the slowest link), so the simulation is at most the cost model's time
+    t = _two_regions((3, 2))
+    s = Schedule([[0], [1, 2, 3, 4]], [MicroBatch(0, 0, [(1, 1)]), MicroBatch(1, 0, [(1, 3)])], memory=2)
+    span = {}
+    for mode in ("flat", "hierarchical", "auto"):
+        c = _cost(mode, stages=2, params=1_000_000)
+        start, end = simulate(s, t, c, contention=True, dp_sync=True).sync_s[1]
+        span[mode] = end - start
+        if mode != "flat":
+            assert span[mode] == pytest.approx(c.dp_sync_s(t, [1, 2, 3, 4], 1))
+    assert span["flat"] <= _cost("flat", 2, 1_000_000).dp_sync_s(t, [1, 2, 3, 4], 1)
+    assert span["auto"] == pytest.approx(span["hierarchical"]) and span["hierarchical"] < span["flat"]
+    hier = simulate(s, t, _cost("hierarchical", 2, 1_000_000), dp_sync=True)
+    # bytes on the wire (B = 4e6): phases 1 and 3, rings {1,2} and {3,4}: 2 members x 2 steps of B/2
+    # each, 4 B a phase; phase 2, shard rings {1,3} and {2,4} on B/2: 2 x 2 steps of B/4 each, 2 B
+    assert hier.bytes_sync == 10 * 4_000_000
+    assert {e.node for e in hier.timeline if e.kind == "sync"} == {1, 2, 3, 4}
+
+
+def test_the_runtimes_links_charge_what_the_cost_model_charges():
+    # the runtime's emulated sync (the transport sleeps HierarchicalLinks.all_reduce_s) takes the
+    # same shape and the same seconds as the cost model, for the same bytes on the same topology
+    from types import SimpleNamespace
+
+    from skiptrain.dp.link import HierarchicalLinks, RingLinks
+    from skiptrain.runtime.emulation import Emulation
+    from skiptrain.runtime.job import EmulationSpec
+
+    t = _two_regions((3, 2))
+    ph = SimpleNamespace(emulation=EmulationSpec(sync=True))
+    nbytes = _cost("auto").sync_bytes(0)
+    for mode in ("hierarchical", "auto"):
+        c = _cost(mode)
+        link = Emulation(ph, t, c, 1).sync_link([1, 2, 3, 4])
+        assert isinstance(link, HierarchicalLinks)
+        assert link.all_reduce_s(nbytes, 4) == pytest.approx(c.dp_sync_s(t, [1, 2, 3, 4], 0))
+        assert sorted(map(sorted, link.regions)) == [[0, 1], [2, 3]]      # group ranks of nodes 1, 2 | 3, 4
+    slow_inside = _two_regions((3, 2), intra_bw=1e6)
+    link = Emulation(ph, slow_inside, _cost("auto"), 1).sync_link([1, 2, 3, 4])
+    assert not link.hierarchical(nbytes, 4)                    # auto: the flat ring is faster there
+    assert link.all_reduce_s(nbytes, 4) == pytest.approx(_cost("flat").dp_sync_s(slow_inside, [1, 2, 3, 4], 0))
+    assert isinstance(Emulation(ph, t, _cost("flat"), 1).sync_link([1, 2, 3, 4]), RingLinks)
