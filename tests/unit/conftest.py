@@ -120,11 +120,17 @@ def pytest_runtest_makereport(item, call):
     return report
 
 
+#: The listening sockets of the stores tests made, open until the session ends: a store's server
+#: runs until its object is collected (a test's thread may keep it in a reference cycle), and
+#: would accept, on a closed socket's reused descriptor number, the next test's connections.
+_LISTENING: list = []
+
+
 @pytest.fixture
 def store():
     """A run's store in this process (one client: the test), on a free loopback port."""
     from skiptrain.runtime.membership import host_store
 
     st, sock = host_store(1, 10.0)
+    _LISTENING.append(sock)
     yield st
-    sock.close()
