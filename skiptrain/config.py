@@ -332,6 +332,10 @@ class RuntimeConfig:
                       "the GPUs a node sees")
 
     def check(self) -> None:
+        if 0 < self.coordinator_wait_s < 4 * self.heartbeat_s:
+            raise ConfigError(f"runtime.coordinator_wait_s={self.coordinator_wait_s:g} is shorter than 4 heartbeats "
+                              f"(runtime.heartbeat_s={self.heartbeat_s:g}): a coordinator that is only busy would be "
+                              f"taken for gone; give 0 (wait for ever) or at least {4 * self.heartbeat_s:g}")
         if self.nodes and self.min_nodes > self.nodes:
             raise ConfigError(f"runtime.min_nodes={self.min_nodes} is more than runtime.nodes={self.nodes}: the "
                               "run could never start training; give at most the nodes it is planned for")

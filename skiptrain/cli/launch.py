@@ -137,8 +137,7 @@ def finish_swarm_run(job, res, t0: float, echo: bool, tb=None) -> dict:
               title=f"skiptrain swarm: {rt.nodes} nodes, {model.num_parameters() / 1e6:.1f}M params, "
                     f"k={cfg.train.skip_ratio}", baseline=baseline)
     last = len(rows) - 1 if start is None else len(rows) - 1 - start["iteration"]
-    dp_sync = False  # DP sync is not link-emulated: the pipeline was planned and simulated without it
-    sim = simulate(sched, topo, cost, contention=True, dp_sync=dp_sync)
+    sim = simulate(sched, topo, cost, contention=True, dp_sync=False)   # (planned without the DP sync too)
     measured = res.timeline("train", last)
     draw_side_by_side(sim.timeline, measured, outp / "gantt.png",
                       titles=(f"simulated: {sim.iteration_s:.3f} s/iteration",

@@ -128,8 +128,11 @@ class CheckpointCollector(Poller):
         for root in self.roots.values():
             root.mkdir(parents=True, exist_ok=True)
             ckpt_store.clean_stale(root)            # (what an earlier coordinator left uncommitted)
-            shutil.rmtree(root / ".incoming", ignore_errors=True)
         self.files = FileServer(address[0], verifier.secret, self.roots, address[1])   # (parts, published checkpoints)
+        for phase, root in self.roots.items():      # (what a coordinator this one took over from published)
+            for d in sorted((root / ".published").glob("*/step-*")):
+                if ckpt_store.step_of(d.name) is not None:
+                    self.files.publish(d.parent.name, phase, ckpt_store.step_of(d.name), d)
         self.files.announce(store)
 
     def __exit__(self, *exc) -> None:
@@ -242,7 +245,7 @@ def coordinator_relays(job, store, secret: str, roots: dict[str, Path]):
     run_dir = Path(job.run_dir)
     verifier = Verifier(secret, run_dir / "rejected_writes.jsonl")
     keep = config_from_dict(job.config).checkpoint.keep
-    address = (store.host, store.port + 1)      # (the nodes reach the coordinator's file server there)
+    address = (store.host, store.port + 1 if store.port < 65535 else 0)   # (the file server: next to the store)
     with CheckpointCollector(store, verifier, coordinator_key(secret), roots, keep, RowMirror(store, verifier, run_dir),
                              address) as collector:
         if job.resume:
@@ -259,22 +262,23 @@ def publish_checkpoint(store, key: bytes | None, files: FileServer, phase: str, 
                        which: str = "latest") -> None:
     """Make the committed checkpoint ``path`` of ``phase`` the one nodes fetch as ``which``
     (``latest``: the newest commit; ``resume``: the one the run resumed from, for the whole run):
-    its files hard-linked (no copy) under ``<root>/.published/<which>/step-N``, so pruning the
-    checkpoint does not take them away, served by ``files``, and ``ckpt/<which>/<phase>`` = their
-    SHA-256 digests, signed; then the previous one's links are removed."""
+    its files hard-linked (copied across file systems) under the phase's root,
+    ``.published/<which>/step-N``, so pruning the checkpoint does not take them away, served by
+    ``files``, and ``ckpt/<which>/<phase>`` = their SHA-256 digests, signed; then the previous
+    one's links are removed."""
     name = f"{LOG}/{which}/{phase}"
     step = ckpt_store.step_of(Path(path).name)
-    dest = Path(path).parent / ".published" / which / step_dir_name(step)
-    if not dest.is_dir():
-        tmp = dest.with_name(dest.name + ".tmp")
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-        for f in _checkpoint_files(path):
-            try:
-                os.link(f, tmp / f.name)
-            except OSError:              # (another file system: a copy)
-                shutil.copy2(f, tmp / f.name)
-        tmp.rename(dest)
+    dest = files.roots[phase] / ".published" / which / step_dir_name(step)
+    tmp = dest.with_name(dest.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    for f in _checkpoint_files(path):
+        try:
+            os.link(f, tmp / f.name)
+        except OSError:                  # (another file system, or a root that takes no links: a copy)
+            shutil.copy2(f, tmp / f.name)
+    shutil.rmtree(dest, ignore_errors=True)   # (a step of the same number an earlier branch published)
+    tmp.rename(dest)
     digests = {f.name: sha256_of(f) for f in _checkpoint_files(dest)}
     files.publish(which, phase, step, dest)
     store.set(name, sign(key, name, json.dumps({"step": step, "files": digests})))

@@ -27,8 +27,8 @@ nodes train on, and a new coordinator takes the live run over
 (:func:`~skiptrain.runtime.launcher.adopt`: ``python -m skiptrain.runtime.coordinator_restart
 --run RUN_DIR`` on one host, ``skiptrain coordinator --resume`` across hosts): every piece of its
 state is in the store (generation records, strikes, joins under way, the positions of the logs
-it reads).  It raises a signed counter every heartbeat, by which the store tells that no
-coordinator came back (``runtime.coordinator_wait_s``).
+it reads).  It raises a signed counter every heartbeat (:class:`SignOfLife`), by which the
+store tells that no coordinator came back (``runtime.coordinator_wait_s``).
 
 Joining (:class:`~skiptrain.runtime.joiners.Joiners`): nodes started with ``--join HOST:PORT``
 are challenged, placed on the stage where they shorten the iteration most and announced in a
@@ -44,6 +44,7 @@ from __future__ import annotations
 import json
 import secrets
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -152,6 +153,39 @@ def _loop(job, store, members, stage0, deadline, strikes_needed, log_path, fence
     return watch.run()
 
 
+class SignOfLife:
+    """A coordinator's sign of life for the run's store: its signed counter
+    (:data:`~skiptrain.runtime.store.ALIVE_KEY`) raised at once and then every ``interval_s``, from
+    a thread of its own, for as long as its ``with`` block runs (the whole of a coordinator's work:
+    watching, the relays' last poll, collecting the outputs), so that the store tells a
+    coordinator that is gone (``runtime.coordinator_wait_s``) from one that is busy.  A failed
+    write is retried at the next beat."""
+
+    def __init__(self, store, key: bytes | None, interval_s: float):
+        self.store, self.key, self.interval_s = store, key, interval_s
+        self.incarnation, self.beats = secrets.token_hex(4), 0
+        self.done = threading.Event()
+
+    def beat(self) -> None:
+        self.beats += 1
+        try:
+            self.store.set(ALIVE_KEY, sign(self.key, ALIVE_KEY, f"{self.incarnation}:{self.beats}"))
+        except Exception:  # noqa: BLE001 - the store is away: the watch loop says so
+            pass
+
+    def __enter__(self) -> "SignOfLife":
+        self.beat()
+        threading.Thread(target=self._loop, name="coordinator-alive", daemon=True).start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.done.set()
+
+    def _loop(self) -> None:
+        while not self.done.wait(self.interval_s):
+            self.beat()
+
+
 class _Watch:
     """The watch loop's state (the generation in force, the alive set, the strikes, the joins
     under way) and its passes: detect, fence, log and publish the next generation."""
@@ -165,7 +199,6 @@ class _Watch:
         self.gen = 0
         self.key = members.verifier.key(COORDINATOR)     # signs the generations the nodes act on
         self.strikes: dict[int, int] = {}
-        self.incarnation, self.beats = secrets.token_hex(4), 0
         self.view = SwarmSnapshot(log_path.parent, "recover", job.rt.heartbeat_s)   # swarm.json
         self.rows = RowEvidence(log_path.parent / "metrics.jsonl")      # progress vouches for the nodes
         self.view.placement = Schedule.from_dict(job.phases[0].schedule).placement
@@ -210,7 +243,6 @@ class _Watch:
                     found[r] = (f"died ({describe_exit(codes[r])})", None)
             if now >= next_hb:
                 next_hb = now + self.job.rt.heartbeat_s
-                self._sign_of_life()
                 self._check_heartbeats(codes, now, found)
                 _read_reports(self.store, self.members.verifier, self.gen, self.alive, self.strikes,
                               self.strikes_needed, found, struck)
@@ -225,12 +257,6 @@ class _Watch:
             self.snapshot(done=failure is not None)
             if failure is not None:
                 return failure
-
-    def _sign_of_life(self) -> None:
-        """Raise this coordinator's signed counter (:data:`~skiptrain.runtime.store.ALIVE_KEY`): the
-        run's store stops the nodes when it stays still too long (``runtime.coordinator_wait_s``)."""
-        self.beats += 1
-        self.store.set(ALIVE_KEY, sign(self.key, ALIVE_KEY, f"{self.incarnation}:{self.beats}"))
 
     def _rearm_after_own_stall(self, last: float) -> float:
         """When this process itself did not run for a while (stopped, starved, its host

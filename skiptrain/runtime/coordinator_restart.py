@@ -52,7 +52,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         adopt(job, address, secret, remote=False, timeout_s=math.inf if args.timeout is None else args.timeout)
     except RuntimeFailure as e:
-        if not e.node and "no generation 0 yet" in str(e):      # nothing to resume (the store is stopped)
+        if e.node is None and "no generation 0 yet" in str(e):   # nothing to resume (the store is stopped)
             print(f"skiptrain coordinator: {e}", file=sys.stderr)
             return 2
         print(f"skiptrain coordinator: the run failed: {str(e).splitlines()[0]} (membership events: "

@@ -36,16 +36,14 @@ import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
-from .membership import COORDINATOR, member_key, open_value, read_raw, sign
+from .membership import coordinator_key, member_key, open_value, read_raw, sign, tag
 
 #: Where the coordinator's file server listens (``host:port``), signed by the coordinator.
 ADDR_KEY = "files/addr"
 BLOCK = 1 << 20
+#: A connection that sends or takes nothing this long is closed.
+SOCKET_TIMEOUT_S = 60.0
 _NAME = re.compile(r"[A-Za-z0-9_.-]+")
-
-
-def request_tag(key: bytes, method: str, path: str) -> str:
-    return hmac.new(key, f"{method} {path}".encode(), hashlib.sha256).hexdigest()
 
 
 def _parts(path: str, head: str, n: int) -> list[str] | None:
@@ -75,8 +73,9 @@ class FileServer:
         threading.Thread(target=self.http.serve_forever, name="file-server", daemon=True).start()
 
     def announce(self, store) -> None:
-        """Tell the nodes where this server listens (signed)."""
-        store.set(ADDR_KEY, sign(member_key(self.secret, COORDINATOR), ADDR_KEY, json.dumps(list(self.address))))
+        """Tell the nodes this server's port (signed); they reach it at the address they reach the
+        store at (the coordinator may listen on every address of its host)."""
+        store.set(ADDR_KEY, sign(coordinator_key(self.secret), ADDR_KEY, json.dumps(self.address[1])))
 
     def incoming(self, phase: str, node: int, step: int) -> Path:
         return self.roots[phase] / ".incoming" / str(node) / str(step)
@@ -106,9 +105,23 @@ class FileServer:
         return pub[1] / name
 
 
+def _receive(rfile, tmp: Path, size: int) -> bool:
+    """``size`` bytes of a request body into ``tmp``; False when the body ended early."""
+    left = size
+    with open(tmp, "wb") as f:
+        while left > 0:
+            block = rfile.read(min(BLOCK, left))
+            if not block:
+                return False
+            f.write(block)
+            left -= len(block)
+    return True
+
+
 def _handler(server: FileServer):
     class Handler(BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"
+        timeout = SOCKET_TIMEOUT_S        # (a peer that connects and sends nothing frees its thread)
 
         def log_message(self, *args) -> None:      # (one line per request would drown the coordinator's log)
             pass
@@ -120,58 +133,62 @@ def _handler(server: FileServer):
             if parts is None or not size.isdigit() or not node.lstrip("-").isdigit():
                 return self._reply(400, "malformed request")
             if parts[0] != node or not hmac.compare_digest(
-                    request_tag(member_key(server.secret, int(node)), "PUT", self.path),
+                    tag(member_key(server.secret, int(node)), "PUT", self.path),
                     self.headers.get("X-Skiptrain-Sig", "")):
                 return self._reply(403, "not signed by the node it names")
             dest = server.put_path(int(node), parts[1:])
             if dest is None:
                 return self._reply(404, "not a phase and step of this job")
-            dest.parent.mkdir(parents=True, exist_ok=True)
             tmp = dest.with_name(dest.name + ".part")
-            left = int(size)
-            with open(tmp, "wb") as f:
-                while left > 0:
-                    block = self.rfile.read(min(BLOCK, left))
-                    if not block:
-                        break
-                    f.write(block)
-                    left -= len(block)
-            if left:
+            try:
+                dest.parent.mkdir(parents=True, exist_ok=True)
+                if _receive(self.rfile, tmp, int(size)):
+                    os.replace(tmp, dest)
+                    return self._reply(200, "ok")
+                self._reply(400, "the body ended early")
+            except OSError as e:             # (a full disk, a peer gone mid-body, a step dropped meanwhile)
+                self._reply(500, f"not stored: {e.strerror or type(e).__name__}")
+            finally:
                 tmp.unlink(missing_ok=True)
-                return self._reply(400, "the body ended early")
-            os.replace(tmp, dest)
-            self._reply(200, "ok")
 
         def do_GET(self) -> None:
             parts = _parts(self.path, "pub", 4)
             src = server.get_path(parts) if parts is not None else None
             if src is None:
                 return self._reply(404, "not published")
-            self.send_response(200)
-            self.send_header("Content-Length", str(src.stat().st_size))
-            self.end_headers()
-            with open(src, "rb") as f:
-                shutil.copyfileobj(f, self.wfile, BLOCK)
+            try:
+                with open(src, "rb") as f:
+                    self.send_response(200)
+                    self.send_header("Content-Length", str(os.fstat(f.fileno()).st_size))
+                    self.end_headers()
+                    shutil.copyfileobj(f, self.wfile, BLOCK)
+            except OSError:                  # (pruned meanwhile, or the peer went away: it fetches again)
+                self.close_connection = True
 
         def _reply(self, code: int, why: str) -> None:
             body = why.encode()
-            self.send_response(code)
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
+            try:
+                self.send_response(code)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+            except OSError:
+                pass
+            self.close_connection = self.close_connection or code != 200   # (an unread body may follow)
 
     return Handler
 
 
 def server_address(store, key: bytes | None) -> tuple[str, int] | None:
-    """The coordinator's file server (None: none announced, or not signed by the coordinator)."""
+    """The coordinator's file server: the address this store client reaches the coordinator at,
+    and the port it announced (None: none announced, or not signed by the coordinator)."""
     raw = read_raw(store, ADDR_KEY)
     value = open_value(key, ADDR_KEY, raw) if raw is not None else None
     try:
-        host, port = json.loads(value) if value is not None else (None, None)
-        return (str(host), int(port)) if host is not None else None
+        port = int(json.loads(value)) if value is not None else None
     except (ValueError, TypeError):
         return None
+    return (store.host, port) if port else None
 
 
 def sha256_of(path: Path) -> str:
@@ -191,7 +208,7 @@ def put_file(address: tuple[str, int], key: bytes, node: int, phase: str, step: 
         with open(src, "rb") as f:
             conn.request("PUT", path, body=f, headers={
                 "Content-Length": str(src.stat().st_size), "X-Skiptrain-Node": str(node),
-                "X-Skiptrain-Sig": request_tag(key, "PUT", path)})
+                "X-Skiptrain-Sig": tag(key, "PUT", path)})
             resp = conn.getresponse()
             why = resp.read(200).decode(errors="replace")
         if resp.status != 200:

@@ -39,10 +39,12 @@ from pathlib import Path
 from ..schedule.timeline import Event
 from ..signals import sigterm_as_interrupt
 from .checkpoint_relay import coordinator_relays
+from .coordinator import SignOfLife
 from .event_log import LOG_NAME, log_event
 from .failure import RuntimeFailure
 from .job import Job
 from .job_checkpoint import checkpoint_root, checkpoint_roots
+from .membership import coordinator_key
 from .monitor import monitor
 from .node_processes import start_nodes
 from .outputs import load_phase_timeline, merge_outputs, salvage_checkpoint, stop_store
@@ -113,11 +115,16 @@ def _launch(job: Job, nodes: int | None, timeout_s: float, grace_s: float, echo:
         from .join import new_secret
         join_secret = join_secret or new_secret()        # recovery mode always admits by challenge
     store, store_proc, listening = _open_store(job, run_dir, world, join_secret, bind)  # noqa: F841 - kept while it serves
-    (run_dir / "join.json").unlink(missing_ok=True)
-    if job.rt.recover:
-        _publish_for_joiners(job, store, world if local else 0, join_secret)
-    base_env = _node_env(job, run_dir, world, store.port, job.rt.restartable, join_secret,
-                         bind[0] if bind else "127.0.0.1")
+    try:
+        (run_dir / "join.json").unlink(missing_ok=True)
+        if job.rt.recover:
+            _publish_for_joiners(job, store, world if local else 0, join_secret)
+        base_env = _node_env(job, run_dir, world, store.port, job.rt.restartable, join_secret,
+                             bind[0] if bind else "127.0.0.1")
+    except BaseException:                  # (a detached store process must not outlive a launch that never ran)
+        if store_proc is not None:
+            stop_store(store_proc, store, join_secret)
+        raise
     return _coordinate(job, world, store, store_proc, join_secret, timeout_s, grace_s, echo,
                        start=(job_path, base_env) if local else None, remote=not local)
 
@@ -128,15 +135,24 @@ def adopt(job: Job, address: tuple[str, int], join_secret: str, remote: bool, ti
     of its own: every ``skiptrain coordinator`` and ``--restartable`` run has one).  The membership
     is read back from the store (:func:`~skiptrain.runtime.coordinator.coordinate` with
     ``resume``), no node process is started, and the run ends as :func:`launch` ends it.
-    ``remote``: the nodes are on other hosts; their rows and checkpoint parts are taken from
+    ``remote``: the nodes are on other hosts; their rows and checkpoint slots are taken from
     where the dead coordinator stopped, and their outputs collected at the end.  Raises
-    :class:`~skiptrain.runtime.failure.RuntimeFailure` when the store holds no generation yet."""
+    :class:`~skiptrain.runtime.failure.RuntimeFailure` when no store answers there, when it is
+    closing (its nodes stopped for want of a coordinator: resume from the checkpoint) or when it
+    holds no generation yet."""
+    from .store import closing
     from .store_client import connect
 
     with sigterm_as_interrupt():
         try:
-            store = connect(*address)
+            try:
+                store = connect(*address)
+            except RuntimeError as e:
+                raise RuntimeFailure(f"cannot take the run over: {e}") from None
             store.set_timeout(timedelta(seconds=max(job.rt.timeout_s, 60.0)))
+            if closing(store, coordinator_key(join_secret)):
+                raise RuntimeFailure("cannot take the run over: its store stopped the nodes for want of a "
+                                     "coordinator and is closing; resume the run from its last checkpoint")
             return _coordinate(job, job.world, store, _store_pid(job), join_secret, timeout_s, grace_s, echo,
                                start=None, remote=remote, resume=True)
         except KeyboardInterrupt:
@@ -159,12 +175,14 @@ def _coordinate(job: Job, world: int, store, store_proc, join_secret: str | None
     run_dir = Path(job.run_dir)
     t_start = time.time()
     store_watch = DeathWatch(store_proc) if isinstance(store_proc, subprocess.Popen) else None
+    alive = SignOfLife(store, coordinator_key(join_secret), job.rt.heartbeat_s) if job.rt.recover else nullcontext()
     try:
-        with (coordinator_relays(job, store, join_secret, checkpoint_roots(job)) if remote else nullcontext()):
-            interrupted, err = _run_nodes(job, world, store, store_watch, join_secret, t_start, timeout_s, grace_s,
-                                          echo, start, resume)
-        if remote:          # (the last generation's members are waited for: they ship as their process ends)
-            collect_run_outputs(store, join_secret, run_dir, max(30.0, job.rt.timeout_s))
+        with alive:
+            with (coordinator_relays(job, store, join_secret, checkpoint_roots(job)) if remote else nullcontext()):
+                interrupted, err = _run_nodes(job, world, store, store_watch, join_secret, t_start, timeout_s,
+                                              grace_s, echo, start, resume)
+            if remote:      # (the last generation's members are waited for: they ship as their process ends)
+                collect_run_outputs(store, join_secret, run_dir, max(30.0, job.rt.timeout_s))
     finally:                # (the run is over: its store process ends, asked to; one this process did not
         if store_watch is not None:                                        # start only when resuming)
             store_watch.stopping()

@@ -73,5 +73,3 @@ def explain_failure(job: Job, procs, failure: dict, run_dir: Path, store, killed
         lines.append(f"  (detected {detected:.1f} s after the fault)")
     lines.append(f"  logs: {run_dir / 'logs'}")
     return RuntimeFailure("\n".join(lines), node=node, detected_after_s=detected)
-
-

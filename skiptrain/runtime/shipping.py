@@ -243,9 +243,10 @@ class SlotReader:
 
     The position read up to is kept in the store (``coord/slots/<prefix>``, signed by the
     coordinator) before the slots read are deleted, so a coordinator that takes a live run over
-    goes on where its predecessor stopped.  (Its predecessor may have died between the two: then
-    the slots of its last poll are read again, rows once more; the run directory's JSON-lines
-    files are merged without duplicates at the end.)"""
+    goes on where its predecessor stopped.  (A predecessor that died after saving the position
+    but before it used what it read loses that poll's slots: rows come back with the nodes'
+    shipped files at the end, merged without duplicates; a checkpoint part lost so leaves its
+    step uncommitted.  One that died between saving and deleting leaves those slots in memory.)"""
 
     def __init__(self, store, verifier: Verifier, prefix: str):
         self.store, self.verifier, self.prefix = store, verifier, prefix

@@ -116,10 +116,11 @@ def main(argv: list[str] | None = None) -> int:
     ended_since = closed_at = None
     while not stop_requested():
         time.sleep(args.poll)
-        if closed_at is None and watch.gone(read_raw(store, ALIVE_KEY)):
-            closed_at = time.monotonic()
+        ended = run_ended(store, leases)
+        if closed_at is None and watch.gone(read_raw(store, ALIVE_KEY)) and not ended:
+            closed_at = time.monotonic()          # (every node done: a coordinator may yet collect their outputs)
             close_for_want_of_coordinator(store, key, args.coordinator_wait)
-        ended_since = (ended_since or time.time()) if run_ended(store, leases) else None
+        ended_since = (ended_since or time.time()) if ended else None
         if closed_at is not None and (ended_since is not None or time.monotonic() - closed_at > CLOSE_WAIT_S):
             print("store: the nodes stopped for want of a coordinator; exiting (a new coordinator resumes the run "
                   "from its last checkpoint)", flush=True)

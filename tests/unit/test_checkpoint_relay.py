@@ -274,3 +274,31 @@ def test_a_part_that_could_not_be_sent_is_removed_once_a_later_step_commits(stor
     col.poll()
     assert ckpt_store.latest(tmp_path / "coord").name == "step-00000009"
     assert not _incoming(tmp_path, 0, 7).exists()
+
+
+def test_a_coordinator_that_takes_over_serves_what_its_predecessor_published(store, tmp_path):
+    """The checkpoint the store still names as the latest stays fetchable from the new
+    coordinator's file server (a stage that lost every replica restarts from it)."""
+    first = _collector(store, tmp_path)
+    _save({0: tmp_path / "n0", 1: tmp_path / "n1"}, 5, _tensors(12), _shippers(store))
+    first.poll()
+    first.files.close()                                      # (the first coordinator died)
+    second = _collector(store, tmp_path)
+    got = fetch_checkpoint(store, coordinator_key(SECRET), PHASE, tmp_path / "node")
+    _same(got, ckpt_store.latest(tmp_path / "coord"))
+    second.files.close()
+
+
+def test_an_upload_the_server_cannot_store_is_refused_and_leaves_no_partial_file(tmp_path):
+    from skiptrain.runtime.file_channel import put_file
+
+    files = FileServer("127.0.0.1", SECRET, {PHASE: tmp_path / "root"})
+    (tmp_path / "root").mkdir()
+    (files.incoming(PHASE, 2, 7).parent).mkdir(parents=True)
+    files.incoming(PHASE, 2, 7).write_text("a file where the step's folder should be")
+    src = tmp_path / "data-r2.bin"
+    src.write_bytes(b"x" * 3000)
+    with pytest.raises(OSError, match="500"):
+        put_file(files.address, member_key(SECRET, 2), 2, PHASE, 7, src)
+    assert not list(files.incoming(PHASE, 2, 7).parent.rglob("*.part"))
+    files.close()

@@ -121,3 +121,11 @@ def test_an_odd_head_dimension_names_the_keys_that_make_it():
     with pytest.raises(ConfigError, match=r"model.d_model=60 / model.n_heads=4 is a head dimension of 15, which must "
                                           r"be even for rotary embeddings; choose d_model and n_heads"):
         build_config("tiny", overrides=["model.d_model=60", "model.n_heads=4", "model.n_kv_heads=0"])
+
+
+def test_a_coordinator_wait_shorter_than_four_heartbeats_is_refused_in_one_line():
+    from skiptrain.config import ConfigError, build_config
+
+    with pytest.raises(ConfigError, match="coordinator_wait_s=1 is shorter than 4 heartbeats.*at least 2"):
+        build_config("tiny", overrides={"runtime": {"coordinator_wait_s": 1.0, "heartbeat_s": 0.5}})
+    build_config("tiny", overrides={"runtime": {"coordinator_wait_s": 0.0}}).check()

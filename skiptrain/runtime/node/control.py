@@ -57,6 +57,7 @@ class ControlPlane:
         self.gen = 0
         self.coord_key: bytes | None = None     # the coordinator's member key (a run with a secret)
         self.forged_stop = False
+        self.stopped_for: str | None = None    # the signed stop request's value, once one was seen
         self.alive = list(range(world))
         self.rank_of = {n: n for n in self.alive}
         self.watch = None
@@ -294,6 +295,7 @@ class ControlPlane:
             return None
         value = open_value(self.coord_key, STOP_KEY, raw)
         if value is not None:
+            self.stopped_for = value     # (read at the stop's agreement: the store may be gone by the exit)
             return value
         if not self.forged_stop:
             self.forged_stop = True
