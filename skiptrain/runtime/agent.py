@@ -113,7 +113,9 @@ class NodeAgent:
         self.after(store, node, code, last_try=True)
 
     def connect(self):
-        """The store client and the job, retrying with backoff until the coordinator answers."""
+        """The store client and the job, retrying with backoff until the coordinator answers (the
+        ``wait_s`` count from the moment a closing store of the run, which stopped its nodes for want
+        of a coordinator, is gone: a new coordinator can only start then)."""
         from .join import JoinRefused
         from .job import Job
 
@@ -123,6 +125,7 @@ class NodeAgent:
             try:
                 _, _, store, job = open_run(self.opts.coordinator)
                 if closing(store, coordinator_key(self.opts.secret)):
+                    end = max(end, time.monotonic() + self.opts.wait_s)
                     raise RuntimeError("the run's store is closing: its nodes stopped for want of a coordinator")
                 return store, Job.from_dict(job)
             except JoinRefused as e:

@@ -126,13 +126,15 @@ class Heartbeat:
         self.state = "run"
         self._armed = False
         self._stop = threading.Event()
+        self._beating = threading.Lock()
         self._thread = threading.Thread(target=self._loop, name="heartbeat", daemon=True)
 
     def beat(self) -> None:
         name = f"hb/{self.rank}"
-        renewal, sent = self.keeper.next(self.gen, self.state)
-        self.store.set(name, sign(self.key, name, renewal.encode()))
-        self.keeper.acknowledged(renewal, sent)
+        with self._beating:         # (one at a time: a renewal in flight never lands after the final one)
+            renewal, sent = self.keeper.next(self.gen, self.state)
+            self.store.set(name, sign(self.key, name, renewal.encode()))
+            self.keeper.acknowledged(renewal, sent)
 
     def start(self) -> "Heartbeat":
         self.beat()

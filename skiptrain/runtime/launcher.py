@@ -395,7 +395,9 @@ def _node_env(job: Job, run_dir: Path, world: int, port: int, detached: bool, jo
         fd = os.open(sf, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)   # readable by this user only
         os.write(fd, join_secret.encode())
         os.close(fd)
-        (run_dir / "join.json").write_text(json.dumps({"host": host, "port": port, "secret_file": str(sf)}))
+        tmp = run_dir / "join.json.tmp"           # (whole or absent: a joiner reads it as soon as it exists)
+        tmp.write_text(json.dumps({"host": host, "port": port, "secret_file": str(sf)}))
+        os.replace(tmp, run_dir / "join.json")
     return env
 
 

@@ -116,14 +116,15 @@ def main(argv: list[str] | None = None) -> int:
     ended_since = closed_at = None
     while not stop_requested():
         time.sleep(args.poll)
-        ended = run_ended(store, leases)
+        ended = run_ended(store, leases, secret_from_env())
         if closed_at is None and watch.gone(read_raw(store, ALIVE_KEY)) and not ended:
             closed_at = time.monotonic()          # (every node done: a coordinator may yet collect their outputs)
             close_for_want_of_coordinator(store, key, args.coordinator_wait)
         ended_since = (ended_since or time.time()) if ended else None
         if closed_at is not None and (ended_since is not None or time.monotonic() - closed_at > CLOSE_WAIT_S):
-            print("store: the nodes stopped for want of a coordinator; exiting (a new coordinator resumes the run "
-                  "from its last checkpoint)", flush=True)
+            said = "the nodes stopped" if ended_since is not None else f"not every node stopped within {CLOSE_WAIT_S:g} s"
+            print(f"store: {said} for want of a coordinator; exiting (a new coordinator resumes the run from its "
+                  "last checkpoint)", flush=True)
             return 0
         if ended_since is not None and time.time() - ended_since >= args.idle_exit:
             print(f"store: every node has been done or silent for {args.idle_exit:g} s and no coordinator "
@@ -145,12 +146,17 @@ def close_for_want_of_coordinator(store, key: bytes | None, wait_s: float) -> No
     store.set(RUN_STOP_KEY, sign(key, RUN_STOP_KEY, NO_COORDINATOR))
 
 
-def run_ended(store, leases) -> bool:
-    """Whether every node that ever renewed its lease is done, or has not renewed for
-    ``leases``' deadline (a :class:`~skiptrain.runtime.lease.LeaseTable`, timed on this
-    process's clock)."""
+def run_ended(store, leases, secret: str | None = None) -> bool:
+    """Whether every node that ever renewed its lease is done (its last renewal says so, or its
+    exit was reported: ``exit/<r>``, signed with its member key when the run has ``secret``; a
+    renewal in flight may land after the final one), or has not renewed for ``leases``'
+    deadline (a :class:`~skiptrain.runtime.lease.LeaseTable`, timed on this process's clock)."""
     from .lease import parse_renewal
-    from .membership import MAX_NODE_IDS, read_count
+    from .membership import MAX_NODE_IDS, member_key, open_value, read_count, read_raw
+
+    def exited(r: int) -> bool:
+        raw = read_raw(store, f"exit/{r}")
+        return raw is not None and open_value(member_key(secret, r) if secret else None, f"exit/{r}", raw) is not None
 
     try:
         ids = range(read_count(store, "nodes/next", MAX_NODE_IDS) or 0)
@@ -160,7 +166,8 @@ def run_ended(store, leases) -> bool:
             if renewal is not None:
                 seen = True
                 leases.observe(r, renewal)
-        return seen and all(r not in leases.last or leases.last[r].state == "done" or leases.expired(r) for r in ids)
+        return seen and all(r not in leases.last or leases.last[r].state == "done" or leases.expired(r) or exited(r)
+                            for r in ids)
     except (ValueError, RuntimeError):
         return False
 

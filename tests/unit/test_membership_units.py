@@ -286,3 +286,21 @@ def test_coordinator_resume_takes_over_only_the_live_store_of_its_own_run(store)
     with socket.socket() as free:
         free.bind(("127.0.0.1", 0))
         assert live_run("127.0.0.1", free.getsockname()[1], "s", "abc") is False
+
+
+def test_a_store_counts_a_node_ended_by_its_signed_exit_report_though_a_late_renewal_says_run(store):
+    """(The nodes' last renewal may be overwritten by one in flight; the exit report cannot be.)"""
+    from skiptrain.runtime.fencing import report_exit
+    from skiptrain.runtime.lease import LeaseTable
+    from skiptrain.runtime.membership import MAX_NODE_IDS, raise_count
+    from skiptrain.runtime.store import run_ended
+
+    raise_count(store, "nodes/next", 2, MAX_NODE_IDS)
+    for r in (0, 1):
+        store.set(f"hb/{r}", sign(member_key("s", r), f"hb/{r}", Renewal(f"i{r}", 3, 0, "run", 5.0).encode()))
+    leases = LeaseTable(600.0, 600.0)
+    report_exit(store, member_key("s", 0), 0, 7)
+    store.set("exit/1", json.dumps({"code": 0}))                   # unsigned: not node 1's
+    assert not run_ended(store, leases, "s")
+    report_exit(store, member_key("s", 1), 1, 0)
+    assert run_ended(store, leases, "s")
