@@ -38,7 +38,8 @@ from pathlib import Path
 
 from .membership import coordinator_key, member_key, open_value, read_raw, sign, tag
 
-#: Where the coordinator's file server listens (``host:port``), signed by the coordinator.
+#: The port of the coordinator's file server, signed by the coordinator (nodes reach it at the
+#: address they reach the store at).
 ADDR_KEY = "files/addr"
 BLOCK = 1 << 20
 #: A connection that sends or takes nothing this long is closed.
