@@ -96,8 +96,7 @@ class PartShipper:
                 src = tmp / name
                 if not src.is_file():
                     src.write_bytes(b"")
-                put_file(address, self.key, self.node, self.phase, step, src)
-                files[name] = sha256_of(src)
+                files[name] = put_file(address, self.key, self.node, self.phase, step, src)
         except Exception as e:  # noqa: BLE001 - said by _send below
             self.store = None
             files = {}

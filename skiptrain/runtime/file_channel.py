@@ -200,14 +200,28 @@ def sha256_of(path: Path) -> str:
     return h.hexdigest()
 
 
+class _Hashing:
+    """A file read for sending, hashed as it is read (a part is read from disk once)."""
+
+    def __init__(self, f):
+        self.f, self.h = f, hashlib.sha256()
+
+    def read(self, n: int = -1) -> bytes:
+        block = self.f.read(n)
+        self.h.update(block)
+        return block
+
+
 def put_file(address: tuple[str, int], key: bytes, node: int, phase: str, step: int, src: Path,
-             timeout_s: float = 120.0) -> None:
-    """Send ``src`` as node ``node``'s file of ``phase``/``step`` (streamed); raises ``OSError``."""
+             timeout_s: float = 120.0) -> str:
+    """Send ``src`` as node ``node``'s file of ``phase``/``step`` (streamed); its SHA-256.
+    Raises ``OSError``."""
     path = f"/in/{node}/{phase}/{step}/{src.name}"
     conn = http.client.HTTPConnection(*address, timeout=timeout_s)
     try:
         with open(src, "rb") as f:
-            conn.request("PUT", path, body=f, headers={
+            body = _Hashing(f)
+            conn.request("PUT", path, body=body, headers={
                 "Content-Length": str(src.stat().st_size), "X-Skiptrain-Node": str(node),
                 "X-Skiptrain-Sig": tag(key, "PUT", path)})
             resp = conn.getresponse()
@@ -218,6 +232,7 @@ def put_file(address: tuple[str, int], key: bytes, node: int, phase: str, step: 
         raise OSError(f"{path}: {type(e).__name__}: {e}") from None
     finally:
         conn.close()
+    return body.h.hexdigest()
 
 
 def get_file(address: tuple[str, int], which: str, phase: str, step: int, name: str, dest: Path,

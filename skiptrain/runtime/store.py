@@ -247,17 +247,17 @@ def live_run(host: str, port: int, secret: str, run_id: str, wait_s: float = 150
     to stop for want of a coordinator) has exited, waited for up to ``wait_s``: the run then
     resumes from its last committed checkpoint.  Another run's store there, or one that does
     not verify with ``secret``: one ``RuntimeError`` naming the fix."""
-    from .join import JoinRefused, read_job
+    from .join import JoinRefused
     from .membership import coordinator_key
-    from .store_client import connect
+    from .store_client import open_run
 
     if not _answers(host, port):
         return False
     try:
-        store = connect(host, port)
-        theirs = str(read_job(store, secret).get("meta", {}).get("run_id"))
+        _, _, store, job = open_run(f"{host}:{port}", secret)
     except JoinRefused as e:
         raise RuntimeError(f"a run's store listens at {host}:{port} but {e}") from None
+    theirs = str(job.get("meta", {}).get("run_id"))
     if theirs != run_id:
         raise RuntimeError(f"{host}:{port} serves another run (run id {theirs}, not {run_id}): stop that run, or "
                            "give this one another --bind")

@@ -94,9 +94,9 @@ def parse_address(target: str) -> tuple[str, int]:
     return host, int(port_s)
 
 
-def open_run(target: str) -> tuple[str, int, Any, dict]:
+def open_run(target: str, secret: str | None = None) -> tuple[str, int, Any, dict]:
     """``HOST:PORT`` of a running job's store -> (host, port, store client, job as a dict, read
-    and checked with the run's secret from the environment)."""
+    and checked with ``secret``, else the run's secret from the environment)."""
     from .join import JOB_KEY, read_job, secret_from_env
 
     host, port = parse_address(target)
@@ -109,5 +109,5 @@ def open_run(target: str) -> tuple[str, int, Any, dict]:
     store.set_timeout(timedelta(seconds=30))
     if not store.check([JOB_KEY, "nodes/next"]):
         raise RuntimeError(f"the run at {host}:{port} does not accept joining nodes: launch it with --recover")
-    return host, port, store, read_job(store, secret_from_env())
+    return host, port, store, read_job(store, secret or secret_from_env())
 

@@ -275,8 +275,10 @@ def test_coordinator_resume_takes_over_only_the_live_store_of_its_own_run(store)
     import socket
 
     from skiptrain.runtime.join import publish_job
+    from skiptrain.runtime.membership import MAX_NODE_IDS, raise_count
     from skiptrain.runtime.store import live_run
 
+    raise_count(store, "nodes/next", 0, MAX_NODE_IDS)      # (as a coordinator publishes a run for its nodes)
     publish_job(store, {"meta": {"run_id": "abc"}}, "s")
     assert live_run("127.0.0.1", store.port, "s", "abc") is True
     with pytest.raises(RuntimeError, match="serves another run .*another --bind"):
