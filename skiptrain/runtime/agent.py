@@ -181,7 +181,7 @@ class NodeAgent:
         key = member_key(self.opts.secret, node)
         try:
             report_exit(store, key, node, code)        # (first: the coordinator acts on it at once)
-            sent = ship_outputs(store, key, node, self.run_dir)
+            sent = ship_outputs(store, key, coordinator_key(self.opts.secret), node, self.run_dir)
         except Exception as e:  # noqa: BLE001 - the coordinator or the link is gone
             if last_try:
                 print(f"skiptrain node: could not send node {node}'s outputs to the coordinator "

@@ -114,29 +114,20 @@ class PartShipper:
 
 
 class CheckpointCollector(Poller):
-    """Coordinator side (see the module doc): a thread taking shipped parts into ``roots[phase]``
-    and committing complete steps (``keep`` newest kept); ``key`` signs what it publishes."""
+    """Coordinator side (see the module doc): a thread taking shipped parts into the checkpoint
+    root of their phase (``files.roots``) and committing complete steps (``keep`` newest kept);
+    ``key`` signs what it publishes, ``files`` (:func:`open_file_server`) receives and serves."""
 
-    def __init__(self, store, verifier: Verifier, key: bytes | None, roots: dict[str, Path], keep: int,
-                 mirror: RowMirror | None = None, address: tuple[str, int] = ("127.0.0.1", 0)):
-        self.store, self.key, self.roots, self.keep, self.mirror = store, key, dict(roots), keep, mirror
+    def __init__(self, store, verifier: Verifier, key: bytes | None, files: FileServer, keep: int,
+                 mirror: RowMirror | None = None):
+        self.store, self.key, self.files, self.keep, self.mirror = store, key, files, keep, mirror
+        self.roots = dict(files.roots)
         self.slots = SlotReader(store, verifier, LOG)
         self.pending: dict[tuple[str, int], dict] = {}
         self.committed: list[Path] = []
         self.last: dict[str, int] = {}            # phase -> its newest committed step
         for root in self.roots.values():
-            root.mkdir(parents=True, exist_ok=True)
             ckpt_store.clean_stale(root)            # (what an earlier coordinator left uncommitted)
-        self.files = FileServer(address[0], verifier.secret, self.roots, address[1])   # (parts, published checkpoints)
-        for phase, root in self.roots.items():      # (what a coordinator this one took over from published)
-            for d in sorted((root / ".published").glob("*/step-*")):
-                if ckpt_store.step_of(d.name) is not None:
-                    self.files.publish(d.parent.name, phase, ckpt_store.step_of(d.name), d)
-        self.files.announce(store)
-
-    def __exit__(self, *exc) -> None:
-        super().__exit__(*exc)
-        self.files.close()
 
     def final_poll(self) -> None:
         self.poll(final=True)
@@ -233,23 +224,49 @@ class CheckpointCollector(Poller):
                 shutil.rmtree(d, ignore_errors=True)
 
 
+def open_file_server(store, secret: str, roots: dict[str, Path], outputs: Path | None = None,
+                     address: tuple[str, int] = ("127.0.0.1", 0)) -> FileServer:
+    """The coordinator's file server for checkpoint parts under ``roots`` (phase name ->
+    checkpoint root) and the nodes' final outputs under ``outputs``, serving again what a
+    coordinator this one took over from published, announced in ``store`` (the caller closes it)."""
+    for root in roots.values():
+        Path(root).mkdir(parents=True, exist_ok=True)
+    files = FileServer(address[0], secret, roots, address[1], outputs=outputs)
+    for phase, root in files.roots.items():
+        for d in sorted((root / ".published").glob("*/step-*")):
+            if ckpt_store.step_of(d.name) is not None:
+                files.publish(d.parent.name, phase, ckpt_store.step_of(d.name), d)
+    files.announce(store)
+    return files
+
+
 @contextmanager
-def coordinator_relays(job, store, secret: str, roots: dict[str, Path]):
+def hosts_file_server(job, store, secret: str, roots: dict[str, Path]):
+    """:func:`open_file_server` for a coordinator of hosts, next to its store (port + 1), taking
+    the nodes' outputs under ``RUN_DIR/.shipped``; closed when the block ends."""
+    address = (store.host, store.port + 1 if store.port < 65535 else 0)
+    files = open_file_server(store, secret, roots, Path(job.run_dir) / ".shipped", address)
+    try:
+        yield files
+    finally:
+        files.close()
+
+
+@contextmanager
+def coordinator_relays(job, store, secret: str, files: FileServer):
     """A coordinator of hosts while the run goes on: the metrics rows its nodes send go to its
     ``metrics.jsonl`` (:class:`~skiptrain.runtime.shipping.RowMirror`), their checkpoint parts are
-    committed under ``roots`` (phase name -> checkpoint root), and the checkpoint a resumed job
-    starts from is published for them."""
+    committed under ``files.roots`` (phase name -> checkpoint root), and the checkpoint a resumed
+    job starts from is published for them."""
     from ..config import config_from_dict
 
     run_dir = Path(job.run_dir)
     verifier = Verifier(secret, run_dir / "rejected_writes.jsonl")
     keep = config_from_dict(job.config).checkpoint.keep
-    address = (store.host, store.port + 1 if store.port < 65535 else 0)   # (the file server: next to the store)
-    with CheckpointCollector(store, verifier, coordinator_key(secret), roots, keep, RowMirror(store, verifier, run_dir),
-                             address) as collector:
+    with CheckpointCollector(store, verifier, coordinator_key(secret), files, keep, RowMirror(store, verifier, run_dir)):
         if job.resume:
-            publish_checkpoint(store, coordinator_key(secret), collector.files,
-                               job.phases[int(job.resume["phase"])].name, Path(job.resume["path"]), which="resume")
+            publish_checkpoint(store, coordinator_key(secret), files, job.phases[int(job.resume["phase"])].name,
+                               Path(job.resume["path"]), which="resume")
         yield
 
 

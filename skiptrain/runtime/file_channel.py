@@ -1,25 +1,31 @@
-"""Checkpoint files between a coordinator and its nodes on other hosts, over HTTP, not the store.
+"""Files between a coordinator and its nodes on other hosts, over HTTP, not the store.
 
-The run's store holds every value in memory, so checkpoint parts (a stage's weights and
-optimizer state: gigabytes for a large model) go around it: the coordinator serves a
-:class:`FileServer` next to its store, on the same address, at the store's port + 1 (another one
-if that is taken), announced in the store (``files/addr``, signed by the coordinator).  Two kinds of request, each streamed
-to or from disk in blocks (nothing is held whole in memory):
+The run's store holds every value in memory, so files (a stage's weights and optimizer state:
+gigabytes for a large model) go around it: the coordinator serves a :class:`FileServer` next to
+its store, on the same address, at the store's port + 1 (another one if that is taken),
+announced in the store (``files/addr``, signed by the coordinator).  Three kinds of request, each
+streamed to or from disk in blocks (nothing is held whole in memory):
 
 * ``PUT /in/<node>/<phase>/<step>/<name>``: one file of node ``node``'s checkpoint part, written to
-  ``<root of phase>/.incoming/<node>/<step>/<name>``.  The request is signed with the node's
-  member key (headers ``X-Skiptrain-Node``, ``X-Skiptrain-Sig``: HMAC-SHA256 of ``PUT <path>``);
-  an unsigned or foreign one is refused (403) before a byte is written.
+  ``<root of phase>/.incoming/<node>/<step>/<name>``;
+* ``PUT /out/<node>/<path>``: one of the outputs node ``node`` ships when it ends (its stage's
+  weights, its metrics and timelines: :mod:`~skiptrain.runtime.shipping`), written to
+  ``<outputs>/<node>/<path>`` (at most :data:`OUT_DEPTH` plain names);
 * ``GET /pub/<which>/<phase>/<step>/<name>``: a file of a checkpoint the coordinator published
   (:meth:`FileServer.publish`).  Reads are not signed, as reads of the store are not.
 
-Neither side trusts the bytes: a part's SHA-256 travels in its signed slot of the ``ckpt`` log
-and a published checkpoint's in the coordinator's signed record
-(:mod:`~skiptrain.runtime.checkpoint_relay`), and both are checked before anything is used.
+An upload carries the SHA-256 of its bytes (``X-Skiptrain-Sha256``) and is signed with the node's
+member key (``X-Skiptrain-Node``, ``X-Skiptrain-Sig``: HMAC-SHA256 of ``PUT <path>`` and the
+digest): an unsigned or foreign one is refused (403) before a byte is written, and one whose
+bytes do not hash to the signed digest (400) never lands.  Neither side trusts the bytes beyond
+that: a part's digest also travels in its signed slot of the ``ckpt`` log, an output's in its
+node's signed manifest, a published checkpoint's in the coordinator's signed record, and each is
+checked before anything is used.
 
-Failure semantics: the server answers 400/403/404 to a malformed, unsigned or unknown request and
-never raises; a client call raises ``OSError`` (nothing answers, or a refusal: the status and
-reason in its message), and a download never leaves a partial file behind.
+Failure semantics: the server answers 400/403/404/500 to a malformed, unsigned, unknown or
+unstorable request and never raises; a client call raises ``OSError`` (nothing answers, or a
+refusal: the status and reason in its message); neither an upload nor a download ever leaves a
+partial file behind.
 """
 
 from __future__ import annotations
@@ -44,32 +50,46 @@ ADDR_KEY = "files/addr"
 BLOCK = 1 << 20
 #: A connection that sends or takes nothing this long is closed.
 SOCKET_TIMEOUT_S = 60.0
+#: The most folders and file names below ``/out/<node>/`` (``phases/<phase>/<file>``).
+OUT_DEPTH = 3
 _NAME = re.compile(r"[A-Za-z0-9_.-]+")
+_DIGEST = re.compile(r"[0-9a-f]{64}")
 
 
-def _parts(path: str, head: str, n: int) -> list[str] | None:
-    """The ``n`` path segments after ``/head/``, each a plain name, else None."""
-    segs = path.split("/")
-    if len(segs) != n + 2 or segs[0] != "" or segs[1] != head:
+def plain_path(rel: str, depth: int = OUT_DEPTH) -> bool:
+    """Whether ``rel`` is 1 to ``depth`` plain names joined by ``/`` (no ``.``/``..``, nothing absolute)."""
+    segs = rel.split("/") if isinstance(rel, str) else []
+    return 0 < len(segs) <= depth and all(_NAME.fullmatch(s) and s not in (".", "..") for s in segs)
+
+
+def _parts(path: str) -> tuple[str, list[str]] | None:
+    """``(head, segments after /head/)`` of a request path, each a plain name, else None."""
+    head, _, rest = path.removeprefix("/").partition("/")
+    n = {"in": 4, "pub": 4, "out": 1 + OUT_DEPTH}.get(head)
+    if n is None or not plain_path(rest, n) or (head != "out" and rest.count("/") != n - 1) or \
+            (head == "out" and "/" not in rest):
         return None
-    return segs[2:] if all(_NAME.fullmatch(s) and s not in (".", "..") for s in segs[2:]) else None
+    return head, rest.split("/")
 
 
 class FileServer:
     """The coordinator's side (see the module doc): ``roots`` maps a phase to its checkpoint root
-    (incoming parts go under ``.incoming`` there); ``secret`` checks the nodes' signatures."""
+    (incoming parts go under ``.incoming`` there), ``outputs`` is where the nodes' outputs go (None:
+    none are taken); ``secret`` checks the nodes' signatures."""
 
-    def __init__(self, host: str, secret: str, roots: dict[str, Path], port: int = 0):
+    def __init__(self, host: str, secret: str, roots: dict[str, Path], port: int = 0, outputs: Path | None = None):
         self.roots, self.secret = {p: Path(r) for p, r in roots.items()}, secret
+        self.outputs = Path(outputs) if outputs is not None else None
         self.published: dict[tuple[str, str], tuple[int, Path]] = {}
         self.lock = threading.Lock()
         try:
-            self.http = ThreadingHTTPServer((host, port), _handler(self))
+            self.http = ThreadingHTTPServer((host, port), _Handler)
         except OSError as e:            # (taken: any free port; the nodes read it from the store)
             print(f"[coordinator] port {port} is not free for checkpoint files ({e.strerror}); using one the OS "
                   "picks", file=sys.stderr, flush=True)
-            self.http = ThreadingHTTPServer((host, 0), _handler(self))
+            self.http = ThreadingHTTPServer((host, 0), _Handler)
         self.http.daemon_threads = True
+        self.http.files = self
         self.address = (host, self.http.server_address[1])
         threading.Thread(target=self.http.serve_forever, name="file-server", daemon=True).start()
 
@@ -90,8 +110,11 @@ class FileServer:
         self.http.shutdown()
         self.http.server_close()
 
-    def put_path(self, node: int, parts: list[str]) -> Path | None:
-        """Where a node's upload goes (None: not a phase of this job, or not a step)."""
+    def put_path(self, node: int, head: str, parts: list[str]) -> Path | None:
+        """Where a node's upload goes (None: not a phase of this job, not a step, or outputs
+        this server does not take)."""
+        if head == "out":
+            return self.outputs / str(node) / "/".join(parts) if self.outputs is not None else None
         phase, step, name = parts
         if phase not in self.roots or not step.isdigit():
             return None
@@ -106,78 +129,84 @@ class FileServer:
         return pub[1] / name
 
 
-def _receive(rfile, tmp: Path, size: int) -> bool:
-    """``size`` bytes of a request body into ``tmp``; False when the body ended early."""
-    left = size
+def _receive(rfile, tmp: Path, size: int) -> str | None:
+    """``size`` bytes of a request body into ``tmp``; their SHA-256, None when the body ended early."""
+    left, h = size, hashlib.sha256()
     with open(tmp, "wb") as f:
         while left > 0:
             block = rfile.read(min(BLOCK, left))
             if not block:
-                return False
+                return None
+            h.update(block)
             f.write(block)
             left -= len(block)
-    return True
+    return h.hexdigest()
 
 
-def _handler(server: FileServer):
-    class Handler(BaseHTTPRequestHandler):
-        protocol_version = "HTTP/1.1"
-        timeout = SOCKET_TIMEOUT_S        # (a peer that connects and sends nothing frees its thread)
+class _Handler(BaseHTTPRequestHandler):
+    """One request to a :class:`FileServer` (``self.server.files``)."""
 
-        def log_message(self, *args) -> None:      # (one line per request would drown the coordinator's log)
-            pass
+    protocol_version = "HTTP/1.1"
+    timeout = SOCKET_TIMEOUT_S        # (a peer that connects and sends nothing frees its thread)
 
-        def do_PUT(self) -> None:
-            parts = _parts(self.path, "in", 4)
-            node = self.headers.get("X-Skiptrain-Node", "")
-            size = self.headers.get("Content-Length", "")
-            if parts is None or not size.isdigit() or not node.lstrip("-").isdigit():
-                return self._reply(400, "malformed request")
-            if parts[0] != node or not hmac.compare_digest(
-                    tag(member_key(server.secret, int(node)), "PUT", self.path),
-                    self.headers.get("X-Skiptrain-Sig", "")):
-                return self._reply(403, "not signed by the node it names")
-            dest = server.put_path(int(node), parts[1:])
-            if dest is None:
-                return self._reply(404, "not a phase and step of this job")
-            tmp = dest.with_name(dest.name + ".part")
-            try:
-                dest.parent.mkdir(parents=True, exist_ok=True)
-                if _receive(self.rfile, tmp, int(size)):
-                    os.replace(tmp, dest)
-                    return self._reply(200, "ok")
-                self._reply(400, "the body ended early")
-            except OSError as e:             # (a full disk, a peer gone mid-body, a step dropped meanwhile)
-                self._reply(500, f"not stored: {e.strerror or type(e).__name__}")
-            finally:
-                tmp.unlink(missing_ok=True)
+    def log_message(self, *args) -> None:      # (one line per request would drown the coordinator's log)
+        pass
 
-        def do_GET(self) -> None:
-            parts = _parts(self.path, "pub", 4)
-            src = server.get_path(parts) if parts is not None else None
-            if src is None:
-                return self._reply(404, "not published")
-            try:
-                with open(src, "rb") as f:
-                    self.send_response(200)
-                    self.send_header("Content-Length", str(os.fstat(f.fileno()).st_size))
-                    self.end_headers()
-                    shutil.copyfileobj(f, self.wfile, BLOCK)
-            except OSError:                  # (pruned meanwhile, or the peer went away: it fetches again)
-                self.close_connection = True
+    def do_PUT(self) -> None:
+        parsed = _parts(self.path)
+        node, digest = self.headers.get("X-Skiptrain-Node", ""), self.headers.get("X-Skiptrain-Sha256", "")
+        size = self.headers.get("Content-Length", "")
+        if parsed is None or parsed[0] == "pub" or not size.isdigit() or not node.lstrip("-").isdigit() \
+                or not _DIGEST.fullmatch(digest):
+            return self._reply(400, "malformed request")
+        head, parts = parsed
+        if parts[0] != node or not hmac.compare_digest(
+                tag(member_key(self.server.files.secret, int(node)), "PUT", f"{self.path}\n{digest}"),
+                self.headers.get("X-Skiptrain-Sig", "")):
+            return self._reply(403, "not signed by the node it names")
+        dest = self.server.files.put_path(int(node), head, parts[1:])
+        if dest is None:
+            return self._reply(404, "not a phase and step of this job, nor an output it takes")
+        self._store(dest, int(size), digest)
 
-        def _reply(self, code: int, why: str) -> None:
-            body = why.encode()
-            try:
-                self.send_response(code)
-                self.send_header("Content-Length", str(len(body)))
+    def _store(self, dest: Path, size: int, digest: str) -> None:
+        tmp = dest.with_name(dest.name + ".part")
+        try:
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            got = _receive(self.rfile, tmp, size)
+            if got == digest:
+                os.replace(tmp, dest)
+                return self._reply(200, "ok")
+            self._reply(400, "the body ended early" if got is None else "the bytes do not match their signed digest")
+        except OSError as e:             # (a full disk, a peer gone mid-body, a step dropped meanwhile)
+            self._reply(500, f"not stored: {e.strerror or type(e).__name__}")
+        finally:
+            tmp.unlink(missing_ok=True)
+
+    def do_GET(self) -> None:
+        parsed = _parts(self.path)
+        src = self.server.files.get_path(parsed[1]) if parsed is not None and parsed[0] == "pub" else None
+        if src is None:
+            return self._reply(404, "not published")
+        try:
+            with open(src, "rb") as f:
+                self.send_response(200)
+                self.send_header("Content-Length", str(os.fstat(f.fileno()).st_size))
                 self.end_headers()
-                self.wfile.write(body)
-            except OSError:
-                pass
-            self.close_connection = self.close_connection or code != 200   # (an unread body may follow)
+                shutil.copyfileobj(f, self.wfile, BLOCK)
+        except OSError:                  # (pruned meanwhile, or the peer went away: it fetches again)
+            self.close_connection = True
 
-    return Handler
+    def _reply(self, code: int, why: str) -> None:
+        body = why.encode()
+        try:
+            self.send_response(code)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+        except OSError:
+            pass
+        self.close_connection = self.close_connection or code != 200   # (an unread body may follow)
 
 
 def server_address(store, key: bytes | None) -> tuple[str, int] | None:
@@ -200,30 +229,28 @@ def sha256_of(path: Path) -> str:
     return h.hexdigest()
 
 
-class _Hashing:
-    """A file read for sending, hashed as it is read (a part is read from disk once)."""
-
-    def __init__(self, f):
-        self.f, self.h = f, hashlib.sha256()
-
-    def read(self, n: int = -1) -> bytes:
-        block = self.f.read(n)
-        self.h.update(block)
-        return block
-
-
 def put_file(address: tuple[str, int], key: bytes, node: int, phase: str, step: int, src: Path,
              timeout_s: float = 120.0) -> str:
     """Send ``src`` as node ``node``'s file of ``phase``/``step`` (streamed); its SHA-256.
     Raises ``OSError``."""
-    path = f"/in/{node}/{phase}/{step}/{src.name}"
+    return _put(address, key, node, f"/in/{node}/{phase}/{step}/{src.name}", src, timeout_s)
+
+
+def put_output(address: tuple[str, int], key: bytes, node: int, rel: str, src: Path,
+               timeout_s: float = 120.0) -> str:
+    """Send ``src`` as node ``node``'s output ``rel`` (a :func:`plain_path`); its SHA-256.
+    Raises ``OSError``."""
+    return _put(address, key, node, f"/out/{node}/{rel}", src, timeout_s)
+
+
+def _put(address: tuple[str, int], key: bytes, node: int, path: str, src: Path, timeout_s: float) -> str:
+    digest = sha256_of(src)
     conn = http.client.HTTPConnection(*address, timeout=timeout_s)
     try:
         with open(src, "rb") as f:
-            body = _Hashing(f)
-            conn.request("PUT", path, body=body, headers={
-                "Content-Length": str(src.stat().st_size), "X-Skiptrain-Node": str(node),
-                "X-Skiptrain-Sig": tag(key, "PUT", path)})
+            conn.request("PUT", path, body=f, headers={
+                "Content-Length": str(os.fstat(f.fileno()).st_size), "X-Skiptrain-Node": str(node),
+                "X-Skiptrain-Sha256": digest, "X-Skiptrain-Sig": tag(key, "PUT", f"{path}\n{digest}")})
             resp = conn.getresponse()
             why = resp.read(200).decode(errors="replace")
         if resp.status != 200:
@@ -232,7 +259,7 @@ def put_file(address: tuple[str, int], key: bytes, node: int, phase: str, step: 
         raise OSError(f"{path}: {type(e).__name__}: {e}") from None
     finally:
         conn.close()
-    return body.h.hexdigest()
+    return digest
 
 
 def get_file(address: tuple[str, int], which: str, phase: str, step: int, name: str, dest: Path,

@@ -38,7 +38,7 @@ from pathlib import Path
 
 from ..schedule.timeline import Event
 from ..signals import sigterm_as_interrupt
-from .checkpoint_relay import coordinator_relays
+from .checkpoint_relay import coordinator_relays, hosts_file_server
 from .coordinator import SignOfLife
 from .event_log import LOG_NAME, log_event
 from .failure import RuntimeFailure
@@ -177,12 +177,13 @@ def _coordinate(job: Job, world: int, store, store_proc, join_secret: str | None
     store_watch = DeathWatch(store_proc) if isinstance(store_proc, subprocess.Popen) else None
     alive = SignOfLife(store, coordinator_key(join_secret), job.rt.heartbeat_s) if job.rt.recover else nullcontext()
     try:
-        with alive:
-            with (coordinator_relays(job, store, join_secret, checkpoint_roots(job)) if remote else nullcontext()):
+        with alive, (hosts_file_server(job, store, join_secret, checkpoint_roots(job)) if remote
+                     else nullcontext()) as files:
+            with (coordinator_relays(job, store, join_secret, files) if remote else nullcontext()):
                 interrupted, err = _run_nodes(job, world, store, store_watch, join_secret, t_start, timeout_s,
                                               grace_s, echo, start, resume)
             if remote:      # (the last generation's members are waited for: they ship as their process ends)
-                collect_run_outputs(store, join_secret, run_dir, max(30.0, job.rt.timeout_s))
+                collect_run_outputs(store, join_secret, run_dir, files.outputs, max(30.0, job.rt.timeout_s))
     finally:                # (the run is over: its store process ends, asked to; one this process did not
         if store_watch is not None:                                        # start only when resuming)
             store_watch.stopping()

@@ -1,4 +1,4 @@
-"""A node's outputs sent to the coordinator's run directory over the store (no shared file system).
+"""A node's outputs sent to the coordinator's run directory over the wire (no shared file system).
 
 While the run goes on, rank 0 of each generation also sends every metrics row it writes
 (:func:`publish_row`: ``metrics/<i>``, signed), and every node its sample log's rows; the
@@ -6,11 +6,13 @@ coordinator appends them to its ``metrics.jsonl`` and sample logs as they come
 (:class:`RowMirror`), so a run's progress is visible, and kept, where it is coordinated.  A node on another host writes its outputs (metrics rows while it was rank 0, its stage's final
 weights under ``parts/``, timelines and sample logs under ``phases/``, error reports) into its
 own run directory.  When the node process ends, however it ended, its supervisor on the same host
-ships them (:func:`ship_outputs`): every file's bytes to ``out/<node>/f/<path>``, then a manifest
-``out/<node>`` of paths and SHA-256 digests, signed with the node's member key.  The coordinator
-assembles them in its ``RUN_DIR`` (:func:`collect_outputs`): a file whose digest does not match
-the signed manifest is refused, JSON-lines files from several nodes are merged (metrics in step
-order, without duplicate rows), any other file is taken as it is.  Logs stay on their hosts.
+ships them (:func:`ship_outputs`): every file streamed to the coordinator's file server
+(:func:`~skiptrain.runtime.file_channel.put_output`: not through the store, which holds values in
+memory), then a manifest ``out/<node>`` of paths and SHA-256 digests in the store, signed with
+the node's member key.  The coordinator assembles them in its ``RUN_DIR``
+(:func:`collect_outputs`): a file whose digest does not match the signed manifest is refused,
+JSON-lines files from several nodes are merged (metrics in step order, without duplicate rows),
+any other file is moved into place as it is.  Logs stay on their hosts.
 
 Failure semantics: nothing here raises on what another process wrote: a forged, malformed or
 tampered value is skipped (said on stderr, or in ``rejected_writes.jsonl`` by the verifier); a
@@ -21,15 +23,17 @@ node whose outputs never arrive is named once; a metrics slot never written is s
 from __future__ import annotations
 
 import fnmatch
-import hashlib
 import json
+import os
 import queue
+import shutil
 import sys
 import threading
 import time
 from datetime import timedelta
 from pathlib import Path
 
+from .file_channel import plain_path, put_output, server_address, sha256_of
 from .membership import COORDINATOR, MAX_NODE_IDS, Verifier, open_value, raise_count, read_count, read_raw, sign, strip_tag
 
 #: What a node ships, relative to its run directory (checkpoints and logs stay on the host).
@@ -38,8 +42,6 @@ SHIPPED = ("metrics.jsonl", "elastic.jsonl", "parts/*.safetensors", "phases/**/*
 ACCEPTED = ("metrics.jsonl", "elastic.jsonl", "parts/stage*.safetensors", "phases/*", "errors/node*.json")
 #: A metrics slot counted but not written this long is skipped by the mirror (its writer died).
 GAP_S = 10.0
-#: A file larger than this is not shipped (said once on stderr): the store holds values in memory.
-MAX_FILE_BYTES = 512 << 20
 
 
 def _files(root: Path) -> list[Path]:
@@ -49,20 +51,22 @@ def _files(root: Path) -> list[Path]:
     return list(dict.fromkeys(out))
 
 
-def ship_outputs(store, key: bytes | None, node: int, root: Path) -> int:
-    """Send node ``node``'s outputs under ``root`` to the store, then their signed manifest;
-    returns the bytes sent."""
+def ship_outputs(store, key: bytes, coord_key: bytes, node: int, root: Path) -> int:
+    """Send node ``node``'s outputs under ``root`` to the coordinator's file server (``coord_key``
+    checks its announcement), then their signed manifest to the store; returns the bytes sent.
+    Raises ``OSError`` (no file server, a refusal, a link gone) or the store's ``RuntimeError``."""
+    address = server_address(store, coord_key)
+    if address is None:
+        raise OSError("the coordinator announced no file server")
     manifest, sent = {}, 0
     for path in _files(Path(root)):
-        data = path.read_bytes()
         rel = path.relative_to(root).as_posix()
-        if len(data) > MAX_FILE_BYTES:
-            print(f"skiptrain node {node}: not shipping {rel} ({len(data) >> 20} MiB): it stays in {root}",
+        if not plain_path(rel):
+            print(f"skiptrain node {node}: not shipping {rel!r} (not a plain path): it stays in {root}",
                   file=sys.stderr, flush=True)
             continue
-        store.set(f"out/{node}/f/{rel}", data)
-        manifest[rel] = hashlib.sha256(data).hexdigest()
-        sent += len(data)
+        manifest[rel] = put_output(address, key, node, rel, path)
+        sent += path.stat().st_size
     name = f"out/{node}"
     store.set(name, sign(key, name, json.dumps(manifest)))
     return sent
@@ -91,12 +95,13 @@ def wait_shipped(store, verifier: Verifier | None, nodes, timeout_s: float) -> s
     return missing
 
 
-def collect_outputs(store, verifier: Verifier | None, nodes, run_dir: Path) -> dict[int, int]:
-    """Write the outputs every node of ``nodes`` shipped into ``run_dir``, in that order (a later
-    node's file replaces an earlier one's); returns node -> files taken.  JSON-lines files are
-    merged with what is there already (rows in step order, each once).  A path that is not a
-    node's output or lies outside ``run_dir``, or bytes that do not match the signed digest, are
-    refused (one line on stderr each)."""
+def collect_outputs(store, verifier: Verifier | None, nodes, run_dir: Path, received: Path) -> dict[int, int]:
+    """Move the outputs every node of ``nodes`` shipped (uploaded under ``received/<node>``, named
+    in its signed manifest) into ``run_dir``, in that order (a later node's file replaces an
+    earlier one's); returns node -> files taken.  JSON-lines files are merged with what is there
+    already (rows in step order, each once).  A path that is not a node's output or lies outside
+    ``run_dir``, or bytes that do not match the signed digest, are refused (one line on stderr
+    each)."""
     run_dir = Path(run_dir)
     lines: dict[str, list[str]] = {}
     taken = {}
@@ -104,20 +109,19 @@ def collect_outputs(store, verifier: Verifier | None, nodes, run_dir: Path) -> d
         manifest = shipped(store, verifier, n) or {}
         taken[n] = 0
         for rel, digest in sorted(manifest.items()):
+            src = Path(received) / str(n) / rel
             why = _refused(run_dir, rel)
-            data = store.get(f"out/{n}/f/{rel}") if why is None and store.check([f"out/{n}/f/{rel}"]) else None
-            if why is None and (data is None or hashlib.sha256(data).hexdigest() != digest):
+            if why is None and (not src.is_file() or sha256_of(src) != digest):
                 why = "its bytes do not match the node's signed manifest"
             if why is not None:
                 print(f"[coordinator] refused {rel!r} from node {n}: {why}", file=sys.stderr, flush=True)
                 continue
             taken[n] += 1
             if rel.endswith(".jsonl"):
-                lines.setdefault(rel, []).extend(data.decode(errors="replace").splitlines())
+                lines.setdefault(rel, []).extend(src.read_text(errors="replace").splitlines())
                 continue
-            dest = run_dir / rel
-            dest.parent.mkdir(parents=True, exist_ok=True)
-            dest.write_bytes(data)
+            (run_dir / rel).parent.mkdir(parents=True, exist_ok=True)
+            os.replace(src, run_dir / rel)
     for rel, rows in lines.items():
         _merge_lines(run_dir / rel, rows)
     return taken
@@ -125,7 +129,7 @@ def collect_outputs(store, verifier: Verifier | None, nodes, run_dir: Path) -> d
 
 def _refused(run_dir: Path, rel: str) -> str | None:
     """Why a shipped path may not be written into ``run_dir`` (None: it may)."""
-    if not isinstance(rel, str) or not any(fnmatch.fnmatchcase(rel, pat) for pat in ACCEPTED):
+    if not isinstance(rel, str) or not plain_path(rel) or not any(fnmatch.fnmatchcase(rel, pat) for pat in ACCEPTED):
         return "not one of the outputs a node ships"
     if not (run_dir / rel).resolve().is_relative_to(run_dir.resolve()):
         return "outside the run directory"
@@ -154,9 +158,10 @@ def _merge_lines(dest: Path, rows: list[str]) -> None:
     dest.write_text("".join(line + "\n" for line in out))
 
 
-def collect_run_outputs(store, secret: str, run_dir: Path, wait_s: float) -> None:
+def collect_run_outputs(store, secret: str, run_dir: Path, received: Path, wait_s: float) -> None:
     """Coordinator side, at the end of a run across hosts: wait up to ``wait_s`` for the outputs
-    of the last generation's members, then take every node's that arrived."""
+    of the last generation's members, then take every node's that arrived (uploaded under
+    ``received``, which is removed afterwards: what is left there was refused)."""
     from .recovery import generation_record, latest_generation
     from .membership import coordinator_key
 
@@ -169,7 +174,8 @@ def collect_run_outputs(store, secret: str, run_dir: Path, wait_s: float) -> Non
     alive = set((rec or {}).get("alive", []))
     top = read_count(store, "nodes/next", MAX_NODE_IDS) or 1 + max(alive, default=-1)   # (a forged counter: the alive ones)
     everyone = range(top)                                   # the last generation's last: its stage weights win
-    collect_outputs(store, verifier, [n for n in everyone if n not in alive] + sorted(alive), run_dir)
+    collect_outputs(store, verifier, [n for n in everyone if n not in alive] + sorted(alive), run_dir, received)
+    shutil.rmtree(received, ignore_errors=True)
 
 
 def claim_slot(store, prefix: str) -> int:

@@ -15,7 +15,8 @@ from skiptrain.checkpoint.format import CheckpointError
 from skiptrain.checkpoint.manager import CheckpointManager
 from skiptrain.checkpoint.plan import TensorSpec
 from skiptrain.checkpoint.reader import CheckpointReader
-from skiptrain.runtime.checkpoint_relay import CheckpointCollector, PartShipper, fetch_checkpoint, publish_checkpoint
+from skiptrain.runtime.checkpoint_relay import (CheckpointCollector, PartShipper, fetch_checkpoint, open_file_server,
+                                                publish_checkpoint)
 from skiptrain.runtime.file_channel import FileServer
 from skiptrain.runtime.membership import Verifier, coordinator_key, member_key, sign
 from skiptrain.runtime.shipping import claim_slot, write_slot
@@ -60,8 +61,9 @@ def _incoming(tmp_path, node, step):
     return tmp_path / "coord" / ".incoming" / str(node) / str(step)
 
 
-def _collector(store, tmp_path, keep=3):
-    return CheckpointCollector(store, Verifier(SECRET), coordinator_key(SECRET), {PHASE: tmp_path / "coord"}, keep)
+def _collector(store, tmp_path, keep=3, mirror=None):
+    files = open_file_server(store, SECRET, {PHASE: tmp_path / "coord"})
+    return CheckpointCollector(store, Verifier(SECRET), coordinator_key(SECRET), files, keep, mirror)
 
 
 def _same(a, b):
@@ -197,8 +199,7 @@ def test_the_file_server_takes_only_uploads_signed_by_the_node_they_name(tmp_pat
 def test_a_step_commits_only_once_the_rows_sent_before_its_parts_are_in_the_run_directory(store, tmp_path):
     from skiptrain.runtime.shipping import RowMirror, publish_row
 
-    col = CheckpointCollector(store, Verifier(SECRET), coordinator_key(SECRET), {PHASE: tmp_path / "coord"}, 3,
-                              RowMirror(store, Verifier(SECRET), tmp_path))
+    col = _collector(store, tmp_path, mirror=RowMirror(store, Verifier(SECRET), tmp_path))
     publish_row(store, member_key(SECRET, 0), 0, json.dumps({"step": 5}))
     slot = claim_slot(store, "metrics")                 # a row counted, not written yet
     _save({0: tmp_path / "n0", 1: tmp_path / "n1"}, 5, _tensors(6), _shippers(store))

@@ -1,5 +1,5 @@
-"""A node's outputs reach the coordinator's run directory over the store, only as its signed
-manifest says, and metrics rows are mirrored as they come; a supervisor refuses bad input in one
+"""A node's outputs reach the coordinator's run directory through its file server, only as the
+node's signed manifest says, and metrics rows are mirrored as they come; a supervisor refuses bad input in one
 line (a coordinator that never answers, a data set that is not the job's, an address no peer can
 reach).  In-process stores only: nothing here starts a process."""
 
@@ -12,10 +12,23 @@ import pytest
 
 from skiptrain.errors import UserError
 from skiptrain.runtime.addresses import AddressError, check_advertised, interface_of, route_address
-from skiptrain.runtime.membership import Verifier, member_key, sign
+from skiptrain.runtime.checkpoint_relay import open_file_server
+from skiptrain.runtime.membership import Verifier, coordinator_key, member_key, sign
 from skiptrain.runtime.shipping import RowMirror, collect_outputs, publish_row, ship_outputs
 
 SECRET = "s3cret"
+
+
+@pytest.fixture
+def files(store, tmp_path):
+    """The coordinator's file server, taking outputs under ``tmp_path/received``."""
+    server = open_file_server(store, SECRET, {}, tmp_path / "received")
+    yield server
+    server.close()
+
+
+def _ship(store, node, root):
+    return ship_outputs(store, member_key(SECRET, node), coordinator_key(SECRET), node, root)
 
 
 def _node_dir(root, rows, weights=b"w" * 100):
@@ -27,45 +40,76 @@ def _node_dir(root, rows, weights=b"w" * 100):
     return root
 
 
-def test_outputs_arrive_as_the_signed_manifest_says_and_metrics_merge_in_step_order(store, tmp_path):
+def test_outputs_arrive_as_the_signed_manifest_says_and_metrics_merge_in_step_order(store, files, tmp_path):
     a = _node_dir(tmp_path / "a", [{"step": 1, "loss": 3.0}, {"step": 3, "loss": 2.0}])
     b = _node_dir(tmp_path / "b", [{"step": 2, "loss": 2.5}, {"step": 3, "loss": 2.0}], weights=b"v" * 10)
-    ship_outputs(store, member_key(SECRET, 0), 0, a)
-    ship_outputs(store, member_key(SECRET, 1), 1, b)
+    assert _ship(store, 0, a) == 100 + len((a / "metrics.jsonl").read_bytes())
+    _ship(store, 1, b)
+    assert sorted(p.relative_to(files.outputs).as_posix() for p in files.outputs.rglob("*.*")) == \
+        ["0/metrics.jsonl", "0/parts/stage1.safetensors", "1/metrics.jsonl", "1/parts/stage1.safetensors"]
     run = tmp_path / "run"
     run.mkdir()
     (run / "metrics.jsonl").write_text(json.dumps({"step": 1, "loss": 3.0}) + "\n")    # mirrored already
-    taken = collect_outputs(store, Verifier(SECRET), [0, 1, 2], run)
+    taken = collect_outputs(store, Verifier(SECRET), [0, 1, 2], run, files.outputs)
     assert taken == {0: 2, 1: 2, 2: 0}
     rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2, 3]                  # each row once, by step
-    assert (run / "parts" / "stage1.safetensors").read_bytes() in (b"w" * 100, b"v" * 10)
+    assert (run / "parts" / "stage1.safetensors").read_bytes() == b"v" * 10        # (the later node's)
     assert not (run / "checkpoints").exists()
 
 
-def test_a_file_changed_in_the_store_or_a_forged_manifest_is_refused(store, tmp_path, capsys):
+def test_a_file_changed_after_it_arrived_or_a_forged_manifest_is_refused(store, files, tmp_path, capsys):
     a = _node_dir(tmp_path / "a", [{"step": 1}])
-    ship_outputs(store, member_key(SECRET, 0), 0, a)
-    store.set("out/0/f/parts/stage1.safetensors", b"evil")
+    _ship(store, 0, a)
+    (files.outputs / "0" / "parts" / "stage1.safetensors").write_bytes(b"evil")
     store.set("out/1", json.dumps({"parts/stage9.safetensors": "0" * 64}))    # no tag: not node 1's
-    store.set("out/1/f/parts/stage9.safetensors", b"evil")
+    (files.outputs / "1" / "parts").mkdir(parents=True)
+    (files.outputs / "1" / "parts" / "stage9.safetensors").write_bytes(b"evil")
     run = tmp_path / "run"
     run.mkdir()
-    taken = collect_outputs(store, Verifier(SECRET), [0, 1], run)
+    taken = collect_outputs(store, Verifier(SECRET), [0, 1], run, files.outputs)
     assert taken == {0: 1, 1: 0}
     assert not (run / "parts").exists()
     assert "do not match the node's signed manifest" in capsys.readouterr().err
 
 
-def test_a_manifest_cannot_write_outside_the_run_directory(store, tmp_path):
+def test_an_upload_is_taken_only_signed_by_its_node_and_with_the_bytes_its_signed_digest_names(files, tmp_path):
+    import hashlib
+    import http.client
+
+    from skiptrain.runtime.file_channel import put_output
+    from skiptrain.runtime.membership import tag
+
+    src = tmp_path / "metrics.jsonl"
+    src.write_bytes(b"{}\n")
+    with pytest.raises(OSError, match="403"):
+        put_output(files.address, member_key(SECRET, 3), 2, "metrics.jsonl", src)      # another node's key
+    path, digest = "/out/2/metrics.jsonl", hashlib.sha256(b"{}\n").hexdigest()
+    conn = http.client.HTTPConnection(*files.address, timeout=10)
+    conn.request("PUT", path, body=b"{}\r", headers={            # signed, but other bytes (a replay)
+        "Content-Length": "3", "X-Skiptrain-Node": "2", "X-Skiptrain-Sha256": digest,
+        "X-Skiptrain-Sig": tag(member_key(SECRET, 2), "PUT", f"{path}\n{digest}")})
+    resp = conn.getresponse()
+    assert (resp.status, resp.read()) == (400, b"the bytes do not match their signed digest")
+    conn.close()
+    assert not (files.outputs / "2").exists() or not list((files.outputs / "2").rglob("*"))
+    for rel in ("../escape.txt", "a/b/c/d.json", ".hidden/../x"):
+        with pytest.raises(OSError, match="400"):
+            put_output(files.address, member_key(SECRET, 2), 2, rel, src)
+    assert put_output(files.address, member_key(SECRET, 2), 2, "metrics.jsonl", src) == digest
+    assert (files.outputs / "2" / "metrics.jsonl").read_bytes() == b"{}\n"
+
+
+def test_a_manifest_cannot_write_outside_the_run_directory(store, files, tmp_path):
     name = "out/0"
     data = b"x"
     import hashlib
-    store.set("out/0/f/../escape.txt", data)
+    (files.outputs / "0").mkdir(parents=True)
+    (files.outputs / "escape.txt").write_bytes(data)
     store.set(name, sign(member_key(SECRET, 0), name, json.dumps({"../escape.txt": hashlib.sha256(data).hexdigest()})))
     run = tmp_path / "run"
     run.mkdir()
-    assert collect_outputs(store, Verifier(SECRET), [0], run) == {0: 0}
+    assert collect_outputs(store, Verifier(SECRET), [0], run, files.outputs) == {0: 0}
     assert not (tmp_path / "escape.txt").exists()
 
 
@@ -158,13 +202,16 @@ def test_only_a_nodes_outputs_are_taken(store, tmp_path, capsys):
 
     files = {"": b"x", "run.json": b"{}", "join_secret": b"s", "recoveries.jsonl": b"{}\n",
              "phases/train/node0.json": b"{}", "../escape.txt": b"x"}
+    received = tmp_path / "received"
     for rel, data in files.items():
-        store.set(f"out/0/f/{rel}", data)
+        if rel and ".." not in rel:
+            (received / "0" / rel).parent.mkdir(parents=True, exist_ok=True)
+            (received / "0" / rel).write_bytes(data)
     manifest = {rel: hashlib.sha256(data).hexdigest() for rel, data in files.items()}
     store.set("out/0", sign(member_key(SECRET, 0), "out/0", json.dumps(manifest)))
     run = tmp_path / "run"
     run.mkdir()
-    assert collect_outputs(store, Verifier(SECRET), [0], run) == {0: 1}
+    assert collect_outputs(store, Verifier(SECRET), [0], run, received) == {0: 1}
     assert sorted(p.relative_to(run).as_posix() for p in run.rglob("*") if p.is_file()) == ["phases/train/node0.json"]
     assert capsys.readouterr().err.count("not one of the outputs a node ships") == 5
 
