@@ -134,3 +134,13 @@ def replan_routes(schedule, topo: Topology, cost, cfg, min_gain: float = 0.05, t
                    method=(schedule.method or "schedule") + "+routes",
                    meta={**schedule.meta, "takeover": {}, "planner": new.meta.get("planner")})
     return out, cur, ns
+
+
+def broadcast_schedule(control, adopted):
+    """Rank 0's re-planned ``adopted = (schedule, record)`` (or None) to every node of the control
+    plane's group (:meth:`~skiptrain.runtime.node.control.ControlPlane.broadcast_json`); returns
+    (schedule or None, record or None) everywhere."""
+    from ..schedule.schedule import Schedule
+
+    d = control.broadcast_json({"schedule": adopted[0].to_dict(), "last": adopted[1]} if adopted else None)
+    return (Schedule.from_dict(d["schedule"]), d["last"]) if d else (None, None)

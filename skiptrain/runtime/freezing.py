@@ -53,6 +53,7 @@ from ..layout.transfer import transfer_plan
 from ..model.partition import Partition, partition_layers
 from ..optim import build_optimizer
 from ..schedule.schedule import Schedule
+from .drift import broadcast_schedule, replan_routes
 from .evaluate import pipelined_evaluate_sum
 from .freeze_cache import PrefixCaching
 from .job_checkpoint import load_sync
@@ -297,7 +298,6 @@ class SwarmFreezing(PrefixCaching):
             return sched
         adopted = None
         if node.control.is_root():
-            from .drift import replan_routes
             try:
                 new, cur, ns = replan_routes(sched, st.topo, cost, self.cfg, max_evals=ROUTE_EVALS)
             except Exception as e:  # noqa: BLE001 - the constructed routes stay in force
@@ -306,7 +306,7 @@ class SwarmFreezing(PrefixCaching):
                       flush=True)
             if new is not None:
                 adopted = new, {"trigger": "freeze", "simulated_current_s": cur, "simulated_new_s": ns}
-        new, _ = node.control.broadcast_schedule(adopted)
+        new, _ = broadcast_schedule(node.control, adopted)
         return new if new is not None else sched
 
     def _switch(self, sched: Schedule, stage, model, opt, cost, F: int, counts: list[int],

@@ -391,13 +391,13 @@ def open_node_checkpoints(node, ph) -> "JobCheckpointer":
     another host than the coordinator (its own run directory) writes its parts under that
     directory and sends them to the coordinator, which commits (:mod:`.checkpoint_relay`)."""
     relay = None
-    if node.control.remote:
+    if node.control.link.remote:
         from .checkpoint_relay import PartShipper, fetch_checkpoint
         from .membership import coordinator_key, key_from_env, secret_from_env
 
         coord = coordinator_key(secret_from_env())
-        sink = PartShipper(node.control.addr, node.control.port, key_from_env(node.rank), node.rank, ph.name,
-                           node.control.row_publisher().flush, coord)
+        sink = PartShipper(node.control.link.addr, node.control.link.port, key_from_env(node.rank), node.rank, ph.name,
+                           node.control.link.row_publisher().flush, coord)
         relay = Relay(sink, lambda dest: fetch_checkpoint(node.control.store, coord, ph.name, dest))
     root = Path(node.job.run_dir) / "checkpoints" / ph.name if relay is not None else checkpoint_root(node.job, ph.name)
     c = node.cfg.checkpoint

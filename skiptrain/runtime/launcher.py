@@ -348,7 +348,7 @@ def _stop_at_boundary(job: Job, procs, store, secret: str | None) -> dict | None
     run with a secret) and wait for them to exit; None when all did cleanly, else a failure description (the launch then stops
     hard).  A second Ctrl-C while waiting goes up at once."""
     from .membership import coordinator_key, sign
-    from .node.control import STOP_KEY
+    from .node.coordinator_link import STOP_KEY
 
     print("[launch] stopping: every node ends at the next iteration boundary and writes its stage "
           "(Ctrl-C again to stop at once)", file=sys.stderr, flush=True)

@@ -138,7 +138,7 @@ def close_for_want_of_coordinator(store, key: bytes | None, wait_s: float) -> No
     """Ask every node to stop at its next iteration boundary (:data:`NO_COORDINATOR`), and say
     that this store is closing (a new coordinator must not take it over)."""
     from .membership import sign
-    from .node.control import STOP_KEY as RUN_STOP_KEY
+    from .node.coordinator_link import STOP_KEY as RUN_STOP_KEY
 
     print(f"store: no sign of the coordinator for {wait_s:g} s; asking every node to stop at its next "
           "iteration boundary", flush=True)

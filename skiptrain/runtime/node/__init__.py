@@ -47,7 +47,7 @@ The node is a loop over components, each a module of this package:
 * :mod:`.stats`: per-iteration statistics as named columns.
 """
 
-from .control import STOP_KEY
+from .coordinator_link import STOP_KEY
 from .loop import Node
 from .state import PhaseState, StopRequested
 from .main import main

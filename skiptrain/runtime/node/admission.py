@@ -27,7 +27,7 @@ def admit(control, joining: bool) -> dict | None:
 
     rank, store, wait_s = control.rank, control.store, max(60.0, control.job.rt.timeout_s)
     secret = secret_from_env()
-    control.coord_key = coordinator_key(secret)   # it signs the generations
+    control.link.coord_key = coordinator_key(secret)   # it signs the generations
     node_join(store, rank, secret, wait_s)
     placed, gen = None, 0
     if joining:
@@ -37,7 +37,7 @@ def admit(control, joining: bool) -> dict | None:
         print(f"skiptrain node {rank}: admitted; joins generation {gen} as a replica of stage "
               f"{placed['stage']} ({(info.get('choice') or {}).get('rule')})", file=sys.stderr, flush=True)
     else:
-        info = wait_record(store, 0, control.coord_key, wait_s)
+        info = wait_record(store, 0, control.link.coord_key, wait_s)
     if rank not in info["alive"]:
         raise JoinRefused(f"node {rank}: not admitted to generation {gen}", node=rank)
     if placed is not None and wait_for_join(store, rank, secret, f"join/go/{gen}",

@@ -51,7 +51,7 @@ class Healer:
         (:meth:`recover`) and the node keeps the layout it had."""
         paused = None
         while True:
-            flag = torch.tensor([self.control.watch.join_seen], dtype=torch.int64)
+            flag = torch.tensor([self.control.link.watch.join_seen], dtype=torch.int64)
             self.control.sync(dist.all_reduce, flag, dist.ReduceOp.MAX)
             if int(flag.item()) <= self.control.gen:
                 if len(self.control.alive) >= self.node.job.rt.min_nodes:
@@ -113,7 +113,7 @@ class Healer:
         redone = self.settle(a.committed, a.stepped or was_moved, st.it, st.model, st.strats, st.opt, a.lr,
                              None if was_moved else a.res)
         self.node.layout.adopt(st, new_sched)   # published before the ack: the coordinator reads it after all acks
-        self.control.ack()
+        self.control.link.ack()
         st.replan_pending = True
         return redone
 
@@ -137,7 +137,7 @@ class Healer:
               flush=True)
         report_failure(self.control.store, self.control.gen, self.node.rank, suspect, str(e), bad_peer=isinstance(e, BadPayload))
         gen, info = wait_generation(self.control.store, self.control.gen, 2 * self.node.job.rt.timeout_s + (self.node.job.rt.heartbeat_deadline_s or 0),
-                                    self.control.coord_key)
+                                    self.control.link.coord_key)
         if self.node.rank not in info["alive"]:
             raise RecoveryError(f"node {self.node.rank}: fenced out of generation {gen} by the coordinator",
                                 node=self.node.rank)
@@ -314,7 +314,7 @@ class Healer:
                                "choice": joining.get("choice"), "transfer_s": time.time() - t_j, **(rep or {})}
         print(f"skiptrain node {self.node.rank}: joined at iteration {st.it} as a replica of stage {st.stage}; "
               f"state: {(rep or {}).get('init')}", file=sys.stderr, flush=True)
-        self.control.ack()
+        self.control.link.ack()
 
     def pause(self, st: "PhaseState", since: float | None) -> float:
         """Fewer live nodes than ``runtime.min_nodes``: the swarm trains nothing and waits at this
@@ -325,7 +325,7 @@ class Healer:
             print(f"skiptrain node {self.node.rank}: paused before iteration {st.it}: {len(self.control.alive)} live "
                   f"node(s), fewer than runtime.min_nodes = {self.node.job.rt.min_nodes}; waiting for nodes to join",
                   file=sys.stderr, flush=True)
-        stop, _, _ = self.control.start_together(wait=False)
+        stop, _, _ = self.control.start.agree(wait=False)
         if stop:
             raise StopRequested(f"node {self.node.rank}: the launcher asked to stop")
         time.sleep(self.node.job.rt.heartbeat_s)
@@ -350,7 +350,7 @@ class Healer:
 
         node, control = self.node, self.control
         self.pre_join = None
-        recs = [read_generation(control.store, g, control.coord_key) for g in range(control.gen + 1, target + 1)]
+        recs = [read_generation(control.store, g, control.link.coord_key) for g in range(control.gen + 1, target + 1)]
         if any(r.get("kind") != "join" for r in recs):
             raise NodeFailure(f"node {node.rank}: membership changed at the iteration boundary", node=None)
         joins = {int(k): int(v) for r in recs for k, v in r["join"].items()}
@@ -367,7 +367,7 @@ class Healer:
                            st.cursor)
         self.pre_join = (max(joins), st.sched)
         node.layout.adopt(st, new, groups=groups, strats=strats)
-        control.ack()
+        control.link.ack()
         print(f"skiptrain node {node.rank}: generation {target}: node(s) {sorted(joins)} joined "
               f"(stages {sorted(set(joins.values()))}); placement {new.placement}; {time.time() - t:.3f} s",
               file=sys.stderr, flush=True)

@@ -49,7 +49,7 @@ class NodeLayout:
         self.node.stage_of = sched.stage_of()
         st.ex = self.executor(st)
         if publish:
-            self.control.publish_sched(sched, st.idx, st.cost)
+            self.control.link.publish_sched(sched, st.idx, st.cost)
 
     def build_stage(self, stage: int | list[int], in_flight: int, partition=None):
         """Stage ``stage`` (or the stages listed) of the model (under ``partition``, default the

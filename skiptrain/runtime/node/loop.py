@@ -5,7 +5,7 @@ executor and adopt the layout; then per iteration (:meth:`Node._iterate`):
 
 1. heal at the boundary (:meth:`~.healing.Healer.at_boundary`: a pending join) and apply a
    pending freeze transition;
-2. start together (:meth:`~.control.ControlPlane.start_together`: the common start time, or a
+2. start together (:meth:`~.start.IterationStart.agree`: the common start time, or a
    stop every node agrees on);
 3. run the executor over the schedule; commit (a barrier in recovery mode);
 4. step (:mod:`.update`: the data-parallel sync and the one optimizer step of this node's
@@ -60,7 +60,7 @@ class Node:
         joining = store is not None and rank >= job.world   # (ids below the job's world: its first members)
         self.joining = admit(self.control, joining=joining) if job.rt.recover else None
         self.control.form_groups()
-        self.control.hb.arm()
+        self.control.link.hb.arm()
         self.ds = TokenDataset.open(job.data_path)
         use_config(self, None)
         self.device = self.pick_device()
@@ -71,9 +71,9 @@ class Node:
         self.report = Reporter(self)
         self.live = LiveRecord(rank)          # phases/<phase>/live_node<r>.json, for the dashboard
         if job.rt.recover:
-            self.control.watch_generations(self._membership_changed)
+            self.control.link.watch_generations(self._membership_changed)
             if self.joining is None:
-                self.control.ack()
+                self.control.link.ack()
 
     def pick_device(self) -> torch.device:
         """This node's device (:func:`device_of_node`), made current when it is a GPU."""
@@ -160,7 +160,7 @@ class Node:
     def _iterate(self, st: "PhaseState", a: "Attempt") -> None:
         """One iteration as a fixed order of component calls."""
         self.hook(st.ph.name, st.it, "start", st)
-        if self.control.watch is not None:
+        if self.control.link.watch is not None:
             self.healer.at_boundary(st, a)       # a join the coordinator published
         if st.elastic is not None:
             st.elastic.apply_pending()           # a freeze transition decided at the last boundary
@@ -188,9 +188,9 @@ class Node:
         self.live.after_iteration(st.out_dir, st.stages, st.it + 1, a.entry, cache.hits if cache is not None else None)
 
     def _start_together(self, st: "PhaseState") -> float:
-        """The common start (:meth:`~.control.ControlPlane.start_together`), or the stop every node
+        """The common start (:meth:`~.start.IterationStart.agree`), or the stop every node
         agreed on: then every node ends the phase here, writes its stage and exits."""
-        stop, t0, delay = self.control.start_together()
+        stop, t0, delay = self.control.start.agree()
         if stop:
             raise StopRequested(f"node {self.rank}: the launcher asked to stop")
         st.emulation.iteration_started(delay)

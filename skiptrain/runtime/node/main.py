@@ -152,5 +152,5 @@ def _exit_code(node) -> int:
     the run had no coordinator for too long (its supervisor then waits for a new one)."""
     from ..store import NO_COORDINATOR
 
-    stopped_for_want = node.stopped and node.control.stopped_for == NO_COORDINATOR
+    stopped_for_want = node.stopped and node.control.link.stopped_for == NO_COORDINATOR
     return EXIT_NO_COORDINATOR if stopped_for_want else 0

@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import sys
 import time
+
+from ..drift import broadcast_schedule, measured_topology, replan_routes
 from .state import PhaseState
 from .stats import StatsTable
 
@@ -58,8 +60,6 @@ class Replanner:
         None, state)."""
         from ...schedule.schedule import Schedule
         from ...schedule.simulator import simulate
-        from ..drift import replan_routes
-
         adopted = None
         if self.control.is_root():
             it_s = table.max("t_end")
@@ -90,7 +90,7 @@ class Replanner:
                 state["n"] = 0
                 if new is not None:
                     adopted = new, state["last"]
-        new, last = self.control.broadcast_schedule(adopted)
+        new, last = broadcast_schedule(self.control, adopted)
         if new is not None:
             state["last"] = last
         return new, state
@@ -103,8 +103,6 @@ class Replanner:
         seconds); the new routes are adopted when they simulate at least 5% faster and broadcast,
         and every node switches at the next iteration.  Returns (new schedule or None, the record
         entry: rank 0 always, the others when adopted)."""
-        from ..drift import replan_routes
-
         adopted = last = None
         if self.control.is_root():
             t_net = self.measured_net(table, topo)[0] if measured else topo
@@ -126,7 +124,7 @@ class Replanner:
                 drift_state["n"] = 0
             if new is not None:
                 adopted = new, last
-        new, got = self.control.broadcast_schedule(adopted)
+        new, got = broadcast_schedule(self.control, adopted)
         return new, (got if new is not None else last)
 
     def measured_net(self, table: "StatsTable", topo):
@@ -134,8 +132,6 @@ class Replanner:
         column: compute, then one factor per link) in place of the static ones; also the compute
         factors."""
         import numpy as np
-
-        from ..drift import measured_topology
 
         drift = table["drift"].numpy()
         compute = {n: float(drift[i, 0]) for i, n in enumerate(table.nodes)}

@@ -50,15 +50,15 @@ class Reporter:
         monitor's and the freeze rule's layer norms when they are on, the checkpoint's save-plan
         digest and the re-plan flag; rank 0 appends the metrics line.  Every node then sets the
         next iteration's start margin from the slowest receipt of the start time
-        (:meth:`~.control.ControlPlane.observe_start_delay`)."""
+        (:meth:`~.start.IterationStart.observe`)."""
         stats = self.base_stats(st, a, ckpt_digest)
         if st.drift is not None:
             stats.add("drift", st.drift.observe(events))
         if st.elastic is not None:
             stats.add("norms", st.elastic.take_norms())
         table = self.gather(stats)
-        margin, delay = self.control.start_margin, table.max("start_delay")
-        self.control.observe_start_delay(delay)
+        margin, delay = self.control.start.margin, table.max("start_delay")
+        self.control.start.observe(delay)
         if self.control.is_root():
             self.write_metrics(st, a, table, margin, delay)
         return table
@@ -70,7 +70,7 @@ class Reporter:
         wrote it, then died; across hosts the coordinator's mirror drops such a second line)."""
         written = (st.ph.name, st.it + 1) in recorded_iterations(self.node.run_dir / "metrics.jsonl")
         if self.control.is_root() and self.row_step != st.it + 1 and not written:
-            self.write_metrics(st, a, table, self.control.start_margin, table.max("start_delay"), recovered=True)
+            self.write_metrics(st, a, table, self.control.start.margin, table.max("start_delay"), recovered=True)
 
     def write_metrics(self, st: PhaseState, a: Attempt, table: StatsTable, margin: float, delay: float,
                       recovered: bool = False) -> None:
@@ -94,7 +94,7 @@ class Reporter:
         line = json.dumps(row)
         with open(self.node.run_dir / "metrics.jsonl", "a") as metrics:
             metrics.write(line + "\n")
-        self.control.publish_row(line)
+        self.control.link.publish_row(line)
 
     def log_samples(self, out_dir: Path, phase: str, it: int, samples: list[int]) -> None:
         """Append the global sample indices this node trained in committed iteration ``it``
@@ -105,4 +105,4 @@ class Reporter:
             line = json.dumps({"iteration": it, "gen": self.control.gen, "samples": sorted(samples)})
             with open(path, "a") as f:
                 f.write(line + "\n")
-            self.control.publish_row(line, path.relative_to(self.node.run_dir).as_posix())
+            self.control.link.publish_row(line, path.relative_to(self.node.run_dir).as_posix())
