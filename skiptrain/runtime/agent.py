@@ -9,7 +9,7 @@ the network and the run's secret.  :class:`NodeAgent` loops:
    (the route to the coordinator, or ``--advertise``) and the interface that holds it, for gloo;
 3. take a node id and start the node process, ``python -m skiptrain.runtime.node --join``, with
    its own run directory under ``work_dir`` (no file system is shared), and wait for it;
-4. ship the node's outputs to the coordinator and sign its exit report (:mod:`.shipping`,
+4. ship the node's outputs to the coordinator (its file server) and sign its exit report (:mod:`.shipping`,
    :func:`~skiptrain.runtime.fencing.report_exit`);
 5. when the node finished the job: exit 0.  When it stopped because its lease ran out (a cut
    link, a stopped host, a coordinator whose host died: then it waits for one started with
@@ -80,10 +80,9 @@ class NodeAgent:
                 node = request_node_id(store)
             except RuntimeError:             # (the store went away between the two calls: anew)
                 continue
-            run_id = str(job.meta.get("run_id", "run"))
-            self.run_dir = self.opts.work_dir / run_id / f"node{node}"
+            self.run_dir = self.opts.work_dir / job.run_id / f"node{node}"
             code = self.run_node(node, env, data)
-            self.deliver(store, node, code, run_id)
+            self.deliver(store, node, code, job)
             if code == 0:
                 return 0
             if attempt < self.opts.rejoins:
@@ -94,23 +93,33 @@ class NodeAgent:
                       file=sys.stderr, flush=True)
         return code
 
-    def deliver(self, store, node: int, code: int, run_id: str) -> None:
-        """The node's exit report and outputs to the coordinator, through a new connection when
-        the old one broke.  A coordinator that is gone, or was replaced by one that took the run
-        over from a checkpoint (another run id: these outputs are past its checkpoint), leaves
-        them in the work directory."""
-        if self.after(store, node, code):
-            return
-        try:
-            store, job = self.connect()
-        except UserError as e:
-            print(f"skiptrain node: node {node}'s outputs stay in {self.run_dir}: {e}", file=sys.stderr, flush=True)
-            return
-        if str(job.meta.get("run_id", "run")) != run_id:
-            print(f"skiptrain node: node {node}'s outputs stay in {self.run_dir}: a new coordinator took the run "
-                  "over from its checkpoint", file=sys.stderr, flush=True)
-            return
-        self.after(store, node, code, last_try=True)
+    def deliver(self, store, node: int, code: int, job) -> None:
+        """The node's exit report and outputs to the coordinator.  While they cannot be sent (the
+        coordinator is away, its file server with it, or the link broke) it tries again with
+        backoff through a new connection, for up to the job's ``coordinator_wait_s`` plus
+        ``wait_s`` (a coordinator started with ``--resume`` takes them).  A coordinator that does
+        not come, or one that took the run over from a checkpoint (another run id: these outputs
+        are past its checkpoint), leaves them in the work directory, said in one line."""
+        run_id = job.run_id
+        budget = self.opts.wait_s + job.rt.coordinator_wait_s
+        end, pause, tries = time.monotonic() + budget, BACKOFF_S[0], 0
+        while not self.after(store, node, code, run_id, say=tries == 0):
+            if time.monotonic() + pause > end:
+                print(f"skiptrain node: gave up sending node {node}'s outputs after {budget:g} s; they stay in "
+                      f"{self.run_dir}", file=sys.stderr, flush=True)
+                return
+            tries += 1
+            time.sleep(pause)
+            pause = min(BACKOFF_S[1], pause * 1.5)
+            try:
+                store, now = self.connect()
+            except UserError as e:
+                print(f"skiptrain node: node {node}'s outputs stay in {self.run_dir}: {e}", file=sys.stderr, flush=True)
+                return
+            if now.run_id != run_id:
+                print(f"skiptrain node: node {node}'s outputs stay in {self.run_dir}: a new coordinator took the run "
+                      "over from its checkpoint", file=sys.stderr, flush=True)
+                return
 
     def connect(self):
         """The store client and the job, retrying with backoff until the coordinator answers (the
@@ -175,17 +184,17 @@ class NodeAgent:
             self.child.send_signal(signal.SIGTERM)
             raise
 
-    def after(self, store, node: int, code: int, last_try: bool = False) -> bool:
-        """Ship the node's outputs and sign its exit report; False when the store could not be
-        reached (on the last try the outputs then stay in the work directory, said in one line)."""
+    def after(self, store, node: int, code: int, run_id: str, say: bool = True) -> bool:
+        """Ship the node's outputs and sign its exit report; False when they could not be sent (the
+        reason said in one line when ``say``)."""
         key = member_key(self.opts.secret, node)
         try:
             report_exit(store, key, node, code)        # (first: the coordinator acts on it at once)
-            sent = ship_outputs(store, key, coordinator_key(self.opts.secret), node, self.run_dir)
+            sent = ship_outputs(store, key, coordinator_key(self.opts.secret), node, self.run_dir, run_id)
         except Exception as e:  # noqa: BLE001 - the coordinator or the link is gone
-            if last_try:
+            if say:
                 print(f"skiptrain node: could not send node {node}'s outputs to the coordinator "
-                      f"({str(e).splitlines()[0][:120]}); they stay in {self.run_dir}",
+                      f"({str(e).splitlines()[0][:240]}); they are in {self.run_dir}",
                       file=sys.stderr, flush=True)
             return False
         print(f"skiptrain node: node {node} {describe_exit(code)}; sent {sent} bytes of outputs",

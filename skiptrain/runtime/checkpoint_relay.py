@@ -58,13 +58,13 @@ LOG = "ckpt"
 class PartShipper:
     """Node side (see the module doc): the sink of node ``node``'s checkpoint parts of ``phase``:
     the files to the coordinator's file server, the slots naming them to the store at
-    ``host:port`` (``coord_key`` checks the server's announced address); runs on the checkpoint
-    writer's thread."""
+    ``host:port`` (``coord_key`` checks the server's announced address; ``run``: the run's id, which
+    its uploads are signed for); runs on the checkpoint writer's thread."""
 
     def __init__(self, host: str, port: int, key: bytes | None, node: int, phase: str,
-                 flush_rows: Callable[[], Any] | None = None, coord_key: bytes | None = None):
+                 flush_rows: Callable[[], Any] | None = None, coord_key: bytes | None = None, run: str = ""):
         self.host, self.port, self.key, self.node, self.phase = host, port, key, node, phase
-        self.flush_rows, self.coord_key = flush_rows, coord_key
+        self.flush_rows, self.coord_key, self.run = flush_rows, coord_key, run
         self.store = None
 
     def _store(self):
@@ -96,7 +96,7 @@ class PartShipper:
                 src = tmp / name
                 if not src.is_file():
                     src.write_bytes(b"")
-                files[name] = put_file(address, self.key, self.node, self.phase, step, src)
+                files[name] = put_file(address, self.key, self.node, self.phase, step, src, self.run)
         except Exception as e:  # noqa: BLE001 - said by _send below
             self.store = None
             files = {}
@@ -225,13 +225,13 @@ class CheckpointCollector(Poller):
 
 
 def open_file_server(store, secret: str, roots: dict[str, Path], outputs: Path | None = None,
-                     address: tuple[str, int] = ("127.0.0.1", 0)) -> FileServer:
-    """The coordinator's file server for checkpoint parts under ``roots`` (phase name ->
-    checkpoint root) and the nodes' final outputs under ``outputs``, serving again what a
+                     address: tuple[str, int] = ("127.0.0.1", 0), run: str = "") -> FileServer:
+    """The coordinator's file server of run ``run`` for checkpoint parts under ``roots`` (phase
+    name -> checkpoint root) and the nodes' final outputs under ``outputs``, serving again what a
     coordinator this one took over from published, announced in ``store`` (the caller closes it)."""
     for root in roots.values():
         Path(root).mkdir(parents=True, exist_ok=True)
-    files = FileServer(address[0], secret, roots, address[1], outputs=outputs)
+    files = FileServer(address[0], secret, roots, address[1], outputs=outputs, run=run)
     for phase, root in files.roots.items():
         for d in sorted((root / ".published").glob("*/step-*")):
             if ckpt_store.step_of(d.name) is not None:
@@ -243,13 +243,17 @@ def open_file_server(store, secret: str, roots: dict[str, Path], outputs: Path |
 @contextmanager
 def hosts_file_server(job, store, secret: str, roots: dict[str, Path]):
     """:func:`open_file_server` for a coordinator of hosts, next to its store (port + 1), taking
-    the nodes' outputs under ``RUN_DIR/.shipped``; closed when the block ends."""
+    the nodes' outputs under ``RUN_DIR/.shipped``; closed when the block ends, and what is left
+    under ``.shipped`` then (uploads no collection took) removed."""
     address = (store.host, store.port + 1 if store.port < 65535 else 0)
-    files = open_file_server(store, secret, roots, Path(job.run_dir) / ".shipped", address)
+    outputs = Path(job.run_dir) / ".shipped"
+    files = open_file_server(store, secret, roots, outputs, address, job.run_id)
     try:
         yield files
     finally:
         files.close()
+        shutil.rmtree(outputs, ignore_errors=True)
+
 
 
 @contextmanager

@@ -15,9 +15,10 @@ streamed to or from disk in blocks (nothing is held whole in memory):
   (:meth:`FileServer.publish`).  Reads are not signed, as reads of the store are not.
 
 An upload carries the SHA-256 of its bytes (``X-Skiptrain-Sha256``) and is signed with the node's
-member key (``X-Skiptrain-Node``, ``X-Skiptrain-Sig``: HMAC-SHA256 of ``PUT <path>`` and the
-digest): an unsigned or foreign one is refused (403) before a byte is written, and one whose
-bytes do not hash to the signed digest (400) never lands.  Neither side trusts the bytes beyond
+member key (``X-Skiptrain-Node``, ``X-Skiptrain-Sig``: HMAC-SHA256 of the run's id, ``PUT <path>``
+and the digest): an unsigned or foreign one, or one signed for another run of the same secret, is
+refused (403) before a byte is written, and one whose bytes do not hash to the signed digest (400)
+never lands (each upload is received into a temporary file of its own).  Neither side trusts the bytes beyond
 that: a part's digest also travels in its signed slot of the ``ckpt`` log, an output's in its
 node's signed manifest, a published checkpoint's in the coordinator's signed record, and each is
 checked before anything is used.
@@ -34,11 +35,14 @@ import hashlib
 import hmac
 import http.client
 import json
+import math
 import os
 import re
 import shutil
 import sys
+import tempfile
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
@@ -75,11 +79,14 @@ def _parts(path: str) -> tuple[str, list[str]] | None:
 class FileServer:
     """The coordinator's side (see the module doc): ``roots`` maps a phase to its checkpoint root
     (incoming parts go under ``.incoming`` there), ``outputs`` is where the nodes' outputs go (None:
-    none are taken); ``secret`` checks the nodes' signatures."""
+    none are taken); ``secret`` and ``run`` (the run's id) check the nodes' signatures."""
 
-    def __init__(self, host: str, secret: str, roots: dict[str, Path], port: int = 0, outputs: Path | None = None):
-        self.roots, self.secret = {p: Path(r) for p, r in roots.items()}, secret
+    def __init__(self, host: str, secret: str, roots: dict[str, Path], port: int = 0, outputs: Path | None = None,
+                 run: str = ""):
+        self.roots, self.secret, self.run = {p: Path(r) for p, r in roots.items()}, secret, run
         self.outputs = Path(outputs) if outputs is not None else None
+        self.last_bytes: dict[int, float] = {}     # node -> when its uploads last brought bytes (monotonic)
+        self.closed = False
         self.published: dict[tuple[str, str], tuple[int, Path]] = {}
         self.lock = threading.Lock()
         try:
@@ -107,8 +114,11 @@ class FileServer:
             self.published[(which, phase)] = (step, Path(directory))
 
     def close(self) -> None:
-        self.http.shutdown()
-        self.http.server_close()
+        """Stop serving (a second call does nothing)."""
+        if not self.closed:
+            self.closed = True
+            self.http.shutdown()
+            self.http.server_close()
 
     def put_path(self, node: int, head: str, parts: list[str]) -> Path | None:
         """Where a node's upload goes (None: not a phase of this job, not a step, or outputs
@@ -129,17 +139,27 @@ class FileServer:
         return pub[1] / name
 
 
-def _receive(rfile, tmp: Path, size: int) -> str | None:
-    """``size`` bytes of a request body into ``tmp``; their SHA-256, None when the body ended early."""
+    def received_from(self, node: int) -> None:
+        self.last_bytes[node] = time.monotonic()
+
+    def sending(self, nodes) -> bool:
+        """Whether an upload of any of ``nodes`` brought bytes within the last :data:`SOCKET_TIMEOUT_S`."""
+        now = time.monotonic()
+        return any(now - self.last_bytes.get(n, -math.inf) < SOCKET_TIMEOUT_S for n in nodes)
+
+
+def _receive(rfile, f, size: int, progress) -> str | None:
+    """``size`` bytes of a request body into the open file ``f`` (``progress()`` after each
+    block); their SHA-256, None when the body ended early."""
     left, h = size, hashlib.sha256()
-    with open(tmp, "wb") as f:
-        while left > 0:
-            block = rfile.read(min(BLOCK, left))
-            if not block:
-                return None
-            h.update(block)
-            f.write(block)
-            left -= len(block)
+    while left > 0:
+        block = rfile.read(min(BLOCK, left))
+        if not block:
+            return None
+        h.update(block)
+        f.write(block)
+        left -= len(block)
+        progress()
     return h.hexdigest()
 
 
@@ -160,28 +180,34 @@ class _Handler(BaseHTTPRequestHandler):
                 or not _DIGEST.fullmatch(digest):
             return self._reply(400, "malformed request")
         head, parts = parsed
+        files = self.server.files
         if parts[0] != node or not hmac.compare_digest(
-                tag(member_key(self.server.files.secret, int(node)), "PUT", f"{self.path}\n{digest}"),
+                tag(member_key(files.secret, int(node)), "PUT", upload_signed(files.run, self.path, digest)),
                 self.headers.get("X-Skiptrain-Sig", "")):
-            return self._reply(403, "not signed by the node it names")
-        dest = self.server.files.put_path(int(node), head, parts[1:])
+            return self._reply(403, "not signed by the node it names for this run")
+        dest = files.put_path(int(node), head, parts[1:])
         if dest is None:
             return self._reply(404, "not a phase and step of this job, nor an output it takes")
-        self._store(dest, int(size), digest)
+        self._reply(*self._store(dest, int(node), int(size), digest))
 
-    def _store(self, dest: Path, size: int, digest: str) -> None:
-        tmp = dest.with_name(dest.name + ".part")
+    def _store(self, dest: Path, node: int, size: int, digest: str) -> tuple[int, str]:
+        """Receive the body into a temporary file of its own, then move it to ``dest`` when its bytes
+        match ``digest``; (status, reason).  Nothing partial is left behind by the time it replies."""
+        tmp = None
         try:
             dest.parent.mkdir(parents=True, exist_ok=True)
-            got = _receive(self.rfile, tmp, size)
+            fd, tmp = tempfile.mkstemp(dir=dest.parent, prefix=dest.name + ".", suffix=".part")
+            with os.fdopen(fd, "wb") as f:
+                got = _receive(self.rfile, f, size, lambda: self.server.files.received_from(node))
             if got == digest:
                 os.replace(tmp, dest)
-                return self._reply(200, "ok")
-            self._reply(400, "the body ended early" if got is None else "the bytes do not match their signed digest")
+                return 200, "ok"
+            return 400, "the body ended early" if got is None else "the bytes do not match their signed digest"
         except OSError as e:             # (a full disk, a peer gone mid-body, a step dropped meanwhile)
-            self._reply(500, f"not stored: {e.strerror or type(e).__name__}")
+            return 500, f"not stored: {e.strerror or type(e).__name__}"
         finally:
-            tmp.unlink(missing_ok=True)
+            if tmp is not None and os.path.exists(tmp):
+                os.unlink(tmp)
 
     def do_GET(self) -> None:
         parsed = _parts(self.path)
@@ -229,28 +255,33 @@ def sha256_of(path: Path) -> str:
     return h.hexdigest()
 
 
+def upload_signed(run: str, path: str, digest: str) -> str:
+    """What an upload's signature covers: the run's id, the request's path and the body's digest."""
+    return f"{run}\n{path}\n{digest}"
+
+
 def put_file(address: tuple[str, int], key: bytes, node: int, phase: str, step: int, src: Path,
-             timeout_s: float = 120.0) -> str:
-    """Send ``src`` as node ``node``'s file of ``phase``/``step`` (streamed); its SHA-256.
-    Raises ``OSError``."""
-    return _put(address, key, node, f"/in/{node}/{phase}/{step}/{src.name}", src, timeout_s)
+             run: str = "", timeout_s: float = 120.0) -> str:
+    """Send ``src`` as node ``node``'s file of ``phase``/``step`` of run ``run`` (streamed); its
+    SHA-256.  Raises ``OSError``."""
+    return _put(address, key, node, f"/in/{node}/{phase}/{step}/{src.name}", src, run, timeout_s)
 
 
-def put_output(address: tuple[str, int], key: bytes, node: int, rel: str, src: Path,
+def put_output(address: tuple[str, int], key: bytes, node: int, rel: str, src: Path, run: str = "",
                timeout_s: float = 120.0) -> str:
-    """Send ``src`` as node ``node``'s output ``rel`` (a :func:`plain_path`); its SHA-256.
-    Raises ``OSError``."""
-    return _put(address, key, node, f"/out/{node}/{rel}", src, timeout_s)
+    """Send ``src`` as node ``node``'s output ``rel`` (a :func:`plain_path`) of run ``run``; its
+    SHA-256.  Raises ``OSError``."""
+    return _put(address, key, node, f"/out/{node}/{rel}", src, run, timeout_s)
 
 
-def _put(address: tuple[str, int], key: bytes, node: int, path: str, src: Path, timeout_s: float) -> str:
+def _put(address: tuple[str, int], key: bytes, node: int, path: str, src: Path, run: str, timeout_s: float) -> str:
     digest = sha256_of(src)
     conn = http.client.HTTPConnection(*address, timeout=timeout_s)
     try:
         with open(src, "rb") as f:
             conn.request("PUT", path, body=f, headers={
                 "Content-Length": str(os.fstat(f.fileno()).st_size), "X-Skiptrain-Node": str(node),
-                "X-Skiptrain-Sha256": digest, "X-Skiptrain-Sig": tag(key, "PUT", f"{path}\n{digest}")})
+                "X-Skiptrain-Sha256": digest, "X-Skiptrain-Sig": tag(key, "PUT", upload_signed(run, path, digest))})
             resp = conn.getresponse()
             why = resp.read(200).decode(errors="replace")
         if resp.status != 200:

@@ -90,6 +90,12 @@ class Job:
         return config_from_dict(self.config).runtime
 
     @property
+    def run_id(self) -> str:
+        """The run's id (a run resumed from a checkpoint gets a new one; a coordinator taking a live
+        run over keeps it): uploads to the coordinator are signed for it."""
+        return str(self.meta.get("run_id", "run"))
+
+    @property
     def world(self) -> int:
         return max(max(Schedule.from_dict(p.schedule).nodes(), default=-1) + 1 for p in self.phases)
 

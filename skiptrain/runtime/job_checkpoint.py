@@ -395,9 +395,9 @@ def open_node_checkpoints(node, ph) -> "JobCheckpointer":
         from .checkpoint_relay import PartShipper, fetch_checkpoint
         from .membership import coordinator_key, key_from_env, secret_from_env
 
-        coord = coordinator_key(secret_from_env())
-        sink = PartShipper(node.control.link.addr, node.control.link.port, key_from_env(node.rank), node.rank, ph.name,
-                           node.control.link.row_publisher().flush, coord)
+        coord, link = coordinator_key(secret_from_env()), node.control.link
+        sink = PartShipper(link.addr, link.port, key_from_env(node.rank), node.rank, ph.name,
+                           link.row_publisher().flush, coord, node.job.run_id)
         relay = Relay(sink, lambda dest: fetch_checkpoint(node.control.store, coord, ph.name, dest))
     root = Path(node.job.run_dir) / "checkpoints" / ph.name if relay is not None else checkpoint_root(node.job, ph.name)
     c = node.cfg.checkpoint

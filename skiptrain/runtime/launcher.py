@@ -28,6 +28,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -183,7 +184,7 @@ def _coordinate(job: Job, world: int, store, store_proc, join_secret: str | None
                 interrupted, err = _run_nodes(job, world, store, store_watch, join_secret, t_start, timeout_s,
                                               grace_s, echo, start, resume)
             if remote:      # (the last generation's members are waited for: they ship as their process ends)
-                collect_run_outputs(store, join_secret, run_dir, files.outputs, max(30.0, job.rt.timeout_s))
+                collect_run_outputs(store, join_secret, run_dir, files, max(30.0, job.rt.timeout_s))
     finally:                # (the run is over: its store process ends, asked to; one this process did not
         if store_watch is not None:                                        # start only when resuming)
             store_watch.stopping()
@@ -318,6 +319,7 @@ def prepare_outputs(job: Job, run_dir: Path) -> None:
     if r:
         for f in (run_dir / "phases").glob("*/samples_node*.jsonl"):
             keep[f] = [line for line in f.read_text().splitlines() if _before(line, r["iteration"])]
+    shutil.rmtree(run_dir / ".shipped", ignore_errors=True)     # (uploads to a coordinator that died)
     for sub in ("errors", "phases", "parts"):
         d = run_dir / sub
         if d.is_dir():

@@ -26,7 +26,6 @@ import fnmatch
 import json
 import os
 import queue
-import shutil
 import sys
 import threading
 import time
@@ -51,13 +50,14 @@ def _files(root: Path) -> list[Path]:
     return list(dict.fromkeys(out))
 
 
-def ship_outputs(store, key: bytes, coord_key: bytes, node: int, root: Path) -> int:
+def ship_outputs(store, key: bytes, coord_key: bytes, node: int, root: Path, run: str = "") -> int:
     """Send node ``node``'s outputs under ``root`` to the coordinator's file server (``coord_key``
-    checks its announcement), then their signed manifest to the store; returns the bytes sent.
-    Raises ``OSError`` (no file server, a refusal, a link gone) or the store's ``RuntimeError``."""
+    checks its announcement; ``run``: the run's id, which the uploads are signed for), then their
+    signed manifest to the store; returns the bytes sent.  Raises ``OSError`` (no file server, a
+    refusal, a link gone: its message names the fix) or the store's ``RuntimeError``."""
     address = server_address(store, coord_key)
     if address is None:
-        raise OSError("the coordinator announced no file server")
+        raise OSError("the coordinator announced no file server (is it running?)")
     manifest, sent = {}, 0
     for path in _files(Path(root)):
         rel = path.relative_to(root).as_posix()
@@ -65,7 +65,11 @@ def ship_outputs(store, key: bytes, coord_key: bytes, node: int, root: Path) -> 
             print(f"skiptrain node {node}: not shipping {rel!r} (not a plain path): it stays in {root}",
                   file=sys.stderr, flush=True)
             continue
-        manifest[rel] = put_output(address, key, node, rel, path)
+        try:
+            manifest[rel] = put_output(address, key, node, rel, path, run)
+        except OSError as e:
+            raise OSError(f"the coordinator's file server at {address[0]}:{address[1]} took no {rel} ({e}); is the "
+                          "coordinator running, and its --bind port + 1 open to this host?") from None
         sent += path.stat().st_size
     name = f"out/{node}"
     store.set(name, sign(key, name, json.dumps(manifest)))
@@ -85,11 +89,12 @@ def shipped(store, verifier: Verifier | None, node: int) -> dict[str, str] | Non
         return None
 
 
-def wait_shipped(store, verifier: Verifier | None, nodes, timeout_s: float) -> set[int]:
-    """Wait up to ``timeout_s`` for the manifests of ``nodes``; returns those still missing."""
+def wait_shipped(store, verifier: Verifier | None, nodes, timeout_s: float, sending=None) -> set[int]:
+    """Wait up to ``timeout_s`` for the manifests of ``nodes``, and beyond it as long as
+    ``sending(missing nodes)`` says their uploads still bring bytes; returns those still missing."""
     end = time.time() + timeout_s
     missing = set(nodes)
-    while missing and time.time() < end:
+    while missing and (time.time() < end or (sending is not None and sending(missing))):
         missing = {n for n in missing if shipped(store, verifier, n) is None}
         time.sleep(0.05)
     return missing
@@ -158,24 +163,25 @@ def _merge_lines(dest: Path, rows: list[str]) -> None:
     dest.write_text("".join(line + "\n" for line in out))
 
 
-def collect_run_outputs(store, secret: str, run_dir: Path, received: Path, wait_s: float) -> None:
+def collect_run_outputs(store, secret: str, run_dir: Path, files, wait_s: float) -> None:
     """Coordinator side, at the end of a run across hosts: wait up to ``wait_s`` for the outputs
-    of the last generation's members, then take every node's that arrived (uploaded under
-    ``received``, which is removed afterwards: what is left there was refused)."""
+    of the last generation's members (longer while their uploads to ``files``, the coordinator's
+    :class:`~skiptrain.runtime.file_channel.FileServer`, still bring bytes), then take every
+    node's that arrived; the file server takes no more outputs after that."""
     from .recovery import generation_record, latest_generation
     from .membership import coordinator_key
 
     verifier = Verifier(secret, Path(run_dir) / "rejected_writes.jsonl")
     key = coordinator_key(secret)
     rec = generation_record(store, latest_generation(store, key), key)
-    missing = wait_shipped(store, verifier, (rec or {}).get("alive", []), wait_s)
+    missing = wait_shipped(store, verifier, (rec or {}).get("alive", []), wait_s, files.sending)
     if missing:
         print(f"[coordinator] no outputs arrived from node(s) {sorted(missing)}", file=sys.stderr, flush=True)
     alive = set((rec or {}).get("alive", []))
     top = read_count(store, "nodes/next", MAX_NODE_IDS) or 1 + max(alive, default=-1)   # (a forged counter: the alive ones)
     everyone = range(top)                                   # the last generation's last: its stage weights win
+    received, files.outputs = files.outputs, None           # (a late upload is refused: 404)
     collect_outputs(store, verifier, [n for n in everyone if n not in alive] + sorted(alive), run_dir, received)
-    shutil.rmtree(received, ignore_errors=True)
 
 
 def claim_slot(store, prefix: str) -> int:

@@ -61,9 +61,18 @@ def _incoming(tmp_path, node, step):
     return tmp_path / "coord" / ".incoming" / str(node) / str(step)
 
 
-def _collector(store, tmp_path, keep=3, mirror=None):
-    files = open_file_server(store, SECRET, {PHASE: tmp_path / "coord"})
-    return CheckpointCollector(store, Verifier(SECRET), coordinator_key(SECRET), files, keep, mirror)
+@pytest.fixture
+def collector(store, tmp_path):
+    """Makes coordinator-side collectors (each with its file server, closed after the test)."""
+    opened = []
+
+    def make(keep=3, mirror=None):
+        opened.append(open_file_server(store, SECRET, {PHASE: tmp_path / "coord"}))
+        return CheckpointCollector(store, Verifier(SECRET), coordinator_key(SECRET), opened[-1], keep, mirror)
+
+    yield make
+    for files in opened:
+        files.close()
 
 
 def _same(a, b):
@@ -74,11 +83,11 @@ def _same(a, b):
     assert ra.state == rb.state
 
 
-def test_relayed_commit_equals_the_shared_directory_commit(store, tmp_path):
+def test_relayed_commit_equals_the_shared_directory_commit(store, tmp_path, collector):
     held = _tensors(0)
     ref = tmp_path / "ref"
     _save({0: ref, 1: ref}, 5, held)
-    col = _collector(store, tmp_path)
+    col = collector()
     _save({0: tmp_path / "n0", 1: tmp_path / "n1"}, 5, held, _shippers(store))
     col.poll()
     got = ckpt_store.latest(tmp_path / "coord")
@@ -88,9 +97,9 @@ def test_relayed_commit_equals_the_shared_directory_commit(store, tmp_path):
     assert not _incoming(tmp_path, 1, 5).exists()                         # taken, then freed
 
 
-def test_a_step_with_a_part_missing_is_not_committed_and_is_dropped_by_a_later_one(store, tmp_path):
+def test_a_step_with_a_part_missing_is_not_committed_and_is_dropped_by_a_later_one(store, tmp_path, collector):
     held = _tensors(1)
-    col = _collector(store, tmp_path)
+    col = collector()
     sinks = _shippers(store)
     specs, holders = _specs(held)
     mgr0 = CheckpointManager(tmp_path / "n0", rank=0, ranks=[0, 1], chunk_bytes=256, clean=False, sink=sinks[0])
@@ -104,9 +113,9 @@ def test_a_step_with_a_part_missing_is_not_committed_and_is_dropped_by_a_later_o
     assert not (tmp_path / "coord" / ".tmp-step-00000003").exists()
 
 
-def test_forged_tampered_and_foreign_parts_are_refused(store, tmp_path, capsys):
+def test_forged_tampered_and_foreign_parts_are_refused(store, tmp_path, capsys, collector):
     held = _tensors(2)
-    col = _collector(store, tmp_path)
+    col = collector()
     _save({0: tmp_path / "n0", 1: tmp_path / "n1"}, 4, held, _shippers(store))
     # before the coordinator reads them: node 1's data bytes are replaced on their way
     (_incoming(tmp_path, 1, 4) / "data-r1.bin").write_bytes(b"garbage")
@@ -124,9 +133,9 @@ def test_forged_tampered_and_foreign_parts_are_refused(store, tmp_path, capsys):
     assert ckpt_store.latest(tmp_path / "coord", warn=False) is None
 
 
-def test_a_commit_record_from_another_writer_than_the_lowest_is_refused(store, tmp_path, capsys):
+def test_a_commit_record_from_another_writer_than_the_lowest_is_refused(store, tmp_path, capsys, collector):
     held = _tensors(3)
-    col = _collector(store, tmp_path)
+    col = collector()
     sinks = _shippers(store)
     _save({0: tmp_path / "n0", 1: tmp_path / "n1"}, 2, held, sinks)
     col.poll()                                             # step 2 commits
@@ -196,10 +205,10 @@ def test_the_file_server_takes_only_uploads_signed_by_the_node_they_name(tmp_pat
     files.close()
 
 
-def test_a_step_commits_only_once_the_rows_sent_before_its_parts_are_in_the_run_directory(store, tmp_path):
+def test_a_step_commits_only_once_the_rows_sent_before_its_parts_are_in_the_run_directory(store, tmp_path, collector):
     from skiptrain.runtime.shipping import RowMirror, publish_row
 
-    col = _collector(store, tmp_path, mirror=RowMirror(store, Verifier(SECRET), tmp_path))
+    col = collector(mirror=RowMirror(store, Verifier(SECRET), tmp_path))
     publish_row(store, member_key(SECRET, 0), 0, json.dumps({"step": 5}))
     slot = claim_slot(store, "metrics")                 # a row counted, not written yet
     _save({0: tmp_path / "n0", 1: tmp_path / "n1"}, 5, _tensors(6), _shippers(store))
@@ -211,8 +220,8 @@ def test_a_step_commits_only_once_the_rows_sent_before_its_parts_are_in_the_run_
     assert len((tmp_path / "metrics.jsonl").read_text().splitlines()) == 2
 
 
-def test_malformed_slots_from_a_member_are_refused_and_the_collector_goes_on(store, tmp_path, capsys):
-    col = _collector(store, tmp_path)
+def test_malformed_slots_from_a_member_are_refused_and_the_collector_goes_on(store, tmp_path, capsys, collector):
+    col = collector()
     key = member_key(SECRET, 0)
     for bad in ({"phase": ["x"], "step": 1, "kind": "part"}, {"phase": PHASE, "step": 1, "kind": "commit", "ranks": 5},
                 {"phase": PHASE, "step": 1, "kind": "part", "files": "nope"}):
@@ -256,13 +265,13 @@ def test_the_checkpoint_a_run_resumed_from_stays_fetchable_after_newer_commits(s
     _same(got.resume["path"], tmp_path / "expect")
 
 
-def test_a_part_that_could_not_be_sent_is_removed_once_a_later_step_commits(store, tmp_path):
+def test_a_part_that_could_not_be_sent_is_removed_once_a_later_step_commits(store, tmp_path, collector):
     """The slot counter forged to a non-integer makes the shipper's ``add`` fail (its connection
     closes): its uploaded files, which no slot names, go once a later step of the phase commits."""
     from skiptrain.checkpoint.writer import part_name
     from skiptrain.runtime.checkpoint_relay import LOG
 
-    col = _collector(store, tmp_path)
+    col = collector()
     tmp = tmp_path / "part"
     tmp.mkdir()
     (tmp / part_name(0)).write_bytes(b"x" * 100)
@@ -277,14 +286,14 @@ def test_a_part_that_could_not_be_sent_is_removed_once_a_later_step_commits(stor
     assert not _incoming(tmp_path, 0, 7).exists()
 
 
-def test_a_coordinator_that_takes_over_serves_what_its_predecessor_published(store, tmp_path):
+def test_a_coordinator_that_takes_over_serves_what_its_predecessor_published(store, tmp_path, collector):
     """The checkpoint the store still names as the latest stays fetchable from the new
     coordinator's file server (a stage that lost every replica restarts from it)."""
-    first = _collector(store, tmp_path)
+    first = collector()
     _save({0: tmp_path / "n0", 1: tmp_path / "n1"}, 5, _tensors(12), _shippers(store))
     first.poll()
     first.files.close()                                      # (the first coordinator died)
-    second = _collector(store, tmp_path)
+    second = collector()
     got = fetch_checkpoint(store, coordinator_key(SECRET), PHASE, tmp_path / "node")
     _same(got, ckpt_store.latest(tmp_path / "coord"))
     second.files.close()

@@ -77,7 +77,7 @@ def test_an_upload_is_taken_only_signed_by_its_node_and_with_the_bytes_its_signe
     import hashlib
     import http.client
 
-    from skiptrain.runtime.file_channel import put_output
+    from skiptrain.runtime.file_channel import put_output, upload_signed
     from skiptrain.runtime.membership import tag
 
     src = tmp_path / "metrics.jsonl"
@@ -88,7 +88,7 @@ def test_an_upload_is_taken_only_signed_by_its_node_and_with_the_bytes_its_signe
     conn = http.client.HTTPConnection(*files.address, timeout=10)
     conn.request("PUT", path, body=b"{}\r", headers={            # signed, but other bytes (a replay)
         "Content-Length": "3", "X-Skiptrain-Node": "2", "X-Skiptrain-Sha256": digest,
-        "X-Skiptrain-Sig": tag(member_key(SECRET, 2), "PUT", f"{path}\n{digest}")})
+        "X-Skiptrain-Sig": tag(member_key(SECRET, 2), "PUT", upload_signed("", path, digest))})
     resp = conn.getresponse()
     assert (resp.status, resp.read()) == (400, b"the bytes do not match their signed digest")
     conn.close()
@@ -104,13 +104,63 @@ def test_a_manifest_cannot_write_outside_the_run_directory(store, files, tmp_pat
     name = "out/0"
     data = b"x"
     import hashlib
-    (files.outputs / "0").mkdir(parents=True)
-    (files.outputs / "escape.txt").write_bytes(data)
-    store.set(name, sign(member_key(SECRET, 0), name, json.dumps({"../escape.txt": hashlib.sha256(data).hexdigest()})))
+    rel = "phases/../../escape.txt"                     # (it matches the pattern phases/*)
+    (files.outputs / "0" / "phases").mkdir(parents=True)
+    (files.outputs / "escape.txt").write_bytes(data)     # (where the path leads inside the received folder)
+    store.set(name, sign(member_key(SECRET, 0), name, json.dumps({rel: hashlib.sha256(data).hexdigest()})))
     run = tmp_path / "run"
     run.mkdir()
     assert collect_outputs(store, Verifier(SECRET), [0], run, files.outputs) == {0: 0}
-    assert not (tmp_path / "escape.txt").exists()
+    assert not (tmp_path / "escape.txt").exists() and (files.outputs / "escape.txt").exists()
+
+
+def test_an_upload_signed_for_another_run_of_the_same_secret_is_refused(store, tmp_path):
+    from skiptrain.runtime.file_channel import put_output
+
+    server = open_file_server(store, SECRET, {}, tmp_path / "received", run="run-b")
+    src = tmp_path / "metrics.jsonl"
+    src.write_bytes(b"{}\n")
+    with pytest.raises(OSError, match="403"):
+        put_output(server.address, member_key(SECRET, 1), 1, "metrics.jsonl", src, run="run-a")   # (a replay)
+    put_output(server.address, member_key(SECRET, 1), 1, "metrics.jsonl", src, run="run-b")
+    assert (tmp_path / "received" / "1" / "metrics.jsonl").read_bytes() == b"{}\n"
+    server.close()
+
+
+def test_a_supervisor_keeps_sending_outputs_until_a_coordinator_takes_them(store, tmp_path, monkeypatch, byte_data):
+    """The coordinator is away (no file server) when the node ends; one comes a second later."""
+    import threading
+
+    from skiptrain.runtime.agent import AgentOptions, NodeAgent
+    from skiptrain.runtime.job import Job
+    from skiptrain.runtime.join import SECRET_ENV, publish_job
+    from skiptrain.runtime.shipping import shipped
+
+    monkeypatch.setenv(SECRET_ENV, SECRET)
+    job = Job(config={}, data_path=str(byte_data), run_dir=str(tmp_path), phases=[], meta={"run_id": "r1"})
+    publish_job(store, job.to_dict(), SECRET)
+    store.add("nodes/next", 4)                            # (a run that admits nodes: ids 0-3 taken)
+    agent = NodeAgent(AgentOptions(f"127.0.0.1:{store.port}", SECRET, tmp_path, wait_s=30))
+    agent.run_dir = _node_dir(tmp_path / "node3", [{"step": 1}])
+    servers = []
+    later = threading.Timer(1.0, lambda: servers.append(open_file_server(store, SECRET, {}, tmp_path / "in", run="r1")))
+    later.start()
+    agent.deliver(store, 3, 0, job)
+    later.join()
+    assert sorted(shipped(store, Verifier(SECRET), 3)) == ["metrics.jsonl", "parts/stage1.safetensors"]
+    assert (tmp_path / "in" / "3" / "parts" / "stage1.safetensors").read_bytes() == b"w" * 100
+    servers[0].close()
+
+
+def test_the_wait_for_outputs_lasts_while_their_uploads_bring_bytes(store):
+    import time
+
+    from skiptrain.runtime.shipping import wait_shipped
+
+    until = time.monotonic() + 0.6
+    t0 = time.monotonic()
+    assert wait_shipped(store, Verifier(SECRET), [4], 0.1, sending=lambda nodes: time.monotonic() < until) == {4}
+    assert time.monotonic() - t0 >= 0.6
 
 
 def test_metrics_rows_are_mirrored_as_they_come_and_forged_rows_dropped(store, tmp_path):

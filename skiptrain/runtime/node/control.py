@@ -4,9 +4,10 @@ One :class:`ControlPlane` per node process.  It holds the generation in force an
 ids (ranks are positions in that sorted list), and it is the only way the node's components talk
 to each other: ``sync`` (a collective that gives up when a new generation is announced), the
 small gathers and broadcasts, the common start of an iteration (``start``:
-:class:`~skiptrain.runtime.node.start.IterationStart`), ``regroup`` and the generation checks.  Its :class:`~skiptrain.runtime.node.coordinator_link.CoordinatorLink` (``link``) holds
-the store clients, the heartbeat and lease, the coordinator's generation watch and what the node
-reports to the coordinator.
+:class:`~skiptrain.runtime.node.start.IterationStart`), ``regroup`` and the generation checks.
+Its :class:`~skiptrain.runtime.node.coordinator_link.CoordinatorLink` (``link``) holds the store
+clients, the heartbeat and lease, the coordinator's generation watch and what the node reports
+to the coordinator.
 
 Failure semantics: every collective here raises :class:`~skiptrain.runtime.failure.NodeFailure`
 as soon as the coordinator announces a newer generation (recovery mode), and otherwise waits at
@@ -25,6 +26,7 @@ import torch.distributed as dist
 from ..failure import NodeFailure
 from .coordinator_link import CoordinatorLink
 from .start import IterationStart
+
 
 class ControlPlane:
     """Membership and the node's collectives (see the module's docstring)."""

@@ -5,7 +5,7 @@ sync's, the emulation's, and what the drift monitor and the freeze rule add), ha
 plane gather every node's row, and on rank 0 appends the iteration's line to
 ``RUN_DIR/metrics.jsonl``.  Each node also appends the global samples it trained in a committed
 iteration to its own sample log.  Across hosts, both are also sent to the coordinator
-(:meth:`~.control.ControlPlane.publish_row`), whose run directory is not shared with the nodes.
+(:meth:`~.coordinator_link.CoordinatorLink.publish_row`), whose run directory is not shared with the nodes.
 """
 
 from __future__ import annotations
