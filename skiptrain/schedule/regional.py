@@ -101,6 +101,10 @@ def _canonical(topo: Topology, nodes: Sequence[int], stage_of: dict[int, int]) -
     return order, tuple((stage_of.get(n, -1), topo.nodes[n].speed) for n in order)
 
 
+def _same_links(a: Topology, b: Topology) -> bool:
+    return np.array_equal(a.latency_s, b.latency_s) and np.array_equal(a.bandwidth_Bps, b.bandwidth_Bps)
+
+
 class _Cells:
     """The distinct cell problems planned so far (:class:`Cell`), found again by key and matrices."""
 
@@ -120,12 +124,7 @@ class _Cells:
 
     def find(self, key: tuple, sub: Topology) -> Cell | None:
         """The planned cell that is the same problem, if any."""
-        for i in self.index.get(key, ()):
-            c = self.cells[i]
-            if np.array_equal(c.topo.latency_s, sub.latency_s) and np.array_equal(c.topo.bandwidth_Bps,
-                                                                                  sub.bandwidth_Bps):
-                return c
-        return None
+        return next((self.cells[i] for i in self.index.get(key, ()) if _same_links(self.cells[i].topo, sub)), None)
 
     def add(self, nodes: Sequence[int], sizes: list[int] | None, quotas: dict[int, int],
             placement: list[list[int]] | None, limit: float) -> bool:
@@ -155,9 +154,7 @@ class _Cells:
         seen: list[tuple[tuple, Topology]] = []
         for nodes, sizes, quotas, placement in jobs:
             _, key, sub = self.problem(nodes, sizes, quotas, placement)
-            if self.find(key, sub) is None and not any(k == key and np.array_equal(t.latency_s, sub.latency_s)
-                                                       and np.array_equal(t.bandwidth_Bps, sub.bandwidth_Bps)
-                                                       for k, t in seen):
+            if self.find(key, sub) is None and not any(k == key and _same_links(t, sub) for k, t in seen):
                 seen.append((key, sub))
         return len(seen)
 
