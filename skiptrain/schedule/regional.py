@@ -7,16 +7,20 @@ one cell, :func:`~.cells.default_cells`):
 1. **Cells** (:mod:`.cells`): nodes grouped by hop distance into cells of about
    :data:`~.cells.CELL_NODES`; the global stage sizes and body-stage visit quotas dealt to the
    cells, so that every cell is a whole pipeline and the swarm stays balanced.
-2. **Within cells**: each distinct cell is planned by :func:`~.planner.plan` on its own nodes
-   (placement search, constructions, simulator-scored search) with ``FIRST_SHARE`` of the time
-   limit split evenly (cells that are the same problem share one plan).  Routes never leave their cell, so a cell's search move re-simulates that cell only:
-   the cells share no node and no link (with link contention on, the swarm's pipeline is exactly
-   the union of the cells' pipelines).  The data-parallel sync spans cells; it depends on the
-   placement only and is left to the final simulation.
+2. **Within cells**: each distinct cell problem (cells with the same speeds, sizes, quotas and
+   links share one plan, whatever their locations are called) is planned by
+   :func:`~.planner.plan` on its own nodes (placement search, constructions, simulator-scored
+   search) with ``FIRST_SHARE`` of the time limit split evenly over the distinct problems; then
+   each is planned again, deeper, with what is left of that share (:func:`_deepen`).  Routes
+   never leave their cell, so a cell's search move re-simulates that cell only: the cells share
+   no node and no link (with link contention on, the swarm's pipeline is exactly the union of
+   the cells' pipelines).  The data-parallel sync spans cells; it depends on the placement only
+   and is left to the final simulation.
 3. **Between cells**: the iteration ends with the slowest cell, so the rest of the limit goes,
-   chunk by chunk, to the currently slowest cell (:func:`~.local_search.improve_routes`); a cell that
-   stops improving is planned again with another seed (placement included; the better plan is
-   kept), until the limit is spent or the slowest cell has had ``RESTARTS`` restarts.
+   chunk by chunk, to the currently slowest cell (:func:`~.local_search.improve_routes`); a cell
+   that stops improving is planned again with another seed and as deep a search as its plan had
+   (placement included; the better plan is kept; at most ``RESTARTS`` times), and the chunks go
+   on until the limit is spent.
 
 :func:`replan_regions` re-plans after nodes fail or join, from the plan in force: cells keep
 their nodes (a joiner goes to the nearest cell; a cell left with fewer than two nodes per stage
