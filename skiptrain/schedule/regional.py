@@ -7,16 +7,20 @@ one cell, :func:`~.cells.default_cells`):
 1. **Cells** (:mod:`.cells`): nodes grouped by hop distance into cells of about
    :data:`~.cells.CELL_NODES`; the global stage sizes and body-stage visit quotas dealt to the
    cells, so that every cell is a whole pipeline and the swarm stays balanced.
-2. **Within cells**: each distinct cell is planned by :func:`~.planner.plan` on its own nodes
-   (placement search, constructions, simulator-scored search) with ``FIRST_SHARE`` of the time
-   limit split evenly (cells that are the same problem share one plan).  Routes never leave their cell, so a cell's search move re-simulates that cell only:
-   the cells share no node and no link (with link contention on, the swarm's pipeline is exactly
-   the union of the cells' pipelines).  The data-parallel sync spans cells; it depends on the
-   placement only and is left to the final simulation.
+2. **Within cells**: each distinct cell problem (cells with the same speeds, sizes, quotas and
+   links share one plan, whatever their locations are called) is planned by
+   :func:`~.planner.plan` on its own nodes (placement search, constructions, simulator-scored
+   search) with ``FIRST_SHARE`` of the time limit split evenly over the distinct problems; then
+   each is planned again, deeper, with what is left of that share (:func:`_deepen`).  Routes
+   never leave their cell, so a cell's search move re-simulates that cell only: the cells share
+   no node and no link (with link contention on, the swarm's pipeline is exactly the union of
+   the cells' pipelines).  The data-parallel sync spans cells; it depends on the placement only
+   and is left to the final simulation.
 3. **Between cells**: the iteration ends with the slowest cell, so the rest of the limit goes,
-   chunk by chunk, to the currently slowest cell (:func:`~.local_search.improve_routes`); a cell that
-   stops improving is planned again with another seed (placement included; the better plan is
-   kept), until the limit is spent or the slowest cell has had ``RESTARTS`` restarts.
+   chunk by chunk, to the currently slowest cell (:func:`~.local_search.improve_routes`); a cell
+   that stops improving is planned again with another seed and as deep a search as its plan had
+   (placement included; the better plan is kept; at most ``RESTARTS`` times), and the chunks go
+   on until the limit is spent.
 
 :func:`replan_regions` re-plans after nodes fail or join, from the plan in force: cells keep
 their nodes (a joiner goes to the nearest cell; a cell left with fewer than two nodes per stage
@@ -48,6 +52,7 @@ FIRST_SHARE = 0.6    # share of the time limit for planning the cells one by one
 CHUNK_EVALS = 150    # simulations per step-3 round on the slowest cell
 RESTARTS = 8         # step 3: a stuck slowest cell is planned again with another seed, at most this often
 STUCK_ROUNDS = 3     # step 3: the slowest cell is restarted after this many rounds in a row without improvement
+DEEPEN_MIN = 2.0     # step 2: a second, deeper plan of a cell only when it buys this many times the first's simulations
 
 
 @dataclass
@@ -94,9 +99,14 @@ def _cell_time(cell: Cell, cost: CostModel, contention: bool) -> float:
 
 def _canonical(topo: Topology, nodes: Sequence[int], stage_of: dict[int, int]) -> tuple[list[int], tuple]:
     """``nodes`` in canonical order (stage, location, speed, id) and the key of the cell's problem
-    up to the ids; two cells with equal keys and equal link matrices are the same problem."""
+    up to the ids and the location names: two cells with equal keys and equal link matrices are the
+    same problem (a plan sees the nodes' speeds and the links, not what a location is called)."""
     order = sorted(nodes, key=lambda n: (stage_of.get(n, -1), topo.nodes[n].location, topo.nodes[n].speed, n))
-    return order, tuple((stage_of.get(n, -1), topo.nodes[n].location, topo.nodes[n].speed) for n in order)
+    return order, tuple((stage_of.get(n, -1), topo.nodes[n].speed) for n in order)
+
+
+def _same_links(a: Topology, b: Topology) -> bool:
+    return np.array_equal(a.latency_s, b.latency_s) and np.array_equal(a.bandwidth_Bps, b.bandwidth_Bps)
 
 
 class _Cells:
@@ -107,38 +117,60 @@ class _Cells:
         self.cells: list[Cell] = []
         self.index: dict[tuple, list[int]] = {}
         self.evals = 0
+        self.cpu_s = 0.0           # CPU seconds of the cells' plans (their simulations per second)
+
+    def problem(self, nodes: Sequence[int], sizes: list[int] | None, quotas: dict[int, int],
+                placement: list[list[int]] | None) -> tuple[list[int], tuple, Topology]:
+        """A cell's nodes in canonical order, its problem's key and its sub-topology."""
+        stage_of = {n: s for s, p in enumerate(placement) for n in p} if placement is not None else {}
+        order, key = _canonical(self.topo, nodes, stage_of)
+        return order, (key, tuple(sizes or ()), tuple(sorted(quotas.items()))), self.topo.subset(order)
+
+    def find(self, key: tuple, sub: Topology) -> Cell | None:
+        """The planned cell that is the same problem, if any."""
+        return next((self.cells[i] for i in self.index.get(key, ()) if _same_links(self.cells[i].topo, sub)), None)
 
     def add(self, nodes: Sequence[int], sizes: list[int] | None, quotas: dict[int, int],
             placement: list[list[int]] | None, limit: float) -> bool:
         """Plan one cell of the swarm (``placement`` in global ids kept when given, else searched
         with ``sizes``), or reuse the plan of an identical cell; True when it was planned."""
-        stage_of = {n: s for s, p in enumerate(placement) for n in p} if placement is not None else {}
-        order, key = _canonical(self.topo, nodes, stage_of)
-        key = (key, tuple(sizes or ()), tuple(sorted(quotas.items())))
-        sub = self.topo.subset(order)
-        for i in self.index.get(key, ()):
-            c = self.cells[i]
-            if np.array_equal(c.topo.latency_s, sub.latency_s) and np.array_equal(c.topo.bandwidth_Bps,
-                                                                                  sub.bandwidth_Bps):
-                c.members.append(order)
-                return False
+        order, key, sub = self.problem(nodes, sizes, quotas, placement)
+        same = self.find(key, sub)
+        if same is not None:
+            same.members.append(order)
+            return False
         pos = {n: i for i, n in enumerate(order)}
         local_pl = [[pos[n] for n in p if n in pos] for p in placement] if placement is not None else None
         ccfg = replace(self.cfg, cells=1, quotas=quotas, time_limit_s=limit, dp_sync=False, placement=local_pl,
                        stage_sizes=sizes if local_pl is None else [len(p) for p in local_pl])
         ccfg.seed = self.cfg.seed + len(self.cells)
+        c0 = time.process_time()
         cell = Cell(sub, self.search.plan(sub, self.cost, ccfg), [order], cfg=ccfg)
+        self.cpu_s += time.process_time() - c0
         self.evals += cell.sched.meta["planner"].get("evals", 0)
         _cell_time(cell, self.cost, self.cfg.contention)
         self.index.setdefault(key, []).append(len(self.cells))
         self.cells.append(cell)
         return True
 
+    def count_new(self, jobs: list[tuple]) -> int:
+        """How many distinct problems ``jobs`` of ``(nodes, sizes, quotas, placement)`` add."""
+        seen: list[tuple[tuple, Topology]] = []
+        for nodes, sizes, quotas, placement in jobs:
+            _, key, sub = self.problem(nodes, sizes, quotas, placement)
+            if self.find(key, sub) is None and not any(k == key and _same_links(t, sub) for k, t in seen):
+                seen.append((key, sub))
+        return len(seen)
 
-def _restart(cell: Cell, cost: CostModel, contention: bool, limit: float, search: Search) -> int:
-    """Plan ``cell`` again with another seed; the better plan is kept.  Returns the evaluations."""
+
+def _restart(cell: Cell, cost: CostModel, contention: bool, limit: float, search: Search,
+             max_evals: int | None = None) -> int:
+    """Plan ``cell`` again with another seed (and ``max_evals`` simulations when given); the better
+    plan is kept.  Returns the evaluations."""
     cell.restarts += 1
     ccfg = replace(cell.cfg, seed=cell.cfg.seed + 1000 * cell.restarts, time_limit_s=limit)
+    if max_evals is not None:
+        ccfg.max_evals = max_evals
     cand = Cell(cell.topo, search.plan(cell.topo, cost, ccfg), cell.members, cfg=cell.cfg)
     if _cell_time(cand, cost, contention) < cell.pipeline_s:
         cell.sched, cell.pipeline_s = cand.sched, cand.pipeline_s
@@ -148,21 +180,23 @@ def _restart(cell: Cell, cost: CostModel, contention: bool, limit: float, search
 def _improve_slowest(cells: list[Cell], cost: CostModel, cfg: Any, clock: _Clock, rng: random.Random,
                      search: Search) -> dict:
     """Step 3 (module doc): rounds of search on the slowest cell while time is left; a cell stuck
-    for ``STUCK_ROUNDS`` rounds is planned again with another seed (up to ``RESTARTS`` times)."""
+    for ``STUCK_ROUNDS`` rounds is planned again with another seed and as many simulations as its
+    plan had (up to ``RESTARTS`` times), and its rounds go on from the better plan.  Ends at the
+    limit, or when no move is possible."""
     rounds = evals = restarts = 0
     while cells and clock.left() > 0 and cfg.max_evals != 0:
         worst = max(cells, key=lambda c: c.pipeline_s)
-        if worst.stuck >= STUCK_ROUNDS:
-            if worst.cfg is None or worst.restarts >= RESTARTS:
-                break
-            before = worst.pipeline_s
-            evals += _restart(worst, cost, cfg.contention, clock.left(), search)
+        if worst.stuck >= STUCK_ROUNDS and worst.cfg is not None and worst.restarts < RESTARTS:
+            depth = worst.sched.meta["planner"].get("evals", 0) if cfg.max_evals is None else None
+            evals += _restart(worst, cost, cfg.contention, clock.left(), search, depth or None)
             restarts += 1
-            worst.stuck = 0 if worst.pipeline_s < before - 1e-9 else STUCK_ROUNDS - 1
+            worst.stuck = 0
             continue
         before = worst.pipeline_s
         worst.sched, st = search.improve(worst.sched, worst.topo, cost, cfg.contention, False, rng, CHUNK_EVALS,
                                          clock.left())
+        if st["evals"] == 0:            # no move is possible (or no time left)
+            break
         evals += st["evals"]
         rounds += 1
         worst.stuck = worst.stuck + 1 if _cell_time(worst, cost, cfg.contention) >= before - 1e-9 else 0
@@ -203,13 +237,38 @@ def _finish(cells: _Cells, cost: CostModel, cfg: Any, clock: _Clock, info: dict)
     return _assemble(cells.cells, cfg, "planner" if cfg.collision_aware else "planner_no_ca", info)
 
 
-def _plan_all(cells: _Cells, clock: _Clock, jobs: list[tuple]) -> None:
+def _plan_all(cells: _Cells, clock: _Clock, jobs: list[tuple]) -> int:
     """Step 2 over ``jobs`` of ``(nodes, sizes, quotas, placement)``: each new cell problem gets an
-    even share of what is left of ``FIRST_SHARE`` of the limit."""
+    even share of what is left of ``FIRST_SHARE`` of the limit (a cell that repeats one planned
+    before costs nothing); then :func:`_deepen`.  Returns the cells planned again."""
     budget = FIRST_SHARE * clock.limit
-    for k, (nodes, sizes, quotas, placement) in enumerate(jobs):
-        share = max(0.0, budget - clock.used()) / (len(jobs) - k)
-        cells.add(nodes, sizes, quotas, placement, min(share, clock.left()))
+    new = cells.count_new(jobs)
+    for nodes, sizes, quotas, placement in jobs:
+        share = max(0.0, budget - clock.used()) / max(1, new)
+        if cells.add(nodes, sizes, quotas, placement, min(share, clock.left())):
+            new -= 1
+    return _deepen(cells, clock, budget)
+
+
+def _deepen(cells: _Cells, clock: _Clock, budget: float) -> int:
+    """What is left of step 2's ``budget`` (CPU seconds since the start) after every distinct cell's
+    first plan: each is planned again with another seed and as many simulations as an even share
+    of it buys at the rate measured on the first plans; the better plan is kept.  Only with the
+    default search budget (``max_evals`` unset), and only when a share buys ``DEEPEN_MIN`` times
+    a first plan's simulations.  Returns how many cells were planned again."""
+    planned = [c for c in cells.cells if c.cfg is not None]
+    if not planned or cells.cfg.max_evals is not None or cells.cpu_s <= 0:
+        return 0
+    rate, done = cells.evals / cells.cpu_s, 0
+    for k, c in enumerate(sorted(planned, key=lambda c: -c.pipeline_s)):
+        share = max(0.0, budget - clock.used()) / (len(planned) - k)
+        first = c.sched.meta["planner"].get("evals", 0)
+        if share * rate < DEEPEN_MIN * max(1, first):
+            continue
+        cells.evals += _restart(c, cells.cost, cells.cfg.contention, min(share, clock.left()), cells.search,
+                                int(share * rate))
+        done += 1
+    return done
 
 
 def plan_regions(topo: Topology, cost: CostModel, cfg: Any, n_cells: int, search: Search) -> Schedule:
@@ -226,7 +285,8 @@ def plan_regions(topo: Topology, cost: CostModel, cfg: Any, n_cells: int, search
     quotas = deal_quotas(cfg.n_stages, v, [cs[0] * cfg.mb_per_originator for cs in cell_sizes])
     info: dict[str, Any] = {"cells_s": clock.used(), "n_cells": n_cells}
     cells = _Cells(topo, cost, cfg, search)
-    _plan_all(cells, clock, [(g, sz, q, None) for g, sz, q in zip(groups, cell_sizes, quotas)])
+    jobs = [(g, sz, q, None) for g, sz, q in zip(groups, cell_sizes, quotas)]
+    info["deepened_cells"] = _plan_all(cells, clock, jobs)
     info["within_s"] = clock.used()
     return _finish(cells, cost, cfg, clock, info)
 
@@ -293,7 +353,8 @@ def replan_regions(topo: Topology, cost: CostModel, cfg: Any, in_force: Schedule
     sizes = [stage_sizes(len(g), cfg.n_stages, cfg.skip_ratio, cost) for g in todo]
     v = visits_per_route(cfg.skip_ratio, cfg.n_stages)
     quotas = deal_quotas(cfg.n_stages, v, [sz[0] * cfg.mb_per_originator for sz in sizes], fixed)
-    _plan_all(cells, clock, [(g, sz, q, None) for g, sz, q in zip(todo, sizes, quotas)])
-    info: dict[str, Any] = {"n_cells": len(groups) - len(changed) + len(todo), "replanned_cells": len(todo), "within_s": clock.used(),
+    deepened = _plan_all(cells, clock, [(g, sz, q, None) for g, sz, q in zip(todo, sizes, quotas)])
+    info: dict[str, Any] = {"deepened_cells": deepened, "n_cells": len(groups) - len(changed) + len(todo),
+                            "replanned_cells": len(todo), "within_s": clock.used(),
                             "replanned_from": in_force.method}
     return _finish(cells, cost, cfg, clock, info)

@@ -12,6 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from skiptrain.net.topology import Node, Topology, cluster, geo12
+from skiptrain.schedule import regional
 from skiptrain.schedule.cells import deal_quotas, group_cells, lanes_in_cells, split_sizes
 from skiptrain.schedule.cost import CostModel
 from skiptrain.schedule.planner import PlanConfig, plan, replan
@@ -154,3 +155,21 @@ def test_a_limit_of_zero_still_gives_every_cell_a_complete_balanced_plan():
     info = s.meta["planner"]
     assert info["n_cells"] > 1 and info["time_capped"] and info["between_rounds"] == 0
     s.validate(SKIP_CLAIMS, n_nodes=96)
+
+
+def test_cells_that_differ_only_in_their_location_names_share_one_plan():
+    topo = _regions(2, 12)                 # two regions, the same links inside, named r0 and r1
+    s = plan(topo, _cost(), _cfg(cells=2, mb_per_originator=3))
+    s.validate(SKIP_CLAIMS, n_nodes=24)
+    info = s.meta["planner"]
+    assert len(info["cells"]) == 2 and info["distinct_cells"] == 1
+    assert info["deepened_cells"] == 0                  # a set search budget: no deeper second plan
+
+
+def test_with_the_default_budget_a_cell_is_planned_again_deeper_within_the_limit(monkeypatch):
+    monkeypatch.setattr(regional, "DEEPEN_MIN", 0.1)   # a second plan whatever it buys (the limit is short)
+    s = plan(cluster(40), _cost(), _cfg(cells=2, mb_per_originator=3, max_evals=None, time_limit_s=3.0))
+    s.validate(SKIP_CLAIMS, n_nodes=40)
+    info = s.meta["planner"]
+    assert info["distinct_cells"] == 1 and info["deepened_cells"] == 1
+    assert info["planner_cpu_s"] <= 1.5 * 3.0
