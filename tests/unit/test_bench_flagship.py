@@ -103,3 +103,12 @@ def test_samples_lost_and_repeated_over_committed_iterations(tmp_path):
     (d / "samples_node0.jsonl").write_text("\n".join(json.dumps(r) for r in (
         {"iteration": 0, "samples": [0, 1]}, {"iteration": 1, "samples": [2, 2]})))
     assert fl.sample_check(tmp_path, 2, 2) == (1, 1)
+
+
+def test_a_try_replaces_the_flagships_overrides_by_key_spelled_as_the_grid_spells_them():
+    base = ["train.skip_ratio=0.33", "dp.topk=8", "train.lr=0.004"]
+    out = fl.with_overrides(base, ["train.lr=1e-3", "dp.topk=32", "dp.strategy=sparseloco"])
+    assert sorted(out) == sorted(["train.skip_ratio=0.33", "dp.topk=32", "train.lr=0.001", "dp.strategy=sparseloco"])
+    # the same run the race's grid would train has the same records key
+    assert fl.Runner.key(fl.with_overrides(base, ["train.lr=0.002"]), 365, 0) == fl.Runner.key(
+        base[:2] + fl.lrs(2e-3)[0], 365, 0)
