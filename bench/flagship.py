@@ -6,7 +6,7 @@ one more geo12 slot for the node that joins in the events run) trains the same m
 same real text (data/shakespeare, BPE 4096) with the same global batch, data order and seeds on
 both sides:
 
-* **flagship**: the planner's skip routes (k = 0.33, <= 2 swaps), DeMo (top-8 of 64x64 DCT
+* **flagship**: the planner's skip routes (k = 0.33, <= 2 swaps), DeMo (top-32 of 64x64 DCT
   chunks, 1-bit signs, 12-bit indices; its sign step's learning rate tuned), int8 activations
   and gradients on links slower than 1 GB/s, elastic freezing (the freeze rule, its validation
   guard, AutoPipe + AutoDP transitions; activation cache off), recovery on, a job checkpoint
@@ -139,7 +139,7 @@ def sides(s: dict) -> dict[str, Side]:
     tau, ck = s["time_scale"], s["ckpt_every"]
     flag = flat({
         "train": {"skip_ratio": 0.33},
-        "dp": {"strategy": "demo", "topk": 8, "chunk": 64, "values": "sign1", "indices": "u12"},
+        "dp": {"strategy": "demo", "topk": 32, "chunk": 64, "values": "sign1", "indices": "u12"},
         "runtime": {"act_codec": "int8", "act_fast_GBps": 1.0 / tau, "recover": True, "heartbeat_deadline_s": 3.0,
                     "ckpt_max_age": 2 * ck},
         "elastic": {"enabled": True, "check_every": s["check_every"], "cache": "off", "start_window": 2,
@@ -147,7 +147,7 @@ def sides(s: dict) -> dict[str, Side]:
     return {BASELINE: Side("full pipeline, AdamW + fp32 all-reduce", ["train.skip_ratio=0", "dp.strategy=allreduce"],
                            {"lr": lrs(1e-3, 2e-3, 4e-3)}, start={"lr": 1}),
             FLAGSHIP: Side("skip routes, DeMo, int8, freezing, checkpoints, recovery", flag,
-                           {"lr": lrs(2e-3, 4e-3, 8e-3)}, ladder=s["ladder"], tune_at=s["tune_at"], start={"lr": 1})}
+                           {"lr": lrs(1e-3, 2e-3, 4e-3)}, ladder=s["ladder"], tune_at=s["tune_at"], start={"lr": 1})}
 
 
 def timing_overrides(s: dict, flagship: bool) -> list[str]:
