@@ -289,10 +289,12 @@ def timing(args, s: dict, runner: Runner, side_of: dict[str, Side]) -> dict[str,
 
 def ladder(side: Side, base_steps: int, base_s: float, s_per_step: float, period: int) -> list[tuple[float, int]]:
     """(fraction, steps) of every rung: the baseline's iterations (equal tokens) first, then the
-    side's fractions of the iterations that fit in the baseline's wall-clock."""
+    side's fractions of the iterations that fit in the baseline's wall-clock (whole periods, the
+    nearest, but never more than fit: a rung is never longer than the baseline's wall-clock)."""
     rungs = {base_steps: base_steps * s_per_step / base_s}
+    fit = max(period, int(base_s / s_per_step / period) * period)
     for f in side.ladder:
-        rungs.setdefault(rung_steps(f, base_s, s_per_step, period), f)
+        rungs.setdefault(min(fit, rung_steps(f, base_s, s_per_step, period)), f)
     return [(f, st) for st, f in sorted(rungs.items())]
 
 

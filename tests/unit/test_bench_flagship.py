@@ -21,6 +21,9 @@ def test_the_ladder_starts_at_the_baselines_tokens_then_its_fractions_in_whole_p
     # a fraction landing on the equal-tokens length is one rung, not two
     side = fl.Side("f", [], {}, ladder=(0.3, 1.0))
     assert [st for _, st in fl.ladder(side, 150, 1500.0, 3.0, 5)] == [150, 500]
+    # the nearest whole period, but no rung longer than the baseline's wall-clock: 1214.55 s / 3.3798 s = 359.4
+    side = fl.Side("f", [], {}, ladder=(0.65, 1.0))
+    assert [st for _, st in fl.ladder(side, 150, 1214.55, 3.3798, 5)] == [150, 235, 355]
 
 
 def test_pipeline_clocks_skip_the_warm_up_period_and_take_the_simulator_as_own_compute():
