@@ -6,7 +6,7 @@ one more geo12 slot for the node that joins in the events run) trains the same m
 same real text (data/shakespeare, BPE 4096) with the same global batch, data order and seeds on
 both sides:
 
-* **flagship**: the planner's skip routes (k = 0.33, <= 2 swaps), DeMo (top-8 of 64x64 DCT
+* **flagship**: the planner's skip routes (k = 0.33, <= 2 swaps), DeMo (top-32 of 64x64 DCT
   chunks, 1-bit signs, 12-bit indices; its sign step's learning rate tuned), int8 activations
   and gradients on links slower than 1 GB/s, elastic freezing (the freeze rule, its validation
   guard, AutoPipe + AutoDP transitions; activation cache off), recovery on, a job checkpoint
@@ -44,7 +44,9 @@ Four phases:
 
 Records are kept as they arrive in ``records.jsonl`` of the work folder; ``--keep DIR`` reuses a
 folder's records (a run cut short goes on where it stopped).  ``--quick``: 8 nodes, a tiny
-model, short runs, the same code path.
+model, short runs, the same code path.  ``--try OVERRIDES`` (repeatable) runs no race: one flagship
+learning run per set of overrides in place of the flagship's (first seed, emulation off, at the
+tuning length, its records in the same cache), ``--try-timing`` also times each set.
 
     .venv/bin/python bench/flagship.py --json runs/bench/flagship.json --plot docs/img/flagship_race.png
     .venv/bin/python bench/flagship.py --quick --json runs/bench/flagship_quick.json
@@ -137,7 +139,7 @@ def sides(s: dict) -> dict[str, Side]:
     tau, ck = s["time_scale"], s["ckpt_every"]
     flag = flat({
         "train": {"skip_ratio": 0.33},
-        "dp": {"strategy": "demo", "topk": 8, "chunk": 64, "values": "sign1", "indices": "u12"},
+        "dp": {"strategy": "demo", "topk": 32, "chunk": 64, "values": "sign1", "indices": "u12"},
         "runtime": {"act_codec": "int8", "act_fast_GBps": 1.0 / tau, "recover": True, "heartbeat_deadline_s": 3.0,
                     "ckpt_max_age": 2 * ck},
         "elastic": {"enabled": True, "check_every": s["check_every"], "cache": "off", "start_window": 2,
@@ -145,12 +147,14 @@ def sides(s: dict) -> dict[str, Side]:
     return {BASELINE: Side("full pipeline, AdamW + fp32 all-reduce", ["train.skip_ratio=0", "dp.strategy=allreduce"],
                            {"lr": lrs(1e-3, 2e-3, 4e-3)}, start={"lr": 1}),
             FLAGSHIP: Side("skip routes, DeMo, int8, freezing, checkpoints, recovery", flag,
-                           {"lr": lrs(2e-3, 4e-3, 8e-3)}, ladder=s["ladder"], tune_at=s["tune_at"], start={"lr": 1})}
+                           {"lr": lrs(1e-3, 2e-3, 4e-3)}, ladder=s["ladder"], tune_at=s["tune_at"], start={"lr": 1})}
 
 
 def timing_overrides(s: dict, flagship: bool) -> list[str]:
-    """Links, compute and sync emulated; the flagship checkpoints as it would in use."""
-    ck = [f"checkpoint.every={s['ckpt_every']}", "checkpoint.keep=2"] if flagship else []
+    """Links, compute and sync emulated; the flagship checkpoints as it would in use; the
+    baseline's dense sum is named by its shape (the runtime's default, auto: per stage the faster
+    of one ring and rings within and across regions), so no timing of another shape is reused."""
+    ck = [f"checkpoint.every={s['ckpt_every']}", "checkpoint.keep=2"] if flagship else ["runtime.dp_topology=auto"]
     return ["runtime.wan=true", "runtime.emulate_compute=true", "train.eval_every=0"] + ck
 
 
@@ -256,18 +260,23 @@ def pipeline_clock(rec: dict, period: int, nodes: int, cores: int, sim_s: float)
             "payload_bytes": statistics.median(rec["payload_bytes"]), "steps": len(rec["time"])}
 
 
+def time_side(args, s: dict, runner: Runner, settings: list[str], flagship: bool) -> dict:
+    """One side's clocks: its settings with links, compute and sync emulated (the flagship over
+    whole checkpoint periods after the first)."""
+    period = s["period"] if flagship else 1
+    ov = settings + timing_overrides(s, flagship)
+    steps = timing_steps(period, args.quick)
+    rec = runner.train([(ov, steps, 0)])[0]
+    cfg = runner.config(ov, steps, 0)
+    out = pipeline_clock(rec, period, s["nodes"], len(os.sched_getaffinity(0)),
+                         simulated_s(cfg, statistics.median(rec["payload_bytes"])))
+    out["stage_sizes"] = [len(p) for p in layout(cfg)[2].placement]
+    return out
+
+
 def timing(args, s: dict, runner: Runner, side_of: dict[str, Side]) -> dict[str, dict]:
     """Phase 1: each side at its starting settings with links, compute and sync emulated."""
-    cores = len(os.sched_getaffinity(0))
-    out = {}
-    for n, side in side_of.items():
-        period = s["period"] if n == FLAGSHIP else 1
-        ov = side.settings(side.start) + timing_overrides(s, n == FLAGSHIP)
-        steps = timing_steps(period, args.quick)
-        rec = runner.train([(ov, steps, 0)])[0]
-        cfg = runner.config(ov, steps, 0)
-        out[n] = pipeline_clock(rec, period, s["nodes"], cores, simulated_s(cfg, statistics.median(rec["payload_bytes"])))
-        out[n]["stage_sizes"] = [len(p) for p in layout(cfg)[2].placement]
+    out = {n: time_side(args, s, runner, side.settings(side.start), n == FLAGSHIP) for n, side in side_of.items()}
     f = out[FLAGSHIP]
     f["floor_below_half"] = f["host_floor_s"] < 0.5 * f["simulated_s"]
     if not f["floor_below_half"]:
@@ -280,10 +289,12 @@ def timing(args, s: dict, runner: Runner, side_of: dict[str, Side]) -> dict[str,
 
 def ladder(side: Side, base_steps: int, base_s: float, s_per_step: float, period: int) -> list[tuple[float, int]]:
     """(fraction, steps) of every rung: the baseline's iterations (equal tokens) first, then the
-    side's fractions of the iterations that fit in the baseline's wall-clock."""
+    side's fractions of the iterations that fit in the baseline's wall-clock (whole periods, the
+    nearest, but never more than fit: a rung is never longer than the baseline's wall-clock)."""
     rungs = {base_steps: base_steps * s_per_step / base_s}
+    fit = max(period, int(base_s / s_per_step / period) * period)
     for f in side.ladder:
-        rungs.setdefault(rung_steps(f, base_s, s_per_step, period), f)
+        rungs.setdefault(min(fit, rung_steps(f, base_s, s_per_step, period)), f)
     return [(f, st) for st, f in sorted(rungs.items())]
 
 
@@ -306,6 +317,55 @@ def race(args, s: dict, runner: Runner) -> dict:
         out["sides"][n] = {"label": side.label, "settings": settings, "clock": clock, "tuning": tuning,
                            "rungs": rungs}
     return out
+
+
+# ---- exploration: single flagship runs (--try) -------------------------------------------------
+
+def with_overrides(settings: list[str], extra: list[str]) -> list[str]:
+    """``settings`` with each of ``extra`` (``section.key=value``) in place of the override of the
+    same key; a fractional number is spelled as the grid spells it (``1e-3`` -> ``0.001``), so a
+    run the race would train has the same records key."""
+    out = list(settings)
+    for o in extra:
+        k, v = o.split("=", 1)
+        try:
+            int(v)
+        except ValueError:
+            try:
+                v = f"{float(v):g}"
+            except ValueError:
+                pass
+        out = [x for x in out if x.split("=", 1)[0] != k] + [f"{k}={v}"]
+    return out
+
+
+def explore(args, s: dict, runner: Runner) -> dict:
+    """``--try``: one flagship learning run per overrides set (first seed, emulation off, the
+    race's learning path and records) at ``--try-steps`` (default: the tuning length on the
+    flagship's clock); with ``--try-timing`` each set is also timed with links emulated, and its
+    tuning length is read off its own clock.  The DP payload is the learning run's median."""
+    side_of = sides(s)
+    flag = side_of[FLAGSHIP]
+    clocks = timing(args, s, runner, side_of)
+    base = clocks[BASELINE]
+    base_s = s["baseline_steps"] * base["machine"]
+    rows = []
+    for extra in args.try_:
+        settings = with_overrides(flag.settings(flag.start), extra.split())
+        clock = time_side(args, s, runner, settings, True) if args.try_timing else None
+        steps = args.try_steps or rung_steps(flag.tune_at, base_s, (clock or clocks[FLAGSHIP])["machine"], s["period"])
+        rec = runner.train([(settings, steps, 0)])[0]
+        payload = statistics.median(rec["payload_bytes"])
+        row = {"overrides": extra, "settings": settings, "steps": steps, "seed": 1234, "val": rec["val"][-1][1],
+               "val_curve": rec["val"], "payload_bytes": payload, "bytes_ratio": base["payload_bytes"] / payload,
+               "wall_s_per_iteration": (rec["time"][-1] - rec["time"][0]) / max(1, len(rec["time"]) - 1)}
+        if clock:
+            row.update(clock=clock, iteration_speedup={c: base[c] / clock[c] for c in CLOCKS})
+        rows.append(row)
+        speed = " ".join(f"{c} {v:.2f}x" for c, v in row.get("iteration_speedup", {}).items())
+        print(f"try {extra!r}: {steps} iterations, val {row['val']:.4f}, DP {payload:,.0f} B/it "
+              f"({row['bytes_ratio']:.0f}x fewer than fp32) {speed}", flush=True)
+    return {"baseline_clock": base, "flagship_clock": clocks[FLAGSHIP], "tries": rows}
 
 
 def equal_time_ratio(rungs: list[dict], seconds: float, clock: str, target: float) -> float | None:
@@ -510,9 +570,21 @@ def parse_args(argv):
     ap.add_argument("--no-freeze", action="store_true", help="the flagship without elastic freezing")
     ap.add_argument("--no-events", action="store_true", help="skip the events run")
     ap.add_argument("--keep", default=None, help="work folder (its records are reused); default a new runs/bench folder")
+    ap.add_argument("--try", dest="try_", action="append", default=None, metavar="OVERRIDES",
+                    help="no race: one flagship run (first seed, emulation off) with these space-separated overrides "
+                         "in place of the flagship's, e.g. 'train.lr=1e-3 dp.topk=16'; repeatable")
+    ap.add_argument("--try-steps", type=int, default=None, help="length of --try runs (default: the tuning length)")
+    ap.add_argument("--try-timing", action="store_true", help="also time each --try set with links emulated")
     ap.add_argument("--json", default=None)
     ap.add_argument("--plot", default=None, help="loss-vs-seconds PNG (default: next to --json)")
     return ap.parse_args(argv)
+
+
+def write_json(args, out: dict) -> int:
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(out, indent=1, default=str))
+    return 0
 
 
 def main(argv=None) -> int:
@@ -528,6 +600,8 @@ def main(argv=None) -> int:
               f"processes, baseline {s['baseline_steps']} iterations, ladder {s['ladder']}, freezing "
               f"{'on' if s['freeze'] else 'off'}", flush=True)
         runner = Runner(folder, functools.partial(run_config, args, base), functools.partial(race_launch, args))
+        if args.try_:
+            return write_json(args, explore(args, s, runner))
         out = score(race(args, s, runner))
         if not args.no_events:
             out["events_run"] = events_run(args, s, runner, out["sides"][FLAGSHIP]["settings"], folder)
@@ -540,9 +614,7 @@ def main(argv=None) -> int:
                tokens_per_iteration=len(layout(cfg)[2].micro_batches) * cfg.train.micro_batch * cfg.model.seq_len)
     out["figures"] = figures(out)
     print_tables(out)
-    if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(out, indent=1, default=str))
+    write_json(args, out)
     if args.plot or args.json:
         plot(out, args.plot or str(Path(args.json).with_suffix(".png")))
     print(f"\ntotal {out['wall_s']:.0f} s")

@@ -21,6 +21,9 @@ def test_the_ladder_starts_at_the_baselines_tokens_then_its_fractions_in_whole_p
     # a fraction landing on the equal-tokens length is one rung, not two
     side = fl.Side("f", [], {}, ladder=(0.3, 1.0))
     assert [st for _, st in fl.ladder(side, 150, 1500.0, 3.0, 5)] == [150, 500]
+    # the nearest whole period, but no rung longer than the baseline's wall-clock: 1214.55 s / 3.3798 s = 359.4
+    side = fl.Side("f", [], {}, ladder=(0.65, 1.0))
+    assert [st for _, st in fl.ladder(side, 150, 1214.55, 3.3798, 5)] == [150, 235, 355]
 
 
 def test_pipeline_clocks_skip_the_warm_up_period_and_take_the_simulator_as_own_compute():
@@ -103,3 +106,12 @@ def test_samples_lost_and_repeated_over_committed_iterations(tmp_path):
     (d / "samples_node0.jsonl").write_text("\n".join(json.dumps(r) for r in (
         {"iteration": 0, "samples": [0, 1]}, {"iteration": 1, "samples": [2, 2]})))
     assert fl.sample_check(tmp_path, 2, 2) == (1, 1)
+
+
+def test_a_try_replaces_the_flagships_overrides_by_key_spelled_as_the_grid_spells_them():
+    base = ["train.skip_ratio=0.33", "dp.topk=8", "train.lr=0.004"]
+    out = fl.with_overrides(base, ["train.lr=1e-3", "dp.topk=32", "dp.strategy=sparseloco"])
+    assert sorted(out) == sorted(["train.skip_ratio=0.33", "dp.topk=32", "train.lr=0.001", "dp.strategy=sparseloco"])
+    # the same run the race's grid would train has the same records key
+    assert fl.Runner.key(fl.with_overrides(base, ["train.lr=0.002"]), 365, 0) == fl.Runner.key(
+        base[:2] + fl.lrs(2e-3)[0], 365, 0)
