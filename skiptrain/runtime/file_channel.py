@@ -197,6 +197,7 @@ class _Handler(BaseHTTPRequestHandler):
         try:
             dest.parent.mkdir(parents=True, exist_ok=True)
             fd, tmp = tempfile.mkstemp(dir=dest.parent, prefix=dest.name + ".", suffix=".part")
+            os.fchmod(fd, 0o644)             # (as any file the run writes, not mkstemp's 0600)
             with os.fdopen(fd, "wb") as f:
                 got = _receive(self.rfile, f, size, lambda: self.server.files.received_from(node))
             if got == digest:
