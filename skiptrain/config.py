@@ -464,12 +464,6 @@ class Config:
                               "per node")
         if rt.stage_sizes.strip():
             raise ConfigError("runtime.node_stages and runtime.stage_sizes both place the nodes; set only one")
-        if sum(len(p) for p in placement) == n:
-            return
-        if self.elastic.enabled:
-            raise ConfigError("runtime.node_stages has a node serving several stages, which elastic.enabled does not "
-                              "handle (its transitions move state one stage per node); turn elastic.enabled off, or "
-                              "give each node one stage")
 
     def _check_skip_ratio(self) -> None:
         """Every route must visit at least one body stage (:func:`skip_count`)."""

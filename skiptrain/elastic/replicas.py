@@ -21,7 +21,8 @@ def assign_nodes(sizes: Mapping[str, int], old_partition: Partition, old_placeme
                  new_partition: Partition, n_nodes: int) -> list[list[int]]:
     """New placement: ``n_nodes // S`` nodes per new stage, maximising bytes already held.
 
-    ``sizes``: tensor name -> bytes.  Greedy over (bytes held, node) pairs, largest first.
+    ``sizes``: tensor name -> bytes; ``old_placement`` may have nodes that serve several stages
+    (in the new one each node serves one).  Greedy over (bytes held, node) pairs, largest first.
     """
     S = new_partition.n_stages
     per = n_nodes // S
@@ -31,12 +32,15 @@ def assign_nodes(sizes: Mapping[str, int], old_partition: Partition, old_placeme
     need: dict[int, set[str]] = {s: set() for s in range(S)}
     for n in sizes:
         need[tensor_stage(n, new_partition)].add(n)
-    old_stage = {n: s for s, nodes in enumerate(old_placement) for n in nodes}
-    held_bytes: dict[tuple[int | None, int], int] = {}   # the nodes of one old stage hold the same
+    old_stages: dict[int, tuple[int, ...]] = {}     # (a node may serve several stages of the old layout)
+    for s, nodes in enumerate(old_placement):
+        for n in nodes:
+            old_stages[n] = old_stages.get(n, ()) + (s,)
+    held_bytes: dict[tuple[tuple[int, ...], int], int] = {}   # nodes of the same old stages hold the same
     pairs = []
     for node in range(n_nodes):
         for s in range(S):
-            key = (old_stage.get(node), s)
+            key = (old_stages.get(node, ()), s)
             if key not in held_bytes:
                 held_bytes[key] = sum(sizes[t] for t in need[s] & held.get(node, set()))
             pairs.append((-held_bytes[key], node, s))

@@ -201,8 +201,9 @@ class SwarmFreezing(PrefixCaching):
             self.log({"step": st.it, "action": "transition_skipped", "frozen": F,
                        "reason": f"placement {pl}: a stage has no node, so its state cannot move"})
             return
+        held = [st.strats[s] for s in st.stages if s in st.strats]   # (a node may serve several stages before)
         sizes: dict[str, int] = {}
-        for _, blob in node.control.gather_bytes(json.dumps(stage_sizes(st.model, st.opt, st.strat)).encode()):
+        for _, blob in node.control.gather_bytes(json.dumps(stage_sizes(st.model, st.opt, held)).encode()):
             sizes.update(json.loads(blob.decode()))
         keep = {mb.id: mb.originator for mb in st.sched.micro_batches}   # originators keep their windows
         new, evidence, cached, gain = self._plan(F, pl, sizes, keep, cache_in)
@@ -216,9 +217,9 @@ class SwarmFreezing(PrefixCaching):
         old = ElasticLayout.of(self.frozen, self.counts, 1, len(st.order), pl)
         plan = transfer_plan(sizes, old, new)
         node.hook(st.ph.name, st.it, "transition", st)
-        blobs = move_state(node.rank, plan, node.control.rank_of, st.model, st.opt, st.strat, node.control.check_generation)
+        blobs = move_state(node.rank, plan, node.control.rank_of, st.model, st.opt, held, node.control.check_generation)
         stage = {n: s for s, p in enumerate(new.placement) for n in p}.get(node.rank)
-        tensors, record, scalars = gather_state(st.model, st.opt, st.strat, blobs,
+        tensors, record, scalars = gather_state(st.model, st.opt, held, blobs,
                                                 stage_names(sizes, new.partition, stage))
         model = opt = None
         if stage is not None:

@@ -139,7 +139,8 @@ def layout_cost(cost, model_cfg, counts: list[int], frozen: int, hit: float = 0.
 
 
 def stage_sizes(model, opt, strat) -> dict[str, int]:
-    """Bytes of every tensor this node holds by global name (weights, optimizer, sync state)."""
+    """Bytes of every tensor this node holds by global name (weights, optimizer, sync state);
+    ``strat``: its sync strategy, or the list of them of a node serving several stages."""
     if model is None:
         return {}
     tensors, _ = stage_state(model, opt, strat, 0)
@@ -190,7 +191,7 @@ class Activations:
 def move_state(me: int, plan: list[Transfer], rank_of: dict[int, int], model, opt, strat,
                abort: Callable[[], None]) -> list[bytes]:
     """Send this node's messages of ``plan`` and receive its own (:func:`exchange`); returns the
-    received messages (:func:`pack_state` frames)."""
+    received messages (:func:`pack_state` frames).  ``strat`` as :func:`stage_sizes` takes it."""
     sends = [t for t in plan if t.src == me]
     blobs = {}
     if sends:
@@ -223,7 +224,8 @@ def exchange(outgoing: dict[int, bytes], incoming: list[int], rank_of: dict[int,
 def gather_state(model, opt, strat, blobs: list[bytes], wanted: set[str]
                  ) -> tuple[dict[str, torch.Tensor], dict[str, Any], dict[str, Any] | None]:
     """The tensors named ``wanted`` from this node's own stage and the received messages, the
-    optimizer record merged by parameter name, and the sync strategy's scalars."""
+    optimizer record merged by parameter name, and the sync strategy's scalars (``strat`` as
+    :func:`stage_sizes` takes it)."""
     tensors: dict[str, torch.Tensor] = {}
     record: dict[str, Any] = {"param_groups": [], "scalars": {}}
     scalars = None

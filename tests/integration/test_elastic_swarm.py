@@ -106,6 +106,41 @@ def test_the_swarm_freezes_shrinks_and_trains_what_the_single_process_trainer_tr
 
 
 @pytest.mark.slow
+def test_a_node_serving_two_stages_freezes_with_the_swarm_and_resumes_before_its_move(byte_data, tmp_path):
+    """3 nodes, 4 stages, node 1 serving stages 1 and 2: the rule freezes at steps 4 and 6 as
+    in a swarm of one stage per node; the first transition moves the two stages' state (with
+    both sync strategies') out of node 1, and each node serves one stage after it.  The swarm
+    ends where the single-process elastic trainer ends; a job resumed from the checkpoint
+    taken before the first move (the pending freeze in it) ends with the same losses."""
+    from skiptrain.train.elastic_trainer import ElasticTrainer
+
+    cfg = _cfg(runtime={"nodes": 3, "stage_sizes": "", "node_stages": "0,1+2,3"})
+    run = tmp_path / "run"
+    res = launch(_job(cfg, byte_data, run), timeout_s=300)
+    tr = [r for r in _log(run) if r.get("action") == "transition"]
+    assert [(t["frozen_before"], t["frozen_after"], t["step"]) for t in tr] == [(0, 1, 4), (1, 2, 6)]
+    assert tr[0]["transfer_messages"] > 0 and all(len(set(sum(t["placement"], []))) == len(sum(t["placement"], []))
+                                                  for t in tr)       # one stage per node after a transition
+    assert sorted(i for s in trained_samples(run / "phases" / "p").values() for i in s) == list(range(ITERS * 16))
+    ref_cfg = _cfg(n_micro=2)
+    ref_cfg.elastic.nodes = 4
+    ref_cfg.checkpoint.every, ref_cfg.checkpoint.final = 0, False
+    t = ElasticTrainer(ref_cfg, None, dataset=TokenDataset.open(byte_data))
+    for _ in range(ITERS):
+        t.train_step()
+    assert [(x["frozen_before"], x["frozen_after"], x["step"]) for x in t.transitions] == [(0, 1, 4), (1, 2, 6)]
+    final = load_weights(run / "model.safetensors")
+    worst = max((final[n] - p.detach()).abs().max().item() for n, p in t.model.named_parameters())
+    assert worst < 1e-4, f"swarm and single-process trainer differ by {worst:.3g}"
+    start = resume_point(run / "checkpoints" / "step-00000004")
+    assert CheckpointReader(run / "checkpoints" / "step-00000004").state["elastic"]["pending"] == 1
+    res2 = launch(_job(cfg, byte_data, tmp_path / "resumed", resume=start), timeout_s=300)
+    ref_loss = {r["step"]: r["loss"] for r in res.phase_iterations("p")}
+    assert [(r["step"], r["loss"]) for r in res2.phase_iterations("p")] == \
+        [(s, ref_loss[s]) for s in range(5, ITERS + 1)]
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("strategy", ["allreduce", "demo"])
 def test_an_undo_after_a_one_stage_layout_gives_the_pipeline_back_its_memory_credits(byte_data, tmp_path,
                                                                                       strategy):

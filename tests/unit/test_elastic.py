@@ -580,7 +580,8 @@ def test_sharding_over_a_replica_change_never_repeats_or_skips():
 
 def test_assign_nodes_and_transfer_plan_match_a_per_node_reference():
     """The placement keeps the most bytes in place, as a per-node reference computes it, over
-    shrinks, growths (an undo) and stages without layers; the plan gives each node its stage."""
+    shrinks, growths (an undo), stages without layers and old layouts where a node serves
+    several stages; the plan gives each node its stage."""
     import random
 
     from skiptrain.layout import tensor_stage
@@ -600,12 +601,18 @@ def test_assign_nodes_and_transfer_plan_match_a_per_node_reference():
     rng = random.Random(0)
     names = ["tok_emb.weight", "head.weight", "norm.weight"] + [f"layers.{i}.{w}" for i in range(8) for w in "abc"]
     names += [f"optim.exp_avg.{n}" for n in names]
-    for old_c, new_c, n_nodes in [((2, 2, 2, 2), (4, 4), 16), ((4, 4), (8,), 16), ((0, 2, 3, 3), (3, 5), 16),
-                                  ((3, 5), (0, 2, 3, 3), 16), ((2, 3, 3), (5, 3), 7)]:
+    cases = [((2, 2, 2, 2), (4, 4), 16, None), ((4, 4), (8,), 16, None), ((0, 2, 3, 3), (3, 5), 16, None),
+             ((3, 5), (0, 2, 3, 3), 16, None), ((2, 3, 3), (5, 3), 7, None),
+             # nodes that serve several stages (node 1 serves stages 1 and 2, beside node 2 on stage 2 alone)
+             ((2, 2, 2, 2), (4, 2, 2), 4, [[0], [1], [1, 2], [3]]), ((2, 2, 2, 2), (3, 5), 3, [[0], [1], [1], [2]]),
+             ((1, 1, 3, 3), (2, 3, 3), 5, [[0, 1], [0, 1], [2, 3], [4]])]
+    cases += [((2, 2, 2, 2), (2, 3, 3), 4, [[0], [1], [1, 2], [3]])] * 20 + \
+        [((2, 2, 2, 2), (4, 4), 4, [[0], [1], [1, 2], [3]])] * 20
+    for old_c, new_c, n_nodes, given in cases:
         sizes = {n: rng.randrange(1, 10_000) for n in names}
         old, new = Partition(old_c), Partition(new_c)
         per = n_nodes // old.n_stages
-        old_pl = [list(range(s * per, (s + 1) * per)) for s in range(old.n_stages)]
+        old_pl = given or [list(range(s * per, (s + 1) * per)) for s in range(old.n_stages)]
         pl = assign_nodes(sizes, old, old_pl, new, n_nodes)
         assert pl == reference(sizes, old, old_pl, new, n_nodes)
         got = {n: {t for t in sizes if n in old_pl[tensor_stage(t, old)]} for n in range(n_nodes)}
