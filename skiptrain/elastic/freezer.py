@@ -63,17 +63,19 @@ class Freezer:
 
 def plan_layout(model_cfg, frozen: int, counts: list[int], placement: list[list[int]], alive: list[int],
                 sizes: dict[str, int], start_stages: int, global_batch: int, n_micro: int, step: int,
-                hit: float = 0.0, prefix_cached: bool = False, cached: bool | None = None
-                ) -> tuple[ElasticLayout, dict[str, Any]]:
+                hit: float = 0.0, prefix_cached: bool = False, cached: bool | None = None,
+                start_groups: list[list[int]] | None = None) -> tuple[ElasticLayout, dict[str, Any]]:
     """The layout for ``frozen`` frozen layers on the nodes ``alive`` (node ids), from the one in
     force (``counts``, ``placement``): AutoPipe repartitions the active layers over the stage
     count it picks, AutoDP gives the freed nodes to the remaining stages as replicas, keeping
     each node on the bytes it holds where it can.  ``prefix_cached``: AutoPipe may plan without
     the prefix in device memory (every window's prefix output is cached); the layout records
     ``cached`` (default ``prefix_cached``: whether the prefix is served from the cache at all).
-    Returns it and AutoPipe's evidence."""
+    ``start_groups``: the stages each node served at the start, where some served several (the
+    memory budget is then the most a node held).  Returns it and AutoPipe's evidence."""
     new_counts, evidence = autopipe_for(model_cfg, frozen, start_stages, len(placement), hit, len(alive),
-                                        global_batch, n_micro, prefix_cached=prefix_cached)
+                                        global_batch, n_micro, prefix_cached=prefix_cached,
+                                        start_groups=start_groups)
     pos = {n: i for i, n in enumerate(alive)}
     old_pos = [[pos[n] for n in p if n in pos] for p in placement]
     new_pos = assign_nodes(sizes, Partition(tuple(counts)), old_pos, Partition(tuple(new_counts)), len(alive))

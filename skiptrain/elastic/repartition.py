@@ -18,7 +18,8 @@ no device memory either: they stay in host memory for validation, checkpoints an
 * the active layers are split by :func:`skiptrain.model.partition.best_partition` (min-max
   stage cost, then the most even), cuts only between layers, so never inside a residual block;
 * the stage count is re-picked among the counts whose largest stage still fits the memory of
-  the largest stage at the start of training (so the pipeline shrinks as frozen layers free
+  the largest node at the start of training (its stage, or all the stages of a node that served
+  several: ``start_groups``) (so the pipeline shrinks as frozen layers free
   memory, and grows back when an undo needs it): the fastest by a cost estimate wins, ties to
   the fewest stages.  The estimate is :func:`iteration_units` (the ``n_nodes`` nodes as
   ``n_nodes // S`` replicas, the global batch split over them, a 1F1B pipeline paced by its
@@ -181,10 +182,13 @@ def autopipe(n_layers: int, frozen: int, start_stages: int, current_stages: int,
              backward_factor: float = BACKWARD_FACTOR, *, embedding_memory: float = 0.0,
              prefix_cached: bool = False, n_nodes: int | None = None,
              global_batch: int | None = None, n_micro: int = 1,
-             seconds: Callable[[list[int]], float] | None = None) -> tuple[list[int], dict[str, Any]]:
+             seconds: Callable[[list[int]], float] | None = None,
+             start_groups: Sequence[Sequence[int]] | None = None) -> tuple[list[int], dict[str, Any]]:
     """(layers per stage, evidence): repartition and re-pick the stage count (module docstring).
 
-    The memory budget is the largest stage of the all-active partition with ``start_stages``.
+    The memory budget is the largest node's of the all-active partition with ``start_stages``:
+    its largest stage, or with ``start_groups`` (the stages each node served at the start, some
+    serving several) the most any node held.
     Candidates are the counts ``1 .. min(start_stages, active layers + 1)`` that fit it; each is
     scored by ``seconds(counts)`` when given (then each count's balanced split and its
     :func:`neighbour_splits` are profiled), else by :func:`iteration_units` on ``n_nodes``
@@ -192,7 +196,8 @@ def autopipe(n_layers: int, frozen: int, start_stages: int, current_stages: int,
     (default: one sample per node) split into at most ``n_micro`` micro-batches.
     """
     start = split(n_layers, 0, start_stages, False, stage0_compute, backward_factor)
-    budget = max(stage_memory(start, 0, stage0_memory))
+    per_stage = stage_memory(start, 0, stage0_memory)
+    budget = max(sum(per_stage[s] for s in g) for g in (start_groups or [[s] for s in range(start_stages)]))
     nodes = n_nodes or current_stages
     batch = global_batch or nodes
     # body stages need an active layer each: too few active layers force a smaller count
@@ -231,9 +236,10 @@ def autopipe(n_layers: int, frozen: int, start_stages: int, current_stages: int,
 
 def autopipe_for(cfg: ModelConfig, frozen: int, start_stages: int, current_stages: int, cached: bool | float,
                  n_nodes: int | None = None, global_batch: int | None = None, n_micro: int = 1,
-                 prefix_cached: bool = False) -> tuple[list[int], dict[str, Any]]:
+                 prefix_cached: bool = False, start_groups: Sequence[Sequence[int]] | None = None
+                 ) -> tuple[list[int], dict[str, Any]]:
     """:func:`autopipe` with stage 0's extra compute and memory taken from ``cfg``."""
     c0, m0 = stage0_units(cfg)
     return autopipe(cfg.n_layers, frozen, start_stages, current_stages, cached, c0, m0,
                     embedding_memory=embedding_units(cfg), prefix_cached=prefix_cached, n_nodes=n_nodes,
-                    global_batch=global_batch, n_micro=n_micro)
+                    global_batch=global_batch, n_micro=n_micro, start_groups=start_groups)

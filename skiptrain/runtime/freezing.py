@@ -84,6 +84,8 @@ class SwarmFreezing(PrefixCaching):
         self.frozen = 0
         self.counts = partition_layers(cfg.model).to_list()
         self.start_stages = len(st.sched.placement)
+        # the stages each node served at the start (AutoPipe's memory budget: the most a node held)
+        self.start_groups = sorted({tuple(ss) for ss in st.sched.stages_of().values()})
         # every layout's memory credits: the phase's (a one-stage layout caps its schedule's
         # credits at the micro-batches per originator; the layouts after it must not inherit that)
         self.memory = Schedule.from_dict(st.ph.schedule).memory
@@ -281,7 +283,8 @@ class SwarmFreezing(PrefixCaching):
 
         def plan(cached: bool):
             return plan_layout(cfg.model, F, self.counts, pl, list(node.control.alive), sizes, self.start_stages, st.gb,
-                               len(st.order), st.it, hit=1.0 if cached else 0.0, prefix_cached=cached)
+                               len(st.order), st.it, hit=1.0 if cached else 0.0, prefix_cached=cached,
+                               start_groups=[list(g) for g in self.start_groups])
 
         if not (self.will_prefill(F, st.it) and (cache_in or not cfg.elastic.prefill_hold)):
             return (*plan(False), False, None)

@@ -106,21 +106,27 @@ def test_the_swarm_freezes_shrinks_and_trains_what_the_single_process_trainer_tr
 
 
 @pytest.mark.slow
-def test_a_node_serving_two_stages_freezes_with_the_swarm_and_resumes_before_its_move(byte_data, tmp_path):
-    """3 nodes, 4 stages, node 1 serving stages 1 and 2: the rule freezes at steps 4 and 6 as
-    in a swarm of one stage per node; the first transition moves the two stages' state (with
-    both sync strategies') out of node 1, and each node serves one stage after it.  The swarm
-    ends where the single-process elastic trainer ends; a job resumed from the checkpoint
-    taken before the first move (the pending freeze in it) ends with the same losses."""
+@pytest.mark.parametrize("node_stages", ["0,1+2,3", "0+1+2+3"])
+def test_nodes_serving_several_stages_freeze_with_the_swarm_and_resume_before_the_move(byte_data, tmp_path,
+                                                                                       node_stages):
+    """4 stages on 3 nodes (node 1 serving stages 1 and 2) or on one node serving all: the rule
+    freezes at steps 4 and 6 as in a swarm of one stage per node.  AutoPipe's memory budget is
+    the most a node held at the start, so on 3 nodes the first transition moves node 1's stages'
+    state (with both sync strategies') out, and each node then serves one stage at most; the one
+    node goes to one stage and moves nothing.  Either swarm ends where the single-process elastic
+    trainer ends; a job resumed from the checkpoint taken before the first transition (the
+    pending freeze in it) ends with the same losses."""
     from skiptrain.train.elastic_trainer import ElasticTrainer
 
-    cfg = _cfg(runtime={"nodes": 3, "stage_sizes": "", "node_stages": "0,1+2,3"})
+    cfg = _cfg(runtime={"nodes": len(node_stages.split(",")), "stage_sizes": "", "node_stages": node_stages})
     run = tmp_path / "run"
     res = launch(_job(cfg, byte_data, run), timeout_s=300)
     tr = [r for r in _log(run) if r.get("action") == "transition"]
     assert [(t["frozen_before"], t["frozen_after"], t["step"]) for t in tr] == [(0, 1, 4), (1, 2, 6)]
-    assert tr[0]["transfer_messages"] > 0 and all(len(set(sum(t["placement"], []))) == len(sum(t["placement"], []))
-                                                  for t in tr)       # one stage per node after a transition
+    for t in tr:          # at most one stage per node after a transition
+        placed = [n for p in t["placement"] for n in p]
+        assert len(placed) == len(set(placed)) and set(placed) <= set(range(cfg.runtime.nodes))
+    assert (tr[0]["transfer_messages"] > 0) == (cfg.runtime.nodes > 1)
     assert sorted(i for s in trained_samples(run / "phases" / "p").values() for i in s) == list(range(ITERS * 16))
     ref_cfg = _cfg(n_micro=2)
     ref_cfg.elastic.nodes = 4

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import socket
 import threading
 
@@ -270,6 +272,25 @@ def test_autopipe_estimate_knows_the_nodes_and_an_undo_grows_the_pipeline_back()
                             n_nodes=16, global_batch=16, n_micro=4)
     assert not [t for t in ev0["tried"] if t["stages"] == 2][0]["fits"]
     assert len(counts0) > 2 and max(stage_memory(counts0, 0, 1.0)) <= ev0["memory_budget"] + 1e-9
+
+
+def test_autopipe_budgets_a_node_serving_several_stages_by_all_it_held_at_the_start():
+    """The memory budget is the largest node's at the start: a node that served stages 1 and 2
+    held both, so a layout whose stage is that large fits it; one node that served every stage
+    holds the whole model, so on one node the pipeline becomes one stage (one stage per node
+    is the only layout that leaves no stage without a node)."""
+    start = stage_memory([2, 2, 2, 2], 0, 1.0)
+    _, one_each = autopipe(8, 1, 4, 4, cached=False, stage0_memory=1.0, n_nodes=3)
+    three, ev = autopipe(8, 1, 4, 4, cached=False, stage0_memory=1.0, n_nodes=3, start_groups=[[0], [1, 2], [3]])
+    assert one_each["memory_budget"] == round(max(start), 4)
+    assert ev["memory_budget"] == round(max(start[0], start[1] + start[2], start[3]), 4)
+    # 3 stages of [3, 2, 3] layers: too big for a node that held one start stage, not for node 1
+    assert [t["fits"] for t in one_each["tried"] if t["stages"] == 3] == [False]
+    assert [t["fits"] for t in ev["tried"] if t["stages"] == 3] == [True] and len(three) == 3
+    whole, ev1 = autopipe(8, 1, 4, 4, cached=False, stage0_memory=1.0, n_nodes=1, start_groups=[[0, 1, 2, 3]])
+    assert whole == [8] and ev1["memory_budget"] == round(sum(start), 4)
+    # every count that needs more nodes than there are has no estimate
+    assert all(t["estimate"] is None or math.isinf(t["estimate"]) for t in ev1["tried"] if t["stages"] > 1)
 
 
 def test_autopipe_counts_the_embedding_frozen_with_the_prefix():
