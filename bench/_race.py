@@ -11,6 +11,7 @@ whose single rung is the target.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import math
 import statistics
@@ -45,21 +46,41 @@ def lrs(*rates: float) -> list[list[str]]:
 
 # ---- running ----------------------------------------------------------------------------------
 
+def code_version() -> str:
+    """The version of the code that trains a run: 12 hex digits of the SHA-256 over the skiptrain
+    package's Python sources (path and bytes, in path order); documents and benches do not count."""
+    root = Path(__file__).resolve().parents[1] / "skiptrain"
+    h = hashlib.sha256()
+    for f in sorted(root.rglob("*.py")):
+        h.update(str(f.relative_to(root)).encode() + b"\0" + f.read_bytes() + b"\0")
+    return h.hexdigest()[:12]
+
+
 class Runner:
     """Trains runs (``(overrides, steps, seed)``) as phases of one launch and keeps every record
     in ``records.jsonl`` of the work folder, so that a run is never trained twice for the same
-    key.  ``config(overrides, steps, seed)`` builds a run's config; ``launch(cfgs, run_dir)``
-    trains them (one launch folder each call) and returns their records in order."""
+    key by the same code.  ``config(overrides, steps, seed)`` builds a run's config;
+    ``launch(cfgs, run_dir)`` trains them (one launch folder each call) and returns their records
+    in order.  Each record carries :func:`code_version`; one of other code (or of none) stays in
+    the file but is not reused unless ``any_code`` (said in one line)."""
 
-    def __init__(self, folder: Path, config: Callable, launch: Callable):
+    def __init__(self, folder: Path, config: Callable, launch: Callable, any_code: bool = False):
         self.folder, self.config, self.launch = folder, config, launch
         self.path = folder / "records.jsonl"
+        self.code = code_version()
         self.recs = {}
+        other = 0
         if self.path.exists():
             for line in self.path.read_text().splitlines():
                 if line.strip():
                     d = json.loads(line)
-                    self.recs[d["key"]] = d["rec"]
+                    if any_code or d.get("code") == self.code:
+                        self.recs[d["key"]] = d["rec"]
+                    else:
+                        other += 1
+        if other:
+            print(f"[race] {other} record(s) in {self.path} were trained by other code than this ({self.code}); "
+                  "they are kept, not reused (--any-code reuses them)", flush=True)
         self.launches = 0
 
     @staticmethod
@@ -78,7 +99,7 @@ class Runner:
             for (o, s, sd), rec in zip(todo, recs):
                 self.recs[self.key(list(o), s, sd)] = rec
                 with self.path.open("a") as f:
-                    f.write(json.dumps({"key": self.key(list(o), s, sd), "rec": rec}) + "\n")
+                    f.write(json.dumps({"key": self.key(list(o), s, sd), "code": self.code, "rec": rec}) + "\n")
                 val = rec["val"][-1][1] if rec["val"] else float("nan")
                 print(f"  trained {s:5d} steps seed {sd}: val {val:.4f}  {' '.join(o)}", flush=True)
         return [self.recs[self.key(list(o), s, sd)] for o, s, sd in runs]
@@ -155,9 +176,11 @@ def untuned(side: Side) -> dict:
 # ---- the race ---------------------------------------------------------------------------------
 
 def rung_steps(fraction: float, baseline_s: float, s_per_step: float, period: int) -> int:
-    """Steps of a rung: ``fraction`` of the steps that fit in the baseline's wall-clock, whole
-    periods."""
-    return max(period, round(fraction * baseline_s / s_per_step / period) * period)
+    """Steps of a rung: ``fraction`` of the steps that fit in the baseline's wall-clock, the
+    nearest whole number of periods, but never more than fit (a rung is never longer than the
+    baseline's wall-clock), and at least one period."""
+    fit = int(baseline_s / s_per_step / period) * period
+    return max(period, min(fit, round(fraction * baseline_s / s_per_step / period) * period))
 
 
 def rung(runner, settings: list[str], steps: int, seeds: int, clock: dict, fraction: float | None) -> dict:

@@ -214,6 +214,8 @@ def parse_args(argv):
     ap.add_argument("--no-tune", action="store_true", help="race at each side's starting settings")
     ap.add_argument("--link", default="consumer", choices=sorted(LINK_PRESETS), help="dp.link preset of the timing")
     ap.add_argument("--keep", default=None, help="work folder (its records are reused); default a new runs/bench folder")
+    ap.add_argument("--any-code", action="store_true",
+                    help="reuse the work folder's records whatever code trained them (default: only this code's)")
     ap.add_argument("--json", default=None)
     ap.add_argument("--plot", default=None, help="loss-vs-seconds PNG (default: next to --json)")
     args = ap.parse_args(argv)
@@ -239,7 +241,7 @@ def main(argv=None) -> int:
     with work_dir(args.keep, "dp_race") as folder:
         print(f"work folder {folder}", flush=True)
         out = score(race(args, Runner(folder, functools.partial(dp_config, args, base),
-                                             functools.partial(dp_launch, args)), sides))
+                                             functools.partial(dp_launch, args), any_code=args.any_code), sides))
     cfg = build_config("small", overrides=base)
     link = LINK_PRESETS[args.link]
     out.update(nodes=args.nodes, quick=args.quick, seeds=args.seeds, wall_s=time.time() - t0,

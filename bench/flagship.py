@@ -292,9 +292,8 @@ def ladder(side: Side, base_steps: int, base_s: float, s_per_step: float, period
     side's fractions of the iterations that fit in the baseline's wall-clock (whole periods, the
     nearest, but never more than fit: a rung is never longer than the baseline's wall-clock)."""
     rungs = {base_steps: base_steps * s_per_step / base_s}
-    fit = max(period, int(base_s / s_per_step / period) * period)
     for f in side.ladder:
-        rungs.setdefault(min(fit, rung_steps(f, base_s, s_per_step, period)), f)
+        rungs.setdefault(rung_steps(f, base_s, s_per_step, period), f)
     return [(f, st) for st, f in sorted(rungs.items())]
 
 
@@ -570,6 +569,8 @@ def parse_args(argv):
     ap.add_argument("--no-freeze", action="store_true", help="the flagship without elastic freezing")
     ap.add_argument("--no-events", action="store_true", help="skip the events run")
     ap.add_argument("--keep", default=None, help="work folder (its records are reused); default a new runs/bench folder")
+    ap.add_argument("--any-code", action="store_true",
+                    help="reuse the work folder's records whatever code trained them (default: only this code's)")
     ap.add_argument("--try", dest="try_", action="append", default=None, metavar="OVERRIDES",
                     help="no race: one flagship run (first seed, emulation off) with these space-separated overrides "
                          "in place of the flagship's, e.g. 'train.lr=1e-3 dp.topk=16'; repeatable")
@@ -599,7 +600,8 @@ def main(argv=None) -> int:
         print(f"work folder {folder}; {platform.machine()}, Python {platform.python_version()}; {s['nodes']} node "
               f"processes, baseline {s['baseline_steps']} iterations, ladder {s['ladder']}, freezing "
               f"{'on' if s['freeze'] else 'off'}", flush=True)
-        runner = Runner(folder, functools.partial(run_config, args, base), functools.partial(race_launch, args))
+        runner = Runner(folder, functools.partial(run_config, args, base), functools.partial(race_launch, args),
+                        any_code=args.any_code)
         if args.try_:
             return write_json(args, explore(args, s, runner))
         out = score(race(args, s, runner))

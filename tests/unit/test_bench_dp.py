@@ -34,6 +34,33 @@ def test_rungs_are_fractions_of_the_baseline_wall_clock_in_whole_periods():
     assert race.rung_steps(0.2, baseline_s=1000.0, s_per_step=0.5, period=5) == 400
     assert race.rung_steps(0.15, baseline_s=1000.0, s_per_step=0.4, period=10) == 380   # 375 -> 38 periods
     assert race.rung_steps(0.001, baseline_s=10.0, s_per_step=1.0, period=5) == 5       # at least one period
+    # the nearest whole period, but never longer than the baseline's wall-clock: 359.4 steps fit
+    assert race.rung_steps(1.0, baseline_s=1214.55, s_per_step=3.3798, period=5) == 355
+    assert race.rung_steps(0.65, baseline_s=1214.55, s_per_step=3.3798, period=5) == 235   # 233.6 -> nearest
+
+
+def test_records_of_another_code_version_are_kept_but_not_reused(tmp_path):
+    """A record is reused only by the code that trained it (the skiptrain package's source):
+    one trained by other code stays in records.jsonl, and the run is trained again unless the
+    caller reuses any code's records."""
+    trained = []
+
+    def launch(cfgs, run_dir):
+        trained.extend(cfgs)
+        return [{"val": [[1, float(len(trained))]]} for _ in cfgs]
+
+    runner = race.Runner(tmp_path, lambda o, s, sd: (tuple(o), s, sd), launch)
+    runner.train([(["a=1"], 10, 0)])
+    lines = (tmp_path / "records.jsonl").read_text().splitlines()
+    assert len(lines) == 1 and '"code": "' in lines[0]
+    other = lines[0].replace(race.code_version(), "0" * 12)
+    (tmp_path / "records.jsonl").write_text(other + "\n")
+    again = race.Runner(tmp_path, lambda o, s, sd: (tuple(o), s, sd), launch)
+    again.train([(["a=1"], 10, 0)])
+    assert len(trained) == 2 and len((tmp_path / "records.jsonl").read_text().splitlines()) == 2
+    reuse = race.Runner(tmp_path, lambda o, s, sd: (tuple(o), s, sd), launch, any_code=True)
+    reuse.train([(["a=1"], 10, 0)])
+    assert len(trained) == 2
 
 
 def _rung(steps, val, per_step):
