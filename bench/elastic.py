@@ -57,7 +57,7 @@ from skiptrain.config import build_config  # noqa: E402
 from skiptrain.data.dataset import TokenDataset, write_splits  # noqa: E402
 from skiptrain.elastic.costs import (N_DEV, Scale, elastic_times, iteration, paper_scale, prefill_seconds,  # noqa: E402
                                      sim_topology, small_scale, sweep)
-from skiptrain.train.elastic_trainer import ElasticTrainer  # noqa: E402
+from _elastic_trainer import ElasticTrainer  # noqa: E402
 from skiptrain.optim import build_adamw  # noqa: E402
 from skiptrain.train.trainer import Trainer  # noqa: E402
 from bench.elastic_swarm import GUARD_REF, GUARD_WINDOWS, print_swarm, swarm_half  # noqa: E402
@@ -122,13 +122,14 @@ def real_runs_in(args, tmp: Path) -> dict:
           "min_active": 2, "start_window": args.start_window, "stable_windows": args.stable_windows,
           "guard": True, "guard_tol": args.guard_tol, "guard_confirm": args.guard_confirm,
           "guard_ref": GUARD_REF, "guard_min_ref": args.guard_min_ref,
-          "guard_batches": GUARD_WINDOWS // REAL_MICRO_BATCH, "nodes": N_DEV}
+          "guard_batches": GUARD_WINDOWS // REAL_MICRO_BATCH}
     trainers = {}
     for name, e in [("baseline", None), ("freeze_only", {**el, "cache": "off"}),
                     ("elastic", {**el, "cache": "auto", "cache_dir": str(tmp / "cache")})]:
         cfg = real_config(args, steps, e)
         ds = subset(args.data, 0, args.windows, cfg.model.seq_len, args.finetune)
-        trainers[name] = (ElasticTrainer if e else Trainer)(cfg, tmp / name, dataset=ds)
+        trainers[name] = (ElasticTrainer(cfg, tmp / name, dataset=ds, n_nodes=N_DEV) if e
+                          else Trainer(cfg, tmp / name, dataset=ds))
         if init is not None:
             trainers[name].model.load_state_dict(init)
     first = trainers["baseline"]

@@ -212,7 +212,8 @@ class ElasticConfig:
                             "(each such window delays freezing)", min=1)
     stable_windows: int = _f(2, "consecutive windows a layer's gradient-norm change must stay <= tol", min=1)
     guard_batches: int = _f(4, "validation micro-batches per guard check", min=1)
-    cache: str = _f("auto", "frozen-prefix activation cache: auto (when measured cheaper), on, off",
+    cache: str = _f("auto", "frozen-prefix activation cache: on, off, or auto (a run recomputes: a measurement "
+                    "would differ between nodes; the elastic bench's one-process harness measures it)",
                     choices=("auto", "on", "off"))
     cache_mb: float = _f(1024.0, "activation cache size bound in MiB", min=0.0)
     prefill: bool = _f(True, "at a freeze, fill the cache for every training window at once when it fits "
@@ -230,7 +231,6 @@ class ElasticConfig:
     cache_share: str = _f("node", "in a swarm: one activation cache per node, or one per topology location "
                           "shared by its originators (they must share a file system: the location is a "
                           "machine), each window prefilled once per location", choices=("node", "location"))
-    nodes: int = _f(0, "nodes of the emulated layout (0 = model.n_stages, one replica each)", min=0)
 
 
 #: The most node processes a run has (``runtime.nodes``).

@@ -26,7 +26,9 @@ def cmd_train(args: argparse.Namespace) -> int:
         claim_run_dir(args.out, resume=resume is not None)
     if getattr(args, "nodes", None) is not None:
         cfg.runtime.nodes = args.nodes
-    if cfg.runtime.nodes > 1:  # the multi-process skip-pipeline runtime (skiptrain.runtime)
+    if cfg.elastic.enabled and cfg.runtime.nodes <= 1:
+        one_node_swarm(cfg)
+    if cfg.runtime.nodes > 1 or cfg.elastic.enabled:  # the skip-pipeline runtime (skiptrain.runtime)
         from .launch import train_swarm
 
         train_swarm(cfg, cfg.data.path, args.out, resume=resume, overwrite=overwrite)
@@ -42,11 +44,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     # the run directory is claimed (--overwrite deletes the old run) only once the trainer has
     # checked the data set and every other input and built the model
     claim = lambda: claim_run_dir(args.out, resume=resume is not None, overwrite=overwrite)  # noqa: E731
-    if cfg.elastic.enabled:  # elastic mode (freeze, repartition, cache)
-        from ..train.elastic_trainer import ElasticTrainer
-        trainer = ElasticTrainer(cfg, args.out, claim=claim)
-    else:
-        trainer = Trainer(cfg, args.out, claim=claim)
+    trainer = Trainer(cfg, args.out, claim=claim)
     if resume is not None:
         src = trainer.resume(resume)
         print(f"skiptrain train: resumed from {src} at step {trainer.step}", flush=True)
@@ -80,6 +78,16 @@ def cmd_train(args: argparse.Namespace) -> int:
     print(f"done: step {s['step']}, validation loss {s['val_loss']:.4f} "
           f"(unigram baseline {s['unigram_val_loss']:.4f}), {s['seconds']:.0f} s; run directory: {args.out}")
     return 0
+
+
+def one_node_swarm(cfg) -> None:
+    """Freezing on one process is the swarm's freezing on one node that serves every stage (its
+    first transition makes the model one stage and moves nothing): ``cfg`` becomes that swarm."""
+    rt = cfg.runtime
+    rt.nodes = 1
+    if not rt.node_stages.strip():
+        rt.node_stages, rt.stage_sizes = "+".join(str(s) for s in range(cfg.model.n_stages)), ""
+    cfg.check()
 
 
 def resume_checkpoint(cfg, out: str, resume: str) -> Path:

@@ -1,6 +1,6 @@
-"""Elastic freezing's decisions, made the same way wherever a run trains: in the one-process
-trainer (:mod:`skiptrain.train.elastic_trainer`) and on every node of a swarm
-(:mod:`skiptrain.runtime.freezing`).
+"""Elastic freezing's decisions, made the same way wherever a run freezes: on every node of a
+swarm (:mod:`skiptrain.runtime.freezing`; a one-process run is a swarm of one node serving every
+stage) and in the elastic bench's one-process harness, which plans for emulated nodes.
 
 :class:`Freezer` feeds the freeze rule (:mod:`.freeze`) each step's per-layer norms of the synced
 update and, at the end of a window, asks it for the frozen depth (its guard given the validation
@@ -8,8 +8,8 @@ loss the caller measures, its clock the learning rate summed so far); :func:`pla
 a new depth into the next layout (AutoPipe, then AutoDP) and :func:`layout_routes` draws the
 routes through it; :func:`stage0_forward` and
 :func:`prefix_input` are what stage 0 runs once a prefix is frozen.  How a layout is then put in
-force is the caller's: one process re-partitions its own model, a swarm moves state between
-nodes by name.
+force is the caller's: a swarm moves state between nodes by name; the bench's harness
+re-partitions its own model.
 """
 
 from __future__ import annotations

@@ -12,7 +12,8 @@ processes computes on the same routes.
 
 Layout changes.  The trainer trains under a :class:`~skiptrain.layout.Layout` (the partition
 of layers into stages, the frozen depth); :meth:`Trainer.reconfigure` applies a new one between
-iterations.  Elastic mode (:mod:`.elastic_trainer`) does so at every freeze or undo.
+iterations (the elastic bench's one-process harness does so at every freeze or undo; a run
+that freezes trains through the runtime, as a swarm of one node when it has one process).
 
 Device and precision: the model lives on ``train.device`` (``auto``: CUDA when present) and
 each iteration's batch is moved there once; with ``train.precision=bf16`` the executor's

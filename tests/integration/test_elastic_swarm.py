@@ -24,7 +24,7 @@ from skiptrain.runtime.job_checkpoint import resume_point
 from skiptrain.runtime.launcher import launch
 from skiptrain.runtime.live import load_live_records
 from skiptrain.runtime.recovery import trained_samples
-from unit.test_elastic_swarm_units import GB, ITERS, _cfg
+from unit.test_elastic_swarm_units import GB, ITERS, _cfg, one_process_freezing
 
 
 def _job(cfg, data: Path, run: Path, iterations: int = ITERS, resume: dict | None = None,
@@ -89,20 +89,11 @@ def test_the_swarm_freezes_shrinks_and_trains_what_the_single_process_trainer_tr
     final = load_weights(run / "model.safetensors")
     saved = at4.read_many([n for n in final if n.startswith(("layers.0.", "tok_emb."))])
     assert len(saved) > 2 and all(torch.equal(final[n], t) for n, t in saved.items())
-    # the single-process elastic trainer, same rule and data, 6 emulated nodes, 4 micro-batches
-    from skiptrain.train.elastic_trainer import ElasticTrainer
-
-    cfg = _cfg(n_micro=4)
-    cfg.elastic.nodes = 6
-    cfg.checkpoint.every = 0
-    cfg.checkpoint.final = False
-    t = ElasticTrainer(cfg, None, dataset=TokenDataset.open(byte_data))
-    for _ in range(ITERS):
-        t.train_step()
-    assert [(x["frozen_before"], x["frozen_after"], x["step"]) for x in t.transitions] == [(0, 1, 4), (1, 2, 6)]
-    ref = {n: p.detach() for n, p in t.model.named_parameters()}
+    # one process freezing the same way (the simple reference), same rule and data, 4 micro-batches
+    transitions, ref = one_process_freezing(_cfg(n_micro=4), byte_data, ITERS)
+    assert transitions == [(0, 1, 4), (1, 2, 6)]
     worst = max((final[n] - ref[n]).abs().max().item() for n in ref)
-    assert worst < 1e-4, f"swarm and single-process trainer differ by {worst:.3g}"
+    assert worst < 1e-4, f"swarm and one process differ by {worst:.3g}"
 
 
 @pytest.mark.slow
@@ -116,8 +107,6 @@ def test_nodes_serving_several_stages_freeze_with_the_swarm_and_resume_before_th
     node goes to one stage and moves nothing.  Either swarm ends where the single-process elastic
     trainer ends; a job resumed from the checkpoint taken before the first transition (the
     pending freeze in it) ends with the same losses."""
-    from skiptrain.train.elastic_trainer import ElasticTrainer
-
     cfg = _cfg(runtime={"nodes": len(node_stages.split(",")), "stage_sizes": "", "node_stages": node_stages})
     run = tmp_path / "run"
     res = launch(_job(cfg, byte_data, run), timeout_s=300)
@@ -128,22 +117,41 @@ def test_nodes_serving_several_stages_freeze_with_the_swarm_and_resume_before_th
         assert len(placed) == len(set(placed)) and set(placed) <= set(range(cfg.runtime.nodes))
     assert (tr[0]["transfer_messages"] > 0) == (cfg.runtime.nodes > 1)
     assert sorted(i for s in trained_samples(run / "phases" / "p").values() for i in s) == list(range(ITERS * 16))
-    ref_cfg = _cfg(n_micro=2)
-    ref_cfg.elastic.nodes = 4
-    ref_cfg.checkpoint.every, ref_cfg.checkpoint.final = 0, False
-    t = ElasticTrainer(ref_cfg, None, dataset=TokenDataset.open(byte_data))
-    for _ in range(ITERS):
-        t.train_step()
-    assert [(x["frozen_before"], x["frozen_after"], x["step"]) for x in t.transitions] == [(0, 1, 4), (1, 2, 6)]
+    transitions, ref = one_process_freezing(_cfg(n_micro=2), byte_data, ITERS)
+    assert transitions == [(0, 1, 4), (1, 2, 6)]
     final = load_weights(run / "model.safetensors")
-    worst = max((final[n] - p.detach()).abs().max().item() for n, p in t.model.named_parameters())
-    assert worst < 1e-4, f"swarm and single-process trainer differ by {worst:.3g}"
+    worst = max((final[n] - ref[n]).abs().max().item() for n in ref)
+    assert worst < 1e-4, f"swarm and one process differ by {worst:.3g}"
     start = resume_point(run / "checkpoints" / "step-00000004")
     assert CheckpointReader(run / "checkpoints" / "step-00000004").state["elastic"]["pending"] == 1
     res2 = launch(_job(cfg, byte_data, tmp_path / "resumed", resume=start), timeout_s=300)
     ref_loss = {r["step"]: r["loss"] for r in res.phase_iterations("p")}
     assert [(r["step"], r["loss"]) for r in res2.phase_iterations("p")] == \
         [(s, ref_loss[s]) for s in range(5, ITERS + 1)]
+
+
+def test_skiptrain_train_freezes_as_a_swarm_of_one_node(byte_data, tmp_path):
+    """``skiptrain train`` with freezing on and one process is the swarm's freezing on one node
+    that serves every stage: its run directory is a swarm's, its first transition makes the
+    model one stage and moves nothing, and it ends where one process freezing the same way ends."""
+    from skiptrain.cli import main
+    from skiptrain.config import save_toml
+
+    cfg = _cfg(runtime={"nodes": 0, "stage_sizes": "", "mb_per_originator": 4})
+    save_toml(cfg, tmp_path / "cfg.toml")
+    run = tmp_path / "run"
+    assert main(["train", "--config", str(tmp_path / "cfg.toml"), "--data", str(byte_data), "--out", str(run),
+                 "--quiet"]) == 0
+    job = json.loads((run / "job.json").read_text())
+    assert json.loads(json.dumps(job["config"]["runtime"]))["node_stages"] == "0+1+2+3"
+    tr = [r for r in _log(run) if r.get("action") == "transition"]
+    assert [(t["frozen_after"], t["step"], t["placement"], t["transfer_messages"]) for t in tr] == \
+        [(1, 4, [[0]], 0), (2, 6, [[0]], 0)]
+    transitions, ref = one_process_freezing(_cfg(n_micro=4), byte_data, ITERS)
+    assert transitions == [(0, 1, 4), (1, 2, 6)]
+    final = load_weights(run / "model.safetensors")
+    worst = max((final[n] - ref[n]).abs().max().item() for n in ref)
+    assert worst < 1e-4, f"skiptrain train and one process differ by {worst:.3g}"
 
 
 @pytest.mark.slow
@@ -424,8 +432,9 @@ def test_a_cache_in_that_keeps_the_layout_moves_nothing_and_every_lookup_then_hi
 
 
 def _assert_trains_what_the_cached_trainer_trains(run: Path, tmp_path: Path, byte_data: Path) -> None:
-    """Every sample once, replicas bit-identical, and the final weights within 1e-4 of the
-    single-process trainer's with its cache on (same decisions at the same steps)."""
+    """Every sample once, replicas bit-identical, and the final weights within 1e-4 of one
+    process freezing the same way (same decisions at the same steps; the cache changes where
+    the prefix's output comes from, not its value)."""
     per_it = trained_samples(run / "phases" / "p")
     assert sorted(i for s in per_it.values() for i in s) == list(range(ITERS * GB))
     by_stage: dict[int, list[dict]] = {}
@@ -434,22 +443,11 @@ def _assert_trains_what_the_cached_trainer_trains(run: Path, tmp_path: Path, byt
             by_stage.setdefault(s, []).append(p)
     for s, reps in by_stage.items():
         assert all(torch.equal(p[k], reps[0][k]) for p in reps[1:] for k in p), f"stage {s} replicas differ"
-    from skiptrain.train.elastic_trainer import ElasticTrainer
-
-    ref_cfg = _cfg(n_micro=4)
-    ref_cfg.elastic.cache = "on"
-    ref_cfg.elastic.nodes = 6
-    ref_cfg.checkpoint.every = 0
-    ref_cfg.checkpoint.final = False
-    ref_cfg.elastic.cache_dir = str(tmp_path / "ref_cache")
-    t = ElasticTrainer(ref_cfg, None, dataset=TokenDataset.open(byte_data))
-    for _ in range(ITERS):
-        t.train_step()
-    assert [(x["frozen_after"], x["step"], x["cached"]) for x in t.transitions] == [(1, 4, True), (2, 6, True)]
+    transitions, ref = one_process_freezing(_cfg(n_micro=4), byte_data, ITERS)
+    assert [(after, step) for _, after, step in transitions] == [(1, 4), (2, 6)]
     final = load_weights(run / "model.safetensors")
-    ref = {n: p.detach() for n, p in t.model.named_parameters()}
     worst = max((final[n] - ref[n]).abs().max().item() for n in ref)
-    assert worst < 1e-4, f"swarm and single-process trainer (both cached) differ by {worst:.3g}"
+    assert worst < 1e-4, f"swarm (cached) and one process differ by {worst:.3g}"
 
 
 @pytest.mark.slow

@@ -39,6 +39,34 @@ def _cfg(runtime: dict | None = None, **train):
         "checkpoint": {"every": 2, "keep": 10}, "elastic": ELASTIC})
 
 
+def one_process_freezing(cfg, data, iterations: int):
+    """A simple reference of freezing on one process: the plain trainer (every stage in one
+    model), the freeze rule fed the synced updates' per-layer norms and asked at each window's
+    end (its guard: :func:`evaluate` over the guard's micro-batches), and at a changed depth the
+    frozen layers stop requiring gradients.  Without skipping, which layout the layers run in
+    does not change what is computed, so no repartition is needed.  Returns the transitions
+    ``(frozen before, after, steps done)`` and the final parameters by name."""
+    from skiptrain.data.dataset import TokenDataset
+    from skiptrain.elastic.freezer import Freezer, layer_sq_norms
+    from skiptrain.layout import Layout
+    from skiptrain.runtime.evaluate import evaluate
+    from skiptrain.train.trainer import Trainer
+
+    assert cfg.train.skip_ratio == 0
+    tr = Trainer(cfg, None, dataset=TokenDataset.open(data))
+    freezer, frozen, transitions = Freezer(tr.cfg), [0], []
+    tr.observe = lambda updates: freezer.observe(layer_sq_norms(updates), frozen[0])
+    guard = lambda: evaluate(tr.model, tr.val_src, cfg.elastic.guard_batches, cfg.train.micro_batch)  # noqa: E731
+    for _ in range(iterations):
+        tr.train_step()
+        d = freezer.decide(tr.step, guard)
+        if d is not None and d.frozen_after != frozen[0]:
+            transitions.append((frozen[0], d.frozen_after, tr.step))
+            frozen[0] = d.frozen_after
+            tr.reconfigure(Layout(tr.model.partition, tr.layout.placement, frozen[0]))
+    return transitions, {n: p.detach() for n, p in tr.model.named_parameters()}
+
+
 # ---- units ------------------------------------------------------------------------------------
 
 def test_a_shrinking_layout_keeps_every_node_busy_and_moves_only_what_is_missing():
@@ -165,3 +193,21 @@ def test_a_node_without_a_stage_builds_the_one_it_is_handed_with_the_configs_opt
     tensors, record, _ = gather_state(holder, opt, strat, [], set(own))
     model, _ = build_stage(cfg, 1, part, 0, tensors, record, update_rule_of(cfg.dp))
     assert all(torch.equal(p, dict(holder.named_parameters())[n]) for n, p in model.named_parameters())
+
+
+def test_the_one_process_reference_freezes_and_trains_as_the_elastic_trainer(byte_data):
+    """The reference above takes the elastic bench harness's decisions and ends with its weights
+    (the harness plans its layouts for emulated nodes, which changes nothing computed here)."""
+    from skiptrain.data.dataset import TokenDataset
+    from bench._elastic_trainer import ElasticTrainer
+
+    cfg = _cfg(n_micro=4)
+    cfg.checkpoint.every, cfg.checkpoint.final = 0, False
+    transitions, ref = one_process_freezing(cfg, byte_data, ITERS)
+    assert transitions == [(0, 1, 4), (1, 2, 6)]
+    t = ElasticTrainer(_cfg(n_micro=4), None, dataset=TokenDataset.open(byte_data))
+    for _ in range(ITERS):
+        t.train_step()
+    assert [(x["frozen_before"], x["frozen_after"], x["step"]) for x in t.transitions] == transitions
+    worst = max((p.detach() - ref[n]).abs().max().item() for n, p in t.model.named_parameters())
+    assert worst < 1e-5, worst

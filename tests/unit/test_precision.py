@@ -6,7 +6,7 @@ import torch
 from skiptrain.config import build_config
 from skiptrain.errors import UserError
 from skiptrain.model.device import autocast, resolve_device, to_device
-from skiptrain.train.elastic_trainer import ElasticTrainer
+from bench._elastic_trainer import ElasticTrainer
 from skiptrain.train.trainer import Trainer
 
 
@@ -59,7 +59,7 @@ def test_device_resolution_and_batches_on_cpu(byte_data):
     assert tr.device == torch.device("cpu") and all(p.device == tr.device for p in tr.model.parameters())
 
 
-def test_elastic_trainer_refuses_bf16(byte_data):
+def test_the_elastic_bench_harness_refuses_bf16(byte_data):
     cfg = cfg_for(byte_data, precision="bf16")
     cfg.elastic.enabled = True
     with pytest.raises(UserError, match="ElasticTrainer runs on the CPU in fp32 only"):

@@ -1,21 +1,28 @@
-"""Elastic mode of the trainer: freezing as a layout change, with the cache and checkpoints.
+"""The PipeTransformer bench's one-process harness: freezing as a layout change of the plain
+trainer, planned for ``n_nodes`` emulated nodes (bench/elastic.py).
+
+Users freeze through the runtime (``skiptrain train`` with ``elastic.enabled`` is a swarm of one
+node serving every stage; :mod:`skiptrain.runtime.freezing`).  This harness keeps, for the
+bench, what one process can emulate of a larger swarm: the layouts AutoPipe and AutoDP pick for
+``n_nodes`` nodes (which the bench times in the event simulator), the transfer bill of each
+change, and an activation cache whose ``auto`` mode measures whether it pays.
 
 :class:`ElasticTrainer` is :class:`skiptrain.train.trainer.Trainer` -- the same loop, executor and
-optimizer step -- plus, every ``elastic.check_every`` steps, the freeze rule (:mod:`.freeze`; its
-guard gets the validation loss of every window and, as its clock, the learning rate summed over
-the steps so far in units of the peak rate).  When the frozen count changes, a *transition*
-plans the new layout and the trainer applies it (``Trainer.reconfigure``) before the next step:
+optimizer step -- plus, every ``elastic.check_every`` steps, the freeze rule
+(:class:`skiptrain.elastic.freezer.Freezer`; its guard gets the validation loss of every window
+and, as its clock, the learning rate summed over the steps so far in units of the peak rate).
+When the frozen count changes, a *transition* plans the new layout and the trainer applies it
+(``Trainer.reconfigure``) before the next step:
 
-1. the activation cache (:mod:`.cache`) is measured and switched on when cheaper, and its
-   entries are validated (an undo drops entries deeper than the new prefix); when the whole
-   training split fits it is prefilled to the new depth (``elastic.prefill``), so no step runs
-   the prefix again and AutoPipe plans without it in device memory;
-2. AutoPipe (:mod:`.repartition`) repartitions the active layers and shrinks the stage count,
-   costing the frozen prefix by the share the cache is expected to save (:func:`.cache.expected_hit`);
-3. AutoDP (:mod:`.replicas`) assigns the ``elastic.nodes`` emulated nodes to the new stages,
+1. the activation cache (:mod:`skiptrain.elastic.cache`) is measured and switched on when
+   cheaper, and its entries are validated (an undo drops entries deeper than the new prefix);
+   when the whole training split fits it is prefilled to the new depth (``elastic.prefill``), so
+   no step runs the prefix again and AutoPipe plans without it in device memory;
+2. AutoPipe + AutoDP (:func:`skiptrain.elastic.freezer.plan_layout`) repartition the active
+   layers, shrink the stage count and assign the ``n_nodes`` emulated nodes to the new stages;
    :func:`skiptrain.layout.transfer.transfer_plan` bills the moves by name, and the largest
    receiver's message is packed and unpacked for real (the wire time is the runtime's);
-4. the new layout is applied: frozen layers (and the embedding, with the first of them) get no
+3. the new layout is applied: frozen layers (and the embedding, with the first of them) get no
    backward and no update (their optimizer state is kept for an undo), and each iteration starts
    stage 0 from the frozen prefix's output, computed without autograd (from the cache when on).
 
@@ -37,19 +44,19 @@ from typing import Any, Callable
 
 import torch
 
-from ..checkpoint.reader import CheckpointReader
-from ..checkpoint.training import TrainerCheckpoints, truncate_metrics, trainer_state
-from ..checkpoint.wire import pack_state, state_sizes, unpack_tensors
-from ..config import Config
-from ..data.dataset import TokenDataset
-from ..elastic.cache import ActivationCache, PrefixRunner, at_depth, expected_hit, measure, worth_it
-from ..elastic.freezer import (Freezer, append_log, layer_sq_norms, layout_routes, plan_layout, prefix_input,
+from skiptrain.checkpoint.reader import CheckpointReader
+from skiptrain.checkpoint.training import TrainerCheckpoints, truncate_metrics, trainer_state
+from skiptrain.checkpoint.wire import pack_state, state_sizes, unpack_tensors
+from skiptrain.config import Config
+from skiptrain.data.dataset import TokenDataset
+from skiptrain.elastic.cache import ActivationCache, PrefixRunner, at_depth, expected_hit, measure, worth_it
+from skiptrain.elastic.freezer import (Freezer, append_log, layer_sq_norms, layout_routes, plan_layout, prefix_input,
                                stage0_forward)
-from ..elastic.repartition import ElasticLayout
-from ..layout import is_frozen
-from ..layout.transfer import transfer_plan
-from ..runtime.evaluate import evaluate
-from .trainer import StepResult, Trainer
+from skiptrain.elastic.repartition import ElasticLayout
+from skiptrain.layout import is_frozen
+from skiptrain.layout.transfer import transfer_plan
+from skiptrain.runtime.evaluate import evaluate
+from skiptrain.train.trainer import StepResult, Trainer
 
 
 class ElasticCheckpoints(TrainerCheckpoints):
@@ -73,15 +80,16 @@ class ElasticTrainer(Trainer):
     device_generic = False      # the activation cache and its fingerprints live on the CPU, in fp32
 
     def __init__(self, cfg: Config, out: str | Path | None = None, dataset: TokenDataset | None = None,
-                 claim: Callable[[], None] | None = None):
+                 claim: Callable[[], None] | None = None, n_nodes: int = 0):
+        """``n_nodes``: the emulated nodes the layouts are planned for (0: one per stage)."""
         super().__init__(cfg, out, dataset, claim)
-        e, m = self.cfg.elastic, self.cfg.model
+        m = self.cfg.model
         self.freezer = Freezer(self.cfg)
         self.start_stages = m.n_stages
-        self.n_nodes = e.nodes or m.n_stages
+        self.n_nodes = n_nodes or m.n_stages
         R = self.n_nodes // m.n_stages
         if R < 1:
-            raise ValueError(f"elastic.nodes={self.n_nodes} cannot serve {m.n_stages} stages")
+            raise ValueError(f"{self.n_nodes} emulated nodes cannot serve {m.n_stages} stages")
         self.layouts = [ElasticLayout.of(0, self.model.partition.to_list(), R, self.cfg.train.n_micro,
                                          [[s * R + r for r in range(R)] for s in range(m.n_stages)], False, 0)]
         self.reconfigure(self.layouts[0])

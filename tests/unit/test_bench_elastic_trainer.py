@@ -1,17 +1,20 @@
-"""ElasticTrainer: transitions in training, cache on == off, exact resume after a transition."""
+"""The elastic bench's one-process harness (bench/_elastic_trainer.py), planning for 8 emulated
+nodes: transitions in training, cache on == off, exact resume after a transition."""
 
 from __future__ import annotations
 
+import functools
 import json
 import time
 
 import torch
 
 from skiptrain.checkpoint.reader import CheckpointReader
-from skiptrain.cli import main
 from skiptrain.config import build_config
 from skiptrain.data.dataset import TokenDataset
-from skiptrain.train.elastic_trainer import ElasticTrainer
+from bench._elastic_trainer import ElasticTrainer
+
+Elastic = functools.partial(ElasticTrainer, n_nodes=8)
 
 
 def _cfg(data, cache="on", steps=24, **ckpt):
@@ -24,7 +27,7 @@ def _cfg(data, cache="on", steps=24, **ckpt):
         "train": {"steps": steps, "eval_every": 0, "progress": False, "n_micro": 2, "micro_batch": 4,
                   "warmup_steps": 0},
         "elastic": {"enabled": True, "check_every": 4, "tol": 1e9, "alpha": 0.5, "min_active": 1,
-                    "start_window": 2, "stable_windows": 1, "guard": True, "guard_tol": 1.0, "cache": cache, "nodes": 8},
+                    "start_window": 2, "stable_windows": 1, "guard": True, "guard_tol": 1.0, "cache": cache},
         "checkpoint": {"every": 6, "keep": 5, **ckpt}})
 
 
@@ -34,7 +37,7 @@ def _losses(run) -> dict[int, float]:
 
 
 def test_transitions_cache_and_sample_order(byte_data, tmp_path):
-    tr = ElasticTrainer(_cfg(byte_data, steps=16), tmp_path / "on")
+    tr = Elastic(_cfg(byte_data, steps=16), tmp_path / "on")
     seen = []
     next_batch = tr.loader.next_batch
 
@@ -62,7 +65,7 @@ def test_transitions_cache_and_sample_order(byte_data, tmp_path):
     assert [r["action"] for r in logged] == ["warmup", "freeze", "freeze", "freeze"]
     assert all("changes" in r and "transition" in r for r in logged[1:])
     # the cache changes nothing: the same run without it has bit-identical losses and weights
-    off = ElasticTrainer(_cfg(byte_data, cache="off", steps=16), tmp_path / "off")
+    off = Elastic(_cfg(byte_data, cache="off", steps=16), tmp_path / "off")
     off.fit()
     assert _losses(tmp_path / "on") == _losses(tmp_path / "off")
     for (n, a), (_, b) in zip(tr.model.named_parameters(), off.model.named_parameters()):
@@ -71,25 +74,20 @@ def test_transitions_cache_and_sample_order(byte_data, tmp_path):
 
 
 def test_resume_after_a_transition_reproduces_the_run(byte_data, tmp_path):
-    full = ElasticTrainer(_cfg(byte_data), tmp_path / "full")
+    full = Elastic(_cfg(byte_data), tmp_path / "full")
     full.fit()
     ref = _losses(tmp_path / "full")
     assert sorted(ref) == list(range(1, 25))
 
-    part = ElasticTrainer(_cfg(byte_data, final=False), tmp_path / "part")
+    part = Elastic(_cfg(byte_data, final=False), tmp_path / "part")
     part.fit(steps=16)  # killed at 16: latest checkpoint step 12, right at a transition
     st = CheckpointReader(tmp_path / "part" / "checkpoints").state
     assert st["step"] == 12 and st["freeze"]["frozen_layers"] == 3
     assert len(st["freeze"]["layouts"]) == 3 and st["freeze"]["cache"]["entries"] > 0
 
-    rc = main(["train", "--preset", "tiny", "--data", str(byte_data), "--out", str(tmp_path / "part"),
-               "--quiet", "--resume", "--set", "train.steps=24", "--set", "train.eval_every=0",
-               "--set", "model.n_layers=5", "--set", "train.n_micro=2", "--set", "train.micro_batch=4",
-               "--set", "train.warmup_steps=0", "--set", "elastic.enabled=true", "--set", "elastic.check_every=4", "--set", "elastic.tol=1e9",
-               "--set", "elastic.alpha=0.5", "--set", "elastic.stable_windows=1", "--set", "elastic.min_active=1", "--set", "elastic.guard_tol=1.0",
-               "--set", "elastic.cache=on", "--set", "elastic.nodes=8", "--set", "checkpoint.every=6",
-               "--set", "checkpoint.keep=5"])
-    assert rc == 0
+    again = Elastic(_cfg(byte_data), tmp_path / "part")
+    again.resume()
+    again.fit()
     assert _losses(tmp_path / "part") == ref
     got = CheckpointReader(tmp_path / "part" / "checkpoints").state["freeze"]
     want = CheckpointReader(tmp_path / "full" / "checkpoints").state["freeze"]
@@ -103,7 +101,7 @@ def test_frozen_prefix_costs_no_backward_and_cache_hits_skip_its_forward(byte_da
     # 2 layers freeze at step 8 (cache on); then every window is cached and revisited
     cfg = _cfg(byte_data, steps=40)
     cfg.elastic.prefill = False   # the cache fills one miss at a time
-    tr = ElasticTrainer(cfg, tmp_path / "run", dataset=_forty_windows(cfg, byte_data))
+    tr = Elastic(cfg, tmp_path / "run", dataset=_forty_windows(cfg, byte_data))
     assert tr.train_src.n == 40
     tr.rule.alpha, tr.rule.min_active = 1.0, 3  # 2 layers freeze at step 8 and no more
     calls = {i: 0 for i in range(5)}
@@ -147,7 +145,7 @@ def test_prefill_at_a_freeze_then_every_step_hits_and_the_run_is_unchanged(byte_
     for name, cache, prefill in (("prefill", "on", True), ("lazy", "on", False), ("off", "off", True)):
         cfg = _cfg(byte_data, cache=cache, steps=24, every=0)
         cfg.elastic.prefill = prefill
-        tr = ElasticTrainer(cfg, tmp_path / name, dataset=_forty_windows(cfg, byte_data))
+        tr = Elastic(cfg, tmp_path / name, dataset=_forty_windows(cfg, byte_data))
         tr.fit()
         runs[name] = tr
     pre, lazy = runs["prefill"], runs["lazy"]
@@ -171,7 +169,7 @@ def test_no_prefill_while_freezing_is_unsettled(byte_data, tmp_path):
     for quiet, prefilled in ((4, False), (0, True)):
         cfg = _cfg(byte_data, steps=16, every=0)   # 1.6 visits per window left at step 8
         cfg.elastic.prefill_after_undo = quiet
-        tr = ElasticTrainer(cfg, tmp_path / f"q{quiet}", dataset=_forty_windows(cfg, byte_data))
+        tr = Elastic(cfg, tmp_path / f"q{quiet}", dataset=_forty_windows(cfg, byte_data))
         tr.rule.history.append({"step": 4, "action": "undo"})
         tr.fit()
         rec = tr.transitions[0]
@@ -182,12 +180,12 @@ def test_no_prefill_while_freezing_is_unsettled(byte_data, tmp_path):
 
 def test_resume_refills_a_prefilled_cache_and_continues_exactly(byte_data, tmp_path):
     cfg = _cfg(byte_data, steps=24)
-    full = ElasticTrainer(cfg, tmp_path / "full", dataset=_forty_windows(cfg, byte_data))
+    full = Elastic(cfg, tmp_path / "full", dataset=_forty_windows(cfg, byte_data))
     full.fit()
     cfg = _cfg(byte_data, steps=24, final=False)
-    part = ElasticTrainer(cfg, tmp_path / "part", dataset=_forty_windows(cfg, byte_data))
+    part = Elastic(cfg, tmp_path / "part", dataset=_forty_windows(cfg, byte_data))
     part.fit(steps=16)  # killed at 16; the step-16 freeze extended every entry past the step-12 checkpoint
-    again = ElasticTrainer(cfg, tmp_path / "part", dataset=_forty_windows(cfg, byte_data))
+    again = Elastic(cfg, tmp_path / "part", dataset=_forty_windows(cfg, byte_data))
     again.resume()
     assert again.step == 12 and again.frozen == 3
     # the entries were one layer too deep for the checkpoint: dropped, and refilled at once
@@ -204,7 +202,7 @@ def test_resume_refills_a_prefilled_cache_and_continues_exactly(byte_data, tmp_p
 
 def test_a_prefill_is_timed_apart_from_its_transition(byte_data, tmp_path, monkeypatch):
     cfg = _cfg(byte_data, steps=16, every=0)   # the freeze at step 8 prefills (1.6 visits per window left)
-    tr = ElasticTrainer(cfg, tmp_path / "t", dataset=_forty_windows(cfg, byte_data))
+    tr = Elastic(cfg, tmp_path / "t", dataset=_forty_windows(cfg, byte_data))
     real = tr.runner.prefill
 
     def slow_prefill(*a, **k):
@@ -222,7 +220,7 @@ def test_a_prefill_is_timed_apart_from_its_transition(byte_data, tmp_path, monke
 
 def test_guard_keeps_the_frozen_prefix_of_its_windows_and_equals_evaluate(byte_data, tmp_path):
     from skiptrain.runtime.evaluate import evaluate
-    tr = ElasticTrainer(_cfg(byte_data, steps=16, every=0), tmp_path / "g")
+    tr = Elastic(_cfg(byte_data, steps=16, every=0), tmp_path / "g")
     for _ in range(8):
         tr.train_step()
     assert tr.frozen == 2
@@ -248,7 +246,7 @@ def test_before_any_freeze_the_elastic_trainer_is_the_trainer_bit_for_bit(byte_d
     from skiptrain.train.trainer import Trainer
     cfg = _cfg(byte_data, steps=8, every=0)
     cfg.elastic.start_window = 100              # windows close (rule, guard) but nothing freezes
-    el = ElasticTrainer(cfg, tmp_path / "el")
+    el = Elastic(cfg, tmp_path / "el")
     plain = Trainer(_cfg(byte_data, steps=8, every=0), tmp_path / "plain")
     for _ in range(8):
         a, b = el.train_step(), plain.train_step()
