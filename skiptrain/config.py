@@ -263,8 +263,9 @@ MAX_STRIKES = 100
 
 @dataclass
 class RuntimeConfig:
-    """Multi-process skip-pipeline runtime (skiptrain.runtime); used when ``nodes > 0``."""
-    nodes: int = _f(0, "node processes on this machine (0 = the single-process trainer)", min=0, max=MAX_NODES)
+    """Multi-process skip-pipeline runtime (skiptrain.runtime); used when ``nodes > 1`` or a run freezes."""
+    nodes: int = _f(0, "node processes on this machine (0 or 1 = the single-process trainer; a run that freezes: "
+                    "one node serving every stage)", min=0, max=MAX_NODES)
     stage_sizes: str = _f("", "nodes per stage, comma-separated, e.g. 3,2,2,2 (empty = by work)")
     node_stages: str = _f("", "the stages of each node, comma-separated, one entry per node, '+' joining the "
                           "stages of a node that serves several (one large device), e.g. 0,0,1+2,1+2,3 "
@@ -591,8 +592,16 @@ def _suggest(name: str, options: list[str]) -> str:
     return f"{hint}; allowed: {', '.join(options)}"
 
 
+#: Keys a config no longer has: (the value they had by default, what to do instead).  A saved
+#: config (a run's, a checkpoint's, a job's) still holds them and loads with them ignored, as
+#: does any config with the old default; another value is refused in one line.
+RETIRED_KEYS = {"elastic.nodes": (0, "a run freezes on its real nodes (one process: a swarm of one node); "
+                                     "remove it")}
+
+
 def apply_dict(cfg: Config, values: dict[str, Any], source: str = "config") -> Config:
-    """Merge a ``{section: {key: value}}`` mapping into ``cfg`` in place, checking every key."""
+    """Merge a ``{section: {key: value}}`` mapping into ``cfg`` in place, checking every key
+    (:data:`RETIRED_KEYS` are skipped or refused)."""
     sections = {f.name: f for f in dataclasses.fields(cfg)}
     for sec_name, sec_values in values.items():
         if sec_name not in sections:
@@ -603,6 +612,11 @@ def apply_dict(cfg: Config, values: dict[str, Any], source: str = "config") -> C
         fields = {f.name: f for f in dataclasses.fields(section)}
         for key, value in sec_values.items():
             full = f"{sec_name}.{key}"
+            if full in RETIRED_KEYS and key not in fields:
+                default, fix = RETIRED_KEYS[full]
+                if source != "saved config" and str(value) != str(default):
+                    raise ConfigError(f"{source}: {full} is retired: {fix}")
+                continue
             if key not in fields:
                 raise ConfigError(f"{source}: unknown key {full!r}" + _suggest(key, list(fields)))
             f = fields[key]

@@ -82,11 +82,18 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 def one_node_swarm(cfg) -> None:
     """Freezing on one process is the swarm's freezing on one node that serves every stage (its
-    first transition makes the model one stage and moves nothing): ``cfg`` becomes that swarm."""
+    first transition makes the model one stage and moves nothing): ``cfg`` becomes that swarm,
+    with the one-process run's micro-batches (``train.n_micro``, all started by that node).  A
+    ``runtime.node_stages`` given places that many nodes instead."""
+    from ..config import node_stage_lists
+
     rt = cfg.runtime
-    rt.nodes = 1
-    if not rt.node_stages.strip():
-        rt.node_stages, rt.stage_sizes = "+".join(str(s) for s in range(cfg.model.n_stages)), ""
+    if rt.node_stages.strip():
+        rt.nodes = len(node_stage_lists(rt.node_stages))
+    else:
+        rt.nodes, rt.stage_sizes = 1, ""
+        rt.node_stages = "+".join(str(s) for s in range(cfg.model.n_stages))
+        rt.mb_per_originator = cfg.train.n_micro
     cfg.check()
 
 

@@ -189,25 +189,34 @@ def autopipe(n_layers: int, frozen: int, start_stages: int, current_stages: int,
     The memory budget is the largest node's of the all-active partition with ``start_stages``:
     its largest stage, or with ``start_groups`` (the stages each node served at the start, some
     serving several) the most any node held.
-    Candidates are the counts ``1 .. min(start_stages, active layers + 1)`` that fit it; each is
-    scored by ``seconds(counts)`` when given (then each count's balanced split and its
-    :func:`neighbour_splits` are profiled), else by :func:`iteration_units` on ``n_nodes``
+    Candidates are the counts ``1 .. min(start_stages, active layers + 1, n_nodes)`` that fit it,
+    each count's balanced split (and, with ``start_groups``, the start's own grouping: each node's
+    stages as one); each is scored by ``seconds(counts)`` when given (then each balanced split's
+    :func:`neighbour_splits` are profiled too), else by :func:`iteration_units` on ``n_nodes``
     nodes (default: ``current_stages``, one node per current stage) with ``global_batch``
-    (default: one sample per node) split into at most ``n_micro`` micro-batches.
+    (default: one sample per node) split into at most ``n_micro`` micro-batches.  When none fits
+    (nodes were lost), the one needing the least memory (``over_budget`` in the evidence).
     """
     start = split(n_layers, 0, start_stages, False, stage0_compute, backward_factor)
     per_stage = stage_memory(start, 0, stage0_memory)
-    budget = max(sum(per_stage[s] for s in g) for g in (start_groups or [[s] for s in range(start_stages)]))
+    groups = [list(g) for g in start_groups] if start_groups else [[s] for s in range(start_stages)]
+    budget = max(sum(per_stage[s] for s in g) for g in groups)
+    merged = [sum(start[s] for s in g) for g in sorted(groups)] if start_groups else None
     nodes = n_nodes or current_stages
     batch = global_batch or nodes
-    # body stages need an active layer each: too few active layers force a smaller count
-    top = max(1, min(start_stages, n_layers - frozen + 1))
+    # body stages need an active layer each: too few active layers force a smaller count; a
+    # stage needs a node of its own
+    top = max(1, min(start_stages, n_layers - frozen + 1, n_nodes or start_stages))
     tried = []
     for S in range(top, 0, -1):
         balanced = split(n_layers, frozen, S, cached, stage0_compute, backward_factor)
         # a profile also tries moving each cut by one layer: the unit cost model does not see
         # everything (stage 0 originates every micro-batch; links differ)
-        for cand in [balanced] + (neighbour_splits(balanced, frozen) if seconds is not None else []):
+        cands = [balanced] + (neighbour_splits(balanced, frozen) if seconds is not None else [])
+        if merged is not None and len(merged) == S and merged not in cands and merged[0] >= frozen \
+                and all(c >= 1 for c in merged[1:]):
+            cands.append(merged)
+        for cand in cands:
             mem = max(stage_memory(cand, frozen, stage0_memory, embedding_memory=embedding_memory,
                                    prefix_cached=prefix_cached))
             fits = mem <= budget + 1e-9
@@ -223,11 +232,11 @@ def autopipe(n_layers: int, frozen: int, start_stages: int, current_stages: int,
     if ok:
         best = min(t["estimate"] for t in ok)
         counts = min((t for t in ok if t["estimate"] <= best * 1.001 + 1e-12), key=lambda t: t["stages"])["counts"]
-    else:  # nothing fits (cannot happen for frozen >= 0 with the start's own count): keep the start
-        counts = split(n_layers, frozen, top, cached, stage0_compute, backward_factor)
+    else:  # nothing fits (fewer nodes than the start's): the least memory
+        counts = min(tried, key=lambda t: (t["max_memory"], t["stages"]))["counts"]
     stage_cost = [round(c, 4) for c in stage_costs(counts, frozen, cached, stage0_compute, backward_factor)]
     evidence = {"memory_budget": round(budget, 4), "tried": tried, "stage_cost": stage_cost,
-                "prefix_cached": prefix_cached,
+                "prefix_cached": prefix_cached, **({} if ok else {"over_budget": True}),
                 "stage_memory": [round(m, 4) for m in stage_memory(counts, frozen, stage0_memory,
                                                                     embedding_memory=embedding_memory,
                                                                     prefix_cached=prefix_cached)]}

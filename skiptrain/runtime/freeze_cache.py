@@ -70,8 +70,7 @@ class PrefixCaching:
 
     def open_cache(self) -> ActivationCache:
         """This originator's cache (``elastic.cache_dir`` or ``RUN_DIR/elastic_cache``; one
-        directory per node, or per location when shared), keyed by training window like the
-        single-process trainer's."""
+        directory per node, or per location when shared), keyed by training window."""
         if self.cache is None:
             e, m, node = self.cfg.elastic, self.cfg.model, self.node
             root = Path(e.cache_dir) if e.cache_dir else Path(node.run_dir) / "elastic_cache"

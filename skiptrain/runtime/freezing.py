@@ -6,7 +6,7 @@ its own :class:`~skiptrain.elastic.freeze.FreezeRule`, so every node takes the s
 without exchanging them:
 
 * **gradient signal**: after each optimizer step, the first replica of each stage reports the
-  squared norm of its layers' synced update (what the single-process trainer's rule reads);
+  squared norm of its layers' synced update (a node serving several stages: of each);
   the node's per-iteration stats gather carries the reports, so every node sums every active
   layer's norm without a collective of its own;
 * **guard**: at the end of a window the rule may ask for the validation loss; the stage-0 nodes
@@ -15,7 +15,8 @@ without exchanging them:
   sums are all-reduced, so every node sees the same value;
 * **transition**: a changed frozen depth is applied at the start of the next iteration, before
   any of its work: AutoPipe + AutoDP plan the layout on the nodes alive
-  (:func:`~skiptrain.elastic.freezer.plan_layout`, as in the one-process trainer), the
+  (:func:`~skiptrain.elastic.freezer.plan_layout`; never more stages than nodes, so a node that
+  served several stages serves one after it), the
   layout-change core plans the moves by name and the
   nodes exchange them point to point (:func:`~.transition.move_state`), each node builds its
   new stage, a barrier commits, and only then does every node switch (groups, sync strategy,
@@ -342,6 +343,7 @@ class SwarmFreezing(PrefixCaching):
     def state_dict(self) -> dict[str, Any]:
         """What a job checkpoint carries (``position["elastic"]``)."""
         return {"frozen": self.frozen, "counts": self.counts, "pending": self.pending,
+                "start_stages": self.start_stages, "start_groups": [list(g) for g in self.start_groups],
                 "rule": self.rule.state_dict(), "layouts": self.layouts, "transitions": self.transitions,
                 "schedule": self.st.sched.to_dict(), "guard_s": self.guard_s,
                 "prefix_cached": self.prefix_cached, "pending_cache": self.pending_cache}
@@ -357,8 +359,8 @@ class SwarmFreezing(PrefixCaching):
         if node.rank == min(node.control.alive):
             truncate_metrics(Path(node.run_dir) / "elastic.jsonl", int(node.job.resume["iteration"]), log_position)
         F, counts = int(saved["frozen"]), list(saved["counts"])
-        if F == self.frozen and counts == self.counts:
-            return
+        if F == self.frozen and counts == self.counts and len(self.layouts) == 1:
+            return                      # (no transition before it: the job's own layout)
         sched = Schedule.from_dict(saved["schedule"])
         cached = bool(saved.get("prefix_cached"))
         cost = layout_cost(self.base_cost, self.cfg.model, counts, F, hit=1.0 if cached else 0.0)
@@ -378,8 +380,12 @@ class SwarmFreezing(PrefixCaching):
         self._switch(sched, stage, model, opt, cost, F, counts, None, None, cached)
 
     def _load_rule(self, saved: dict[str, Any]) -> None:
-        """The rule's state, the layout history and a pending transition from ``state_dict()``."""
+        """The rule's state, the layout history, a pending transition and the start's layout
+        (AutoPipe's memory budget: a joiner's phase schedule is the layout in force, not the
+        start's) from ``state_dict()``."""
         self.rule.load_state_dict(saved["rule"])
+        self.start_stages = int(saved.get("start_stages", self.start_stages))
+        self.start_groups = [tuple(g) for g in saved.get("start_groups", self.start_groups)]
         self.layouts, self.transitions = list(saved["layouts"]), list(saved["transitions"])
         self.pending, self.guard_s = saved.get("pending"), float(saved.get("guard_s", 0.0))
         self.pending_cache = bool(saved.get("pending_cache"))

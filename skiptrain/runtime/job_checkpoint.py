@@ -371,6 +371,10 @@ def resume_point(path: str | Path) -> dict[str, Any]:
     if "cursor" not in data:
         raise CheckpointError(f"checkpoint {reader.path} holds no data cursor (it is not a training checkpoint); "
                               "resume from a checkpoint written by `skiptrain train` or `skiptrain launch`")
+    if (st.get("freeze") or {}).get("frozen_layers") and "elastic" not in st:
+        raise CheckpointError(f"checkpoint {reader.path} was written by the one-process elastic trainer of an earlier "
+                              "version, with frozen layers a run cannot take over; train again into a new run "
+                              "directory (or with --overwrite)")
     return {"path": str(reader.path), "phase": int(st.get("phase", 0)), "iteration": int(st.get("iteration", reader.step)),
             "cursor": int(data["cursor"]), "data_fingerprint": st.get("data_fingerprint"),
             "data_path": ((st.get("config") or {}).get("data") or {}).get("path")}

@@ -4,11 +4,10 @@ training state moved between the nodes by name.
 A transition turns the layout in force (partition, placement, frozen depth) into the one the
 freeze rule's new depth asks for, on the nodes alive now:
 
-* :func:`skiptrain.elastic.freezer.plan_layout` (AutoPipe, then AutoDP) plans it, as in the
-  one-process trainer;
+* :func:`skiptrain.elastic.freezer.plan_layout` (AutoPipe, then AutoDP) plans it;
 * :func:`layout_schedule`: the micro-batches of the iteration (same ids, so the same samples)
   over the new placement: dealt over the stage-0 nodes, routes through the new body stages
-  (:func:`skiptrain.elastic.freezer.layout_routes`, the single-process trainer's too); the caller may let
+  (:func:`skiptrain.elastic.freezer.layout_routes`); the caller may let
   the planner re-plan the routes; :func:`layout_cost`: the cost model of the new layout (a
   frozen layer costs its forward only, nothing when served from the cache);
 * :func:`move_state`: every message of :func:`skiptrain.layout.transfer.transfer_plan` between

@@ -58,7 +58,7 @@ def test_the_swarm_freezes_shrinks_and_trains_what_the_single_process_trainer_tr
     """6 node processes (2/2/1/1, k=0): the rule freezes 1 then 2 layers; the pipeline shrinks
     across processes; replicas of every final stage are bit-identical; every sample trained
     once; frozen weights never change after their freeze; and the swarm ends where the
-    single-process elastic trainer (same rule, same data) ends."""
+    one process freezing the same way (same rule, same data) ends."""
     run = tmp_path / "run"
     res = launch(_job(_cfg(), byte_data, run), timeout_s=300)
     rows = res.phase_iterations("p")
@@ -97,17 +97,21 @@ def test_the_swarm_freezes_shrinks_and_trains_what_the_single_process_trainer_tr
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("node_stages", ["0,1+2,3", "0+1+2+3"])
+@pytest.mark.parametrize("node_stages,strategy", [("0,1+2,3", "allreduce"), ("0,1+2,3", "demo"),
+                                                   ("0+1+2+3", "allreduce")])
 def test_nodes_serving_several_stages_freeze_with_the_swarm_and_resume_before_the_move(byte_data, tmp_path,
-                                                                                       node_stages):
-    """4 stages on 3 nodes (node 1 serving stages 1 and 2) or on one node serving all: the rule
+                                                                                       node_stages, strategy):
+    """4 stages on 3 nodes (node 1 serving stages 1 and 2; all-reduce, or DeMo, whose momentum is
+    sync state that must move with its stage) or on one node serving all: the rule
     freezes at steps 4 and 6 as in a swarm of one stage per node.  AutoPipe's memory budget is
     the most a node held at the start, so on 3 nodes the first transition moves node 1's stages'
     state (with both sync strategies') out, and each node then serves one stage at most; the one
-    node goes to one stage and moves nothing.  Either swarm ends where the single-process elastic
-    trainer ends; a job resumed from the checkpoint taken before the first transition (the
-    pending freeze in it) ends with the same losses."""
+    node goes to one stage and moves nothing.  Either swarm ends where one process freezing the
+    same way ends (under DeMo, where a swarm of a node per stage ends: the reference's layout
+    change starts its sync afresh); a job resumed from the checkpoint taken before the first
+    transition (the pending freeze in it) ends with the same losses."""
     cfg = _cfg(runtime={"nodes": len(node_stages.split(",")), "stage_sizes": "", "node_stages": node_stages})
+    cfg.dp.strategy = strategy
     run = tmp_path / "run"
     res = launch(_job(cfg, byte_data, run), timeout_s=300)
     tr = [r for r in _log(run) if r.get("action") == "transition"]
@@ -117,9 +121,15 @@ def test_nodes_serving_several_stages_freeze_with_the_swarm_and_resume_before_th
         assert len(placed) == len(set(placed)) and set(placed) <= set(range(cfg.runtime.nodes))
     assert (tr[0]["transfer_messages"] > 0) == (cfg.runtime.nodes > 1)
     assert sorted(i for s in trained_samples(run / "phases" / "p").values() for i in s) == list(range(ITERS * 16))
-    transitions, ref = one_process_freezing(_cfg(n_micro=2), byte_data, ITERS)
-    assert transitions == [(0, 1, 4), (1, 2, 6)]
     final = load_weights(run / "model.safetensors")
+    if strategy == "demo":      # node 1's two stages' momentum moves with them: as with a node per stage
+        one_each = _cfg(runtime={"nodes": 4, "stage_sizes": "", "node_stages": "0,1,2,3"})
+        one_each.dp.strategy = strategy
+        launch(_job(one_each, byte_data, tmp_path / "one_each"), timeout_s=300)
+        ref = load_weights(tmp_path / "one_each" / "model.safetensors")
+    else:
+        transitions, ref = one_process_freezing(_cfg(n_micro=2), byte_data, ITERS)
+        assert transitions == [(0, 1, 4), (1, 2, 6)]
     worst = max((final[n] - ref[n]).abs().max().item() for n in ref)
     assert worst < 1e-4, f"swarm and one process differ by {worst:.3g}"
     start = resume_point(run / "checkpoints" / "step-00000004")
@@ -132,12 +142,13 @@ def test_nodes_serving_several_stages_freeze_with_the_swarm_and_resume_before_th
 
 def test_skiptrain_train_freezes_as_a_swarm_of_one_node(byte_data, tmp_path):
     """``skiptrain train`` with freezing on and one process is the swarm's freezing on one node
-    that serves every stage: its run directory is a swarm's, its first transition makes the
-    model one stage and moves nothing, and it ends where one process freezing the same way ends."""
+    that serves every stage, with the one-process run's ``train.n_micro`` micro-batches: its run
+    directory is a swarm's, its first transition makes the model one stage and moves nothing,
+    and it ends where one process freezing the same way ends."""
     from skiptrain.cli import main
     from skiptrain.config import save_toml
 
-    cfg = _cfg(runtime={"nodes": 0, "stage_sizes": "", "mb_per_originator": 4})
+    cfg = _cfg(runtime={"nodes": 0, "stage_sizes": ""}, n_micro=4)      # (runtime.mb_per_originator 2)
     save_toml(cfg, tmp_path / "cfg.toml")
     run = tmp_path / "run"
     assert main(["train", "--config", str(tmp_path / "cfg.toml"), "--data", str(byte_data), "--out", str(run),
@@ -268,7 +279,7 @@ def test_a_node_killed_mid_transition_is_recovered_and_training_goes_on(byte_dat
 def test_the_swarm_serves_the_frozen_prefix_from_prefilled_caches(byte_data, tmp_path):
     """``elastic.cache=on`` in the swarm: at each freeze the originators prefill the windows they
     will start (data parallel, each window computed once, rows sent between caches), so after the prefill every
-    lookup hits; the run trains what the single-process trainer with the cache on trains (same
+    lookup hits; the run trains what one process freezing the same way trains (same
     decisions; weights within 1e-4: the swarm averages the replicas' gradients, the single
     process sums the whole batch, a float-order difference), replicas bit-identical, every sample
     once."""
@@ -340,7 +351,7 @@ def test_originators_of_one_location_share_a_cache_and_prefill_each_window_once(
     open one cache and prefill disjoint parts of the union of their windows, so every window is
     computed once at the first freeze and extended once at the second (a window that moved to
     another originator is not recomputed); every lookup then hits; the run trains what the
-    single-process trainer with the cache on trains."""
+    one process freezing the same way trains."""
     cfg = _cfg()
     cfg.elastic.cache = "on"
     cfg.elastic.prefill_min_gain = 0     # prefill at every freeze, though each window is read once here
@@ -372,7 +383,7 @@ def test_a_prefill_waits_until_the_depth_held_a_window_and_resumes_with_it_pendi
     the depth at step 4 lasts one window); once depth 2 has held a window, the layout is planned
     again with the prefix cached (AutoPipe then needs fewer stages: the state moves) and the
     prefill runs at step 8, after which every lookup hits.  The run trains what the
-    single-process trainer with its cache on trains.  The checkpoint after iteration 8 holds
+    one process freezing the same way trains.  The checkpoint after iteration 8 holds
     the cache-in still pending: a job resumed from it prefills at its first iteration and ends
     with the uninterrupted run's weights and losses."""
     cfg = _cfg()

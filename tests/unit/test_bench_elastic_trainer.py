@@ -7,6 +7,7 @@ import functools
 import json
 import time
 
+import pytest
 import torch
 
 from skiptrain.checkpoint.reader import CheckpointReader
@@ -85,6 +86,11 @@ def test_resume_after_a_transition_reproduces_the_run(byte_data, tmp_path):
     assert st["step"] == 12 and st["freeze"]["frozen_layers"] == 3
     assert len(st["freeze"]["layouts"]) == 3 and st["freeze"]["cache"]["entries"] > 0
 
+    # a run cannot take such a checkpoint over (it freezes in the runtime, whose state differs)
+    from skiptrain.checkpoint.format import CheckpointError
+    from skiptrain.runtime.job_checkpoint import resume_point
+    with pytest.raises(CheckpointError, match="one-process elastic trainer of an earlier version"):
+        resume_point(tmp_path / "part" / "checkpoints")
     again = Elastic(_cfg(byte_data), tmp_path / "part")
     again.resume()
     again.fit()

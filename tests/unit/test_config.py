@@ -129,3 +129,17 @@ def test_a_coordinator_wait_shorter_than_four_heartbeats_is_refused_in_one_line(
     with pytest.raises(ConfigError, match="coordinator_wait_s=1 is shorter than 4 heartbeats.*at least 2"):
         build_config("tiny", overrides={"runtime": {"coordinator_wait_s": 1.0, "heartbeat_s": 0.5}})
     build_config("tiny", overrides={"runtime": {"coordinator_wait_s": 0.0}}).check()
+
+
+def test_a_retired_key_loads_from_saved_runs_and_is_refused_when_set():
+    """``elastic.nodes`` (the one-process trainer's emulated nodes) is retired: every run saved
+    before wrote it, so a saved config loads with it (value ignored) and a TOML with its old
+    default loads too; set to anything else it is refused in one line naming the fix."""
+    from skiptrain.config import apply_dict, config_from_dict
+
+    saved = build_config("tiny").to_dict()
+    saved["elastic"]["nodes"] = 8
+    assert config_from_dict(saved).elastic.enabled is False
+    assert apply_dict(build_config("tiny"), {"elastic": {"nodes": 0}}, source="cfg.toml").elastic.enabled is False
+    with pytest.raises(ConfigError, match="elastic.nodes is retired.*remove it"):
+        build_config("tiny", overrides={"elastic": {"nodes": 8}})

@@ -211,3 +211,25 @@ def test_the_one_process_reference_freezes_and_trains_as_the_elastic_trainer(byt
     assert [(x["frozen_before"], x["frozen_after"], x["step"]) for x in t.transitions] == transitions
     worst = max((p.detach() - ref[n]).abs().max().item() for n, p in t.model.named_parameters())
     assert worst < 1e-5, worst
+
+
+def test_a_node_serving_two_stages_moves_the_sync_state_of_both():
+    """A node serving stages 1 and 2 under DeMo holds a strategy per stage, each with state: the
+    sizes it announces and the state a transition gathers from it name both stages' sync state."""
+    from skiptrain.dp import make_strategy
+    from skiptrain.model import StagedLM
+    from skiptrain.optim import build_optimizer
+    from skiptrain.runtime.transition import gather_state, stage_sizes
+
+    cfg = build_config("tiny", overrides={"model": {"n_stages": 4}, "dp": {"strategy": "demo"}})
+    model = StagedLM(cfg.model, stages=[1, 2], seed=0)
+    strats = [make_strategy(cfg.dp, list(model.stage_named_parameters(s)), None, cfg.train) for s in (1, 2)]
+    opt = build_optimizer(model.named_parameters(), cfg.train, strats[0].update_rule)
+    assert all(s.state_dict()["tensors"] for s in strats)     # (DeMo's momentum, from the start)
+    sizes = stage_sizes(model, opt, strats)
+    sync_names = {n for n in sizes if n.startswith("sync.")}
+    for s in (1, 2):
+        own = {n for n, _ in model.stage_named_parameters(s)}
+        assert any(n.split(".", 2)[2] in own for n in sync_names), f"stage {s}'s sync state is missing"
+    tensors, _, _ = gather_state(model, opt, strats, [], set(sizes))
+    assert {n for n in tensors if n.startswith("sync.")} == sync_names

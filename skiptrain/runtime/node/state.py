@@ -15,8 +15,8 @@ class PhaseState:
 
     ``stages``: the stages this node serves (ascending; empty: none), all in ``model``, each
     with its sync strategy in ``strats`` and one optimizer ``opt`` over them.  ``stage`` and
-    ``strat`` name the one stage of a node that serves one (what recovery, joins and freezing
-    handle: the config refuses them for a node serving several)."""
+    ``strat`` name the first of them (the one of a node that serves one: what takeover and
+    joins move; a freeze transition moves every stage a node served)."""
     ph: Phase
     idx: int
     sched: Any
