@@ -136,13 +136,12 @@ def finish_swarm_run(job, res, t0: float, echo: bool, tb=None) -> dict:
     plot_loss(outp / "metrics.jsonl", outp / "loss.png",
               title=f"skiptrain swarm: {rt.nodes} nodes, {model.num_parameters() / 1e6:.1f}M params, "
                     f"k={cfg.train.skip_ratio}", baseline=baseline)
-    last = len(rows) - 1 if start is None else len(rows) - 1 - start["iteration"]
-    sim = simulate(sched, topo, cost, contention=True, dp_sync=False)   # (planned without the DP sync too)
-    measured = res.timeline("train", last)
+    rows = [r for r in rows if start is None or r["step"] > start["iteration"]]   # this launch's (the nodes'
+    sim = simulate(sched, topo, cost, contention=True, dp_sync=False)            # records hold these only)
+    measured = res.timeline("train", len(rows) - 1)
     draw_side_by_side(sim.timeline, measured, outp / "gantt.png",
                       titles=(f"simulated: {sim.iteration_s:.3f} s/iteration",
-                              f"measured, iteration {last + 1}: {rows[-1]['iteration_s']:.3f} s"))
-    rows = [r for r in rows if start is None or r["step"] > start["iteration"]]
+                              f"measured, iteration {rows[-1]['step']}: {rows[-1]['iteration_s']:.3f} s"))
     it_s = [r["iteration_s"] for r in rows]
     summary = {"step": steps, "nodes": rt.nodes, "method": sched.method, "val_loss": val,
                "unigram_val_loss": baseline, "first_loss": rows[0]["loss"], "last_loss": rows[-1]["loss"],

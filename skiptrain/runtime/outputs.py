@@ -27,10 +27,11 @@ def load_phase_records(run_dir: str | Path, phase: str) -> list[dict]:
 
 
 def iteration_events(records: list[dict], iteration: int) -> list[Event]:
-    """All nodes' events of one iteration in ``records``, sorted by start (simulator format)."""
+    """All nodes' events of one iteration in ``records`` (its index there, from 0), sorted by
+    start (simulator format)."""
     events: list[Event] = []
     for rec in records:
-        if iteration < len(rec["iterations"]):
+        if 0 <= iteration < len(rec["iterations"]):
             events += from_dicts(rec["iterations"][iteration]["events"])
     events.sort(key=lambda e: (e.start, e.node))
     return events

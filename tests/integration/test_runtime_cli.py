@@ -26,6 +26,12 @@ def test_launch_swarm_leaves_a_complete_run_directory(byte_data, tmp_path):
     # the run is usable afterwards
     assert main(["eval", str(out), "--batches", "1", "--json", str(tmp_path / "e.json")]) == 0
     assert json.loads((tmp_path / "e.json").read_text())["val_loss"] > 0
+    # its checkpoint continues in another run directory (whose metrics hold only the new steps)
+    again = tmp_path / "again"
+    assert main(["launch", "--preset", "tiny", "--data", str(byte_data), "--out", str(again), "--nodes", "6",
+                 "--set", "runtime.stage_sizes=2,2,1,1", "--skip-ratio", "0.5", "--steps", "4",
+                 "--resume", str(out / "checkpoints" / latest)]) == 0
+    assert json.loads((again / "run.json").read_text())["step"] == 4 and (again / "gantt.png").is_file()
 
 
 def test_launch_with_recover_checkpoints_the_job_and_cleans_the_join_secret(byte_data, tmp_path):
