@@ -5,8 +5,10 @@ time limit on the cell that sets the iteration time.
 one cell, :func:`~.cells.default_cells`):
 
 1. **Cells** (:mod:`.cells`): nodes grouped by hop distance into cells of about
-   :data:`~.cells.CELL_NODES`; the global stage sizes and body-stage visit quotas dealt to the
-   cells, so that every cell is a whole pipeline and the swarm stays balanced.
+   :data:`~.cells.CELL_NODES`; each cell's stage sizes split by work (spare nodes of equally
+   loaded body stages on the deepest ones, :func:`~.placement.stage_sizes` ``deep_ties``) or the
+   given sizes dealt to the cells, and the body-stage visit quotas dealt to the cells, so that
+   every cell is a whole pipeline and the swarm stays balanced.
 2. **Within cells**: each distinct cell problem (cells with the same speeds, sizes, quotas and
    links share one plan, whatever their locations are called) is planned by
    :func:`~.planner.plan` on its own nodes (placement search, constructions, simulator-scored
