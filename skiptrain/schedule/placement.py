@@ -37,8 +37,12 @@ from .routes import skip_count, visits_per_route
 from .schedule import ScheduleError
 
 
-def stage_sizes(n_nodes: int, n_stages: int, skip_ratio: float, cost: CostModel | None = None) -> list[int]:
-    """Nodes per stage, proportional to work per iteration (largest remainder, at least 1 each)."""
+def stage_sizes(n_nodes: int, n_stages: int, skip_ratio: float, cost: CostModel | None = None,
+                deep_ties: bool = False) -> list[int]:
+    """Nodes per stage, proportional to work per iteration (largest remainder, at least 1 each).
+    Equal remainders (body stages of equal work) go to the first stages, or with ``deep_ties`` to
+    the last (the planner's cells: a spare replica of the deepest body stages shortens the
+    pipeline more than one of the first, measured in docs/scheduler.md)."""
     if n_stages < 1:
         raise ScheduleError("need at least one stage")
     if n_nodes < n_stages:
@@ -59,7 +63,7 @@ def stage_sizes(n_nodes: int, n_stages: int, skip_ratio: float, cost: CostModel 
     raw = [spare * w / total for w in work]
     sizes = [1 + int(x) for x in raw]
     rest = n_nodes - sum(sizes)
-    order = sorted(range(n_stages), key=lambda s: (-(raw[s] - int(raw[s])), s))
+    order = sorted(range(n_stages), key=lambda s: (-(raw[s] - int(raw[s])), -s if deep_ties else s))
     for s in order[:rest]:
         sizes[s] += 1
     return sizes

@@ -5,8 +5,10 @@ time limit on the cell that sets the iteration time.
 one cell, :func:`~.cells.default_cells`):
 
 1. **Cells** (:mod:`.cells`): nodes grouped by hop distance into cells of about
-   :data:`~.cells.CELL_NODES`; the global stage sizes and body-stage visit quotas dealt to the
-   cells, so that every cell is a whole pipeline and the swarm stays balanced.
+   :data:`~.cells.CELL_NODES`; each cell's stage sizes split by work (spare nodes of equally
+   loaded body stages on the deepest ones, :func:`~.placement.stage_sizes` ``deep_ties``) or the
+   given sizes dealt to the cells, and the body-stage visit quotas dealt to the cells, so that
+   every cell is a whole pipeline and the swarm stays balanced.
 2. **Within cells**: each distinct cell problem (cells with the same speeds, sizes, quotas and
    links share one plan, whatever their locations are called) is planned by
    :func:`~.planner.plan` on its own nodes (placement search, constructions, simulator-scored
@@ -280,7 +282,7 @@ def plan_regions(topo: Topology, cost: CostModel, cfg: Any, n_cells: int, search
     if cfg.stage_sizes is not None:           # the given sizes dealt to the cells
         cell_sizes = split_sizes(cfg.stage_sizes, groups)
     else:                                     # every cell split by work, as a swarm of its size
-        cell_sizes = [stage_sizes(len(g), cfg.n_stages, cfg.skip_ratio, cost) for g in groups]
+        cell_sizes = [stage_sizes(len(g), cfg.n_stages, cfg.skip_ratio, cost, deep_ties=True) for g in groups]
     v = visits_per_route(cfg.skip_ratio, cfg.n_stages)
     quotas = deal_quotas(cfg.n_stages, v, [cs[0] * cfg.mb_per_originator for cs in cell_sizes])
     info: dict[str, Any] = {"cells_s": clock.used(), "n_cells": n_cells}
@@ -350,7 +352,7 @@ def replan_regions(topo: Topology, cost: CostModel, cfg: Any, in_force: Schedule
     size = sum(len(g) for g in groups) / max(1, len(groups))
     todo = [[pool[n] for n in c] for c in group_cells(topo.subset(pool), cost, max(1, round(len(pool) / size)))] \
         if pool else []
-    sizes = [stage_sizes(len(g), cfg.n_stages, cfg.skip_ratio, cost) for g in todo]
+    sizes = [stage_sizes(len(g), cfg.n_stages, cfg.skip_ratio, cost, deep_ties=True) for g in todo]
     v = visits_per_route(cfg.skip_ratio, cfg.n_stages)
     quotas = deal_quotas(cfg.n_stages, v, [sz[0] * cfg.mb_per_originator for sz in sizes], fixed)
     deepened = _plan_all(cells, clock, [(g, sz, q, None) for g, sz, q in zip(todo, sizes, quotas)])

@@ -15,6 +15,7 @@ from skiptrain.net.topology import Node, Topology, cluster, geo12
 from skiptrain.schedule import regional
 from skiptrain.schedule.cells import deal_quotas, group_cells, lanes_in_cells, split_sizes
 from skiptrain.schedule.cost import CostModel
+from skiptrain.schedule.placement import stage_sizes
 from skiptrain.schedule.planner import PlanConfig, plan, replan
 from skiptrain.schedule.schedule import SKIP_CLAIMS, MicroBatch, Schedule
 from skiptrain.schedule.simulator import simulate
@@ -155,6 +156,18 @@ def test_a_limit_of_zero_still_gives_every_cell_a_complete_balanced_plan():
     info = s.meta["planner"]
     assert info["n_cells"] > 1 and info["time_capped"] and info["between_rounds"] == 0
     s.validate(SKIP_CLAIMS, n_nodes=96)
+
+
+def test_cells_give_their_spare_body_nodes_to_the_last_stages():
+    """A cell's sizes are split by work with equal remainders going to the deepest body stages
+    (10 nodes: 3/2/2/3, where a whole swarm of 10 gets 3/3/2/2)."""
+    topo, cost = cluster(30), _cost()
+    assert stage_sizes(10, 4, 0.34, cost) == [3, 3, 2, 2]
+    s = plan(topo, cost, _cfg(cells=3, max_evals=0))
+    s.validate(SKIP_CLAIMS, n_nodes=30)
+    stage_of = s.stage_of()
+    for cell in s.meta["planner"]["cells"]:
+        assert [sum(stage_of[n] == st for n in cell) for st in range(4)] == [3, 2, 2, 3]
 
 
 def test_cells_that_differ_only_in_their_location_names_share_one_plan():

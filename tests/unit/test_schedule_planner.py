@@ -70,6 +70,31 @@ def test_route_orders_are_exactly_the_allowed_ones():
     assert all(list(r) == sorted(r) for r in route_orders(6, 3, 0))
 
 
+@settings(max_examples=80, deadline=None)
+@given(n=st.integers(6, 120), S=st.integers(2, 7), k=st.sampled_from([0.0, 0.2, 0.33, 0.5]))
+def test_deep_ties_give_equal_body_stages_spare_nodes_from_the_last(n, S, k):
+    """Body stages of equal work: the same sizes as the default, reordered so that the larger
+    ones are the last (the simple reference: stage 0 kept, the body sizes sorted ascending)."""
+    if n < S:                   # every stage needs a node: stage_sizes refuses
+        return
+    c = CostModel(d_model=64, tokens_per_sample=64, samples=2, layers_per_stage=[2] * S, s_per_sample_per_layer=0.05)
+    try:
+        first, deep = stage_sizes(n, S, k, c), stage_sizes(n, S, k, c, deep_ties=True)
+    except RouteError:          # a skip ratio that leaves no body stage: nothing to split
+        return
+    assert deep == [first[0], *sorted(first[1:])]
+
+
+def test_deep_ties_change_nothing_without_a_tie():
+    c = CostModel(d_model=64, tokens_per_sample=64, samples=2, layers_per_stage=[1, 2, 3, 4], s_per_sample_per_layer=0.05)
+    for n in range(4, 60):
+        assert stage_sizes(n, 4, 0.0, c, deep_ties=True) == stage_sizes(n, 4, 0.0, c)
+    r = reference_cost()
+    assert stage_sizes(21, 6, 0.33, r) == [5, 4, 3, 3, 3, 3]
+    assert stage_sizes(21, 6, 0.33, r, deep_ties=True) == [5, 3, 3, 3, 3, 4]
+    assert stage_sizes(20, 6, 0.33, r, deep_ties=True) == [5, 3, 3, 3, 3, 3]
+
+
 def test_reference_stage_sizes_and_cost():
     c = reference_cost()
     assert stage_sizes(20, 6, 0.33, c) == [5, 3, 3, 3, 3, 3]
