@@ -95,9 +95,10 @@ def train_flops_per_token(cfg) -> float:
 
 
 def measure(preset: str = "125m", device: str = "cuda", steps: int = 20, warmup: int = 3, quick: bool = False,
-            overrides: dict | None = None) -> dict:
-    """Median step time of both loops, interleaved; tokens/s and model FLOPs/s of each."""
-    with work_dir(None, "gpu") as tmp:
+            overrides: dict | None = None, keep: str | Path | None = None) -> dict:
+    """Median step time of both loops, interleaved; tokens/s and model FLOPs/s of each.  Its run
+    goes to ``keep`` (default: a new folder under runs/bench/gpu)."""
+    with work_dir(keep, "gpu") as tmp:
         return timed(*build(preset, device, quick, overrides, Path(tmp)), steps, warmup, preset)
 
 

@@ -35,6 +35,7 @@ loads the saved state.  Decisions and transitions go to ``RUN_DIR/elastic.jsonl`
 
 from __future__ import annotations
 
+import copy
 import json
 import sys
 import time
@@ -341,12 +342,14 @@ class SwarmFreezing(PrefixCaching):
     # ---- checkpoints ----------------------------------------------------------------------
 
     def state_dict(self) -> dict[str, Any]:
-        """What a job checkpoint carries (``position["elastic"]``)."""
-        return {"frozen": self.frozen, "counts": self.counts, "pending": self.pending,
-                "start_stages": self.start_stages, "start_groups": [list(g) for g in self.start_groups],
-                "rule": self.rule.state_dict(), "layouts": self.layouts, "transitions": self.transitions,
-                "schedule": self.st.sched.to_dict(), "guard_s": self.guard_s,
-                "prefix_cached": self.prefix_cached, "pending_cache": self.pending_cache}
+        """What a job checkpoint carries (``position["elastic"]``): a copy, taken now (an
+        asynchronous checkpoint writes it while the next iteration's transition goes on)."""
+        return copy.deepcopy({
+            "frozen": self.frozen, "counts": self.counts, "pending": self.pending,
+            "start_stages": self.start_stages, "start_groups": [list(g) for g in self.start_groups],
+            "rule": self.rule.state_dict(), "layouts": self.layouts, "transitions": self.transitions,
+            "schedule": self.st.sched.to_dict(), "guard_s": self.guard_s,
+            "prefix_cached": self.prefix_cached, "pending_cache": self.pending_cache})
 
     def _resume(self, path: str) -> None:
         """Before the node loads its state from checkpoint ``path``: the rule, the layout

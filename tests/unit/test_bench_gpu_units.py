@@ -23,8 +23,9 @@ def test_without_cuda_it_says_so_and_exits_0(tmp_path, capsys):
     assert json.loads((tmp_path / "r.json").read_text()) == {"cuda": False, "measured": False}
 
 
-def test_measuring_code_runs_on_the_cpu_with_a_tiny_preset(capsys):
-    res = gpu.measure("tiny", "cpu", steps=2, warmup=1, quick=True, overrides={"model": {"seq_len": 32}})
+def test_measuring_code_runs_on_the_cpu_with_a_tiny_preset(capsys, tmp_path):
+    res = gpu.measure("tiny", "cpu", steps=2, warmup=1, quick=True, overrides={"model": {"seq_len": 32}},
+                      keep=tmp_path)
     assert res["device"] == "cpu" and res["tokens_per_step"] == 4 * 2 * 32
     for which in ("skiptrain", "plain"):
         assert res[which]["tok_s"] > 0 and res[which]["model_tflops"] > 0
