@@ -128,9 +128,10 @@ def timed(trainer, plain_step, steps: int, warmup: int, preset: str) -> dict:
 
 
 def measure_swarm(preset: str = "125m", device: str = "cuda", iterations: int = 12, warmup: int = 2,
-                  quick: bool = False, overrides: dict | None = None) -> dict:
+                  quick: bool = False, overrides: dict | None = None, keep: str | Path | None = None) -> dict:
     """A 4-node swarm (one stage each) with every node on ``device``: median iteration time and
-    period, tokens/s and model FLOPs/s (see the module doc)."""
+    period, tokens/s and model FLOPs/s (see the module doc).  Its run goes to ``keep`` (default:
+    a new folder under runs/bench/gpu-swarm)."""
     from skiptrain.config import build_config
     from skiptrain.runtime.job import Job, build_cost, build_schedule, build_topology, phase_for
     from skiptrain.runtime.launcher import launch
@@ -146,7 +147,7 @@ def measure_swarm(preset: str = "125m", device: str = "cuda", iterations: int = 
     for name, values in (overrides or {}).items():
         sections[name] = {**sections.get(name, {}), **values}
     cfg = build_config(preset, overrides=sections)
-    with work_dir(None, "gpu-swarm") as tmp:
+    with work_dir(keep, "gpu-swarm") as tmp:
         ds = make_dataset(cfg.model.vocab_size, Path(tmp) / "data")
         cfg.model.vocab_size = ds.vocab_size
         topo = build_topology(cfg, SWARM_NODES)

@@ -136,9 +136,11 @@ def finish_swarm_run(job, res, t0: float, echo: bool, tb=None) -> dict:
     plot_loss(outp / "metrics.jsonl", outp / "loss.png",
               title=f"skiptrain swarm: {rt.nodes} nodes, {model.num_parameters() / 1e6:.1f}M params, "
                     f"k={cfg.train.skip_ratio}", baseline=baseline)
-    rows = [r for r in rows if start is None or r["step"] > start["iteration"]]   # this launch's (the nodes'
-    sim = simulate(sched, topo, cost, contention=True, dp_sync=False)            # records hold these only)
-    measured = res.timeline("train", len(rows) - 1)
+    rows = [r for r in rows if start is None or r["step"] > start["iteration"]]   # this launch's
+    sim = simulate(sched, topo, cost, contention=True, dp_sync=False)
+    # the nodes' records hold one entry per iteration of this launch (a row may lack its loss, or
+    # be missing, after a recovery: counted by step, not by row)
+    measured = res.timeline("train", rows[-1]["step"] - 1 - (start["iteration"] if start else 0))
     draw_side_by_side(sim.timeline, measured, outp / "gantt.png",
                       titles=(f"simulated: {sim.iteration_s:.3f} s/iteration",
                               f"measured, iteration {rows[-1]['step']}: {rows[-1]['iteration_s']:.3f} s"))

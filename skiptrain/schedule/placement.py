@@ -63,7 +63,8 @@ def stage_sizes(n_nodes: int, n_stages: int, skip_ratio: float, cost: CostModel 
     raw = [spare * w / total for w in work]
     sizes = [1 + int(x) for x in raw]
     rest = n_nodes - sum(sizes)
-    order = sorted(range(n_stages), key=lambda s: (-(raw[s] - int(raw[s])), -s if deep_ties else s))
+    # ties: stage 0 first, then the body stages in order, or with ``deep_ties`` the deepest first
+    order = sorted(range(n_stages), key=lambda s: (-(raw[s] - int(raw[s])), (n_stages - s) % n_stages if deep_ties else s))
     for s in order[:rest]:
         sizes[s] += 1
     return sizes

@@ -352,7 +352,8 @@ def replan_regions(topo: Topology, cost: CostModel, cfg: Any, in_force: Schedule
     size = sum(len(g) for g in groups) / max(1, len(groups))
     todo = [[pool[n] for n in c] for c in group_cells(topo.subset(pool), cost, max(1, round(len(pool) / size)))] \
         if pool else []
-    sizes = [stage_sizes(len(g), cfg.n_stages, cfg.skip_ratio, cost, deep_ties=True) for g in todo]
+    sizes = [stage_sizes(len(g), cfg.n_stages, cfg.skip_ratio, cost, deep_ties=len(groups) > 1)   # (a swarm
+             for g in todo]                                                       # planned whole: as plan())
     v = visits_per_route(cfg.skip_ratio, cfg.n_stages)
     quotas = deal_quotas(cfg.n_stages, v, [sz[0] * cfg.mb_per_originator for sz in sizes], fixed)
     deepened = _plan_all(cells, clock, [(g, sz, q, None) for g, sz, q in zip(todo, sizes, quotas)])

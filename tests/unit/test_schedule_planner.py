@@ -85,6 +85,14 @@ def test_deep_ties_give_equal_body_stages_spare_nodes_from_the_last(n, S, k):
     assert deep == [first[0], *sorted(first[1:])]
 
 
+def test_deep_ties_never_take_a_spare_node_from_stage_0():
+    """Stage 0 tied with the body stages (73 nodes, 3 stages, k=0.2: every remainder 2/3) keeps
+    its spare node: only the body stages' ties go to the deepest."""
+    c = CostModel(d_model=64, tokens_per_sample=64, samples=2, layers_per_stage=[2] * 3, s_per_sample_per_layer=0.05)
+    assert stage_sizes(73, 3, 0.2, c) == [38, 18, 17]
+    assert stage_sizes(73, 3, 0.2, c, deep_ties=True) == [38, 17, 18]
+
+
 def test_deep_ties_change_nothing_without_a_tie():
     c = CostModel(d_model=64, tokens_per_sample=64, samples=2, layers_per_stage=[1, 2, 3, 4], s_per_sample_per_layer=0.05)
     for n in range(4, 60):
