@@ -87,7 +87,7 @@ class SwarmFreezing(PrefixCaching):
         self.counts = partition_layers(cfg.model).to_list()
         self.start_stages = len(st.sched.placement)
         # the stages each node served at the start (AutoPipe's memory budget: the most a node held)
-        self.start_groups = sorted({tuple(ss) for ss in st.sched.stages_of().values()})
+        self.start_groups = [list(g) for g in sorted({tuple(ss) for ss in st.sched.stages_of().values()})]
         # every layout's memory credits: the phase's (a one-stage layout caps its schedule's
         # credits at the micro-batches per originator; the layouts after it must not inherit that)
         self.memory = Schedule.from_dict(st.ph.schedule).memory
@@ -205,7 +205,7 @@ class SwarmFreezing(PrefixCaching):
             self.log({"step": st.it, "action": "transition_skipped", "frozen": F,
                        "reason": f"placement {pl}: a stage has no node, so its state cannot move"})
             return
-        held = [st.strats[s] for s in st.stages if s in st.strats]   # (a node may serve several stages before)
+        held = list(st.strats.values())      # (a node may serve several stages before)
         sizes: dict[str, int] = {}
         for _, blob in node.control.gather_bytes(json.dumps(stage_sizes(st.model, st.opt, held)).encode()):
             sizes.update(json.loads(blob.decode()))
@@ -286,7 +286,7 @@ class SwarmFreezing(PrefixCaching):
         def plan(cached: bool):
             return plan_layout(cfg.model, F, self.counts, pl, list(node.control.alive), sizes, self.start_stages, st.gb,
                                len(st.order), st.it, hit=1.0 if cached else 0.0, prefix_cached=cached,
-                               start_groups=[list(g) for g in self.start_groups])
+                               start_groups=self.start_groups)
 
         if not (self.will_prefill(F, st.it) and (cache_in or not cfg.elastic.prefill_hold)):
             return (*plan(False), False, None)
@@ -346,7 +346,7 @@ class SwarmFreezing(PrefixCaching):
         asynchronous checkpoint writes it while the next iteration's transition goes on)."""
         return copy.deepcopy({
             "frozen": self.frozen, "counts": self.counts, "pending": self.pending,
-            "start_stages": self.start_stages, "start_groups": [list(g) for g in self.start_groups],
+            "start_stages": self.start_stages, "start_groups": self.start_groups,
             "rule": self.rule.state_dict(), "layouts": self.layouts, "transitions": self.transitions,
             "schedule": self.st.sched.to_dict(), "guard_s": self.guard_s,
             "prefix_cached": self.prefix_cached, "pending_cache": self.pending_cache})
@@ -388,7 +388,7 @@ class SwarmFreezing(PrefixCaching):
         start's) from ``state_dict()``."""
         self.rule.load_state_dict(saved["rule"])
         self.start_stages = int(saved.get("start_stages", self.start_stages))
-        self.start_groups = [tuple(g) for g in saved.get("start_groups", self.start_groups)]
+        self.start_groups = [list(g) for g in saved.get("start_groups", self.start_groups)]
         self.layouts, self.transitions = list(saved["layouts"]), list(saved["transitions"])
         self.pending, self.guard_s = saved.get("pending"), float(saved.get("guard_s", 0.0))
         self.pending_cache = bool(saved.get("pending_cache"))

@@ -64,7 +64,8 @@ def stage_sizes(n_nodes: int, n_stages: int, skip_ratio: float, cost: CostModel 
     sizes = [1 + int(x) for x in raw]
     rest = n_nodes - sum(sizes)
     # ties: stage 0 first, then the body stages in order, or with ``deep_ties`` the deepest first
-    order = sorted(range(n_stages), key=lambda s: (-(raw[s] - int(raw[s])), (n_stages - s) % n_stages if deep_ties else s))
+    tie = (lambda s: (n_stages - s) % n_stages) if deep_ties else (lambda s: s)
+    order = sorted(range(n_stages), key=lambda s: (-(raw[s] - int(raw[s])), tie(s)))
     for s in order[:rest]:
         sizes[s] += 1
     return sizes
