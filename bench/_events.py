@@ -38,9 +38,9 @@ def launch_process(job_path: Path, log: Path | None = None) -> subprocess.Popen:
 
 
 def node_pids(run: Path) -> list[int]:
-    """PIDs of the node processes of the launch into ``run``: the forked ones (the PID on the
-    first line of their logs) and any whose command line names ``run``'s job file (``--join``
-    nodes, nodes exec'd afresh); never this process."""
+    """PIDs of the node processes of the launch into ``run`` and of their supervisors: the forked
+    ones (the PID on the first line of their logs) and any whose command line names ``run``'s job
+    file (nodes exec'd afresh); never this process."""
     job = str(Path(run) / "job.json").encode()
     pids = []
     for p in Path("/proc").iterdir():
@@ -50,7 +50,8 @@ def node_pids(run: Path) -> list[int]:
                     pids.append(int(p.name))
             except OSError:
                 pass
-    return pids + [p for p in forked_node_pids(run).values() if p not in pids and p != os.getpid()]
+    forked = list(forked_node_pids(run).values()) + list(forked_node_pids(run, "supervisor*.log").values())
+    return pids + [p for p in forked if p not in pids and p != os.getpid()]
 
 
 def kill_job(proc: subprocess.Popen, run: Path, extra: list[subprocess.Popen] = ()) -> None:

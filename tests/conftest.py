@@ -41,7 +41,7 @@ def bpe_data(tmp_path_factory) -> Path:
 
 def processes_of_run(run_dir: Path) -> list[int]:
     """PIDs of live processes of a launch of ``run_dir``: those whose command line names it (the
-    launcher, the store) and its forked node processes (:func:`node_pids`)."""
+    launcher, the store), its forked node processes and their supervisors (:func:`node_pids`)."""
     pids = []
     for p in Path("/proc").iterdir():
         if p.name.isdigit():
@@ -50,7 +50,8 @@ def processes_of_run(run_dir: Path) -> list[int]:
                     pids.append(int(p.name))
             except OSError:
                 pass
-    return pids + [p for p in node_pids(run_dir).values() if p not in pids]
+    forked = list(node_pids(run_dir).values()) + list(node_pids(run_dir, "supervisor*.log").values())
+    return pids + [p for p in forked if p not in pids]
 
 
 def launch_in_a_process(job_path: Path, capture: bool = False) -> subprocess.Popen:

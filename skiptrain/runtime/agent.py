@@ -7,8 +7,10 @@ the network and the run's secret.  :class:`NodeAgent` loops:
    ``wait_s``), and read the job the coordinator signed (a wrong secret is refused here);
 2. check this host's data set against the job's (by fingerprint), pick the address to advertise
    (the route to the coordinator, or ``--advertise``) and the interface that holds it, for gloo;
-3. take a node id and start the node process, ``python -m skiptrain.runtime.node --join``, with
-   its own run directory under ``work_dir`` (no file system is shared), and wait for it;
+3. take a node id and start the node process, ``python -m <the job's node module> --join``, with
+   its own run directory under ``work_dir`` (no file system is shared), and wait for it (a
+   supervisor that ``skiptrain launch`` forked, :func:`main`, forks its node at once, and the
+   node writes into the run directory itself);
 4. ship the node's outputs to the coordinator (its file server) and sign its exit report (:mod:`.shipping`,
    :func:`~skiptrain.runtime.fencing.report_exit`);
 5. when the node finished the job: exit 0.  When it stopped because its lease ran out (a cut
@@ -42,6 +44,7 @@ from .failure import EXIT_FENCED, EXIT_NO_COORDINATOR, describe_exit
 from .fencing import report_exit
 from .join import EXIT_REFUSED, SECRET_ENV, request_node_id
 from .membership import coordinator_key, member_key
+from .fork_server import fork_process, forked_here
 from .shipping import ship_outputs
 from .store import closing
 from .store_client import open_run, parse_address
@@ -59,6 +62,9 @@ class AgentOptions:
     advertise: str | None = None      # the address peers reach this host at (default: the route's)
     wait_s: float = 120.0             # how long to keep trying to reach the coordinator
     rejoins: int = 3                  # new incarnations after a self-fencing or a failure
+    node_id: int | None = None        # the first node's id, when the coordinator reserved it
+    shared_run_dir: bool = False      # on the coordinator's host (``skiptrain launch``): the node
+                                      # writes into the run directory itself, nothing is shipped
 
 
 class NodeAgent:
@@ -77,11 +83,12 @@ class NodeAgent:
             store, job = self.connect()
             env, data = self.prepare(job)
             try:
-                node = request_node_id(store)
+                node = self.opts.node_id if attempt == 0 and self.opts.node_id is not None else request_node_id(store)
             except RuntimeError:             # (the store went away between the two calls: anew)
                 continue
-            self.run_dir = self.opts.work_dir / job.run_id / f"node{node}"
-            code = self.run_node(node, env, data)
+            self.run_dir = Path(job.run_dir) if self.opts.shared_run_dir else \
+                self.opts.work_dir / job.run_id / f"node{node}"
+            code = self.run_node(node, env, data, job.node_module)
             self.deliver(store, node, code, job)
             if code == 0:
                 return 0
@@ -166,18 +173,25 @@ class NodeAgent:
                                              os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)
         return env, data
 
-    def run_node(self, node: int, env: dict, data: str) -> int:
-        """Start node ``node``'s process (its files under ``self.run_dir``: one folder per run and
-        node, never one an earlier run wrote) and wait for it; its exit status."""
+    def run_node(self, node: int, env: dict, data: str, module: str = "skiptrain.runtime.node") -> int:
+        """Start node ``node``'s process, running ``module`` (the job's node module), its files
+        under ``self.run_dir`` (one folder per run and node, never one an earlier run wrote;
+        the run directory itself for ``shared_run_dir``), and wait for it; its exit status."""
         run_dir = self.run_dir
         (run_dir / "logs").mkdir(parents=True, exist_ok=True)
-        env = dict(env, SKIPTRAIN_NODE_ID=str(node), SKIPTRAIN_WORK_DIR=str(run_dir), SKIPTRAIN_DATA=data)
+        env = dict(env, SKIPTRAIN_NODE_ID=str(node), SKIPTRAIN_DATA=data)
+        if not self.opts.shared_run_dir:
+            env["SKIPTRAIN_WORK_DIR"] = str(run_dir)
+        log = run_dir / "logs" / (f"node{node}.log" if self.opts.shared_run_dir else "node.log")
         print(f"skiptrain node: node {node} starting (advertising {env['SKIPTRAIN_ADVERTISE']} on "
-              f"{env['GLOO_SOCKET_IFNAME']}); log: {run_dir / 'logs' / 'node.log'}", file=sys.stderr, flush=True)
-        with open(run_dir / "logs" / "node.log", "ab") as log:
-            self.child = subprocess.Popen([sys.executable, "-m", "skiptrain.runtime.node", "--join",
-                                           self.opts.coordinator], env=env, stdout=log, stderr=subprocess.STDOUT,
-                                          stdin=subprocess.DEVNULL)
+              f"{env['GLOO_SOCKET_IFNAME']}); log: {log}", file=sys.stderr, flush=True)
+        argv = ["--join", self.opts.coordinator]
+        if forked_here():                # (its imports are loaded: a forked node starts at once)
+            self.child = fork_process(module, argv, env, log)
+        else:
+            with open(log, "ab") as out:
+                self.child = subprocess.Popen([sys.executable, "-m", module, *argv], env=env,
+                                              stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
         try:
             return self.child.wait()
         except KeyboardInterrupt:
@@ -190,7 +204,8 @@ class NodeAgent:
         key = member_key(self.opts.secret, node)
         try:
             report_exit(store, key, node, code)        # (first: the coordinator acts on it at once)
-            sent = ship_outputs(store, key, coordinator_key(self.opts.secret), node, self.run_dir, run_id)
+            sent = 0 if self.opts.shared_run_dir else \
+                ship_outputs(store, key, coordinator_key(self.opts.secret), node, self.run_dir, run_id)
         except Exception as e:  # noqa: BLE001 - the coordinator or the link is gone
             if say:
                 print(f"skiptrain node: could not send node {node}'s outputs to the coordinator "
@@ -200,3 +215,23 @@ class NodeAgent:
         print(f"skiptrain node: node {node} {describe_exit(code)}; sent {sent} bytes of outputs",
               file=sys.stderr, flush=True)
         return True
+
+
+def main(argv: list[str]) -> int:
+    """``skiptrain launch``'s supervisor of one local node, forked by the launcher's fork server:
+    ``--coordinator HOST:PORT [--rejoins N]``, the secret from the environment, its first node id
+    (reserved by the launcher) from ``RANK``.  It is the supervisor ``skiptrain node`` runs, on
+    the coordinator's host: its node writes into the run directory itself, so nothing is
+    shipped."""
+    import argparse
+
+    ap = argparse.ArgumentParser(prog="skiptrain launch's node supervisor")
+    ap.add_argument("--coordinator", required=True)
+    ap.add_argument("--rejoins", type=int, default=0)
+    args = ap.parse_args(argv)
+    try:
+        return NodeAgent(AgentOptions(args.coordinator, os.environ[SECRET_ENV], Path("."), rejoins=args.rejoins,
+                                      node_id=int(os.environ["RANK"]), shared_run_dir=True)).run()
+    except UserError as e:
+        print(f"skiptrain node: {e}", file=sys.stderr, flush=True)
+        return 2

@@ -94,6 +94,9 @@ class FaultyNode(Node):
         self.fired: set[int] = set()
         self.corrupt: str | None = None
         self.slowdown = 1.0
+        if any(f["kind"] == "wrong_secret" for _, f in _faults_of(job, rank)):     # (the job was read with
+            from skiptrain.runtime.join import SECRET_ENV                          # the right one)
+            os.environ[SECRET_ENV] = "not the secret"
         super().__init__(job, rank, *args, **kwargs)
 
     def make_transport(self):
@@ -158,13 +161,7 @@ class FaultyNode(Node):
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    if "--job" in argv and "RANK" in os.environ:
-        job = Job.load(argv[argv.index("--job") + 1])
-        if any(f["kind"] == "wrong_secret" for _, f in _faults_of(job, int(os.environ["RANK"]))):
-            from skiptrain.runtime.join import SECRET_ENV
-            os.environ[SECRET_ENV] = "not the secret"
-    return node_main(argv, node_class=FaultyNode)
+    return node_main(sys.argv[1:] if argv is None else argv, node_class=FaultyNode)
 
 
 if __name__ == "__main__":

@@ -1,14 +1,24 @@
 """Start N node processes on this machine, watch them, and stop all of them on any failure.
 
 :func:`launch` hosts the rendezvous store (a ``TCPStore`` on 127.0.0.1) in the calling process
-(in recovery mode: in a store process of its own, :mod:`.store`), starts the equivalent of
-``python -m skiptrain.runtime.node --job RUN_DIR/job.json`` once per rank (forked by this
-process's fork server, which imports torch once: :mod:`.node_processes`) with the standard
-torch.distributed environment (``MASTER_ADDR``, ``MASTER_PORT``, ``RANK``, ``WORLD_SIZE``,
-``LOCAL_RANK``), one thread per process (``OMP_NUM_THREADS=1``), and output in
-``RUN_DIR/logs/node<r>.log``.  For several hosts, ``skiptrain coordinator`` runs the same code
-with no local node (``local`` False) and every host's ``skiptrain node`` joins it
-(docs/multihost.md); :func:`adopt` takes a live run over from its store when its coordinator died.
+(in recovery mode: in a store process of its own, :mod:`.store`) and forks, through this
+process's fork server (which imports torch once: :mod:`.node_processes`), one process per node
+with the standard torch.distributed environment (``MASTER_ADDR``, ``MASTER_PORT``, ``RANK``,
+``WORLD_SIZE``, ``LOCAL_RANK``), one thread each (``OMP_NUM_THREADS=1``):
+
+* in recovery mode, each is the node's supervisor, the one ``skiptrain node`` runs on a host of
+  its own (:mod:`.agent`, output in ``RUN_DIR/logs/supervisor<r>.log``): it takes node id ``r``
+  (reserved for it), starts the node (``--join``, forked at once) and reports its exit, signed;
+  the coordinator treats these nodes exactly as nodes on other hosts, except that they write
+  into the run directory itself, and a node that failed is not brought back (``rejoins`` 0: the
+  swarm goes on without it; nodes may join with ``skiptrain launch --join``);
+* without recovery (fail-fast), each is the node itself (``python -m skiptrain.runtime.node
+  --job RUN_DIR/job.json``).
+
+Node ``r``'s output goes to ``RUN_DIR/logs/node<r>.log`` either way.  For several hosts,
+``skiptrain coordinator`` runs the same code with no local process (``local`` False) and every
+host's ``skiptrain node`` joins it (docs/multihost.md); :func:`adopt` takes a live run over from
+its store when its coordinator died.
 
 Failure semantics (the launcher is the authority on which node failed):
 
@@ -28,7 +38,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import shutil
 import subprocess
 import sys
 import time
@@ -41,18 +50,30 @@ from ..schedule.timeline import Event
 from ..signals import sigterm_as_interrupt
 from .checkpoint_relay import coordinator_relays, hosts_file_server
 from .coordinator import SignOfLife
-from .event_log import LOG_NAME, log_event
 from .failure import RuntimeFailure
 from .job import Job
-from .job_checkpoint import checkpoint_root, checkpoint_roots
+from .job_checkpoint import checkpoint_roots
 from .membership import coordinator_key
 from .monitor import monitor
-from .node_processes import start_nodes
-from .outputs import load_phase_timeline, merge_outputs, salvage_checkpoint, stop_store
+from .node_processes import SUPERVISOR_MODULE, start_nodes
+from .outputs import load_phase_timeline, merge_outputs, prepare_outputs, salvage_checkpoint, stop_store
 from .progress import SwarmProgress
 from .run_failure import explain_failure
 from .shipping import collect_run_outputs
 from .store import DeathWatch
+
+
+@dataclass
+class LocalStart:
+    """The processes a launch forks here, one per node: ``module``'s ``main(argv)`` with ``env``,
+    output in ``logs/<log>``.  With recovery, each is the node's supervisor (the one ``skiptrain
+    node`` runs on a host of its own), which takes a node id and starts the node itself; without,
+    each is a node of the fail-fast run."""
+    module: str
+    argv: list[str]
+    log: str
+    env: dict
+    supervised: bool
 
 
 @dataclass
@@ -120,14 +141,20 @@ def _launch(job: Job, nodes: int | None, timeout_s: float, grace_s: float, echo:
         (run_dir / "join.json").unlink(missing_ok=True)
         if job.rt.recover:
             _publish_for_joiners(job, store, world if local else 0, join_secret)
-        base_env = _node_env(job, run_dir, world, store.port, job.rt.restartable, join_secret,
-                             bind[0] if bind else "127.0.0.1")
+        host = bind[0] if bind else "127.0.0.1"
+        base_env = _node_env(job, run_dir, world, store.port, job.rt.restartable, join_secret, host)
     except BaseException:                  # (a detached store process must not outlive a launch that never ran)
         if store_proc is not None:
             stop_store(store_proc, store, join_secret)
         raise
+    start = None
+    if local and job.rt.recover:          # a supervisor per node, as `skiptrain node` on a host of its own
+        start = LocalStart(SUPERVISOR_MODULE, ["--coordinator", f"{host}:{store.port}"], "supervisor{rank}.log",
+                           base_env, supervised=True)
+    elif local:                           # fail-fast: the nodes themselves, any failure ends the run
+        start = LocalStart(job.node_module, ["--job", str(job_path)], "node{rank}.log", base_env, supervised=False)
     return _coordinate(job, world, store, store_proc, join_secret, timeout_s, grace_s, echo,
-                       start=(job_path, base_env) if local else None, remote=not local)
+                       start=start, remote=not local)
 
 
 def adopt(job: Job, address: tuple[str, int], join_secret: str, remote: bool, timeout_s: float = math.inf,
@@ -170,9 +197,9 @@ def _store_pid(job: Job) -> int | None:
 
 
 def _coordinate(job: Job, world: int, store, store_proc, join_secret: str | None, timeout_s: float, grace_s: float,
-                echo: bool, start: tuple[Path, dict] | None, remote: bool, resume: bool = False) -> LaunchResult:
+                echo: bool, start: LocalStart | None, remote: bool, resume: bool = False) -> LaunchResult:
     """Run the coordinator (or the fail-fast monitor) until the run ends, then collect its outputs
-    and end it; ``start`` (job file, environment): the node processes to start here."""
+    and end it; ``start``: the processes to start here, one per node."""
     run_dir = Path(job.run_dir)
     t_start = time.time()
     store_watch = DeathWatch(store_proc) if isinstance(store_proc, subprocess.Popen) else None
@@ -233,23 +260,26 @@ def _publish_for_joiners(job: Job, store, first_id: int, join_secret: str) -> No
 
 
 def _run_nodes(job: Job, world: int, store, store_watch: DeathWatch | None, join_secret: str | None, t_start: float,
-               timeout_s: float, grace_s: float, echo: bool, start: tuple[Path, dict] | None,
+               timeout_s: float, grace_s: float, echo: bool, start: LocalStart | None,
                resume: bool = False) -> tuple[bool, RuntimeFailure | None]:
-    """Start the node processes (``start``: job file and environment; None: none here), watch
-    them until the run ends (``resume``: a coordinator taking a live run over), then stop every
-    one that is left and end the run (its secret, its join announcement).  Returns whether it
-    was interrupted and the error to raise for a failed run (None: none)."""
+    """Start the processes of ``start`` (None: none here), watch the nodes until the run ends
+    (``resume``: a coordinator taking a live run over), then stop every process started here
+    that is left and end the run (its secret, its join announcement).  Returns whether it was
+    interrupted and the error to raise for a failed run (None: none).  The coordinator and the
+    failure's explanation see the node processes only when they are this process's children (a
+    fail-fast run); supervised nodes, here as on other hosts, by their signed exit reports."""
     run_dir = Path(job.run_dir)
-    procs: list = []
+    started: list = []
     forked = None
     failure = err = None
     interrupted = False
     killed_by_us: set[int] = set()
     try:
         if start is not None:
-            forked = start_nodes(start[0], job.node_module, world, run_dir / "logs", start[1],
-                                 detached=job.rt.restartable)
-            procs = forked.wait_started()
+            forked = start_nodes(run_dir / "job.json", start.module, world, run_dir / "logs", start.env,
+                                 detached=job.rt.restartable, argv=start.argv, log=start.log)
+            started = forked.wait_started()
+        procs = [] if start is None or start.supervised else started
         with SwarmProgress(run_dir / "metrics.jsonl", sum(ph.iterations for ph in job.phases), enabled=echo,
                            initial=job.resume["iteration"] if job.resume else 0):
             try:
@@ -264,18 +294,19 @@ def _run_nodes(job: Job, world: int, store, store_watch: DeathWatch | None, join
             failure = {"kind": "store", "code": store_watch.died(), "t": time.time()}
         if failure is not None:
             grace_end = time.time() + grace_s
-            while time.time() < grace_end and any(p.poll() is None for p in procs):
+            while time.time() < grace_end and any(p.poll() is None for p in started):
                 time.sleep(0.05)
     finally:
-        if forked is not None and not procs:           # (interrupted or timed out while starting)
-            procs = forked.handles()
-        killed_by_us |= _stop_children(procs)
+        if forked is not None and not started:           # (interrupted or timed out while starting)
+            started = forked.handles()
+        killed_by_us |= _stop_children(started)
         if forked is not None:
             forked.close()
         (run_dir / "join_secret").unlink(missing_ok=True)     # the run is over: nobody may join
         (run_dir / "join.json").unlink(missing_ok=True)
         if failure is not None:                 # explained while the store (fault times) is still up
-            err = explain_failure(job, procs, failure, run_dir, store, killed_by_us)
+            err = explain_failure(job, [] if start is None or start.supervised else started, failure, run_dir,
+                                  store, killed_by_us)
     return interrupted, err
 
 
@@ -303,52 +334,11 @@ def _result(job: Job, run_dir: Path, world: int, wall: float, interrupted: bool,
     return LaunchResult(run_dir, wall, metrics, interrupted)
 
 
-def prepare_outputs(job: Job, run_dir: Path) -> None:
-    """Clear what an earlier launch into ``run_dir`` left; when resuming, keep its metrics and
-    sample logs up to the checkpoint, and its membership events (the resume logged as one)."""
-    from ..checkpoint.training import begin_branch, truncate_metrics
-
-    run_dir.mkdir(parents=True, exist_ok=True)
-    r = job.resume
-    if r:                   # (the run's membership events go on: the resume is one of them)
-        log_event(run_dir / LOG_NAME, {"gen": 0, "node": None, "restart": True, "t_detect": time.time(),
-                                       "cause": f"resumed from the checkpoint of iteration {r['iteration']}"})
-    else:
-        (run_dir / LOG_NAME).unlink(missing_ok=True)
-    keep = {}
-    if r:
-        for f in (run_dir / "phases").glob("*/samples_node*.jsonl"):
-            keep[f] = [line for line in f.read_text().splitlines() if _before(line, r["iteration"])]
-    shutil.rmtree(run_dir / ".shipped", ignore_errors=True)     # (uploads to a coordinator that died)
-    for sub in ("errors", "phases", "parts"):
-        d = run_dir / sub
-        if d.is_dir():
-            for f in sorted(d.rglob("*"), reverse=True):
-                f.unlink() if f.is_file() else f.rmdir()
-    for f, lines in keep.items():
-        f.parent.mkdir(parents=True, exist_ok=True)
-        f.write_text("".join(line + "\n" for line in lines))
-    if r:
-        truncate_metrics(run_dir / "metrics.jsonl", int(r["iteration"]))
-        begin_branch(checkpoint_root(job, job.phases[int(r["phase"])].name), r["path"], int(r["iteration"]),
-                     run_dir / "metrics.jsonl")
-    else:
-        (run_dir / "metrics.jsonl").write_text("")
-    (run_dir / "logs").mkdir(exist_ok=True)
-
-
-def _before(line: str, iteration: int) -> bool:
-    """Whether a sample-log line is of an iteration before ``iteration`` (torn lines: no)."""
-    try:
-        return int(json.loads(line)["iteration"]) < iteration
-    except (ValueError, KeyError, TypeError):
-        return False
-
-
 def _stop_at_boundary(job: Job, procs, store, secret: str | None) -> dict | None:
     """Ask the nodes to stop at the next iteration boundary (``stop`` in the store, signed in a
-    run with a secret) and wait for them to exit; None when all did cleanly, else a failure description (the launch then stops
-    hard).  A second Ctrl-C while waiting goes up at once."""
+    run with a secret) and wait for them to exit (``procs``: this process's node children, in a
+    fail-fast run; else their signed exit reports); None when all did cleanly, else a failure
+    description (the launch then stops hard).  A second Ctrl-C while waiting goes up at once."""
     from .membership import coordinator_key, sign
     from .node.coordinator_link import STOP_KEY
 
@@ -356,9 +346,22 @@ def _stop_at_boundary(job: Job, procs, store, secret: str | None) -> dict | None
           "(Ctrl-C again to stop at once)", file=sys.stderr, flush=True)
     store.set(STOP_KEY, sign(coordinator_key(secret), STOP_KEY, "1"))   # nodes verify
     watched = _members_now(job, store, len(procs), secret)
+    if job.rt.recover:
+        from .fencing import Members
+        from .lease import LeaseTable
+        from .membership import Verifier
+        members = Members(procs, store, Verifier(secret, Path(job.run_dir) / "rejected_writes.jsonl"),
+                          LeaseTable(job.rt.timeout_s, job.rt.timeout_s))
+
+        def code(r):      # (a node without a supervisor, a `launch --join` one, leaves its lease "done")
+            members.renew({r})
+            return members.code(r)
+    else:
+        def code(r):
+            return procs[r].poll()
     end = time.time() + 2 * job.rt.timeout_s + 10
     while time.time() < end:
-        codes = {r: procs[r].poll() for r in watched}
+        codes = {r: code(r) for r in watched}
         if all(c == 0 for c in codes.values()):
             return None
         bad = [(r, c) for r, c in codes.items() if c not in (None, 0)]
@@ -369,17 +372,18 @@ def _stop_at_boundary(job: Job, procs, store, secret: str | None) -> dict | None
 
 
 def _members_now(job: Job, store, n_procs: int, secret: str | None) -> list[int]:
-    """The launched nodes still members of the run: in recovery mode those of the newest
-    generation (a node that failed or was fenced earlier is no longer waited for), else all."""
+    """The nodes still members of the run: in recovery mode those of the newest generation (a
+    node that failed or was fenced earlier is no longer waited for), else the ``n_procs`` nodes
+    of the fail-fast launch."""
     if not job.rt.recover:
         return list(range(n_procs))
     from .membership import coordinator_key
     from .recovery import generation_record, latest_generation
     key = coordinator_key(secret)
     rec = generation_record(store, latest_generation(store, key), key)
-    if rec is None:                            # stopped during admission: every node
+    if rec is None:                            # stopped during admission: nobody trains yet
         return list(range(n_procs))
-    return [r for r in range(n_procs) if r in rec["alive"]]
+    return sorted(int(r) for r in rec["alive"])
 
 
 def _node_env(job: Job, run_dir: Path, world: int, port: int, detached: bool, join_secret: str | None,

@@ -3,14 +3,15 @@
 Starting a Python process that imports torch and the node code costs about 4 s of CPU (6 s with
 what a node imports on its first step); a launch of 16 nodes on a small machine would spend most
 of its first minute on imports.  :func:`start_nodes` instead asks this launcher process's *fork
-server* (``python -m skiptrain.runtime.node_processes``, started on the first launch and kept
+server* (``python -m skiptrain.runtime.fork_server``, started on the first launch and kept
 for later ones) to fork one child per rank.  The fork server has imported the node code, torch's
 compiler front end and every module of ``skiptrain.runtime`` and the layers below it, none of
-which starts a thread or initialises CUDA on import.  Each child is what ``python -m
-<node_module> --job RUN_DIR/job.json`` started by the launcher would be: the launch's
-environment (its own ``RANK`` and ``LOCAL_RANK``), working directory and ``sys.path``; it
-imports ``job.node_module`` itself (already loaded for ``skiptrain.runtime.node``); output in
-``RUN_DIR/logs/node<r>.log``, whose first line gives its PID (:func:`node_pids` reads them);
+which starts a thread or initialises CUDA on import.  Each child is what ``python -m MODULE
+ARGV`` started by the launcher would be (a node, ``<node_module> --job RUN_DIR/job.json``, or
+a recovery launch's node supervisor: :mod:`.launcher`): the launch's environment (its own
+``RANK`` and ``LOCAL_RANK``), working directory and ``sys.path``; it imports its module itself
+(already loaded for ``skiptrain.runtime.node``); output in ``RUN_DIR/logs/node<r>.log`` (a
+supervisor's: ``supervisor<r>.log``), whose first line gives its PID (:func:`node_pids`);
 stdin from ``/dev/null``; the default Ctrl-C handler; its own process group (its own session
 when the launch is detached), so the Ctrl-C of the launcher's terminal reaches the launcher
 alone, which stops the nodes at an iteration boundary (``runtime.launcher.launch``).  With
@@ -38,32 +39,22 @@ fork server.
 
 from __future__ import annotations
 
-import importlib
 import json
 import os
-import pkgutil
 import re
-import select
 import signal
 import subprocess
 import sys
 import threading
 import time
-import traceback
 from pathlib import Path
 
-from .failure import RuntimeFailure, pid_running, set_parent_death_signal
+from . import fork_server
+from .failure import RuntimeFailure, pid_running
 
 START_TIMEOUT_S = 300.0
-FRESH_ENV = "SKIPTRAIN_FRESH_NODES"       # "1": every node execs a new interpreter (no shared imports)
-# imported once in the fork server, so no node pays for them: the node module, the packages a
-# node imports as it goes (runtime and the layers below it), and torch's compiler front end,
-# which torch.optim imports on a model's first parameter group (about 2 s of CPU)
-PRELOAD_PACKAGES = ("skiptrain.runtime", "skiptrain.elastic", "skiptrain.dp", "skiptrain.checkpoint",
-                    "skiptrain.layout", "skiptrain.schedule", "skiptrain.model", "skiptrain.data", "skiptrain.net")
-PRELOAD_MODULES = ("skiptrain.runtime.node", "torch._dynamo", "skiptrain.optim")
-PID_LINE = "skiptrain node {rank}: pid {pid}"       # the first line of each node's log
-_PID_LINE_RE = re.compile(r"skiptrain node (?P<rank>\d+): pid (?P<pid>\d+)")
+SUPERVISOR_MODULE = "skiptrain.runtime.agent"      # a recovery launch's process per node: its supervisor
+_PID_LINE_RE = re.compile(fork_server.PID_LINE.format(rank=r"(?P<rank>\d+)", pid=r"(?P<pid>\d+)"))
 
 
 class NodeProcess:
@@ -159,7 +150,7 @@ class ForkServer:
         self.launches: dict[int, ForkedNodes] = {}
         self.next_launch = 0
         self.gone = False
-        self.proc = _start_in_lasting_thread([sys.executable, "-m", __name__], env)
+        self.proc = _start_in_lasting_thread([sys.executable, "-m", fork_server.__name__], env)
         threading.Thread(target=self._read, name="fork-server-reports", daemon=True).start()
 
     def _read(self) -> None:
@@ -231,185 +222,34 @@ def _server(env: dict) -> ForkServer:
         return s
 
 
-def start_nodes(job_path: Path, module: str, world: int, logs: Path, env: dict, detached: bool) -> ForkedNodes:
-    """Ask the fork server for ``world`` node processes running ``module``'s ``main(["--job",
-    job_path])`` with ``env`` (plus ``RANK``/``LOCAL_RANK``) in this process's working directory
-    (see the module doc); ``wait_started()`` on the result gives their handles."""
+def start_nodes(job_path: Path, module: str, world: int, logs: Path, env: dict, detached: bool,
+                argv: list[str] | None = None, log: str = "node{rank}.log") -> ForkedNodes:
+    """Ask the fork server for ``world`` processes running ``module``'s ``main(argv)`` (default
+    ``["--job", job_path]``: node processes) with ``env`` (plus ``RANK``/``LOCAL_RANK``) in this
+    process's working directory, output in ``logs/<log>`` (``{rank}`` filled in; see the module
+    doc); ``wait_started()`` on the result gives their handles."""
     request = {"job": str(job_path), "module": module, "world": world, "logs": str(logs), "env": env,
-               "cwd": os.getcwd(), "detached": detached}
+               "cwd": os.getcwd(), "detached": detached, "argv": argv or ["--job", str(job_path)], "log": log}
     return _server(env).submit(request)
 
 
-def node_pids(run_dir: Path) -> dict[int, int]:
-    """Rank -> PID of the running node processes of launches into ``run_dir``: the PID on the
-    first line of each ``logs/node<r>.log`` (:data:`PID_LINE`), where that process still runs
-    this module's program or, exec'd afresh, names ``run_dir`` in its command line (a PID since
-    reused by another process is not one)."""
+def node_pids(run_dir: Path, logs: str = "node*.log") -> dict[int, int]:
+    """Rank -> PID of the running node processes of launches into ``run_dir`` (``logs``
+    ``"supervisor*.log"``: of their supervisors): the PID on the first line of each such log in
+    ``logs/`` (:data:`~.fork_server.PID_LINE`), where that process still runs the fork server's
+    program or the supervisor's or, exec'd afresh, names ``run_dir`` in its command line (a PID
+    since reused by another process is not one)."""
     pids = {}
-    for log in sorted((Path(run_dir) / "logs").glob("node*.log")):
+    for log in sorted((Path(run_dir) / "logs").glob(logs)):
         try:
             with open(log, "rb") as f:
                 m = _PID_LINE_RE.fullmatch(f.readline().decode(errors="replace").strip())
             pid = int(m["pid"]) if m else 0
             if pid > 1 and pid_running(pid):
                 cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
-                if __name__.encode() in cmdline or str(run_dir).encode() in cmdline:
+                if any(name in cmdline for name in (fork_server.__name__.encode(), SUPERVISOR_MODULE.encode(),
+                                                    str(run_dir).encode())):
                     pids[int(m["rank"])] = pid
         except OSError:
             continue
     return pids
-
-
-def preload() -> None:
-    """Import :data:`PRELOAD_MODULES` and every module of :data:`PRELOAD_PACKAGES`.  Only a
-    head start: a module that cannot be imported here (an optional dependency missing, say) is
-    left to the node that needs it, which then reports the error itself."""
-    names = list(PRELOAD_MODULES)
-    for pkg in PRELOAD_PACKAGES:
-        names += [i.name for i in pkgutil.walk_packages(importlib.import_module(pkg).__path__, prefix=pkg + ".")]
-    for name in names:
-        try:
-            importlib.import_module(name)
-        except Exception:  # noqa: BLE001 - the node that needs it reports it
-            continue
-
-
-def _child(rank: int, req: dict, server: int, fresh: bool) -> None:
-    """In the forked child: become node ``rank`` of the launch ``req`` and run its node module's
-    ``main`` (``fresh``: exec ``python -m MODULE`` instead, in a new interpreter); never returns.
-    Exits as ``python -m`` would: ``main``'s return value or ``SystemExit``'s code, 1 after an
-    uncaught exception (traceback in the log), killed by SIGINT after an uncaught Ctrl-C."""
-    code = 1
-    try:
-        if req["detached"]:
-            os.setsid()
-        else:
-            os.setpgid(0, 0)        # out of the terminal's foreground group: Ctrl-C is the launcher's
-            set_parent_death_signal()
-            if os.getppid() != server:          # the fork server died before the line above
-                os._exit(1)
-        signal.signal(signal.SIGINT, signal.default_int_handler)
-        os.chdir(req["cwd"])
-        os.environ.clear()
-        os.environ.update(req["env"], RANK=str(rank), LOCAL_RANK=str(rank))
-        # sys.path as `python -m` would start it: the working directory, then PYTHONPATH
-        sys.path[:0] = [req["cwd"]] + [p for p in req["env"].get("PYTHONPATH", "").split(os.pathsep) if p]
-        fd = os.open(Path(req["logs"]) / f"node{rank}.log", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-        null = os.open(os.devnull, os.O_RDONLY)
-        os.dup2(null, 0)
-        os.dup2(fd, 1)
-        os.dup2(fd, 2)
-        os.close(fd)
-        os.close(null)
-        print(PID_LINE.format(rank=rank, pid=os.getpid()), flush=True)
-        if fresh:
-            os.execv(sys.executable, [sys.executable, "-m", req["module"], "--job", req["job"]])
-        ret = importlib.import_module(req["module"]).main(["--job", req["job"]])
-        code = ret if isinstance(ret, int) else (0 if ret is None else 1)
-    except SystemExit as e:
-        if e.code is not None and not isinstance(e.code, int):
-            print(e.code, file=sys.stderr)
-        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
-    except KeyboardInterrupt:
-        traceback.print_exc()
-        code = -signal.SIGINT
-    except BaseException:  # noqa: BLE001 - as python -m: the traceback, exit 1
-        traceback.print_exc()
-    finally:
-        try:
-            sys.stdout.flush()
-            sys.stderr.flush()
-        finally:
-            if code == -signal.SIGINT:
-                signal.signal(signal.SIGINT, signal.SIG_DFL)
-                os.kill(os.getpid(), signal.SIGINT)
-            os._exit(code & 0xFF)
-
-
-def _report(line: str) -> None:
-    try:
-        sys.stdout.write(line + "\n")
-        sys.stdout.flush()
-    except (BrokenPipeError, OSError):       # the launcher is gone (a detached launch goes on)
-        pass
-
-
-def _fork_launch(req: dict, children: dict[int, tuple[int, int]], server: int, cuda: bool) -> None:
-    """Fork the nodes of one request; a rank that cannot be forked is reported as exited 1."""
-    fresh = cuda or req["env"].get(FRESH_ENV) == "1"
-    sys.stdout.flush()
-    sys.stderr.flush()
-    for r in range(req["world"]):
-        try:
-            pid = os.fork()
-        except OSError as e:
-            msg = f"skiptrain node {r}: the fork server could not fork it: {e}"
-            print(msg, file=sys.stderr, flush=True)
-            try:
-                (Path(req["logs"]) / f"node{r}.log").write_text(msg + "\n")
-            except OSError:
-                pass
-            _report(f"exited {req['launch']} {r} 1")
-            continue
-        if pid == 0:
-            _child(r, req, server, fresh)
-        children[pid] = (req["launch"], r)
-        _report(f"started {req['launch']} {r} {pid}")
-
-
-def _kill(req: dict, children: dict[int, tuple[int, int]]) -> None:
-    """Signal the node ``(req["launch"], req["rank"])`` if it is a child not reaped yet (so its PID
-    is still its own: an exited child stays a zombie until :func:`_reap`, in this same thread)."""
-    for pid, key in children.items():
-        if key == (req["launch"], req["rank"]):
-            try:
-                os.kill(pid, int(req["kill"]))
-            except ProcessLookupError:
-                pass
-            return
-
-
-def _reap(children: dict[int, tuple[int, int]]) -> None:
-    while children:
-        pid, status = os.waitpid(-1, os.WNOHANG)
-        if pid == 0:
-            return
-        if pid in children:
-            launch, rank = children.pop(pid)
-            _report(f"exited {launch} {rank} {os.waitstatus_to_exitcode(status)}")
-
-
-def serve() -> int:
-    """The fork server: preload, then carry out each request on stdin (fork a launch's nodes, or
-    kill one) and report the nodes' starts and exits, until stdin closes and the last child has
-    exited."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    set_parent_death_signal()
-    preload()
-    cuda = "torch" in sys.modules and sys.modules["torch"].cuda.is_initialized()
-    server, children, pending, reading = os.getpid(), {}, b"", True
-    while reading or children:
-        if reading and select.select([0], [], [], 0.02)[0]:
-            chunk = os.read(0, 1 << 16)
-            reading = bool(chunk)
-            pending += chunk
-            while b"\n" in pending:
-                line, pending = pending.split(b"\n", 1)
-                try:
-                    req = json.loads(line)
-                except ValueError:
-                    print(f"skiptrain fork server: ignored a request that is not JSON: {line[:80]!r}",
-                          file=sys.stderr, flush=True)
-                    continue
-                if "kill" in req:
-                    _kill(req, children)
-                else:
-                    _fork_launch(req, children, server, cuda)
-        elif not reading:
-            time.sleep(0.02)
-        _reap(children)
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(serve())

@@ -1,5 +1,7 @@
 """What a job leaves behind, and its store's end: merged timelines and weights, salvage.
 
+* :func:`prepare_outputs`: a launch's run directory cleared of an earlier launch's outputs (a
+  resume keeps them up to its checkpoint);
 * :func:`merge_outputs`: per-iteration timelines merged over the nodes, and the stages' weights
   merged into ``model.safetensors`` (a stage lost for good filled from the newest
   job checkpoint, else its initial weights, noted in ``lost_stages.json``);
@@ -12,13 +14,16 @@ Used by the launcher and by a restarted coordinator alike.
 from __future__ import annotations
 
 import json
+import shutil
 import time
 from pathlib import Path
 
 from ..schedule.schedule import Schedule
 from ..schedule.timeline import Event, from_dicts, save_timeline
+from .event_log import LOG_NAME, log_event
 from .failure import pid_running
 from .job import Job
+from .job_checkpoint import checkpoint_root
 
 
 def load_phase_records(run_dir: str | Path, phase: str) -> list[dict]:
@@ -148,3 +153,45 @@ def lost_stages_from_checkpoints(job: Job, run_dir: Path, have: set[str], names:
     if notes:
         (run_dir / "lost_stages.json").write_text(json.dumps({str(k): v for k, v in notes.items()}, indent=1))
     return out
+
+
+def prepare_outputs(job: Job, run_dir: Path) -> None:
+    """Clear what an earlier launch into ``run_dir`` left; when resuming, keep its metrics and
+    sample logs up to the checkpoint, and its membership events (the resume logged as one)."""
+    from ..checkpoint.training import begin_branch, truncate_metrics
+
+    run_dir.mkdir(parents=True, exist_ok=True)
+    r = job.resume
+    if r:                   # (the run's membership events go on: the resume is one of them)
+        log_event(run_dir / LOG_NAME, {"gen": 0, "node": None, "restart": True, "t_detect": time.time(),
+                                       "cause": f"resumed from the checkpoint of iteration {r['iteration']}"})
+    else:
+        (run_dir / LOG_NAME).unlink(missing_ok=True)
+    keep = {}
+    if r:
+        for f in (run_dir / "phases").glob("*/samples_node*.jsonl"):
+            keep[f] = [line for line in f.read_text().splitlines() if _before(line, r["iteration"])]
+    shutil.rmtree(run_dir / ".shipped", ignore_errors=True)     # (uploads to a coordinator that died)
+    for sub in ("errors", "phases", "parts"):
+        d = run_dir / sub
+        if d.is_dir():
+            for f in sorted(d.rglob("*"), reverse=True):
+                f.unlink() if f.is_file() else f.rmdir()
+    for f, lines in keep.items():
+        f.parent.mkdir(parents=True, exist_ok=True)
+        f.write_text("".join(line + "\n" for line in lines))
+    if r:
+        truncate_metrics(run_dir / "metrics.jsonl", int(r["iteration"]))
+        begin_branch(checkpoint_root(job, job.phases[int(r["phase"])].name), r["path"], int(r["iteration"]),
+                     run_dir / "metrics.jsonl")
+    else:
+        (run_dir / "metrics.jsonl").write_text("")
+    (run_dir / "logs").mkdir(exist_ok=True)
+
+
+def _before(line: str, iteration: int) -> bool:
+    """Whether a sample-log line is of an iteration before ``iteration`` (torn lines: no)."""
+    try:
+        return int(json.loads(line)["iteration"]) < iteration
+    except (ValueError, KeyError, TypeError):
+        return False

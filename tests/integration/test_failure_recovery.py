@@ -12,6 +12,8 @@ process started) are in tests/unit/test_failure_recovery_units.py."""
 from __future__ import annotations
 
 import json
+import os
+import signal
 from pathlib import Path
 
 import pytest
@@ -213,8 +215,9 @@ def test_a_killed_coordinator_is_replaced_without_losing_the_run(byte_data, tmp_
     rows = [r for r in rows if "loss" in r]               # (not the validation points)
     assert [r["step"] for r in rows] == list(range(1, iters + 1)) and rows[-1]["nodes"] == 4
     rec = [json.loads(x) for x in (run / "recoveries.jsonl").read_text().splitlines()]
-    # (the restarted coordinator started no node process: it knows the kill by the lease that ran out)
-    assert rec[0]["restart"] and rec[1]["node"] == 1 and "no lease renewal" in rec[1]["cause"] and rec[1]["gen"] == 1
+    # (the restarted coordinator started no process: it knows the kill by the exit report that the
+    # node's supervisor, detached like the node, signed)
+    assert rec[0]["restart"] and rec[1]["node"] == 1 and "killed by SIGKILL" in rec[1]["cause"] and rec[1]["gen"] == 1
     assert (run / "model.safetensors").is_file() and not (run / "join_secret").exists()
     trained = [i for s in trained_samples(run / "phases" / "p").values() for i in s]
     assert sorted(trained) == list(range(iters * 4 * cfg.train.micro_batch))
@@ -356,3 +359,39 @@ def test_a_coordinator_restarted_after_the_run_ended_says_so(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "store of" in err and "is gone, so the run has ended" in err and "--resume" in err
     assert len(err.strip().splitlines()) == 1
+
+
+def _parent_pid(pid: int) -> int:
+    return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+
+
+def test_each_node_of_a_recovery_launch_runs_under_a_supervisor_whose_signed_report_tells_its_death(byte_data,
+                                                                                                     tmp_path):
+    """As on hosts of their own: node r is the child of supervisor r, and the coordinator (which
+    holds no handle on the nodes) learns of a ``kill -9`` from the exit report its supervisor signs."""
+    import threading
+
+    from skiptrain.runtime.node_processes import node_pids
+    from skiptrain.runtime.store_client import connect
+
+    run = tmp_path / "run"
+    job = _job(byte_data, run, [{"node": 0, "kind": "hold", "iteration": 2, "key": "test/go"}], 5)
+    out = {}
+    th = threading.Thread(target=lambda: out.setdefault("res", launch(job, timeout_s=240)), daemon=True)
+    th.start()
+    wait_for(lambda: len(node_pids(run)) == 8 and len(node_pids(run, "supervisor*.log")) == 8, 60)
+    nodes, supervisors = node_pids(run), node_pids(run, "supervisor*.log")
+    assert {r: _parent_pid(nodes[r]) for r in range(8)} == supervisors
+    info = json.loads((run / "join.json").read_text())
+    store = connect(info["host"], int(info["port"]))
+    wait_for(lambda: store.check(["fault/0"]), 60)           # node 0 holds iteration 2
+    os.kill(nodes[4], signal.SIGKILL)
+    wait_for(lambda: (run / "recoveries.jsonl").exists(), 30)
+    store.set("test/go", "1")
+    th.join(timeout=240)
+    assert "res" in out, "the launch did not finish"
+    rec = [json.loads(x) for x in (run / "recoveries.jsonl").read_text().splitlines()]
+    assert [(r["node"], r["cause"]) for r in rec] == [(4, "died (killed by SIGKILL)")]
+    assert "node 4 killed by SIGKILL" in (run / "logs" / "supervisor4.log").read_text()
+    assert [r["step"] for r in out["res"].phase_iterations("p")] == [1, 2, 3, 4, 5]
+    assert processes_of_run(run) == []

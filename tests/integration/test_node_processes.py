@@ -195,3 +195,58 @@ def test_kill_goes_through_the_fork_server_and_never_signals_a_node_that_has_exi
     assert codes == {0: 0, 1: 3, 2: -signal.SIGKILL}
     assert forked.server.proc.poll() is None
     assert processes_of_run(run) == []
+
+
+SUPERVISOR = '''
+import json, os, sys
+from pathlib import Path
+from skiptrain.runtime.fork_server import fork_process, forked_here
+
+def main(argv):
+    rank = int(os.environ["RANK"])
+    run = Path(argv[argv.index("--job") + 1]).parent
+    child = fork_process("probe_node", argv, dict(os.environ, SKIPTRAIN_NODE_ID=str(rank)),
+                         run / "logs" / f"node{rank}.log")
+    (run / f"child{rank}.pid").write_text(str(child.pid))
+    code = child.wait()
+    (run / f"child{rank}.json").write_text(json.dumps({"code": code, "forked_here": forked_here()}))
+    return 0
+'''
+
+
+def test_a_forked_supervisor_forks_its_node_as_the_fork_server_would_and_the_node_dies_with_it(tmp_path):
+    """A launch's supervisors (forked by the fork server) fork their nodes in turn: each node
+    behaves like one ``python -m`` process per rank, and gets SIGKILL when its supervisor dies."""
+    run, job, env = _setup(tmp_path, "run")
+    (tmp_path / "supervisor_probe.py").write_text(SUPERVISOR)
+    forked = start_nodes(job, "supervisor_probe", 5, run / "logs", env, False, log="supervisor{rank}.log")
+    try:
+        supervisors = forked.wait_started()
+        wait_for(lambda: (run / "rank2.json").exists() and (run / "child2.pid").exists(), 60)
+        os.kill(int((run / "child2.pid").read_text()), signal.SIGKILL)
+        assert [p.wait(timeout=60) for p in supervisors] == [0] * 5
+    finally:
+        forked.close()
+    children = {r: json.loads((run / f"child{r}.json").read_text()) for r in range(5)}
+    assert {r: c["code"] for r, c in children.items()} == _reference_codes(tmp_path)
+    assert all(c["forked_here"] for c in children.values())
+    for r in range(5):
+        pid = int((run / f"child{r}.pid").read_text())
+        assert json.loads((run / f"rank{r}.json").read_text())["pid"] == pid
+        log = (run / "logs" / f"node{r}.log").read_text().splitlines()
+        assert log[0] == f"skiptrain node {r}: pid {pid}" and log[1] == f"probe {r} says hello"
+        assert (run / "logs" / f"supervisor{r}.log").read_text().splitlines()[0] == \
+            f"skiptrain node {r}: pid {supervisors[r].pid}"
+
+    run2, job2, _ = _setup(tmp_path, "run2")        # the supervisor of the sleeping rank 2 dies
+    forked = start_nodes(job2, "supervisor_probe", 3, run2 / "logs", env, False, log="supervisor{rank}.log")
+    try:
+        supervisors = forked.wait_started()
+        wait_for(lambda: (run2 / "rank2.json").exists(), 60)
+        child = int((run2 / "child2.pid").read_text())
+        supervisors[2].kill()
+        assert supervisors[2].wait(timeout=60) == -signal.SIGKILL
+        wait_for(lambda: not pid_running(child), 30)
+    finally:
+        forked.close()
+    assert processes_of_run(run) == [] and processes_of_run(run2) == []
