@@ -23,7 +23,8 @@ the network and the run's secret.  :class:`NodeAgent` loops:
 Failure semantics: bad input (an address, a data set, a secret) ends it with exit status 2 and
 one line, and so does a coordinator that does not answer within ``wait_s``; after ``rejoins``
 new nodes it exits with the last node's status.  Each node's files live in
-``work_dir/<run id>/node<id>``, so an earlier run's are never sent to a new coordinator.
+``work_dir/<run id>/node<id>``, so an earlier run's are never sent to a new coordinator (under
+``skiptrain launch``, on the coordinator's host: in the run directory itself, nothing shipped).
 It signals only the node process it
 started itself, which also dies with it (``PR_SET_PDEATHSIG``).
 """
@@ -212,8 +213,8 @@ class NodeAgent:
                       f"({str(e).splitlines()[0][:240]}); they are in {self.run_dir}",
                       file=sys.stderr, flush=True)
             return False
-        print(f"skiptrain node: node {node} {describe_exit(code)}; sent {sent} bytes of outputs",
-              file=sys.stderr, flush=True)
+        print(f"skiptrain node: node {node} {describe_exit(code)}" +
+              ("" if self.opts.shared_run_dir else f"; sent {sent} bytes of outputs"), file=sys.stderr, flush=True)
         return True
 
 
@@ -235,3 +236,7 @@ def main(argv: list[str]) -> int:
     except UserError as e:
         print(f"skiptrain node: {e}", file=sys.stderr, flush=True)
         return 2
+
+
+if __name__ == "__main__":          # (a supervisor exec'd afresh: SKIPTRAIN_FRESH_NODES=1)
+    sys.exit(main(sys.argv[1:]))

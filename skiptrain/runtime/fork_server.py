@@ -117,7 +117,7 @@ def _child(rank: int, req: dict, server: int, fresh: bool) -> None:
         signal.signal(signal.SIGINT, signal.default_int_handler)
         os.chdir(req["cwd"])
         os.environ.clear()
-        os.environ.update(req["env"], RANK=str(rank), LOCAL_RANK=str(rank), **{FORKED_ENV: "1"})
+        os.environ.update(req["env"], RANK=str(rank), LOCAL_RANK=str(rank), **{FORKED_ENV: "0" if fresh else "1"})
         # sys.path as `python -m` would start it: the working directory, then PYTHONPATH
         sys.path[:0] = [req["cwd"]] + [p for p in req["env"].get("PYTHONPATH", "").split(os.pathsep) if p]
         fd = os.open(Path(req["logs"]) / req["log"].format(rank=rank), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)

@@ -30,7 +30,10 @@ Failure semantics (the launcher is the authority on which node failed):
   by a signal it did not get from the launcher, else a hung node, else the node the error
   reports blame, else the first to exit) with the other nodes' one-line reports;
 * children ask the kernel for SIGKILL if the launcher dies (``PR_SET_PDEATHSIG``), and lose the
-  store, so no process is left behind either way.
+  store, so no process is left behind either way;
+* in recovery mode the coordinator decides instead (:mod:`.coordinator`): it sees each local
+  node through its supervisor (:class:`~.fencing.SupervisedNode`) and SIGKILLs a fenced one by
+  killing its supervisor (the node dies with it); the run fails only when no stage-0 node is left.
 """
 
 from __future__ import annotations
@@ -51,9 +54,10 @@ from ..signals import sigterm_as_interrupt
 from .checkpoint_relay import coordinator_relays, hosts_file_server
 from .coordinator import SignOfLife
 from .failure import RuntimeFailure
+from .fencing import SupervisedNode
 from .job import Job
 from .job_checkpoint import checkpoint_roots
-from .membership import coordinator_key
+from .membership import Verifier, coordinator_key
 from .monitor import monitor
 from .node_processes import SUPERVISOR_MODULE, start_nodes
 from .outputs import load_phase_timeline, merge_outputs, prepare_outputs, salvage_checkpoint, stop_store
@@ -265,11 +269,12 @@ def _run_nodes(job: Job, world: int, store, store_watch: DeathWatch | None, join
     """Start the processes of ``start`` (None: none here), watch the nodes until the run ends
     (``resume``: a coordinator taking a live run over), then stop every process started here
     that is left and end the run (its secret, its join announcement).  Returns whether it was
-    interrupted and the error to raise for a failed run (None: none).  The coordinator and the
-    failure's explanation see the node processes only when they are this process's children (a
-    fail-fast run); supervised nodes, here as on other hosts, by their signed exit reports."""
+    interrupted and the error to raise for a failed run (None: none).  A supervised node is seen
+    through its supervisor (:class:`~.fencing.SupervisedNode`: the exit it reported, signed, as
+    a node on another host; killed with its supervisor)."""
     run_dir = Path(job.run_dir)
     started: list = []
+    procs: list = []
     forked = None
     failure = err = None
     interrupted = False
@@ -279,7 +284,10 @@ def _run_nodes(job: Job, world: int, store, store_watch: DeathWatch | None, join
             forked = start_nodes(run_dir / "job.json", start.module, world, run_dir / "logs", start.env,
                                  detached=job.rt.restartable, argv=start.argv, log=start.log)
             started = forked.wait_started()
-        procs = [] if start is None or start.supervised else started
+        procs = started
+        if start is not None and start.supervised:     # each node as its supervisor reports it
+            verifier = Verifier(join_secret, run_dir / "rejected_writes.jsonl")
+            procs = [SupervisedNode(p, r, store, verifier) for r, p in enumerate(started)]
         with SwarmProgress(run_dir / "metrics.jsonl", sum(ph.iterations for ph in job.phases), enabled=echo,
                            initial=job.resume["iteration"] if job.resume else 0):
             try:
@@ -294,7 +302,7 @@ def _run_nodes(job: Job, world: int, store, store_watch: DeathWatch | None, join
             failure = {"kind": "store", "code": store_watch.died(), "t": time.time()}
         if failure is not None:
             grace_end = time.time() + grace_s
-            while time.time() < grace_end and any(p.poll() is None for p in started):
+            while time.time() < grace_end and any(p.poll() is None for p in procs):
                 time.sleep(0.05)
     finally:
         if forked is not None and not started:           # (interrupted or timed out while starting)
@@ -305,8 +313,7 @@ def _run_nodes(job: Job, world: int, store, store_watch: DeathWatch | None, join
         (run_dir / "join_secret").unlink(missing_ok=True)     # the run is over: nobody may join
         (run_dir / "join.json").unlink(missing_ok=True)
         if failure is not None:                 # explained while the store (fault times) is still up
-            err = explain_failure(job, [] if start is None or start.supervised else started, failure, run_dir,
-                                  store, killed_by_us)
+            err = explain_failure(job, procs, failure, run_dir, store, killed_by_us)
     return interrupted, err
 
 
@@ -336,9 +343,8 @@ def _result(job: Job, run_dir: Path, world: int, wall: float, interrupted: bool,
 
 def _stop_at_boundary(job: Job, procs, store, secret: str | None) -> dict | None:
     """Ask the nodes to stop at the next iteration boundary (``stop`` in the store, signed in a
-    run with a secret) and wait for them to exit (``procs``: this process's node children, in a
-    fail-fast run; else their signed exit reports); None when all did cleanly, else a failure
-    description (the launch then stops hard).  A second Ctrl-C while waiting goes up at once."""
+    run with a secret) and wait for them to exit; None when all did cleanly, else a failure description (the launch then stops
+    hard).  A second Ctrl-C while waiting goes up at once."""
     from .membership import coordinator_key, sign
     from .node.coordinator_link import STOP_KEY
 
@@ -346,22 +352,9 @@ def _stop_at_boundary(job: Job, procs, store, secret: str | None) -> dict | None
           "(Ctrl-C again to stop at once)", file=sys.stderr, flush=True)
     store.set(STOP_KEY, sign(coordinator_key(secret), STOP_KEY, "1"))   # nodes verify
     watched = _members_now(job, store, len(procs), secret)
-    if job.rt.recover:
-        from .fencing import Members
-        from .lease import LeaseTable
-        from .membership import Verifier
-        members = Members(procs, store, Verifier(secret, Path(job.run_dir) / "rejected_writes.jsonl"),
-                          LeaseTable(job.rt.timeout_s, job.rt.timeout_s))
-
-        def code(r):      # (a node without a supervisor, a `launch --join` one, leaves its lease "done")
-            members.renew({r})
-            return members.code(r)
-    else:
-        def code(r):
-            return procs[r].poll()
     end = time.time() + 2 * job.rt.timeout_s + 10
     while time.time() < end:
-        codes = {r: code(r) for r in watched}
+        codes = {r: procs[r].poll() for r in watched}
         if all(c == 0 for c in codes.values()):
             return None
         bad = [(r, c) for r, c in codes.items() if c not in (None, 0)]
@@ -372,18 +365,17 @@ def _stop_at_boundary(job: Job, procs, store, secret: str | None) -> dict | None
 
 
 def _members_now(job: Job, store, n_procs: int, secret: str | None) -> list[int]:
-    """The nodes still members of the run: in recovery mode those of the newest generation (a
-    node that failed or was fenced earlier is no longer waited for), else the ``n_procs`` nodes
-    of the fail-fast launch."""
+    """The launched nodes still members of the run: in recovery mode those of the newest
+    generation (a node that failed or was fenced earlier is no longer waited for), else all."""
     if not job.rt.recover:
         return list(range(n_procs))
     from .membership import coordinator_key
     from .recovery import generation_record, latest_generation
     key = coordinator_key(secret)
     rec = generation_record(store, latest_generation(store, key), key)
-    if rec is None:                            # stopped during admission: nobody trains yet
+    if rec is None:                            # stopped during admission: every node
         return list(range(n_procs))
-    return sorted(int(r) for r in rec["alive"])
+    return [r for r in range(n_procs) if r in rec["alive"]]
 
 
 def _node_env(job: Job, run_dir: Path, world: int, port: int, detached: bool, join_secret: str | None,

@@ -395,3 +395,22 @@ def test_each_node_of_a_recovery_launch_runs_under_a_supervisor_whose_signed_rep
     assert "node 4 killed by SIGKILL" in (run / "logs" / "supervisor4.log").read_text()
     assert [r["step"] for r in out["res"].phase_iterations("p")] == [1, 2, 3, 4, 5]
     assert processes_of_run(run) == []
+
+
+def test_a_recovery_launch_of_fresh_interpreters_runs_its_supervisors_and_nodes_afresh(byte_data, tmp_path,
+                                                                                      monkeypatch):
+    """SKIPTRAIN_FRESH_NODES=1: each supervisor execs a new interpreter, and starts its node as one."""
+    monkeypatch.setenv("SKIPTRAIN_FRESH_NODES", "1")
+    cfg = build_config("tiny", overrides={"train": {"grad_clip": 0.0, "steps": 20, "warmup_steps": 1}})
+    sched = Schedule(placement=[[0], [1], [2], [3]], memory=2, method="test",
+                     micro_batches=[MicroBatch(k, 0, [(1, 1), (2, 2), (3, 3)]) for k in range(2)])
+    run = tmp_path / "run"
+    job = Job(config=with_runtime(cfg.to_dict(), timeout_s=30.0, heartbeat_s=0.2, recover=True),
+              data_path=str(byte_data), run_dir=str(run), phases=[Phase("p", sched.to_dict(), iterations=3)])
+    res = launch(job, timeout_s=240)
+    assert [r["step"] for r in res.phase_iterations("p")] == [1, 2, 3]
+    for r in range(4):
+        assert f"node {r} starting" in (run / "logs" / f"supervisor{r}.log").read_text()
+        # (a node the supervisor forked would start its log with its PID line: this one was exec'd)
+        assert not (run / "logs" / f"node{r}.log").read_text().startswith(f"skiptrain node {r}: pid")
+    assert processes_of_run(run) == []

@@ -239,3 +239,41 @@ def test_committed_iterations_vouch_for_their_generations_nodes_and_older_lines_
     assert not table.expired(1) and table.last[1].seq == 5    # 5 s after the renewal, 2.5 s after the line
     clock.t += 0.6
     assert table.expired(1)
+
+
+class _Supervisor:
+    """A supervisor process's handle as the launcher sees it (``Popen``'s part)."""
+
+    def __init__(self):
+        self.pid, self.code, self.killed = 4242, None, False
+
+    def poll(self):
+        return self.code
+
+    def kill(self):
+        self.killed, self.code = True, -9
+
+
+def test_a_supervised_node_exits_as_its_supervisor_reports_it_signed_else_with_its_supervisor(tmp_path):
+    from skiptrain.runtime.fencing import SupervisedNode, report_exit
+    from skiptrain.runtime.membership import Verifier
+
+    st, sup = FakeStore(), _Supervisor()
+    node = SupervisedNode(sup, 3, st, Verifier("s", tmp_path / "rejected.jsonl"))
+    assert node.poll() is None and node.returncode is None and node.pid == 4242
+    report_exit(st, member_key("s", 4), 3, 0)              # signed by another node: not node 3's exit
+    assert node.poll() is None
+    report_exit(st, member_key("s", 3), 3, -9)             # its supervisor's report, while it still runs
+    assert node.poll() == -9 and node.wait(timeout=1) == -9
+
+    gone = SupervisedNode(_Supervisor(), 5, st, Verifier("s", tmp_path / "rejected.jsonl"))
+    gone.supervisor.code = 1                               # the supervisor ended without a report
+    assert gone.poll() == 1
+    killed = SupervisedNode(_Supervisor(), 6, st, Verifier("s", tmp_path / "rejected.jsonl"))
+    killed.kill()                                          # fencing kills the supervisor (the node dies with it)
+    assert killed.supervisor.killed and killed.returncode == -9
+    clean = SupervisedNode(_Supervisor(), 7, st, Verifier("s", tmp_path / "rejected.jsonl"))
+    clean.supervisor.code = 0                              # exited 0 with no report: it took its node along
+    assert clean.poll() == -9
+    with pytest.raises(Exception, match="node 8"):
+        SupervisedNode(_Supervisor(), 8, st, Verifier("s", tmp_path / "rejected.jsonl")).wait(timeout=0.05)
