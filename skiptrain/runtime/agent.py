@@ -43,9 +43,9 @@ from ..errors import UserError
 from .addresses import check_advertised, check_reachable, interface_of, route_address
 from .failure import EXIT_FENCED, EXIT_NO_COORDINATOR, describe_exit
 from .fencing import report_exit
+from .fork_server import fork_process, forked_here
 from .join import EXIT_REFUSED, SECRET_ENV, request_node_id
 from .membership import coordinator_key, member_key
-from .fork_server import fork_process, forked_here
 from .shipping import ship_outputs
 from .store import closing
 from .store_client import open_run, parse_address
@@ -220,18 +220,17 @@ class NodeAgent:
 
 def main(argv: list[str]) -> int:
     """``skiptrain launch``'s supervisor of one local node, forked by the launcher's fork server:
-    ``--coordinator HOST:PORT [--rejoins N]``, the secret from the environment, its first node id
-    (reserved by the launcher) from ``RANK``.  It is the supervisor ``skiptrain node`` runs, on
-    the coordinator's host: its node writes into the run directory itself, so nothing is
-    shipped."""
+    ``--coordinator HOST:PORT``, the secret from the environment, its node id (reserved by the
+    launcher) from ``RANK``.  It is the supervisor ``skiptrain node`` runs, on the coordinator's
+    host: its node writes into the run directory itself, so nothing is shipped, and a node that
+    failed is not brought back (the swarm goes on without it)."""
     import argparse
 
     ap = argparse.ArgumentParser(prog="skiptrain launch's node supervisor")
     ap.add_argument("--coordinator", required=True)
-    ap.add_argument("--rejoins", type=int, default=0)
     args = ap.parse_args(argv)
     try:
-        return NodeAgent(AgentOptions(args.coordinator, os.environ[SECRET_ENV], Path("."), rejoins=args.rejoins,
+        return NodeAgent(AgentOptions(args.coordinator, os.environ[SECRET_ENV], Path("."), rejoins=0,
                                       node_id=int(os.environ["RANK"]), shared_run_dir=True)).run()
     except UserError as e:
         print(f"skiptrain node: {e}", file=sys.stderr, flush=True)

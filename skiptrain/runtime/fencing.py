@@ -1,8 +1,9 @@
 """The coordinator's view of which node processes still run, and fencing without signals.
 
 :class:`Members` answers for the nodes the coordinator's own launcher started (their exit
-status: a fail-fast node's own, or what its supervisor reported, :class:`SupervisedNode`) and for
-every other node by what reaches the store from its host: its lease renewals
+status: a fail-fast node's own, or what its supervisor reported,
+:class:`~skiptrain.runtime.node_processes.SupervisedNode`) and for every other node by what
+reaches the store from its host: its lease renewals
 (:mod:`~skiptrain.runtime.lease`, timed on the coordinator's clock) and the exit report that the
 node's supervisor on its own host (``skiptrain node``) signs when the process ends
 (``exit/<node>``, :func:`report_exit`).
@@ -16,8 +17,6 @@ coordinator's deadline for it, so the two never train side by side.  No PID ever
 from __future__ import annotations
 
 import json
-import signal
-import subprocess
 import time
 
 from .lease import FENCE_MARGIN_S, LeaseTable, parse_renewal
@@ -29,6 +28,17 @@ def report_exit(store, key: bytes | None, node: int, code: int) -> None:
     signal), signed with the node's member key."""
     name = f"exit/{node}"
     store.set(name, sign(key, name, json.dumps({"code": int(code)})))
+
+
+def read_exit(store, verifier: Verifier, node: int) -> int | None:
+    """Node ``node``'s exit status as its supervisor reported it (:func:`report_exit`), None when
+    there is no report, or none its key signed."""
+    name = f"exit/{node}"
+    raw = verifier.read(store, node, name) if store.check([name]) else None
+    try:
+        return int(json.loads(raw)["code"]) if raw is not None else None
+    except (ValueError, KeyError, TypeError):
+        return None
 
 
 class RowEvidence:
@@ -81,12 +91,9 @@ class Members:
         """``r``'s exit status (None: running, as far as the coordinator knows)."""
         if self.is_child(r):
             return self.procs[r].poll()
-        raw = self.verifier.read(self.store, r, f"exit/{r}") if self.store.check([f"exit/{r}"]) else None
-        if raw is not None:
-            try:
-                return int(json.loads(raw)["code"])
-            except (ValueError, KeyError, TypeError):
-                pass
+        code = read_exit(self.store, self.verifier, r)
+        if code is not None:
+            return code
         last = self.leases.last.get(r)
         return 0 if last is not None and last.state == "done" else None
 
@@ -131,45 +138,3 @@ class Members:
             self.procs[r].wait(timeout=10)
         except Exception:  # noqa: BLE001
             pass
-
-
-class SupervisedNode:
-    """Node ``node`` of a local launch seen through the supervisor the launcher started for it,
-    with the part of ``Popen`` the launcher uses (``poll``, ``returncode``, ``kill``, ``wait``):
-    its exit status is what the supervisor reported, signed (:func:`report_exit`), as for a node on
-    another host; a supervisor that ended without a report took its node with it (its own status,
-    else ``-SIGKILL``).  ``kill`` SIGKILLs the supervisor, and the node dies with it
-    (``PR_SET_PDEATHSIG``).  A store that no longer answers leaves the supervisor's status."""
-
-    def __init__(self, supervisor, node: int, store, verifier: Verifier):
-        self.supervisor, self.node, self.store, self.verifier = supervisor, node, store, verifier
-        self.pid = supervisor.pid
-        self.code: int | None = None
-
-    @property
-    def returncode(self) -> int | None:
-        return self.poll()
-
-    def poll(self) -> int | None:
-        if self.code is None:
-            ended = self.supervisor.poll()
-            try:
-                name = f"exit/{self.node}"
-                raw = self.verifier.read(self.store, self.node, name) if self.store.check([name]) else None
-                self.code = int(json.loads(raw)["code"]) if raw is not None else None
-            except Exception:  # noqa: BLE001 - a store gone, a report that does not parse: the supervisor's word
-                pass
-            if self.code is None and ended is not None:
-                self.code = ended or -signal.SIGKILL
-        return self.code
-
-    def kill(self) -> None:
-        self.supervisor.kill()
-
-    def wait(self, timeout: float | None = None) -> int:
-        end = None if timeout is None else time.time() + timeout
-        while (code := self.poll()) is None:
-            if end is not None and time.time() > end:
-                raise subprocess.TimeoutExpired(f"node {self.node}", timeout)
-            time.sleep(0.01)
-        return code

@@ -51,12 +51,8 @@ class ForkedChild:
         return self.returncode
 
     def wait(self) -> int:
-        while self.returncode is None:
-            try:
-                _, status = os.waitpid(self.pid, 0)
-            except ChildProcessError:           # (reaped by a poll in another thread)
-                continue
-            self.returncode = os.waitstatus_to_exitcode(status)
+        if self.returncode is None:        # (only this handle reaps it: one thread waits on it)
+            self.returncode = os.waitstatus_to_exitcode(os.waitpid(self.pid, 0)[1])
         return self.returncode
 
     def send_signal(self, sig: int) -> None:

@@ -32,8 +32,9 @@ Failure semantics (the launcher is the authority on which node failed):
 * children ask the kernel for SIGKILL if the launcher dies (``PR_SET_PDEATHSIG``), and lose the
   store, so no process is left behind either way;
 * in recovery mode the coordinator decides instead (:mod:`.coordinator`): it sees each local
-  node through its supervisor (:class:`~.fencing.SupervisedNode`) and SIGKILLs a fenced one by
-  killing its supervisor (the node dies with it); the run fails only when no stage-0 node is left.
+  node through its supervisor (:class:`~.node_processes.SupervisedNode`) and SIGKILLs a fenced
+  one by killing its supervisor (the node dies with it); the run fails only when no stage-0
+  node is left.
 """
 
 from __future__ import annotations
@@ -54,12 +55,11 @@ from ..signals import sigterm_as_interrupt
 from .checkpoint_relay import coordinator_relays, hosts_file_server
 from .coordinator import SignOfLife
 from .failure import RuntimeFailure
-from .fencing import SupervisedNode
 from .job import Job
 from .job_checkpoint import checkpoint_roots
 from .membership import Verifier, coordinator_key
 from .monitor import monitor
-from .node_processes import SUPERVISOR_MODULE, start_nodes
+from .node_processes import SUPERVISOR_MODULE, SupervisedNode, start_nodes
 from .outputs import load_phase_timeline, merge_outputs, prepare_outputs, salvage_checkpoint, stop_store
 from .progress import SwarmProgress
 from .run_failure import explain_failure
@@ -270,8 +270,8 @@ def _run_nodes(job: Job, world: int, store, store_watch: DeathWatch | None, join
     (``resume``: a coordinator taking a live run over), then stop every process started here
     that is left and end the run (its secret, its join announcement).  Returns whether it was
     interrupted and the error to raise for a failed run (None: none).  A supervised node is seen
-    through its supervisor (:class:`~.fencing.SupervisedNode`: the exit it reported, signed, as
-    a node on another host; killed with its supervisor)."""
+    through its supervisor (:class:`~.node_processes.SupervisedNode`: the exit it reported,
+    signed, as a node on another host; killed with its supervisor)."""
     run_dir = Path(job.run_dir)
     started: list = []
     procs: list = []

@@ -51,13 +51,32 @@ from pathlib import Path
 
 from . import fork_server
 from .failure import RuntimeFailure, pid_running
+from .fencing import read_exit
+from .membership import Verifier
 
 START_TIMEOUT_S = 300.0
 SUPERVISOR_MODULE = "skiptrain.runtime.agent"      # a recovery launch's process per node: its supervisor
 _PID_LINE_RE = re.compile(fork_server.PID_LINE.format(rank=r"(?P<rank>\d+)", pid=r"(?P<pid>\d+)"))
 
 
-class NodeProcess:
+class _Waitable:
+    """``Popen.wait`` over ``poll``, for the launcher's handles below."""
+
+    rank: int
+
+    def poll(self) -> int | None:
+        raise NotImplementedError
+
+    def wait(self, timeout: float | None = None) -> int:
+        end = None if timeout is None else time.time() + timeout
+        while (code := self.poll()) is None:
+            if end is not None and time.time() > end:
+                raise subprocess.TimeoutExpired(f"node {self.rank}", timeout)
+            time.sleep(0.01)
+        return code
+
+
+class NodeProcess(_Waitable):
     """One forked node process, seen from the launcher (``Popen``'s ``pid``/``poll``/``wait``)."""
 
     def __init__(self, nodes: "ForkedNodes", rank: int, pid: int | None):
@@ -74,13 +93,38 @@ class NodeProcess:
         """SIGKILL the node unless it has exited (asynchronous: ``wait`` for its exit status)."""
         self._nodes.kill(self.rank)
 
-    def wait(self, timeout: float | None = None) -> int:
-        end = None if timeout is None else time.time() + timeout
-        while (code := self.poll()) is None:
-            if end is not None and time.time() > end:
-                raise subprocess.TimeoutExpired(f"node {self.rank}", timeout)
-            time.sleep(0.01)
-        return code
+
+class SupervisedNode(_Waitable):
+    """Node ``node`` of a local launch seen through the supervisor the launcher started for it,
+    with the part of ``Popen`` the launcher uses (``poll``, ``returncode``, ``kill``, ``wait``):
+    its exit status is what the supervisor reported, signed (:func:`~.fencing.report_exit`), as
+    for a node on another host; a supervisor that ended without a report took its node with it
+    (its own status, else ``-SIGKILL``).  ``kill`` SIGKILLs the supervisor, and the node dies
+    with it (``PR_SET_PDEATHSIG``).  A store that no longer answers leaves the supervisor's
+    status."""
+
+    def __init__(self, supervisor, node: int, store, verifier: Verifier):
+        self.supervisor, self.rank, self.store, self.verifier = supervisor, node, store, verifier
+        self.pid = supervisor.pid
+        self.code: int | None = None
+
+    @property
+    def returncode(self) -> int | None:
+        return self.poll()
+
+    def poll(self) -> int | None:
+        if self.code is None:
+            ended = self.supervisor.poll()
+            try:
+                self.code = read_exit(self.store, self.verifier, self.rank)
+            except Exception:  # noqa: BLE001 - a store gone: the supervisor's word
+                pass
+            if self.code is None and ended is not None:
+                self.code = ended or -signal.SIGKILL
+        return self.code
+
+    def kill(self) -> None:
+        self.supervisor.kill()
 
 
 class ForkedNodes:

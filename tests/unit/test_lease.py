@@ -255,7 +255,8 @@ class _Supervisor:
 
 
 def test_a_supervised_node_exits_as_its_supervisor_reports_it_signed_else_with_its_supervisor(tmp_path):
-    from skiptrain.runtime.fencing import SupervisedNode, report_exit
+    from skiptrain.runtime.fencing import report_exit
+    from skiptrain.runtime.node_processes import SupervisedNode
     from skiptrain.runtime.membership import Verifier
 
     st, sup = FakeStore(), _Supervisor()
