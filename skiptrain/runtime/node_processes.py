@@ -98,7 +98,8 @@ class SupervisedNode(_Waitable):
     """Node ``node`` of a local launch seen through the supervisor the launcher started for it,
     with the part of ``Popen`` the launcher uses (``poll``, ``returncode``, ``kill``, ``wait``):
     its exit status is what the supervisor reported, signed (:func:`~.fencing.report_exit`), as
-    for a node on another host; a supervisor that ended without a report took its node with it
+    for a node on another host, read once the supervisor has ended (with ``rejoins`` 0 it ends
+    right after its report); a supervisor that ended without a report took its node with it
     (its own status, else ``-SIGKILL``).  ``kill`` SIGKILLs the supervisor, and the node dies
     with it (``PR_SET_PDEATHSIG``).  A store that no longer answers leaves the supervisor's
     status."""
@@ -113,13 +114,14 @@ class SupervisedNode(_Waitable):
         return self.poll()
 
     def poll(self) -> int | None:
-        if self.code is None:
-            ended = self.supervisor.poll()
+        """None while the supervisor runs (it reports its node's exit, then exits at once: no
+        store call is made for a running node), then the exit it reported."""
+        if self.code is None and (ended := self.supervisor.poll()) is not None:
             try:
                 self.code = read_exit(self.store, self.verifier, self.rank)
             except Exception:  # noqa: BLE001 - a store gone: the supervisor's word
                 pass
-            if self.code is None and ended is not None:
+            if self.code is None:
                 self.code = ended or -signal.SIGKILL
         return self.code
 

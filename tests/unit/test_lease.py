@@ -259,22 +259,26 @@ def test_a_supervised_node_exits_as_its_supervisor_reports_it_signed_else_with_i
     from skiptrain.runtime.node_processes import SupervisedNode
     from skiptrain.runtime.membership import Verifier
 
-    st, sup = FakeStore(), _Supervisor()
-    node = SupervisedNode(sup, 3, st, Verifier("s", tmp_path / "rejected.jsonl"))
-    assert node.poll() is None and node.returncode is None and node.pid == 4242
-    report_exit(st, member_key("s", 4), 3, 0)              # signed by another node: not node 3's exit
-    assert node.poll() is None
-    report_exit(st, member_key("s", 3), 3, -9)             # its supervisor's report, while it still runs
-    assert node.poll() == -9 and node.wait(timeout=1) == -9
+    def node(r):
+        return SupervisedNode(_Supervisor(), r, st, Verifier("s", tmp_path / "rejected.jsonl"))
 
-    gone = SupervisedNode(_Supervisor(), 5, st, Verifier("s", tmp_path / "rejected.jsonl"))
-    gone.supervisor.code = 1                               # the supervisor ended without a report
-    assert gone.poll() == 1
-    killed = SupervisedNode(_Supervisor(), 6, st, Verifier("s", tmp_path / "rejected.jsonl"))
+    st = FakeStore()
+    reported = node(3)
+    assert reported.poll() is None and reported.returncode is None and reported.pid == 4242
+    report_exit(st, member_key("s", 3), 3, -9)             # its supervisor's report, then it ends
+    assert reported.poll() is None                         # (read once the supervisor has ended)
+    reported.supervisor.code = 247                         # (-9 as an exit status)
+    assert reported.poll() == -9 and reported.wait(timeout=1) == -9
+
+    forged = node(4)
+    report_exit(st, member_key("s", 5), 4, 0)              # signed by another node: not node 4's exit
+    forged.supervisor.code = 1                             # the supervisor ended without a report
+    assert forged.poll() == 1
+    killed = node(6)
     killed.kill()                                          # fencing kills the supervisor (the node dies with it)
     assert killed.supervisor.killed and killed.returncode == -9
-    clean = SupervisedNode(_Supervisor(), 7, st, Verifier("s", tmp_path / "rejected.jsonl"))
+    clean = node(7)
     clean.supervisor.code = 0                              # exited 0 with no report: it took its node along
     assert clean.poll() == -9
     with pytest.raises(Exception, match="node 8"):
-        SupervisedNode(_Supervisor(), 8, st, Verifier("s", tmp_path / "rejected.jsonl")).wait(timeout=0.05)
+        node(8).wait(timeout=0.05)
