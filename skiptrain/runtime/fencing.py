@@ -88,10 +88,10 @@ class Members:
         return r < len(self.procs)
 
     def code(self, r: int) -> int | None:
-        """``r``'s exit status (None: running, as far as the coordinator knows)."""
-        if self.is_child(r):
-            return self.procs[r].poll()
-        code = read_exit(self.store, self.verifier, r)
+        """``r``'s exit status (None: running, as far as the coordinator knows).  A node whose
+        last renewal says ``done`` has finished (0), whether or not its exit has been seen yet
+        (a local node's is seen when its supervisor ends)."""
+        code = self.procs[r].poll() if self.is_child(r) else read_exit(self.store, self.verifier, r)
         if code is not None:
             return code
         last = self.leases.last.get(r)

@@ -282,3 +282,20 @@ def test_a_supervised_node_exits_as_its_supervisor_reports_it_signed_else_with_i
     assert clean.poll() == -9
     with pytest.raises(Exception, match="node 8"):
         node(8).wait(timeout=0.05)
+
+
+def test_a_local_node_whose_last_renewal_says_done_has_finished_before_its_supervisor_ends(tmp_path):
+    """Its exit is read once its supervisor ends; a node that finished must not be judged by a
+    lease it no longer renews meanwhile (a loaded machine slows the supervisor's exit)."""
+    from skiptrain.runtime.fencing import Members
+    from skiptrain.runtime.membership import Verifier
+    from skiptrain.runtime.node_processes import SupervisedNode
+
+    st, verifier = FakeStore(), Verifier("s", tmp_path / "rejected.jsonl")
+    members = Members([SupervisedNode(_Supervisor(), 0, st, verifier)], st, verifier, LeaseTable(3.0, 30.0, Clock()))
+    st["hb/0"] = sign(member_key("s", 0), "hb/0", Renewal("a", 1, 0, "run", 3.0).encode())
+    members.renew({0})
+    assert members.is_child(0) and members.code(0) is None
+    st["hb/0"] = sign(member_key("s", 0), "hb/0", Renewal("a", 2, 0, "done", 3.0).encode())
+    members.renew({0})
+    assert members.code(0) == 0
