@@ -26,7 +26,8 @@ lasts as long as the slowest (latency + bytes / bandwidth); bytes count ``byte_s
 :class:`HierarchicalLinks` is a group's two shapes of the dense sum over a topology's regions (the
 cost model's ``dp_topology``, :meth:`skiptrain.schedule.cost.CostModel.sync_phases`): the flat
 ring, or the hierarchical sum (each region's ring, ``k`` shard rings across regions, each region's
-ring again); with ``mode="auto"`` the faster at the bytes at hand, by the same ring formula.
+ring again: a reduce-scatter and its gather, or an all-reduce twice); with ``mode="auto"`` the
+faster at the bytes at hand, by the same ring formula.
 :class:`~skiptrain.dp.transport.Transport` runs the shape it picks and sleeps its time.
 
 Named presets (:data:`LINK_PRESETS`, chosen with ``dp.link``; empty = the ``dp.link_up_mbps`` /
@@ -98,6 +99,13 @@ class RingLinks:
             return 0.0
         return 2 * (world - 1) * self._round_s(nbytes / world)
 
+    def scatter_s(self, nbytes: float, world: int, pieces: int) -> float:
+        """A reduce-scatter of ``nbytes`` to ``pieces`` owners over the ``world`` members (or
+        its mirror all-gather): ``world - 1`` rounds of ``nbytes / pieces``."""
+        if world <= 1 or not self.enabled:
+            return 0.0
+        return (world - 1) * self._round_s(nbytes / pieces)
+
 
 @dataclass(frozen=True)
 class HierarchicalLinks:
@@ -106,12 +114,16 @@ class HierarchicalLinks:
     order (one-member regions included) with ``region_links`` their rings' links (disabled for a
     region of one); ``shards`` the ``k`` rings across regions (ring ``j``: every region's ``j``-th
     member), each summing the ``j``-th of ``k`` pieces of the buffer, with ``shard_links``;
+    ``owners`` per region the member that sums each piece there (``owners[i][j]``: region ``i``'s
+    member in shard ring ``j``) when the region reduce-scatters to them and gathers back, empty
+    where it all-reduces instead (:func:`skiptrain.schedule.sync_rings.scatter_pays`);
     ``mode`` ``"hierarchical"`` or ``"auto"`` (the faster, ties flat)."""
     flat: RingLinks
     regions: tuple[tuple[int, ...], ...]
     region_links: tuple[RingLinks, ...]
     shards: tuple[tuple[int, ...], ...]
     shard_links: tuple[RingLinks, ...]
+    owners: tuple[tuple[int, ...], ...]
     mode: str = "auto"
 
     @property
@@ -119,11 +131,11 @@ class HierarchicalLinks:
         return self.flat.enabled
 
     def hierarchical_s(self, nbytes: float) -> float:
-        """The three phases: the slowest region ring twice, the slowest shard ring once (on its
-        ``1 / k`` of the bytes)."""
-        local = max((links.all_reduce_s(nbytes, len(m)) for links, m in zip(self.region_links, self.regions)),
-                    default=0.0)
+        """The three phases: the slowest region ring twice (its reduce-scatter and gather, or its
+        all-reduce), the slowest shard ring once (on its ``1 / k`` of the bytes)."""
         k = len(self.shards)
+        local = max((links.scatter_s(nbytes, len(m), k) if own else links.all_reduce_s(nbytes, len(m))
+                     for links, m, own in zip(self.region_links, self.regions, self.owners)), default=0.0)
         return 2 * local + max(links.all_reduce_s(nbytes / k, len(m)) for links, m in zip(self.shard_links, self.shards))
 
     def hierarchical(self, nbytes: float, world: int) -> bool:

@@ -21,11 +21,14 @@ all-reduce only), their sum is the result.
 Hierarchical sum: when the link is a :class:`~skiptrain.dp.link.HierarchicalLinks` that picks the
 hierarchical shape for the bytes at hand, :meth:`Transport.all_reduce_sum` runs the cost model's
 three phases (:meth:`skiptrain.schedule.cost.CostModel.sync_phases`) point to point inside the
-group: every region sums over its ring; piece ``j`` of ``k`` is summed over the ring of every
-region's ``j``-th member; every region sums again over its ring, each member contributing the
-piece it summed across regions (zeros elsewhere, none for a member without a piece).  Each ring
-is a reduce-scatter then an all-gather over ``isend``/``irecv`` (:meth:`Transport.ring_sum`), so
-every member ends with the same bits.  No process group is created for it: the groups of a
+group: every region reduce-scatters over its ring so that piece ``j`` of ``k`` is summed at its
+``j``-th member; piece ``j`` is summed over the ring of every region's ``j``-th member; every
+region gathers the pieces back over its ring.  A region with ``2k`` members or more sums over its
+ring instead, twice, the second time each member contributing the piece it summed across regions
+(zeros elsewhere, none for a member without a piece).  Each ring runs the chains of
+:mod:`skiptrain.schedule.sync_rings` over ``isend``/``irecv`` (:meth:`Transport.ring_pass`; a sum
+is a reduce-scatter then an all-gather, :meth:`Transport.ring_sum`), so every member ends with the
+same bits.  No process group is created for it: the groups of a
 swarm are created by every rank in one order (the node's layout), and regions are named by
 group rank, derived by every member from the job's topology.  The non-finite check and its
 all-gather run over the whole group as for one all-reduce.
@@ -41,6 +44,7 @@ import torch
 import torch.distributed as dist
 
 from .accountant import ByteAccountant
+from ..schedule.sync_rings import chain_starts, moves_at
 from .link import HierarchicalLinks, LinkModel
 
 
@@ -115,14 +119,21 @@ class Transport:
 
     def _hierarchical_sum(self, flat: torch.Tensor, links: HierarchicalLinks) -> None:
         """The three phases of the hierarchical sum (module doc), in place on 1-D ``flat``."""
-        region = next(r for r in links.regions if self.rank in r)
-        self.ring_sum(flat, region)
-        pieces = flat.tensor_split(len(links.shards))
+        i = next(i for i, r in enumerate(links.regions) if self.rank in r)
+        region, owners = links.regions[i], links.owners[i]
+        k = len(links.shards)
+        if owners:
+            self.ring_pass(flat, region, "scatter", owners)
+        else:
+            self.ring_sum(flat, region)
+        pieces = flat.tensor_split(k)
         j = next((i for i, ring in enumerate(links.shards) if self.rank in ring), None)
-        keep = None
         if j is not None:
             self.ring_sum(pieces[j], links.shards[j])
-            keep = pieces[j].clone()
+        if owners:
+            self.ring_pass(flat, region, "gather", owners)
+            return
+        keep = pieces[j].clone() if j is not None else None
         flat.zero_()
         if keep is not None:
             pieces[j].copy_(keep)
@@ -130,28 +141,41 @@ class Transport:
 
     def ring_sum(self, x: torch.Tensor, ring: tuple[int, ...]) -> None:
         """Sum 1-D contiguous ``x`` in place over the group ranks ``ring`` (this rank among them;
-        in ring order): ``len(ring) - 1`` reduce-scatter steps then as many all-gather steps, one
-        piece per member, each step a send to the next member and a receive from the previous."""
+        in ring order): a reduce-scatter into one piece per member (member ``i`` sums piece
+        ``i + 1``) then its all-gather, so every member ends with the same bits."""
+        n = len(ring)
+        owners = tuple(ring[(j - 1) % n] for j in range(n))
+        self.ring_pass(x, ring, "scatter", owners)
+        self.ring_pass(x, ring, "gather", owners)
+
+    def ring_pass(self, x: torch.Tensor, ring: tuple[int, ...], op: str, owners: tuple[int, ...]) -> None:
+        """One pass of 1-D contiguous ``x`` in place over the group ranks ``ring`` (this rank among
+        them; in ring order), cut into ``len(owners)`` pieces: ``"scatter"`` leaves piece ``j``
+        summed over the ring at ``owners[j]``, ``"gather"`` copies every owner's piece to every
+        member (the chains of :mod:`skiptrain.schedule.sync_rings`, each step a send to the next
+        member and a receive from the previous)."""
         n = len(ring)
         if n < 2:
             return
-        i = ring.index(self.rank)
-        nxt, prv = ring[(i + 1) % n], ring[(i - 1) % n]
-        parts = x.tensor_split(n)
-        for step in range(2 * (n - 1)):
-            out, into = parts[(i - step) % n], parts[(i - step - 1) % n]
-            buf = torch.empty_like(into)
-            works = []
-            if out.numel():
-                works.append(dist.isend(out, group=self.group, group_dst=nxt))
-            if buf.numel():
+        me = ring.index(self.rank)
+        nxt, prv = ring[(me + 1) % n], ring[(me - 1) % n]
+        parts = x.tensor_split(len(owners))
+        starts = chain_starts(n, op, [ring.index(o) for o in owners])
+        for out, into in moves_at(n, starts, n - 1, me):
+            works, buf = [], None
+            if out is not None and parts[out].numel():
+                works.append(dist.isend(parts[out], group=self.group, group_dst=nxt))
+            if into is not None and parts[into].numel():
+                buf = torch.empty_like(parts[into])
                 works.append(dist.irecv(buf, group=self.group, group_src=prv))
             for w in works:
                 w.wait()
-            if step < n - 1:
-                into.add_(buf)
+            if buf is None:
+                continue
+            if op == "scatter":
+                parts[into].add_(buf)
             else:
-                into.copy_(buf)
+                parts[into].copy_(buf)
 
     def _sum_of_finite(self, mine: torch.Tensor) -> torch.Tensor:
         """The sum again, from every member's contribution gathered; raises

@@ -97,12 +97,15 @@ class Emulation:
         if hier is None:
             return flat
         (local, _), (shards, _), _ = hier
-        alone = [[n] for n in members if not any(n in ring for ring in local)]
+        alone = [[n] for n in members if not any(n in ring.nodes for ring in local)]
+        regions = [list(ring.nodes) for ring in local] + alone
         pos = {n: i for i, n in enumerate(members)}
-        return HierarchicalLinks(flat, tuple(tuple(pos[n] for n in r) for r in [*local, *alone]),
-                                 tuple(self._ring_links(r) for r in [*local, *alone]),
-                                 tuple(tuple(pos[n] for n in r) for r in shards),
-                                 tuple(self._ring_links(r) for r in shards), cost.dp_topology)
+        return HierarchicalLinks(flat, tuple(tuple(pos[n] for n in r) for r in regions),
+                                 tuple(self._ring_links(r) for r in regions),
+                                 tuple(tuple(pos[n] for n in ring.nodes) for ring in shards),
+                                 tuple(self._ring_links(list(ring.nodes)) for ring in shards),
+                                 tuple(tuple(pos[n] for n in ring.owners) for ring in local) + ((),) * len(alone),
+                                 cost.dp_topology)
 
     def _ring_links(self, ring: list[int]):
         """:class:`~skiptrain.dp.link.RingLinks` of ``ring`` (node ids, ring order) on the sync

@@ -35,19 +35,19 @@ Semantics (the simulator, the planner and the benches all use these and only the
   ring over all replicas; ``"hierarchical"`` groups the replicas by the topology's regions
   (:meth:`~skiptrain.net.topology.Topology.region_of`: its latency clusters, one geo12 location
   each) and runs three phases, each starting when the previous one ended: (1) every region
-  all-reduces over its own ring; (2) the gradient is cut into ``k`` shards, ``k`` the smallest
-  region's replica count, and shard ``j`` is all-reduced over one ring across regions made of
-  every region's ``j``-th replica (``k`` rings at once, on distinct links); (3) every region
-  all-reduces again over its ring, each member contributing the shard it summed across regions
-  (zeros elsewhere), which leaves the total everywhere.  Every ring costs what a flat ring of its
-  size costs on its bytes (``2 (m-1)`` steps of ``bytes / m``, each as long as the ring's
-  slowest link), a phase lasts as long as its slowest ring, the sync the sum of its phases.
-  ``"auto"`` (the default) takes, per stage, whichever of the two is faster on the uncontended
-  links (ties: flat).  Why all-reduces in phases 1 and 3 and not the textbook reduce-scatter /
-  all-gather: the planner deals a stage's replicas unevenly over regions (20 in one location, 21
-  in the next) and the pieces of unequal rings do not line up with the shards; the extra bytes
-  stay on the fast links inside a region.  The slow phase is ``2 (R-1)`` steps of ``bytes / (k R)``
-  across ``R`` regions, against the flat ring's ``2 (n-1)`` steps of ``bytes / n`` on its slowest
+  sums its replicas' gradients over its own ring; (2) the gradient is cut into ``k`` shards, ``k``
+  the smallest region's replica count, and shard ``j`` is all-reduced over one ring across regions
+  made of every region's ``j``-th replica (``k`` rings at once, on distinct links); (3) every region
+  spreads the total over its ring again.  A region of ``m`` replicas does (1) as a reduce-scatter
+  that leaves shard ``j``'s region sum on its ``j``-th replica and (3) as the mirror all-gather
+  (``m - 1`` steps of ``bytes / k`` each) while ``m < 2k``; a region with more replicas than that
+  does both as all-reduces (``2 (m-1)`` steps of ``bytes / m``; in (3) every member contributes the
+  shard it summed across regions, zeros elsewhere), which is then the cheaper
+  (:mod:`skiptrain.schedule.sync_rings`: the rings and their chains of messages).  Every ring step
+  lasts as long as the ring's slowest link, a phase as long as its slowest ring, the sync the sum
+  of its phases.  ``"auto"`` (the default) takes, per stage, whichever of the two is faster on the
+  uncontended links (ties: flat).  The slow phase is ``2 (R-1)`` steps of ``bytes / (k R)`` across
+  ``R`` regions, against the flat ring's ``2 (n-1)`` steps of ``bytes / n`` on its slowest
   (inter-region) link.  The runtime runs the same three phases
   (:class:`skiptrain.dp.link.HierarchicalLinks`, :meth:`skiptrain.dp.transport.Transport.all_reduce_sum`).
 
@@ -72,6 +72,7 @@ from ..config import MAX_TASK_S, RUNTIME_TASK_S
 from ..errors import UserError
 from ..net.topology import Topology
 from .actcodec import CODECS, PLAIN, encoded_bytes, quantizes, slow_link_codec
+from .sync_rings import SyncRing, scatter_pays
 
 DP_MODES = ("dense", "compressed", "none")
 #: shapes of the dense sync (:meth:`CostModel.sync_phases`)
@@ -260,43 +261,53 @@ class CostModel:
             return 2 * (n_replicas - 1), 1.0 / n_replicas
         return n_replicas - 1, 1.0
 
-    def ring_s(self, topo: Topology, ring: Sequence[int], nbytes: float) -> float:
-        """Uncontended time of one ring over ``ring`` (in ring order) syncing ``nbytes`` per
-        replica: :meth:`sync_steps` steps, each as long as the ring's slowest link."""
-        steps, frac = self.sync_steps(len(ring))
-        if steps == 0:
+    def ring_s(self, topo: Topology, ring: SyncRing, nbytes: float) -> float:
+        """Uncontended time of ``ring`` (:class:`~skiptrain.schedule.sync_rings.SyncRing`) on
+        ``nbytes`` per replica: its chains' hops, each as long as the ring's slowest link."""
+        _, hops, frac = ring.chains(self.sync_steps(len(ring)))
+        if hops == 0:
             return 0.0
-        return steps * max(topo.transfer_s(ring[i], ring[(i + 1) % len(ring)], nbytes * frac)
-                           for i in range(len(ring)))
+        nodes = ring.nodes
+        return hops * max(topo.transfer_s(nodes[i], nodes[(i + 1) % len(nodes)], nbytes * frac)
+                          for i in range(len(nodes)))
 
-    def phases_s(self, topo: Topology, phases: Sequence[tuple[Sequence[Sequence[int]], float]],
+    def phases_s(self, topo: Topology, phases: Sequence[tuple[Sequence[SyncRing], float]],
                  nbytes: float) -> float:
         """Uncontended time of a sync given as phases (:meth:`sync_phases`): each phase as long as
         its slowest ring on its share of ``nbytes``, the phases one after the other."""
         return sum(max((self.ring_s(topo, ring, nbytes * share) for ring in rings), default=0.0)
                    for rings, share in phases)
 
-    def hierarchical_phases(self, topo: Topology, replicas: Sequence[int]) -> list[tuple[list[list[int]], float]] | None:
+    def hierarchical_phases(self, topo: Topology, replicas: Sequence[int]) -> list[tuple[list[SyncRing], float]] | None:
         """The three phases of the hierarchical sync of ``replicas`` (module doc) as (rings, share
-        of the bytes each ring carries): region rings, the ``k`` shard rings across regions, the
-        region rings again; None when it is no different from one ring (one region, or one replica
-        in every region)."""
+        of the bytes each ring carries): region rings (a reduce-scatter to the region's shard
+        members where that pays, :func:`~skiptrain.schedule.sync_rings.scatter_pays`, else an
+        all-reduce), the ``k`` shard rings across regions, the region rings again (the mirror
+        gather, or an all-reduce); None when it is no different from one ring (one region, or one
+        replica in every region)."""
         region_of = topo.region_of()
         groups: dict[int, list[int]] = {}
         for r in sorted(replicas):
             groups.setdefault(region_of[r], []).append(r)
         if len(groups) < 2 or len(groups) == len(replicas):
             return None
-        local = [ring_order(topo, g) for g in groups.values() if len(g) > 1]
         k = min(len(g) for g in groups.values())
-        shards = [ring_order(topo, [g[j] for g in groups.values()]) for j in range(k)]
-        return [(local, 1.0), (shards, 1.0 / k), (local, 1.0)]
+        gather, scatter = [], []
+        for g in groups.values():
+            if len(g) < 2:
+                continue
+            ring, owners = tuple(ring_order(topo, g)), tuple(g[:k])
+            pays = scatter_pays(len(g), k)
+            scatter.append(SyncRing(ring, "scatter", owners) if pays else SyncRing(ring))
+            gather.append(SyncRing(ring, "gather", owners) if pays else SyncRing(ring))
+        shards = [SyncRing(tuple(ring_order(topo, [g[j] for g in groups.values()]))) for j in range(k)]
+        return [(scatter, 1.0), (shards, 1.0 / k), (gather, 1.0)]
 
-    def sync_phases(self, topo: Topology, replicas: Sequence[int], nbytes: float) -> list[tuple[list[list[int]], float]]:
+    def sync_phases(self, topo: Topology, replicas: Sequence[int], nbytes: float) -> list[tuple[list[SyncRing], float]]:
         """The sync of ``replicas`` (``nbytes`` each) as phases of (rings, share of the bytes), by
         ``dp_topology``: ``[([ring], 1.0)]`` flat, or :meth:`hierarchical_phases`; ``"auto"`` takes
         the faster (:meth:`phases_s`).  Only the dense sync is hierarchical."""
-        flat = [([ring_order(topo, replicas)], 1.0)] if len(replicas) > 1 else []
+        flat = [([SyncRing(tuple(ring_order(topo, replicas)))], 1.0)] if len(replicas) > 1 else []
         if self.dp_mode != "dense" or self.dp_topology == "flat":
             return flat
         hier = self.hierarchical_phases(topo, replicas)

@@ -21,9 +21,11 @@ Model (DESIGN.md section 5; the runtime implements the same rules):
 * With ``dp_sync=True`` each stage syncs its replicas as soon as the last backward of the stage
   finished, in the phases of rings :meth:`CostModel.sync_phases` gives (one ring over all
   replicas, or with ``dp_topology`` hierarchical: the regions' rings, one ring per shard across
-  regions, the regions' rings again; each phase starts when the previous one ended); every ring is a ring
-  all-reduce for dense gradients (:meth:`CostModel.sync_steps`), a ring all-gather for
-  compressed payloads; its messages use the same link FIFOs.
+  regions, the regions' rings again; each phase starts when the previous one ended); every ring
+  runs its chains of messages (:meth:`~skiptrain.schedule.sync_rings.SyncRing.chains`: a ring
+  all-reduce for dense gradients, a ring all-gather for compressed payloads, a region's
+  reduce-scatter and all-gather in the hierarchical sum), each hop after the one before it; its
+  messages use the same link FIFOs.
   The iteration ends when every micro-batch is done and every stage is synced.
 
 ``simulate(..., contention=False, dp_sync=False)`` is the SkipPipe reference simulator's
@@ -254,11 +256,11 @@ class _Run:
             stt = sync_state[s]
             stt["phase"] += 1
             rings, share = stt["phases"][stt["phase"]]
-            stt["rings"] = [(ring, cost.sync_steps(len(ring))[0], share * cost.sync_steps(len(ring))[1])
-                            for ring in rings]
-            stt["left"] = sum(len(ring) for ring in rings)
-            for i, ring in enumerate(rings):
-                for r in range(len(ring)):
+            chains = [ring.chains(cost.sync_steps(len(ring))) for ring in rings]
+            stt["rings"] = [(ring.nodes, hops, share * frac) for ring, (_, hops, frac) in zip(rings, chains)]
+            stt["left"] = sum(len(starts) for starts, hops, _ in chains if hops)
+            for i, (starts, hops, _) in enumerate(chains):
+                for r in starts if hops else ():
                     sync_send(s, i, r, 0, t)
 
         def sync_send(s: int, i: int, r: int, k: int, t: float) -> None:

@@ -48,6 +48,7 @@ def main(rank: int, world: int, init: str, out: str, nan_rank: int) -> None:
         link = Emulation(Phase, topo, cost, rank).sync_link(list(range(1, world)))
         result["regions"] = [list(r) for r in link.regions] if isinstance(link, HierarchicalLinks) else None
         result["shards"] = [list(r) for r in link.shards] if isinstance(link, HierarchicalLinks) else None
+        result["owners"] = [list(r) for r in link.owners] if isinstance(link, HierarchicalLinks) else None
         g = torch.Generator().manual_seed(rank)
         x = torch.randn(10_007, generator=g)
         flat = Transport(group).all_reduce_sum(x.clone())

@@ -9,6 +9,7 @@ from skiptrain.net.topology import Node, Topology
 from skiptrain.schedule.cost import CostError, CostModel
 from skiptrain.schedule.schedule import MicroBatch, Schedule
 from skiptrain.schedule.simulator import simulate
+from skiptrain.schedule.sync_rings import SyncRing
 
 
 def _two_regions(region_sizes=(2, 2), intra_bw=1e9, inter_bw=1e8):
@@ -31,24 +32,41 @@ def test_regions_are_the_latency_clusters():
     assert _two_regions((2, 3)).region_of() == [0, 0, 1, 1, 1]
 
 
+def _nodes(rings):
+    return sorted(sorted(r.nodes) for r in rings)
+
+
 def test_hierarchical_time_hand_computed():
-    # 1e8 bytes over regions {0,1} and {2,3}:
-    # phase 1, each region's ring of 2: 2 steps of (1 ms + 5e7 B / 1e9 B/s) = 0.102 s
+    # 1e8 bytes over regions {0,1} and {2,3}, k = 2 (each region's first member sums shard 0):
+    # phase 1, each region's ring of 2 reduce-scatters to its 2 members: 1 step of
+    #   (1 ms + 5e7 B / 1e9 B/s) = 0.051 s
     # phase 2, k=2 shards of 5e7 B, rings {0,2} and {1,3}: 2 steps of (50 ms + 2.5e7 / 1e8) = 0.6 s
-    # phase 3 as phase 1: 0.102 s
+    # phase 3, the mirror gather: 0.051 s
     t, c = _two_regions(), _cost("hierarchical")
     phases = c.sync_phases(t, [0, 1, 2, 3], c.sync_bytes(0))
-    assert [sorted(map(sorted, rings)) for rings, _ in phases] == [[[0, 1], [2, 3]], [[0, 2], [1, 3]],
-                                                                  [[0, 1], [2, 3]]]
+    assert [_nodes(rings) for rings, _ in phases] == [[[0, 1], [2, 3]], [[0, 2], [1, 3]], [[0, 1], [2, 3]]]
+    assert [[r.op for r in rings] for rings, _ in phases] == [["scatter"] * 2, ["sum"] * 2, ["gather"] * 2]
+    assert [r.owners for r in phases[0][0]] == [(0, 1), (2, 3)]
     assert [share for _, share in phases] == [1.0, 0.5, 1.0]
-    assert c.dp_sync_s(t, [0, 1, 2, 3], 0) == pytest.approx(0.102 + 0.6 + 0.102)
+    assert c.dp_sync_s(t, [0, 1, 2, 3], 0) == pytest.approx(0.051 + 0.6 + 0.051)
     # flat: one ring of 4 crossing regions, 6 steps of (50 ms + 2.5e7 / 1e8) = 1.8 s
     assert _cost("flat").dp_sync_s(t, [0, 1, 2, 3], 0) == pytest.approx(1.8)
 
 
+def test_a_region_of_2k_members_or_more_all_reduces_instead():
+    # regions of 2 and 4, k = 2: the region of 4 would move (4-1)/2 of the bytes per link by
+    # scattering, 2 (4-1)/4 by all-reducing (equal: the all-reduce); 4 steps of (1 ms + 2.5e7 / 1e9)
+    t, c = _two_regions((2, 4)), _cost("hierarchical")
+    (first, _), _, (last, _) = c.sync_phases(t, list(range(6)), c.sync_bytes(0))
+    assert [(r.op, len(r)) for r in first] == [("scatter", 2), ("sum", 4)]
+    assert [(r.op, len(r)) for r in last] == [("gather", 2), ("sum", 4)]
+    assert c.ring_s(t, first[1], 1e8) == pytest.approx(6 * (0.001 + 2.5e7 / 1e9))
+    assert c.ring_s(t, first[0], 1e8) == pytest.approx(0.001 + 5e7 / 1e9)
+
+
 def test_auto_picks_the_faster_shape():
     t = _two_regions()
-    assert _cost("auto").dp_sync_s(t, [0, 1, 2, 3], 0) == pytest.approx(0.804)
+    assert _cost("auto").dp_sync_s(t, [0, 1, 2, 3], 0) == pytest.approx(0.702)
     slow_inside = _two_regions(intra_bw=1e6)      # the regions' own links are the slow ones
     hier = _cost("hierarchical").dp_sync_s(slow_inside, [0, 1, 2, 3], 0)
     flat = _cost("flat").dp_sync_s(slow_inside, [0, 1, 2, 3], 0)
@@ -63,8 +81,8 @@ def test_unequal_regions_and_degenerate_cases():
     assert share == 0.5 and len(rings) == 2          # k = the smallest region's count
     assert all(len(r) == 2 for r in rings)
     # one replica per region, or one region: the flat ring; a compressed sync is never hierarchical
-    assert c.sync_phases(t, [0, 2], c.sync_bytes(0)) == [([[0, 2]], 1.0)]
-    assert c.sync_phases(t, [2, 3, 4], c.sync_bytes(0)) == [([[2, 3, 4]], 1.0)]
+    assert c.sync_phases(t, [0, 2], c.sync_bytes(0)) == [([SyncRing((0, 2))], 1.0)]
+    assert c.sync_phases(t, [2, 3, 4], c.sync_bytes(0)) == [([SyncRing((2, 3, 4))], 1.0)]
     compressed = CostModel(dp_mode="compressed", compressed_payload_bytes=8, dp_topology="hierarchical")
     assert len(compressed.sync_phases(t, [0, 1, 2, 3], 8)) == 1
     with pytest.raises(CostError):
@@ -89,9 +107,10 @@ def test_simulator_charges_the_cost_models_sync():
     assert span["flat"] <= _cost("flat", 2, 1_000_000).dp_sync_s(t, [1, 2, 3, 4], 1)
     assert span["auto"] == pytest.approx(span["hierarchical"]) and span["hierarchical"] < span["flat"]
     hier = simulate(s, t, _cost("hierarchical", 2, 1_000_000), dp_sync=True)
-    # bytes on the wire (B = 4e6): phases 1 and 3, rings {1,2} and {3,4}: 2 members x 2 steps of B/2
-    # each, 4 B a phase; phase 2, shard rings {1,3} and {2,4} on B/2: 2 x 2 steps of B/4 each, 2 B
-    assert hier.bytes_sync == 10 * 4_000_000
+    # bytes on the wire (B = 4e6): phases 1 and 3, rings {1,2} and {3,4} scatter (gather) to both
+    # members: 2 chains x 1 hop of B/2 each, 2 B a phase; phase 2, shard rings {1,3} and {2,4} on
+    # B/2: 2 x 2 steps of B/4 each, 2 B
+    assert hier.bytes_sync == 6 * 4_000_000
     assert {e.node for e in hier.timeline if e.kind == "sync"} == {1, 2, 3, 4}
 
 
