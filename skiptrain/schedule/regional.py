@@ -285,7 +285,7 @@ def plan_regions(topo: Topology, cost: CostModel, cfg: Any, n_cells: int, search
         cell_sizes = [stage_sizes(len(g), cfg.n_stages, cfg.skip_ratio, cost, deep_ties=True) for g in groups]
     v = visits_per_route(cfg.skip_ratio, cfg.n_stages)
     quotas = deal_quotas(cfg.n_stages, v, [cs[0] * cfg.mb_per_originator for cs in cell_sizes])
-    info: dict[str, Any] = {"cells_s": clock.used(), "n_cells": n_cells}
+    info: dict[str, Any] = {"cells_s": clock.used(), "n_cells": len(groups), "cells_requested": n_cells}
     cells = _Cells(topo, cost, cfg, search)
     jobs = [(g, sz, q, None) for g, sz, q in zip(groups, cell_sizes, quotas)]
     info["deepened_cells"] = _plan_all(cells, clock, jobs)

@@ -186,3 +186,13 @@ def test_with_the_default_budget_a_cell_is_planned_again_deeper_within_the_limit
     info = s.meta["planner"]
     assert info["distinct_cells"] == 1 and info["deepened_cells"] == 1
     assert info["planner_cpu_s"] <= 1.5 * 3.0
+
+
+def test_the_plan_reports_the_cells_it_planned_not_the_count_asked_for():
+    # 5 cells asked of 60 geo12 nodes: the regions cut into 4 (none smaller than 3/4 of a cell)
+    from skiptrain.net.topology import geo12
+    from skiptrain.schedule.cost import reference_cost
+    s = plan(geo12(60), reference_cost(), _cfg(n_stages=6, cells=5, max_evals=2))
+    info = s.meta["planner"]
+    assert info["cells_requested"] == 5
+    assert info["n_cells"] == len(info["cells"]) == 4
