@@ -233,3 +233,25 @@ def test_a_node_serving_two_stages_moves_the_sync_state_of_both():
         assert any(n.split(".", 2)[2] in own for n in sync_names), f"stage {s}'s sync state is missing"
     tensors, _, _ = gather_state(model, opt, strats, [], set(sizes))
     assert {n for n in tensors if n.startswith("sync.")} == sync_names
+
+
+def test_the_freezing_state_a_checkpoint_carries_is_a_copy_taken_when_asked():
+    # an asynchronous checkpoint serialises the state after the next iteration's transition has
+    # appended to the live layout history; what it was handed must not move with it
+    from types import SimpleNamespace
+
+    from skiptrain.runtime.freezing import SwarmFreezing
+
+    fz = object.__new__(SwarmFreezing)
+    rule = {"windows": [1, 2]}
+    fz.__dict__.update(frozen=1, counts=[4, 2], pending=None, start_stages=4, start_groups=[[0], [1], [2], [3]],
+                       freezer=SimpleNamespace(rule=SimpleNamespace(state_dict=lambda: rule)), layouts=[{"at": 4, "counts": [4, 2]}],
+                       transitions=[{"step": 4}], st=SimpleNamespace(sched=SimpleNamespace(to_dict=lambda: {"m": 2})),
+                       guard_s=0.5, prefix_cached=0, pending_cache=None)
+    saved = fz.state_dict()
+    fz.layouts.append({"at": 6, "counts": [4, 1]})
+    fz.transitions.append({"step": 6})
+    fz.counts[1] = 1
+    rule["windows"].append(3)
+    assert saved["layouts"] == [{"at": 4, "counts": [4, 2]}] and saved["transitions"] == [{"step": 4}]
+    assert saved["counts"] == [4, 2] and saved["rule"] == {"windows": [1, 2]}
