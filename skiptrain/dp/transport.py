@@ -23,8 +23,8 @@ hierarchical shape for the bytes at hand, :meth:`Transport.all_reduce_sum` runs 
 three phases (:meth:`skiptrain.schedule.cost.CostModel.sync_phases`) point to point inside the
 group: every region reduce-scatters over its ring so that piece ``j`` of ``k`` is summed at its
 ``j``-th member; piece ``j`` is summed over the ring of every region's ``j``-th member; every
-region gathers the pieces back over its ring.  A region with ``2k`` members or more sums over its
-ring instead, twice, the second time each member contributing the piece it summed across regions
+region gathers the pieces back over its ring.  A region with more than ``2k`` members sums over
+its ring instead, twice, the second time each member contributing the piece it summed across regions
 (zeros elsewhere, none for a member without a piece).  Each ring runs the chains of
 :mod:`skiptrain.schedule.sync_rings` over ``isend``/``irecv`` (:meth:`Transport.ring_pass`; a sum
 is a reduce-scatter then an all-gather, :meth:`Transport.ring_sum`), so every member ends with the
@@ -43,8 +43,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from .accountant import ByteAccountant
 from ..schedule.sync_rings import chain_starts, moves_at
+from .accountant import ByteAccountant
 from .link import HierarchicalLinks, LinkModel
 
 
@@ -132,12 +132,13 @@ class Transport:
             self.ring_sum(pieces[j], links.shards[j])
         if owners:
             self.ring_pass(flat, region, "gather", owners)
-            return
-        keep = pieces[j].clone() if j is not None else None
-        flat.zero_()
-        if keep is not None:
-            pieces[j].copy_(keep)
-        self.ring_sum(flat, region)
+        else:
+            keep = pieces[j].clone() if j is not None else None
+            flat.zero_()
+            if keep is not None:
+                pieces[j].copy_(keep)
+            self.ring_sum(flat, region)
+        flat.add_(0.0)        # (-0.0 + 0.0 is +0.0: the regions that summed with zeros and those that copied agree)
 
     def ring_sum(self, x: torch.Tensor, ring: tuple[int, ...]) -> None:
         """Sum 1-D contiguous ``x`` in place over the group ranks ``ring`` (this rank among them;

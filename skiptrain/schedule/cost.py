@@ -40,7 +40,7 @@ Semantics (the simulator, the planner and the benches all use these and only the
   made of every region's ``j``-th replica (``k`` rings at once, on distinct links); (3) every region
   spreads the total over its ring again.  A region of ``m`` replicas does (1) as a reduce-scatter
   that leaves shard ``j``'s region sum on its ``j``-th replica and (3) as the mirror all-gather
-  (``m - 1`` steps of ``bytes / k`` each) while ``m < 2k``; a region with more replicas than that
+  (``m - 1`` steps of ``bytes / k`` each) while ``m <= 2k``; a region with more replicas than that
   does both as all-reduces (``2 (m-1)`` steps of ``bytes / m``; in (3) every member contributes the
   shard it summed across regions, zeros elsewhere), which is then the cheaper
   (:mod:`skiptrain.schedule.sync_rings`: the rings and their chains of messages).  Every ring step

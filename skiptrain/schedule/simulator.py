@@ -262,6 +262,8 @@ class _Run:
             for i, (starts, hops, _) in enumerate(chains):
                 for r in starts if hops else ():
                     sync_send(s, i, r, 0, t)
+            if stt["left"] == 0 and stt["phase"] + 1 < len(stt["phases"]):    # (a phase with nothing to send)
+                start_phase(s, t)
 
         def sync_send(s: int, i: int, r: int, k: int, t: float) -> None:
             stt = sync_state[s]
@@ -277,10 +279,10 @@ class _Run:
             """Ring ``i`` of stage ``s``'s phase: position ``r`` received step ``k`` at ``t``."""
             stt = sync_state[s]
             ring, steps, _ = stt["rings"][i]
+            stt["end"][ring[r]] = max(t, stt["end"].get(ring[r], t))
             if k + 1 < steps:
                 sync_send(s, i, r, k + 1, t)
                 return
-            stt["end"][ring[r]] = t
             stt["left"] -= 1
             if stt["left"] == 0 and stt["phase"] + 1 < len(stt["phases"]):
                 start_phase(s, t)

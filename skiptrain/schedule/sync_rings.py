@@ -10,8 +10,8 @@ the one before.  What a ring does with the ``B`` bytes its phase gives it (``op`
 * ``"scatter"``: a reduce-scatter into ``k`` pieces that ends with piece ``j`` summed at its
   owner, ``owners[j]``: chain ``j`` starts at the member after the owner and makes ``m - 1`` hops
   of ``B / k``, every receiver adding its own piece ``j``.  With ``k`` owners among ``m >= k``
-  members it moves ``(m-1) / k`` of ``B`` per link, against ``2 (m-1) / m`` for ``"sum"``: the
-  cheaper while ``m < 2k`` (:func:`scatter_pays`).
+  members it moves ``(m-1) / k`` of ``B`` per link in ``m - 1`` steps, against ``2 (m-1) / m``
+  in ``2 (m-1)`` steps for ``"sum"``: the cheaper while ``m <= 2k`` (:func:`scatter_pays`).
 * ``"gather"``: its mirror: chain ``j`` starts at ``owners[j]`` and makes ``m - 1`` hops of
   ``B / k``, every receiver keeping piece ``j``.
 
@@ -30,9 +30,11 @@ RING_OPS = ("sum", "scatter", "gather")
 
 
 def scatter_pays(members: int, owners: int) -> bool:
-    """Whether a reduce-scatter to ``owners`` pieces (then its gather) moves fewer bytes over a
-    ring of ``members`` than an all-reduce does: ``(m-1)/k < 2 (m-1)/m``, that is ``m < 2k``."""
-    return members > 1 and members < 2 * owners
+    """Whether a reduce-scatter to ``owners`` pieces (then its gather) is the cheaper pass over a
+    ring of ``members`` than an all-reduce: it moves ``(m-1)/k`` of the bytes per link against
+    ``2 (m-1)/m``, in ``m - 1`` steps against ``2 (m-1)``; so while ``m <= 2k`` (at ``m = 2k`` the
+    same bytes in half the steps)."""
+    return 1 < members <= 2 * owners
 
 
 def chain_starts(m: int, op: str, owner_pos: Sequence[int]) -> list[int]:
@@ -69,7 +71,10 @@ class SyncRing:
     def __post_init__(self) -> None:
         if self.op not in RING_OPS:
             raise ValueError(f"ring op {self.op!r} is not one of {RING_OPS}")
-        if (self.op == "sum") != (not self.owners) or not set(self.owners) <= set(self.nodes):
+        if len(set(self.nodes)) != len(self.nodes):
+            raise ValueError(f"a ring lists a member twice: {self.nodes}")
+        if (self.op == "sum") != (not self.owners) or not set(self.owners) <= set(self.nodes) \
+                or len(set(self.owners)) != len(self.owners):
             raise ValueError(f"a {self.op!r} ring's owners {self.owners} do not fit its members {self.nodes}")
 
     def __len__(self) -> int:

@@ -59,11 +59,13 @@ def test_a_sum_ring_is_every_member_owning_one_piece():
     assert SyncRing((4,)).chains((0, 0.0)) == ([], 0, 0.0)
 
 
-def test_scatter_pays_below_twice_the_owners():
-    # bytes per link: scatter (m-1)/k, all-reduce 2 (m-1)/m
+def test_scatter_pays_up_to_twice_the_owners():
+    # per link, scatter: (m-1)/k of the bytes in m-1 steps; all-reduce: 2 (m-1)/m in 2 (m-1)
     for m in range(1, 12):
         for k in range(1, m + 1):
-            assert scatter_pays(m, k) == (m > 1 and (m - 1) / k < 2 * (m - 1) / m)
+            fewer_bytes = (m - 1) / k < 2 * (m - 1) / m
+            same_bytes = (m - 1) / k == 2 * (m - 1) / m
+            assert scatter_pays(m, k) == (m > 1 and (fewer_bytes or same_bytes))
 
 
 def test_bad_rings_are_refused():
@@ -75,3 +77,7 @@ def test_bad_rings_are_refused():
         SyncRing((0, 1), "sum", (0,))
     with pytest.raises(ValueError):
         SyncRing((0, 1), "tree")
+    with pytest.raises(ValueError):
+        SyncRing((0, 1, 2), "scatter", (1, 1))       # an owner twice: a piece would never be sent
+    with pytest.raises(ValueError):
+        SyncRing((0, 0, 1))
