@@ -28,6 +28,7 @@ import torch.distributed as dist
 from ..failure import EXIT_FENCED, EXIT_PEER_FAILED, Heartbeat, NodeFailure, abort_process, write_error
 from ..membership import key_from_env, open_value, read_raw, set_member
 from ..shipping import RowPublisher
+from ..store import NO_COORDINATOR
 
 STOP_KEY = "stop"     # set by the launcher (Ctrl-C / SIGTERM): end at the next iteration boundary
 
@@ -109,6 +110,17 @@ class CoordinatorLink:
         """Whether the launcher asked to stop: ``stop`` in the store, signed by the coordinator in a
         run with a secret (a request anyone else wrote is printed once and ignored)."""
         return self.stop_reason() is not None
+
+    def stop_code(self) -> float:
+        """This node's stop flag for the iteration start's agreement (the strongest wins): 0 none,
+        1 the launcher's stop, 2 the store's for want of a coordinator."""
+        reason = self.stop_reason()
+        return 0.0 if reason is None else 2.0 if reason == NO_COORDINATOR else 1.0
+
+    def agree_stop(self, code: float) -> None:
+        """The stop every node agreed on (the largest :meth:`stop_code`): its reason is this node's
+        too (it decides the exit status), whether or not this node read the request itself."""
+        self.stopped_for = NO_COORDINATOR if code >= 2 else self.stopped_for or "1"
 
     def stop_reason(self) -> str | None:
         """The signed stop request's value (``1``: the launcher's; the store's when the run had no

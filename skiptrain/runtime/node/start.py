@@ -1,8 +1,11 @@
 """The common start of an iteration: every node agrees whether to stop and when to start.
 
-Rank 0 gathers every node's stop flag and answers with one broadcast of (any stop, start time =
-its clock + the start margin, its clock); each node then waits for the start time on its own
-clock.  The margin follows the network: twice the slowest receipt of the start time over the
+Rank 0 gathers every node's stop flag and answers with one broadcast of (the strongest stop,
+start time = its clock + the start margin, its clock); each node then waits for the start time on
+its own clock.  A stop carries its reason (:meth:`~skiptrain.runtime.node.coordinator_link.
+CoordinatorLink.stop_code`): every node ends for the reason agreed on, whether or not it read the
+request itself before the gather (a node that stops for want of a coordinator while its peers
+think the run finished would leave its supervisor alone to wait for the next coordinator).  The margin follows the network: twice the slowest receipt of the start time over the
 last :data:`START_WINDOW` iterations, within :data:`START_MARGIN_S`.
 
 Failure semantics: the exchange is the control plane's (it gives up on a new generation); a node
@@ -41,13 +44,15 @@ class IterationStart:
         control, link = self.control, self.control.link
         if link.watch is not None and not link.hb.lease_holds():
             link.lease_expired(f"node {control.rank}: its lease ran out before an iteration's start")
-        flags = control.gather_at_root(torch.tensor([1.0 if link.stop_requested() else 0.0], dtype=torch.float64))
+        flags = control.gather_at_root(torch.tensor([link.stop_code()], dtype=torch.float64))
         tt = torch.zeros(3, dtype=torch.float64)
         if flags is not None:
             stamp = time.time()
             tt[:] = torch.tensor([float(flags.max()), stamp + self.margin, stamp], dtype=torch.float64)
         control.sync(dist.broadcast, tt, 0)
         stop, t0, stamp = bool(tt[0] > 0), float(tt[1]), float(tt[2])
+        if stop:
+            link.agree_stop(float(tt[0]))
         if stop or not wait:
             return stop, t0, 0.0
         now = time.time()
