@@ -89,6 +89,7 @@ from skiptrain.runtime.wan import scale_topology  # noqa: E402
 STAGE_FWD_S = 1.76        # SkipPipe: a stage's forward of one micro-batch (4 layers x 8 samples x 0.055 s)
 HOP_BYTES = 32 * 2 ** 20  # SkipPipe: one hop's activations
 BASELINE, FLAGSHIP = "baseline", "flagship"
+DP_NAMES = {"demo": "DeMo", "powersgd": "PowerSGD", "sparseloco": "SparseLoCo"}
 QUICK_MODEL = {"d_model": 64, "n_layers": 4, "n_heads": 4, "n_kv_heads": 2, "seq_len": 64, "stage0_layers": 1}
 #: the `small` preset narrowed to d_model 192 and seq 64 (4.8M parameters): 150 baseline iterations x 3 seeds,
 #: the flagship's ladder and the tuning fit in about an hour on 2 cores (the 8.0M `small` at seq 128 does not)
@@ -104,6 +105,7 @@ def settings(args) -> dict:
         s = {"nodes": 16, "model": FULL_MODEL, "baseline_steps": 150, "ckpt_every": 5, "check_every": 5,
              "time_scale": 1 / 6, "ladder": (0.5, 0.75, 1.0), "tune_at": 0.75, "seeds": 3, "follow": 1, "period": 5}
     s["last_seeds"], s["freeze"] = args.last_rung_seeds, not args.no_freeze
+    s["flagship_set"] = args.flagship_set.split() if args.flagship_set else []
     for k in ("nodes", "baseline_steps", "time_scale", "seeds", "follow"):
         if getattr(args, k, None) is not None:
             s[k] = getattr(args, k)
@@ -144,9 +146,11 @@ def sides(s: dict) -> dict[str, Side]:
                     "ckpt_max_age": 2 * ck},
         "elastic": {"enabled": True, "check_every": s["check_every"], "cache": "off", "start_window": 2,
                     "guard_batches": 4, "min_active": 2} if s["freeze"] else {"enabled": False}})
+    flag = with_overrides(flag, s.get("flagship_set", []))
+    dp = next(o.split("=", 1)[1] for o in flag if o.startswith("dp.strategy="))
     return {BASELINE: Side("full pipeline, AdamW + fp32 all-reduce", ["train.skip_ratio=0", "dp.strategy=allreduce"],
                            {"lr": lrs(1e-3, 2e-3, 4e-3)}, start={"lr": 1}),
-            FLAGSHIP: Side("skip routes, DeMo, int8, freezing, checkpoints, recovery", flag,
+            FLAGSHIP: Side(f"skip routes, {DP_NAMES.get(dp, dp)}, int8, freezing, checkpoints, recovery", flag,
                            {"lr": lrs(1e-3, 2e-3, 4e-3)}, ladder=s["ladder"], tune_at=s["tune_at"], start={"lr": 1})}
 
 
@@ -571,6 +575,8 @@ def parse_args(argv):
     ap.add_argument("--keep", default=None, help="work folder (its records are reused); default a new runs/bench folder")
     ap.add_argument("--any-code", action="store_true",
                     help="reuse the work folder's records whatever code trained them (default: only this code's)")
+    ap.add_argument("--flagship-set", default=None, metavar="OVERRIDES",
+                    help="replace the flagship's own settings, e.g. 'dp.strategy=powersgd' (space-separated)")
     ap.add_argument("--try", dest="try_", action="append", default=None, metavar="OVERRIDES",
                     help="no race: one flagship run (first seed, emulation off) with these space-separated overrides "
                          "in place of the flagship's, e.g. 'train.lr=1e-3 dp.topk=16'; repeatable")
