@@ -49,6 +49,8 @@ EXIT_FAILED = 3            # this node hit an error (its own or a peer's)
 EXIT_PEER_FAILED = 4       # this node stopped because a peer failed
 EXIT_FENCED = 6            # this node's lease ran out: it stopped its own work (self-fencing)
 EXIT_NO_COORDINATOR = 7    # stopped at a boundary: the run had no coordinator for too long (resume it)
+#: the value of the run's signed stop request when it had no coordinator for too long (skiptrain.runtime.store)
+NO_COORDINATOR = "no-coordinator"
 
 
 class NodeFailure(RuntimeError):

@@ -21,7 +21,8 @@ the live run over from it.
 **A coordinator that does not come back.**  The coordinator raises a signed counter,
 ``coord/alive``, every heartbeat (:class:`CoordinatorWatch`).  When it has not changed for
 ``--coordinator-wait`` seconds on this process's clock, the store asks the nodes to stop at the
-next iteration boundary (``stop``, signed, value :data:`NO_COORDINATOR`: they exit with
+next iteration boundary (``stop``, signed, value
+:data:`~skiptrain.runtime.failure.NO_COORDINATOR`: they exit with
 :data:`~skiptrain.runtime.failure.EXIT_NO_COORDINATOR` and their supervisors wait for a new
 coordinator), marks itself closing (:data:`CLOSING_KEY`: a new coordinator then resumes from the
 last committed checkpoint instead of taking this store over) and exits once every node is done or
@@ -49,8 +50,6 @@ IDLE_EXIT_S = 600.0
 ALIVE_KEY = "coord/alive"
 #: Signed by the store once it asked the nodes to stop for want of a coordinator.
 CLOSING_KEY = "store/closing"
-#: The value of the nodes' stop request then.
-NO_COORDINATOR = "no-coordinator"
 #: After that request, the store exits once every node is done or silent, or this much later.
 CLOSE_WAIT_S = 120.0
 
@@ -135,8 +134,10 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def close_for_want_of_coordinator(store, key: bytes | None, wait_s: float) -> None:
-    """Ask every node to stop at its next iteration boundary (:data:`NO_COORDINATOR`), and say
-    that this store is closing (a new coordinator must not take it over)."""
+    """Ask every node to stop at its next iteration boundary
+    (:data:`~skiptrain.runtime.failure.NO_COORDINATOR`), and say that this store is closing (a new
+    coordinator must not take it over)."""
+    from .failure import NO_COORDINATOR
     from .membership import sign
     from .node.coordinator_link import STOP_KEY as RUN_STOP_KEY
 

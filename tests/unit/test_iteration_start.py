@@ -10,7 +10,7 @@ from skiptrain.runtime.membership import coordinator_key, sign
 from skiptrain.runtime.node import STOP_KEY
 from skiptrain.runtime.node.coordinator_link import CoordinatorLink
 from skiptrain.runtime.node.start import IterationStart
-from skiptrain.runtime.store import NO_COORDINATOR
+from skiptrain.runtime.failure import NO_COORDINATOR
 
 SECRET = "s3cret"
 

@@ -25,10 +25,10 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from ..failure import EXIT_FENCED, EXIT_PEER_FAILED, Heartbeat, NodeFailure, abort_process, write_error
+from ..failure import (EXIT_FENCED, EXIT_PEER_FAILED, NO_COORDINATOR, Heartbeat, NodeFailure, abort_process,
+                       write_error)
 from ..membership import key_from_env, open_value, read_raw, set_member
 from ..shipping import RowPublisher
-from ..store import NO_COORDINATOR
 
 STOP_KEY = "stop"     # set by the launcher (Ctrl-C / SIGTERM): end at the next iteration boundary
 
@@ -124,7 +124,7 @@ class CoordinatorLink:
 
     def stop_reason(self) -> str | None:
         """The signed stop request's value (``1``: the launcher's; the store's when the run had no
-        coordinator for too long: :data:`~skiptrain.runtime.store.NO_COORDINATOR`), else None."""
+        coordinator for too long: :data:`~skiptrain.runtime.failure.NO_COORDINATOR`), else None."""
         raw = read_raw(self.hb_store, STOP_KEY)
         if raw is None:
             return None

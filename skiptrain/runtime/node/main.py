@@ -150,7 +150,7 @@ def main(argv: list[str] | None = None, node_class: type[Node] = Node) -> int:
 def _exit_code(node) -> int:
     """0, or :data:`~skiptrain.runtime.failure.EXIT_NO_COORDINATOR` when the nodes stopped because
     the run had no coordinator for too long (its supervisor then waits for a new one)."""
-    from ..store import NO_COORDINATOR
+    from ..failure import NO_COORDINATOR
 
     stopped_for_want = node.stopped and node.control.link.stopped_for == NO_COORDINATOR
     return EXIT_NO_COORDINATOR if stopped_for_want else 0
