@@ -106,14 +106,10 @@ class CoordinatorLink:
         if self.job.rt.recover:
             self.store.set(f"ack/{self.gen}/{self.rank}", repr(time.time()))
 
-    def stop_requested(self) -> bool:
-        """Whether the launcher asked to stop: ``stop`` in the store, signed by the coordinator in a
-        run with a secret (a request anyone else wrote is printed once and ignored)."""
-        return self.stop_reason() is not None
-
     def stop_code(self) -> float:
         """This node's stop flag for the iteration start's agreement (the strongest wins): 0 none,
-        1 the launcher's stop, 2 the store's for want of a coordinator."""
+        1 the launcher's stop, 2 the store's for want of a coordinator; only a request signed by the
+        coordinator counts (anyone else's is printed once and ignored, :meth:`stop_reason`)."""
         reason = self.stop_reason()
         return 0.0 if reason is None else 2.0 if reason == NO_COORDINATOR else 1.0
 
