@@ -62,9 +62,11 @@ class Runner:
     key by the same code.  ``config(overrides, steps, seed)`` builds a run's config;
     ``launch(cfgs, run_dir)`` trains them (one launch folder each call) and returns their records
     in order.  Each record carries :func:`code_version`; one of other code (or of none) stays in
-    the file but is not reused unless ``any_code`` (said in one line)."""
+    the file but is not reused unless ``any_code`` (said in one line), and then only where
+    ``any_code_ok(key)`` holds (a bench keeps timed runs to the code that timed them)."""
 
-    def __init__(self, folder: Path, config: Callable, launch: Callable, any_code: bool = False):
+    def __init__(self, folder: Path, config: Callable, launch: Callable, any_code: bool = False,
+                 any_code_ok: Callable[[str], bool] = lambda key: True):
         self.folder, self.config, self.launch = folder, config, launch
         self.path = folder / "records.jsonl"
         self.code = code_version()
@@ -74,7 +76,7 @@ class Runner:
             for line in self.path.read_text().splitlines():
                 if line.strip():
                     d = json.loads(line)
-                    if any_code or d.get("code") == self.code:
+                    if d.get("code") == self.code or (any_code and any_code_ok(d["key"])):
                         self.recs[d["key"]] = d["rec"]
                     else:
                         other += 1
@@ -233,10 +235,11 @@ def print_rungs(out: dict) -> None:
 
 
 def print_tuning(out: dict) -> None:
-    print("\ntuning (first seed, final val at the side's target length):")
+    print("\ntuning (first seed, final val at the side's target length, or at each rung's):")
     for n, tu in out["tuning"].items():
-        for t in tu["trials"]:
-            print(f"  {n:12s} {tu.get('steps', '-')!s:>5s} steps  {t['val']:.4f}  {' '.join(t['settings'])}")
+        for tu1 in tu.get("per_rung", [tu]):
+            for t in tu1["trials"]:
+                print(f"  {n:12s} {tu1.get('steps', '-')!s:>5s} steps  {t['val']:.4f}  {' '.join(t['settings'])}")
 
 
 def plot_race(out: dict, path: str, titles: tuple[str, str], xlabel: str) -> None:

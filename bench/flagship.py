@@ -30,7 +30,9 @@ Four phases:
    processes' CPU seconds over the cores) stays below half of the flagship's simulated iteration.
 2. **Tuning** (emulation off, same layouts, routes, replica groups, data order): each side's
    learning rate on the same small grid at the side's target length, first seed; a rate that
-   wins at an edge of its grid is followed past it (``--follow`` times).
+   wins at an edge of its grid is followed past it (``--follow`` times).  ``--tune-rungs``:
+   the flagship's grid at every rung's own length instead (each rung runs its own winner), so
+   at equal tokens both sides are tuned at the baseline's length.
 3. **Race** (emulation off): the baseline at its length, the flagship on a ladder of lengths
    (the baseline's iterations -- equal tokens -- then fractions of the iterations that fit in
    the baseline's wall-clock on this machine's clock), every run with its own cosine schedule
@@ -43,7 +45,9 @@ Four phases:
    against the same run without events, and its cost in seconds on this machine.
 
 Records are kept as they arrive in ``records.jsonl`` of the work folder; ``--keep DIR`` reuses a
-folder's records (a run cut short goes on where it stopped).  ``--quick``: 8 nodes, a tiny
+folder's records (a run cut short goes on where it stopped); a record is reused only by the code
+that trained it, or with ``--any-code`` by any code when it is a learning run (emulation off:
+its arithmetic is the sync's and the optimizer's), never when it is a timed run.  ``--quick``: 8 nodes, a tiny
 model, short runs, the same code path.  ``--try OVERRIDES`` (repeatable) runs no race: one flagship
 learning run per set of overrides in place of the flagship's (first seed, emulation off, at the
 tuning length, its records in the same cache), ``--try-timing`` also times each set.
@@ -309,15 +313,21 @@ def race(args, s: dict, runner: Runner) -> dict:
     out = {"baseline_steps": B, "baseline_machine_s": base_s, "sides": {}}
     for n, side in side_of.items():
         clock = clocks[n]
-        steps = B if n == BASELINE else rung_steps(side.tune_at, base_s, clock["machine"], s["period"])
-        tuning = untuned(side) if args.no_tune else tune(runner, side, steps, follow=s["follow"])
-        settings = side.base + tuning["winner"]
         lengths = [(None, B)] if n == BASELINE else ladder(side, B, base_s, clock["machine"], s["period"])
         seeds = [s["seeds"]] * (len(lengths) - 1) + [s["last_seeds"] or s["seeds"]] if n == FLAGSHIP else [s["seeds"]]
-        rungs = [rung(runner, settings, st, k, clock, f) for (f, st), k in zip(lengths, seeds)]
-        for r, (_, st), k in zip(rungs, lengths, seeds):
-            r["frozen"] = [runner.recs[runner.key(settings, st, sd)].get("frozen") for sd in range(k)]
-        out["sides"][n] = {"label": side.label, "settings": settings, "clock": clock, "tuning": tuning,
+        # tuned once at the target length (the baseline's own), or (--tune-rungs) every rung at its own length
+        at = [st for _, st in lengths] if n == FLAGSHIP and args.tune_rungs else \
+            [B if n == BASELINE else rung_steps(side.tune_at, base_s, clock["machine"], s["period"])]
+        tuned = {st: untuned(side) if args.no_tune else tune(runner, side, st, follow=s["follow"]) for st in at}
+        rungs = []
+        for (f, st), k in zip(lengths, seeds):
+            settings = side.base + tuned.get(st, tuned[at[0]])["winner"]
+            r = rung(runner, settings, st, k, clock, f)
+            r.update(settings=settings, frozen=[runner.recs[runner.key(settings, st, sd)].get("frozen") for sd in range(k)])
+            rungs.append(r)
+        tuning = tuned[at[0]] if len(at) == 1 else {"per_rung": list(tuned.values())}
+        out["sides"][n] = {"label": side.label, "settings": next(r["settings"] for r in rungs if r["steps"] == B)
+                           if any(r["steps"] == B for r in rungs) else rungs[-1]["settings"], "clock": clock, "tuning": tuning,
                            "rungs": rungs}
     return out
 
@@ -570,11 +580,14 @@ def parse_args(argv):
     ap.add_argument("--follow", type=int, default=None, help="edge-of-grid learning-rate steps (default 1; quick 0)")
     ap.add_argument("--time-scale", type=float, default=None, help="emulated / geo12 seconds (default 1/6; quick 1/16)")
     ap.add_argument("--no-tune", action="store_true", help="race at each side's starting settings")
+    ap.add_argument("--tune-rungs", action="store_true",
+                    help="tune the flagship's grid at every rung's own length (default: once, at the target length)")
     ap.add_argument("--no-freeze", action="store_true", help="the flagship without elastic freezing")
     ap.add_argument("--no-events", action="store_true", help="skip the events run")
     ap.add_argument("--keep", default=None, help="work folder (its records are reused); default a new runs/bench folder")
     ap.add_argument("--any-code", action="store_true",
-                    help="reuse the work folder's records whatever code trained them (default: only this code's)")
+                    help="reuse the work folder's learning records whatever code trained them (default: only this "
+                         "code's; a timed run is always this code's)")
     ap.add_argument("--flagship-set", default=None, metavar="OVERRIDES",
                     help="replace the flagship's own settings, e.g. 'dp.strategy=powersgd' (space-separated)")
     ap.add_argument("--try", dest="try_", action="append", default=None, metavar="OVERRIDES",
@@ -607,7 +620,7 @@ def main(argv=None) -> int:
               f"processes, baseline {s['baseline_steps']} iterations, ladder {s['ladder']}, freezing "
               f"{'on' if s['freeze'] else 'off'}", flush=True)
         runner = Runner(folder, functools.partial(run_config, args, base), functools.partial(race_launch, args),
-                        any_code=args.any_code)
+                        any_code=args.any_code, any_code_ok=lambda key: "runtime.wan=true" not in key)
         if args.try_:
             return write_json(args, explore(args, s, runner))
         out = score(race(args, s, runner))
