@@ -34,7 +34,7 @@ def update_rule_of(dp_cfg) -> str:
 
 
 def make_strategy(dp_cfg, named_params: Iterable[tuple[str, torch.nn.Parameter]], group=None,
-                  optimizer_cfg=None, link: LinkModel | RingLinks | None = None) -> SyncStrategy:
+                  optimizer_cfg=None, link: LinkModel | RingLinks | None = None, wait=None) -> SyncStrategy:
     """Build the strategy ``dp_cfg.strategy`` for ``named_params`` replicated over ``group``.
 
     ``dp_cfg`` is a :class:`skiptrain.config.DPConfig`; ``optimizer_cfg`` a
@@ -43,7 +43,8 @@ def make_strategy(dp_cfg, named_params: Iterable[tuple[str, torch.nn.Parameter]]
     initialised).  ``link`` overrides the link emulation of ``dp_cfg`` (``dp.link`` or
     ``link_up_mbps`` etc., :meth:`LinkModel.from_config`).  The strategy's state lives on the
     parameters' device; collectives run there with ``dp.backend=nccl`` (``group`` an NCCL group),
-    on the host with gloo.
+    on the host with gloo.  ``wait`` (a swarm node's): how each collective's work is waited for
+    (:class:`~skiptrain.dp.transport.Transport`; None: blocking calls).
     """
     from ..config import TrainConfig
 
@@ -54,7 +55,7 @@ def make_strategy(dp_cfg, named_params: Iterable[tuple[str, torch.nn.Parameter]]
     named_params = list(named_params)
     on_params = next((p.device for _, p in named_params), torch.device("cpu"))
     comm = on_params if getattr(dp_cfg, "backend", "gloo") == "nccl" else torch.device("cpu")
-    tr = Transport(group, link, ByteAccountant(1), comm)
+    tr = Transport(group, link, ByteAccountant(1), comm, wait)
     tr.acct.world = tr.world
     return STRATEGIES[dp_cfg.strategy](named_params, tr, dp_cfg, optimizer_cfg or TrainConfig())
 

@@ -11,7 +11,10 @@ and the result copied back into it, so strategies hand in tensors on their param
 
 Failure semantics: a dead peer makes gloo raise within the group's timeout (set it short, e.g.
 ``timedelta(seconds=60)`` in ``init_process_group``); the error propagates to the caller
-unchanged.  Nothing here retries.  An all-reduce whose sum is not finite (checked on its total:
+unchanged.  ``wait`` (optional) waits for each collective's work instead of blocking in it: a
+swarm node's waits give up as soon as its membership changes (raising), so a sync whose peer
+left it is abandoned at once rather than after the group's timeout (the hierarchical sum's
+point-to-point steps block: gloo's send and receive works never report completion).  Nothing here retries.  An all-reduce whose sum is not finite (checked on its total:
 one pass at memory speed) is done again as an all-gather of every member's contribution (built
 again by the caller's ``contribution``, or a copy kept): members that sent a non-finite value are
 named in a :class:`NonFiniteContribution` (global ranks), so the caller can blame the sender and
@@ -59,8 +62,10 @@ class NonFiniteContribution(RuntimeError):
 
 class Transport:
     def __init__(self, group=None, link: LinkModel | None = None,
-                 accountant: ByteAccountant | None = None, device: torch.device | None = None):
+                 accountant: ByteAccountant | None = None, device: torch.device | None = None,
+                 wait: Callable | None = None):
         self.group = group
+        self.wait = wait        # (work) -> None: how a collective's work is waited for (None: block in it)
         self.device = device or torch.device("cpu")
         self.distributed = dist.is_available() and dist.is_initialized()
         if self.distributed:
@@ -74,6 +79,13 @@ class Transport:
         self.acct = accountant or ByteAccountant(self.world)
         self.emulated_s = 0.0
         self.comm_s = 0.0  # wall time inside collectives, emulated delay included
+
+    def _collective(self, fn, *args, **kw) -> None:
+        """``fn(*args, **kw)`` on this group, waited for by :attr:`wait` where set."""
+        if self.wait is None:
+            fn(*args, group=self.group, **kw)
+        else:
+            self.wait(fn(*args, group=self.group, async_op=True, **kw))
 
     def _delay(self, seconds: float) -> None:
         if seconds > 0:
@@ -89,7 +101,7 @@ class Transport:
         t0 = time.perf_counter()
         t = torch.from_numpy(buf).to(self.device)
         out = [torch.empty_like(t) for _ in range(self.world)]
-        dist.all_gather(out, t, group=self.group)
+        self._collective(dist.all_gather, out, t)
         self._delay(self.link.all_gather_s(buf.size, self.world))
         self.comm_s += time.perf_counter() - t0
         return [o.cpu().numpy() for o in out]
@@ -108,7 +120,7 @@ class Transport:
                     self.link.hierarchical(nbytes, self.world):
                 self._hierarchical_sum(on.view(-1), self.link)
             else:
-                dist.all_reduce(on, op=dist.ReduceOp.SUM, group=self.group)
+                self._collective(dist.all_reduce, on, op=dist.ReduceOp.SUM)
             if on is not t:
                 t.copy_(on)
             self._delay(self.link.all_reduce_s(nbytes, self.world))
@@ -169,7 +181,7 @@ class Transport:
             if into is not None and parts[into].numel():
                 buf = torch.empty_like(parts[into])
                 works.append(dist.irecv(buf, group=self.group, group_src=prv))
-            for w in works:
+            for w in works:     # (blocking: gloo's send and receive works never report completion)
                 w.wait()
             if buf is None:
                 continue
@@ -202,7 +214,7 @@ class Transport:
         t0 = time.perf_counter()
         on = t.contiguous().to(self.device)
         out = [torch.empty_like(on) for _ in range(self.world)]
-        dist.all_gather(out, on, group=self.group)
+        self._collective(dist.all_gather, out, on)
         out = [o.to(t.device) for o in out]
         if account:
             self._delay(self.link.all_gather_s(t.numel() * t.element_size(), self.world))

@@ -19,8 +19,9 @@ is ``{"node", "kind", "phase", "iteration", "where", "delay_s", "factor"}``:
 * ``diverge``: this node's copy of ``tensor`` (default ``norm.weight``) drifts by ``by`` (default
   1e-3) before the iteration's step (replicas no longer identical, unless every replica drifts).
 
-``where`` is ``start`` (default), ``after_pipeline``, ``after_commit`` or ``recover``; each fault
-fires once.
+``where`` is ``start`` (default), ``after_pipeline``, ``after_sync``, ``after_commit`` or ``recover``;
+each fault fires once.  ``flush``: a ``kill`` or ``hang`` waits for the node's pipeline sends first
+(its peers finish their pipeline tasks).
 The time a fault fires is written to the store as ``fault/<node>`` (the benches measure
 detection from it).
 """
@@ -149,6 +150,8 @@ class FaultyNode(Node):
             raise NodeFailure(f"injected fault on node {self.rank}", node=self.rank)
         else:
             sig = signal.SIGKILL if kind == "kill" else signal.SIGSTOP
+            if f.get("flush"):
+                self.tr.wait_sent(self.job.rt.timeout_s)
 
             def fire():
                 self._mark()

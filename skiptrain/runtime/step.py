@@ -22,6 +22,11 @@ processed.  :func:`optimizer_step` then, in this order:
 So the single-process trainer (one node hosting every stage, groups of one) and a swarm of node
 processes run the same arithmetic: with the same routes they produce the same parameters.
 
+The step comes in two halves, :func:`exchange_stages` (1, and 2 before it for ``clip_local``)
+and :func:`apply_step` (2-4): a swarm node runs the first as soon as its own pipeline tasks are
+done, so each stage's sync overlaps the rest of the swarm's backward passes
+(:func:`exchange_first`), and the second after the iteration's commit.
+
 Failure semantics: an error inside a sync (a peer's bad payload, a dead peer) propagates before
 the optimizer has touched any parameter; ``sum_across`` failing likewise.  Nothing is retried.
 """
@@ -64,37 +69,60 @@ def _scale(tensors: dict | None, coef: float) -> None:
             t.mul_(coef)
 
 
-def optimizer_step(hosted: list[HostedStage], optimizer: torch.optim.Optimizer, lr: float, max_norm: float,
-                   sum_across: Callable[[float], float] = lambda x: x,
-                   inspect: Callable[[dict[str, torch.Tensor]], None] | None = None) -> StepOutcome:
-    """Sync, clip globally, step ``optimizer`` once, finish the syncs (see the module doc).
+@dataclass
+class Exchanged:
+    """The first half of a step (:func:`exchange_stages`): every hosted stage's sync done, the
+    optimizer not yet touched.  ``updates`` pairs each stage with its strategy's output; for a
+    ``clip_local`` strategy ``coef`` and ``norm`` are the clip already applied before it."""
+    hosted: list[HostedStage]
+    updates: list[tuple[HostedStage, dict | None]]
+    evidence: dict[str, torch.Tensor]
+    pre: bool
+    coef: float = 1.0
+    norm: float = 0.0
 
-    Every process of a swarm must call it once per iteration (``sum_across`` is a collective),
-    also one that hosts no stage (``hosted`` empty): it then only takes part in the sum.
-    ``inspect`` sees the synced, not yet clipped updates of every hosted stage by name (the
-    freeze rule reads per-layer gradient norms there); for a strategy whose update is a
-    direction (DeMo: signs of equal norm whatever the layer's state) the replica's own mean
-    gradients, not clipped.
-    """
+
+def exchange_first(syncs) -> bool:
+    """Whether the sync strategies ``syncs`` may exchange before every node of the swarm is done
+    with the iteration's pipeline (none ``clip_local``: its exchange needs the global norm first)."""
+    return not any(x.clip_local for x in syncs)
+
+
+def exchange_stages(hosted: list[HostedStage], lr: float, max_norm: float,
+                    sum_across: Callable[[float], float] = lambda x: x, evidence: bool = False) -> Exchanged:
+    """The first half of :func:`optimizer_step`: per hosted stage the sync (after the global clip
+    of the local gradients for a ``clip_local`` strategy, whose ``sum_across`` is then this
+    half's collective).  ``evidence``: keep the replica's own mean gradients of a stage whose
+    update is a direction, for ``inspect``.  Nothing of the optimizer or the parameters changes."""
     local = [(h, h.sync.local_grads()) for h in hosted]
     # a direction (DeMo's signs) says nothing about how fast a layer still learns: ``inspect``
     # sees this replica's mean gradients of such a stage instead (copies: the exchange may
     # modify the gradients)
-    evidence = {n: t / max(h.n_processed, 1) for h, g in local if inspect is not None
-                and h.sync.update_rule == "direction" for n, t in g.items()}
-    pre = any(h.sync.clip_local for h in hosted)
-    coef, norm = 1.0, 0.0
-    if pre:                     # clip the local mean gradients (the sums scale alike)
+    kept = {n: t / max(h.n_processed, 1) for h, g in local if evidence
+            and h.sync.update_rule == "direction" for n, t in g.items()}
+    ex = Exchanged(hosted, [], kept, pre=not exchange_first(h.sync for h in hosted))
+    if ex.pre:                  # clip the local mean gradients (the sums scale alike)
         sq = sum(squared_norm(g.values()) / max(h.n_processed, 1) ** 2 / max(h.replicas, 1)
                  for h, g in local if h.n_processed)
-        norm = sum_across(sq) ** 0.5
-        coef = clip_coefficient(norm ** 2, max_norm)
+        ex.norm = sum_across(sq) ** 0.5
+        ex.coef = clip_coefficient(ex.norm ** 2, max_norm)
         for _, g in local:
-            _scale(g, coef)
-    updates = [(h, h.sync.exchange(g, h.n_processed, lr)) for h, g in local]
+            _scale(g, ex.coef)
+    ex.updates = [(h, h.sync.exchange(g, h.n_processed, lr)) for h, g in local]
+    return ex
+
+
+def apply_step(ex: Exchanged, optimizer: torch.optim.Optimizer, lr: float, max_norm: float,
+               sum_across: Callable[[float], float] = lambda x: x,
+               inspect: Callable[[dict[str, torch.Tensor]], None] | None = None) -> StepOutcome:
+    """The second half of :func:`optimizer_step`: ``inspect``, the global clip of the synced
+    updates (``sum_across``: this half's collective, unless the clip came before the exchange),
+    the one optimizer step, and every strategy's post-step."""
+    updates = ex.updates
     if inspect is not None:
-        inspect({**{n: t for _, u in updates if u for n, t in u.items()}, **evidence})
-    if not pre:
+        inspect({**{n: t for _, u in updates if u for n, t in u.items()}, **ex.evidence})
+    coef, norm = ex.coef, ex.norm
+    if not ex.pre:
         norm = sum_across(_local_norm_sq(updates)) ** 0.5
         coef = clip_coefficient(norm ** 2, max_norm)
         for _, u in updates:
@@ -105,5 +133,22 @@ def optimizer_step(hosted: list[HostedStage], optimizer: torch.optim.Optimizer, 
     if optimizer is not None:
         set_lr(optimizer, lr)
         optimizer.step()
-    stats = {h.stage: h.sync.after_update(lr) for h in hosted}
+    stats = {h.stage: h.sync.after_update(lr) for h in ex.hosted}
     return StepOutcome(norm, coef, stats)
+
+
+def optimizer_step(hosted: list[HostedStage], optimizer: torch.optim.Optimizer, lr: float, max_norm: float,
+                   sum_across: Callable[[float], float] = lambda x: x,
+                   inspect: Callable[[dict[str, torch.Tensor]], None] | None = None) -> StepOutcome:
+    """Sync, clip globally, step ``optimizer`` once, finish the syncs (see the module doc):
+    :func:`exchange_stages` then :func:`apply_step`.
+
+    Every process of a swarm must call it once per iteration (``sum_across`` is a collective),
+    also one that hosts no stage (``hosted`` empty): it then only takes part in the sum.
+    ``inspect`` sees the synced, not yet clipped updates of every hosted stage by name (the
+    freeze rule reads per-layer gradient norms there); for a strategy whose update is a
+    direction (DeMo: signs of equal norm whatever the layer's state) the replica's own mean
+    gradients, not clipped.
+    """
+    ex = exchange_stages(hosted, lr, max_norm, sum_across, evidence=inspect is not None)
+    return apply_step(ex, optimizer, lr, max_norm, sum_across, inspect)

@@ -108,10 +108,15 @@ class ControlPlane:
         if self.link.watch is None:
             fn(*args)
             return
-        work = fn(*args, async_op=True)
-        while not work.is_completed():
+        self.wait(fn(*args, async_op=True), fn.__name__)
+
+    def wait(self, work, what: str = "a collective") -> None:
+        """Wait for ``work`` (an asynchronous collective or send/receive); in recovery mode give up
+        as soon as the coordinator announces a new generation, raising :class:`NodeFailure` (the
+        abandoned work is never waited on again).  The data-parallel syncs wait this way too."""
+        while self.link.watch is not None and not work.is_completed():
             if self.link.newer_generation():
-                raise NodeFailure(f"node {self.rank}: membership changed during {fn.__name__}; "
+                raise NodeFailure(f"node {self.rank}: membership changed during {what}; "
                                   "abandoning the iteration", node=None)
             time.sleep(0.002)
         work.wait()

@@ -21,6 +21,7 @@ run again; one that no node committed is.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 import time
@@ -88,12 +89,13 @@ class Healer:
             self.node.report.log_samples(st.out_dir, st.ph.name, st.it, a.samples)
         st.record["recoveries"].append({
             "gen": self.control.gen, "iteration": st.it, "cause": str(e)[:300], "committed": a.committed,
-            "attempts": attempts, "redo_sync": redone, "alive": list(self.control.alive), "t_fail": t_fail,
+            "attempts": attempts, "redo_sync": redone, "rewound_sync": a.rewound, "alive": list(self.control.alive), "t_fail": t_fail,
             "t_resumed": time.time(), "recover_s": time.time() - t_fail})
 
     def recover_once(self, st: "PhaseState", a: "Attempt", e: BaseException) -> bool:
         """One recovery attempt; returns whether the iteration's sync was re-done."""
         new_sched, _ = self.regenerate(e, st.sched, st.it, a.committed, st.ph.name)
+        self.rewind_sync(st, a)
         self.node.stage_of = new_sched.stage_of()
         took = new_sched.meta.get("takeover") or {}
         was_moved = self.node.rank in took
@@ -111,11 +113,22 @@ class Healer:
         else:                   # every stage this node serves, each keeping its strategy's state
             st.groups, st.strats = self.node.layout.hosted_groups(new_sched, st.stages, st.model, st.strats, a.step_count)
         redone = self.settle(a.committed, a.stepped or was_moved, st.it, st.model, st.strats, st.opt, a.lr,
-                             None if was_moved else a.res)
+                             None if was_moved else a.res, None if was_moved else a.exchanged)
         self.node.layout.adopt(st, new_sched)   # published before the ack: the coordinator reads it after all acks
         self.control.link.ack()
         st.replan_pending = True
         return redone
+
+    def rewind_sync(self, st: "PhaseState", a: "Attempt") -> None:
+        """Put back the strategies' state from before this attempt's sync (``a.sync_state``) when
+        the sync is not to be applied as it is: the iteration was committed nowhere (it runs
+        again), or this node's sync did not finish (the committed iteration's step is redone over
+        the survivors).  Once per attempt: a later recovery of it does not rewind again."""
+        if a.sync_state is None or a.stepped or (self.any_committed and a.exchanged is not None):
+            return
+        for s, sd in a.sync_state.items():
+            st.strats[s].load_state_dict(sd)
+        a.sync_state, a.exchanged, a.hosted, a.rewound = None, None, [], True
 
     def recoverable(self, e: BaseException) -> bool:
         from ..recovery import RecoveryError
@@ -156,12 +169,13 @@ class Healer:
         return new, True
 
     def settle(self, committed: bool, stepped: bool, it: int, model, strats: dict, opt, lr: float,
-                res) -> bool:
-        """After re-forming: a committed iteration whose stage sync did not finish is synced over
-        the surviving replicas with the gradients held; otherwise gradients are dropped.  (That
+                res, exchanged=None) -> bool:
+        """After re-forming: a committed iteration this node did not step is stepped now: its
+        finished sync (``exchanged``) applied, or, where its sync did not finish, synced over the
+        surviving replicas with the gradients held; otherwise gradients are dropped.  (That
         re-done step clips by the norm of this node's stages: the other stages stepped already.)
-        ``strats``: the strategy of each stage this node serves."""
-        from ..step import HostedStage, optimizer_step
+        ``strats``: the strategy of each stage this node serves (the re-formed ones)."""
+        from ..step import HostedStage, apply_step, optimizer_step
 
         from ..recovery import RecoveryError
 
@@ -180,9 +194,16 @@ class Healer:
                         raise RecoveryError(f"node {self.node.rank}: replicas of stage {s} disagree whether "
                                             f"iteration {it} was applied", node=None)
                     need = torch.maximum(need, got)
-                if need[0] and res is not None:
-                    optimizer_step([HostedStage(s, strat, res.processed.get(s, 0), strat.world)
-                                    for s, strat in sorted(strats.items())], opt, lr, self.node.cfg.train.grad_clip)
+                hosted = [HostedStage(s, strat, res.processed.get(s, 0), strat.world)
+                          for s, strat in sorted(strats.items())] if res is not None else []
+                if need[0] and exchanged is not None:    # (the re-formed strategies finish it)
+                    done = dict((h.stage, u) for h, u in exchanged.updates)
+                    exchanged = dataclasses.replace(exchanged, hosted=hosted,
+                                                    updates=[(h, done[h.stage]) for h in hosted])
+                    apply_step(exchanged, opt, lr, self.node.cfg.train.grad_clip)
+                    redone = True
+                elif need[0] and res is not None:
+                    optimizer_step(hosted, opt, lr, self.node.cfg.train.grad_clip)
                     redone = True
             for p in model.parameters():
                 p.grad = None

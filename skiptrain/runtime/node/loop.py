@@ -7,9 +7,11 @@ executor and adopt the layout; then per iteration (:meth:`Node._iterate`):
    pending freeze transition;
 2. start together (:meth:`~.start.IterationStart.agree`: the common start time, or a
    stop every node agrees on);
-3. run the executor over the schedule; commit (a barrier in recovery mode);
-4. step (:mod:`.update`: the data-parallel sync and the one optimizer step of this node's
-   stages);
+3. run the executor over the schedule; the data-parallel sync of this node's stages
+   (:func:`~.update.exchange_early`: before the commit, overlapping the swarm's remaining
+   backward passes, unless the strategy clips first); commit (a barrier in recovery mode);
+4. step (:mod:`.update`: the sync if it did not run yet, and the one optimizer step of this
+   node's stages);
 5. report statistics (:mod:`.report`: named columns gathered by the control plane; rank 0 writes
    ``metrics.jsonl``);
 6. re-plan (:mod:`.replan`), feed the freeze rule, validate, checkpoint.
@@ -41,7 +43,7 @@ from .phase import begin_phase, end_phase, use_config
 from .replan import Replanner
 from .report import Reporter
 from .state import Attempt, PhaseState, StopRequested
-from .update import step_and_record
+from .update import exchange_early, step_and_record
 
 
 class Node:
@@ -117,7 +119,8 @@ class Node:
     def hook(self, phase: str, iteration: int, where: str, state: "PhaseState | None" = None) -> None:
         """A point where a wrapper of the node may act (fault injection in the tests,
         ``skiptrain/runtime/faults.py``): ``where`` is ``start`` (an iteration begins), ``after_pipeline``
-        (its pipeline tasks are done, before the commit), ``after_commit`` (committed, before the
+        (its pipeline tasks are done, before the sync and the commit), ``after_sync`` (the sync
+        that runs before the commit done), ``after_commit`` (committed, before the
         step and the statistics) or ``recover`` (a recovery attempt).
         The node itself does nothing here."""
 
@@ -167,6 +170,8 @@ class Node:
         t0 = self._start_together(st)
         self._run_pipeline(st, a, t0)
         self.hook(st.ph.name, st.it, "after_pipeline", st)
+        exchange_early(self, st, a, t0)
+        self.hook(st.ph.name, st.it, "after_sync", st)
         self._commit(st, a, t0)
         self.hook(st.ph.name, st.it, "after_commit", st)
         events = step_and_record(self, st, a, t0)
