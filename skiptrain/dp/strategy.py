@@ -153,6 +153,13 @@ class SyncStrategy:
         return SyncStats(self.step_count, self._synced, self._n_total, sb.payload, sb.received, 4 * self.n_params,
                          self.tr.comm_s - self._c0, checked)
 
+    def carry_step(self, old: "SyncStrategy") -> None:
+        """Take over the step ``old`` exchanged but did not finish (a group re-formed after a peer
+        died between the exchange and :meth:`after_update`): its end step, whether it synced and
+        over how many micro-batches, so :meth:`after_update` here finishes that step."""
+        self.end_step, self._synced, self._n_total = old.end_step, old._synced, old._n_total
+        self._c0 = self.tr.comm_s
+
     def interval_due(self, every: int) -> bool:
         """Whether a strategy that syncs every ``every`` steps syncs at this step: on the interval,
         and at :attr:`end_step`."""

@@ -12,9 +12,10 @@ and the result copied back into it, so strategies hand in tensors on their param
 Failure semantics: a dead peer makes gloo raise within the group's timeout (set it short, e.g.
 ``timedelta(seconds=60)`` in ``init_process_group``); the error propagates to the caller
 unchanged.  ``wait`` (optional) waits for each collective's work instead of blocking in it: a
-swarm node's waits give up as soon as its membership changes (raising), so a sync whose peer
-left it is abandoned at once rather than after the group's timeout (the hierarchical sum's
-point-to-point steps block: gloo's send and receive works never report completion).  Nothing here retries.  An all-reduce whose sum is not finite (checked on its total:
+swarm node's waits, while its sync runs before the iteration's commit, give up as soon as its
+membership changes (raising), so a sync whose peer left it is abandoned at once rather than
+after the group's timeout (with gloo; the hierarchical sum's point-to-point steps block: gloo's
+send and receive works never report completion).  Nothing here retries.  An all-reduce whose sum is not finite (checked on its total:
 one pass at memory speed) is done again as an all-gather of every member's contribution (built
 again by the caller's ``contribution``, or a copy kept): members that sent a non-finite value are
 named in a :class:`NonFiniteContribution` (global ranks), so the caller can blame the sender and

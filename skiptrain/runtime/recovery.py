@@ -27,11 +27,13 @@ Failure semantics (what survivors do, torchft style):
   iteration on the same samples.  Threads blocked in calls of the old groups are abandoned
   (daemon threads; they never touch the new groups).
 * **Commit point.**  An iteration is *committed* once any survivor passed the barrier after the
-  pipeline (then every node, the dead one included, had finished its tasks).  A failure after
-  that point does not re-run the pipeline: survivors whose stage sync failed redo it over the
-  surviving replicas of their stage with the gradients they hold; the dead node's share of that
-  stage's gradient is lost (documented).  Before the commit point nothing was applied anywhere
-  and the iteration is re-run from scratch; the data cursor does not advance.
+  pipeline (then every node, the dead one included, had finished its tasks and, for a strategy
+  that clips after its sync, its stage's sync).  A failure after that point does not re-run the
+  pipeline: a survivor holding its finished sync applies it; survivors whose stage sync did not
+  finish rewind it and redo it over the surviving replicas of their stage with the gradients
+  they hold (the dead node's share of that stage's gradient is then lost; documented).  Before
+  the commit point nothing was applied anywhere: every sync that ran is rewound and the
+  iteration is re-run from scratch; the data cursor does not advance.
 * **Data.**  Micro-batch ids keep their global sample ranges (``cursor + rank(id) * mb``);
   :func:`replan` hands a dead originator's micro-batches to surviving originators, so the same
   global batch is trained: no sample lost, none repeated.

@@ -80,6 +80,7 @@ class Exchanged:
     pre: bool
     coef: float = 1.0
     norm: float = 0.0
+    applied: bool = False       # the optimizer stepped on it (set by apply_step)
 
 
 def exchange_first(syncs) -> bool:
@@ -133,6 +134,7 @@ def apply_step(ex: Exchanged, optimizer: torch.optim.Optimizer, lr: float, max_n
     if optimizer is not None:
         set_lr(optimizer, lr)
         optimizer.step()
+    ex.applied = True
     stats = {h.stage: h.sync.after_update(lr) for h in ex.hosted}
     return StepOutcome(norm, coef, stats)
 

@@ -13,7 +13,8 @@ from skiptrain.dp import make_strategy
 from skiptrain.optim import build_optimizer
 from skiptrain.runtime.node.healing import Healer
 from skiptrain.runtime.node.state import Attempt
-from skiptrain.runtime.step import HostedStage, apply_step, exchange_first, exchange_stages, optimizer_step
+from skiptrain.runtime.step import (Exchanged, HostedStage, apply_step, exchange_first, exchange_stages,
+                                    optimizer_step)
 
 STRATEGIES = ["allreduce", "powersgd", "demo", "diloco", "sparseloco"]
 TC = TrainConfig(grad_clip=0.5)
@@ -112,3 +113,26 @@ def test_the_rewind_puts_back_the_state_only_where_the_sync_is_not_applied_as_it
     assert (a.sync_state is None) == rewound
     healer.rewind_sync(st, a)          # a later recovery of the same attempt does not rewind again
     assert (str(s.state_dict()) == str(kept)) == rewound
+
+
+def test_a_re_formed_strategy_finishes_the_step_its_predecessor_exchanged():
+    """A peer died between the exchange and the step: the re-formed strategy (the state by name,
+    then carry_step) applies the held sync as the old one would have, the phase's last outer sync
+    of DiLoCo included (due at end_step, off its interval)."""
+    ma, sa, oa = _replica("diloco")
+    mb, sb, ob = _replica("diloco")
+    for m in (ma, mb):
+        _grad(m, 3)
+    sa.end_step = sb.end_step = 1
+    whole = optimizer_step([HostedStage(0, sa, 1)], oa, 0.01, TC.grad_clip)
+    ex = exchange_stages([HostedStage(0, sb, 1)], 0.01, TC.grad_clip)
+    _, new, _ = _replica("diloco")
+    new.named, new.params = sb.named, sb.params          # (the same parameters, a new group)
+    new.load_state_dict(sb.state_dict())
+    new.carry_step(sb)
+    h = HostedStage(0, new, 1)
+    out = apply_step(Exchanged(**{**ex.__dict__, "hosted": [h], "updates": [(h, ex.updates[0][1])]}), ob, 0.01,
+                     TC.grad_clip)
+    assert out.stats[0].synced and whole.stats[0].synced and out.stats[0].step == whole.stats[0].step == 1
+    for a, b in zip(ma.parameters(), mb.parameters()):
+        assert torch.equal(a, b)

@@ -41,6 +41,7 @@ class ControlPlane:
         self.alive = list(range(world))
         self.rank_of = {n: n for n in self.alive}
         self.start = IterationStart(self)          # (the common start of each iteration)
+        self.sync_abandonable = False              # a sync runs before the commit (wait_sync)
 
     # ---- membership ----------------------------------------------------------------------
 
@@ -109,6 +110,17 @@ class ControlPlane:
             fn(*args)
             return
         self.wait(fn(*args, async_op=True), fn.__name__)
+
+    def wait_sync(self, work) -> None:
+        """How a data-parallel sync's collective is waited for: given up on a new generation
+        (:meth:`wait`) only while the sync runs before the iteration's commit
+        (:attr:`sync_abandonable`, set by the node): the iteration is then committed nowhere and
+        the sync is rewound.  After the commit it runs to completion or to the group's timeout,
+        so every replica of a stage applies the same step."""
+        if self.sync_abandonable:
+            self.wait(work, "the data-parallel sync")
+        else:
+            work.wait()
 
     def wait(self, work, what: str = "a collective") -> None:
         """Wait for ``work`` (an asynchronous collective or send/receive); in recovery mode give up

@@ -111,8 +111,10 @@ class Healer:
             st.opt = self.node.layout.optimizer(st.model, st.strat)
             self.stage_from_checkpoint(rep, new_sched, st.stage, st.model, st.opt, st.strat)
         else:                   # every stage this node serves, each keeping its strategy's state
-            st.groups, st.strats = self.node.layout.hosted_groups(new_sched, st.stages, st.model, st.strats, a.step_count)
-        redone = self.settle(a.committed, a.stepped or was_moved, st.it, st.model, st.strats, st.opt, a.lr,
+            # (a finished sync, held or applied, keeps the step it counted; otherwise the attempt's)
+            st.groups, st.strats = self.node.layout.hosted_groups(new_sched, st.stages, st.model, st.strats,
+                                                                  None if a.exchanged is not None else a.step_count)
+        redone = self.settle(a.committed, a.applied or was_moved, st.it, st.model, st.strats, st.opt, a.lr,
                              None if was_moved else a.res, None if was_moved else a.exchanged)
         self.node.layout.adopt(st, new_sched)   # published before the ack: the coordinator reads it after all acks
         self.control.link.ack()
@@ -124,7 +126,7 @@ class Healer:
         the sync is not to be applied as it is: the iteration was committed nowhere (it runs
         again), or this node's sync did not finish (the committed iteration's step is redone over
         the survivors).  Once per attempt: a later recovery of it does not rewind again."""
-        if a.sync_state is None or a.stepped or (self.any_committed and a.exchanged is not None):
+        if a.sync_state is None or a.applied or (self.any_committed and a.exchanged is not None):
             return
         for s, sd in a.sync_state.items():
             st.strats[s].load_state_dict(sd)
@@ -196,11 +198,12 @@ class Healer:
                     need = torch.maximum(need, got)
                 hosted = [HostedStage(s, strat, res.processed.get(s, 0), strat.world)
                           for s, strat in sorted(strats.items())] if res is not None else []
-                if need[0] and exchanged is not None:    # (the re-formed strategies finish it)
-                    done = dict((h.stage, u) for h, u in exchanged.updates)
-                    exchanged = dataclasses.replace(exchanged, hosted=hosted,
-                                                    updates=[(h, done[h.stage]) for h in hosted])
-                    apply_step(exchanged, opt, lr, self.node.cfg.train.grad_clip)
+                done = {h.stage: (h, u) for h, u in exchanged.updates} if exchanged is not None else {}
+                if need[0] and done and set(done) == {h.stage for h in hosted}:   # the re-formed strategies finish it
+                    for h in hosted:
+                        h.sync.carry_step(done[h.stage][0].sync)
+                    apply_step(dataclasses.replace(exchanged, hosted=hosted, updates=[(h, done[h.stage][1]) for h in hosted]),
+                               opt, lr, self.node.cfg.train.grad_clip)
                     redone = True
                 elif need[0] and res is not None:
                     optimizer_step(hosted, opt, lr, self.node.cfg.train.grad_clip)

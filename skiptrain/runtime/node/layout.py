@@ -114,7 +114,7 @@ class NodeLayout:
             named = model.named_parameters() if len(stages) == 1 else model.stage_named_parameters(s)
             strats[s] = make_strategy(self.node.cfg.dp, [(n, p) for n, p in named if p.requires_grad], groups[s],
                                       self.node.cfg.train, link=self.emulation.sync_link(sched.placement[s]),
-                                      wait=self.control.wait)
+                                      wait=self.control.wait_sync if backend == "gloo" else None)
             if old.get(s) is not None:
                 sd = old[s].state_dict()
                 if step_count is not None:

@@ -219,7 +219,8 @@ class Node:
             a.res = st.ex.run_iteration(st.it, st.sched, t0, batch_fn)
 
     def _commit(self, st: "PhaseState", a: "Attempt", t0: float) -> None:
-        """The commit point (recovery mode: every node finished its pipeline tasks); the
+        """The commit point (recovery mode: every node finished its pipeline tasks, and the sync
+        that runs before the commit); the
         iteration's record and its samples, flushed at once."""
         if self.job.rt.recover:
             self.control.sync(dist.barrier)

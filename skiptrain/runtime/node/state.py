@@ -81,5 +81,11 @@ class Attempt:
     sync_t1: float = 0.0
 
 
+    @property
+    def applied(self) -> bool:
+        """Whether this node's optimizer stepped on the iteration (its statistics may not be done)."""
+        return self.stepped or (self.exchanged is not None and self.exchanged.applied)
+
+
 class StopRequested(Exception):
     """Every node agreed, at an iteration boundary, that the launcher asked to stop."""

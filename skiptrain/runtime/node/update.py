@@ -64,7 +64,11 @@ def exchange_early(node, st: PhaseState, a: Attempt, t0: float) -> None:
     the strategy allows (:func:`~skiptrain.runtime.step.exchange_first`): each stage's sync then
     overlaps the backward passes still running elsewhere in the swarm."""
     if st.model is not None and exchange_first(st.strats.values()):
-        exchange(node, st, a, t0)
+        node.control.sync_abandonable = True
+        try:
+            exchange(node, st, a, t0)
+        finally:
+            node.control.sync_abandonable = False
 
 
 def step(node, st: PhaseState, a: Attempt, t0: float) -> list:
