@@ -15,7 +15,8 @@ unchanged.  ``wait`` (optional) waits for each collective's work instead of bloc
 swarm node's waits, while its sync runs before the iteration's commit, give up as soon as its
 membership changes (raising), so a sync whose peer left it is abandoned at once rather than
 after the group's timeout (with gloo; the hierarchical sum's point-to-point steps block: gloo's
-send and receive works never report completion).  Nothing here retries.  An all-reduce whose sum is not finite (checked on its total:
+send and receive works never report completion).  Nothing here retries.  An all-reduce whose
+sum is not finite (checked on its total:
 one pass at memory speed) is done again as an all-gather of every member's contribution (built
 again by the caller's ``contribution``, or a copy kept): members that sent a non-finite value are
 named in a :class:`NonFiniteContribution` (global ranks), so the caller can blame the sender and

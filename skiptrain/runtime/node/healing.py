@@ -130,7 +130,7 @@ class Healer:
             return
         for s, sd in a.sync_state.items():
             st.strats[s].load_state_dict(sd)
-        a.sync_state, a.exchanged, a.hosted, a.rewound = None, None, [], True
+        a.sync_state, a.exchanged, a.rewound = None, None, True
 
     def recoverable(self, e: BaseException) -> bool:
         from ..recovery import RecoveryError

@@ -73,7 +73,6 @@ class Attempt:
     entry: dict | None = None
     res: Any = None
     outcome: Any = None
-    hosted: list = field(default_factory=list)   # the served stages' HostedStage of this attempt's sync
     exchanged: Any = None       # runtime.step.Exchanged: the sync done, not yet applied
     sync_state: dict | None = None   # the strategies' state before the sync (recovery mode: to rewind it)
     rewound: bool = False       # a recovery put the strategies' state back from before the sync

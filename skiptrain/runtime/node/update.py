@@ -45,14 +45,14 @@ def exchange(node, st: PhaseState, a: Attempt, t0: float) -> None:
     node.healer.last_gnorm = stage_grad_norms(model, st.stages)   # CheckFree's weights
     node.ckpt.wait_snapshot()          # (an overlapped snapshot reads the strategies' state)
     a.sync_t0 = time.time() - t0
-    a.hosted = [HostedStage(s, strat, a.res.processed.get(s, 0), len(st.sched.placement[s])) for s, strat in
-                sorted(st.strats.items())]
-    for h in a.hosted:                   # (a strategy with local steps syncs at the phase's end)
+    hosted = [HostedStage(s, strat, a.res.processed.get(s, 0), len(st.sched.placement[s])) for s, strat in
+              sorted(st.strats.items())]
+    for h in hosted:                   # (a strategy with local steps syncs at the phase's end)
         h.sync.end_step = h.sync.step_count + st.ph.iterations - st.it
     if node.job.rt.recover:
         a.sync_state = {s: strat.state_dict() for s, strat in st.strats.items()}
     try:
-        a.exchanged = exchange_stages(a.hosted, a.lr, node.cfg.train.grad_clip, node.control.sum_across,
+        a.exchanged = exchange_stages(hosted, a.lr, node.cfg.train.grad_clip, node.control.sum_across,
                                       evidence=st.elastic is not None)
     except NonFiniteContribution as e:
         raise blame_sender(e, node.control.alive, node.rank) from e
@@ -82,7 +82,7 @@ def step(node, st: PhaseState, a: Attempt, t0: float) -> list:
     exchange(node, st, a, t0)
     a.outcome = apply_step(a.exchanged, st.opt, a.lr, clip, node.control.sum_across,
                            inspect=st.elastic.observe if st.elastic is not None else None)
-    hosted = a.hosted
+    hosted = a.exchanged.hosted
     stats = [a.outcome.stats[h.stage] for h in hosted]
     a.entry["sync"] = {"payload": sum(x.payload_bytes for x in stats),
                        "received": sum(x.received_bytes for x in stats),
